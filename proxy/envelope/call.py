@@ -1,0 +1,178 @@
+"""Shared types of the envelope: the call, its context, the decision and the check protocol.
+
+This module holds no logic beyond small conveniences; fronts build `ToolCall`s, checks
+return `Decision`s, the pipeline runs `Check`s. Nothing here imports a front or a check.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+
+class Effect(str, enum.Enum):
+    """What a tool does to the world, from least to most consequential."""
+
+    READ = "read"
+    WRITE = "write"
+    EXTERNAL = "external"
+    DESTRUCTIVE = "destructive"
+
+
+class Verdict(str, enum.Enum):
+    """The outcome class of one decision, as counted and audited."""
+
+    ALLOW = "allow"  # forwarded (the upstream may still fail: see code)
+    DENY = "deny"  # refused by policy
+    ERROR = "error"  # refused because something failed (fail closed) or the upstream failed
+
+
+class Code(str, enum.Enum):
+    """Stable reason codes. Values appear unchanged on the wire, in audit records and metrics."""
+
+    OK = "ok"
+    UNKNOWN_TOOL = "unknown_tool"
+    MISCONFIGURED = "misconfigured"
+    CAPABILITY_BLOCKED = "capability_blocked"
+    SCHEMA_INVALID = "schema_invalid"
+    UNAUTHORIZED = "unauthorized"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    INTERNAL_ERROR = "internal_error"
+    AUDIT_UNAVAILABLE = "audit_unavailable"
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: verified identity only (static config or a verified JWT)."""
+
+    id: str
+    groups: tuple[str, ...] = ()
+    claims: Mapping[str, Any] = field(default_factory=dict)
+    # How the identity was established: "static" or "jwt".
+    source: str = "static"
+
+    def as_cel(self) -> dict[str, Any]:
+        return {"id": self.id, "groups": list(self.groups), "claims": dict(self.claims)}
+
+
+@dataclass(frozen=True, slots=True)
+class RunContext:
+    """The run (unit of agent work) a call belongs to. Later issues fill lineage and taint."""
+
+    id: str
+    parent: str | None = None
+    depth: int = 0
+    shadow: bool = False
+    tainted: bool = False
+    secret: bool = False
+    session: str | None = None
+
+    def as_cel(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "parent": self.parent or "",
+            "depth": self.depth,
+            "shadow": self.shadow,
+            "tainted": self.tainted,
+            "secret": self.secret,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the front saw of the request that carried the call (selected, bounded)."""
+
+    method: str  # JSON-RPC method, e.g. "tools/call"
+    protocol_version: str = ""
+    headers: Mapping[str, str] = field(default_factory=dict)  # only headers policy selected
+
+    def as_cel(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "protocol_version": self.protocol_version,
+            "headers": dict(self.headers),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ToolInfo:
+    """What the upstream told us of a tool in `tools/list` (untrusted hints)."""
+
+    name: str
+    input_schema: Mapping[str, Any] | None = None
+    annotations: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One `tools/call` on its way through the envelope.
+
+    `arguments` are the client's arguments as parsed (JSON types). `decision_id` is minted by the
+    front and is the id in the audit log, the wire `_meta` and the logs.
+    """
+
+    decision_id: str
+    upstream: str
+    tool: str
+    arguments: dict[str, Any]
+    principal: Principal
+    run: RunContext
+    request: RequestInfo
+    # Filled by the pipeline before the first check: what the upstream said about the tool.
+    upstream_tool: ToolInfo | None = None
+
+    @property
+    def qualified_name(self) -> str:
+        """The policy key of the tool: `<upstream>.<tool>`."""
+        return f"{self.upstream}.{self.tool}"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The end of a call's way through the checks: why it was refused (or allowed)."""
+
+    verdict: Verdict
+    code: Code
+    check: str  # stable check id, e.g. "arg_rules"; "forward" for upstream outcomes
+    reason: str
+    rule: str | None = None  # the deciding rule id, when a rule decided
+
+    @property
+    def refused(self) -> bool:
+        return self.verdict is not Verdict.ALLOW
+
+    def as_meta(self, decision_id: str) -> dict[str, Any]:
+        """The machine-readable decision carried in `_meta["envelope/decision"]`."""
+        return {
+            "code": self.code.value,
+            "check": self.check,
+            "rule": self.rule,
+            "reason": self.reason,
+            "decision_id": decision_id,
+        }
+
+
+ALLOWED = Decision(Verdict.ALLOW, Code.OK, "envelope", "allowed by policy")
+
+
+def deny(code: Code, check: str, reason: str, rule: str | None = None) -> Decision:
+    """A policy refusal."""
+    return Decision(Verdict.DENY, code, check, reason, rule)
+
+
+@runtime_checkable
+class Check(Protocol):
+    """One named check of the envelope.
+
+    Built once per policy revision (immutable, no per-request state). `decide` returns None to
+    let the call continue, or a `Decision` that ends it. An exception raised here is turned by
+    the pipeline into an `internal_error` refusal (fail closed).
+    """
+
+    id: ClassVar[str]
+
+    def decide(self, call: ToolCall) -> Decision | None: ...

@@ -1,0 +1,63 @@
+"""One exception hierarchy for the proxy. Library exceptions are mapped at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EnvelopeError(Exception):
+    """Base of every error the proxy raises on purpose."""
+
+
+class ConfigError(EnvelopeError):
+    """The runtime configuration (file, flags, environment) is invalid."""
+
+
+@dataclass(frozen=True)
+class PolicyProblem:
+    """One problem found while loading a policy directory, with its place."""
+
+    file: str
+    line: int
+    column: int
+    message: str
+    code: str = "policy_invalid"
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}: {self.message}"
+
+
+class PolicyError(EnvelopeError):
+    """A policy directory cannot be loaded; carries every problem found, not just the first."""
+
+    def __init__(self, problems: list[PolicyProblem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems) or "invalid policy")
+
+
+class CelCompileError(EnvelopeError):
+    """A CEL expression does not parse or type-check. `offset` is 0-based in the expression."""
+
+    def __init__(self, message: str, offset: int = 0):
+        self.offset = offset
+        super().__init__(message)
+
+
+class CelEvalError(EnvelopeError):
+    """A CEL expression failed at run time (missing key, bad type, non-bool result)."""
+
+
+class AuditError(EnvelopeError):
+    """The audit log cannot be written: calls are refused until it can."""
+
+
+class UpstreamError(EnvelopeError):
+    """The upstream could not be reached or answered garbage."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream did not answer within its timeout."""
+
+
+class IdentityError(EnvelopeError):
+    """The caller's identity could not be verified (missing, expired, wrong audience...)."""

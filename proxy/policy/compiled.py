@@ -1,0 +1,83 @@
+"""The compiled form of one policy revision: built once per load, immutable, shared by checks.
+
+`proxy.policy.loader.load_policy(dir)` produces a `PolicyRevision`; checks read it and never
+re-parse YAML or recompile CEL on the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """A place in a policy file (1-based line and column)."""
+
+    file: str
+    line: int
+    column: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+class Program(Protocol):
+    """A compiled CEL boolean expression (see `proxy.policy.cel`)."""
+
+    source: str
+
+    def evaluate(self, activation: Any) -> bool:
+        """True/False; raises `proxy.errors.CelEvalError` on a runtime error or non-bool."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledRule:
+    id: str
+    kind: Literal["forbid", "allow"]
+    program: Program
+    reason: str
+    location: Location | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledTool:
+    """One `tools:` entry, compiled. `key` is `<upstream>.<tool>`."""
+
+    key: str
+    upstream: str
+    name: str
+    policy: Any  # proxy.policy.model.ToolPolicy
+    allow: tuple[Program, ...] = ()  # authorization (any true authorizes); empty: no condition
+    rules: tuple[CompiledRule, ...] = ()  # forbid rules first, then allow rules, in file order
+    fallback: Literal["allow", "deny"] = "allow"
+    # Compiled input schema override (jsonschema_rs validator), None when the policy has none.
+    schema_validator: Any = None
+    location: Location | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledPrincipal:
+    id: str
+    policy: Any  # proxy.policy.model.PrincipalPolicy
+    allow: tuple[Program, ...] = ()
+    location: Location | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRevision:
+    """One loaded, validated, compiled policy directory."""
+
+    revision: str  # git commit (+ "-dirty") or "sha256:<12 hex>" content hash
+    directory: Path
+    files: tuple[Path, ...]
+    document: Any  # proxy.policy.model.PolicyDocument
+    tools: Mapping[str, CompiledTool]
+    principals: Mapping[str, CompiledPrincipal]
+    engine: str  # CEL engine name: "cel-cpp" or "cel-python"
+    loaded_at: float = 0.0
+    # Where each tool key / principal id / upstream was declared, for error messages.
+    locations: Mapping[str, Location] = field(default_factory=dict)

@@ -1,0 +1,197 @@
+"""Policy file models (pydantic v2, frozen, `extra="forbid"`).
+
+A policy directory is a set of YAML files merged into one `PolicyDocument`. Each field says
+what happens when it is absent. CEL expressions are plain strings here; `proxy.policy.compile`
+turns them into programs once per revision.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from proxy.envelope.call import Effect
+
+_NAME = r"[A-Za-z0-9_-]{1,64}"
+UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
+# MCP tool names: 1-128 chars of [A-Za-z0-9_.-]; the policy key is `<upstream>.<tool>`.
+TOOL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}\.[A-Za-z0-9_.-]{1,128}$")
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+
+
+def parse_duration(value: str | float | int) -> float:
+    """Seconds from `1.5`, `250ms`, `30s`, `5m`, `1h`; ValueError otherwise."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError("duration must not be negative")
+        return float(value)
+    if isinstance(value, str):
+        m = DURATION.match(value.strip())
+        if m:
+            n, unit = float(m.group(1)), m.group(2)
+            return n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+    raise ValueError(f"not a duration: {value!r} (use e.g. 250ms, 30s, 5m)")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+CelExpr = Annotated[str, Field(min_length=1)]
+
+
+class Upstream(_Model):
+    """A tool backend. Absent `timeout`: 30 s per call."""
+
+    url: str
+    # Whole-call timeout for inspected requests (tools/call, tools/list). Streams have no timeout.
+    timeout: float = 30.0
+    # Connect timeout.
+    connect_timeout: float = 5.0
+    # Trust the server's tool annotations (readOnlyHint...) when the policy says nothing.
+    # Absent: false, annotations are untrusted hints and the safe default applies.
+    trust_annotations: bool = False
+    # Headers the proxy adds to every upstream request (its own credential, for example).
+    headers: dict[str, str] = Field(default_factory=dict)
+    # Pass the client's Authorization header upstream. Absent: false (never leak agent tokens).
+    forward_authorization: bool = False
+
+    @field_validator("timeout", "connect_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> float:
+        return parse_duration(v)  # type: ignore[arg-type]
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"upstream url must be http(s)://host[:port]/path, got {v!r}")
+        return v
+
+
+class Rule(_Model):
+    """One argument rule: exactly one of `forbid` / `allow`, a CEL boolean expression."""
+
+    id: str | None = None  # absent: "<tool>#<index>"
+    forbid: CelExpr | None = None
+    allow: CelExpr | None = None
+    reason: str | None = None  # absent: a generic reason naming the rule
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Rule:
+        if (self.forbid is None) == (self.allow is None):
+            raise ValueError("a rule has exactly one of 'forbid' or 'allow'")
+        return self
+
+    @property
+    def kind(self) -> Literal["forbid", "allow"]:
+        return "forbid" if self.forbid is not None else "allow"
+
+    @property
+    def expr(self) -> str:
+        return self.forbid if self.forbid is not None else self.allow  # type: ignore[return-value]
+
+
+class Approval(_Model):
+    """Human approval for gated effects. Needs the approval gate (a later check)."""
+
+    required: bool = False
+    wait: float = 30.0
+
+    @field_validator("wait", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> float:
+        return parse_duration(v)  # type: ignore[arg-type]
+
+
+class ToolPolicy(_Model):
+    """Policy for one tool, keyed `<upstream>.<tool>`."""
+
+    # Absent: from trusted annotations, else the safe default (destructive).
+    effect: Effect | None = None
+    # Output label (used by the data-flow check). Absent: untrusted unless annotations say
+    # openWorldHint false.
+    output: Literal["trusted", "untrusted"] | None = None
+    # JSON Schema that replaces the upstream's inputSchema. Absent: the upstream's.
+    input_schema: dict[str, object] | None = Field(default=None, alias="schema")
+    # CEL authorization: the call is authorized when any expression is true. Absent: no
+    # tool-level condition.
+    allow: list[CelExpr] | None = None
+    # Argument rules: all forbid rules first (any match refuses), then allow rules (first match
+    # allows), then `fallback`.
+    rules: list[Rule] = Field(default_factory=list)
+    # Absent: "allow" when the tool has no allow rules, else "deny".
+    fallback: Literal["allow", "deny"] | None = None
+    fallback_reason: str | None = None
+    # Write the arguments themselves into the audit log. Absent: only their digest.
+    log_args: bool = False
+    approval: Approval | None = None
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("allow", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: object) -> object:
+        return [v] if isinstance(v, str) else v
+
+
+class PrincipalPolicy(_Model):
+    """Policy for one principal id."""
+
+    # read-only: writer tools are hidden from tools/list and refused. Absent: defaults.capability.
+    capability: Literal["read-only", "read-write"] | None = None
+    # Extra groups granted to this principal (merged with verified claims' groups).
+    groups: list[str] = Field(default_factory=list)
+    # CEL authorization for every call of this principal (any true authorizes). Absent: none.
+    allow: list[CelExpr] | None = None
+
+    @field_validator("allow", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: object) -> object:
+        return [v] if isinstance(v, str) else v
+
+
+class Defaults(_Model):
+    """Policy-wide defaults."""
+
+    # A tool with no entry under `tools`: deny -> refused as unknown_tool and hidden from
+    # tools/list; allow -> treated with the safe default effect (destructive writer).
+    unknown_tools: Literal["allow", "deny"] = "deny"
+    # Capability of principals not listed under `principals`.
+    capability: Literal["read-only", "read-write"] = "read-write"
+    # Effects that need approval when the tool's policy does not say. Until the approval gate
+    # exists, a tool with a gated effect is reported misconfigured and refused.
+    gated_effects: list[Effect] = Field(
+        default_factory=lambda: [Effect.EXTERNAL, Effect.DESTRUCTIVE]
+    )
+    # Request headers visible to CEL as request.headers (lower-case names). Absent: none.
+    request_headers: list[str] = Field(default_factory=list)
+    log_args: bool = False
+
+
+class PolicyDocument(_Model):
+    """The merged policy of one directory: one revision."""
+
+    version: Literal[1] = 1
+    upstreams: dict[str, Upstream] = Field(default_factory=dict)
+    defaults: Defaults = Field(default_factory=Defaults)
+    tools: dict[str, ToolPolicy] = Field(default_factory=dict)
+    principals: dict[str, PrincipalPolicy] = Field(default_factory=dict)
+
+    @field_validator("upstreams")
+    @classmethod
+    def _upstream_names(cls, v: dict[str, Upstream]) -> dict[str, Upstream]:
+        for name in v:
+            if not UPSTREAM_NAME.match(name):
+                raise ValueError(f"upstream name {name!r} must match {UPSTREAM_NAME.pattern}")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_keys(cls, v: dict[str, ToolPolicy]) -> dict[str, ToolPolicy]:
+        for key in v:
+            if not TOOL_KEY.match(key):
+                raise ValueError(f"tool key {key!r} must be '<upstream>.<tool>'")
+        return v
