@@ -1,0 +1,212 @@
+"""The envelope: an ordered, named table of checks, and the runtime that audits every decision.
+
+`Chain` is built once per policy revision and never changes; `Envelope.install` swaps chains
+atomically (calls in flight keep the chain they started with). Fronts call `Envelope.begin`
+to decide a call and `Envelope.finish` to audit and count it; they never see a check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.admin.metrics import Metrics
+from proxy.audit.log import AuditLog
+from proxy.audit.record import build_record
+from proxy.envelope import arg_rules, authz, capability, catalogue, schema
+from proxy.envelope.call import (
+    ALLOWED,
+    Check,
+    Code,
+    Decision,
+    Principal,
+    ToolCall,
+    Verdict,
+)
+from proxy.envelope.tools import ToolRegistry
+from proxy.errors import AuditError
+from proxy.policy.compiled import PolicyRevision
+
+log = logging.getLogger("envelope")
+
+# The order is the contract (DESIGN section 2): cheapest and most decisive first. Later checks
+# (delegation, dataflow, rate limit, approval, idempotency, shadow) are added to this table.
+CHECKS: tuple[type[Any], ...] = (
+    catalogue.CatalogueCheck,
+    capability.CapabilityCheck,
+    schema.SchemaCheck,
+    authz.AuthzCheck,
+    arg_rules.ArgRulesCheck,
+)
+
+UNKNOWN_TOOL_LABEL = "<unknown>"
+
+
+class Chain:
+    """The checks of one policy revision, in order."""
+
+    def __init__(self, revision: PolicyRevision, registry: ToolRegistry, metrics: Metrics | None = None):
+        self.revision = revision
+        self.registry = registry
+        self._metrics = metrics
+        self.checks: tuple[Check, ...] = tuple(cls(revision, registry) for cls in CHECKS)
+
+    def run(self, call: ToolCall) -> Decision:
+        """Decide a call: the first check that returns a Decision ends it.
+
+        An exception inside a check refuses the call with `internal_error` (fail closed).
+        """
+        call.upstream_tool = self.registry.get(call.upstream, call.tool)
+        for check in self.checks:
+            try:
+                decision = check.decide(call)
+            except Exception as exc:
+                log.exception("check %s failed on %s (decision %s)", check.id, call.qualified_name, call.decision_id)
+                if self._metrics is not None:
+                    self._metrics.check_error(check.id)
+                return Decision(
+                    Verdict.ERROR,
+                    Code.INTERNAL_ERROR,
+                    check.id,
+                    f"the {check.id} check failed ({type(exc).__name__}); the call was refused",
+                )
+            if decision is not None:
+                return decision
+        return ALLOWED
+
+    def visible(self, principal: Principal, upstream: str, tool: str) -> bool:
+        """Whether `tools/list` shows this tool to this principal."""
+        return catalogue.visible(self.revision, self.registry, principal.id, upstream, tool)
+
+    def misconfigured(self) -> dict[str, str]:
+        return catalogue.misconfigured_tools(self.revision, self.registry)
+
+    def tool_label(self, call: ToolCall) -> str:
+        """A bounded metric label: the tool's name when the catalogue knows it."""
+        if call.qualified_name in self.revision.tools or call.upstream_tool is not None:
+            return call.tool
+        return UNKNOWN_TOOL_LABEL
+
+
+@dataclass(slots=True)
+class Pending:
+    """A decided call on its way to the upstream (or to its refusal)."""
+
+    call: ToolCall
+    chain: Chain
+    decision: Decision
+    started: float
+    envelope_seconds: float
+    latency: dict[str, float] = field(default_factory=dict)
+
+
+class Envelope:
+    """Runs the current chain and writes one audit record per decision."""
+
+    def __init__(self, audit: AuditLog, metrics: Metrics, registry: ToolRegistry):
+        self.audit = audit
+        self.metrics = metrics
+        self.registry = registry
+        self._chain: Chain | None = None
+
+    @property
+    def chain(self) -> Chain | None:
+        return self._chain
+
+    def install(self, revision: PolicyRevision) -> Chain:
+        """Build a whole new chain for `revision` and swap it in."""
+        chain = Chain(revision, self.registry, self.metrics)
+        self._chain = chain
+        self.refresh_catalogue_metrics()
+        return chain
+
+    def refresh_catalogue_metrics(self) -> None:
+        chain = self._chain
+        if chain is None:
+            return
+        self.metrics.set_misconfigured(len(chain.misconfigured()))
+        self.metrics.set_catalogue(
+            {upstream: len(self.registry.tools(upstream)) for upstream in self.registry.upstreams()}
+        )
+
+    def begin(self, call: ToolCall) -> Pending:
+        """Decide a call. Never raises: failures become refusals."""
+        started = time.perf_counter()
+        chain = self._chain
+        if chain is None:
+            decision = Decision(Verdict.ERROR, Code.MISCONFIGURED, "catalogue", "no policy is loaded")
+        elif not self.audit.healthy:
+            decision = Decision(
+                Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                "the audit log cannot be written; calls are refused until it can",
+            )
+        else:
+            decision = chain.run(call)
+        elapsed = time.perf_counter() - started
+        return Pending(call, chain, decision, started, elapsed)  # type: ignore[arg-type]
+
+    def finish(
+        self,
+        pending: Pending,
+        decision: Decision | None = None,
+        *,
+        upstream_status: int | None = None,
+        upstream_seconds: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Audit and count the call's final decision. Raises AuditError when it cannot be audited.
+
+        Call it before the reply is sent: a record that cannot be written turns the reply into
+        an `audit_unavailable` refusal.
+        """
+        call = pending.call
+        decision = decision or pending.decision
+        now = time.perf_counter()
+        latency = {"envelope": pending.envelope_seconds, "total": now - pending.started}
+        if upstream_seconds is not None:
+            latency["upstream"] = upstream_seconds
+        chain = pending.chain
+        revision = chain.revision.revision if chain is not None else "none"
+        tool_policy = chain.revision.tools.get(call.qualified_name) if chain is not None else None
+        log_args = bool(
+            (tool_policy is not None and tool_policy.policy.log_args)
+            or (chain is not None and chain.revision.document.defaults.log_args)
+        )
+        record = build_record(
+            decision_id=call.decision_id,
+            revision=revision,
+            principal=call.principal.id,
+            session=call.run.session,
+            run=call.run.id,
+            upstream=call.upstream,
+            tool=call.tool,
+            verdict=decision.verdict.value,
+            code=decision.code.value,
+            check=decision.check,
+            rule=decision.rule,
+            reason=decision.reason,
+            arguments=call.arguments,
+            log_args=log_args,
+            latency=latency,
+            upstream_status=upstream_status,
+            extra=extra,
+        )
+        t_audit = time.perf_counter()
+        try:
+            self.audit.write(record)
+        except AuditError:
+            self.metrics.audit_write_failure()
+            log.error("audit write failed for decision %s: %s", call.decision_id, self.audit.last_error)
+            raise
+        done = time.perf_counter()
+        m = self.metrics
+        m.audit_record()
+        label = chain.tool_label(call) if chain is not None else UNKNOWN_TOOL_LABEL
+        m.decision(call.upstream, label, decision.verdict.value, decision.code.value)
+        m.observe_stage("envelope", pending.envelope_seconds)
+        m.observe_stage("audit", done - t_audit)
+        m.observe_stage("total", done - pending.started)
+        if upstream_seconds is not None:
+            m.observe_stage("upstream", upstream_seconds)

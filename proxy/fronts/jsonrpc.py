@@ -1,0 +1,124 @@
+"""JSON-RPC 2.0 message parsing and error bodies for the MCP front, with input limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+HEADER_MISMATCH = -32020  # 2026-07-28: an Mcp-* header disagrees with the body
+
+
+class BadMessage(Exception):
+    """The request body is not an acceptable JSON-RPC message; carries the wire error."""
+
+    def __init__(self, code: int, message: str, reason: str, id: Any = None, status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason  # bounded metric label
+        self.id = id
+        self.status = status
+
+
+@dataclass(slots=True)
+class Message:
+    body: dict[str, Any]
+
+    @property
+    def method(self) -> str | None:
+        m = self.body.get("method")
+        return m if isinstance(m, str) else None
+
+    @property
+    def id(self) -> Any:
+        return self.body.get("id")
+
+    @property
+    def is_request(self) -> bool:
+        return self.method is not None and "id" in self.body
+
+    @property
+    def params(self) -> dict[str, Any]:
+        p = self.body.get("params")
+        return p if isinstance(p, dict) else {}
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """True when containers nest deeper than `limit` (iterative: no recursion limit)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return False
+
+
+def parse_message(body: bytes, max_depth: int) -> Message:
+    """Parse one JSON-RPC message; BadMessage with the JSON-RPC error to send otherwise."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        text = str(exc)
+        if "depth limit" in text or "recursion" in text:
+            raise BadMessage(
+                INVALID_REQUEST, f"JSON nested deeper than {max_depth} levels", "too_deep"
+            ) from None
+        if "UTF-8" in text:
+            raise BadMessage(PARSE_ERROR, f"Parse error: invalid UTF-8 ({text})", "parse_error") from None
+        raise BadMessage(PARSE_ERROR, f"Parse error: {text}", "parse_error") from None
+    if isinstance(value, list):
+        raise BadMessage(
+            INVALID_REQUEST, "Batch requests are not supported: send one JSON-RPC message per POST", "batch"
+        )
+    if not isinstance(value, dict):
+        raise BadMessage(INVALID_REQUEST, "Invalid Request: body must be a JSON-RPC object", "invalid_request")
+    if _depth_exceeds(value, max_depth):
+        raise BadMessage(
+            INVALID_REQUEST, f"JSON nested deeper than {max_depth} levels", "too_deep", id=_safe_id(value)
+        )
+    if value.get("jsonrpc") != "2.0":
+        raise BadMessage(INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"', "invalid_request", id=_safe_id(value))
+    method = value.get("method")
+    if method is not None and not isinstance(method, str):
+        raise BadMessage(INVALID_REQUEST, 'Invalid Request: "method" must be a string', "invalid_request", id=_safe_id(value))
+    if "id" in value and not _valid_id(value["id"]):
+        raise BadMessage(INVALID_REQUEST, 'Invalid Request: "id" must be a string or an integer', "invalid_request")
+    if method is None and "result" not in value and "error" not in value:
+        raise BadMessage(INVALID_REQUEST, 'Invalid Request: no "method", "result" or "error"', "invalid_request", id=_safe_id(value))
+    params = value.get("params")
+    if params is not None and not isinstance(params, dict | list):
+        raise BadMessage(INVALID_PARAMS, 'Invalid params: "params" must be an object', "invalid_request", id=_safe_id(value))
+    return Message(value)
+
+
+def _valid_id(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def _safe_id(value: dict[str, Any]) -> Any:
+    v = value.get("id")
+    return v if _valid_id(v) else None
+
+
+def error_body(id: Any, code: int, message: str, data: Any = None) -> bytes:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    return orjson.dumps({"jsonrpc": "2.0", "id": id, "error": err})
+
+
+def result_body(id: Any, result: dict[str, Any]) -> bytes:
+    return orjson.dumps({"jsonrpc": "2.0", "id": id, "result": result})

@@ -1,0 +1,557 @@
+"""MCP Streamable HTTP front: relays every revision, inspects `tools/list` and `tools/call`.
+
+One route per upstream, `/mcp/<upstream>`. Everything not inspected is relayed unchanged
+(status, body, headers other than hop-by-hop), SSE event by event. `tools/list` results teach
+the tool registry and are filtered per principal; `tools/call` goes through the envelope and a
+refusal comes back as a tool result the model reads. This module knows wire formats, not
+policy: it asks the `Envelope` for decisions and the runtime for upstream targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.envelope.call import Code, Decision, Principal, RequestInfo, RunContext, ToolCall, Verdict
+from proxy.envelope.pipeline import Envelope, Pending
+from proxy.errors import AuditError, IdentityError, UpstreamError, UpstreamTimeout
+from proxy.forward import Forwarder, UpstreamResponse
+from proxy.fronts import jsonrpc
+from proxy.fronts.jsonrpc import BadMessage, Message
+from proxy.fronts.sse import SSEEvent, SSEParser, format_event
+
+log = logging.getLogger("envelope.mcp")
+
+STATELESS_REVISION = "2026-07-28"
+DECISION_META = "envelope/decision"
+
+# Never forwarded in either direction (RFC 9110 hop-by-hop, plus what the proxy recomputes).
+HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "content-length", "host",
+    }
+)
+# Request headers the proxy consumes itself and does not pass upstream.
+NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run"}
+# Response headers the proxy's own server sets.
+NOT_DOWNSTREAM = HOP_BY_HOP | {"server", "date"}
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTarget:
+    """Where and how to reach one upstream (policy plus runtime overrides)."""
+
+    name: str
+    url: str
+    timeout: float
+    connect_timeout: float
+    headers: Mapping[str, str]
+    forward_authorization: bool
+
+
+class Identity:  # the runtime's identity resolver, typed structurally
+    def resolve(self, headers: Mapping[str, str]) -> Principal:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSettings:
+    max_body_bytes: int
+    max_json_depth: int
+    allowed_hosts: frozenset[str]  # lower-case host names without port; "*" allows any
+    allowed_origins: frozenset[str]  # exact origins ("https://app.example"); loopback always ok
+    request_headers: Callable[[], tuple[str, ...]]  # policy-selected headers visible to CEL
+
+
+def _json(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def _rpc_error(status: int, id: Any, code: int, message: str, data: Any = None) -> web.Response:
+    return _json(status, jsonrpc.error_body(id, code, message, data))
+
+
+def _is_stateless(request: web.Request, msg: Message | None) -> bool:
+    version = request.headers.get("MCP-Protocol-Version", "")
+    if not version and msg is not None:
+        meta = msg.params.get("_meta")
+        if isinstance(meta, dict):
+            v = meta.get("io.modelcontextprotocol/protocolVersion")
+            version = v if isinstance(v, str) else ""
+    return version >= STATELESS_REVISION
+
+
+def refusal_result(decision: Decision, decision_id: str, stateless: bool) -> dict[str, Any]:
+    """The tool result a model reads when the envelope refuses a call."""
+    result: dict[str, Any] = {
+        "content": [
+            {"type": "text", "text": f"Blocked by policy ({decision.code.value}): {decision.reason}"}
+        ],
+        "isError": True,
+        "_meta": {DECISION_META: decision.as_meta(decision_id)},
+    }
+    if stateless:
+        result["resultType"] = "complete"
+    return result
+
+
+class McpFront:
+    """aiohttp handlers for `/mcp/{upstream}`."""
+
+    def __init__(
+        self,
+        envelope: Envelope,
+        forwarder: Forwarder,
+        identity: Identity,
+        targets: Callable[[str], UpstreamTarget | None],
+        settings: FrontSettings,
+    ):
+        self.envelope = envelope
+        self.forwarder = forwarder
+        self.identity = identity
+        self.targets = targets
+        self.settings = settings
+        self.metrics = envelope.metrics
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.route("*", "/mcp/{upstream}", self.handle)]
+
+    # ---- entry -------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        problem = self._check_host_origin(request)
+        if problem is not None:
+            return problem
+        target = self.targets(request.match_info["upstream"])
+        if target is None:
+            return _rpc_error(404, None, jsonrpc.METHOD_NOT_FOUND,
+                              f"no upstream named {request.match_info['upstream']!r} is configured")
+        try:
+            principal = self.identity.resolve(request.headers)
+        except IdentityError as exc:
+            self.metrics.rejected("unauthenticated")
+            return web.Response(
+                status=401, body=jsonrpc.error_body(None, jsonrpc.INVALID_REQUEST, f"Unauthorized: {exc}"),
+                content_type="application/json", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+        if request.method == "POST":
+            return await self._post(request, target, principal)
+        if request.method in ("GET", "DELETE"):
+            return await self._relay(request, target, None, stream_timeout=None)
+        return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
+
+    def _check_host_origin(self, request: web.Request) -> web.Response | None:
+        allowed = self.settings.allowed_hosts
+        if "*" not in allowed:
+            host = (request.host or "").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if host.startswith("[") and "]" in host:
+                name = host[: host.index("]") + 1]
+            if name not in allowed and name.strip("[]") not in allowed:
+                self.metrics.rejected("bad_host")
+                return _rpc_error(421, None, jsonrpc.INVALID_REQUEST, f"Misdirected request: host {host!r} is not allowed")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin not in self.settings.allowed_origins:
+            hostname = (urlsplit(origin).hostname or "").lower()
+            if hostname not in LOOPBACK_HOSTS:
+                self.metrics.rejected("bad_origin")
+                return _rpc_error(403, None, jsonrpc.INVALID_REQUEST, f"Forbidden: origin {origin!r} is not allowed")
+        return None
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request body larger than {limit} bytes", "too_large", status=413)
+        buf = bytearray()
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request body larger than {limit} bytes", "too_large", status=413)
+        return bytes(buf)
+
+    async def _post(self, request: web.Request, target: UpstreamTarget, principal: Principal) -> web.StreamResponse:
+        try:
+            body = await self._read_body(request)
+            msg = jsonrpc.parse_message(body, self.settings.max_json_depth)
+            header_method = request.headers.get("Mcp-Method")
+            if header_method is not None and msg.method is not None and header_method != msg.method:
+                raise BadMessage(jsonrpc.HEADER_MISMATCH,
+                                 f"Mcp-Method header {header_method!r} does not match the body's method {msg.method!r}",
+                                 "header_mismatch", id=msg.id)
+        except BadMessage as exc:
+            self.metrics.rejected(exc.reason)
+            headers = {"Connection": "close"} if exc.status == 413 else None
+            return _json(exc.status, jsonrpc.error_body(exc.id, exc.code, exc.message), headers)
+        if msg.is_request and msg.method == "tools/call":
+            return await self._tools_call(request, target, principal, msg, body)
+        if msg.is_request and msg.method == "tools/list":
+            return await self._tools_list(request, target, principal, msg, body)
+        return await self._relay(request, target, body, stream_timeout=None)
+
+    # ---- upstream plumbing -------------------------------------------------------------
+
+    def _upstream_headers(self, request: web.Request, target: UpstreamTarget) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in request.headers.items():
+            lname = name.lower()
+            if lname in NOT_UPSTREAM and not (lname == "authorization" and target.forward_authorization):
+                continue
+            headers.add(name, value)
+        for name, value in target.headers.items():
+            headers[name] = value
+        return headers
+
+    @staticmethod
+    def _downstream_headers(resp: UpstreamResponse, drop_type: bool = False) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in resp.headers.items():
+            lname = name.lower()
+            if lname in NOT_DOWNSTREAM or (drop_type and lname == "content-type"):
+                continue
+            headers.add(name, value)
+        return headers
+
+    async def _open(self, request: web.Request, target: UpstreamTarget, body: bytes | None,
+                    read_timeout: float | None) -> UpstreamResponse:
+        async with asyncio.timeout(target.timeout):
+            return await self.forwarder.open(
+                request.method, target.url, self._upstream_headers(request, target), body,
+                connect_timeout=target.connect_timeout, read_timeout=read_timeout,
+            )
+
+    async def _relay(self, request: web.Request, target: UpstreamTarget, body: bytes | None,
+                     stream_timeout: float | None) -> web.StreamResponse:
+        """Relay a request we do not inspect: bytes in, bytes out, streamed."""
+        started = time.perf_counter()
+        try:
+            resp = await self._open(request, target, body, stream_timeout)
+        except (UpstreamError, TimeoutError) as exc:
+            outcome = "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "error"
+            self.metrics.observe_upstream(target.name, time.perf_counter() - started, outcome)
+            msg = f"upstream {target.name!r} " + ("timed out" if outcome == "timeout" else f"unavailable: {exc}")
+            return _rpc_error(502 if outcome == "error" else 504, None, jsonrpc.INTERNAL_ERROR, msg)
+        self.metrics.observe_upstream(target.name, time.perf_counter() - started, "ok")
+        async with resp:
+            out = web.StreamResponse(status=resp.status, headers=self._downstream_headers(resp))
+            length = resp.headers.get("Content-Length")
+            if length is not None and length.isdigit():
+                out.content_length = int(length)
+            await out.prepare(request)
+            try:
+                async for chunk in resp.chunks():
+                    await out.write(chunk)
+            except (UpstreamError, ConnectionResetError) as exc:
+                log.info("relay from %s ended early: %s", target.name, exc)
+                return out
+            await out.write_eof()
+            return out
+
+    # ---- tools/list --------------------------------------------------------------------
+
+    def _filter_list(self, result: Any, target: UpstreamTarget, principal: Principal) -> Any:
+        if not isinstance(result, dict) or not isinstance(result.get("tools"), list):
+            return result
+        self.envelope.registry.learn(target.name, result["tools"])
+        self.envelope.refresh_catalogue_metrics()
+        chain = self.envelope.chain
+        if chain is None:
+            visible: list[Any] = []
+        else:
+            visible = [
+                t for t in result["tools"]
+                if isinstance(t, dict) and isinstance(t.get("name"), str)
+                and chain.visible(principal, target.name, t["name"])
+            ]
+        return {**result, "tools": visible}
+
+    async def _tools_list(self, request: web.Request, target: UpstreamTarget, principal: Principal,
+                          msg: Message, body: bytes) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            resp = await self._open(request, target, body, target.timeout)
+            async with resp:
+                ctype = resp.headers.get("Content-Type", "")
+                if resp.status != 200 or not (ctype.startswith("application/json") or ctype.startswith("text/event-stream")):
+                    data = await resp.read()
+                    return web.Response(status=resp.status, body=data, headers=self._downstream_headers(resp))
+                if ctype.startswith("application/json"):
+                    data = await resp.read()
+                    self.metrics.observe_upstream(target.name, time.perf_counter() - started, "ok")
+                    reply = orjson.loads(data)
+                    if isinstance(reply, dict) and "result" in reply:
+                        reply["result"] = self._filter_list(reply["result"], target, principal)
+                    return web.Response(status=200, body=orjson.dumps(reply),
+                                        headers=self._downstream_headers(resp))
+                out = web.StreamResponse(status=200, headers=self._downstream_headers(resp))
+                await out.prepare(request)
+                parser = SSEParser()
+                async for chunk in resp.chunks():
+                    for ev in parser.feed(chunk):
+                        await out.write(self._rewrite_list_event(ev, msg, target, principal))
+                for ev in parser.flush():
+                    await out.write(self._rewrite_list_event(ev, msg, target, principal))
+                self.metrics.observe_upstream(target.name, time.perf_counter() - started, "ok")
+                await out.write_eof()
+                return out
+        except (UpstreamError, TimeoutError, orjson.JSONDecodeError) as exc:
+            timeout = isinstance(exc, TimeoutError | UpstreamTimeout)
+            self.metrics.observe_upstream(target.name, time.perf_counter() - started, "timeout" if timeout else "error")
+            what = "timed out" if timeout else f"failed: {exc}"
+            return _rpc_error(200, msg.id, jsonrpc.INTERNAL_ERROR, f"upstream {target.name!r} {what}")
+
+    def _rewrite_list_event(self, ev: SSEEvent, msg: Message, target: UpstreamTarget, principal: Principal) -> bytes:
+        if not ev.has_data:
+            return ev.raw
+        try:
+            reply = orjson.loads(ev.data)
+        except orjson.JSONDecodeError:
+            return ev.raw
+        if not (isinstance(reply, dict) and reply.get("id") == msg.id and "result" in reply):
+            return ev.raw
+        reply["result"] = self._filter_list(reply["result"], target, principal)
+        return format_event(orjson.dumps(reply), ev.event, ev.id)
+
+    # ---- tools/call --------------------------------------------------------------------
+
+    def _tool_call(self, request: web.Request, target: UpstreamTarget, principal: Principal,
+                   msg: Message) -> ToolCall:
+        params = msg.params
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadMessage(jsonrpc.INVALID_PARAMS, 'Invalid params: "name" must be a non-empty string',
+                             "invalid_request", id=msg.id)
+        arguments = params.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise BadMessage(jsonrpc.INVALID_PARAMS, 'Invalid params: "arguments" must be an object',
+                             "invalid_request", id=msg.id)
+        header_name = request.headers.get("Mcp-Name")
+        if header_name is not None and header_name != name:
+            raise BadMessage(jsonrpc.HEADER_MISMATCH,
+                             f"Mcp-Name header {header_name!r} does not match the tool name {name!r}",
+                             "header_mismatch", id=msg.id)
+        session = request.headers.get("Mcp-Session-Id")
+        run_id = request.headers.get("X-Envelope-Run") or session or f"principal:{principal.id}"
+        wanted = self.settings.request_headers()
+        selected = {h: request.headers[h] for h in wanted if h in request.headers}
+        return ToolCall(
+            decision_id=uuid.uuid4().hex,
+            upstream=target.name,
+            tool=name,
+            arguments=arguments,
+            principal=principal,
+            run=RunContext(id=run_id, session=session),
+            request=RequestInfo(method="tools/call",
+                                protocol_version=request.headers.get("MCP-Protocol-Version", ""),
+                                headers=selected),
+        )
+
+    def _refuse(self, pending: Pending, decision: Decision, msg: Message, stateless: bool,
+                **finish: Any) -> web.Response:
+        """Audit a refusal and build its reply (a tool result, or -32602 for unknown tools)."""
+        try:
+            self.envelope.finish(pending, decision, **finish)
+        except AuditError:
+            decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                                "the audit log cannot be written; the call was refused")
+        call = pending.call
+        if decision.code is Code.UNKNOWN_TOOL:
+            return _rpc_error(400 if stateless else 200, msg.id, jsonrpc.INVALID_PARAMS,
+                              f"Unknown tool: {call.tool}",
+                              {DECISION_META: decision.as_meta(call.decision_id)})
+        return _json(200, jsonrpc.result_body(msg.id, refusal_result(decision, call.decision_id, stateless)))
+
+    async def _tools_call(self, request: web.Request, target: UpstreamTarget, principal: Principal,
+                          msg: Message, body: bytes) -> web.StreamResponse:
+        stateless = _is_stateless(request, msg)
+        try:
+            call = self._tool_call(request, target, principal, msg)
+        except BadMessage as exc:
+            self.metrics.rejected(exc.reason)
+            return _json(exc.status, jsonrpc.error_body(exc.id, exc.code, exc.message))
+        pending = self.envelope.begin(call)
+        if pending.decision.refused:
+            return self._refuse(pending, pending.decision, msg, stateless)
+        return await _ForwardedCall(self, request, target, msg, body, pending, stateless).run()
+
+
+class _ForwardedCall:
+    """One allowed `tools/call` on its way upstream and back: audit before the reply."""
+
+    def __init__(self, front: McpFront, request: web.Request, target: UpstreamTarget, msg: Message,
+                 body: bytes, pending: Pending, stateless: bool):
+        self.front = front
+        self.request = request
+        self.target = target
+        self.msg = msg
+        self.body = body
+        self.pending = pending
+        self.stateless = stateless
+        self.started = 0.0
+        self.status: int | None = None
+        self.stream: web.StreamResponse | None = None
+        self.finished = False
+
+    def _upstream_seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def _finish_ok(self, result_body: Any) -> bool:
+        """Audit the upstream's answer. False when the audit failed (the reply becomes a refusal)."""
+        is_error = None
+        if isinstance(result_body, dict):
+            res = result_body.get("result")
+            if isinstance(res, dict):
+                is_error = bool(res.get("isError", False))
+            elif "error" in result_body:
+                is_error = True
+        self.finished = True
+        try:
+            self.front.envelope.finish(self.pending, upstream_status=self.status,
+                                       upstream_seconds=self._upstream_seconds(),
+                                       extra={"is_error": is_error})
+        except AuditError:
+            return False
+        return True
+
+    def _failure(self, code: Code, reason: str) -> Decision:
+        return Decision(Verdict.ERROR, code, "forward", reason)
+
+    async def run(self) -> web.StreamResponse:
+        front, target = self.front, self.target
+        self.started = time.perf_counter()
+        try:
+            async with asyncio.timeout(target.timeout):
+                return await self._exchange()
+        except (TimeoutError, UpstreamTimeout):
+            front.metrics.observe_upstream(target.name, self._upstream_seconds(), "timeout")
+            return await self._fail(self._failure(
+                Code.UPSTREAM_TIMEOUT, f"upstream {target.name!r} did not answer within {target.timeout:g}s"))
+        except UpstreamError as exc:
+            front.metrics.observe_upstream(target.name, self._upstream_seconds(), "error")
+            return await self._fail(self._failure(Code.UPSTREAM_ERROR, f"upstream {target.name!r} failed: {exc}"))
+        except asyncio.CancelledError:
+            if not self.finished:
+                self.finished = True
+                try:
+                    front.envelope.finish(self.pending, self._failure(
+                        Code.CLIENT_DISCONNECTED, "the client disconnected before the upstream answered"),
+                        upstream_seconds=self._upstream_seconds())
+                except AuditError:
+                    pass
+            raise
+
+    async def _fail(self, decision: Decision) -> web.StreamResponse:
+        """Refuse after forwarding failed; in an SSE stream already open, as its last event."""
+        if self.finished:  # audited already (e.g. upstream broke off after the result)
+            return self.stream or web.Response(status=502)
+        if self.stream is None:
+            return self.front._refuse(self.pending, decision, self.msg, self.stateless,
+                                      upstream_status=self.status,
+                                      upstream_seconds=self._upstream_seconds())
+        self.finished = True
+        try:
+            self.front.envelope.finish(self.pending, decision, upstream_status=self.status,
+                                       upstream_seconds=self._upstream_seconds())
+        except AuditError:
+            decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                                "the audit log cannot be written; the call was refused")
+        payload = jsonrpc.result_body(self.msg.id, refusal_result(decision, self.pending.call.decision_id, self.stateless))
+        try:
+            await self.stream.write(format_event(payload))
+            await self.stream.write_eof()
+        except ConnectionResetError:
+            pass
+        return self.stream
+
+    async def _exchange(self) -> web.StreamResponse:
+        front, target, request = self.front, self.target, self.request
+        resp = await front.forwarder.open(
+            "POST", target.url, front._upstream_headers(request, target), self.body,
+            connect_timeout=target.connect_timeout, read_timeout=target.timeout,
+        )
+        async with resp:
+            self.status = resp.status
+            ctype = resp.headers.get("Content-Type", "")
+            if ctype.startswith("text/event-stream") and resp.status == 200:
+                return await self._relay_sse(resp)
+            data = await resp.read()
+            front.metrics.observe_upstream(target.name, self._upstream_seconds(), "ok")
+            parsed: Any = None
+            if ctype.startswith("application/json"):
+                try:
+                    parsed = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    parsed = None
+            if resp.status != 200 or not isinstance(parsed, dict):
+                # Not a result (404 unknown session, 5xx, garbage): audit and pass through as is,
+                # so clients re-initialize on 404 as the protocol asks.
+                self.finished = True
+                reason = f"upstream {target.name!r} answered HTTP {resp.status}" + ("" if resp.status != 200 else " without a JSON-RPC result")
+                try:
+                    front.envelope.finish(self.pending, self._failure(Code.UPSTREAM_ERROR, reason),
+                                          upstream_status=resp.status, upstream_seconds=self._upstream_seconds())
+                except AuditError:
+                    return front._refuse(self.pending, self._failure(Code.AUDIT_UNAVAILABLE, "audit"), self.msg, self.stateless)
+                return web.Response(status=resp.status, body=data, headers=front._downstream_headers(resp))
+            if not self._finish_ok(parsed):
+                return self._audit_refusal()
+            return web.Response(status=200, body=data, headers=front._downstream_headers(resp))
+
+    def _audit_refusal(self) -> web.Response:
+        decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                            "the audit log cannot be written; the result is withheld")
+        return _json(200, jsonrpc.result_body(
+            self.msg.id, refusal_result(decision, self.pending.call.decision_id, self.stateless)))
+
+    async def _relay_sse(self, resp: UpstreamResponse) -> web.StreamResponse:
+        """Relay the call's SSE stream event by event; audit just before the result event."""
+        front = self.front
+        out = web.StreamResponse(status=200, headers=front._downstream_headers(resp))
+        await out.prepare(self.request)
+        self.stream = out
+        parser = SSEParser()
+        first = True
+        async for chunk in resp.chunks():
+            if first:
+                front.metrics.observe_upstream(self.target.name, self._upstream_seconds(), "ok")
+                first = False
+            for ev in parser.feed(chunk):
+                if not await self._relay_event(out, ev):
+                    return out
+        for ev in parser.flush():
+            if not await self._relay_event(out, ev):
+                return out
+        if not self.finished:
+            return await self._fail(self._failure(
+                Code.UPSTREAM_ERROR, f"upstream {self.target.name!r} closed the stream without a result"))
+        await out.write_eof()
+        return out
+
+    async def _relay_event(self, out: web.StreamResponse, ev: SSEEvent) -> bool:
+        """Write one event; audit first when it is our response. False ends the relay."""
+        if not self.finished and ev.has_data and b'"id"' in ev.raw:
+            try:
+                reply = orjson.loads(ev.data)
+            except orjson.JSONDecodeError:
+                reply = None
+            if (isinstance(reply, dict) and reply.get("id") == self.msg.id
+                    and ("result" in reply or "error" in reply)):
+                if not self._finish_ok(reply):
+                    await out.write(format_event(self._audit_refusal().body))  # type: ignore[arg-type]
+                    await out.write_eof()
+                    return False
+        await out.write(ev.raw)
+        return True

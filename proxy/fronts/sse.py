@@ -1,0 +1,101 @@
+"""Incremental Server-Sent Events parsing for relaying: events come out with their raw bytes.
+
+The relay forwards each event's bytes unchanged and only looks inside the ones it must read
+(a `tools/call` response, a `tools/list` result). Parsing follows the WHATWG rules: lines end
+in CRLF, LF or CR; an empty line ends an event; `:` starts a comment; multi-line `data:` joins
+with LF; a missing `data` still yields an event (the 2025-11-25 priming event: id, empty data).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# An event ends at the first blank line: two line terminators in a row.
+_EVENT_END = re.compile(rb"(\r\n|\r(?!\n)|\n)(\r\n|\r(?!\n)|\n)")
+_LINE = re.compile(rb"\r\n|\r|\n")
+
+
+@dataclass(slots=True)
+class SSEEvent:
+    raw: bytes  # the event's bytes including its terminating blank line
+    event: str = "message"
+    data: str = ""
+    id: str | None = None
+    retry: int | None = None
+    has_data: bool = False
+
+
+def parse_event(raw: bytes) -> SSEEvent:
+    """Parse one event block (as produced by `SSEParser`)."""
+    ev = SSEEvent(raw=raw)
+    data: list[str] = []
+    for line in _LINE.split(raw):
+        if not line or line.startswith(b":"):
+            continue
+        name, sep, value = line.partition(b":")
+        if sep and value.startswith(b" "):
+            value = value[1:]
+        text = value.decode("utf-8", "replace")
+        if name == b"data":
+            data.append(text)
+        elif name == b"event":
+            ev.event = text or "message"
+        elif name == b"id":
+            if "\0" not in text:
+                ev.id = text
+        elif name == b"retry" and text.isdigit():
+            ev.retry = int(text)
+    ev.has_data = bool(data)
+    ev.data = "\n".join(data)
+    return ev
+
+
+class SSEParser:
+    """Feed bytes as they arrive; get complete events back in order."""
+
+    def __init__(self, max_event_bytes: int = 256 * 2**20):
+        self._buf = bytearray()
+        self._max = max_event_bytes
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        self._buf += chunk
+        events: list[SSEEvent] = []
+        start = 0
+        while True:
+            m = _EVENT_END.search(self._buf, start)
+            if m is None:
+                break
+            # A CR at the very end may be the first half of CRLF: wait for more bytes.
+            if m.end() == len(self._buf) and self._buf.endswith(b"\r"):
+                break
+            events.append(parse_event(bytes(self._buf[start : m.end()])))
+            start = m.end()
+        if start:
+            del self._buf[:start]
+        if len(self._buf) > self._max:
+            raise ValueError(f"SSE event larger than {self._max} bytes")
+        return events
+
+    def flush(self) -> list[SSEEvent]:
+        """What is left at end of stream (an unterminated last event)."""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        return [parse_event(rest)] if rest.strip() else []
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def format_event(data: bytes, event: str | None = "message", id: str | None = None) -> bytes:
+    """Serialize one SSE event carrying a single-line JSON `data` payload."""
+    out = bytearray()
+    if event:
+        out += b"event: " + event.encode() + b"\n"
+    if id is not None:
+        out += b"id: " + id.encode() + b"\n"
+    for line in data.split(b"\n"):
+        out += b"data: " + line + b"\n"
+    out += b"\n"
+    return bytes(out)

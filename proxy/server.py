@@ -1,0 +1,256 @@
+"""The running proxy: wires policy, envelope, audit, metrics, fronts and listeners together.
+
+Lifecycle (uvicorn-style, logged): load policy (refuse to start on errors), open the audit log,
+start listeners; on SIGHUP or a policy file change build a whole new chain and swap it; on
+SIGTERM/SIGINT stop accepting, let in-flight calls finish within `shutdown_grace`, close the
+upstream pool, flush and close the audit log. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from aiohttp import web
+
+from proxy.admin.app import build_admin_app
+from proxy.admin.metrics import Metrics
+from proxy.audit.log import AuditLog
+from proxy.config import Config
+from proxy.envelope.catalogue import misconfigured_tools
+from proxy.envelope.pipeline import Envelope
+from proxy.envelope.tools import ToolRegistry
+from proxy.errors import PolicyError
+from proxy.forward import Forwarder
+from proxy.fronts.mcp import LOOPBACK_HOSTS, FrontSettings, McpFront, UpstreamTarget
+from proxy.identity import Identity
+from proxy.policy.compiled import PolicyRevision
+from proxy.policy.loader import load_policy
+from proxy.policy.reload import PolicyWatcher
+
+log = logging.getLogger("envelope")
+
+
+class Runtime:
+    """One process's proxy: state, listeners and lifecycle."""
+
+    def __init__(self, config: Config, worker: int = 0):
+        self.config = config
+        self.worker = worker
+        self.registry = ToolRegistry()
+        self.metrics = Metrics()
+        audit_name = "audit" if config.workers == 1 else f"audit-w{worker}"
+        self.audit = AuditLog(config.audit_dir, name=audit_name, fsync=config.audit.fsync,
+                              max_bytes=config.audit.max_bytes)
+        self.envelope = Envelope(self.audit, self.metrics, self.registry)
+        self.identity = Identity(config.identity)
+        self.forwarder = Forwarder()
+        self.revision: PolicyRevision | None = None
+        self._targets: dict[str, UpstreamTarget] = {}
+        self.last_reload: dict[str, Any] = {}
+        self._reload_lock = asyncio.Lock()
+        self._runners: list[web.AppRunner] = []
+        self._watcher: PolicyWatcher | None = None
+        self._stop = asyncio.Event()
+        self.urls: dict[str, str] = {}
+
+    # ---- policy ------------------------------------------------------------------------
+
+    def load_policy(self) -> PolicyRevision:
+        """Load and install the policy; raises PolicyError (nothing changes then)."""
+        revision = load_policy(self.config.policies, engine=self.config.cel_engine)
+        self._install(revision)
+        return revision
+
+    def _install(self, revision: PolicyRevision) -> None:
+        targets: dict[str, UpstreamTarget] = {}
+        for name, up in revision.document.upstreams.items():
+            override = self.config.upstreams.get(name)
+            targets[name] = UpstreamTarget(
+                name=name, url=override.url if override else up.url, timeout=up.timeout,
+                connect_timeout=up.connect_timeout, headers=dict(up.headers),
+                forward_authorization=up.forward_authorization,
+            )
+        self.envelope.install(revision)
+        self._targets = targets  # swapped together with the chain
+        self.revision = revision
+        self.metrics.set_revision(revision.revision)
+
+    async def reload(self, trigger: str = "change") -> bool:
+        """Build a whole new chain from the policy directory and swap it in; keep the old on error."""
+        async with self._reload_lock:
+            started = time.time()
+            try:
+                revision = await asyncio.to_thread(
+                    load_policy, self.config.policies, engine=self.config.cel_engine
+                )
+            except PolicyError as exc:
+                errors = [str(p) for p in exc.problems]
+                self.metrics.reload("failure")
+                self.last_reload = {"result": "failure", "at": started, "trigger": trigger, "errors": errors}
+                log.error("policy reload rejected (%s); still serving revision %s:\n  %s", trigger,
+                          self.revision.revision if self.revision else "none", "\n  ".join(errors))
+                return False
+            except Exception as exc:  # a bug in loading must never take the old policy down
+                self.metrics.reload("failure")
+                self.last_reload = {"result": "failure", "at": started, "trigger": trigger, "errors": [repr(exc)]}
+                log.exception("policy reload failed unexpectedly")
+                return False
+            self._install(revision)
+            self.metrics.reload("success")
+            self.last_reload = {"result": "success", "at": started, "trigger": trigger, "errors": []}
+            log.info("policy revision %s loaded (%s, %d tools)", revision.revision, trigger, len(revision.tools))
+            return True
+
+    def target(self, name: str) -> UpstreamTarget | None:
+        return self._targets.get(name)
+
+    def request_headers(self) -> tuple[str, ...]:
+        rev = self.revision
+        return tuple(rev.document.defaults.request_headers) if rev else ()
+
+    # ---- status for the admin listener ---------------------------------------------------
+
+    def readiness(self) -> list[str]:
+        reasons = []
+        if self.revision is None:
+            reasons.append("no policy loaded")
+        if not self.audit.healthy:
+            reasons.append(f"audit log not writable: {self.audit.last_error}")
+        return reasons
+
+    def policy_status(self) -> dict[str, Any]:
+        rev = self.revision
+        if rev is None:
+            return {"revision": None, "last_reload": self.last_reload}
+        return {
+            "revision": rev.revision,
+            "directory": str(rev.directory),
+            "files": [str(f) for f in rev.files],
+            "engine": rev.engine,
+            "loaded_at": rev.loaded_at,
+            "tools": sorted(rev.tools),
+            "upstreams": {n: t.url for n, t in self._targets.items()},
+            "misconfigured": misconfigured_tools(rev, self.registry),
+            "last_reload": self.last_reload,
+        }
+
+    # ---- listeners -----------------------------------------------------------------------
+
+    def _allowed_hosts(self) -> frozenset[str]:
+        host, _ = self.config.listen_addr
+        names = set(LOOPBACK_HOSTS) | {h.lower() for h in self.config.allowed_hosts}
+        if host not in ("0.0.0.0", "::"):
+            names.add(host.lower())
+        return frozenset(names)
+
+    def build_mcp_app(self) -> web.Application:
+        front = McpFront(
+            self.envelope, self.forwarder, self.identity, self.target,
+            FrontSettings(
+                max_body_bytes=self.config.limits.max_body_bytes,
+                max_json_depth=self.config.limits.max_json_depth,
+                allowed_hosts=self._allowed_hosts(),
+                allowed_origins=frozenset(self.config.allowed_origins),
+                request_headers=self.request_headers,
+            ),
+        )
+        # aiohttp's own body cap is bypassed by the front's streaming reader, which enforces ours.
+        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
+        app.add_routes(front.routes())
+        return app
+
+    async def start(self) -> None:
+        """Start listeners (policy must be loaded)."""
+        await self.forwarder.start()
+        reuse = self.config.workers > 1
+        host, port = self.config.listen_addr
+        mcp_runner = web.AppRunner(self.build_mcp_app(), access_log=None, handler_cancellation=True,
+                                   shutdown_timeout=self.config.shutdown_grace)
+        await mcp_runner.setup()
+        site = web.TCPSite(mcp_runner, host, port, reuse_port=reuse or None, backlog=1024)
+        await site.start()
+        self._runners.append(mcp_runner)
+        port = _bound_port(mcp_runner, port)
+        ahost, aport = self.config.admin_addr
+        admin_runner = web.AppRunner(build_admin_app(self, self.metrics), access_log=None)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, ahost, aport + self.worker if aport else 0).start()
+        self._runners.append(admin_runner)
+        aport = _bound_port(admin_runner, aport)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        ashown = "127.0.0.1" if ahost in ("0.0.0.0", "::") else ahost
+        self.urls = {
+            "mcp": f"http://{shown}:{port}/mcp/<upstream>",
+            "admin": f"http://{ashown}:{aport}",
+            "metrics": f"http://{ashown}:{aport}/metrics",
+        }
+        if self.config.reload_interval > 0:
+            self._watcher = PolicyWatcher(self.config.policies, lambda: self.reload("change"),
+                                          interval=self.config.reload_interval)
+            self._watcher.start()
+
+    async def stop(self) -> None:
+        """Ordered shutdown: stop accepting, drain, close upstream pool, close the audit log."""
+        log.info("shutting down: no new connections; draining in-flight calls (up to %gs)",
+                 self.config.shutdown_grace)
+        if self._watcher is not None:
+            await self._watcher.stop()
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        await self.forwarder.close()
+        self.audit.close()
+        log.info("shutdown complete: audit log flushed and closed")
+
+    async def run_until_signalled(self) -> None:
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_term() -> None:
+            nonlocal signals
+            signals += 1
+            if signals > 1:
+                log.warning("second signal: exiting now")
+                os._exit(1)
+            self._stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_term)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP")))
+        await self._stop.wait()
+        await self.stop()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+
+def _bound_port(runner: web.AppRunner, fallback: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return fallback
+
+
+async def serve(config: Config, worker: int = 0, announce: bool = True) -> int:
+    """Run one proxy process until signalled. Returns the exit status."""
+    runtime = Runtime(config, worker)
+    try:
+        revision = runtime.load_policy()
+    except PolicyError as exc:
+        for problem in exc.problems:
+            log.error("%s", problem)
+        log.error("policy directory %s is invalid: not starting", config.policies)
+        return 2
+    await runtime.start()
+    if announce and worker == 0:
+        print(f"envelope-proxy {revision.revision} ({revision.engine}) ready", flush=True)
+        print(f"  MCP      {runtime.urls['mcp']}  (upstreams: {', '.join(sorted(runtime._targets)) or 'none'})", flush=True)
+        print(f"  admin    {runtime.urls['admin']}", flush=True)
+        print(f"  metrics  {runtime.urls['metrics']}", flush=True)
+    await runtime.run_until_signalled()
+    return 0

@@ -1,0 +1,212 @@
+"""Real parts for integration and end-to-end tests: upstream MCP servers, the proxy process,
+MCP SDK clients. Everything binds to free loopback ports and is stopped by the caller."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_POLICIES = ROOT / "tests" / "fixtures" / "policies"
+JWT_SECRET = "envelope-test-secret-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {port} after {timeout}s")
+
+
+def stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+@dataclass
+class Upstream:
+    url: str
+    port: int
+    mode: str
+    proc: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def upstream_server(mode: str = "sse") -> Iterator[Upstream]:
+    """The demo notes server (official SDK) in `sse`, `json` or `stateless` mode."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.examples.demo_server", "--port", str(port), "--mode", mode],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+    )
+    try:
+        wait_port(port, proc)
+        yield Upstream(f"http://127.0.0.1:{port}/mcp", port, mode, proc)
+    finally:
+        stop(proc)
+
+
+@dataclass
+class ProxyProcess:
+    port: int
+    admin_port: int
+    state_dir: Path
+    policies: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    config_path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def url(self, upstream: str) -> str:
+        return f"{self.base}/mcp/{upstream}"
+
+    @property
+    def audit_dir(self) -> Path:
+        return self.state_dir / "audit"
+
+    def audit_records(self) -> list[dict[str, Any]]:
+        path = self.audit_dir / "audit.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.admin}/metrics", timeout=5).text
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus exposition (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if "{" in head:
+            metric, _, rest = head.partition("{")
+            pairs = dict(
+                p.split("=", 1) for p in rest.rstrip("}").split(",") if "=" in p
+            )
+            got = {k: v.strip('"') for k, v in pairs.items()}
+        else:
+            metric, got = head, {}
+        if metric == name and all(got.get(k) == v for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+@contextlib.contextmanager
+def proxy_process(
+    tmp: Path,
+    upstreams: dict[str, str],
+    policies: Path = FIXTURE_POLICIES,
+    identity: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[ProxyProcess]:
+    """Run `envelope-proxy serve` (the real console script) with a config file."""
+    port, admin_port = free_port(), free_port()
+    state = tmp / "state"
+    cfg: dict[str, Any] = {
+        "listen": f"127.0.0.1:{port}",
+        "admin": f"127.0.0.1:{admin_port}",
+        "policies": str(policies),
+        "state_dir": str(state),
+        "upstreams": {name: {"url": url} for name, url in upstreams.items()},
+        "identity": identity or {"mode": "jwt", "algorithms": ["HS256"], "key": JWT_SECRET},
+        "reload_interval": 0.2,
+        "shutdown_grace": 3,
+    }
+    cfg.update(config or {})
+    config_path = tmp / f"config-{port}.yaml"
+    config_path.write_text(json.dumps(cfg))  # JSON is YAML
+    log_path = tmp / f"proxy-{port}.log"
+    exe = Path(sys.executable).with_name("envelope-proxy")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "proxy"]
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            [*cmd, "serve", "--config", str(config_path)],
+            stdout=logf, stderr=subprocess.STDOUT, cwd=tmp,
+            env={**os.environ, **(env or {})},
+        )
+    pp = ProxyProcess(port, admin_port, state, policies, proc, log_path, config_path)
+    try:
+        try:
+            wait_port(admin_port, proc)
+            wait_port(port, proc)
+        except Exception as exc:
+            raise RuntimeError(f"proxy did not start: {exc}\n{pp.log()}") from exc
+        yield pp
+    finally:
+        stop(proc)
+
+
+def token(sub: str, groups: list[str] | None = None, **claims: Any) -> str:
+    payload = {"sub": sub, "groups": groups or [], "exp": int(time.time()) + 3600, **claims}
+    return jwt.encode(payload, JWT_SECRET, algorithm="HS256")
+
+
+@contextlib.asynccontextmanager
+async def mcp_client(url: str, mode: str = "auto", bearer: str | None = None,
+                     headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
+    """An official MCP SDK client (`mode` auto = 2026-07-28 stateless, legacy = sessions)."""
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    hdrs = dict(headers or {})
+    if bearer:
+        hdrs["Authorization"] = f"Bearer {bearer}"
+    http = create_mcp_http_client(headers=hdrs)
+    async with http, Client(streamable_http_client(url, http_client=http), mode=mode, cache=None) as client:
+        yield client
+
+
+def rpc(url: str, body: Any, bearer: str | None = None, headers: dict[str, str] | None = None,
+        raw: bytes | None = None, timeout: float = 10) -> httpx.Response:
+    """One raw JSON-RPC POST (what a misbehaving client sends)."""
+    hdrs = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+            "MCP-Protocol-Version": "2026-07-28", **(headers or {})}
+    if bearer:
+        hdrs["Authorization"] = f"Bearer {bearer}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(url, content=content, headers=hdrs, timeout=timeout)
