@@ -124,6 +124,10 @@ class ToolCall:
     request: RequestInfo
     # Filled by the pipeline before the first check: what the upstream said about the tool.
     upstream_tool: ToolInfo | None = None
+    # Set by the catalogue check: the tool's effective effect (policy, trusted annotations, default).
+    effect: Effect | None = None
+    # The CEL activation, built once per call on first use (see `proxy.envelope.celvars`).
+    activation: Any = None
 
     @property
     def qualified_name(self) -> str:

@@ -1,0 +1,183 @@
+"""Runtime identity: who is calling, from static config or a verified JWT.
+
+Not a check: the front resolves the principal before building a `ToolCall`. Client-supplied
+identity headers (X-Principal and the like) are never trusted; static mode ignores every header.
+In jwt mode the accepted algorithms are pinned by config (never "none", never chosen by the
+token) and the key is typed at startup, so an HS256 token "signed" with an RSA public key is
+refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proxy.envelope.call import Principal
+from proxy.errors import ConfigError, IdentityError
+
+Algorithm = Literal["HS256", "RS256", "ES256"]
+
+
+class IdentityConfig(BaseModel):
+    """How callers are identified. Absent: static mode, principal "agent" with no groups."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["static", "jwt"] = "static"
+    # static: every call is this principal.
+    principal: str = "agent"
+    groups: list[str] = Field(default_factory=list)
+    # jwt: the accepted signing algorithms (one family: HS256 alone, or RS256/ES256).
+    algorithms: list[Algorithm] = Field(default_factory=list)
+    # jwt: the HS256 secret or the PEM public key; exactly one of key / key_file.
+    key: str | None = None
+    key_file: Path | None = None
+    # jwt: required `aud` / `iss` values. Absent: not checked.
+    audience: str | None = None
+    issuer: str | None = None
+    # Seconds of clock skew tolerated for exp / nbf / iat.
+    leeway: float = 30
+    # Tokens must carry `exp`. Absent: true (a token without expiry is refused).
+    require_exp: bool = True
+    principal_claim: str = "sub"
+    groups_claim: str = "groups"
+
+    @model_validator(mode="after")
+    def _jwt_fields(self) -> IdentityConfig:
+        if self.mode != "jwt":
+            return self
+        if (self.key is None) == (self.key_file is None):
+            raise ValueError("identity mode jwt needs exactly one of 'key' or 'key_file'")
+        if not self.algorithms:
+            raise ValueError("identity mode jwt needs at least one algorithm")
+        if "HS256" in self.algorithms and len(set(self.algorithms)) > 1:
+            raise ValueError("HS256 cannot be combined with RS256/ES256: one key serves one family")
+        if self.leeway < 0:
+            raise ValueError("leeway must not be negative")
+        return self
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        value = headers.get(name.title())
+    return value
+
+
+class Identity:
+    """Resolves the caller's `Principal` from request headers.
+
+    `headers` is a case-insensitive mapping (aiohttp's CIMultiDict) or a dict with lower-case
+    names ("Authorization" is also tried). Raises `ConfigError` at construction when the key cannot
+    be read or does not fit the algorithms.
+    """
+
+    def __init__(self, config: IdentityConfig):
+        self.config = config
+        self._static = Principal(
+            id=config.principal, groups=tuple(config.groups), claims={}, source="static"
+        )
+        self._key: Any = None
+        if config.mode == "jwt":
+            self._key = self._load_key(config)
+        self._algorithms = list(config.algorithms)
+        self._options: dict[str, Any] = {
+            "require": ["exp"] if config.require_exp else [],
+            "verify_aud": config.audience is not None,
+            "verify_iss": config.issuer is not None,
+        }
+
+    @staticmethod
+    def _load_key(config: IdentityConfig) -> Any:
+        if config.key_file is not None:
+            try:
+                raw = config.key_file.read_text()
+            except OSError as exc:
+                raise ConfigError(f"identity key_file {config.key_file}: {exc}") from exc
+        else:
+            raw = config.key or ""
+        if config.algorithms == ["HS256"]:
+            if "-----BEGIN" in raw:
+                raise ConfigError("identity key for HS256 must be a shared secret, not a PEM key")
+            if len(raw.encode()) < 32:
+                raise ConfigError("identity HS256 secret must be at least 32 bytes")
+            return raw.encode()
+        try:
+            key = load_pem_public_key(raw.encode())
+        except ValueError as exc:
+            raise ConfigError(f"identity key is not a PEM public key: {exc}") from exc
+        wants = {"RS256": rsa.RSAPublicKey, "ES256": ec.EllipticCurvePublicKey}
+        for alg in config.algorithms:
+            if not isinstance(key, wants[alg]):
+                raise ConfigError(f"identity key type does not fit algorithm {alg}")
+        return key
+
+    def resolve(self, headers: Mapping[str, str]) -> Principal:
+        """The verified caller. Static mode: the configured principal, headers ignored.
+
+        Raises `IdentityError` naming why a JWT is refused (missing, malformed, bad signature,
+        algorithm not allowed, expired, not yet valid, wrong audience or issuer, no principal).
+        """
+        if self.config.mode == "static":
+            return self._static
+        token = self._bearer(headers)
+        try:
+            alg = jwt.get_unverified_header(token).get("alg")
+        except jwt.PyJWTError as exc:
+            raise IdentityError(f"malformed bearer token: {exc}") from exc
+        if alg not in self._algorithms:
+            raise IdentityError(
+                f"token algorithm {alg!r} is not allowed (allowed: {', '.join(self._algorithms)})"
+            )
+        cfg = self.config
+        try:
+            claims = jwt.decode(
+                token,
+                self._key,
+                algorithms=self._algorithms,
+                audience=cfg.audience,
+                issuer=cfg.issuer,
+                leeway=cfg.leeway,
+                options=self._options,  # type: ignore[arg-type]
+            )
+        except jwt.ExpiredSignatureError as exc:
+            raise IdentityError("token expired (exp)") from exc
+        except jwt.ImmatureSignatureError as exc:
+            raise IdentityError(f"token not yet valid: {exc}") from exc
+        except jwt.InvalidAudienceError as exc:
+            raise IdentityError(f"token audience is not {cfg.audience!r}: {exc}") from exc
+        except jwt.InvalidIssuerError as exc:
+            raise IdentityError(f"token issuer is not {cfg.issuer!r}: {exc}") from exc
+        except jwt.InvalidSignatureError as exc:
+            raise IdentityError("token signature is invalid") from exc
+        except jwt.MissingRequiredClaimError as exc:
+            raise IdentityError(f"token is missing a required claim: {exc}") from exc
+        except jwt.InvalidAlgorithmError as exc:
+            raise IdentityError(f"token algorithm is not allowed: {exc}") from exc
+        except jwt.PyJWTError as exc:
+            raise IdentityError(f"invalid bearer token: {exc}") from exc
+        subject = claims.get(cfg.principal_claim)
+        if not isinstance(subject, str) or not subject:
+            raise IdentityError(f"token has no principal claim {cfg.principal_claim!r}")
+        raw_groups = claims.get(cfg.groups_claim)
+        groups: tuple[str, ...] = ()
+        if isinstance(raw_groups, list) and all(isinstance(g, str) for g in raw_groups):
+            groups = tuple(raw_groups)
+        return Principal(id=subject, groups=groups, claims=claims, source="jwt")
+
+    @staticmethod
+    def _bearer(headers: Mapping[str, str]) -> str:
+        value = _header(headers, "authorization")
+        if not value:
+            raise IdentityError("missing bearer token (Authorization header)")
+        scheme, _, token = value.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise IdentityError("Authorization header is not a bearer token")
+        return token

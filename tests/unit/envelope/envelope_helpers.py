@@ -1,0 +1,83 @@
+"""Test helpers for the envelope checks: build a compiled `PolicyRevision` like the loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jsonschema_rs
+
+from proxy.envelope.call import Principal, RequestInfo, RunContext, ToolCall, ToolInfo
+from proxy.policy.cel import available_engines, get_engine
+from proxy.policy.compiled import CompiledPrincipal, CompiledRule, CompiledTool, PolicyRevision
+from proxy.policy.model import PolicyDocument
+
+ENGINES = available_engines()
+
+
+def build_revision(doc: dict[str, Any], engine: str = "cel-cpp") -> PolicyRevision:
+    """Validate `doc` and compile it: CEL programs, rules (forbid first), fallback, schema."""
+    eng = get_engine(engine)
+    document = PolicyDocument.model_validate(doc)
+    tools: dict[str, CompiledTool] = {}
+    for key, policy in document.tools.items():
+        upstream, name = key.split(".", 1)
+        rules = [
+            CompiledRule(
+                id=rule.id or f"{key}#{index}",
+                kind=rule.kind,
+                program=eng.compile(rule.expr),
+                reason=rule.reason or f"rule {rule.id or f'{key}#{index}'} ({rule.kind})",
+            )
+            for index, rule in enumerate(policy.rules)
+        ]
+        rules.sort(key=lambda r: r.kind != "forbid")
+        has_allow = any(r.kind == "allow" for r in rules)
+        tools[key] = CompiledTool(
+            key=key,
+            upstream=upstream,
+            name=name,
+            policy=policy,
+            allow=tuple(eng.compile(e) for e in policy.allow or ()),
+            rules=tuple(rules),
+            fallback=policy.fallback or ("deny" if has_allow else "allow"),
+            schema_validator=(
+                jsonschema_rs.validator_for(policy.input_schema) if policy.input_schema else None
+            ),
+        )
+    principals = {
+        pid: CompiledPrincipal(id=pid, policy=p, allow=tuple(eng.compile(e) for e in p.allow or ()))
+        for pid, p in document.principals.items()
+    }
+    return PolicyRevision(
+        revision="test",
+        directory=Path("."),
+        files=(),
+        document=document,
+        tools=tools,
+        principals=principals,
+        engine=engine,
+    )
+
+
+UPSTREAMS = {"demo": {"url": "http://127.0.0.1:9/mcp"}}
+
+
+def make_call(
+    tool: str = "echo",
+    args: dict[str, Any] | None = None,
+    *,
+    upstream: str = "demo",
+    principal: str | Principal = "agent",
+    info: ToolInfo | None = None,
+) -> ToolCall:
+    return ToolCall(
+        decision_id="d-1",
+        upstream=upstream,
+        tool=tool,
+        arguments=args if args is not None else {},
+        principal=principal if isinstance(principal, Principal) else Principal(principal),
+        run=RunContext("run-1"),
+        request=RequestInfo("tools/call"),
+        upstream_tool=info,
+    )

@@ -1,0 +1,220 @@
+"""Identity: static principal and verified JWTs (HS256, RS256, ES256) with every refusal."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from pydantic import ValidationError
+
+from proxy.errors import ConfigError, IdentityError
+from proxy.identity import Identity, IdentityConfig
+
+SECRET = "s" * 40
+NOW = int(time.time())
+
+
+def pem_public(key: Any) -> str:
+    raw: bytes = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return raw.decode()
+
+
+@pytest.fixture(scope="module")
+def rsa_key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+@pytest.fixture(scope="module")
+def ec_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def claims(**kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "sub": "alice",
+        "groups": ["admins", "dev"],
+        "tenant": "t1",
+        "exp": NOW + 600,
+        "aud": "envelope",
+        "iss": "https://issuer.example",
+    }
+    base.update(kw)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+def hs_identity(**kw: Any) -> Identity:
+    cfg: dict[str, Any] = {
+        "mode": "jwt",
+        "algorithms": ["HS256"],
+        "key": SECRET,
+        "audience": "envelope",
+        "issuer": "https://issuer.example",
+        "leeway": 0,
+    }
+    cfg.update(kw)
+    return Identity(IdentityConfig(**cfg))
+
+
+def test_static_ignores_headers() -> None:
+    ident = Identity(IdentityConfig(principal="svc", groups=["g"]))
+    p = ident.resolve({"x-principal": "root", "authorization": "Bearer whatever"})
+    assert p.id == "svc" and p.groups == ("g",) and p.source == "static"
+    assert dict(p.claims) == {}
+    assert Identity(IdentityConfig()).resolve({}).id == "agent"
+
+
+def test_hs256_valid() -> None:
+    p = hs_identity().resolve(bearer(jwt.encode(claims(), SECRET, algorithm="HS256")))
+    assert p.id == "alice" and p.groups == ("admins", "dev") and p.source == "jwt"
+    assert p.claims["tenant"] == "t1"
+    assert p.as_cel()["claims"]["tenant"] == "t1"
+
+
+def test_header_name_case() -> None:
+    token = jwt.encode(claims(), SECRET, algorithm="HS256")
+    assert hs_identity().resolve({"Authorization": f"bearer {token}"}).id == "alice"
+
+
+def test_rs256_valid_from_key_file(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
+    key_file = tmp_path / "pub.pem"
+    key_file.write_text(pem_public(rsa_key))
+    ident = Identity(
+        IdentityConfig(mode="jwt", algorithms=["RS256"], key_file=key_file, audience="envelope")
+    )
+    token = jwt.encode(claims(), rsa_key, algorithm="RS256")
+    assert ident.resolve(bearer(token)).id == "alice"
+
+
+def test_es256_valid(ec_key: ec.EllipticCurvePrivateKey) -> None:
+    ident = Identity(IdentityConfig(mode="jwt", algorithms=["ES256"], key=pem_public(ec_key)))
+    token = jwt.encode(claims(groups="not-a-list"), ec_key, algorithm="ES256")
+    p = ident.resolve(bearer(token))
+    assert p.id == "alice" and p.groups == ()
+
+
+@pytest.mark.parametrize(
+    ("token_claims", "message"),
+    [
+        ({"exp": NOW - 100}, "token expired (exp)"),
+        ({"nbf": NOW + 300}, "token not yet valid"),
+        ({"aud": "someone-else"}, "token audience is not 'envelope'"),
+        ({"aud": None}, "token is missing a required claim"),
+        ({"iss": "https://evil.example"}, "token issuer is not 'https://issuer.example'"),
+        ({"sub": None}, "token has no principal claim 'sub'"),
+        ({"sub": 42}, "Subject must be a string"),  # PyJWT checks sub's type
+        ({"exp": None}, "token is missing a required claim"),
+    ],
+)
+def test_hs256_refusals(token_claims: dict[str, Any], message: str) -> None:
+    token = jwt.encode(claims(**token_claims), SECRET, algorithm="HS256")
+    with pytest.raises(IdentityError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hs_identity().resolve(bearer(token))
+
+
+def test_leeway_tolerates_small_skew() -> None:
+    token = jwt.encode(claims(exp=NOW - 5), SECRET, algorithm="HS256")
+    assert hs_identity(leeway=30).resolve(bearer(token)).id == "alice"
+
+
+def test_bad_signature() -> None:
+    token = jwt.encode(claims(), "x" * 40, algorithm="HS256")
+    with pytest.raises(IdentityError, match="token signature is invalid"):
+        hs_identity().resolve(bearer(token))
+
+
+def test_missing_or_malformed_header() -> None:
+    with pytest.raises(IdentityError, match="missing bearer token"):
+        hs_identity().resolve({"x-principal": "root"})
+    with pytest.raises(IdentityError, match="not a bearer token"):
+        hs_identity().resolve({"authorization": "Basic abc"})
+    with pytest.raises(IdentityError, match="malformed bearer token"):
+        hs_identity().resolve(bearer("not.a.jwt"))
+
+
+def _b64(data: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+
+def test_alg_none_refused() -> None:
+    token = f"{_b64({'alg': 'none', 'typ': 'JWT'})}.{_b64(claims())}."
+    with pytest.raises(IdentityError, match="algorithm 'none' is not allowed"):
+        hs_identity().resolve(bearer(token))
+
+
+def test_alg_confusion_refused(rsa_key: rsa.RSAPrivateKey) -> None:
+    public = pem_public(rsa_key)
+    ident = Identity(IdentityConfig(mode="jwt", algorithms=["RS256"], key=public))
+    # An attacker signs an HS256 token with the (public) PEM as the HMAC secret.
+    import hashlib
+    import hmac
+
+    signing_input = f"{_b64({'alg': 'HS256', 'typ': 'JWT'})}.{_b64(claims())}"
+    sig = hmac.new(public.encode(), signing_input.encode(), hashlib.sha256).digest()
+    token = f"{signing_input}.{base64.urlsafe_b64encode(sig).rstrip(b'=').decode()}"
+    with pytest.raises(IdentityError, match="algorithm 'HS256' is not allowed"):
+        ident.resolve(bearer(token))
+
+
+def test_rs256_token_refused_by_hs_config(rsa_key: rsa.RSAPrivateKey) -> None:
+    token = jwt.encode(claims(), rsa_key, algorithm="RS256")
+    with pytest.raises(IdentityError, match="algorithm 'RS256' is not allowed"):
+        hs_identity().resolve(bearer(token))
+
+
+def test_es256_token_with_wrong_key(
+    ec_key: ec.EllipticCurvePrivateKey,
+) -> None:
+    other = ec.generate_private_key(ec.SECP256R1())
+    ident = Identity(IdentityConfig(mode="jwt", algorithms=["ES256"], key=pem_public(other)))
+    with pytest.raises(IdentityError, match="signature is invalid"):
+        ident.resolve(bearer(jwt.encode(claims(), ec_key, algorithm="ES256")))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"mode": "jwt", "algorithms": ["HS256"]},  # no key
+        {"mode": "jwt", "algorithms": ["HS256"], "key": SECRET, "key_file": "/x"},  # both
+        {"mode": "jwt", "algorithms": [], "key": SECRET},  # no algorithm
+        {"mode": "jwt", "algorithms": ["none"], "key": SECRET},
+        {"mode": "jwt", "algorithms": ["HS256", "RS256"], "key": SECRET},  # mixed families
+        {"mode": "static", "bogus": 1},
+    ],
+)
+def test_config_validation(cfg: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        IdentityConfig(**cfg)
+
+
+def test_config_key_checks(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a PEM public key"):
+        Identity(IdentityConfig(mode="jwt", algorithms=["RS256"], key="garbage"))
+    with pytest.raises(ConfigError, match="does not fit algorithm ES256"):
+        Identity(IdentityConfig(mode="jwt", algorithms=["ES256"], key=pem_public(rsa_key)))
+    with pytest.raises(ConfigError, match="must be a shared secret"):
+        Identity(IdentityConfig(mode="jwt", algorithms=["HS256"], key=pem_public(rsa_key)))
+    with pytest.raises(ConfigError, match="at least 32 bytes"):
+        Identity(IdentityConfig(mode="jwt", algorithms=["HS256"], key="short"))
+    with pytest.raises(ConfigError, match="key_file"):
+        Identity(
+            IdentityConfig(mode="jwt", algorithms=["RS256"], key_file=tmp_path / "missing.pem")
+        )
+
+
+def test_config_is_frozen() -> None:
+    cfg = IdentityConfig()
+    with pytest.raises(ValidationError):
+        cfg.principal = "x"
