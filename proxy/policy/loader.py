@@ -1,0 +1,511 @@
+"""Load a policy directory: parse, merge, validate, cross-check and compile, collecting every problem.
+
+The loader is an ordered table of stages (files, parse, merge, validate, cross-check and compile);
+each stage adds `PolicyProblem`s with file, line and column and the next stage works on what is
+still sound, so one run reports everything wrong with a revision. `load_policy` raises
+`PolicyError` with all of them, or returns an immutable `PolicyRevision`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Union, get_args, get_origin
+
+import jsonschema_rs
+from pydantic import BaseModel, ValidationError
+from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from proxy.errors import CelCompileError, PolicyError, PolicyProblem
+from proxy.policy import cel
+from proxy.policy.compiled import (
+    CompiledPrincipal,
+    CompiledRule,
+    CompiledTool,
+    Location,
+    PolicyRevision,
+    Program,
+)
+from proxy.policy.model import (
+    TOOL_KEY,
+    UPSTREAM_NAME,
+    Defaults,
+    PolicyDocument,
+    PrincipalPolicy,
+    ToolPolicy,
+    Upstream,
+)
+from proxy.policy.revision import policy_revision
+from proxy.policy.yamlload import (
+    Converter,
+    YamlFile,
+    duplicate_keys,
+    locate,
+    mapping_items,
+    parse_file,
+    position,
+    problem,
+    scalar_position,
+)
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "upstreams": Upstream,
+    "tools": ToolPolicy,
+    "principals": PrincipalPolicy,
+}
+_TOP_KEYS = tuple(PolicyDocument.model_fields)
+
+
+def policy_files(directory: Path) -> list[Path]:
+    """Every `*.yaml`/`*.yml` below `directory`, sorted, following symlinks.
+
+    Skipped: any path component starting with ".", directories named `tests`, and policy test
+    files (`*.test.yaml`, `*.test.yml`).
+    """
+    found = []
+    for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "tests"]
+        for name in filenames:
+            if name.startswith(".") or not name.endswith((".yaml", ".yml")):
+                continue
+            if name.endswith((".test.yaml", ".test.yml")):
+                continue
+            found.append(Path(dirpath) / name)
+    return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One keyed entry of a section (`tools.github.create_issue`), with where it came from."""
+
+    section: str
+    name: str
+    file: YamlFile
+    key: Node  # the key node (for "declared here")
+    value: Node | None  # None: the key has no value (`tool.key:` alone)
+
+    @property
+    def path(self) -> str:
+        return self.section if self.name == self.section else f"{self.section}.{self.name}"
+
+    def location(self) -> Location:
+        line, col = position(self.key)
+        return Location(self.file.name, line, col)
+
+
+class _Loader:
+    def __init__(self, directory: Path, engine: cel.Engine):
+        self.directory = directory
+        self.engine = engine
+        self.problems: list[PolicyProblem] = []
+        self.convert = Converter()
+        self.files: list[YamlFile] = []
+        self.entries: dict[str, dict[str, _Entry]] = {s: {} for s in _SECTIONS}
+        self.defaults: _Entry | None = None
+        self.version: tuple[Any, YamlFile, Node] | None = None
+
+    def add(self, file: YamlFile | str, node: Node | None, message: str) -> None:
+        name = file if isinstance(file, str) else file.name
+        self.problems.append(problem(name, node, message))
+
+    # -- stage: parse ---------------------------------------------------------------------
+
+    def parse(self, paths: list[Path]) -> None:
+        for path in paths:
+            name = str(path)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                self.problems.append(PolicyProblem(name, 1, 1, f"cannot read: {exc}"))
+                continue
+            parsed, problems = parse_file(name, text)
+            self.problems += problems
+            if parsed is None:
+                continue
+            if parsed.root is not None:
+                self.problems += duplicate_keys(name, parsed.root)
+            self.files.append(parsed)
+
+    # -- stage: merge ---------------------------------------------------------------------
+
+    def merge(self) -> None:
+        for f in self.files:
+            if f.root is None:
+                continue
+            if not isinstance(f.root, MappingNode):
+                self.add(f, f.root, "a policy file must be a mapping of sections")
+                continue
+            for key, value in mapping_items(f.root):
+                k = key.value
+                if k not in _TOP_KEYS:
+                    self.add(
+                        f, key, f"unknown top-level key '{k}' (allowed: {', '.join(_TOP_KEYS)})"
+                    )
+                elif k == "version":
+                    self._merge_version(f, value)
+                elif k == "defaults":
+                    if self.defaults is not None:
+                        first = self.defaults.location()
+                        self.add(
+                            f, key, f"'defaults' may appear in one file only (first at {first})"
+                        )
+                    else:
+                        self.defaults = _Entry("defaults", "defaults", f, key, value)
+                else:
+                    self._merge_section(f, k, value)
+
+    def _merge_version(self, f: YamlFile, node: Node) -> None:
+        value = self.convert.value(node)
+        if value != 1 or isinstance(value, bool):
+            self.add(f, node, f"unsupported policy version {value!r} (supported: 1)")
+        if self.version is None:
+            self.version = (value, f, node)
+        elif self.version[0] != value:
+            line, col = position(self.version[2])
+            self.add(
+                f,
+                node,
+                f"version {value!r} disagrees with version {self.version[0]!r} "
+                f"at {self.version[1].name}:{line}:{col}",
+            )
+
+    def _merge_section(self, f: YamlFile, section: str, node: Node) -> None:
+        if _is_null(node):
+            return
+        if not isinstance(node, MappingNode):
+            self.add(f, node, f"'{section}' must be a mapping of names to entries")
+            return
+        merged = self.entries[section]
+        for key, value in mapping_items(node):
+            name = key.value
+            if name in merged:
+                first = merged[name].location()
+                self.add(f, key, f"{section} '{name}' is declared twice (first at {first})")
+                continue
+            empty = _is_null(value)
+            merged[name] = _Entry(section, name, f, key, None if empty else value)
+
+    # -- stage: validate ------------------------------------------------------------------
+
+    def validate(self, entry: _Entry, model: type[BaseModel]) -> Any:
+        """The entry as `model`, or None after adding a problem per pydantic error."""
+        data = self.convert.value(entry.value) if entry.value is not None else {}
+        if data is None:
+            data = {}
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            anchor = entry.value if entry.value is not None else entry.key
+            for err in exc.errors():
+                loc = tuple(err["loc"])
+                where = _dotted(entry.path, loc[:-1] if err["type"] == "extra_forbidden" else loc)
+                if err["type"] == "extra_forbidden":
+                    node = locate(anchor, loc, key=True)
+                    allowed = _allowed_fields(model, loc[:-1])
+                    message = f"unknown field '{loc[-1]}' in {where}"
+                    if allowed:
+                        message += f" (allowed: {', '.join(allowed)})"
+                elif err["type"] == "missing":
+                    node = locate(anchor, loc)
+                    message = (
+                        f"missing required field '{loc[-1]}' in {_dotted(entry.path, loc[:-1])}"
+                    )
+                else:
+                    node = locate(anchor, loc)
+                    msg = str(err["msg"]).removeprefix("Value error, ")
+                    message = f"{where}: {msg}"
+                self.add(entry.file, node, message)
+            return None
+
+    # -- stage: CEL -------------------------------------------------------------------------
+
+    def compile_cel(self, file: YamlFile, node: Node) -> Program | None:
+        """A compiled program for the scalar at `node`, or None after adding its problems."""
+        expr = self.convert.value(node)
+        if not isinstance(expr, str):
+            self.add(file, node, "CEL: the expression must be a string")
+            return None
+        native_checks = self.engine.name == "cel-cpp"
+        lint = cel.lint(expr, identifiers=True, result_type=not native_checks)
+        undeclared = any(m.startswith("undeclared reference") for _, m in lint)
+        problems = [(off, f"CEL: {m}") for off, m in lint]
+        program: Program | None = None
+        try:
+            program = self.engine.compile(expr)
+        except CelCompileError as exc:
+            # Our own undeclared-variable problem points at the identifier; cel-cpp's at the
+            # select after it. Report one, the same for both engines.
+            if not (undeclared and str(exc).startswith("undeclared reference")):
+                problems.insert(0, (exc.offset, f"CEL: {exc}"))
+        for offset, message in problems:
+            line, col = scalar_position(file, node, offset)
+            self.problems.append(PolicyProblem(file.name, line, col, message))
+        return program if not problems else None
+
+    def compile_allow(self, entry: _Entry) -> tuple[tuple[Program, ...], bool]:
+        """The entry's `allow` expressions compiled; the flag says all compiled."""
+        assert entry.value is not None
+        _, node = _child(entry.value, "allow")
+        if node is None:
+            return (), True
+        nodes = node.value if isinstance(node, SequenceNode) else [node]
+        programs = [self.compile_cel(entry.file, n) for n in nodes]
+        ok = all(p is not None for p in programs)
+        return tuple(p for p in programs if p is not None), ok
+
+    def compile_raw(self, entry: _Entry) -> None:
+        """Compile the CEL of an entry that failed validation, so its CEL problems show too."""
+        if entry.value is None:
+            return
+        _, allow = _child(entry.value, "allow")
+        nodes = list(allow.value) if isinstance(allow, SequenceNode) else [allow]
+        _, rules = _child(entry.value, "rules")
+        for rule in rules.value if isinstance(rules, SequenceNode) else []:
+            nodes += [_child(rule, kind)[1] for kind in ("forbid", "allow")]
+        for node in nodes:
+            if isinstance(node, ScalarNode) and isinstance(self.convert.value(node), str):
+                self.compile_cel(entry.file, node)
+
+    # -- stage: tools -----------------------------------------------------------------------
+
+    def tool(self, entry: _Entry, policy: ToolPolicy) -> CompiledTool | None:
+        ok = True
+        upstream, _, name = entry.name.partition(".")
+        if upstream not in self.entries["upstreams"]:
+            declared = ", ".join(sorted(self.entries["upstreams"])) or "none"
+            self.add(
+                entry.file,
+                entry.key,
+                f"tool '{entry.name}': upstream '{upstream}' is not declared under upstreams "
+                f"(declared: {declared})",
+            )
+            ok = False
+        allow: tuple[Program, ...] = ()
+        if policy.allow is not None:
+            allow, allow_ok = self.compile_allow(entry)
+            ok = ok and allow_ok
+        validator = None
+        if policy.input_schema is not None:
+            validator = self.schema(entry, policy.input_schema)
+            ok = ok and validator is not None
+        forbid_rules: list[CompiledRule] = []
+        allow_rules: list[CompiledRule] = []
+        seen: dict[str, Node] = {}
+        assert entry.value is not None or not policy.rules
+        for index, rule in enumerate(policy.rules):
+            assert entry.value is not None
+            rule_node = locate(entry.value, ("rules", index))
+            rule_id = rule.id or f"{entry.name}#{index + 1}"
+            id_node = locate(entry.value, ("rules", index, "id")) if rule.id else rule_node
+            if rule_id in seen:
+                line, col = position(seen[rule_id])
+                self.add(
+                    entry.file,
+                    id_node,
+                    f"duplicate rule id '{rule_id}' in {entry.path} "
+                    f"(first at {entry.file.name}:{line}:{col})",
+                )
+                ok = False
+            else:
+                seen[rule_id] = id_node
+            program = self.compile_cel(entry.file, locate(entry.value, ("rules", index, rule.kind)))
+            if program is None:
+                ok = False
+                continue
+            verb = "forbidden" if rule.kind == "forbid" else "allowed"
+            line, col = position(rule_node)
+            compiled = CompiledRule(
+                id=rule_id,
+                kind=rule.kind,
+                program=program,
+                reason=rule.reason or f"{verb} by rule {rule_id}",
+                location=Location(entry.file.name, line, col),
+            )
+            (forbid_rules if rule.kind == "forbid" else allow_rules).append(compiled)
+        if not ok:
+            return None
+        fallback = policy.fallback or ("deny" if allow_rules else "allow")
+        return CompiledTool(
+            key=entry.name,
+            upstream=upstream,
+            name=name,
+            policy=policy,
+            allow=allow,
+            rules=(*forbid_rules, *allow_rules),
+            fallback=fallback,
+            schema_validator=validator,
+            location=entry.location(),
+        )
+
+    def schema(self, entry: _Entry, schema: dict[str, object]) -> Any:
+        assert entry.value is not None
+        _, node = _child(entry.value, "schema")
+        anchor = node if node is not None else entry.key
+        if schema.get("type") != "object":
+            self.add(
+                entry.file, anchor, f'{entry.path}.schema: the root must have "type": "object"'
+            )
+            return None
+        try:
+            return jsonschema_rs.validator_for(schema)
+        except Exception as exc:
+            message = str(getattr(exc, "message", None) or exc).split("\n", 1)[0]
+            path = [p for p in getattr(exc, "instance_path", []) or []]
+            at = locate(anchor, path) if path else anchor
+            where = "".join(f"/{p}" for p in path)
+            self.add(entry.file, at, f"{entry.path}.schema{where}: invalid JSON Schema: {message}")
+            return None
+
+    # -- all stages ---------------------------------------------------------------------------
+
+    def run(self) -> PolicyRevision:
+        directory = self.directory
+        if not directory.is_dir():
+            raise PolicyError([PolicyProblem(str(directory), 1, 1, "policy directory not found")])
+        paths = policy_files(directory)
+        if not paths:
+            raise PolicyError(
+                [PolicyProblem(str(directory), 1, 1, f"no policy files in {directory}")]
+            )
+        self.parse(paths)
+        self.merge()
+
+        validated: dict[str, dict[str, tuple[_Entry, Any]]] = {s: {} for s in _SECTIONS}
+        for section, model in _SECTIONS.items():
+            pattern, what = (
+                (UPSTREAM_NAME, "an upstream name")
+                if section == "upstreams"
+                else (TOOL_KEY, "a tool key '<upstream>.<tool>'")
+                if section == "tools"
+                else (None, "")
+            )
+            for name, entry in self.entries[section].items():
+                if pattern is not None and not pattern.match(name):
+                    self.add(
+                        entry.file,
+                        entry.key,
+                        f"'{name}' is not {what} (must match {pattern.pattern})",
+                    )
+                    continue
+                value = self.validate(entry, model)
+                if value is not None:
+                    validated[section][name] = (entry, value)
+                elif section != "upstreams":
+                    self.compile_raw(entry)
+        defaults = Defaults()
+        if self.defaults is not None:
+            defaults = self.validate(self.defaults, Defaults) or defaults
+
+        tools: dict[str, CompiledTool] = {}
+        for name, (entry, policy) in validated["tools"].items():
+            compiled_tool = self.tool(entry, policy)
+            if compiled_tool is not None:
+                tools[name] = compiled_tool
+        principals: dict[str, CompiledPrincipal] = {}
+        for name, (entry, ppolicy) in validated["principals"].items():
+            allow: tuple[Program, ...] = ()
+            ok = True
+            if ppolicy.allow is not None:
+                allow, ok = self.compile_allow(entry)
+            if ok:
+                principals[name] = CompiledPrincipal(name, ppolicy, allow, entry.location())
+
+        if self.problems:
+            self.problems.sort(key=lambda p: (p.file, p.line, p.column))
+            raise PolicyError(self.problems)
+        document = PolicyDocument(
+            version=1,
+            upstreams={n: v for n, (_, v) in validated["upstreams"].items()},
+            defaults=defaults,
+            tools={n: v for n, (_, v) in validated["tools"].items()},
+            principals={n: v for n, (_, v) in validated["principals"].items()},
+        )
+        locations = {
+            f"{section}.{name}": entry.location()
+            for section, entries in self.entries.items()
+            for name, entry in entries.items()
+        }
+        if self.defaults is not None:
+            locations["defaults"] = self.defaults.location()
+        return PolicyRevision(
+            revision=policy_revision(directory, paths),
+            directory=directory,
+            files=tuple(paths),
+            document=document,
+            tools=types.MappingProxyType(tools),
+            principals=types.MappingProxyType(principals),
+            engine=self.engine.name,
+            loaded_at=time.time(),
+            locations=types.MappingProxyType(locations),
+        )
+
+
+def load_policy(directory: Path, engine: str | None = None) -> PolicyRevision:
+    """Load, validate and compile every policy file under `directory`.
+
+    `engine` names the CEL engine (`auto`, `cel-cpp`, `cel-python`; default from
+    `ENVELOPE_CEL_ENGINE`, else auto). Raises `PolicyError` carrying every problem found, each
+    with file, 1-based line and column; never returns a partial revision.
+    """
+    directory = Path(directory)
+    try:
+        cel_engine = cel.get_engine(engine)
+    except CelCompileError as exc:
+        raise PolicyError([PolicyProblem(str(directory), 1, 1, str(exc))]) from exc
+    return _Loader(directory, cel_engine).run()
+
+
+def _is_null(node: Node) -> bool:
+    return isinstance(node, ScalarNode) and (node.tag or "").endswith(":null")
+
+
+def _child(node: Node, key: str) -> tuple[Node | None, Node | None]:
+    for k, v in mapping_items(node):
+        if k.value == key:
+            return k, v
+    return None, None
+
+
+def _dotted(base: str, loc: tuple[Any, ...]) -> str:
+    out = base
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _unwrap(tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _unwrap(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return _unwrap(args[0]) if len(args) == 1 else tp
+    return tp
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model at `loc` below `model` (through optionals, lists and dicts)."""
+    tp: Any = model
+    for part in loc:
+        tp = _unwrap(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = next((f for n, f in tp.model_fields.items() if part in (n, f.alias)), None)
+            if field is None:
+                return None
+            tp = field.annotation
+        elif get_origin(tp) in (list, dict):
+            tp = get_args(tp)[-1]
+        else:
+            return None
+    tp = _unwrap(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    target = _model_at(model, loc)
+    if target is None:
+        return []
+    return [f.alias or n for n, f in target.model_fields.items()]

@@ -1,0 +1,308 @@
+"""load_policy: a valid directory compiles; every problem is reported with file:line:column."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from proxy.errors import PolicyError
+from proxy.policy.loader import load_policy, policy_files
+
+Write = Callable[[str, str], Path]
+
+UPSTREAMS = """
+version: 1
+upstreams:
+  demo: {url: "http://127.0.0.1:9001/mcp"}
+  github: {url: "http://127.0.0.1:9002/mcp", timeout: 2s}
+defaults: {unknown_tools: deny}
+"""
+
+TOOLS = """
+tools:
+  github.search_issues: {effect: read, output: untrusted}
+  github.create_issue:
+    effect: external
+    rules:
+      - allow: 'args.repo.startsWith("corp/")'
+      - forbid: 'args.repo.startsWith("corp/secret-")'
+        reason: "no issues in secret repositories"
+        id: no-secret
+      - forbid: 'run.tainted'
+  demo.echo:
+    allow: '"eng" in principal.groups'
+    schema: {type: object, properties: {text: {type: string}}, required: [text]}
+principals:
+  alice: {groups: [eng], allow: ['principal.id == "alice"']}
+"""
+
+
+def problems(directory: Path, engine: str | None = None) -> list[str]:
+    with pytest.raises(PolicyError) as info:
+        load_policy(directory, engine)
+    return [str(p) for p in info.value.problems]
+
+
+def test_valid_multi_file_policy(write: Write, engine: str) -> None:
+    write("00-upstreams.yaml", UPSTREAMS)
+    write("tools/github.yml", TOOLS)
+    write("tests/case.yaml", "not: [valid")  # policy tests are not policy
+    write("tools/x.test.yaml", "not: [valid")
+    write(".git/config.yaml", "not: [valid")
+    rev = load_policy(rev_dir(write), engine)
+    assert rev.engine == engine
+    assert [p.name for p in rev.files] == ["00-upstreams.yaml", "github.yml"]
+    create = rev.tools["github.create_issue"]
+    assert (create.upstream, create.name) == ("github", "create_issue")
+    assert [(r.id, r.kind) for r in create.rules] == [
+        ("no-secret", "forbid"),
+        ("github.create_issue#3", "forbid"),
+        ("github.create_issue#1", "allow"),
+    ]
+    assert create.rules[0].reason == "no issues in secret repositories"
+    assert create.rules[1].reason == "forbidden by rule github.create_issue#3"
+    assert create.rules[2].reason == "allowed by rule github.create_issue#1"
+    assert create.fallback == "deny"  # it has an allow rule
+    assert rev.tools["github.search_issues"].fallback == "allow"
+    assert create.schema_validator is None
+    echo = rev.tools["demo.echo"]
+    assert echo.schema_validator.is_valid({"text": "hi"})
+    assert not echo.schema_validator.is_valid({})
+    assert len(echo.allow) == 1
+    assert create.location is not None and str(create.location).endswith("github.yml:3:3")
+    assert rev.locations["upstreams.github"].line == 4
+    assert rev.document.upstreams["github"].timeout == 2.0
+    assert rev.principals["alice"].allow[0].source == 'principal.id == "alice"'
+    assert rev.revision.startswith("sha256:") and len(rev.revision) == len("sha256:") + 12
+    assert load_policy(rev.directory, engine).revision == rev.revision
+
+
+def rev_dir(write: Write) -> Path:
+    return write("00-upstreams.yaml", UPSTREAMS).parent
+
+
+def test_policy_files_skips_hidden_tests_and_test_cases(write: Write) -> None:
+    write("a.yaml", "version: 1")
+    write("b/c.yml", "version: 1")
+    write("b/c.test.yml", "")
+    write("tests/t.yaml", "")
+    write(".hidden/h.yaml", "")
+    write(".h.yaml", "")
+    directory = write("z.txt", "").parent
+    assert [p.relative_to(directory).as_posix() for p in policy_files(directory)] == [
+        "a.yaml",
+        "b/c.yml",
+    ]
+
+
+def test_no_policy_files(tmp_path: Path) -> None:
+    assert problems(tmp_path) == [f"{tmp_path}:1:1: no policy files in {tmp_path}"]
+
+
+def git(directory: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=a@b", "-c", "user.name=n", *args],
+        cwd=directory,
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_revision_is_the_git_commit_inside_git(write: Write) -> None:
+    directory = rev_dir(write)
+    write("tools.yaml", TOOLS)
+    repo = directory.parent
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "policy")
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
+    assert load_policy(directory).revision == head
+    write("tools.yaml", TOOLS + "  bob: {}\n")
+    assert load_policy(directory).revision == head + "-dirty"
+    # Changes outside the policy directory do not make it dirty.
+    git(repo, "commit", "-q", "-am", "bob")
+    (repo / "README.md").write_text("unrelated")
+    assert not load_policy(directory).revision.endswith("-dirty")
+
+
+# --- one problem kind at a time, exact places -------------------------------------------------
+
+
+def test_yaml_syntax_error(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.x: [1, 2\n  demo.y: {}\n")
+    [message] = problems(path.parent)
+    assert message.startswith(f"{path}:8:9: YAML syntax error")
+
+
+def test_duplicate_key_in_one_file(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.x: {effect: read, effect: write}\n")
+    assert problems(path.parent) == [f"{path}:7:26: duplicate key 'effect' (first at {path}:7:12)"]
+
+
+def test_same_tool_in_two_files(write: Write) -> None:
+    first = write("a.yaml", UPSTREAMS + "tools:\n  demo.x: {}\n")
+    second = write("b.yaml", "tools:\n  other.y: {}\n  demo.x: {effect: read}\n")
+    assert problems(first.parent) == [
+        f"{second}:2:3: tool 'other.y': upstream 'other' is not declared under upstreams "
+        "(declared: demo, github)",
+        f"{second}:3:3: tools 'demo.x' is declared twice (first at {first}:7:3)",
+    ]
+
+
+def test_defaults_twice_and_unknown_top_level_key(write: Write) -> None:
+    first = write("a.yaml", UPSTREAMS)
+    second = write("b.yaml", "defaults: {}\ndataflw: {}\n")
+    assert problems(first.parent) == [
+        f"{second}:1:1: 'defaults' may appear in one file only (first at {first}:5:1)",
+        f"{second}:2:1: unknown top-level key 'dataflw' "
+        "(allowed: version, upstreams, defaults, tools, principals)",
+    ]
+
+
+def test_unknown_field(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    efect: read\n")
+    assert problems(path.parent) == [
+        f"{path}:8:5: unknown field 'efect' in tools.demo.echo (allowed: effect, output, "
+        "schema, allow, rules, fallback, fallback_reason, log_args, approval)"
+    ]
+
+
+def test_unknown_field_in_a_rule(write: Write) -> None:
+    path = write(
+        "a.yaml",
+        UPSTREAMS + "tools:\n  demo.echo:\n    rules:\n      - {allow: 'true', resaon: x}\n",
+    )
+    assert problems(path.parent) == [
+        f"{path}:9:25: unknown field 'resaon' in tools.demo.echo.rules[0] "
+        "(allowed: id, forbid, allow, reason)"
+    ]
+
+
+def test_wrong_type_and_missing_field(write: Write) -> None:
+    path = write(
+        "a.yaml",
+        UPSTREAMS
+        + "tools:\n  demo.echo: {effect: sometimes}\n  demo.two: {rules: [{reason: r}]}\n",
+    )
+    extra = write("b.yaml", "upstreams:\n  extra: {timeout: 3s}\n")
+    assert problems(path.parent) == [
+        f"{path}:7:23: tools.demo.echo.effect: Input should be 'read', 'write', 'external' "
+        "or 'destructive'",
+        f"{path}:8:22: tools.demo.two.rules[0]: a rule has exactly one of 'forbid' or 'allow'",
+        f"{extra}:2:10: missing required field 'url' in upstreams.extra",
+    ]
+
+
+def test_undeclared_upstream(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  slack.post: {}\n")
+    [message] = problems(path.parent)
+    assert message.startswith(f"{path}:7:3: tool 'slack.post': upstream 'slack' is not declared")
+
+
+def test_bad_schema(write: Write) -> None:
+    path = write(
+        "a.yaml",
+        UPSTREAMS
+        + "tools:\n"
+        + "  demo.a: {schema: {type: array}}\n"
+        + "  demo.b:\n    schema:\n      type: object\n      properties: {n: {minimum: x}}\n",
+    )
+    assert problems(path.parent) == [
+        f'{path}:7:20: tools.demo.a.schema: the root must have "type": "object"',
+        f"{path}:11:33: tools.demo.b.schema/properties/n/minimum: invalid JSON Schema: "
+        '"x" is not of type "number"',
+    ]
+
+
+def test_duplicate_rule_id(write: Write) -> None:
+    path = write(
+        "a.yaml",
+        UPSTREAMS
+        + "tools:\n  demo.a:\n    rules:\n      - {id: r, allow: 'true'}\n"
+        + "      - {id: r, forbid: 'false'}\n",
+    )
+    assert problems(path.parent) == [
+        f"{path}:10:14: duplicate rule id 'r' in tools.demo.a (first at {path}:9:14)"
+    ]
+
+
+def cel_problems(write: Write, engine: str, expr_line: str) -> tuple[Path, list[str]]:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.a:\n" + expr_line)
+    return path, problems(path.parent, engine)
+
+
+def test_cel_syntax_error_column_includes_offset(write: Write, engine: str) -> None:
+    path, found = cel_problems(write, engine, "    allow: 'args.x == )'\n")
+    [message] = found
+    assert message.startswith(f"{path}:8:23: CEL: Syntax error")
+
+
+def test_cel_syntax_error_in_block_scalar(write: Write, engine: str) -> None:
+    path, found = cel_problems(
+        write, engine, "    rules:\n      - forbid: |\n          args.x == 1 &&\n            )\n"
+    )
+    [message] = found
+    assert message.startswith(f"{path}:11:13: CEL: Syntax error")
+
+
+def test_cel_undeclared_variable(write: Write, engine: str) -> None:
+    path, found = cel_problems(write, engine, '    allow: "princpal.id == \\"x\\""\n')
+    assert found == [f"{path}:8:13: CEL: undeclared reference to 'princpal'"]
+
+
+def test_cel_macro_variables_are_not_undeclared(write: Write, engine: str) -> None:
+    path = write(
+        "a.yaml",
+        UPSTREAMS
+        + "tools:\n  demo.a:\n    allow: 'args.items.all(x, x > 0) && principal.groups.exists(g, g == \"a\")'\n",
+    )
+    assert "demo.a" in load_policy(path.parent, engine).tools
+
+
+def test_cel_misspelled_principal_field(write: Write, engine: str) -> None:
+    path, found = cel_problems(
+        write, engine, "    rules:\n      - allow: '\"eng\" in principal.grups'\n"
+    )
+    assert found == [
+        f"{path}:9:36: CEL: undefined field 'grups' on principal (known: id, groups, claims)"
+    ]
+
+
+def test_cel_open_fields_are_not_checked(write: Write, engine: str) -> None:
+    path = write(
+        "a.yaml",
+        UPSTREAMS
+        + "tools:\n  demo.a:\n    allow:\n"
+        + "      - 'principal.claims.tier == \"gold\" && args.anything == 1'\n"
+        + "      - 'tool.annotations.readOnlyHint == true && has(request.headers.x)'\n",
+    )
+    assert len(load_policy(path.parent, engine).tools["demo.a"].allow) == 2
+
+
+def test_cel_non_bool(write: Write, engine: str) -> None:
+    path, found = cel_problems(write, engine, "    allow: 'size(args) + 1'\n")
+    [message] = found
+    assert message.startswith(f"{path}:8:13: CEL: expression must be a bool, it is ")
+
+
+def test_every_problem_in_every_file_at_once(write: Write, engine: str) -> None:
+    a = write(
+        "a.yaml", UPSTREAMS + "tools:\n  demo.a: {effect: sometimes}\n  demo.b: {allow: 'x +'}\n"
+    )
+    b = write("b.yaml", "tools:\n  demo.a: {}\n  demo.c: {efect: read, allow: 'run.dept > 1'}\n")
+    c = write("sub/c.yaml", "principals:\n  p: {allow: [1 == ]\n")
+    found = problems(a.parent, engine)
+    places = [m.split(": ", 1)[0] for m in found]
+    assert places == [
+        f"{a}:7:20",
+        f"{a}:8:23" if engine == "cel-cpp" else f"{a}:8:22",
+        f"{b}:2:3",
+        f"{b}:3:12",
+        f"{b}:3:37",
+        f"{c}:3:1",
+    ]
