@@ -1,0 +1,71 @@
+"""The admin listener: health, readiness, metrics and policy status.
+
+Served on its own port, never on the proxy listener. Readiness fails closed: a provider
+that raises makes the proxy unready, with the error as the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from proxy.admin.metrics import Metrics
+
+_JSON = "application/json"
+_NO_STORE = {"Cache-Control": "no-store"}
+
+
+class StatusProvider(Protocol):
+    """What the admin API asks the running proxy."""
+
+    def readiness(self) -> list[str]:
+        """Reasons the proxy is not ready (e.g. "audit log not writable: ..."); [] if ready."""
+        ...
+
+    def policy_status(self) -> dict[str, Any]:
+        """The served policy: revision, load time, misconfiguration report (JSON types)."""
+        ...
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type=_JSON, headers=_NO_STORE
+    )
+
+
+def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application:
+    """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy."""
+
+    async def healthz(request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        try:
+            reasons = list(status.readiness())
+        except Exception as e:  # fail closed: an unknown state is not ready
+            reasons = [f"readiness check failed: {type(e).__name__}: {e}"]
+        if reasons:
+            return _json({"ready": False, "reasons": reasons}, status=503)
+        return _json({"ready": True})
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        # Rendering many series takes milliseconds: keep it off the proxy's event loop.
+        body, content_type = await asyncio.to_thread(metrics.render)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def policy(request: web.Request) -> web.Response:
+        try:
+            data = status.policy_status()
+        except Exception as e:
+            return _json({"error": f"{type(e).__name__}: {e}"}, status=500)
+        return _json(data)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/v1/policy", policy)
+    return app
