@@ -190,7 +190,10 @@ class Runtime:
             "metrics": f"http://{ashown}:{aport}/metrics",
         }
         if self.config.reload_interval > 0:
-            self._watcher = PolicyWatcher(self.config.policies, lambda: self.reload("change"),
+            async def on_change() -> None:
+                await self.reload("change")
+
+            self._watcher = PolicyWatcher(self.config.policies, on_change,
                                           interval=self.config.reload_interval)
             self._watcher.start()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 
-class Effect(str, enum.Enum):
+class Effect(enum.StrEnum):
     """What a tool does to the world, from least to most consequential."""
 
     READ = "read"
@@ -21,7 +21,7 @@ class Effect(str, enum.Enum):
     DESTRUCTIVE = "destructive"
 
 
-class Verdict(str, enum.Enum):
+class Verdict(enum.StrEnum):
     """The outcome class of one decision, as counted and audited."""
 
     ALLOW = "allow"  # forwarded (the upstream may still fail: see code)
@@ -29,7 +29,7 @@ class Verdict(str, enum.Enum):
     ERROR = "error"  # refused because something failed (fail closed) or the upstream failed
 
 
-class Code(str, enum.Enum):
+class Code(enum.StrEnum):
     """Stable reason codes. Values appear unchanged on the wire, in audit records and metrics."""
 
     OK = "ok"

@@ -21,7 +21,7 @@ def build_server() -> MCPServer:
     }
     server = MCPServer("demo-notes", instructions="A notes service behind envelope-proxy.")
 
-    @server.tool(annotations=ToolAnnotations(readOnlyHint=True, openWorldHint=False))
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     def search_notes(query: str, limit: int = 10) -> list[dict[str, Any]]:
         """Find notes whose title or body contains the query."""
         q = query.lower()
@@ -32,18 +32,18 @@ def build_server() -> MCPServer:
         ]
         return hits[: max(limit, 0)]
 
-    @server.tool(annotations=ToolAnnotations(readOnlyHint=True, openWorldHint=False))
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     def echo(text: str) -> str:
         """Return the text unchanged."""
         return text
 
-    @server.tool(annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, openWorldHint=False))
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, open_world_hint=False))
     def write_note(title: str, body: str, folder: str = "inbox") -> dict[str, Any]:
         """Create or replace a note."""
         notes[title] = {"folder": folder, "body": body}
         return {"saved": title, "folder": folder, "count": len(notes)}
 
-    @server.tool(annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=True))
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
     def delete_note(title: str) -> dict[str, Any]:
         """Delete a note for good."""
         existed = notes.pop(title, None) is not None

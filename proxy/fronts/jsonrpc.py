@@ -7,6 +7,8 @@ from typing import Any
 
 import orjson
 
+from proxy.admin.metrics import RejectReason
+
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 METHOD_NOT_FOUND = -32601
@@ -18,7 +20,7 @@ HEADER_MISMATCH = -32020  # 2026-07-28: an Mcp-* header disagrees with the body
 class BadMessage(Exception):
     """The request body is not an acceptable JSON-RPC message; carries the wire error."""
 
-    def __init__(self, code: int, message: str, reason: str, id: Any = None, status: int = 400):
+    def __init__(self, code: int, message: str, reason: RejectReason, id: Any = None, status: int = 400):
         super().__init__(message)
         self.code = code
         self.message = message

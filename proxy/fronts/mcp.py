@@ -15,14 +15,22 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.envelope.call import Code, Decision, Principal, RequestInfo, RunContext, ToolCall, Verdict
+from proxy.envelope.call import (
+    Code,
+    Decision,
+    Principal,
+    RequestInfo,
+    RunContext,
+    ToolCall,
+    Verdict,
+)
 from proxy.envelope.pipeline import Envelope, Pending
 from proxy.errors import AuditError, IdentityError, UpstreamError, UpstreamTimeout
 from proxy.forward import Forwarder, UpstreamResponse
@@ -61,9 +69,10 @@ class UpstreamTarget:
     forward_authorization: bool
 
 
-class Identity:  # the runtime's identity resolver, typed structurally
-    def resolve(self, headers: Mapping[str, str]) -> Principal:  # pragma: no cover - protocol
-        raise NotImplementedError
+class Identity(Protocol):
+    """Resolves the verified principal of a request (see `proxy.identity`)."""
+
+    def resolve(self, headers: Mapping[str, str]) -> Principal: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +247,9 @@ class McpFront:
         try:
             resp = await self._open(request, target, body, stream_timeout)
         except (UpstreamError, TimeoutError) as exc:
-            outcome = "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "error"
+            outcome: Literal["timeout", "error"] = (
+                "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "error"
+            )
             self.metrics.observe_upstream(target.name, time.perf_counter() - started, outcome)
             msg = f"upstream {target.name!r} " + ("timed out" if outcome == "timeout" else f"unavailable: {exc}")
             return _rpc_error(502 if outcome == "error" else 504, None, jsonrpc.INTERNAL_ERROR, msg)
