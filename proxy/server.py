@@ -119,7 +119,7 @@ class Runtime:
         reasons = []
         if self.revision is None:
             reasons.append("no policy loaded")
-        if not self.audit.healthy:
+        if not self.audit.check_writable():
             reasons.append(f"audit log not writable: {self.audit.last_error}")
         return reasons
 
@@ -166,6 +166,9 @@ class Runtime:
 
     async def start(self) -> None:
         """Start listeners (policy must be loaded)."""
+        if not self.audit.healthy:
+            log.error("audit log %s is not writable (%s): every call will be refused until it is",
+                      self.audit.path, self.audit.last_error)
         await self.forwarder.start()
         reuse = self.config.workers > 1
         host, port = self.config.listen_addr

@@ -209,21 +209,24 @@ class AuditLog:
         self._last_error = None
         return digest
 
-    def check_writable(self) -> bool:
+    def check_writable(self, force: bool = False) -> bool:
         """Readiness: True if the file is open and the last write succeeded.
 
-        After a failure it probes (reopen, reserve then release disk space) without writing a
-        record, so an unready replica that receives no traffic can still become ready.
+        After a failure (or always, with `force`, as at startup) it probes (reopen, reserve then
+        release disk space) without writing a record, so an unready replica that receives no
+        traffic can still become ready, and a log that cannot take a record is known before the
+        first call is forwarded.
         """
         if self._closed:
             return False
-        if self._healthy and self._fh is not None:
+        if self._healthy and self._fh is not None and not force:
             return True
         try:
             self._reopen()
             assert self._fh is not None
             fd = self._fh.fileno()
             if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._fail(OSError(f"{self._path} is not a regular file"))
                 return False
             os.posix_fallocate(fd, self._size, _PROBE_BYTES)
             os.ftruncate(fd, self._size)

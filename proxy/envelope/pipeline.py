@@ -110,6 +110,8 @@ class Envelope:
         self.metrics = metrics
         self.registry = registry
         self._chain: Chain | None = None
+        # Probe once now: a log that cannot take a record must refuse the very first call too.
+        audit.check_writable(force=True)
 
     @property
     def chain(self) -> Chain | None:
@@ -137,7 +139,7 @@ class Envelope:
         chain = self._chain
         if chain is None:
             decision = Decision(Verdict.ERROR, Code.MISCONFIGURED, "catalogue", "no policy is loaded")
-        elif not self.audit.healthy:
+        elif not (self.audit.healthy or self.audit.check_writable()):
             decision = Decision(
                 Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                 "the audit log cannot be written; calls are refused until it can",

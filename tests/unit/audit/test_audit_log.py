@@ -289,8 +289,10 @@ def test_write_failure_flips_healthy_and_recovers(tmp_path: Path) -> None:
     with pytest.raises(AuditError) as exc:
         log.write({"i": 0})
     assert isinstance(exc.value.__cause__, OSError)
-    assert not log.healthy and not log.check_writable()
     assert log.last_error and "No space left" in log.last_error
+    assert not log.healthy and not log.check_writable()
+    # The readiness probe refuses a device that swallows nothing (it cannot reserve space).
+    assert log.last_error and "not a regular file" in log.last_error
     with pytest.raises(AuditError):
         log.write({"i": 1})
     # Space is back (the file is a real file again): the next write succeeds.
@@ -300,6 +302,15 @@ def test_write_failure_flips_healthy_and_recovers(tmp_path: Path) -> None:
     log.close()
     res = verify(tmp_path)
     assert res.ok and res.records == 1
+
+
+def test_startup_probe_finds_an_unwritable_log_before_any_record(tmp_path: Path) -> None:
+    (tmp_path / "audit.jsonl").symlink_to("/dev/full")
+    log = AuditLog(tmp_path)
+    assert log.healthy  # nothing has failed yet...
+    assert not log.check_writable(force=True)  # ...but the forced probe knows
+    assert not log.healthy
+
 
 
 def test_partial_write_is_cut_off_on_recovery(

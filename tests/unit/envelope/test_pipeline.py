@@ -1,0 +1,113 @@
+"""The chain and the envelope runtime: order, fail-closed on check errors, one audit record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from proxy.admin.metrics import Metrics
+from proxy.audit.log import AuditLog
+from proxy.envelope.call import (
+    Code,
+    Decision,
+    Principal,
+    RequestInfo,
+    RunContext,
+    ToolCall,
+    Verdict,
+)
+from proxy.envelope.pipeline import CHECKS, Envelope
+from proxy.envelope.tools import ToolRegistry
+from proxy.policy.loader import load_policy
+
+POLICIES = Path(__file__).resolve().parents[2] / "fixtures" / "policies"
+
+
+def _call(tool: str, args: dict, principal: str = "ops", groups: tuple[str, ...] = ()) -> ToolCall:
+    return ToolCall(
+        decision_id=f"d-{tool}",
+        upstream="notes",
+        tool=tool,
+        arguments=args,
+        principal=Principal(principal, groups, {"tenant": "acme"}),
+        run=RunContext(id="run-1", session="s-1"),
+        request=RequestInfo(method="tools/call"),
+    )
+
+
+@pytest.fixture
+def envelope(tmp_path: Path) -> Envelope:
+    env = Envelope(AuditLog(tmp_path / "audit"), Metrics(), ToolRegistry())
+    env.install(load_policy(POLICIES))
+    return env
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def test_chain_order_is_the_documented_table(envelope: Envelope) -> None:
+    assert [c.id for c in envelope.chain.checks] == [  # type: ignore[union-attr]
+        "catalogue", "capability", "schema", "authz", "arg_rules",
+    ]
+    assert len(CHECKS) == 5
+
+
+def test_first_refusing_check_decides_and_is_audited_once(envelope: Envelope, tmp_path: Path) -> None:
+    pending = envelope.begin(_call("write_note", {"title": "t", "body": "b", "folder": "trash"}))
+    d = pending.decision
+    assert (d.verdict, d.code, d.check, d.rule) == (
+        Verdict.DENY, Code.CAPABILITY_BLOCKED, "arg_rules", "notes.write_note#fallback"
+    )
+    envelope.finish(pending)
+    [rec] = _records(tmp_path)
+    assert rec["decision_id"] == "d-write_note" and rec["code"] == "capability_blocked"
+    assert rec["verdict"] == "deny" and rec["rule"] == "notes.write_note#fallback"
+    assert "args" not in rec and rec["args_digest"].startswith("sha256:")
+    metrics = envelope.metrics.render()[0].decode()
+    assert (
+        'envelope_decisions_total{code="capability_blocked",tool="write_note",upstream="notes",verdict="deny"} 1.0'
+        in metrics
+    )
+
+
+class _Exploding:
+    id: ClassVar[str] = "authz"
+
+    def decide(self, call: ToolCall) -> Decision | None:
+        raise RuntimeError("boom")
+
+
+def test_a_check_that_raises_refuses_with_internal_error(envelope: Envelope, tmp_path: Path) -> None:
+    chain = envelope.chain
+    assert chain is not None
+    chain.checks = (*chain.checks[:3], _Exploding(), *chain.checks[4:])  # type: ignore[assignment]
+    pending = envelope.begin(_call("echo", {"text": "hi"}))
+    assert pending.decision.refused
+    assert pending.decision.verdict is Verdict.ERROR
+    assert pending.decision.code is Code.INTERNAL_ERROR and pending.decision.check == "authz"
+    envelope.finish(pending)
+    [rec] = _records(tmp_path)
+    assert rec["code"] == "internal_error" and rec["verdict"] == "error"
+    assert 'envelope_check_errors_total{check="authz"} 1.0' in envelope.metrics.render()[0].decode()
+
+
+def test_unwritable_audit_log_refuses_before_forwarding(tmp_path: Path) -> None:
+    (tmp_path / "audit").mkdir()
+    (tmp_path / "audit" / "audit.jsonl").symlink_to("/dev/full")
+    env = Envelope(AuditLog(tmp_path / "audit"), Metrics(), ToolRegistry())
+    env.install(load_policy(POLICIES))
+    pending = env.begin(_call("echo", {"text": "hi"}))
+    assert pending.decision.code is Code.AUDIT_UNAVAILABLE and pending.decision.refused
+
+
+def test_allowed_call_then_reload_keeps_in_flight_chain(envelope: Envelope) -> None:
+    pending = envelope.begin(_call("echo", {"text": "hi"}))
+    assert not pending.decision.refused
+    old = pending.chain
+    envelope.install(load_policy(POLICIES))
+    assert envelope.chain is not old and pending.chain is old
