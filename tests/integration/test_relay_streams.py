@@ -1,0 +1,159 @@
+"""Byte relaying through the real proxy process against a scripted aiohttp upstream:
+SSE streamed event by event (never buffered whole), GET streams with Last-Event-ID, DELETE,
+header hygiene both ways, and a tools/call whose result arrives after progress events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from tests.harness import free_port, proxy_process
+
+POLICY = """
+version: 1
+upstreams:
+  raw:
+    url: "http://127.0.0.1:1/mcp"
+    timeout: 20s
+    headers: {X-Upstream-Credential: proxy-own-secret}
+tools:
+  raw.slow:
+    effect: read
+"""
+
+
+class Scripted:
+    """An upstream whose answers the test steps through with events."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, str], bytes]] = []
+        self.release = asyncio.Event()
+        self.finished_at: float | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.seen.append((request.method, dict(request.headers), body))
+        if request.method == "DELETE":
+            return web.Response(status=200, headers={"Mcp-Session-Id": "s-1"})
+        if request.method == "GET":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Mcp-Session-Id": "s-1"})
+            await resp.prepare(request)
+            await resp.write(b'id: 7\nevent: message\ndata: {"jsonrpc":"2.0","method":"notifications/message","params":{"n":1}}\n\n')
+            await asyncio.wait_for(self.release.wait(), 15)
+            await resp.write(b'id: 8\ndata: {"jsonrpc":"2.0","method":"notifications/message",\ndata: "params":{"n":2}}\n\n')
+            self.finished_at = asyncio.get_running_loop().time()
+            await resp.write_eof()
+            return resp
+        msg = json.loads(body)
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Mcp-Session-Id": "s-1", "Connection": "keep-alive",
+        })
+        await resp.prepare(request)
+        await resp.write(b": keep-alive comment\r\n\r\n")
+        await resp.write(
+            b'event: message\r\ndata: {"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":1,"progress":1}}\r\n\r\n'
+        )
+        await asyncio.wait_for(self.release.wait(), 15)
+        result = {"jsonrpc": "2.0", "id": msg["id"], "result": {"content": [{"type": "text", "text": "done"}], "isError": False}}
+        await resp.write(b"event: message\r\ndata: " + json.dumps(result).encode() + b"\r\n\r\n")
+        self.finished_at = asyncio.get_running_loop().time()
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[Scripted, int]]:
+    scripted = Scripted()
+    app = web.Application()
+    app.router.add_route("*", "/mcp", scripted.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield scripted, port
+    await runner.cleanup()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, upstream: tuple[Scripted, int]) -> Any:
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "raw.yaml").write_text(POLICY)
+    with proxy_process(tmp_path, {"raw": f"http://127.0.0.1:{upstream[1]}/mcp"}, policies=policies,
+                       identity={"mode": "static", "principal": "agent"}) as p:
+        yield p
+
+
+HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+           "MCP-Protocol-Version": "2025-11-25", "Mcp-Session-Id": "s-1"}
+
+
+async def test_get_stream_is_relayed_event_by_event_with_last_event_id(proxy: Any, upstream: tuple[Scripted, int]) -> None:
+    scripted, _ = upstream
+    async with httpx.AsyncClient(timeout=20) as client, client.stream(
+        "GET", proxy.url("raw"), headers={**HEADERS, "Last-Event-ID": "6", "Authorization": "Bearer agent-token"}
+    ) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.headers["mcp-session-id"] == "s-1"
+        chunks = resp.aiter_bytes()
+        first = b""
+        while b"\n\n" not in first:
+            first += await chunks.__anext__()
+        # The first event reached the client while the upstream still holds the stream open.
+        assert b"id: 7" in first and scripted.finished_at is None
+        scripted.release.set()
+        rest = b"".join([c async for c in chunks])
+    assert b'id: 8\ndata: {"jsonrpc":"2.0","method":"notifications/message",\ndata: "params":{"n":2}}\n\n' in first + rest
+    method, headers, _ = scripted.seen[-1]
+    assert method == "GET"
+    assert headers["Last-Event-ID"] == "6" and headers["Mcp-Session-Id"] == "s-1"
+    # The agent's credential stays at the proxy; the proxy's own credential goes upstream.
+    assert "Authorization" not in headers
+    assert headers["X-Upstream-Credential"] == "proxy-own-secret"
+
+
+async def test_tools_call_progress_arrives_before_the_upstream_finishes(proxy: Any, upstream: tuple[Scripted, int]) -> None:
+    scripted, _ = upstream
+    body = {"jsonrpc": "2.0", "id": "c-1", "method": "tools/call",
+            "params": {"name": "slow", "arguments": {}, "_meta": {"progressToken": 1}}}
+    events: list[bytes] = []
+    async with httpx.AsyncClient(timeout=20) as client, client.stream(
+        "POST", proxy.url("raw"), json=body, headers={**HEADERS, "Mcp-Param-Region": "eu"}
+    ) as resp:
+        assert resp.status_code == 200
+        buf = b""
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            while b"\r\n\r\n" in buf:
+                event, buf = buf.split(b"\r\n\r\n", 1)
+                events.append(event)
+                if b"notifications/progress" in event:
+                    assert scripted.finished_at is None  # streamed, not buffered
+                    assert proxy.audit_records() == []  # the result is not there yet
+                    scripted.release.set()
+    assert events[0] == b": keep-alive comment"  # comments pass through untouched
+    assert b"notifications/progress" in events[1]
+    result = json.loads(events[2].split(b"data: ", 1)[1])
+    assert result["id"] == "c-1" and result["result"]["content"][0]["text"] == "done"
+    [record] = proxy.audit_records()
+    assert (record["tool"], record["verdict"], record["code"], record["upstream_status"]) == ("slow", "allow", "ok", 200)
+    assert record["session"] == "s-1"
+    _, headers, sent = scripted.seen[-1]
+    assert json.loads(sent) == body  # the body reaches the upstream unchanged
+    assert headers["Mcp-Param-Region"] == "eu"
+
+
+async def test_delete_is_relayed(proxy: Any, upstream: tuple[Scripted, int]) -> None:
+    scripted, _ = upstream
+    async with httpx.AsyncClient(timeout=10) as client:
+        resp = await client.delete(proxy.url("raw"), headers=HEADERS)
+    assert resp.status_code == 200 and resp.headers["mcp-session-id"] == "s-1"
+    assert scripted.seen[-1][0] == "DELETE" and scripted.seen[-1][1]["Mcp-Session-Id"] == "s-1"
