@@ -157,3 +157,14 @@ async def test_delete_is_relayed(proxy: Any, upstream: tuple[Scripted, int]) -> 
         resp = await client.delete(proxy.url("raw"), headers=HEADERS)
     assert resp.status_code == 200 and resp.headers["mcp-session-id"] == "s-1"
     assert scripted.seen[-1][0] == "DELETE" and scripted.seen[-1][1]["Mcp-Session-Id"] == "s-1"
+
+
+async def test_tools_call_without_id_never_reaches_the_upstream(proxy: Any, upstream: tuple[Scripted, int]) -> None:
+    scripted, _ = upstream
+    body = {"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "slow", "arguments": {}}}
+    async with httpx.AsyncClient(timeout=10) as client:
+        resp = await client.post(proxy.url("raw"), json=body, headers=HEADERS)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == -32600
+    assert "must be a request" in resp.json()["error"]["message"]
+    assert scripted.seen == []
