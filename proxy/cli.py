@@ -24,6 +24,16 @@ Point an MCP client at http://<listen>/mcp/<upstream> instead of the tool server
 tools/call passes the envelope of checks (catalogue, capability, schema, authorization,
 argument rules) before it is forwarded, and every decision is audited and counted."""
 
+EPILOG = """common serve flags (see `envelope-proxy serve --help`):
+  --config FILE  --policies DIR  --listen HOST:PORT  --admin HOST:PORT  --state-dir DIR
+  each also as an ENVELOPE_* environment variable (ENVELOPE_POLICIES, ENVELOPE_LISTEN, ...)
+
+examples:
+  envelope-proxy demo                          run the demo (bundled notes server + ./policies)
+  envelope-proxy serve --config config.yaml    run for real
+  envelope-proxy check policies/               validate a policy directory (file:line:column errors)
+  envelope-proxy audit verify state/audit      prove the audit log untouched"""
+
 
 def _run(coro: Any) -> Any:
     try:
@@ -53,7 +63,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="envelope-proxy", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="envelope-proxy", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -504,27 +504,34 @@ class _ForwardedCall:
             if ctype.startswith("text/event-stream") and resp.status == 200:
                 return await self._relay_sse(resp)
             data = await resp.read()
-            front.metrics.observe_upstream(target.name, self._upstream_seconds(), "ok")
+            front.metrics.observe_upstream(target.name, self._upstream_seconds(),
+                                           "ok" if resp.status < 500 else "error")
             parsed: Any = None
             if ctype.startswith("application/json"):
                 try:
                     parsed = orjson.loads(data)
                 except orjson.JSONDecodeError:
                     parsed = None
-            if resp.status != 200 or not isinstance(parsed, dict):
-                # Not a result (404 unknown session, 5xx, garbage): audit and pass through as is,
-                # so clients re-initialize on 404 as the protocol asks.
+            if (isinstance(parsed, dict) and parsed.get("id") == self.msg.id
+                    and ("result" in parsed or "error" in parsed)):
+                # The server's own answer (a result, or a JSON-RPC error with its HTTP status).
+                if not self._finish_ok(parsed):
+                    return self._audit_refusal()
+                return web.Response(status=resp.status, body=data, headers=front._downstream_headers(resp))
+            reason = f"upstream {target.name!r} answered HTTP {resp.status}" + (
+                "" if resp.status != 200 else " without a JSON-RPC reply")
+            if resp.status == 404:
+                # Unknown or expired session: pass it through so the client re-initializes, as
+                # the protocol asks.
                 self.finished = True
-                reason = f"upstream {target.name!r} answered HTTP {resp.status}" + ("" if resp.status != 200 else " without a JSON-RPC result")
                 try:
                     front.envelope.finish(self.pending, self._failure(Code.UPSTREAM_ERROR, reason),
                                           upstream_status=resp.status, upstream_seconds=self._upstream_seconds())
                 except AuditError:
-                    return front._refuse(self.pending, self._failure(Code.AUDIT_UNAVAILABLE, "audit"), self.msg, self.stateless)
+                    return self._audit_refusal()
                 return web.Response(status=resp.status, body=data, headers=front._downstream_headers(resp))
-            if not self._finish_ok(parsed):
-                return self._audit_refusal()
-            return web.Response(status=200, body=data, headers=front._downstream_headers(resp))
+            # 5xx, garbage, anything that is not an answer: a refusal the model can read.
+            return await self._fail(self._failure(Code.UPSTREAM_ERROR, reason))
 
     def _audit_refusal(self) -> web.Response:
         decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",

@@ -1,0 +1,53 @@
+"""Helpers shared by the end-to-end tests (real proxy process, real SDK upstreams)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+
+# The repository root, so `tests.harness` imports however pytest was started.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.harness import FIXTURE_POLICIES, ROOT, upstream_server  # noqa: F401
+
+EXE = Path(sys.executable).with_name("envelope-proxy")
+CLI = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "proxy"]
+
+
+def cli(*args: str, timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run `envelope-proxy <args>` to completion."""
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=kw.pop("cwd", ROOT), **kw)
+
+
+def fixture_policy() -> dict[str, Any]:
+    """The fixture policy directory merged into one document (tools.yaml + principals.yaml)."""
+    yaml = YAML(typ="safe")
+    tools = yaml.load((FIXTURE_POLICIES / "tools.yaml").read_text())
+    principals = yaml.load((FIXTURE_POLICIES / "principals.yaml").read_text())
+    return {**tools, "principals": principals["principals"]}
+
+
+def write_policy(directory: Path, upstreams: dict[str, dict[str, Any]],
+                 tools: dict[str, Any] | None = None, **overrides: Any) -> Path:
+    """A policy directory with the fixture's notes tools copied once per upstream name.
+
+    `upstreams` maps each new upstream name to its policy entry (url, timeout...). Tool keys and
+    rule ids keep their names with the `notes.` prefix replaced by the upstream name.
+    """
+    base = fixture_policy()
+    doc: dict[str, Any] = {"version": 1, "upstreams": {}, "defaults": base["defaults"],
+                           "tools": {}, "principals": base["principals"]}
+    for name, entry in upstreams.items():
+        doc["upstreams"][name] = {"url": "http://127.0.0.1:1/mcp", "timeout": "5s", **entry}
+        for key, policy in (tools or base["tools"]).items():
+            doc["tools"][name + key[len("notes"):]] = policy
+    doc.update(overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
+    return directory

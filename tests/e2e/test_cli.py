@@ -1,0 +1,172 @@
+"""The `envelope-proxy` command as an operator runs it: check, help, serve from env, demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from e2e_helpers import CLI, ROOT, cli
+
+from tests.harness import FIXTURE_POLICIES, free_port, mcp_client, stop, wait_port
+
+SERVE_FLAGS = ("--policies", "--listen", "--admin", "--state-dir")
+
+
+def test_check_fixture_policies() -> None:
+    done = cli("check", str(FIXTURE_POLICIES))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"ok: {FIXTURE_POLICIES}")
+    assert "4 tools" in done.stdout and "2 principals" in done.stdout
+
+
+A_YAML = """\
+version: 1
+upstreams:
+  notes: {url: "http://127.0.0.1:1/mcp"}
+tools:
+  notes.echo:
+    effect: read
+    colour: blue
+  notes.write_note:
+    effect: write
+    allow: 'principal.id == '
+"""
+B_YAML = """\
+tools:
+  notes.search_notes:
+    effect: read
+  notes.echo:
+    effect: read
+"""
+
+
+def test_check_broken_policy_names_every_problem(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(A_YAML)
+    (tmp_path / "b.yaml").write_text(B_YAML)
+    done = cli("check", str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    expected = [
+        (f"{a}:7:5: ", "unknown field 'colour'"),       # the key of the unknown field
+        (f"{a}:10:29: ", "CEL"),                        # where the expression ends unfinished
+        (f"{b}:4:3: ", "declared twice"),              # the second notes.echo key
+    ]
+    for prefix, words in expected:
+        hits = [line for line in lines if line.startswith(prefix)]
+        assert len(hits) == 1, (prefix, lines)
+        assert words in hits[0]
+    assert f"{a}:5:3" in next(line for line in lines if line.startswith(f"{b}:4:3: "))
+    # Every problem line has the file:line:column: message shape.
+    assert all(re.match(r"^/.+\.yaml:\d+:\d+: \S", line) for line in lines), lines
+    assert len(lines) == 3
+    assert "3 problems" in done.stderr
+
+
+def test_help() -> None:
+    top = cli("--help")
+    assert top.returncode == 0
+    for command in ("serve", "check", "audit", "demo"):
+        assert command in top.stdout
+    serve = cli("serve", "--help")
+    assert serve.returncode == 0
+    for flag in SERVE_FLAGS:
+        assert flag in serve.stdout
+    demo = cli("demo", "--help")
+    assert demo.returncode == 0
+    for flag in SERVE_FLAGS:
+        assert flag in demo.stdout
+
+
+def test_top_level_help_mentions_serve_flags() -> None:
+    top = cli("--help")
+    for flag in SERVE_FLAGS:
+        assert flag in top.stdout
+
+
+def test_serve_from_environment(tmp_path: Path) -> None:
+    port, admin = free_port(), free_port()
+    env = {**os.environ, "ENVELOPE_LISTEN": f"127.0.0.1:{port}", "ENVELOPE_ADMIN": f"127.0.0.1:{admin}",
+           "ENVELOPE_POLICIES": str(FIXTURE_POLICIES), "ENVELOPE_STATE_DIR": str(tmp_path / "state")}
+    env.pop("ENVELOPE_CONFIG", None)
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*CLI, "serve"], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+    try:
+        wait_port(admin, proc)
+        wait_port(port, proc)
+        ready = httpx.get(f"http://127.0.0.1:{admin}/readyz", timeout=5)
+        assert ready.status_code == 200, ready.text
+        assert ready.json() == {"ready": True}
+        # Static identity by default: no bearer token needed; the listener answers MCP.
+        resp = httpx.post(f"http://127.0.0.1:{port}/mcp/notes", content=b"{", timeout=5,
+                          headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400
+        assert (tmp_path / "state" / "audit").is_dir()
+    finally:
+        rc = stop(proc)
+    assert rc == 0, log.read_text()
+    text = log.read_text()
+    assert f"http://127.0.0.1:{port}/mcp/" in text
+    assert "shutdown complete" in text
+
+
+def test_serve_refuses_invalid_policy(tmp_path: Path) -> None:
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "a.yaml").write_text(A_YAML)
+    env = {**os.environ, "ENVELOPE_LISTEN": f"127.0.0.1:{free_port()}",
+           "ENVELOPE_ADMIN": f"127.0.0.1:{free_port()}", "ENVELOPE_STATE_DIR": str(tmp_path / "state")}
+    done = cli("serve", "--policies", str(policies), cwd=tmp_path, env=env, timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert f"{policies / 'a.yaml'}:7:5: unknown field 'colour'" in out
+    assert f"{policies / 'a.yaml'}:10:29: CEL" in out
+    assert "not starting" in out
+
+
+def test_demo(tmp_path: Path) -> None:
+    import anyio
+
+    port, admin = free_port(), free_port()
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*CLI, "demo", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+             "--state-dir", str(tmp_path / "state")],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+
+    async def use_it() -> None:
+        async with mcp_client(f"http://127.0.0.1:{port}/mcp/demo", "legacy") as c:
+            names = {t.name for t in (await c.list_tools()).tools}
+            assert {"echo", "write_note", "search_notes"} <= names
+            echoed = await c.call_tool("echo", {"text": "hi from the demo"})
+            assert echoed.is_error is False
+            assert echoed.structured_content == {"result": "hi from the demo"}
+            refused = await c.call_tool("write_note", {"title": "creds", "body": "password: hunter2"})
+            assert refused.is_error is True
+            assert refused.content[0].text == "Blocked by policy (capability_blocked): notes must not contain credentials"
+            assert refused.meta["envelope/decision"]["rule"] == "no-credentials"
+
+    try:
+        wait_port(admin, proc)
+        wait_port(port, proc)
+        deadline = time.monotonic() + 10
+        while "metrics" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = log.read_text()
+        assert f"http://127.0.0.1:{port}/mcp/" in text
+        assert f"http://127.0.0.1:{admin}" in text
+        assert f"http://127.0.0.1:{admin}/metrics" in text
+        anyio.run(use_it)
+        records = [line for line in (tmp_path / "state" / "audit" / "audit.jsonl").read_text().splitlines() if line]
+        assert len(records) == 2
+    finally:
+        rc = stop(proc, signal.SIGINT)
+    assert rc == 0, log.read_text()
