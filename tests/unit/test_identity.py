@@ -18,7 +18,7 @@ from proxy.errors import ConfigError, IdentityError
 from proxy.identity import Identity, IdentityConfig
 
 SECRET = "s" * 40
-NOW = int(time.time())
+NOW = int(time.time())  # for parametrize only: tests that depend on the clock use time.time()
 
 
 def pem_public(key: Any) -> str:
@@ -43,7 +43,7 @@ def claims(**kw: Any) -> dict[str, Any]:
         "sub": "alice",
         "groups": ["admins", "dev"],
         "tenant": "t1",
-        "exp": NOW + 600,
+        "exp": int(time.time()) + 600,
         "aud": "envelope",
         "iss": "https://issuer.example",
     }
@@ -108,8 +108,8 @@ def test_es256_valid(ec_key: ec.EllipticCurvePrivateKey) -> None:
 @pytest.mark.parametrize(
     ("token_claims", "message"),
     [
-        ({"exp": NOW - 100}, "token expired (exp)"),
-        ({"nbf": NOW + 300}, "token not yet valid"),
+        ({"exp": NOW - 3600}, "token expired (exp)"),
+        ({"nbf": NOW + 3600}, "token not yet valid"),
         ({"aud": "someone-else"}, "token audience is not 'envelope'"),
         ({"aud": None}, "token is missing a required claim"),
         ({"iss": "https://evil.example"}, "token issuer is not 'https://issuer.example'"),
@@ -125,7 +125,7 @@ def test_hs256_refusals(token_claims: dict[str, Any], message: str) -> None:
 
 
 def test_leeway_tolerates_small_skew() -> None:
-    token = jwt.encode(claims(exp=NOW - 5), SECRET, algorithm="HS256")
+    token = jwt.encode(claims(exp=int(time.time()) - 5), SECRET, algorithm="HS256")
     assert hs_identity(leeway=30).resolve(bearer(token)).id == "alice"
 
 
