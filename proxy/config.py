@@ -78,6 +78,9 @@ class Config(_Model):
     audit: AuditConfig = Field(default_factory=AuditConfig)
     limits: Limits = Field(default_factory=Limits)
     cel_engine: Literal["auto", "cel-cpp", "cel-python"] = "auto"
+    # Upstream HTTP client: "fast" (asyncio + httptools, ~5x less CPU per call; https upstreams
+    # go through aiohttp) or "aiohttp".
+    transport: Literal["fast", "aiohttp"] = "fast"
     # Seconds between policy directory polls for hot reload; 0 disables polling (SIGHUP
     # still reloads).
     reload_interval: float = 1.0
@@ -117,6 +120,7 @@ ENV_KEYS = {
     "ENVELOPE_LOG_LEVEL": "log_level",
     "ENVELOPE_WORKERS": "workers",
     "ENVELOPE_RELOAD_INTERVAL": "reload_interval",
+    "ENVELOPE_TRANSPORT": "transport",
 }
 
 

@@ -31,6 +31,7 @@ from proxy.identity import Identity
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.reload import PolicyWatcher
+from proxy.transport import FastForwarder
 
 log = logging.getLogger("envelope")
 
@@ -48,7 +49,7 @@ class Runtime:
                               max_bytes=config.audit.max_bytes)
         self.envelope = Envelope(self.audit, self.metrics, self.registry)
         self.identity = Identity(config.identity)
-        self.forwarder = Forwarder()
+        self.forwarder: Forwarder = FastForwarder() if config.transport == "fast" else Forwarder()
         self.revision: PolicyRevision | None = None
         self._targets: dict[str, UpstreamTarget] = {}
         self.last_reload: dict[str, Any] = {}

@@ -1,0 +1,215 @@
+"""FastForwarder and the aiohttp Forwarder side by side on real servers: an aiohttp app on
+loopback and the official MCP SDK demo server (json and sse modes). Both must see the same."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from proxy.forward import Forwarder, UpstreamResponse
+from proxy.transport import FastForwarder
+from tests.harness import ROOT, free_port, stop, wait_port
+
+MCP_HEADERS = {
+    "Accept": "application/json, text/event-stream",
+    "Content-Type": "application/json",
+    "MCP-Protocol-Version": "2025-06-18",
+}
+INITIALIZE = orjson.dumps({
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+               "clientInfo": {"name": "transport-test", "version": "0"}},
+})
+
+
+@pytest.fixture
+async def forwarders() -> AsyncIterator[tuple[Forwarder, FastForwarder]]:
+    slow, fast = Forwarder(), FastForwarder()
+    await slow.start()
+    await fast.start()
+    yield slow, fast
+    await slow.close()
+    await fast.close()
+
+
+async def exchange(fwd: Forwarder, method: str, url: str, headers: dict[str, str],
+                   body: bytes | None, stream: bool = False) -> tuple[int, Any, bytes, list[bytes]]:
+    resp: UpstreamResponse = await fwd.open(method, url, headers, body, connect_timeout=5,
+                                            read_timeout=10)
+    async with resp:
+        if stream:
+            chunks = [c async for c in resp.chunks()]
+            data = b"".join(chunks)
+        else:
+            chunks, data = [], await resp.read()
+        return resp.status, resp.headers.copy(), data, chunks
+
+
+# ---- a real aiohttp server ---------------------------------------------------------------
+
+async def _json(request: web.Request) -> web.Response:
+    body = await request.read()
+    seen = {"method": request.method, "path": request.path_qs, "body": body.decode(),
+            "x-custom": request.headers.getall("X-Custom", []),
+            "content-length": request.headers.get("Content-Length")}
+    resp = web.json_response(seen, headers={"Mcp-Session-Id": "abc"})
+    resp.headers.add("Set-Cookie", "a=1")
+    resp.headers.add("Set-Cookie", "b=2")
+    return resp
+
+
+async def _sse(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(3):
+        await resp.write(f"data: {{\"n\":{i}}}\n\n".encode())
+        await asyncio.sleep(0.02)
+    await resp.write_eof()
+    return resp
+
+
+async def _big(request: web.Request) -> web.Response:
+    return web.Response(body=b"x" * 3_000_000, content_type="application/octet-stream")
+
+
+async def _empty(request: web.Request) -> web.Response:
+    return web.Response(status=202)
+
+
+@pytest.fixture
+async def aiohttp_upstream() -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_route("*", "/json", _json)
+    app.router.add_post("/sse", _sse)
+    app.router.add_get("/big", _big)
+    app.router.add_route("*", "/empty", _empty)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+DROP = {"date", "server"}
+
+
+def comparable(headers: Any) -> list[tuple[str, str]]:
+    return [(k.lower(), v) for k, v in headers.items() if k.lower() not in DROP]
+
+
+async def test_aiohttp_server_same_answers(forwarders: tuple[Forwarder, FastForwarder],
+                                          aiohttp_upstream: str) -> None:
+    slow, fast = forwarders
+    cases: list[tuple[str, str, dict[str, str], bytes | None]] = [
+        ("POST", "/json?q=1", {"X-Custom": "one", "Content-Type": "application/json"}, b'{"id":1}'),
+        ("POST", "/json", {}, None),
+        ("GET", "/json", {"X-Custom": "g"}, None),
+        ("DELETE", "/json", {}, None),
+        ("GET", "/big", {}, None),
+        ("POST", "/empty", {}, b"{}"),
+    ]
+    for _ in range(2):  # the second round runs on pooled connections
+        for method, path, headers, body in cases:
+            a = await exchange(slow, method, aiohttp_upstream + path, headers, body)
+            b = await exchange(fast, method, aiohttp_upstream + path, headers, body)
+            assert a[0] == b[0], path
+            assert a[2] == b[2], path
+            assert comparable(a[1]) == comparable(b[1]), path
+    a = await exchange(slow, "POST", aiohttp_upstream + "/sse", {}, b"{}", stream=True)
+    b = await exchange(fast, "POST", aiohttp_upstream + "/sse", {}, b"{}", stream=True)
+    assert a[0] == b[0] == 200
+    assert a[2] == b[2] == b'data: {"n":0}\n\ndata: {"n":1}\n\ndata: {"n":2}\n\n'
+    assert len(b[3]) >= 3  # streamed event by event, not buffered whole
+    assert a[1]["Content-Type"] == b[1]["Content-Type"]
+
+
+# ---- the MCP SDK demo server ---------------------------------------------------------------
+
+def _demo(mode: str) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.examples.demo_server", "--port", str(port), "--mode", mode],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, proc)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def demo_json() -> Iterator[str]:
+    yield from _demo("json")
+
+
+@pytest.fixture
+def demo_sse() -> Iterator[str]:
+    yield from _demo("sse")
+
+
+def sse_payloads(data: bytes) -> list[Any]:
+    out = []
+    for line in data.replace(b"\r\n", b"\n").split(b"\n"):
+        if line.startswith(b"data:"):
+            out.append(orjson.loads(line[5:].strip()))
+    return out
+
+
+async def _session(fwd: Forwarder, url: str) -> tuple[tuple[int, Any, bytes, list[bytes]], dict[str, str]]:
+    init = await exchange(fwd, "POST", url, MCP_HEADERS, INITIALIZE)
+    headers = dict(MCP_HEADERS, **{"Mcp-Session-Id": init[1]["Mcp-Session-Id"]})
+    note = orjson.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"})
+    status, *_ = await exchange(fwd, "POST", url, headers, note)
+    assert status == 202
+    return init, headers
+
+
+TOOLS_LIST = orjson.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/list", "params": {}})
+
+
+async def test_demo_server_json_mode(forwarders: tuple[Forwarder, FastForwarder], demo_json: str) -> None:
+    slow, fast = forwarders
+    a_init, a_headers = await _session(slow, demo_json)
+    b_init, b_headers = await _session(fast, demo_json)
+    assert a_init[0] == b_init[0] == 200
+    assert a_init[1]["Content-Type"] == b_init[1]["Content-Type"]
+    assert a_init[1]["Content-Type"].startswith("application/json")
+    assert a_init[2] == b_init[2]
+    a = await exchange(slow, "POST", demo_json, a_headers, TOOLS_LIST)
+    b = await exchange(fast, "POST", demo_json, b_headers, TOOLS_LIST)
+    assert a[0] == b[0] == 200
+    assert a[1]["Content-Type"] == b[1]["Content-Type"]
+    assert a[2] == b[2]
+    assert {t["name"] for t in orjson.loads(b[2])["result"]["tools"]} >= {"echo", "search_notes"}
+
+
+async def test_demo_server_sse_mode(forwarders: tuple[Forwarder, FastForwarder], demo_sse: str) -> None:
+    slow, fast = forwarders
+    a_init, a_headers = await _session(slow, demo_sse)
+    b_init, b_headers = await _session(fast, demo_sse)
+    assert a_init[0] == b_init[0] == 200
+    assert a_init[1]["Content-Type"] == b_init[1]["Content-Type"]
+    assert a_init[1]["Content-Type"].startswith("text/event-stream")
+    assert sse_payloads(a_init[2]) == sse_payloads(b_init[2])
+    a = await exchange(slow, "POST", demo_sse, a_headers, TOOLS_LIST, stream=True)
+    b = await exchange(fast, "POST", demo_sse, b_headers, TOOLS_LIST, stream=True)
+    assert a[0] == b[0] == 200
+    assert a[1]["Content-Type"] == b[1]["Content-Type"]
+    assert sse_payloads(a[2]) == sse_payloads(b[2])
+    assert sse_payloads(b[2])[0]["result"]["tools"]
+    # an unknown session: both see the same refusal
+    bad = dict(MCP_HEADERS, **{"Mcp-Session-Id": "no-such-session"})
+    a = await exchange(slow, "POST", demo_sse, bad, TOOLS_LIST)
+    b = await exchange(fast, "POST", demo_sse, bad, TOOLS_LIST)
+    assert a[0] == b[0]
+    assert a[2] == b[2]
