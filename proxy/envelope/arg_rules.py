@@ -13,17 +13,18 @@ from proxy.envelope.call import Code, Decision, ToolCall, deny
 from proxy.envelope.celvars import activation
 from proxy.envelope.tools import ToolRegistry
 from proxy.errors import CelEvalError
-from proxy.policy.cel import get_engine
-from proxy.policy.compiled import CompiledRule, PolicyRevision
+from proxy.policy.cel import Engine, get_engine
+from proxy.policy.compiled import CompiledRule, PolicyRevision, Program
 
 MAX_ERROR = 200
 
 
 class _Plan:
-    __slots__ = ("allows", "fallback_reason", "fallback_rule", "forbids")
+    __slots__ = ("allows", "any_allow", "any_forbid", "fallback_reason", "fallback_rule", "forbids")
 
     def __init__(
         self,
+        engine: Engine,
         forbids: tuple[CompiledRule, ...],
         allows: tuple[CompiledRule, ...],
         fallback_reason: str | None,
@@ -33,6 +34,12 @@ class _Plan:
         self.allows = allows
         self.fallback_reason = fallback_reason  # None: fallback allow
         self.fallback_rule = fallback_rule
+        # Each group as one `a || b || ...` program (one engine call instead of one per rule).
+        # CEL's `||` gives exactly the rule semantics: false only when no rule matched and none
+        # errored. Only a matching or erroring forbid group is re-evaluated rule by rule, to
+        # name the deciding rule.
+        self.any_forbid = engine.compile_any([r.program.source for r in forbids]) if forbids else None
+        self.any_allow = engine.compile_any([r.program.source for r in allows]) if allows else None
 
 
 def _clip(text: str) -> str:
@@ -58,7 +65,9 @@ class ArgRulesCheck:
                     getattr(tool.policy, "fallback_reason", None) or "no rule allows this call"
                 )
             if forbids or allows or fallback_reason is not None:
-                self._plans[key] = _Plan(forbids, allows, fallback_reason, f"{key}#fallback")
+                self._plans[key] = _Plan(
+                    self._engine, forbids, allows, fallback_reason, f"{key}#fallback"
+                )
 
     def _blocked(self, rule: str, reason: str) -> Decision:
         return deny(Code.CAPABILITY_BLOCKED, self.id, reason, rule)
@@ -77,21 +86,34 @@ class ArgRulesCheck:
                     return self._blocked(rule.id, f"{rule.reason} (rule error: {_clip(str(exc))})")
                 act = None
             if act is not None:
-                for rule in plan.forbids:
+                if plan.any_forbid is not None and not self._clear(plan.any_forbid, act):
+                    return self._first_forbid(plan, act)
+                if plan.any_allow is not None:
                     try:
-                        matched = rule.program.evaluate(act)
-                    except CelEvalError as exc:
-                        return self._blocked(
-                            rule.id, f"{rule.reason} (rule error: {_clip(str(exc))})"
-                        )
-                    if matched:
-                        return self._blocked(rule.id, rule.reason)
-                for rule in plan.allows:
-                    try:
-                        if rule.program.evaluate(act):
+                        if plan.any_allow.evaluate(act):
                             return None
                     except CelEvalError:
-                        continue
+                        pass  # an allow rule that errors does not match
         if plan.fallback_reason is not None:
             return self._blocked(plan.fallback_rule, plan.fallback_reason)
         return None
+
+    @staticmethod
+    def _clear(program: Program, act: object) -> bool:
+        try:
+            return not program.evaluate(act)
+        except CelEvalError:
+            return False
+
+    def _first_forbid(self, plan: _Plan, act: object) -> Decision:
+        """The first forbid rule (file order) that matches or errors; the group said one does."""
+        for rule in plan.forbids:
+            try:
+                matched = rule.program.evaluate(act)
+            except CelEvalError as exc:
+                return self._blocked(rule.id, f"{rule.reason} (rule error: {_clip(str(exc))})")
+            if matched:
+                return self._blocked(rule.id, rule.reason)
+        # The group and the single rules disagree (cannot happen with CEL's `||`): fail closed.
+        rule = plan.forbids[0]
+        return self._blocked(rule.id, f"{rule.reason} (forbid rules could not be evaluated singly)")

@@ -16,14 +16,12 @@ from proxy.policy.cel import get_engine
 from proxy.policy.compiled import PolicyRevision, Program
 
 
-def _any_true(programs: tuple[Program, ...], act: object) -> bool:
-    for program in programs:
-        try:
-            if program.evaluate(act):
-                return True
-        except CelEvalError:
-            continue
-    return False
+def _any_true(program: Program, act: object) -> bool:
+    """One level's verdict: any expression true authorizes; errors count as false."""
+    try:
+        return program.evaluate(act)
+    except CelEvalError:
+        return False
 
 
 class AuthzCheck:
@@ -33,8 +31,16 @@ class AuthzCheck:
 
     def __init__(self, revision: PolicyRevision, registry: ToolRegistry):
         self._engine = get_engine(revision.engine)
-        self._tools = {key: t.allow for key, t in revision.tools.items() if t.allow}
-        self._principals = {pid: p.allow for pid, p in revision.principals.items() if p.allow}
+        # Each level's expressions as one `a || b || ...` program: one engine call per level.
+        engine = self._engine
+        self._tools = {
+            key: engine.compile_any([p.source for p in t.allow])
+            for key, t in revision.tools.items() if t.allow
+        }
+        self._principals = {
+            pid: engine.compile_any([p.source for p in pr.allow])
+            for pid, pr in revision.principals.items() if pr.allow
+        }
 
     def _refuse(self, call: ToolCall, rule: str) -> Decision:
         return deny(

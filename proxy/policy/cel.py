@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from proxy.errors import CelCompileError, CelEvalError
@@ -33,6 +33,8 @@ class Engine(Protocol):
     name: str
 
     def compile(self, expr: str) -> Program: ...
+
+    def compile_any(self, sources: Sequence[str]) -> Program: ...
 
     def activation(self, variables: Mapping[str, Any]) -> Any: ...
 
@@ -70,6 +72,11 @@ class _CppProgram:
         )
 
 
+# The function literal `.matches("...")` calls are rewritten to: cel-cpp recompiles a regex on
+# every `matches` evaluation (~40 us); this one looks the precompiled RE2 pattern up instead.
+_RE_FUNCTION = "envelope_re_search"
+
+
 class CppEngine:
     """cel-cpp through cel-expr-python: parsed, type-checked and planned at compile time."""
 
@@ -83,8 +90,31 @@ class CppEngine:
         variables = {v: dyn_map for v in VARIABLES if v != "now"}
         variables["now"] = cel.Type.TIMESTAMP
         self._env = cel.NewEnv(variables=variables)
+        self._regex: dict[str, Any] = {}
+        self._re2: Any = None
+        self._fast_env: Any = None
+        try:
+            import re2
 
-    def compile(self, expr: str) -> _CppProgram:
+            self._re2 = re2
+            impl = self._re_search
+            self._fast_env = cel.NewEnv(
+                variables=variables,
+                functions=[cel.FunctionDecl(_RE_FUNCTION, [cel.Overload(
+                    f"{_RE_FUNCTION}_string_string", cel.Type.BOOL,
+                    [cel.Type.STRING, cel.Type.STRING], is_member=False, impl=impl,
+                )])],
+            )
+        except ImportError:  # pragma: no cover - google-re2 has wheels where cel-cpp has
+            pass
+
+    def _re_search(self, text: str, pattern: str) -> bool:
+        compiled = self._regex.get(pattern)
+        if compiled is None:
+            compiled = self._regex[pattern] = self._re2.compile(pattern)
+        return compiled.search(text) is not None
+
+    def _check(self, expr: str) -> Any:
         try:
             compiled = self._env.compile(expr)
         except Exception as exc:
@@ -93,13 +123,118 @@ class CppEngine:
             first = message.split("\n", 1)[0]
             first = re.sub(r"^[A-Z_]+: ERROR: <input>:\d+:\d+: ", "", first)
             raise CelCompileError(first, _offset(expr, message)) from exc
+        return compiled
+
+    def _fast(self, expr: str) -> str | None:
+        """`expr` with literal-pattern `matches` calls rewritten to the precompiled search.
+
+        None when there is nothing to rewrite. Raises CelCompileError for a pattern that RE2
+        rejects (caught at load instead of failing every call).
+        """
+        if self._fast_env is None or "matches" not in expr:
+            return None
+        sites = _matches_sites(expr)
+        if not sites:
+            return None
+        for literal_start, literal_end in (site[2] for site in sites):
+            literal = expr[literal_start:literal_end]
+            pattern = self._env.compile(literal).eval().value()
+            try:
+                self._regex[pattern] = self._re2.compile(pattern)
+            except Exception as exc:
+                raise CelCompileError(f"invalid regular expression {literal}: {exc}", literal_start) from exc
+        return _apply_sites(expr, sites)
+
+    def compile(self, expr: str) -> _CppProgram:
+        compiled = self._check(expr)
         rtype = compiled.return_type().name()
         if rtype not in ("BOOL", "DYN", "bool", "dyn"):
             raise CelCompileError(f"expression must be a bool, it is {rtype.lower()}", 0)
+        fast = self._fast(expr)
+        if fast is not None:
+            try:
+                compiled = self._fast_env.compile(fast)
+            except Exception:  # keep the checked original: correct, only slower
+                pass
         return _CppProgram(expr, compiled)
+
+    def compile_any(self, sources: Sequence[str]) -> Program:
+        """One program for `(s1) || (s2) || ...`, each source already compiled singly.
+
+        CEL's `||` is exactly "any true wins; an error matters only when nothing is true", so
+        the whole list costs one call into cel-cpp instead of one per expression.
+        """
+        if len(sources) == 1:
+            return self.compile(sources[0])
+        parts = [self._fast(src) or src for src in sources]
+        env = self._fast_env if self._fast_env is not None else self._env
+        joined = " || ".join(f"({p})" for p in parts)
+        try:
+            return _CppProgram(joined, env.compile(joined))
+        except Exception:  # cannot happen for sources that compile; stay correct regardless
+            return _AnyProgram([self.compile(src) for src in sources])
 
     def activation(self, variables: Mapping[str, Any]) -> Any:
         return self._env.Activation(dict(variables))
+
+
+def _matches_sites(expr: str) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+    """`recv.matches("lit")` and `matches(s, "lit")` calls: (call span, receiver span, literal span)."""
+    from celpy.celparser import CELParser
+
+    try:
+        tree = CELParser().parse(expr)
+    except Exception:
+        return []
+    sites = []
+    for node in tree.iter_subtrees():
+        kids = node.children
+        if node.data == "member_dot_arg" and len(kids) == 3:
+            recv, name, args = kids
+            if getattr(name, "value", None) != "matches" or len(args.children) != 1:
+                continue
+            lit = _string_literal(args.children[0])
+            if lit is not None:
+                sites.append(((node.meta.start_pos, node.meta.end_pos),
+                              (recv.meta.start_pos, recv.meta.end_pos), lit))
+        elif node.data == "ident_arg" and len(kids) == 2:
+            name, args = kids
+            if getattr(name, "value", None) != "matches" or len(args.children) != 2:
+                continue
+            lit = _string_literal(args.children[1])
+            first = args.children[0]
+            if lit is not None:
+                sites.append(((node.meta.start_pos, node.meta.end_pos),
+                              (first.meta.start_pos, first.meta.end_pos), lit))
+    return sites
+
+
+def _string_literal(node: Any) -> tuple[int, int] | None:
+    """The span of `node` when it is nothing but one string literal."""
+    while hasattr(node, "children") and len(node.children) == 1 and hasattr(node.children[0], "children"):
+        node = node.children[0]
+    if getattr(node, "data", None) == "literal" and len(node.children) == 1:
+        tok = node.children[0]
+        if getattr(tok, "type", "") in ("STRING_LIT", "MLSTRING_LIT"):
+            return (tok.start_pos, tok.end_pos)
+    return None
+
+
+def _apply_sites(expr: str, sites: list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]) -> str:
+    """Render `expr` with every site replaced, innermost sites inside receivers included."""
+
+    def render(start: int, end: int) -> str:
+        out, pos = [], start
+        for call, recv, lit in sorted(sites):
+            if call[0] < pos or call[1] > end:  # outside this span, or inside a site already done
+                continue
+            out.append(expr[pos:call[0]])
+            out.append(f"{_RE_FUNCTION}({render(recv[0], recv[1])}, {expr[lit[0]:lit[1]]})")
+            pos = call[1]
+        out.append(expr[pos:end])
+        return "".join(out)
+
+    return render(0, len(expr))
 
 
 class _PyProgram:
@@ -138,6 +273,28 @@ def _py_syntax_error(expr: str, exc: Exception) -> tuple[str, int]:
     return f"Syntax error: {detail or 'invalid expression'}", offset
 
 
+class _AnyProgram:
+    """`any` over programs with CEL `||` semantics: true wins, else the first error, else false."""
+
+    __slots__ = ("_programs", "source")
+
+    def __init__(self, programs: Sequence[Program]):
+        self._programs = tuple(programs)
+        self.source = " || ".join(f"({p.source})" for p in self._programs)
+
+    def evaluate(self, activation: Any) -> bool:
+        error: CelEvalError | None = None
+        for program in self._programs:
+            try:
+                if program.evaluate(activation):
+                    return True
+            except CelEvalError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return False
+
+
 class PyEngine:
     """cel-python: pure Python, ~100x slower; the fallback where cel-cpp has no wheel."""
 
@@ -156,6 +313,10 @@ class PyEngine:
         except Exception as exc:
             raise CelCompileError(*_py_syntax_error(expr, exc)) from exc
         return _PyProgram(expr, prog)
+
+    def compile_any(self, sources: Sequence[str]) -> Program:
+        programs = [self.compile(src) for src in sources]
+        return programs[0] if len(programs) == 1 else _AnyProgram(programs)
 
     def activation(self, variables: Mapping[str, Any]) -> Any:
         from celpy import celtypes
