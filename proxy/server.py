@@ -231,6 +231,8 @@ class Runtime:
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP")))
         await self._stop.wait()
         await self.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
 
     def request_stop(self) -> None:
         self._stop.set()
