@@ -58,6 +58,7 @@ class Runtime:
         self._watcher: PolicyWatcher | None = None
         self._stop = asyncio.Event()
         self.urls: dict[str, str] = {}
+        self.front: McpFront | None = None
 
     # ---- policy ------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class Runtime:
         return frozenset(names)
 
     def build_mcp_app(self) -> web.Application:
-        front = McpFront(
+        self.front = front = McpFront(
             self.envelope, self.forwarder, self.identity, self.target,
             FrontSettings(
                 max_body_bytes=self.config.limits.max_body_bytes,
@@ -210,6 +211,8 @@ class Runtime:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        if self.front is not None:
+            await self.front.close()
         await self.forwarder.close()
         self.audit.close()
         log.info("shutdown complete: audit log flushed and closed")

@@ -133,9 +133,47 @@ class McpFront:
         self.targets = targets
         self.settings = settings
         self.metrics = envelope.metrics
+        # Fire-and-forget upstream notifications (cancellations), tracked so shutdown can wait.
+        self._background: set[asyncio.Task[None]] = set()
 
     def routes(self) -> list[web.RouteDef]:
         return [web.route("*", "/mcp/{upstream}", self.handle)]
+
+    async def close(self) -> None:
+        """Let pending background notifications finish (bounded), then drop them."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=2)
+        for task in self._background:
+            task.cancel()
+
+    def cancel_upstream(self, request: web.Request, target: UpstreamTarget, request_id: Any) -> None:
+        """Tell a session-based upstream that the client gave up on `request_id`.
+
+        In 2025-06-18 / 2025-11-25 a dropped connection is not a cancellation, so the proxy
+        sends `notifications/cancelled` itself; in 2026-07-28 closing the stream (which the
+        forwarder does) is the cancellation.
+        """
+        if not request.headers.get("Mcp-Session-Id"):
+            return
+        body = orjson.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                             "params": {"requestId": request_id, "reason": "client disconnected"}})
+        headers = self._upstream_headers(request, target)
+        headers["Content-Type"] = "application/json"
+        headers.popall("Mcp-Method", None)
+        headers.popall("Mcp-Name", None)
+
+        async def send() -> None:
+            try:
+                resp = await self.forwarder.open("POST", target.url, headers, body,
+                                                 connect_timeout=target.connect_timeout,
+                                                 read_timeout=target.connect_timeout)
+                resp.close()
+            except (UpstreamError, TimeoutError) as exc:
+                log.info("could not send notifications/cancelled to %s: %s", target.name, exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- entry -------------------------------------------------------------------------
 
@@ -460,6 +498,7 @@ class _ForwardedCall:
             return await self._fail(self._failure(Code.UPSTREAM_ERROR, f"upstream {target.name!r} failed: {exc}"))
         except asyncio.CancelledError:
             if not self.finished:
+                front.cancel_upstream(self.request, target, self.msg.id)
                 self.finished = True
                 try:
                     front.envelope.finish(self.pending, self._failure(
