@@ -497,16 +497,24 @@ class _ForwardedCall:
             front.metrics.observe_upstream(target.name, self._upstream_seconds(), "error")
             return await self._fail(self._failure(Code.UPSTREAM_ERROR, f"upstream {target.name!r} failed: {exc}"))
         except asyncio.CancelledError:
-            if not self.finished:
-                front.cancel_upstream(self.request, target, self.msg.id)
-                self.finished = True
-                try:
-                    front.envelope.finish(self.pending, self._failure(
-                        Code.CLIENT_DISCONNECTED, "the client disconnected before the upstream answered"),
-                        upstream_seconds=self._upstream_seconds())
-                except AuditError:
-                    pass
+            self._client_gone()
             raise
+        except ConnectionResetError:  # writing to a client that went away mid-stream
+            self._client_gone()
+            return self.stream or web.Response(status=499)
+
+    def _client_gone(self) -> None:
+        """The client disconnected: cancel the upstream call and audit it, once."""
+        if self.finished:
+            return
+        self.front.cancel_upstream(self.request, self.target, self.msg.id)
+        self.finished = True
+        try:
+            self.front.envelope.finish(self.pending, self._failure(
+                Code.CLIENT_DISCONNECTED, "the client disconnected before the upstream answered"),
+                upstream_status=self.status, upstream_seconds=self._upstream_seconds())
+        except AuditError:
+            pass
 
     async def _fail(self, decision: Decision) -> web.StreamResponse:
         """Refuse after forwarding failed; in an SSE stream already open, as its last event."""
