@@ -3,6 +3,13 @@
 Every `Metrics()` owns its own `CollectorRegistry` (tests build many). Hot-path helpers cache
 labelled children in dicts so a call costs one dict lookup and one increment.
 
+Metrics declared `fast=True` (the per-call ones) skip prometheus_client's Counter/Histogram:
+those take a lock per value and scan buckets linearly. A fast series is a plain list ("cell")
+updated without a lock — the proxy is single-threaded asyncio per process — and a histogram
+finds its bucket with `bisect`. `collect()` (run by `render()` in a worker thread) copies the
+cells and builds the same families, so the exposition is unchanged; a scrape may see one
+observation half-applied (bucket counted, sum not yet), never an error.
+
 Label values must be bounded: `tool` is a catalogue name or "<unknown>", `upstream` a
 configured upstream, `code` a `Code` value, `check` a check id. Never pass request bytes.
 """
@@ -10,11 +17,13 @@ configured upstream, `code` a `Code` value, `check` a check id. Never pass reque
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from bisect import bisect_left
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, cast, get_args
 
+import prometheus_client.metrics as _prom_metrics
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -23,6 +32,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 # 10 µs .. 30 s: the envelope's checks sit in the µs range, upstream calls in ms..s.
 DURATION_BUCKETS = (
@@ -58,27 +70,126 @@ class MetricSpec:
     name: str
     doc: str
     labels: tuple[str, ...] = ()
+    fast: bool = False  # lock-free collector (Counter or Histogram only): the per-call metrics
+
+    def __post_init__(self) -> None:
+        if self.fast and self.kind not in (Counter, Histogram):
+            raise ValueError(f"{self.name}: only counters and histograms can be fast")
 
 
 METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(Counter, "envelope_decisions_total", "Decisions by upstream, tool, verdict and reason code.", ("upstream", "tool", "verdict", "code")),
-    MetricSpec(Histogram, "envelope_call_duration_seconds", "Time spent per stage of a tools/call (envelope, upstream, audit, total).", ("stage",)),
-    MetricSpec(Histogram, "envelope_upstream_duration_seconds", "Duration of upstream requests.", ("upstream",)),
-    MetricSpec(Counter, "envelope_upstream_requests_total", "Upstream requests by outcome (ok, error, timeout).", ("upstream", "outcome")),
+    MetricSpec(Counter, "envelope_decisions_total", "Decisions by upstream, tool, verdict and reason code.", ("upstream", "tool", "verdict", "code"), fast=True),
+    MetricSpec(Histogram, "envelope_call_duration_seconds", "Time spent per stage of a tools/call (envelope, upstream, audit, total).", ("stage",), fast=True),
+    MetricSpec(Histogram, "envelope_upstream_duration_seconds", "Duration of upstream requests.", ("upstream",), fast=True),
+    MetricSpec(Counter, "envelope_upstream_requests_total", "Upstream requests by outcome (ok, error, timeout).", ("upstream", "outcome"), fast=True),
     MetricSpec(Counter, "envelope_policy_reloads_total", "Policy reload attempts by result (success, failure).", ("result",)),
     MetricSpec(Gauge, "envelope_policy_revision_info", "The policy revision being served (value 1).", ("revision",)),
     MetricSpec(Gauge, "envelope_policy_last_reload_timestamp_seconds", "Unix time of the last successful policy load."),
     MetricSpec(Gauge, "envelope_misconfigured_tools", "Tools whose policy can never let them run."),
     MetricSpec(Counter, "envelope_audit_write_failures_total", "Audit records that could not be written (the call was refused)."),
-    MetricSpec(Counter, "envelope_audit_records_total", "Audit records written."),
+    MetricSpec(Counter, "envelope_audit_records_total", "Audit records written.", fast=True),
     MetricSpec(Counter, "envelope_check_errors_total", "Checks that raised (the call was refused: fail closed).", ("check",)),
     MetricSpec(Counter, "envelope_rejected_requests_total", "Requests rejected at the front before the envelope.", ("reason",)),
     MetricSpec(Gauge, "envelope_catalogue_tools", "Tools in the catalogue per upstream.", ("upstream",)),
+    MetricSpec(Gauge, "envelope_upstream_up", "Upstream health: 1 up, 0 down or not yet known.", ("upstream",)),
 )  # fmt: skip
 
 
 def _v(x: Any) -> str:
     return str(x.value) if isinstance(x, Enum) else str(x)
+
+
+# -- lock-free collectors for the hot path ---------------------------------------------------
+
+_BOUNDS: tuple[float, ...] = tuple(float(b) for b in DURATION_BUCKETS)
+# `bisect_left(_BOUNDS, v)` is the first bucket with v <= le (Prometheus' rule); len(_BOUNDS)
+# is the +Inf bucket. A histogram cell: per-bucket (non-cumulative) counts, then sum, created.
+_LE: tuple[str, ...] = (*(floatToGoString(b) for b in _BOUNDS), "+Inf")
+_NB = len(_LE)
+_SUM = _NB
+_CREATED = _NB + 1
+
+Cell = list[Any]  # counter: [value, created]; histogram: [*bucket counts, sum, created]
+
+
+def _snapshot(cells: dict[tuple[str, ...], Cell]) -> list[tuple[tuple[str, ...], Cell]]:
+    """Copy of `cells` safe against the event loop adding a series during the copy."""
+    while True:
+        try:
+            return [(k, list(c)) for k, c in list(cells.items())]
+        except RuntimeError:  # "dictionary changed size during iteration": copy again
+            continue
+
+
+class _FastMetric:
+    """A fast `MetricSpec`'s series: label values -> cell, read by `collect()` without a lock."""
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self.cells: dict[tuple[str, ...], Cell] = {}
+        if not spec.labels:  # an unlabelled series exists (at 0) from the start
+            self.child(())
+
+    def child(self, labelvalues: tuple[str, ...]) -> Cell:
+        """The cell of one series, created on first use (called on the event loop only)."""
+        cell = self.cells.get(labelvalues)
+        if cell is None:
+            if len(labelvalues) != len(self.spec.labels):
+                raise ValueError(f"{self.spec.name}: expected labels {self.spec.labels}")
+            cell = self._new_cell(time.time())
+            self.cells[labelvalues] = cell
+        return cell
+
+    def _new_cell(self, created: float) -> Cell:
+        raise NotImplementedError
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class _FastCounter(_FastMetric):
+    def _new_cell(self, created: float) -> Cell:
+        return [0, created]
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.spec.name, self.spec.doc, labels=self.spec.labels)
+
+    def collect(self) -> Iterator[Metric]:
+        fam = self._family()
+        use_created = _prom_metrics._use_created
+        for labelvalues, (value, created) in _snapshot(self.cells):
+            fam.add_metric(labelvalues, float(value), created=created if use_created else None)
+        yield fam
+
+
+class _FastHistogram(_FastMetric):
+    def _new_cell(self, created: float) -> Cell:
+        return [*([0] * _NB), 0.0, created]
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.spec.name, self.spec.doc, labels=self.spec.labels)
+
+    def collect(self) -> Iterator[Metric]:
+        fam = self._family()
+        use_created = _prom_metrics._use_created
+        labelnames = self.spec.labels
+        for labelvalues, cell in _snapshot(self.cells):
+            buckets: list[tuple[str, float]] = []
+            acc = 0
+            for le, n in zip(_LE, cell[:_NB], strict=True):
+                acc += n
+                buckets.append((le, float(acc)))
+            fam.add_metric(labelvalues, buckets, float(cell[_SUM]))
+            if use_created:
+                labels = dict(zip(labelnames, labelvalues, strict=True))
+                fam.samples.append(Sample(fam.name + "_created", labels, cell[_CREATED], None))
+        yield fam
 
 
 class Metrics:
@@ -87,53 +198,60 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.collectors: dict[str, Any] = {}
-        for spec in METRICS:
+        for spec in METRICS:  # registration order is exposition order
+            if spec.fast:
+                fast = (_FastHistogram if spec.kind is Histogram else _FastCounter)(spec)
+                self.registry.register(fast)
+                self.collectors[spec.name] = fast
+                continue
             kwargs: dict[str, Any] = {"registry": self.registry}
             if spec.kind is Histogram:
                 kwargs["buckets"] = DURATION_BUCKETS
             self.collectors[spec.name] = spec.kind(spec.name, spec.doc, spec.labels, **kwargs)
         c = self.collectors
-        self._decisions = cast(Counter, c["envelope_decisions_total"])
-        self._upstream_hist = cast(Histogram, c["envelope_upstream_duration_seconds"])
-        self._upstream_req = cast(Counter, c["envelope_upstream_requests_total"])
+        self._decisions = cast(_FastCounter, c["envelope_decisions_total"])
+        self._upstream_hist = cast(_FastHistogram, c["envelope_upstream_duration_seconds"])
+        self._upstream_req = cast(_FastCounter, c["envelope_upstream_requests_total"])
         self._revision = cast(Gauge, c["envelope_policy_revision_info"])
         self._last_reload = cast(Gauge, c["envelope_policy_last_reload_timestamp_seconds"])
         self._misconfigured = cast(Gauge, c["envelope_misconfigured_tools"])
         self._audit_failures = cast(Counter, c["envelope_audit_write_failures_total"])
-        self._audit_records = cast(Counter, c["envelope_audit_records_total"])
+        self._audit_records = cast(_FastCounter, c["envelope_audit_records_total"]).child(())
         self._check_errors = cast(Counter, c["envelope_check_errors_total"])
         self._catalogue = cast(Gauge, c["envelope_catalogue_tools"])
         # Fixed label sets are created up front: their series exist (at 0) from the start.
-        stage_hist = cast(Histogram, c["envelope_call_duration_seconds"])
-        self._stages = {s: stage_hist.labels(s) for s in STAGES}
+        stage_hist = cast(_FastHistogram, c["envelope_call_duration_seconds"])
+        self._stages = {s: stage_hist.child((s,)) for s in STAGES}
         reloads = cast(Counter, c["envelope_policy_reloads_total"])
         self._reloads = {r: reloads.labels(r) for r in RELOAD_RESULTS}
         rejected = cast(Counter, c["envelope_rejected_requests_total"])
         self._rejected = {r: rejected.labels(r) for r in REJECT_REASONS}
-        self._decision_children: dict[tuple[Any, ...], Any] = {}
-        self._upstream_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._decision_children: dict[tuple[Any, ...], Cell] = {}
+        self._upstream_children: dict[tuple[str, str], tuple[Cell, Cell]] = {}
         self._check_children: dict[str, Any] = {}
         self._current_revision: str | None = None
         self._catalogue_upstreams: set[str] = set()
+        self._up_upstreams: set[str] = set()
 
     # -- hot path -------------------------------------------------------------------------
 
     def decision(self, upstream: str, tool: str, verdict: Any, code: Any) -> None:
         """Count one decision. `tool` must be a catalogue name or "<unknown>" (bounded)."""
         key = (upstream, tool, verdict, code)
-        child = self._decision_children.get(key)
-        if child is None:
-            child = self._decisions.labels(upstream, tool, _v(verdict), _v(code))
-            self._decision_children[key] = child
-        child.inc()
+        cell = self._decision_children.get(key)
+        if cell is None:
+            cell = self._decisions.child((str(upstream), str(tool), _v(verdict), _v(code)))
+            self._decision_children[key] = cell
+        cell[0] += 1
 
     def observe_stage(self, stage: Stage, seconds: float) -> None:
         """Record one stage's duration; raises ValueError for a stage not in `STAGES`."""
         try:
-            child = self._stages[stage]
+            cell = self._stages[stage]
         except KeyError:
             raise ValueError(f"unknown stage {stage!r}") from None
-        child.observe(seconds)
+        cell[bisect_left(_BOUNDS, seconds)] += 1
+        cell[_SUM] += seconds
 
     def observe_upstream(self, upstream: str, seconds: float, outcome: UpstreamOutcome) -> None:
         """Record one upstream request: its duration and outcome (ok, error, timeout)."""
@@ -143,15 +261,17 @@ class Metrics:
             if outcome not in UPSTREAM_OUTCOMES:
                 raise ValueError(f"unknown upstream outcome {outcome!r}")
             pair = (
-                self._upstream_hist.labels(upstream),
-                self._upstream_req.labels(upstream, outcome),
+                self._upstream_hist.child((str(upstream),)),
+                self._upstream_req.child((str(upstream), outcome)),
             )
             self._upstream_children[key] = pair
-        pair[0].observe(seconds)
-        pair[1].inc()
+        hist = pair[0]
+        hist[bisect_left(_BOUNDS, seconds)] += 1
+        hist[_SUM] += seconds
+        pair[1][0] += 1
 
     def audit_record(self) -> None:
-        self._audit_records.inc()
+        self._audit_records[0] += 1
 
     def audit_write_failure(self) -> None:
         self._audit_failures.inc()
@@ -203,6 +323,15 @@ class Metrics:
         for upstream, n in counts.items():
             self._catalogue.labels(upstream).set(n)
         self._catalogue_upstreams = set(counts)
+
+    def set_upstreams_up(self, states: Mapping[str, bool | None]) -> None:
+        """Set `envelope_upstream_up` (None, unknown, counts as 0); gone upstreams lose their series."""
+        gauge = cast(Gauge, self.collectors["envelope_upstream_up"])
+        for upstream in self._up_upstreams - set(states):
+            gauge.remove(upstream)
+        for upstream, up in states.items():
+            gauge.labels(upstream).set(1 if up else 0)
+        self._up_upstreams = set(states)
 
     # -- exposition -----------------------------------------------------------------------
 
