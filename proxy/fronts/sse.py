@@ -57,22 +57,30 @@ class SSEParser:
     def __init__(self, max_event_bytes: int = 256 * 2**20):
         self._buf = bytearray()
         self._max = max_event_bytes
+        # Where the next search for an event end starts: bytes before it were already searched
+        # (minus a 3-byte overlap for a terminator split across chunks), so a large event
+        # arriving in many chunks is scanned once, not once per chunk.
+        self._scan = 0
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         self._buf += chunk
         events: list[SSEEvent] = []
         start = 0
         while True:
-            m = _EVENT_END.search(self._buf, start)
+            m = _EVENT_END.search(self._buf, max(start, self._scan))
             if m is None:
+                self._scan = max(start, len(self._buf) - 3)
                 break
             # A CR at the very end may be the first half of CRLF: wait for more bytes.
             if m.end() == len(self._buf) and self._buf.endswith(b"\r"):
+                self._scan = max(start, m.start())
                 break
             events.append(parse_event(bytes(self._buf[start : m.end()])))
             start = m.end()
+            self._scan = start
         if start:
             del self._buf[:start]
+            self._scan -= start
         if len(self._buf) > self._max:
             raise ValueError(f"SSE event larger than {self._max} bytes")
         return events

@@ -1,0 +1,68 @@
+"""SSE parsing for the relay: every split of the byte stream yields the same events, raw bytes
+included, and a large event is scanned in linear time."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from proxy.fronts import sse
+from proxy.fronts.sse import SSEParser, format_event, parse_event
+
+STREAM = (
+    b": comment\r\n\r\n"
+    b"id: 1\r\nretry: 500\r\ndata:\r\n\r\n"  # 2025-11-25 priming event: id, empty data
+    b"event: message\ndata: {\"a\":\n"
+    b"data: 1}\n\n"
+    b"id: 3\rdata: cr-only\r\r"
+    b"data: last\r\n\r\n"
+)
+
+
+def _all(parser: SSEParser, chunks: list[bytes]) -> list[tuple[bytes, str, str, str | None, int | None]]:
+    events = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    events += parser.flush()
+    return [(e.raw, e.event, e.data, e.id, e.retry) for e in events]
+
+
+def test_every_two_way_split_gives_the_same_events() -> None:
+    whole = _all(SSEParser(), [STREAM])
+    assert [e[2] for e in whole] == ["", "", '{"a":\n1}', "cr-only", "last"]
+    assert whole[1][3] == "1" and whole[1][4] == 500
+    assert b"".join(e[0] for e in whole) == STREAM  # raw bytes relay unchanged
+    for i in range(1, len(STREAM)):
+        assert _all(SSEParser(), [STREAM[:i], STREAM[i:]]) == whole, i
+
+
+def test_byte_by_byte_feeding() -> None:
+    assert _all(SSEParser(), [bytes([b]) for b in STREAM]) == _all(SSEParser(), [STREAM])
+
+
+def test_large_event_in_many_chunks_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    scanned = 0
+    real = sse._EVENT_END
+
+    class Counting:
+        def search(self, buf: bytearray, pos: int = 0) -> re.Match[bytes] | None:
+            nonlocal scanned
+            scanned += len(buf) - pos
+            return real.search(buf, pos)
+
+    monkeypatch.setattr(sse, "_EVENT_END", Counting())
+    data = b"data: " + b"x" * 2_000_000 + b"\n\n"
+    parser = SSEParser()
+    events = []
+    for i in range(0, len(data), 4096):
+        events += parser.feed(data[i : i + 4096])
+    assert len(events) == 1 and len(events[0].data) == 2_000_000
+    # Rescanning the buffer on every chunk would search ~500x the event's size.
+    assert scanned < 2 * len(data)
+
+
+def test_format_event_round_trips() -> None:
+    raw = format_event(b'{"x":1}', "message", "7")
+    ev = parse_event(raw)
+    assert (ev.event, ev.data, ev.id) == ("message", '{"x":1}', "7")
