@@ -61,6 +61,19 @@ class Limits(_Model):
     max_json_depth: int = 64
 
 
+class AggregateConfig(_Model):
+    """The aggregated endpoint `/mcp`: several upstreams presented as one MCP server."""
+
+    # Absent or false: no `/mcp` route (only `/mcp/<upstream>`).
+    enabled: bool = False
+    # Upstreams merged, in this order. Absent or empty: every upstream of the policy. Names the
+    # policy does not declare are skipped with a warning.
+    upstreams: list[str] = Field(default_factory=list)
+    # Client sessions kept at once (legacy revisions); the least recently used one beyond is
+    # dropped (its client gets 404 and re-initializes).
+    max_sessions: int = Field(default=1000, ge=1)
+
+
 class Config(_Model):
     """Everything `envelope-proxy serve` needs besides the policy."""
 
@@ -90,6 +103,14 @@ class Config(_Model):
     # Seconds in-flight calls get to finish on SIGTERM.
     shutdown_grace: float = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Seconds between active health probes of every upstream (an HTTP request to its URL; any
+    # HTTP status counts as up). 0 disables probing: health then comes from real traffic only.
+    health_interval: float = Field(default=10.0, ge=0)
+    # Seconds a probe may take (connect plus the status line) before it counts as a failure.
+    health_timeout: float = Field(default=2.0, gt=0)
+    # Consecutive failures (traffic or probe) after which an upstream is reported down.
+    health_down_after: int = Field(default=1, ge=1)
+    aggregate: AggregateConfig = Field(default_factory=AggregateConfig)
 
     @field_validator("listen", "admin")
     @classmethod
@@ -121,6 +142,7 @@ ENV_KEYS = {
     "ENVELOPE_WORKERS": "workers",
     "ENVELOPE_RELOAD_INTERVAL": "reload_interval",
     "ENVELOPE_TRANSPORT": "transport",
+    "ENVELOPE_HEALTH_INTERVAL": "health_interval",
 }
 
 

@@ -26,12 +26,14 @@ from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
 from proxy.errors import PolicyError
 from proxy.forward import Forwarder
+from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.mcp import LOOPBACK_HOSTS, FrontSettings, McpFront, UpstreamTarget
 from proxy.identity import Identity
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.reload import PolicyWatcher
 from proxy.transport import FastForwarder
+from proxy.upstreams import HealthProber, ProbeTarget, UpstreamHealth
 
 log = logging.getLogger("envelope")
 
@@ -58,6 +60,13 @@ class Runtime:
         self._watcher: PolicyWatcher | None = None
         self._stop = asyncio.Event()
         self.urls: dict[str, str] = {}
+        self.health = UpstreamHealth(down_after=config.health_down_after,
+                                     on_change=self.metrics.set_upstreams_up)
+        self._prober = HealthProber(
+            self.health, self.forwarder,
+            lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items()],
+            interval=config.health_interval, timeout=config.health_timeout,
+        )
         self.front: McpFront | None = None
 
     # ---- policy ------------------------------------------------------------------------
@@ -79,6 +88,7 @@ class Runtime:
             )
         self.envelope.install(revision)
         self._targets = targets  # swapped together with the chain
+        self.health.sync(targets)
         self.revision = revision
         self.metrics.set_revision(revision.revision)
 
@@ -125,6 +135,19 @@ class Runtime:
             reasons.append(f"audit log not writable: {self.audit.last_error}")
         return reasons
 
+    def upstream_summary(self) -> dict[str, dict[str, Any]]:
+        """Per-upstream state and last error, for `/readyz` (never a readiness reason)."""
+        return self.health.summary()
+
+    def upstream_status(self) -> dict[str, dict[str, Any]]:
+        """Per-upstream health in full, for `/v1/upstreams`."""
+        return {name: {**state, "url": self._targets[name].url if name in self._targets else None}
+                for name, state in self.health.snapshot().items()}
+
+    def aggregate_upstreams(self) -> list[str]:
+        """The upstreams behind `/mcp`: the configured list, else every policy upstream."""
+        return list(self.config.aggregate.upstreams) or sorted(self._targets)
+
     def policy_status(self) -> dict[str, Any]:
         rev = self.revision
         if rev is None:
@@ -163,7 +186,13 @@ class Runtime:
         )
         # aiohttp's own body cap is bypassed by the front's streaming reader, which enforces ours.
         app = web.Application(client_max_size=self.config.limits.max_body_bytes)
+        front.on_upstream = self.health.record
         app.add_routes(front.routes())
+        if self.config.aggregate.enabled:
+            aggregate = AggregateFront(front, self.aggregate_upstreams,
+                                       max_sessions=self.config.aggregate.max_sessions)
+            app.add_routes(aggregate.routes())
+            app.on_shutdown.append(aggregate.shutdown)
         return app
 
     async def start(self) -> None:
@@ -172,6 +201,7 @@ class Runtime:
             log.error("audit log %s is not writable (%s): every call will be refused until it is",
                       self.audit.path, self.audit.last_error)
         await self.forwarder.start()
+        self._prober.start()
         reuse = self.config.workers > 1
         host, port = self.config.listen_addr
         mcp_runner = web.AppRunner(self.build_mcp_app(), access_log=None, handler_cancellation=True,
@@ -208,6 +238,7 @@ class Runtime:
                  self.config.shutdown_grace)
         if self._watcher is not None:
             await self._watcher.stop()
+        await self._prober.stop()
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

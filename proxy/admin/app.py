@@ -37,7 +37,7 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application:
-    """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy."""
+    """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy (+ /v1/upstreams)."""
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -47,9 +47,18 @@ def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application
             reasons = list(status.readiness())
         except Exception as e:  # fail closed: an unknown state is not ready
             reasons = [f"readiness check failed: {type(e).__name__}: {e}"]
+        # Upstream health is shown, never a reason: one down upstream leaves the others serving,
+        # and restarting the proxy would not bring it back.
+        body: dict[str, Any] = {"ready": not reasons}
         if reasons:
-            return _json({"ready": False, "reasons": reasons}, status=503)
-        return _json({"ready": True})
+            body["reasons"] = reasons
+        summary = getattr(status, "upstream_summary", None)
+        if summary is not None:
+            try:
+                body["upstreams"] = summary()
+            except Exception as e:
+                body["upstreams_error"] = f"{type(e).__name__}: {e}"
+        return _json(body, status=503 if reasons else 200)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         # Rendering many series takes milliseconds: keep it off the proxy's event loop.
@@ -68,4 +77,10 @@ def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/v1/policy", policy)
+    upstream_status = getattr(status, "upstream_status", None)
+    if upstream_status is not None:
+        async def upstreams(request: web.Request) -> web.Response:
+            return _json({"upstreams": upstream_status()})
+
+        app.router.add_get("/v1/upstreams", upstreams)
     return app

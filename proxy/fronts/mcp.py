@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.admin.metrics import UpstreamOutcome
 from proxy.envelope.call import (
     Code,
     Decision,
@@ -133,6 +134,8 @@ class McpFront:
         self.targets = targets
         self.settings = settings
         self.metrics = envelope.metrics
+        # Told every upstream request outcome (proxy.upstreams.UpstreamHealth.record); optional.
+        self.on_upstream: Callable[[str, UpstreamOutcome, str | None], None] | None = None
         # Fire-and-forget upstream notifications (cancellations), tracked so shutdown can wait.
         self._background: set[asyncio.Task[None]] = set()
 
@@ -198,6 +201,13 @@ class McpFront:
         if request.method in ("GET", "DELETE"):
             return await self._relay(request, target, None, stream_timeout=None)
         return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
+
+    def _observe_upstream(self, upstream: str, seconds: float, outcome: UpstreamOutcome,
+                          error: str | None = None) -> None:
+        """Count one upstream request and tell the health tracker (if any) its outcome."""
+        self.metrics.observe_upstream(upstream, seconds, outcome)
+        if self.on_upstream is not None:
+            self.on_upstream(upstream, outcome, error)
 
     def _check_host_origin(self, request: web.Request) -> web.Response | None:
         allowed = self.settings.allowed_hosts
@@ -293,10 +303,10 @@ class McpFront:
             outcome: Literal["timeout", "error"] = (
                 "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "error"
             )
-            self.metrics.observe_upstream(target.name, time.perf_counter() - started, outcome)
+            self._observe_upstream(target.name, time.perf_counter() - started, outcome, str(exc))
             msg = f"upstream {target.name!r} " + ("timed out" if outcome == "timeout" else f"unavailable: {exc}")
             return _rpc_error(502 if outcome == "error" else 504, None, jsonrpc.INTERNAL_ERROR, msg)
-        self.metrics.observe_upstream(target.name, time.perf_counter() - started, "ok")
+        self._observe_upstream(target.name, time.perf_counter() - started, "ok")
         async with resp:
             out = web.StreamResponse(status=resp.status, headers=self._downstream_headers(resp))
             length = resp.headers.get("Content-Length")
@@ -342,7 +352,7 @@ class McpFront:
                     return web.Response(status=resp.status, body=data, headers=self._downstream_headers(resp))
                 if ctype.startswith("application/json"):
                     data = await resp.read()
-                    self.metrics.observe_upstream(target.name, time.perf_counter() - started, "ok")
+                    self._observe_upstream(target.name, time.perf_counter() - started, "ok")
                     reply = orjson.loads(data)
                     if isinstance(reply, dict) and "result" in reply:
                         reply["result"] = self._filter_list(reply["result"], target, principal)
@@ -356,12 +366,12 @@ class McpFront:
                         await out.write(self._rewrite_list_event(ev, msg, target, principal))
                 for ev in parser.flush():
                     await out.write(self._rewrite_list_event(ev, msg, target, principal))
-                self.metrics.observe_upstream(target.name, time.perf_counter() - started, "ok")
+                self._observe_upstream(target.name, time.perf_counter() - started, "ok")
                 await out.write_eof()
                 return out
         except (UpstreamError, TimeoutError, orjson.JSONDecodeError) as exc:
             timeout = isinstance(exc, TimeoutError | UpstreamTimeout)
-            self.metrics.observe_upstream(target.name, time.perf_counter() - started, "timeout" if timeout else "error")
+            self._observe_upstream(target.name, time.perf_counter() - started, "timeout" if timeout else "error", str(exc))
             what = "timed out" if timeout else f"failed: {exc}"
             return _rpc_error(200, msg.id, jsonrpc.INTERNAL_ERROR, f"upstream {target.name!r} {what}")
 
@@ -458,6 +468,7 @@ class _ForwardedCall:
         self.status: int | None = None
         self.stream: web.StreamResponse | None = None
         self.finished = False
+        self.resumable = False  # the upstream's events carry ids: the client can resume
 
     def _upstream_seconds(self) -> float:
         return time.perf_counter() - self.started
@@ -490,11 +501,11 @@ class _ForwardedCall:
             async with asyncio.timeout(target.timeout):
                 return await self._exchange()
         except (TimeoutError, UpstreamTimeout):
-            front.metrics.observe_upstream(target.name, self._upstream_seconds(), "timeout")
+            front._observe_upstream(target.name, self._upstream_seconds(), "timeout")
             return await self._fail(self._failure(
                 Code.UPSTREAM_TIMEOUT, f"upstream {target.name!r} did not answer within {target.timeout:g}s"))
         except UpstreamError as exc:
-            front.metrics.observe_upstream(target.name, self._upstream_seconds(), "error")
+            front._observe_upstream(target.name, self._upstream_seconds(), "error", str(exc))
             return await self._fail(self._failure(Code.UPSTREAM_ERROR, f"upstream {target.name!r} failed: {exc}"))
         except asyncio.CancelledError:
             self._client_gone()
@@ -504,15 +515,29 @@ class _ForwardedCall:
             return self.stream or web.Response(status=499)
 
     def _client_gone(self) -> None:
-        """The client disconnected: cancel the upstream call and audit it, once."""
+        """The client disconnected before the result: audit it once, and cancel the upstream
+        call unless the stream is resumable.
+
+        A stream whose events carry ids (2025-11-25 with an event store) may be resumed with
+        GET + Last-Event-ID, and the spec says a disconnect is not a cancellation then: the
+        upstream keeps running and the result reaches the client on the resumed stream.
+        Otherwise nobody can ever read the result, so the call is cancelled (`notifications/
+        cancelled` for sessions; closing the upstream stream cancels a stateless call).
+        """
         if self.finished:
             return
-        self.front.cancel_upstream(self.request, self.target, self.msg.id)
         self.finished = True
+        if self.resumable:
+            decision = Decision(Verdict.ALLOW, Code.OK, "forward",
+                                "the client disconnected; the stream is resumable, the call goes on")
+        else:
+            self.front.cancel_upstream(self.request, self.target, self.msg.id)
+            decision = self._failure(Code.CLIENT_DISCONNECTED,
+                                     "the client disconnected before the upstream answered; cancelled")
         try:
-            self.front.envelope.finish(self.pending, self._failure(
-                Code.CLIENT_DISCONNECTED, "the client disconnected before the upstream answered"),
-                upstream_status=self.status, upstream_seconds=self._upstream_seconds())
+            self.front.envelope.finish(self.pending, decision, upstream_status=self.status,
+                                       upstream_seconds=self._upstream_seconds(),
+                                       extra={"client_disconnected": True})
         except AuditError:
             pass
 
@@ -551,8 +576,8 @@ class _ForwardedCall:
             if ctype.startswith("text/event-stream") and resp.status == 200:
                 return await self._relay_sse(resp)
             data = await resp.read()
-            front.metrics.observe_upstream(target.name, self._upstream_seconds(),
-                                           "ok" if resp.status < 500 else "error")
+            front._observe_upstream(target.name, self._upstream_seconds(),
+                                    "ok" if resp.status < 500 else "error", f"answered HTTP {resp.status}")
             parsed: Any = None
             if ctype.startswith("application/json"):
                 try:
@@ -596,7 +621,7 @@ class _ForwardedCall:
         first = True
         async for chunk in resp.chunks():
             if first:
-                front.metrics.observe_upstream(self.target.name, self._upstream_seconds(), "ok")
+                front._observe_upstream(self.target.name, self._upstream_seconds(), "ok")
                 first = False
             for ev in parser.feed(chunk):
                 if not await self._relay_event(out, ev):
@@ -605,6 +630,21 @@ class _ForwardedCall:
             if not await self._relay_event(out, ev):
                 return out
         if not self.finished:
+            if self.resumable:
+                # 2025-11-25 lets a server close a call's stream early (after a priming event
+                # with an id); the client resumes with GET + Last-Event-ID and the result
+                # arrives there. Inventing a failure here would give the call two answers.
+                self.finished = True
+                try:
+                    front.envelope.finish(
+                        self.pending, upstream_status=self.status,
+                        upstream_seconds=self._upstream_seconds(),
+                        extra={"is_error": None, "stream": "closed before the result; resumable"},
+                    )
+                except AuditError:
+                    return await self._fail(self._failure(Code.AUDIT_UNAVAILABLE, "audit log unavailable"))
+                await out.write_eof()
+                return out
             return await self._fail(self._failure(
                 Code.UPSTREAM_ERROR, f"upstream {self.target.name!r} closed the stream without a result"))
         await out.write_eof()
@@ -612,6 +652,8 @@ class _ForwardedCall:
 
     async def _relay_event(self, out: web.StreamResponse, ev: SSEEvent) -> bool:
         """Write one event; audit first when it is our response. False ends the relay."""
+        if ev.id:
+            self.resumable = True
         if not self.finished and ev.has_data and b'"id"' in ev.raw:
             try:
                 reply = orjson.loads(ev.data)

@@ -1,0 +1,582 @@
+"""The aggregated endpoint `/mcp`: several upstreams presented as one MCP server.
+
+Tools are renamed `<upstream>.<tool>`. Unlike `/mcp/<upstream>`, which relays bytes, this front
+is an MCP server itself: it answers the client in JSON (`application/json`) and talks to each
+upstream as an MCP client through the same forwarder, with one upstream session per client
+session and upstream (2025-06-18 / 2025-11-25 clients, `Mcp-Session-Id` of its own), or one
+shared upstream session per upstream for stateless 2026-07-28 clients (`server/discover`).
+
+Policy is not duplicated here: `tools/list` results go through `McpFront._filter_list` (learn
+into the registry, `Chain.visible` per principal) and `tools/call` through `Envelope.begin` /
+`finish` with `upstream=<upstream>`, `tool=<original name>`, so refusals, audit records and
+metrics are those of the per-upstream route.
+
+Served: `initialize`, `server/discover`, `ping`, `tools/list` (all upstreams merged, no
+pagination), `tools/call`, notifications, GET (legacy sessions: the upstreams'
+`notifications/tools/list_changed` fanned out) and DELETE. Everything else (resources/*,
+prompts/*, completion, logging) is answered with JSON-RPC -32601: those have no unambiguous
+merge across servers; use `/mcp/<upstream>` for them. Upstream progress notifications and
+server-to-client requests (sampling, elicitation) are not relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.envelope.call import (
+    Code,
+    Decision,
+    Principal,
+    RequestInfo,
+    RunContext,
+    ToolCall,
+    Verdict,
+)
+from proxy.envelope.pipeline import Pending
+from proxy.errors import AuditError, IdentityError, UpstreamError, UpstreamTimeout
+from proxy.fronts import jsonrpc
+from proxy.fronts.jsonrpc import BadMessage, Message
+from proxy.fronts.mcp import (
+    DECISION_META,
+    STATELESS_REVISION,
+    McpFront,
+    UpstreamTarget,
+    _is_stateless,
+    refusal_result,
+)
+from proxy.fronts.sse import SSEParser, format_event
+
+log = logging.getLogger("envelope.aggregate")
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+LEGACY_REVISIONS = ("2025-11-25", "2025-06-18")
+UPSTREAM_REVISION = "2025-11-25"  # what the aggregate speaks to upstreams (sessions)
+SERVER_INFO = {"name": "envelope-proxy-aggregate", "version": "1"}
+MAX_PAGES = 50  # tools/list pages fetched per upstream
+LISTEN_RETRY = 2.0  # seconds before an upstream GET stream that ended is reopened
+_LIST_CHANGED = format_event(orjson.dumps({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}))
+
+
+@dataclass(slots=True)
+class _UpstreamSession:
+    """The aggregate's MCP client session with one upstream."""
+
+    session_id: str | None = None
+    protocol: str = ""
+    ready: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(slots=True)
+class _ClientSession:
+    """A legacy client's session on `/mcp`: bound to its principal, one upstream session each."""
+
+    id: str
+    principal: str
+    protocol: str
+    upstreams: dict[str, _UpstreamSession] = field(default_factory=dict)
+    streams: set[asyncio.Queue[bytes | None]] = field(default_factory=set)
+
+
+class _Reply(Exception):
+    """A finished wire reply raised out of request handling."""
+
+    def __init__(self, response: web.Response):
+        self.response = response
+
+
+class AggregateFront:
+    """aiohttp handlers for `/mcp`, built on a `McpFront` (its envelope, forwarder, identity)."""
+
+    def __init__(self, front: McpFront, upstreams: Callable[[], Sequence[str]], max_sessions: int = 1000):
+        self.front = front
+        self.upstreams = upstreams  # the aggregated upstream names, in order (config or policy)
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, _ClientSession] = OrderedDict()
+        self._shared: dict[str, _UpstreamSession] = {}  # stateless clients
+        self._ids = 0
+        self._warned: set[str] = set()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.route("*", "/mcp", self.handle)]
+
+    async def shutdown(self, app: web.Application | None = None) -> None:
+        """End every open GET stream (called before the listener drains)."""
+        for sess in self._sessions.values():
+            for q in sess.streams:
+                q.put_nowait(None)
+
+    # ---- entry -------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        front = self.front
+        problem = front._check_host_origin(request)
+        if problem is not None:
+            return problem
+        try:
+            principal = front.identity.resolve(request.headers)
+        except IdentityError as exc:
+            front.metrics.rejected("unauthenticated")
+            return web.Response(
+                status=401, body=jsonrpc.error_body(None, jsonrpc.INVALID_REQUEST, f"Unauthorized: {exc}"),
+                content_type="application/json", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+        try:
+            if request.method == "POST":
+                return await self._post(request, principal)
+            if request.method == "GET":
+                return await self._get(request, principal)
+            if request.method == "DELETE":
+                return await self._delete(request, principal)
+        except _Reply as reply:
+            return reply.response
+        return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
+
+    def _client_session(self, request: web.Request, principal: Principal, id: Any = None) -> _ClientSession:
+        """The legacy client's session; 400 without the header, 404 unknown (re-initialize)."""
+        sid = request.headers.get("Mcp-Session-Id")
+        if not sid:
+            raise _Reply(_error(400, id, jsonrpc.INVALID_REQUEST, "Bad Request: Mcp-Session-Id header is required"))
+        sess = self._sessions.get(sid)
+        if sess is None or sess.principal != principal.id:  # a session id is never identity
+            raise _Reply(_error(404, id, jsonrpc.INVALID_REQUEST, "Session not found"))
+        self._sessions.move_to_end(sid)
+        return sess
+
+    async def _post(self, request: web.Request, principal: Principal) -> web.StreamResponse:
+        front = self.front
+        try:
+            body = await front._read_body(request)
+            msg = jsonrpc.parse_message(body, front.settings.max_json_depth)
+            if msg.method == "tools/call" and not msg.is_request:
+                raise BadMessage(jsonrpc.INVALID_REQUEST,
+                                 'Invalid Request: "tools/call" must be a request with an "id"', "invalid_request")
+            header_method = request.headers.get("Mcp-Method")
+            if header_method is not None and msg.method is not None and header_method != msg.method:
+                raise BadMessage(jsonrpc.HEADER_MISMATCH,
+                                 f"Mcp-Method header {header_method!r} does not match the body's method {msg.method!r}",
+                                 "header_mismatch", id=msg.id)
+        except BadMessage as exc:
+            front.metrics.rejected(exc.reason)
+            return _error(exc.status, exc.id, exc.code, exc.message)
+        if not msg.is_request:
+            return web.Response(status=202)  # notifications and responses: nothing to do
+        stateless = _is_stateless(request, msg)
+        if msg.method == "initialize":
+            return self._initialize(msg, principal)
+        if msg.method == "server/discover":
+            return _result(msg.id, {
+                "supportedVersions": [STATELESS_REVISION],
+                "capabilities": {"tools": {"listChanged": False}},
+                "instructions": "Tools of several MCP servers behind envelope-proxy, named <upstream>.<tool>.",
+                "resultType": "complete", "ttlMs": 0, "cacheScope": "private",
+                "_meta": {"io.modelcontextprotocol/serverInfo": SERVER_INFO},
+            })
+        sess = None if stateless else self._client_session(request, principal, msg.id)
+        if msg.method == "ping":
+            return _result(msg.id, {"resultType": "complete"} if stateless else {})
+        if msg.method == "tools/list":
+            return await self._tools_list(request, sess, principal, msg, stateless)
+        if msg.method == "tools/call":
+            return await self._tools_call(request, sess, principal, msg, stateless)
+        return _error(404 if stateless else 200, msg.id, jsonrpc.METHOD_NOT_FOUND,
+                      f"Method not found: {msg.method} is not served by the aggregated endpoint /mcp "
+                      "(it serves tools only; use /mcp/<upstream> for resources and prompts)")
+
+    def _initialize(self, msg: Message, principal: Principal) -> web.Response:
+        requested = msg.params.get("protocolVersion")
+        version = requested if requested in LEGACY_REVISIONS else LEGACY_REVISIONS[0]
+        sess = _ClientSession(id=uuid.uuid4().hex, principal=principal.id, protocol=version)
+        self._sessions[sess.id] = sess
+        while len(self._sessions) > self.max_sessions:
+            _, old = self._sessions.popitem(last=False)
+            for q in old.streams:
+                q.put_nowait(None)
+        result = {
+            "protocolVersion": version,
+            "capabilities": {"tools": {"listChanged": True}},
+            "serverInfo": SERVER_INFO,
+            "instructions": "Tools of several MCP servers behind envelope-proxy, named <upstream>.<tool>.",
+        }
+        return _result(msg.id, result, {"Mcp-Session-Id": sess.id})
+
+    async def _delete(self, request: web.Request, principal: Principal) -> web.Response:
+        sess = self._client_session(request, principal)
+        del self._sessions[sess.id]
+        for q in sess.streams:
+            q.put_nowait(None)
+        for name, us in sess.upstreams.items():
+            target = self.front.targets(name)
+            if target is not None and us.session_id:
+                try:
+                    async with asyncio.timeout(target.connect_timeout):
+                        resp = await self.front.forwarder.open(
+                            "DELETE", target.url, self._headers(target, us, request), None,
+                            connect_timeout=target.connect_timeout, read_timeout=target.connect_timeout)
+                    resp.close()
+                except (UpstreamError, TimeoutError):
+                    pass  # the upstream expires it on its own
+        return web.Response(status=200)
+
+    # ---- talking to upstreams ------------------------------------------------------------
+
+    def _targets(self) -> list[UpstreamTarget]:
+        out = []
+        for name in self.upstreams():
+            target = self.front.targets(name)
+            if target is None:
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.warning("aggregate: upstream %r is not in the policy; skipped", name)
+                continue
+            out.append(target)
+        return out
+
+    def _split(self, name: str) -> tuple[UpstreamTarget, str] | None:
+        """`<upstream>.<tool>` -> (target, tool); the longest matching upstream name wins."""
+        best: UpstreamTarget | None = None
+        for target in self._targets():
+            if name.startswith(target.name + ".") and len(name) > len(target.name) + 1:
+                if best is None or len(target.name) > len(best.name):
+                    best = target
+        return None if best is None else (best, name[len(best.name) + 1:])
+
+    def _headers(self, target: UpstreamTarget, us: _UpstreamSession, request: web.Request,
+                 accept: str = "application/json, text/event-stream") -> dict[str, str]:
+        headers = {"Accept": accept, "Content-Type": "application/json"}
+        if us.session_id:
+            headers["Mcp-Session-Id"] = us.session_id
+        if us.protocol:
+            headers["MCP-Protocol-Version"] = us.protocol
+        auth = request.headers.get("Authorization")
+        if auth and target.forward_authorization:
+            headers["Authorization"] = auth
+        headers.update(target.headers)
+        return headers
+
+    def _next_id(self) -> str:
+        self._ids += 1
+        return f"envelope-agg-{self._ids}"  # never collides with a client's id: we mint them all
+
+    async def _exchange(self, target: UpstreamTarget, us: _UpstreamSession, request: web.Request,
+                        payload: dict[str, Any]) -> tuple[int, str | None, dict[str, Any] | None]:
+        """POST one message; (status, session id header, the JSON-RPC reply to it or None)."""
+        rid = payload.get("id")
+        resp = await self.front.forwarder.open(
+            "POST", target.url, self._headers(target, us, request), orjson.dumps(payload),
+            connect_timeout=target.connect_timeout, read_timeout=target.timeout)
+        async with resp:
+            sid = resp.headers.get("Mcp-Session-Id")
+            ctype = resp.headers.get("Content-Type", "")
+            if rid is not None and resp.status == 200 and ctype.startswith("text/event-stream"):
+                parser = SSEParser()
+                async for chunk in resp.chunks():
+                    for ev in parser.feed(chunk):
+                        reply = _reply_to(ev.data if ev.has_data else "", rid)
+                        if reply is not None:
+                            return resp.status, sid, reply
+                raise UpstreamError("closed the stream without a reply")
+            data = await resp.read()
+            if rid is not None and ctype.startswith("application/json"):
+                return resp.status, sid, _reply_to(data, rid)
+            return resp.status, sid, None
+
+    async def _ensure(self, us: _UpstreamSession, target: UpstreamTarget, request: web.Request) -> None:
+        async with us.lock:
+            if us.ready:
+                return
+            us.session_id, us.protocol = None, ""
+            init = {"jsonrpc": "2.0", "id": self._next_id(), "method": "initialize",
+                    "params": {"protocolVersion": UPSTREAM_REVISION, "capabilities": {},
+                               "clientInfo": SERVER_INFO}}
+            status, sid, reply = await self._exchange(target, us, request, init)
+            result = reply.get("result") if reply else None
+            if not isinstance(result, dict):
+                raise UpstreamError(f"initialize answered HTTP {status}" + (
+                    f": {reply['error'].get('message')}" if reply and isinstance(reply.get("error"), dict) else ""))
+            us.session_id = sid
+            version = result.get("protocolVersion")
+            us.protocol = version if isinstance(version, str) else UPSTREAM_REVISION
+            await self._exchange(target, us, request, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+            us.ready = True
+
+    def _upstream_session(self, sess: _ClientSession | None, name: str) -> _UpstreamSession:
+        table = self._shared if sess is None else sess.upstreams
+        us = table.get(name)
+        if us is None:
+            us = table[name] = _UpstreamSession()
+        return us
+
+    async def _request(self, sess: _ClientSession | None, target: UpstreamTarget, request: web.Request,
+                       method: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """One request to an upstream in its session (initialized on first use, again after 404)."""
+        us = self._upstream_session(sess, target.name)
+        for attempt in range(2):
+            await self._ensure(us, target, request)
+            payload = {"jsonrpc": "2.0", "id": self._next_id(), "method": method, "params": params}
+            status, _, reply = await self._exchange(target, us, request, payload)
+            if status == 404 and attempt == 0:
+                us.ready = False  # the upstream forgot the session (restart, expiry): start over
+                continue
+            if reply is None:
+                raise UpstreamError(f"answered HTTP {status} without a JSON-RPC reply")
+            return status, reply
+        raise UpstreamError("answered 404 to a fresh session")
+
+    async def _forward(self, sess: _ClientSession | None, target: UpstreamTarget, request: web.Request,
+                       method: str, params: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
+        """`_request` within the upstream's timeout, counted and reported to health like any relay."""
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(target.timeout):
+                status, reply = await self._request(sess, target, request, method, params)
+        except (TimeoutError, UpstreamTimeout) as exc:
+            reason = f"did not answer within {target.timeout:g}s"
+            self.front._observe_upstream(target.name, time.perf_counter() - started, "timeout", reason)
+            raise UpstreamTimeout(reason) from exc
+        except UpstreamError as exc:
+            self.front._observe_upstream(target.name, time.perf_counter() - started, "error", str(exc))
+            raise
+        seconds = time.perf_counter() - started
+        ok = status < 500
+        self.front._observe_upstream(target.name, seconds, "ok" if ok else "error",
+                                     None if ok else f"answered HTTP {status}")
+        return status, reply, seconds
+
+    # ---- tools/list --------------------------------------------------------------------
+
+    async def _list_one(self, sess: _ClientSession | None, target: UpstreamTarget, request: web.Request,
+                        principal: Principal) -> list[dict[str, Any]]:
+        tools: list[dict[str, Any]] = []
+        cursor: Any = None
+        for _ in range(MAX_PAGES):
+            _, reply, _ = await self._forward(sess, target, request, "tools/list",
+                                              {"cursor": cursor} if cursor else {})
+            result = reply.get("result")
+            if not isinstance(result, dict):
+                err = reply.get("error")
+                raise UpstreamError(f"tools/list failed: {err.get('message') if isinstance(err, dict) else reply}")
+            # The per-upstream route's own path: learn into the registry, filter per principal.
+            visible = self.front._filter_list(result, target, principal).get("tools", [])
+            for tool in visible:
+                name = f"{target.name}.{tool['name']}"
+                if not TOOL_NAME.fullmatch(name):
+                    if name not in self._warned:
+                        self._warned.add(name)
+                        log.warning("aggregate: tool %r is not a valid MCP tool name (1-128 of "
+                                    "[A-Za-z0-9_.-]); not listed", name[:200])
+                    continue
+                tools.append({**tool, "name": name})
+            cursor = result.get("nextCursor")
+            if not cursor:
+                break
+        return tools
+
+    async def _tools_list(self, request: web.Request, sess: _ClientSession | None, principal: Principal,
+                          msg: Message, stateless: bool) -> web.Response:
+        targets = self._targets()
+        lists = await asyncio.gather(*(self._list_one(sess, t, request, principal) for t in targets),
+                                     return_exceptions=True)
+        merged: list[dict[str, Any]] = []
+        for target, tools in zip(targets, lists, strict=True):
+            if isinstance(tools, BaseException):
+                if isinstance(tools, asyncio.CancelledError):
+                    raise tools
+                # A down upstream's tools are missing; the others are still listed.
+                log.info("aggregate: tools/list of %s failed: %s", target.name, tools)
+                continue
+            merged.extend(tools)
+        result: dict[str, Any] = {"tools": merged}
+        if stateless:
+            result.update(resultType="complete", ttlMs=0, cacheScope="private")
+        return _result(msg.id, result)
+
+    # ---- tools/call --------------------------------------------------------------------
+
+    async def _tools_call(self, request: web.Request, sess: _ClientSession | None, principal: Principal,
+                          msg: Message, stateless: bool) -> web.Response:
+        front = self.front
+        params = msg.params
+        name = params.get("name")
+        arguments = params.get("arguments")
+        arguments = {} if arguments is None else arguments
+        problem = None
+        if not isinstance(name, str) or not name:
+            problem = 'Invalid params: "name" must be a non-empty string'
+        elif not isinstance(arguments, dict):
+            problem = 'Invalid params: "arguments" must be an object'
+        if problem is not None:
+            front.metrics.rejected("invalid_request")
+            return _error(400, msg.id, jsonrpc.INVALID_PARAMS, problem)
+        assert isinstance(name, str) and isinstance(arguments, dict)
+        header_name = request.headers.get("Mcp-Name")
+        if header_name is not None and header_name != name:
+            front.metrics.rejected("header_mismatch")
+            return _error(400, msg.id, jsonrpc.HEADER_MISMATCH,
+                          f"Mcp-Name header {header_name!r} does not match the tool name {name!r}")
+        split = self._split(name)
+        if split is None:
+            return _error(400 if stateless else 200, msg.id, jsonrpc.INVALID_PARAMS, f"Unknown tool: {name}")
+        target, tool = split
+        session = sess.id if sess is not None else None
+        wanted = front.settings.request_headers()
+        call = ToolCall(
+            decision_id=uuid.uuid4().hex, upstream=target.name, tool=tool, arguments=arguments,
+            principal=principal,
+            run=RunContext(id=request.headers.get("X-Envelope-Run") or session or f"principal:{principal.id}",
+                           session=session),
+            request=RequestInfo(method="tools/call",
+                                protocol_version=request.headers.get("MCP-Protocol-Version", "")
+                                or (sess.protocol if sess else ""),
+                                headers={h: request.headers[h] for h in wanted if h in request.headers}),
+        )
+        pending = front.envelope.begin(call)
+        if pending.decision.refused:
+            return self._refuse(pending, pending.decision, msg, name, stateless)
+        started = time.perf_counter()
+        try:
+            status, reply, seconds = await self._forward(sess, target, request, "tools/call",
+                                                         {"name": tool, "arguments": arguments})
+        except UpstreamTimeout as exc:
+            return self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_TIMEOUT, "forward",
+                                                  f"upstream {target.name!r} {exc}"),
+                                msg, name, stateless, upstream_seconds=time.perf_counter() - started)
+        except UpstreamError as exc:
+            return self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_ERROR, "forward",
+                                                  f"upstream {target.name!r} failed: {exc}"),
+                                msg, name, stateless, upstream_seconds=time.perf_counter() - started)
+        except asyncio.CancelledError:
+            try:
+                front.envelope.finish(pending, Decision(
+                    Verdict.ERROR, Code.CLIENT_DISCONNECTED, "forward",
+                    "the client disconnected before the upstream answered"),
+                    upstream_seconds=time.perf_counter() - started)
+            except AuditError:
+                pass
+            raise
+        result = reply.get("result")
+        error = reply.get("error")
+        is_error = bool(result.get("isError", False)) if isinstance(result, dict) else True
+        try:
+            front.envelope.finish(pending, upstream_status=status, upstream_seconds=seconds,
+                                  extra={"is_error": is_error})
+        except AuditError:
+            decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                                "the audit log cannot be written; the result is withheld")
+            return _result(msg.id, refusal_result(decision, call.decision_id, stateless))
+        if isinstance(result, dict):
+            if stateless:
+                result.setdefault("resultType", "complete")
+            return _result(msg.id, result)
+        if isinstance(error, dict):  # the upstream's own JSON-RPC error, under the client's id
+            return _error(200, msg.id, int(error.get("code", jsonrpc.INTERNAL_ERROR)),
+                          str(error.get("message", "")), error.get("data"))
+        return _error(200, msg.id, jsonrpc.INTERNAL_ERROR, f"upstream {target.name!r} answered without a result")
+
+    def _refuse(self, pending: Pending, decision: Decision, msg: Message, name: str, stateless: bool,
+                upstream_seconds: float | None = None) -> web.Response:
+        """Audit a refusal and answer it as the per-upstream route does (tool result, or -32602)."""
+        try:
+            self.front.envelope.finish(pending, decision, upstream_seconds=upstream_seconds)
+        except AuditError:
+            decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                                "the audit log cannot be written; the call was refused")
+        call = pending.call
+        if decision.code is Code.UNKNOWN_TOOL:
+            return _error(400 if stateless else 200, msg.id, jsonrpc.INVALID_PARAMS, f"Unknown tool: {name}",
+                          {DECISION_META: decision.as_meta(call.decision_id)})
+        return _result(msg.id, refusal_result(decision, call.decision_id, stateless))
+
+    # ---- GET: list_changed fan-out ----------------------------------------------------
+
+    async def _get(self, request: web.Request, principal: Principal) -> web.StreamResponse:
+        if _is_stateless(request, None):
+            return web.Response(status=405, headers={"Allow": "POST"})
+        sess = self._client_session(request, principal)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
+        tasks = [asyncio.create_task(self._listen(sess, t, request, queue), name=f"aggregate-listen-{t.name}")
+                 for t in self._targets()]
+        sess.streams.add(queue)
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            await out.prepare(request)
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                await out.write(item)
+            await out.write_eof()
+        except ConnectionResetError:
+            pass
+        finally:
+            sess.streams.discard(queue)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return out
+
+    async def _listen(self, sess: _ClientSession, target: UpstreamTarget, request: web.Request,
+                      queue: asyncio.Queue[bytes | None]) -> None:
+        """Follow one upstream's GET stream; pass its `tools/list_changed` on, reopen when it ends."""
+        us = self._upstream_session(sess, target.name)
+        while True:
+            try:
+                async with asyncio.timeout(target.timeout):
+                    await self._ensure(us, target, request)
+                    resp = await self.front.forwarder.open(
+                        "GET", target.url, self._headers(target, us, request, accept="text/event-stream"), None,
+                        connect_timeout=target.connect_timeout, read_timeout=None)
+                async with resp:
+                    if resp.status == 404:
+                        us.ready = False
+                    elif resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                        return  # the upstream offers no stream (405): nothing to follow
+                    else:
+                        parser = SSEParser()
+                        async for chunk in resp.chunks():
+                            for ev in parser.feed(chunk):
+                                if ev.has_data and "tools/list_changed" in ev.data and not queue.full():
+                                    note = _json_or_none(ev.data)
+                                    if isinstance(note, dict) and note.get("method") == "notifications/tools/list_changed":
+                                        queue.put_nowait(_LIST_CHANGED)
+            except (UpstreamError, TimeoutError) as exc:
+                log.debug("aggregate: GET stream of %s: %s", target.name, exc)
+            await asyncio.sleep(LISTEN_RETRY)
+
+
+def _json_or_none(data: str | bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _reply_to(data: str | bytes, rid: Any) -> dict[str, Any] | None:
+    if not data:
+        return None
+    reply = _json_or_none(data)
+    if isinstance(reply, dict) and reply.get("id") == rid and ("result" in reply or "error" in reply):
+        return reply
+    return None
+
+
+def _result(id: Any, result: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=200, body=jsonrpc.result_body(id, result), content_type="application/json",
+                        headers=headers)
+
+
+def _error(status: int, id: Any, code: int, message: str, data: Any = None) -> web.Response:
+    return web.Response(status=status, body=jsonrpc.error_body(id, code, message, data),
+                        content_type="application/json")
