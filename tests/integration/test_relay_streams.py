@@ -36,6 +36,7 @@ class Scripted:
         self.seen: list[tuple[str, dict[str, str], bytes]] = []
         self.release = asyncio.Event()
         self.finished_at: float | None = None
+        self.cancelled: list[dict[str, Any]] = []
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -52,6 +53,9 @@ class Scripted:
             await resp.write_eof()
             return resp
         msg = json.loads(body)
+        if msg.get("method") == "notifications/cancelled":
+            self.cancelled.append(msg["params"])
+            return web.Response(status=202)
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Mcp-Session-Id": "s-1", "Connection": "keep-alive",
         })
@@ -87,7 +91,8 @@ def proxy(tmp_path: Path, upstream: tuple[Scripted, int]) -> Any:
     policies.mkdir()
     (policies / "raw.yaml").write_text(POLICY)
     with proxy_process(tmp_path, {"raw": f"http://127.0.0.1:{upstream[1]}/mcp"}, policies=policies,
-                       identity={"mode": "static", "principal": "agent"}) as p:
+                       identity={"mode": "static", "principal": "agent"},
+                       config={"health_interval": 0}) as p:  # only the test's requests upstream
         yield p
 
 
@@ -168,3 +173,25 @@ async def test_tools_call_without_id_never_reaches_the_upstream(proxy: Any, upst
     assert resp.json()["error"]["code"] == -32600
     assert "must be a request" in resp.json()["error"]["message"]
     assert scripted.seen == []
+
+
+async def test_client_disconnect_on_a_non_resumable_stream_cancels_the_upstream_call(
+    proxy: Any, upstream: tuple[Scripted, int]
+) -> None:
+    scripted, _ = upstream
+    body = {"jsonrpc": "2.0", "id": "c-9", "method": "tools/call", "params": {"name": "slow", "arguments": {}}}
+    async with httpx.AsyncClient(timeout=20) as client, client.stream(
+        "POST", proxy.url("raw"), json=body, headers=HEADERS
+    ) as resp:
+        async for chunk in resp.aiter_bytes():
+            if b"notifications/progress" in chunk:
+                break  # leave while the upstream still holds the call (its events carry no ids)
+    for _ in range(100):
+        if scripted.cancelled and proxy.audit_records():
+            break
+        await asyncio.sleep(0.05)
+    # 2025-11-25: a dropped connection is not a cancellation, so the proxy sends one itself.
+    assert scripted.cancelled == [{"requestId": "c-9", "reason": "client disconnected"}]
+    [record] = proxy.audit_records()
+    assert (record["verdict"], record["code"], record["check"]) == ("error", "client_disconnected", "forward")
+    scripted.release.set()
