@@ -4,6 +4,7 @@ what the audit log records. Every failed call is audited with its upstream outco
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ class FakeUpstreams:
 
     def __init__(self) -> None:
         self.port = free_port()
-        self.hits: dict[str, int] = {"slow": 0, "garbage": 0}
+        self.hits: dict[str, int] = {"slow": 0, "garbage": 0, "reset": 0}
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -42,8 +43,22 @@ class FakeUpstreams:
         await request.read()
         return web.Response(status=500, text="<html>Internal Server Error: oops</html>", content_type="text/html")
 
+    async def _reset(self, request: web.Request) -> web.StreamResponse:
+        """Start the call's SSE stream, send a progress event, then drop the connection."""
+        self.hits["reset"] += 1
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress",'
+                         b'"params":{"progressToken":1,"progress":1}}\n\n')
+        await asyncio.sleep(0.2)
+        assert request.transport is not None
+        request.transport.abort()  # a reset, not a clean end of stream
+        return resp
+
     async def _start(self) -> None:
         app = web.Application()
+        app.router.add_post("/reset/mcp", self._reset)
         app.router.add_post("/slow/mcp", self._slow)
         app.router.add_post("/garbage/mcp", self._garbage)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
@@ -79,11 +94,11 @@ def proxy(tmp_path_factory: pytest.TempPathFactory, sse_upstream: Any) -> Iterat
     try:
         policies = write_policy(
             tmp / "policies",
-            {"down": {}, "slow": {"timeout": "1s"}, "garbage": {}, "notes": {}},
+            {"down": {}, "slow": {"timeout": "1s"}, "garbage": {}, "reset": {}, "notes": {}},
             tools=ECHO_ONLY,
         )
         urls = {"down": f"http://127.0.0.1:{free_port()}/mcp", "slow": fakes.url("slow"),
-                "garbage": fakes.url("garbage"), "notes": sse_upstream.url}
+                "garbage": fakes.url("garbage"), "reset": fakes.url("reset"), "notes": sse_upstream.url}
         with proxy_process(tmp, urls, policies=policies) as pp:
             pp.extra["fakes"] = fakes
             yield pp
@@ -176,3 +191,23 @@ def test_unknown_session_404_is_passed_through(proxy: ProxyProcess) -> None:
     rec = the_record(proxy, before)
     assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("error", "upstream_error", 404)
     assert rec["session"] == "bogus-session-0123"
+
+
+def test_upstream_resets_mid_stream(proxy: ProxyProcess) -> None:
+    """The progress already relayed stays; the call ends with a readable refusal event naming
+    the upstream (the SSE stream was open, so the refusal is its last event)."""
+    before = len(proxy.audit_records())
+    resp = call(proxy, "reset")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in resp.text.replace("\r\n", "\n").split("\n\n") if e.strip()]
+    assert "notifications/progress" in events[0]
+    last = json.loads(events[-1].split("data: ", 1)[1])
+    assert last["id"] == 1 and last["result"]["isError"] is True
+    text = last["result"]["content"][0]["text"]
+    assert text.startswith("Blocked by policy (upstream_error): ") and "'reset'" in text
+    rec = the_record(proxy, before)
+    assert (rec["verdict"], rec["code"], rec["upstream"]) == ("error", "upstream_error", "reset")
+    # Other upstreams are unaffected.
+    ok = call(proxy, "notes")
+    assert ok.status_code == 200 and "Blocked" not in ok.text
