@@ -61,3 +61,7 @@ class UpstreamTimeout(UpstreamError):
 
 class IdentityError(EnvelopeError):
     """The caller's identity could not be verified (missing, expired, wrong audience...)."""
+
+
+class StoreError(EnvelopeError):
+    """The state store cannot be read or written: gated calls are refused until it can."""

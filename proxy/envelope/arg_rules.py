@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from proxy.envelope.call import Code, Decision, ToolCall, deny
+from proxy.envelope.call import Code, Decision, Services, ToolCall, deny
 from proxy.envelope.celvars import activation
 from proxy.envelope.tools import ToolRegistry
 from proxy.errors import CelEvalError
@@ -52,7 +52,9 @@ class ArgRulesCheck:
 
     id: ClassVar[str] = "arg_rules"
 
-    def __init__(self, revision: PolicyRevision, registry: ToolRegistry):
+    def __init__(
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
+    ):
         self._engine = get_engine(revision.engine)
         # Only tools that can refuse here: those with rules or a deny fallback.
         self._plans: dict[str, _Plan] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from proxy.envelope.call import Code, Decision, ToolCall, deny
+from proxy.envelope.call import Code, Decision, Services, ToolCall, deny
 from proxy.envelope.celvars import activation
 from proxy.envelope.tools import ToolRegistry
 from proxy.errors import CelEvalError
@@ -29,7 +29,9 @@ class AuthzCheck:
 
     id: ClassVar[str] = "authz"
 
-    def __init__(self, revision: PolicyRevision, registry: ToolRegistry):
+    def __init__(
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
+    ):
         self._engine = get_engine(revision.engine)
         # Each level's expressions as one `a || b || ...` program: one engine call per level.
         engine = self._engine

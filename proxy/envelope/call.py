@@ -7,7 +7,7 @@ return `Decision`s, the pipeline runs `Check`s. Nothing here imports a front or 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -43,6 +43,13 @@ class Code(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
     AUDIT_UNAVAILABLE = "audit_unavailable"
     CLIENT_DISCONNECTED = "client_disconnected"
+    APPROVAL_PENDING = "approval_pending"
+    APPROVAL_DENIED = "approval_denied"
+    APPROVAL_EXPIRED = "approval_expired"
+    STORE_UNAVAILABLE = "store_unavailable"
+    # Not refusals: the client receives a result the proxy holds instead of a forwarded one.
+    REPLAYED = "replayed"  # idempotency: the stored first result of this call
+    SHADOWED = "shadowed"  # shadow run: recorded, not performed; a synthetic result
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +131,13 @@ class ToolCall:
     request: RequestInfo
     # Filled by the pipeline before the first check: what the upstream said about the tool.
     upstream_tool: ToolInfo | None = None
+    # The client's Idempotency-Key header or params._meta["envelope/idempotency_key"].
+    idempotency_key: str | None = None
+    # The client asked for a shadow run (X-Envelope-Shadow: 1); checks make it sticky per run.
+    shadow_requested: bool = False
+    # Awaited by the envelope with the final decision and the upstream's JSON-RPC reply (None
+    # when nothing was forwarded or it failed), before the audit record is written.
+    on_result: list[ResultHook] = field(default_factory=list)
     # Set by the catalogue check: the tool's effective effect (policy, trusted annotations, default).
     effect: Effect | None = None
     # The CEL activation, built once per call on first use (see `proxy.envelope.celvars`).
@@ -144,6 +158,10 @@ class Decision:
     check: str  # stable check id, e.g. "arg_rules"; "forward" for upstream outcomes
     reason: str
     rule: str | None = None  # the deciding rule id, when a rule decided
+    # A tool result to answer with instead of forwarding (replay, shadow); None otherwise.
+    result: Mapping[str, Any] | None = None
+    # Extra audit fields (approval id, grant id, replayed...), merged under the record's extra.
+    audit: Mapping[str, Any] | None = None
 
     @property
     def refused(self) -> bool:
@@ -168,15 +186,45 @@ def deny(code: Code, check: str, reason: str, rule: str | None = None) -> Decisi
     return Decision(Verdict.DENY, code, check, reason, rule)
 
 
+ResultHook = Callable[["ToolCall", Decision, "Mapping[str, Any] | None"], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Services:
+    """What stateful checks need besides the policy, built once per process.
+
+    `store` is the state store (None when none is configured: stateful checks then refuse,
+    fail closed); `settings` the runtime config; `metrics` the process metrics.
+    """
+
+    store: Any = None
+    settings: Any = None
+    metrics: Any = None
+    notifier: Any = None  # approval webhook notifier, when configured
+
+
 @runtime_checkable
 class Check(Protocol):
     """One named check of the envelope.
 
-    Built once per policy revision (immutable, no per-request state). `decide` returns None to
-    let the call continue, or a `Decision` that ends it. An exception raised here is turned by
-    the pipeline into an `internal_error` refusal (fail closed).
+    Built once per policy revision (immutable, no per-request state) as
+    `cls(revision, registry, services)`. `decide` returns None to let the call continue, or a
+    `Decision` that ends it. An exception raised here is turned by the pipeline into an
+    `internal_error` refusal (fail closed).
     """
 
     id: ClassVar[str]
 
     def decide(self, call: ToolCall) -> Decision | None: ...
+
+
+@runtime_checkable
+class AsyncCheck(Protocol):
+    """A check that waits (for a store, a person). `applies` is a cheap synchronous filter: the
+    pipeline awaits `decide` only for calls it applies to, keeping the common path sync."""
+
+    id: ClassVar[str]
+
+    def applies(self, call: ToolCall) -> bool: ...
+
+    async def decide(self, call: ToolCall) -> Decision | None: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from proxy.envelope.call import Code, Decision, Effect, ToolCall, deny
+from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, deny
 from proxy.envelope.tools import ToolRegistry
 from proxy.policy.compiled import PolicyRevision
 
@@ -18,7 +18,9 @@ class CapabilityCheck:
 
     id: ClassVar[str] = "capability"
 
-    def __init__(self, revision: PolicyRevision, registry: ToolRegistry):
+    def __init__(
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
+    ):
         default_read_only = revision.document.defaults.capability == "read-only"
         # principal id -> the rule that makes it read-only; absent: read-write.
         self._read_only: dict[str, str] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from proxy.envelope.call import Code, Decision, Effect, ToolCall, deny
+from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, deny
 from proxy.envelope.tools import ToolRegistry, effective_effect
 from proxy.policy.compiled import PolicyRevision
 
@@ -118,7 +118,9 @@ class CatalogueCheck:
 
     id: ClassVar[str] = "catalogue"
 
-    def __init__(self, revision: PolicyRevision, registry: ToolRegistry):
+    def __init__(
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
+    ):
         self._revision = revision
         self._tools = revision.tools
         self._deny_unknown = revision.document.defaults.unknown_tools == "deny"

@@ -7,8 +7,11 @@ to decide a call and `Envelope.finish` to audit and count it; they never see a c
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +21,12 @@ from proxy.audit.record import build_record
 from proxy.envelope import arg_rules, authz, capability, catalogue, schema
 from proxy.envelope.call import (
     ALLOWED,
+    AsyncCheck,
     Check,
     Code,
     Decision,
     Principal,
+    Services,
     ToolCall,
     Verdict,
 )
@@ -47,31 +52,57 @@ UNKNOWN_TOOL_LABEL = "<unknown>"
 class Chain:
     """The checks of one policy revision, in order."""
 
-    def __init__(self, revision: PolicyRevision, registry: ToolRegistry, metrics: Metrics | None = None):
+    def __init__(self, revision: PolicyRevision, registry: ToolRegistry, metrics: Metrics | None = None,
+                 services: Services | None = None):
         self.revision = revision
         self.registry = registry
         self._metrics = metrics
-        self.checks: tuple[Check, ...] = tuple(cls(revision, registry) for cls in CHECKS)
+        self.services = services
+        self.checks: tuple[Check | AsyncCheck, ...] = tuple(
+            cls(revision, registry, services) for cls in CHECKS
+        )
 
-    def run(self, call: ToolCall) -> Decision:
+    @property
+    def checks(self) -> tuple[Check | AsyncCheck, ...]:
+        return self._checks
+
+    @checks.setter
+    def checks(self, checks: tuple[Check | AsyncCheck, ...]) -> None:
+        self._checks = checks
+        # Whether each check waits, decided once: the per-call loop only reads a bool.
+        self._plan = tuple((c, inspect.iscoroutinefunction(c.decide)) for c in checks)
+
+    def _failed(self, check: Check | AsyncCheck, call: ToolCall, exc: Exception) -> Decision:
+        log.error("check %s failed on %s (decision %s)", check.id, call.qualified_name, call.decision_id,
+                  exc_info=exc)
+        if self._metrics is not None:
+            self._metrics.check_error(check.id)
+        return Decision(
+            Verdict.ERROR,
+            Code.INTERNAL_ERROR,
+            check.id,
+            f"the {check.id} check failed ({type(exc).__name__}); the call was refused",
+        )
+
+    async def run(self, call: ToolCall) -> Decision:
         """Decide a call: the first check that returns a Decision ends it.
 
         An exception inside a check refuses the call with `internal_error` (fail closed).
+        Waiting checks are awaited only for calls they apply to.
         """
         call.upstream_tool = self.registry.get(call.upstream, call.tool)
-        for check in self.checks:
+        for check, waits in self._plan:
             try:
-                decision = check.decide(call)
+                if waits:
+                    if not check.applies(call):  # type: ignore[union-attr]
+                        continue
+                    decision = await check.decide(call)  # type: ignore[misc]
+                else:
+                    decision = check.decide(call)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:
-                log.exception("check %s failed on %s (decision %s)", check.id, call.qualified_name, call.decision_id)
-                if self._metrics is not None:
-                    self._metrics.check_error(check.id)
-                return Decision(
-                    Verdict.ERROR,
-                    Code.INTERNAL_ERROR,
-                    check.id,
-                    f"the {check.id} check failed ({type(exc).__name__}); the call was refused",
-                )
+                return self._failed(check, call, exc)
             if decision is not None:
                 return decision
         return ALLOWED
@@ -105,10 +136,12 @@ class Pending:
 class Envelope:
     """Runs the current chain and writes one audit record per decision."""
 
-    def __init__(self, audit: AuditLog, metrics: Metrics, registry: ToolRegistry):
+    def __init__(self, audit: AuditLog, metrics: Metrics, registry: ToolRegistry,
+                 services: Services | None = None):
         self.audit = audit
         self.metrics = metrics
         self.registry = registry
+        self.services = services
         self._chain: Chain | None = None
         # Probe once now: a log that cannot take a record must refuse the very first call too.
         audit.check_writable(force=True)
@@ -119,7 +152,7 @@ class Envelope:
 
     def install(self, revision: PolicyRevision) -> Chain:
         """Build a whole new chain for `revision` and swap it in."""
-        chain = Chain(revision, self.registry, self.metrics)
+        chain = Chain(revision, self.registry, self.metrics, self.services)
         self._chain = chain
         self.refresh_catalogue_metrics()
         return chain
@@ -133,8 +166,8 @@ class Envelope:
             {upstream: len(self.registry.tools(upstream)) for upstream in self.registry.upstreams()}
         )
 
-    def begin(self, call: ToolCall) -> Pending:
-        """Decide a call. Never raises: failures become refusals."""
+    async def begin(self, call: ToolCall) -> Pending:
+        """Decide a call. Never raises (but cancellation): failures become refusals."""
         started = time.perf_counter()
         chain = self._chain
         if chain is None:
@@ -145,11 +178,11 @@ class Envelope:
                 "the audit log cannot be written; calls are refused until it can",
             )
         else:
-            decision = chain.run(call)
+            decision = await chain.run(call)
         elapsed = time.perf_counter() - started
         return Pending(call, chain, decision, started, elapsed)  # type: ignore[arg-type]
 
-    def finish(
+    async def finish(
         self,
         pending: Pending,
         decision: Decision | None = None,
@@ -157,14 +190,26 @@ class Envelope:
         upstream_status: int | None = None,
         upstream_seconds: float | None = None,
         extra: dict[str, Any] | None = None,
+        reply: Mapping[str, Any] | None = None,
     ) -> None:
-        """Audit and count the call's final decision. Raises AuditError when it cannot be audited.
+        """Run the call's result hooks, then audit and count its final decision.
 
-        Call it before the reply is sent: a record that cannot be written turns the reply into
-        an `audit_unavailable` refusal.
+        `reply` is the upstream's JSON-RPC reply when the call was forwarded and answered.
+        Raises AuditError when the record cannot be written. Call it before the reply is sent:
+        a record that cannot be written turns the reply into an `audit_unavailable` refusal.
         """
         call = pending.call
         decision = decision or pending.decision
+        for hook in call.on_result:
+            try:
+                await hook(call, decision, reply)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a hook never hides the outcome; the record says so
+                log.error("result hook failed for decision %s", call.decision_id, exc_info=exc)
+                extra = {**(extra or {}), "hook_error": f"{type(exc).__name__}: {exc}"}
+        if decision.audit:
+            extra = {**(extra or {}), **decision.audit}
         now = time.perf_counter()
         latency = {"envelope": pending.envelope_seconds, "total": now - pending.started}
         if upstream_seconds is not None:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import jsonschema_rs
 
-from proxy.envelope.call import Code, Decision, ToolCall, deny
+from proxy.envelope.call import Code, Decision, Services, ToolCall, deny
 from proxy.envelope.tools import ToolRegistry
 from proxy.policy.compiled import PolicyRevision
 
@@ -63,7 +63,9 @@ class SchemaCheck:
 
     id: ClassVar[str] = "schema"
 
-    def __init__(self, revision: PolicyRevision, registry: ToolRegistry):
+    def __init__(
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
+    ):
         self._overrides = {
             key: (tool.schema_validator, f"tools.{key}.schema")
             for key, tool in revision.tools.items()

@@ -53,6 +53,7 @@ from proxy.fronts.mcp import (
     McpFront,
     UpstreamTarget,
     _is_stateless,
+    idempotency_key,
     refusal_result,
 )
 from proxy.fronts.sse import SSEParser, format_event
@@ -440,25 +441,29 @@ class AggregateFront:
                                 protocol_version=request.headers.get("MCP-Protocol-Version", "")
                                 or (sess.protocol if sess else ""),
                                 headers={h: request.headers[h] for h in wanted if h in request.headers}),
+            idempotency_key=idempotency_key(request.headers, params),
+            shadow_requested=request.headers.get("X-Envelope-Shadow", "").strip().lower() in ("1", "true", "yes"),
         )
-        pending = front.envelope.begin(call)
+        pending = await front.envelope.begin(call)
         if pending.decision.refused:
-            return self._refuse(pending, pending.decision, msg, name, stateless)
+            return await self._refuse(pending, pending.decision, msg, name, stateless)
+        if pending.decision.result is not None:  # a replay or a shadow result: nothing to forward
+            return await front._answer_held(pending, msg, stateless)
         started = time.perf_counter()
         try:
             status, reply, seconds = await self._forward(sess, target, request, "tools/call",
                                                          {"name": tool, "arguments": arguments})
         except UpstreamTimeout as exc:
-            return self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_TIMEOUT, "forward",
+            return await self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_TIMEOUT, "forward",
                                                   f"upstream {target.name!r} {exc}"),
                                 msg, name, stateless, upstream_seconds=time.perf_counter() - started)
         except UpstreamError as exc:
-            return self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_ERROR, "forward",
+            return await self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_ERROR, "forward",
                                                   f"upstream {target.name!r} failed: {exc}"),
                                 msg, name, stateless, upstream_seconds=time.perf_counter() - started)
         except asyncio.CancelledError:
             try:
-                front.envelope.finish(pending, Decision(
+                await front.envelope.finish(pending, Decision(
                     Verdict.ERROR, Code.CLIENT_DISCONNECTED, "forward",
                     "the client disconnected before the upstream answered"),
                     upstream_seconds=time.perf_counter() - started)
@@ -469,8 +474,8 @@ class AggregateFront:
         error = reply.get("error")
         is_error = bool(result.get("isError", False)) if isinstance(result, dict) else True
         try:
-            front.envelope.finish(pending, upstream_status=status, upstream_seconds=seconds,
-                                  extra={"is_error": is_error})
+            await front.envelope.finish(pending, upstream_status=status, upstream_seconds=seconds,
+                                        extra={"is_error": is_error}, reply=reply)
         except AuditError:
             decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                                 "the audit log cannot be written; the result is withheld")
@@ -484,11 +489,11 @@ class AggregateFront:
                           str(error.get("message", "")), error.get("data"))
         return _error(200, msg.id, jsonrpc.INTERNAL_ERROR, f"upstream {target.name!r} answered without a result")
 
-    def _refuse(self, pending: Pending, decision: Decision, msg: Message, name: str, stateless: bool,
-                upstream_seconds: float | None = None) -> web.Response:
+    async def _refuse(self, pending: Pending, decision: Decision, msg: Message, name: str, stateless: bool,
+                      upstream_seconds: float | None = None) -> web.Response:
         """Audit a refusal and answer it as the per-upstream route does (tool result, or -32602)."""
         try:
-            self.front.envelope.finish(pending, decision, upstream_seconds=upstream_seconds)
+            await self.front.envelope.finish(pending, decision, upstream_seconds=upstream_seconds)
         except AuditError:
             decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                                 "the audit log cannot be written; the call was refused")

@@ -103,6 +103,17 @@ def _is_stateless(request: web.Request, msg: Message | None) -> bool:
     return version >= STATELESS_REVISION
 
 
+def idempotency_key(headers: Mapping[str, str], params: Mapping[str, Any]) -> str | None:
+    """The client's idempotency key: the `Idempotency-Key` header, else
+    `params._meta["envelope/idempotency_key"]`; bounded to 200 characters."""
+    key = headers.get("Idempotency-Key")
+    if not key:
+        meta = params.get("_meta")
+        value = meta.get("envelope/idempotency_key") if isinstance(meta, dict) else None
+        key = value if isinstance(value, str) else None
+    return key[:200] if key else None
+
+
 def refusal_result(decision: Decision, decision_id: str, stateless: bool) -> dict[str, Any]:
     """The tool result a model reads when the envelope refuses a call."""
     result: dict[str, Any] = {
@@ -421,13 +432,15 @@ class McpFront:
             request=RequestInfo(method="tools/call",
                                 protocol_version=request.headers.get("MCP-Protocol-Version", ""),
                                 headers=selected),
+            idempotency_key=idempotency_key(request.headers, params),
+            shadow_requested=request.headers.get("X-Envelope-Shadow", "").strip().lower() in ("1", "true", "yes"),
         )
 
-    def _refuse(self, pending: Pending, decision: Decision, msg: Message, stateless: bool,
-                **finish: Any) -> web.Response:
+    async def _refuse(self, pending: Pending, decision: Decision, msg: Message, stateless: bool,
+                      **finish: Any) -> web.Response:
         """Audit a refusal and build its reply (a tool result, or -32602 for unknown tools)."""
         try:
-            self.envelope.finish(pending, decision, **finish)
+            await self.envelope.finish(pending, decision, **finish)
         except AuditError:
             decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                                 "the audit log cannot be written; the call was refused")
@@ -446,10 +459,39 @@ class McpFront:
         except BadMessage as exc:
             self.metrics.rejected(exc.reason)
             return _json(exc.status, jsonrpc.error_body(exc.id, exc.code, exc.message))
-        pending = self.envelope.begin(call)
+        pending = await self.envelope.begin(call)
         if pending.decision.refused:
-            return self._refuse(pending, pending.decision, msg, stateless)
+            return await self._refuse(pending, pending.decision, msg, stateless)
+        if pending.decision.result is not None:
+            return await self._answer_held(pending, msg, stateless)
         return await _ForwardedCall(self, request, target, msg, body, pending, stateless).run()
+
+    async def _answer_held(self, pending: Pending, msg: Message, stateless: bool) -> web.Response:
+        """Answer with a result the envelope holds (an idempotent replay, a shadow result)."""
+        decision = pending.decision
+        result = dict(decision.result or {})
+        meta = dict(result.get("_meta") or {})
+        meta[DECISION_META] = decision.as_meta(pending.call.decision_id)
+        if decision.code is Code.REPLAYED:
+            meta["envelope/replayed"] = True
+        elif decision.code is Code.SHADOWED:
+            meta["envelope/shadow"] = True
+        result["_meta"] = meta
+        if stateless:
+            result.setdefault("resultType", "complete")
+        try:
+            await self.envelope.finish(pending)
+        except AuditError:
+            return await self._refuse(pending, Decision(
+                Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                "the audit log cannot be written; the call was refused"), msg, stateless)
+        return _json(200, jsonrpc.result_body(msg.id, result))
+
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` in the background, tracked so shutdown waits for it."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 class _ForwardedCall:
@@ -473,7 +515,7 @@ class _ForwardedCall:
     def _upstream_seconds(self) -> float:
         return time.perf_counter() - self.started
 
-    def _finish_ok(self, result_body: Any) -> bool:
+    async def _finish_ok(self, result_body: Any) -> bool:
         """Audit the upstream's answer. False when the audit failed (the reply becomes a refusal)."""
         is_error = None
         if isinstance(result_body, dict):
@@ -484,9 +526,9 @@ class _ForwardedCall:
                 is_error = True
         self.finished = True
         try:
-            self.front.envelope.finish(self.pending, upstream_status=self.status,
-                                       upstream_seconds=self._upstream_seconds(),
-                                       extra={"is_error": is_error})
+            await self.front.envelope.finish(self.pending, upstream_status=self.status,
+                                             upstream_seconds=self._upstream_seconds(),
+                                             extra={"is_error": is_error}, reply=result_body)
         except AuditError:
             return False
         return True
@@ -534,25 +576,30 @@ class _ForwardedCall:
             self.front.cancel_upstream(self.request, self.target, self.msg.id)
             decision = self._failure(Code.CLIENT_DISCONNECTED,
                                      "the client disconnected before the upstream answered; cancelled")
+        # This runs while the handler is being cancelled: audit in a tracked task of its own.
+        self.front.spawn(self._audit_quietly(decision))
+
+    async def _audit_quietly(self, decision: Decision) -> None:
         try:
-            self.front.envelope.finish(self.pending, decision, upstream_status=self.status,
-                                       upstream_seconds=self._upstream_seconds(),
-                                       extra={"client_disconnected": True})
+            await self.front.envelope.finish(self.pending, decision, upstream_status=self.status,
+                                             upstream_seconds=self._upstream_seconds(),
+                                             extra={"client_disconnected": True})
         except AuditError:
-            pass
+            log.error("could not audit the disconnect of decision %s", self.pending.call.decision_id)
 
     async def _fail(self, decision: Decision) -> web.StreamResponse:
         """Refuse after forwarding failed; in an SSE stream already open, as its last event."""
         if self.finished:  # audited already (e.g. upstream broke off after the result)
             return self.stream or web.Response(status=502)
         if self.stream is None:
-            return self.front._refuse(self.pending, decision, self.msg, self.stateless,
-                                      upstream_status=self.status,
-                                      upstream_seconds=self._upstream_seconds())
+            self.finished = True
+            return await self.front._refuse(self.pending, decision, self.msg, self.stateless,
+                                            upstream_status=self.status,
+                                            upstream_seconds=self._upstream_seconds())
         self.finished = True
         try:
-            self.front.envelope.finish(self.pending, decision, upstream_status=self.status,
-                                       upstream_seconds=self._upstream_seconds())
+            await self.front.envelope.finish(self.pending, decision, upstream_status=self.status,
+                                             upstream_seconds=self._upstream_seconds())
         except AuditError:
             decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                                 "the audit log cannot be written; the call was refused")
@@ -587,7 +634,7 @@ class _ForwardedCall:
             if (isinstance(parsed, dict) and parsed.get("id") == self.msg.id
                     and ("result" in parsed or "error" in parsed)):
                 # The server's own answer (a result, or a JSON-RPC error with its HTTP status).
-                if not self._finish_ok(parsed):
+                if not await self._finish_ok(parsed):
                     return self._audit_refusal()
                 return web.Response(status=resp.status, body=data, headers=front._downstream_headers(resp))
             reason = f"upstream {target.name!r} answered HTTP {resp.status}" + (
@@ -597,8 +644,9 @@ class _ForwardedCall:
                 # the protocol asks.
                 self.finished = True
                 try:
-                    front.envelope.finish(self.pending, self._failure(Code.UPSTREAM_ERROR, reason),
-                                          upstream_status=resp.status, upstream_seconds=self._upstream_seconds())
+                    await front.envelope.finish(
+                        self.pending, self._failure(Code.UPSTREAM_ERROR, reason),
+                        upstream_status=resp.status, upstream_seconds=self._upstream_seconds())
                 except AuditError:
                     return self._audit_refusal()
                 return web.Response(status=resp.status, body=data, headers=front._downstream_headers(resp))
@@ -636,7 +684,7 @@ class _ForwardedCall:
                 # arrives there. Inventing a failure here would give the call two answers.
                 self.finished = True
                 try:
-                    front.envelope.finish(
+                    await front.envelope.finish(
                         self.pending, upstream_status=self.status,
                         upstream_seconds=self._upstream_seconds(),
                         extra={"is_error": None, "stream": "closed before the result; resumable"},
@@ -661,7 +709,7 @@ class _ForwardedCall:
                 reply = None
             if (isinstance(reply, dict) and reply.get("id") == self.msg.id
                     and ("result" in reply or "error" in reply)):
-                if not self._finish_ok(reply):
+                if not await self._finish_ok(reply):
                     await out.write(format_event(self._audit_refusal().body))  # type: ignore[arg-type]
                     await out.write_eof()
                     return False

@@ -57,13 +57,13 @@ def test_chain_order_is_the_documented_table(envelope: Envelope) -> None:
     assert len(CHECKS) == 5
 
 
-def test_first_refusing_check_decides_and_is_audited_once(envelope: Envelope, tmp_path: Path) -> None:
-    pending = envelope.begin(_call("write_note", {"title": "t", "body": "b", "folder": "trash"}))
+async def test_first_refusing_check_decides_and_is_audited_once(envelope: Envelope, tmp_path: Path) -> None:
+    pending = await envelope.begin(_call("write_note", {"title": "t", "body": "b", "folder": "trash"}))
     d = pending.decision
     assert (d.verdict, d.code, d.check, d.rule) == (
         Verdict.DENY, Code.CAPABILITY_BLOCKED, "arg_rules", "notes.write_note#fallback"
     )
-    envelope.finish(pending)
+    await envelope.finish(pending)
     [rec] = _records(tmp_path)
     assert rec["decision_id"] == "d-write_note" and rec["code"] == "capability_blocked"
     assert rec["verdict"] == "deny" and rec["rule"] == "notes.write_note#fallback"
@@ -82,31 +82,31 @@ class _Exploding:
         raise RuntimeError("boom")
 
 
-def test_a_check_that_raises_refuses_with_internal_error(envelope: Envelope, tmp_path: Path) -> None:
+async def test_a_check_that_raises_refuses_with_internal_error(envelope: Envelope, tmp_path: Path) -> None:
     chain = envelope.chain
     assert chain is not None
     chain.checks = (*chain.checks[:3], _Exploding(), *chain.checks[4:])  # type: ignore[assignment]
-    pending = envelope.begin(_call("echo", {"text": "hi"}))
+    pending = await envelope.begin(_call("echo", {"text": "hi"}))
     assert pending.decision.refused
     assert pending.decision.verdict is Verdict.ERROR
     assert pending.decision.code is Code.INTERNAL_ERROR and pending.decision.check == "authz"
-    envelope.finish(pending)
+    await envelope.finish(pending)
     [rec] = _records(tmp_path)
     assert rec["code"] == "internal_error" and rec["verdict"] == "error"
     assert 'envelope_check_errors_total{check="authz"} 1.0' in envelope.metrics.render()[0].decode()
 
 
-def test_unwritable_audit_log_refuses_before_forwarding(tmp_path: Path) -> None:
+async def test_unwritable_audit_log_refuses_before_forwarding(tmp_path: Path) -> None:
     (tmp_path / "audit").mkdir()
     (tmp_path / "audit" / "audit.jsonl").symlink_to("/dev/full")
     env = Envelope(AuditLog(tmp_path / "audit"), Metrics(), ToolRegistry())
     env.install(load_policy(POLICIES))
-    pending = env.begin(_call("echo", {"text": "hi"}))
+    pending = await env.begin(_call("echo", {"text": "hi"}))
     assert pending.decision.code is Code.AUDIT_UNAVAILABLE and pending.decision.refused
 
 
-def test_allowed_call_then_reload_keeps_in_flight_chain(envelope: Envelope) -> None:
-    pending = envelope.begin(_call("echo", {"text": "hi"}))
+async def test_allowed_call_then_reload_keeps_in_flight_chain(envelope: Envelope) -> None:
+    pending = await envelope.begin(_call("echo", {"text": "hi"}))
     assert not pending.decision.refused
     old = pending.chain
     envelope.install(load_policy(POLICIES))
