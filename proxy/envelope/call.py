@@ -138,6 +138,8 @@ class ToolCall:
     # Awaited by the envelope with the final decision and the upstream's JSON-RPC reply (None
     # when nothing was forwarded or it failed), before the audit record is written.
     on_result: list[ResultHook] = field(default_factory=list)
+    # Fields checks add to the call's audit record (approval id, grant id, idempotency key...).
+    audit_extra: dict[str, Any] = field(default_factory=dict)
     # Set by the catalogue check: the tool's effective effect (policy, trusted annotations, default).
     effect: Effect | None = None
     # The CEL activation, built once per call on first use (see `proxy.envelope.celvars`).

@@ -208,6 +208,8 @@ class Envelope:
             except Exception as exc:  # a hook never hides the outcome; the record says so
                 log.error("result hook failed for decision %s", call.decision_id, exc_info=exc)
                 extra = {**(extra or {}), "hook_error": f"{type(exc).__name__}: {exc}"}
+        if call.audit_extra:
+            extra = {**(extra or {}), **call.audit_extra}
         if decision.audit:
             extra = {**(extra or {}), **decision.audit}
         now = time.perf_counter()

@@ -1,0 +1,75 @@
+"""In-process store: for unit tests and single-process trials. State dies with the process."""
+
+from __future__ import annotations
+
+import time
+
+from proxy.store.base import Store
+
+
+class MemoryStore(Store):
+    """A dict per namespace with lazy expiry. Not shared between processes."""
+
+    kind = "memory"
+
+    def __init__(self) -> None:
+        self._data: dict[str, dict[str, tuple[bytes, float | None]]] = {}
+        self._now = time.monotonic
+        self.fail: Exception | None = None  # tests: make every call raise this
+
+    def _check(self) -> None:
+        if self.fail is not None:
+            raise self.fail
+
+    def _live(self, ns: str, key: str) -> bytes | None:
+        entry = self._data.get(ns, {}).get(key)
+        if entry is None:
+            return None
+        value, expires = entry
+        if expires is not None and expires <= self._now():
+            del self._data[ns][key]
+            return None
+        return value
+
+    def _expiry(self, ttl: float | None) -> float | None:
+        return None if ttl is None else self._now() + ttl
+
+    async def get(self, ns: str, key: str) -> bytes | None:
+        self._check()
+        return self._live(ns, key)
+
+    async def put(self, ns: str, key: str, value: bytes, ttl: float | None = None) -> None:
+        self._check()
+        self._data.setdefault(ns, {})[key] = (value, self._expiry(ttl))
+
+    async def add(self, ns: str, key: str, value: bytes, ttl: float | None = None) -> bool:
+        self._check()
+        if self._live(ns, key) is not None:
+            return False
+        self._data.setdefault(ns, {})[key] = (value, self._expiry(ttl))
+        return True
+
+    async def cas(self, ns: str, key: str, expected: bytes, value: bytes, ttl: float | None = None) -> bool:
+        self._check()
+        if self._live(ns, key) != expected:
+            return False
+        self._data[ns][key] = (value, self._expiry(ttl))
+        return True
+
+    async def delete(self, ns: str, key: str) -> None:
+        self._check()
+        self._data.get(ns, {}).pop(key, None)
+
+    async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:
+        self._check()
+        out = []
+        for key in list(self._data.get(ns, {})):
+            value = self._live(ns, key)
+            if value is not None:
+                out.append((key, value))
+                if len(out) >= limit:
+                    break
+        return out
+
+    async def ping(self) -> None:
+        self._check()
