@@ -62,13 +62,13 @@ class MemoryStore(Store):
 
     async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:
         self._check()
-        out = []
+        out: list[tuple[str, bytes]] = []
         for key in list(self._data.get(ns, {})):
+            if len(out) >= limit:
+                break
             value = self._live(ns, key)
             if value is not None:
                 out.append((key, value))
-                if len(out) >= limit:
-                    break
         return out
 
     async def ping(self) -> None:

@@ -1,0 +1,392 @@
+"""The Store contract, run against every backend: memory, SQLite (a temp file) and Redis (a real
+redis-server started here). Then what only one backend can show: SQLite shared by several
+instances and processes, a locked or unusable file; Redis killed, hung and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.errors import StoreError
+from proxy.store.base import Store
+from proxy.store.memory import MemoryStore
+from proxy.store.redis import RedisStore
+from proxy.store.sqlite import SqliteStore
+from tests.redis_server import RedisServer, running_redis
+
+ROOT = Path(__file__).resolve().parents[2]
+TTL = 0.2
+
+Opener = Callable[[], Store]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
+    """Opens another handle on the same state (memory: the same instance)."""
+    if request.param == "memory":
+        memory = MemoryStore()
+        return lambda: memory
+    if request.param == "sqlite":
+        path = tmp_path / "state" / "state.db"
+        return lambda: SqliteStore(path, timeout=5.0)
+    server: RedisServer = request.getfixturevalue("redis_server")
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"  # one server for the module, a prefix per test
+    return lambda: RedisStore(server.url, prefix=prefix, timeout=5.0)
+
+
+@pytest.fixture
+async def stores(opener: Opener) -> AsyncIterator[list[Store]]:
+    opened: list[Store] = []
+    yield opened
+    for store in {id(s): s for s in opened}.values():
+        await store.close()
+
+
+@pytest.fixture
+async def store(opener: Opener, stores: list[Store]) -> Store:
+    stores.append(opener())
+    return stores[0]
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def until_expired(store: Store, ns: str, key: str) -> None:
+    async def gone() -> bool:
+        return await store.get(ns, key) is None
+
+    await eventually(gone)
+
+
+async def hold_for(seconds: float, check: Callable[[], Awaitable[bool]]) -> None:
+    """`check` stays true for `seconds` (polled)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert await check()
+        await asyncio.sleep(0.05)
+
+
+# ---- the contract ---------------------------------------------------------------------------
+
+
+async def test_get_put_replace(store: Store) -> None:
+    assert await store.get("idem", "k") is None
+    await store.put("idem", "k", b"\x00one\xff")
+    assert await store.get("idem", "k") == b"\x00one\xff"
+    await store.put("idem", "k", b"two")
+    assert await store.get("idem", "k") == b"two"
+    assert await store.get("shadow", "k") is None
+    await store.put("idem", "with:colon/and*glob?", b"v")
+    assert await store.get("idem", "with:colon/and*glob?") == b"v"
+    await store.ping()
+
+
+async def test_ttl_expiry(store: Store) -> None:
+    await store.put("run", "short", b"v", ttl=TTL)
+    await store.put("run", "long", b"v", ttl=60)
+    assert await store.get("run", "short") == b"v"
+    await until_expired(store, "run", "short")
+    assert await store.get("run", "long") == b"v"
+
+    # A put without ttl clears an earlier expiry.
+    await store.put("run", "kept", b"v", ttl=TTL)
+    await store.put("run", "kept", b"w")
+
+    async def kept() -> bool:
+        return await store.get("run", "kept") == b"w"
+
+    await hold_for(TTL * 2, kept)
+
+
+async def test_add_only_if_absent(store: Store) -> None:
+    assert await store.add("approval", "a", b"first") is True
+    assert await store.add("approval", "a", b"second") is False
+    assert await store.get("approval", "a") == b"first"
+    assert await store.add("grant", "a", b"other-ns") is True
+
+    assert await store.add("approval", "t", b"old", ttl=TTL) is True
+    assert await store.add("approval", "t", b"blocked", ttl=TTL) is False
+    await until_expired(store, "approval", "t")
+    assert await store.add("approval", "t", b"new") is True
+    assert await store.get("approval", "t") == b"new"
+
+    # The fresh value took no expiry from the expired one.
+    async def kept() -> bool:
+        return await store.get("approval", "t") == b"new"
+
+    await hold_for(TTL * 2, kept)
+
+
+async def test_cas(store: Store) -> None:
+    assert await store.cas("approval", "c", b"x", b"y") is False  # absent
+    assert await store.get("approval", "c") is None
+    await store.put("approval", "c", b"pending")
+    assert await store.cas("approval", "c", b"wrong", b"approved") is False
+    assert await store.get("approval", "c") == b"pending"
+    assert await store.cas("approval", "c", b"pending", b"approved") is True
+    assert await store.get("approval", "c") == b"approved"
+
+    # cas with a ttl sets the expiry; cas without one clears it.
+    assert await store.cas("approval", "c", b"approved", b"expiring", ttl=TTL) is True
+    await until_expired(store, "approval", "c")
+    assert await store.cas("approval", "c", b"expiring", b"late") is False  # expired counts as absent
+    assert await store.get("approval", "c") is None
+
+    await store.put("approval", "d", b"1", ttl=TTL)
+    assert await store.cas("approval", "d", b"1", b"2") is True
+
+    async def kept() -> bool:
+        return await store.get("approval", "d") == b"2"
+
+    await hold_for(TTL * 2, kept)
+
+
+async def test_delete(store: Store) -> None:
+    await store.put("shadow", "k", b"v")
+    await store.delete("shadow", "k")
+    assert await store.get("shadow", "k") is None
+    await store.delete("shadow", "k")  # absent: no error
+    await store.delete("nothing-here", "k")
+    assert await store.add("shadow", "k", b"again") is True
+
+
+async def test_items(store: Store) -> None:
+    for i in range(5):
+        await store.put("grant", f"live-{i}", f"v{i}".encode())
+    await store.put("grant", "short", b"gone", ttl=TTL)
+    await store.put("granted", "other-ns", b"x")  # a namespace sharing a prefix
+    await store.put("idem", "other-ns", b"x")
+
+    assert sorted(await store.items("grant")) == sorted([("short", b"gone")] + [(f"live-{i}", f"v{i}".encode()) for i in range(5)])
+    await until_expired(store, "grant", "short")
+    live = sorted(await store.items("grant"))
+    assert live == [(f"live-{i}", f"v{i}".encode()) for i in range(5)]
+
+    some = await store.items("grant", limit=3)
+    assert len(some) == 3 and set(some) <= set(live)
+    assert await store.items("empty") == []
+    assert await store.items("granted") == [("other-ns", b"x")]
+
+
+async def test_concurrent_add_exactly_one_wins(opener: Opener, stores: list[Store]) -> None:
+    stores.extend([opener(), opener()])  # two handles: two connections/threads where it matters
+    a, b = stores
+    results = await asyncio.gather(*(
+        (a if i % 2 else b).add("idem", "race", f"w{i}".encode(), ttl=30) for i in range(50)
+    ))
+    assert results.count(True) == 1
+    winner = results.index(True)
+    assert await a.get("idem", "race") == f"w{winner}".encode()
+    assert await b.get("idem", "race") == f"w{winner}".encode()
+
+
+async def test_concurrent_cas_increments(opener: Opener, stores: list[Store]) -> None:
+    stores.extend([opener(), opener()])
+    a, b = stores
+    await a.put("run", "counter", b"0")
+
+    async def increment(store: Store) -> int:
+        tries = 0
+        while True:
+            tries += 1
+            current = await store.get("run", "counter")
+            assert current is not None
+            if await store.cas("run", "counter", current, str(int(current) + 1).encode()):
+                return tries
+
+    tries = await asyncio.gather(*(increment(a if i % 2 else b) for i in range(50)))
+    assert await b.get("run", "counter") == b"50"
+    assert sum(tries) >= 50
+
+
+# ---- SQLite: one file, several instances and processes ----------------------------------------
+
+CHILD = textwrap.dedent("""
+    import asyncio, json, sys, time
+    from pathlib import Path
+    from proxy.store.sqlite import SqliteStore
+
+    async def main(path, n, start_at):
+        store = SqliteStore(Path(path), timeout=10.0)
+        await store.ping()
+        time.sleep(max(0.0, start_at - time.time()))
+        won = await store.add("idem", "race", f"child-{n}".encode())
+        await store.put("from-child", str(n), b"hello")
+        seen = await store.get("from-parent", "k")
+        await store.close()
+        print(json.dumps({"won": won, "seen": seen.decode() if seen else None}))
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+""")
+
+
+async def test_sqlite_shared_by_instances_and_processes(tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "dir" / "state.db"  # parent directories are created
+    a, b = SqliteStore(path, timeout=10.0), SqliteStore(path, timeout=10.0)
+    try:
+        await a.put("from-parent", "k", b"parent")
+        assert await b.get("from-parent", "k") == b"parent"
+        await b.put("other", "k", b"b-wrote")
+        assert await a.get("other", "k") == b"b-wrote"
+
+        start_at = time.time() + 1.5  # after the children have imported and opened the file
+        children = [
+            await asyncio.create_subprocess_exec(
+                sys.executable, "-c", CHILD, str(path), str(n), str(start_at),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+            )
+            for n in range(3)
+        ]
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        ours = await asyncio.gather(a.add("idem", "race", b"parent-a"), b.add("idem", "race", b"parent-b"))
+        outputs = await asyncio.gather(*(c.communicate() for c in children))
+        for child, (_out, err) in zip(children, outputs, strict=True):
+            assert child.returncode == 0, err.decode()
+        reports = [json.loads(out) for out, _ in outputs]
+
+        assert [r["won"] for r in reports].count(True) + list(ours).count(True) == 1
+        assert all(r["seen"] == "parent" for r in reports)
+        assert sorted(k for k, _ in await a.items("from-child")) == ["0", "1", "2"]
+        winner = await b.get("idem", "race")
+        assert winner in {b"parent-a", b"parent-b", b"child-0", b"child-1", b"child-2"}
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_sqlite_locked_file_is_a_store_error_within_timeout(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteStore(path, timeout=0.5)
+    await store.put("run", "k", b"before")
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+        started = time.monotonic()
+        with pytest.raises(StoreError, match=r"state\.db"):
+            await store.put("run", "k", b"blocked")
+        assert time.monotonic() - started < 1.5
+        assert await store.get("run", "k") == b"before"  # WAL: readers are not blocked
+        other.execute("COMMIT")
+        await store.put("run", "k", b"after")
+        assert await store.get("run", "k") == b"after"
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_sqlite_unusable_path_fails_on_first_use(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    store = SqliteStore(blocker / "sub" / "state.db", timeout=1.0)  # constructing opens nothing
+    try:
+        with pytest.raises(StoreError, match="a-file"):
+            await store.ping()
+        with pytest.raises(StoreError):
+            await store.put("run", "k", b"v")
+        with pytest.raises(StoreError):
+            await store.get("run", "k")
+    finally:
+        await store.close()
+    with pytest.raises(StoreError, match="closed"):
+        await store.get("run", "k")
+
+
+# ---- Redis: killed, hung, restarted -------------------------------------------------------------
+
+OPS: list[tuple[str, Callable[[Store], Awaitable[object]]]] = [
+    ("get", lambda s: s.get("run", "k")),
+    ("put", lambda s: s.put("run", "k", b"v", ttl=5)),
+    ("add", lambda s: s.add("run", "k2", b"v")),
+    ("cas", lambda s: s.cas("run", "k", b"v", b"w")),
+    ("delete", lambda s: s.delete("run", "k")),
+    ("items", lambda s: s.items("run")),
+    ("ping", lambda s: s.ping()),
+]
+
+
+async def assert_every_op_fails_fast(store: Store, limit: float) -> None:
+    for name, op in OPS:
+        started = time.monotonic()
+        with pytest.raises(StoreError) as info:
+            await asyncio.wait_for(op(store), limit * 4)  # a hang fails the test, not CI
+        elapsed = time.monotonic() - started
+        assert elapsed < limit + 0.5, f"{name} took {elapsed:.2f}s"
+        assert "redis store redis://127.0.0.1:" in str(info.value), str(info.value)
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_redis(tmp_path) as server:
+        yield server
+
+
+async def test_redis_killed_then_restarted(own_redis: RedisServer) -> None:
+    store = RedisStore(own_redis.url, prefix="kill:", timeout=0.5)
+    try:
+        await store.put("run", "k", b"v")
+        assert await store.get("run", "k") == b"v"
+        own_redis.kill()
+        await assert_every_op_fails_fast(store, 0.5)
+        own_redis.start()  # same port, empty (no persistence)
+        assert await store.get("run", "k") is None
+        await store.put("run", "k", b"again")
+        assert await store.cas("run", "k", b"again", b"cas-ok") is True  # script reloaded
+        assert await store.items("run") == [("k", b"cas-ok")]
+    finally:
+        await store.close()
+
+
+async def test_redis_hung_server_times_out(own_redis: RedisServer) -> None:
+    store = RedisStore(own_redis.url, prefix="hang:", timeout=0.5)
+    try:
+        await store.put("run", "k", b"v")
+        own_redis.pause()
+        try:
+            await assert_every_op_fails_fast(store, 0.5)
+        finally:
+            own_redis.resume()
+        await eventually(lambda: _answers(store))
+        assert await store.get("run", "k") == b"v"
+    finally:
+        await store.close()
+
+
+async def _answers(store: Store) -> bool:
+    try:
+        await store.ping()
+    except StoreError:
+        return False
+    return True
+
+
+async def test_redis_error_message_hides_password(own_redis: RedisServer) -> None:
+    store = RedisStore(f"redis://user:s3cret@127.0.0.1:{own_redis.port}/0", prefix="pw:", timeout=0.5)
+    try:
+        with pytest.raises(StoreError) as info:
+            await store.ping()  # AUTH fails: the server has no such user
+        assert "s3cret" not in str(info.value)
+        assert f"redis://user:***@127.0.0.1:{own_redis.port}/0" in str(info.value)
+    finally:
+        await store.close()
