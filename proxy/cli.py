@@ -32,7 +32,8 @@ examples:
   envelope-proxy demo                          run the demo (bundled notes server + ./policies)
   envelope-proxy serve --config config.yaml    run for real
   envelope-proxy check policies/               validate a policy directory (file:line:column errors)
-  envelope-proxy audit verify state/audit      prove the audit log untouched"""
+  envelope-proxy audit verify state/audit      prove the audit log untouched
+  envelope-proxy approvals list                pending approvals (token: ENVELOPE_APPROVER_TOKEN)"""
 
 
 def _run(coro: Any) -> Any:
@@ -79,9 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a policy directory",
                            description="Load a policy directory as the proxy would. Prints every problem as "
-                                       "file:line:column: message and exits 1 if there is any.")
+                                       "file:line:column: message and exits 1 if there is any. Then lists the "
+                                       "tools that can never run (misconfigured) and why: the registry layer "
+                                       "from the policy alone, the envelope layer assuming the default runtime "
+                                       "(sqlite store, approvals enabled); --strict makes them fail the check.")
     check.add_argument("directory", type=Path)
     check.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None)
+    check.add_argument("--strict", action="store_true",
+                       help="also exit 1 when a tool is misconfigured (it can never run)")
 
     audit = sub.add_parser("audit", help="audit log tools")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True, metavar="SUBCOMMAND")
@@ -89,7 +95,100 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Check the hash chain of an audit file or directory. Exit 0 when intact; "
                                               "exit 1 naming the first bad record otherwise.")
     verify.add_argument("path", type=Path)
+
+    _add_approvals_parser(sub)
+    _add_shadow_parser(sub)
     return parser
+
+
+def _add_shadow_parser(sub: Any) -> None:
+    shadow = sub.add_parser(
+        "shadow", help="review the writes shadow runs recorded instead of performing",
+        description="Read a running proxy's shadow records (GET /v1/shadow on the admin listener).")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--admin", metavar="URL",
+                        default=os.environ.get("ENVELOPE_ADMIN_URL", "http://127.0.0.1:9090"),
+                        help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
+    common.add_argument("--run", default=None, help="only the records of this run id")
+    common.add_argument("--limit", type=int, default=100, help="the most recent N records (default 100)")
+    ssub = shadow.add_subparsers(dest="shadow_command", required=True, metavar="SUBCOMMAND")
+    ssub.add_parser("list", help="one line per recorded write, oldest first", parents=[common])
+    ssub.add_parser("export", help="the records as JSON lines (full arguments)", parents=[common])
+
+
+def cmd_shadow(args: argparse.Namespace) -> int:
+    """`shadow list|export`: exit 0 with the records, 1 when the admin API refuses or is down."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    query = urllib.parse.urlencode({k: v for k, v in {"run": args.run, "limit": args.limit}.items()
+                                    if v is not None})
+    url = f"{args.admin.rstrip('/')}/v1/shadow?{query}"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            data = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            reason = json.loads(exc.read()).get("error", exc.reason)
+        except (ValueError, AttributeError):
+            reason = exc.reason
+        print(f"envelope-proxy shadow: {url}: HTTP {exc.code}: {reason}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"envelope-proxy shadow: cannot read {url}: {exc}", file=sys.stderr)
+        return 1
+    records = data.get("records", [])
+    if args.shadow_command == "export":
+        for record in records:
+            print(json.dumps(record, sort_keys=True, separators=(",", ":")))
+        return 0
+    for r in records:
+        gate = " (would need approval)" if r.get("would_need_approval") else ""
+        print(f"{r.get('time', '?')}  run={r.get('run')}  {r.get('principal')} -> "
+              f"{r.get('upstream')}.{r.get('tool')} [{r.get('effect')}]{gate}  "
+              f"decision={r.get('decision_id')}  args={json.dumps(r.get('arguments'), sort_keys=True)}")
+    print(f"{len(records)} shadow record(s)", file=sys.stderr)
+    return 0
+
+
+def _add_approvals_parser(sub: Any) -> None:
+    approvals = sub.add_parser(
+        "approvals", help="list, show, approve and deny gated calls (through the admin API)",
+        description="Talk to a running proxy's approvals API. The approver is whoever holds the "
+                    "token (--token or ENVELOPE_APPROVER_TOKEN; names and token digests are in the "
+                    "runtime config under approvals.approvers). Nobody can approve their own call.")
+    approvals.add_argument("--admin", metavar="URL",
+                           default=os.environ.get("ENVELOPE_ADMIN_URL", "http://127.0.0.1:9090"),
+                           help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
+    approvals.add_argument("--token", default=None,
+                           help="approver token (default: env ENVELOPE_APPROVER_TOKEN)")
+    approvals.add_argument("--json", action="store_true", help="print the API's JSON answers")
+    # The same flags after the subcommand too (`approvals approve ID --admin URL`).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--admin", metavar="URL", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--token", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    asub = approvals.add_subparsers(dest="approvals_command", required=True, metavar="SUBCOMMAND")
+    ls = asub.add_parser("list", help="list approvals (default: pending ones)", parents=[common])
+    ls.add_argument("--state", default="pending",
+                    choices=["pending", "approved", "denied", "expired", "consumed", "all"])
+    show = asub.add_parser("show", help="show one approval, with the call's arguments", parents=[common])
+    show.add_argument("id")
+    approve = asub.add_parser("approve", help="approve one call (optionally granting similar calls)", parents=[common])
+    approve.add_argument("id")
+    approve.add_argument("--reason", required=True)
+    approve.add_argument("--grant", choices=["tool", "run"], default=None,
+                         help="also grant later calls of the same principal and tool (and run, for run)")
+    approve.add_argument("--grant-args", default=None, metavar="JSON",
+                         help='exact argument values the granted calls must hold, e.g. \'{"title": "x"}\'')
+    approve.add_argument("--grant-duration", default="1h", metavar="DURATION",
+                         help="how long the grant lasts (e.g. 30m; default 1h)")
+    deny = asub.add_parser("deny", help="deny one call", parents=[common])
+    deny.add_argument("id")
+    deny.add_argument("--reason", required=True)
+    asub.add_parser("grants", help="list active grants", parents=[common])
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,6 +200,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from proxy.envelope.catalogue import misconfigurations
+    from proxy.envelope.misconfig import Dependencies
+    from proxy.envelope.tools import ToolRegistry
     from proxy.policy.loader import load_policy
 
     try:
@@ -113,7 +215,20 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 1
     print(f"ok: {args.directory}: revision {revision.revision}, {len(revision.tools)} tools, "
           f"{len(revision.principals)} principals, {len(revision.files)} files ({revision.engine})")
-    return 0
+    # No runtime here: the upstreams' tools/list are unknown (so tools an upstream does not offer
+    # and upstream tools with no policy are not reported), and the envelope layer is judged
+    # against the default runtime.
+    deps = Dependencies.default_runtime()
+    problems = misconfigurations(revision, ToolRegistry(), deps)
+    n = len(problems)
+    print(f"{n} misconfiguration{'s' if n != 1 else ''} (tools that can never run; calls are refused) — "
+          f"registry layer from the "
+          f"policy alone (upstream tools/list not known without a running proxy); envelope layer assuming "
+          f"the default runtime ({deps.describe()})")
+    for p in problems:
+        who = f" (principal {p.principal})" if p.principal is not None else ""
+        print(f"  {p.tool}{who} [{p.layer}] {p.kind}: {p.reason}")
+    return 1 if problems and args.strict else 0
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
@@ -221,10 +336,96 @@ def cmd_demo(args: argparse.Namespace) -> int:
             server.kill()
 
 
+def _admin_request(args: argparse.Namespace, method: str, path: str,
+                   body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """One admin API request; (status, parsed JSON). Raises OSError when unreachable."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    token = args.token or os.environ.get("ENVELOPE_APPROVER_TOKEN", "")
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(args.admin.rstrip("/") + path, data=data, method=method,
+                                 headers={"Authorization": f"Bearer {token}",
+                                          "Content-Type": "application/json",
+                                          "Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw or b"null")
+        except ValueError:
+            return exc.code, {"error": raw.decode(errors="replace") or exc.reason}
+
+
+def _approval_line(a: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(a["expires_at"]))
+    who = f" by {a['approver']}" if a.get("approver") else ""
+    return (f"{a['id']}  {a['state']:<8}  {a['principal']} -> {a['upstream']}.{a['tool']}  "
+            f"run {a['run']}  {a['args_digest'][:19]}  expires {when}{who}")
+
+
+def cmd_approvals(args: argparse.Namespace) -> int:
+    import json
+
+    command = args.approvals_command
+    if command == "list":
+        path = "/v1/approvals" + ("" if args.state == "all" else f"?state={args.state}")
+        method, body = "GET", None
+    elif command == "show":
+        path, method, body = f"/v1/approvals/{args.id}", "GET", None
+    elif command == "grants":
+        path, method, body = "/v1/grants", "GET", None
+    else:
+        body = {"reason": args.reason}
+        if command == "approve" and args.grant:
+            try:
+                grant_args = json.loads(args.grant_args) if args.grant_args else {}
+            except ValueError as exc:
+                print(f"envelope-proxy approvals: --grant-args is not JSON: {exc}", file=sys.stderr)
+                return 2
+            body["grant"] = {"scope": args.grant, "args": grant_args, "duration": args.grant_duration}
+        path, method = f"/v1/approvals/{args.id}/{command}", "POST"
+    try:
+        status, data = _admin_request(args, method, path, body)
+    except OSError as exc:
+        print(f"envelope-proxy approvals: cannot reach the admin API at {args.admin}: {exc}",
+              file=sys.stderr)
+        return 1
+    if status >= 400:
+        message = data.get("error") if isinstance(data, dict) else data
+        print(f"envelope-proxy approvals: {status}: {message}", file=sys.stderr)
+        return 1
+    if args.json or command == "show":
+        print(json.dumps(data, indent=2, sort_keys=True))
+    elif command == "list":
+        for a in data["approvals"]:
+            print(_approval_line(a))
+        if not data["approvals"]:
+            print(f"no {'' if args.state == 'all' else args.state + ' '}approvals")
+    elif command == "grants":
+        for g in data["grants"]:
+            run = f" run {g['run']}" if g.get("run") else ""
+            print(f"{g['id']}  {g['scope']:<4}  {g['principal']} -> {g['upstream']}.{g['tool']}{run}  "
+                  f"args {json.dumps(g['args'], sort_keys=True)}  by {g['approver']}")
+        if not data["grants"]:
+            print("no active grants")
+    else:
+        grant = f"; grant {data['grant']['id']} ({data['grant']['scope']})" if data.get("grant") else ""
+        print(f"{data['id']} {data['state']} by {data['approver']}: {data['decision_reason']}{grant}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
         return cmd_check(args)
+    if args.command == "approvals":
+        return cmd_approvals(args)
+    if args.command == "shadow":
+        return cmd_shadow(args)
     if args.command == "audit":
         return cmd_audit_verify(args)
     if args.command == "demo":

@@ -8,11 +8,19 @@ called) lives in the policy directory, not here; this file is how the platform t
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from proxy.errors import ConfigError
 from proxy.identity import IdentityConfig
@@ -54,6 +62,139 @@ class AuditConfig(_Model):
     max_bytes: int = 100 * 2**20
 
 
+class StoreConfig(_Model):
+    """Where approvals, idempotency records, shadow records and run flags live."""
+
+    # sqlite: a file in the state directory, no server (the embedded default); redis: shared
+    # by several replicas; memory: this process only (tests, trials).
+    kind: Literal["sqlite", "redis", "memory"] = "sqlite"
+    # sqlite: the database file. Absent: <state_dir>/state.db.
+    path: Path | None = None
+    # redis: the server URL, e.g. redis://127.0.0.1:6379/0.
+    url: str | None = None
+    # redis: key prefix, so several deployments can share one server.
+    prefix: str = "envelope:"
+    # Seconds any single store operation may take before it counts as unavailable.
+    timeout: float = 2.0
+
+
+def _seconds(v: object) -> float:
+    from proxy.policy.model import parse_duration
+
+    return parse_duration(v)  # type: ignore[arg-type]
+
+
+class ApproverConfig(_Model):
+    """One person who may approve or deny gated calls, identified by a bearer token."""
+
+    # SHA-256 (hex) of the approver's token: the token itself never sits in the config.
+    token_sha256: str | None = None
+    # Name of an environment variable holding the token (a mounted secret). Either or both.
+    token_env: str | None = None
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", v):
+            raise ValueError("token_sha256 must be 64 hex digits (sha256 of the token)")
+        return v.lower() if v else v
+
+    @model_validator(mode="after")
+    def _some_token(self) -> ApproverConfig:
+        if self.token_sha256 is None and self.token_env is None:
+            raise ValueError("an approver needs token_sha256 or token_env")
+        return self
+
+
+class ApprovalWebhookConfig(_Model):
+    """Where a JSON notification is POSTed when an approval is created."""
+
+    url: str
+    # Seconds one delivery attempt may take.
+    timeout: float = 5.0
+    # Delivery attempts before giving up (each failure is counted).
+    attempts: int = Field(default=5, ge=1)
+    # Seconds before the second attempt; doubled after each failure.
+    backoff: float = 0.5
+    # Headers added to every notification (a shared secret for the receiver, for example).
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("timeout", "backoff", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> float:
+        return _seconds(v)
+
+
+class ApprovalsConfig(_Model):
+    """The approval gate: gated effects wait for a person's decision bound to the exact call."""
+
+    # false: no approval gate; tools with gated effects are refused as misconfigured.
+    enabled: bool = True
+    # How long an approval may be decided and used. Absent: 1 h (a tool's approval.ttl wins).
+    ttl: float = 3600.0
+    # Seconds between store polls while a call waits (a decision in this process wakes it at once).
+    poll_interval: float = 0.2
+    # How long decided, consumed and expired approvals stay listed after they expire.
+    retention: float = 86400.0
+    # Longest grant an approver may give. Absent: 24 h.
+    max_grant_duration: float = 86400.0
+    # Approver name -> token. Absent: nobody can approve through the admin API.
+    approvers: dict[str, ApproverConfig] = Field(default_factory=dict)
+    # Notification on every new approval. Absent: none (approvers poll the admin API).
+    webhook: ApprovalWebhookConfig | None = None
+    # Base URL of the admin API as approvers reach it, for review links in notifications.
+    # Absent: http://<admin listen address>.
+    review_url: str | None = None
+    # In-band approval over 2026-07-28 (input_required): the environment variable holding the
+    # secret that signs the `requestState` the proxy hands to clients. Replicas behind one
+    # load balancer need the same secret. Absent: a random per-process secret (a retry that
+    # reaches another replica, or this one after a restart, is refused and asks again).
+    in_band_secret_env: str | None = None
+    # How long a client may take to answer an in-band approval request (2026-07-28).
+    in_band_state_ttl: float = 600.0
+
+    @field_validator("ttl", "poll_interval", "retention", "max_grant_duration",
+                     "in_band_state_ttl", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> float:
+        return _seconds(v)
+
+
+class IdempotencyConfig(_Model):
+    """How long performed calls are remembered, and how long a duplicate waits for the first."""
+
+    # Seconds (or "24h") a performed call's result is kept for replay. Absent: 24 hours.
+    ttl: float = 24 * 3600.0
+    # Seconds a duplicate of a call still in flight waits for its result before it is refused
+    # (idempotency_in_flight). Absent: 30 s.
+    wait: float = 30.0
+
+    @field_validator("ttl", "wait", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> float:
+        return _seconds(v)
+
+
+class RetryConfig(_Model):
+    """Bounded retry of transient upstream failures (connect errors, 429, 502, 503, 504).
+
+    Only read-only calls and calls carrying a client idempotency key are retried, only before
+    any byte reached the client, and always within the upstream's timeout.
+    """
+
+    # Attempts in all (1 disables retries). Absent: 3.
+    attempts: int = Field(default=3, ge=1, le=10)
+    # First backoff in seconds, doubled per retry. Absent: 0.2 s.
+    backoff: float = 0.2
+    # Longest single wait, also the cap on a Retry-After header. Absent: 5 s.
+    max_backoff: float = 5.0
+
+    @field_validator("backoff", "max_backoff", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> float:
+        return _seconds(v)
+
+
 class Limits(_Model):
     # Largest request body accepted on the MCP listener (413 beyond).
     max_body_bytes: int = 4 * 2**20
@@ -89,7 +230,11 @@ class Config(_Model):
     # Origin values accepted besides loopback origins. Requests without Origin are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
     audit: AuditConfig = Field(default_factory=AuditConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    approvals: ApprovalsConfig = Field(default_factory=ApprovalsConfig)
     limits: Limits = Field(default_factory=Limits)
+    idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
     cel_engine: Literal["auto", "cel-cpp", "cel-python"] = "auto"
     # Upstream HTTP client: "fast" (asyncio + httptools, ~5x less CPU per call; https upstreams
     # go through aiohttp) or "aiohttp".

@@ -19,12 +19,13 @@ from aiohttp import web
 
 from proxy.admin.app import build_admin_app
 from proxy.admin.metrics import Metrics
+from proxy.approvals import ApprovalNotifier, ApprovalService, Approvers
 from proxy.audit.log import AuditLog
 from proxy.config import Config
-from proxy.envelope.catalogue import misconfigured_tools
+from proxy.envelope.call import Services
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
-from proxy.errors import PolicyError
+from proxy.errors import PolicyError, StoreError
 from proxy.forward import Forwarder
 from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.mcp import LOOPBACK_HOSTS, FrontSettings, McpFront, UpstreamTarget
@@ -32,6 +33,8 @@ from proxy.identity import Identity
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.reload import PolicyWatcher
+from proxy.store.base import Store
+from proxy.store.factory import open_store
 from proxy.transport import FastForwarder
 from proxy.upstreams import HealthProber, ProbeTarget, UpstreamHealth
 
@@ -49,7 +52,22 @@ class Runtime:
         audit_name = "audit" if config.workers == 1 else f"audit-w{worker}"
         self.audit = AuditLog(config.audit_dir, name=audit_name, fsync=config.audit.fsync,
                               max_bytes=config.audit.max_bytes)
-        self.envelope = Envelope(self.audit, self.metrics, self.registry)
+        self.store: Store | None = open_store(config)
+        self.store_error: str | None = None  # last store ping failure (readiness)
+        self._store_pinger: asyncio.Task[None] | None = None
+        # The approval gate: a process-local notifier (webhook, early wake-up of held calls) for
+        # the check, and the service the admin API decides through; they agree through the store.
+        self.approval_notifier = ApprovalNotifier(config.approvals.webhook, self.metrics,
+                                                  review_url=config.approvals.review_url)
+        self.approvals: ApprovalService | None = (
+            ApprovalService(self.store, config.approvals, self.approval_notifier, self.metrics)
+            if self.store is not None and config.approvals.enabled else None
+        )
+        self.approvers = Approvers(config.approvals)
+        self._approvals_gauge: asyncio.Task[None] | None = None
+        self.services = Services(store=self.store, settings=config, metrics=self.metrics,
+                                 notifier=self.approval_notifier)
+        self.envelope = Envelope(self.audit, self.metrics, self.registry, self.services)
         self.identity = Identity(config.identity)
         self.forwarder: Forwarder = FastForwarder() if config.transport == "fast" else Forwarder()
         self.revision: PolicyRevision | None = None
@@ -127,10 +145,40 @@ class Runtime:
 
     # ---- status for the admin listener ---------------------------------------------------
 
+    async def _ping_store(self, interval: float = 2.0) -> None:
+        """Keep `store_error` current for /readyz (readiness is read synchronously)."""
+        assert self.store is not None
+        while True:
+            try:
+                async with asyncio.timeout(self.config.store.timeout):
+                    await self.store.ping()
+            except (StoreError, TimeoutError) as exc:
+                if self.store_error is None:
+                    log.error("state store (%s) unavailable: %s", self.store.kind, exc or "timeout")
+                self.store_error = str(exc) or "timed out"
+            else:
+                if self.store_error is not None:
+                    log.info("state store (%s) available again", self.store.kind)
+                self.store_error = None
+            await asyncio.sleep(interval)
+
+    async def _refresh_approvals_gauge(self, interval: float = 5.0) -> None:
+        """Keep `envelope_approvals_pending` current as approvals expire (decisions refresh it
+        at once)."""
+        assert self.approvals is not None
+        while True:
+            try:
+                await self.approvals.refresh_pending()
+            except Exception as exc:  # the gauge is best effort; calls fail closed on their own
+                log.debug("pending approvals gauge not refreshed: %s", exc)
+            await asyncio.sleep(interval)
+
     def readiness(self) -> list[str]:
         reasons = []
         if self.revision is None:
             reasons.append("no policy loaded")
+        if self.store_error is not None:
+            reasons.append(f"state store ({self.config.store.kind}) unavailable: {self.store_error}")
         if not self.audit.check_writable():
             reasons.append(f"audit log not writable: {self.audit.last_error}")
         return reasons
@@ -160,9 +208,13 @@ class Runtime:
             "loaded_at": rev.loaded_at,
             "tools": sorted(rev.tools),
             "upstreams": {n: t.url for n, t in self._targets.items()},
-            "misconfigured": misconfigured_tools(rev, self.registry),
+            "misconfigured": self.envelope.misconfig.as_json(),
             "last_reload": self.last_reload,
         }
+
+    def misconfigurations(self) -> list[dict[str, Any]]:
+        """Every tool that can never run and why (`GET /v1/misconfigurations`)."""
+        return self.envelope.misconfig.as_json()
 
     # ---- listeners -----------------------------------------------------------------------
 
@@ -197,6 +249,11 @@ class Runtime:
 
     async def start(self) -> None:
         """Start listeners (policy must be loaded)."""
+        if self.store is not None:
+            self._store_pinger = asyncio.get_running_loop().create_task(self._ping_store())
+        if self.approvals is not None:
+            self._approvals_gauge = asyncio.get_running_loop().create_task(
+                self._refresh_approvals_gauge())
         if not self.audit.healthy:
             log.error("audit log %s is not writable (%s): every call will be refused until it is",
                       self.audit.path, self.audit.last_error)
@@ -205,7 +262,9 @@ class Runtime:
         reuse = self.config.workers > 1
         host, port = self.config.listen_addr
         mcp_runner = web.AppRunner(self.build_mcp_app(), access_log=None, handler_cancellation=True,
-                                   shutdown_timeout=self.config.shutdown_grace)
+                                   # aiohttp waits this long twice (for the handler, then
+                                   # again after cancelling its body): half makes the whole grace.
+                                   shutdown_timeout=self.config.shutdown_grace / 2)
         await mcp_runner.setup()
         site = web.TCPSite(mcp_runner, host, port, reuse_port=reuse or None, backlog=1024)
         await site.start()
@@ -217,6 +276,9 @@ class Runtime:
         await web.TCPSite(admin_runner, ahost, aport + self.worker if aport else 0).start()
         self._runners.append(admin_runner)
         aport = _bound_port(admin_runner, aport)
+        if not self.approval_notifier.review_url:
+            shown_admin = "127.0.0.1" if ahost in ("0.0.0.0", "::") else ahost
+            self.approval_notifier.review_url = f"http://{shown_admin}:{aport}"
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         ashown = "127.0.0.1" if ahost in ("0.0.0.0", "::") else ahost
         self.urls = {
@@ -239,14 +301,23 @@ class Runtime:
         if self._watcher is not None:
             await self._watcher.stop()
         await self._prober.stop()
+        if self.front is not None:
+            self.front.shutting_down = True  # calls cut off from here on say so
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
         if self.front is not None:
             await self.front.close()
         await self.forwarder.close()
+        if self._store_pinger is not None:
+            self._store_pinger.cancel()
+        if self._approvals_gauge is not None:
+            self._approvals_gauge.cancel()
+        await self.approval_notifier.close()
+        if self.store is not None:
+            await self.store.close()
         self.audit.close()
-        log.info("shutdown complete: audit log flushed and closed")
+        log.info("shutdown complete: store closed, audit log flushed and closed")
 
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()

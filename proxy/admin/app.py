@@ -37,7 +37,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application:
-    """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy (+ /v1/upstreams)."""
+    """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy (+ /v1/upstreams,
+    /v1/misconfigurations when the provider has them)."""
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -77,10 +78,30 @@ def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/v1/policy", policy)
+    misconfigurations = getattr(status, "misconfigurations", None)
+    if misconfigurations is not None:
+        async def misconfigured(request: web.Request) -> web.Response:
+            # The same objects the log lines, the gauge and `envelope-proxy check` show.
+            try:
+                return _json(misconfigurations())
+            except Exception as e:
+                return _json({"error": f"{type(e).__name__}: {e}"}, status=500)
+
+        app.router.add_get("/v1/misconfigurations", misconfigured)
     upstream_status = getattr(status, "upstream_status", None)
     if upstream_status is not None:
         async def upstreams(request: web.Request) -> web.Response:
             return _json({"upstreams": upstream_status()})
 
         app.router.add_get("/v1/upstreams", upstreams)
+    # The approvals API, when the provider runs an approval gate (see approvals_api).
+    approvals = getattr(status, "approvals", None)
+    if approvals is not None:
+        from proxy.admin import approvals_api
+
+        approvals_api.add_routes(app, approvals, status.approvers)  # type: ignore[attr-defined]
+    # Shadow records (GET /v1/shadow), read from the provider's state store.
+    from proxy.admin.shadow_api import add_shadow_routes
+
+    add_shadow_routes(app, status)
     return app

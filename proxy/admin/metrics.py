@@ -46,6 +46,7 @@ DURATION_BUCKETS = (
 Stage = Literal["envelope", "upstream", "audit", "total"]
 UpstreamOutcome = Literal["ok", "error", "timeout"]
 ReloadResult = Literal["success", "failure"]
+MisconfigLayer = Literal["registry", "envelope"]
 RejectReason = Literal[
     "parse_error",
     "invalid_request",
@@ -61,6 +62,7 @@ RejectReason = Literal[
 STAGES: tuple[Stage, ...] = get_args(Stage)
 UPSTREAM_OUTCOMES: tuple[UpstreamOutcome, ...] = get_args(UpstreamOutcome)
 RELOAD_RESULTS: tuple[ReloadResult, ...] = get_args(ReloadResult)
+MISCONFIG_LAYERS: tuple[MisconfigLayer, ...] = get_args(MisconfigLayer)
 REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
 
 
@@ -85,13 +87,18 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Counter, "envelope_policy_reloads_total", "Policy reload attempts by result (success, failure).", ("result",)),
     MetricSpec(Gauge, "envelope_policy_revision_info", "The policy revision being served (value 1).", ("revision",)),
     MetricSpec(Gauge, "envelope_policy_last_reload_timestamp_seconds", "Unix time of the last successful policy load."),
-    MetricSpec(Gauge, "envelope_misconfigured_tools", "Tools whose policy can never let them run."),
+    MetricSpec(Gauge, "envelope_misconfigured_tools", "Tools that can never run, by layer (registry: catalogue vs policy; envelope: a missing dependency).", ("layer",)),
     MetricSpec(Counter, "envelope_audit_write_failures_total", "Audit records that could not be written (the call was refused)."),
     MetricSpec(Counter, "envelope_audit_records_total", "Audit records written.", fast=True),
     MetricSpec(Counter, "envelope_check_errors_total", "Checks that raised (the call was refused: fail closed).", ("check",)),
     MetricSpec(Counter, "envelope_rejected_requests_total", "Requests rejected at the front before the envelope.", ("reason",)),
     MetricSpec(Gauge, "envelope_catalogue_tools", "Tools in the catalogue per upstream.", ("upstream",)),
     MetricSpec(Gauge, "envelope_upstream_up", "Upstream health: 1 up, 0 down or not yet known.", ("upstream",)),
+    MetricSpec(Counter, "envelope_idempotent_replays_total", "Calls answered from the stored first result of the same call (never forwarded twice)."),
+    MetricSpec(Counter, "envelope_upstream_retries_total", "Upstream requests retried after a transient failure (connect error, 429, 502, 503, 504).", ("upstream",)),
+    MetricSpec(Counter, "envelope_shadow_records_total", "Writer calls of shadow runs recorded instead of performed."),
+    MetricSpec(Gauge, "envelope_approvals_pending", "Approvals waiting for a person's decision (not yet expired)."),
+    MetricSpec(Counter, "envelope_approval_webhook_failures_total", "Failed approval webhook delivery attempts (each retry counts)."),
 )  # fmt: skip
 
 
@@ -214,7 +221,8 @@ class Metrics:
         self._upstream_req = cast(_FastCounter, c["envelope_upstream_requests_total"])
         self._revision = cast(Gauge, c["envelope_policy_revision_info"])
         self._last_reload = cast(Gauge, c["envelope_policy_last_reload_timestamp_seconds"])
-        self._misconfigured = cast(Gauge, c["envelope_misconfigured_tools"])
+        misconfigured = cast(Gauge, c["envelope_misconfigured_tools"])
+        self._misconfigured = {layer: misconfigured.labels(layer) for layer in MISCONFIG_LAYERS}
         self._audit_failures = cast(Counter, c["envelope_audit_write_failures_total"])
         self._audit_records = cast(_FastCounter, c["envelope_audit_records_total"]).child(())
         self._check_errors = cast(Counter, c["envelope_check_errors_total"])
@@ -283,6 +291,18 @@ class Metrics:
             child = self._check_children[check] = self._check_errors.labels(check)
         child.inc()
 
+    def idempotent_replay(self) -> None:
+        """Count one call answered from a stored result."""
+        cast(Counter, self.collectors["envelope_idempotent_replays_total"]).inc()
+
+    def upstream_retry(self, upstream: str) -> None:
+        """Count one retried upstream request; `upstream` is a configured upstream name."""
+        cast(Counter, self.collectors["envelope_upstream_retries_total"]).labels(upstream).inc()
+
+    def shadow_record(self) -> None:
+        """Count one writer call recorded (not performed) in a shadow run."""
+        cast(Counter, self.collectors["envelope_shadow_records_total"]).inc()
+
     def rejected(self, reason: RejectReason) -> None:
         """Count a request rejected at the front; raises ValueError outside `REJECT_REASONS`."""
         try:
@@ -313,8 +333,14 @@ class Metrics:
         if result == "success":
             self._last_reload.set(time.time() if when is None else when)
 
-    def set_misconfigured(self, count: int) -> None:
-        self._misconfigured.set(count)
+    def set_misconfigured(self, counts: Mapping[str, int]) -> None:
+        """Set misconfigured tools per layer; a layer absent from `counts` is 0. Raises
+        ValueError for a layer not in `MISCONFIG_LAYERS`."""
+        unknown = set(counts) - set(MISCONFIG_LAYERS)
+        if unknown:
+            raise ValueError(f"unknown misconfiguration layer(s) {sorted(unknown)}")
+        for layer, child in self._misconfigured.items():
+            child.set(counts.get(layer, 0))
 
     def set_catalogue(self, counts: Mapping[str, int]) -> None:
         """Set tools per upstream; upstreams no longer present lose their series."""
@@ -323,6 +349,14 @@ class Metrics:
         for upstream, n in counts.items():
             self._catalogue.labels(upstream).set(n)
         self._catalogue_upstreams = set(counts)
+
+    # -- approvals ---------------------------------------------------------------------------
+
+    def set_approvals_pending(self, count: int) -> None:
+        cast(Gauge, self.collectors["envelope_approvals_pending"]).set(count)
+
+    def approval_webhook_failure(self) -> None:
+        cast(Counter, self.collectors["envelope_approval_webhook_failures_total"]).inc()
 
     def set_upstreams_up(self, states: Mapping[str, bool | None]) -> None:
         """Set `envelope_upstream_up` (None, unknown, counts as 0); gone upstreams lose their series."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 
 class Effect(enum.StrEnum):
@@ -43,10 +43,15 @@ class Code(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
     AUDIT_UNAVAILABLE = "audit_unavailable"
     CLIENT_DISCONNECTED = "client_disconnected"
+    SHUTDOWN = "shutdown"  # the proxy stopped before the upstream answered (grace ran out)
     APPROVAL_PENDING = "approval_pending"
     APPROVAL_DENIED = "approval_denied"
     APPROVAL_EXPIRED = "approval_expired"
     STORE_UNAVAILABLE = "store_unavailable"
+    # idempotency: the same call is being performed right now and did not finish in time.
+    IDEMPOTENCY_IN_FLIGHT = "idempotency_in_flight"
+    # idempotency: the client reused an idempotency key for a call with other arguments.
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     # Not refusals: the client receives a result the proxy holds instead of a forwarded one.
     REPLAYED = "replayed"  # idempotency: the stored first result of this call
     SHADOWED = "shadowed"  # shadow run: recorded, not performed; a synthetic result
@@ -114,6 +119,48 @@ class ToolInfo:
     annotations: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class ApprovalPrompt:
+    """What the person at the client is asked to approve (in-band approval)."""
+
+    approval_id: str
+    upstream: str
+    tool: str
+    args_digest: str
+    arguments: Mapping[str, Any]
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class InBandAnswer:
+    """The person's answer to an in-band approval request."""
+
+    approve: bool
+    reason: str
+    action: str = "accept"  # accept | decline | cancel (the elicitation's action)
+
+
+class InBandChannel(Protocol):
+    """The front's way to ask the person at the client (set on `ToolCall.in_band` only when the
+    client can be asked: elicitation capability or input_required support).
+
+    `mode` "hold": the front can ask while the call is held (`ask`, a session's SSE stream).
+    `mode` "defer": the front answers the call with a request for input and the client retries
+    (`defer` records what to ask; `answer`/`state` carry the retry's answer and the opaque
+    state the proxy handed out, unverified: the approval check verifies them).
+    """
+
+    mode: Literal["hold", "defer"]
+    answer: InBandAnswer | None
+    state: str | None
+
+    async def ask(self, prompt: ApprovalPrompt) -> InBandAnswer | None:
+        """Ask and wait for the answer (None: no decision); the caller cancels it at its deadline."""
+        ...
+
+    def defer(self, prompt: ApprovalPrompt, state: str) -> None: ...
+
+
 @dataclass(slots=True)
 class ToolCall:
     """One `tools/call` on its way through the envelope.
@@ -144,6 +191,8 @@ class ToolCall:
     effect: Effect | None = None
     # The CEL activation, built once per call on first use (see `proxy.envelope.celvars`).
     activation: Any = None
+    # Set by the front when the person at the client can be asked for approval (in-band).
+    in_band: InBandChannel | None = None
 
     @property
     def qualified_name(self) -> str:

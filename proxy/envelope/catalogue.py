@@ -1,21 +1,25 @@
 """Catalogue check: the tool is known to policy and its policy can ever let it run.
 
 Refuses `unknown_tool` (no `tools:` entry while `defaults.unknown_tools` is deny) and
-`misconfigured` (a tool no call could ever pass: gated with no approval gate, fallback deny with
-no allow rule, or an undeclared upstream). Sets `call.effect` for every later check.
+`misconfigured` (a tool no call could ever pass, see `TOOL_RULES`). Sets `call.effect` for every
+later check.
 
-`misconfiguration`, `misconfigured_tools` and `visible` are the same decisions for the front's
-`tools/list` filter and the admin misconfiguration report, so what is hidden and what is refused
-never disagree.
+The rules are one ordered table shared by the check, the `tools/list` filter (`visible`) and the
+misconfiguration report (`misconfigurations`), so what is refused and what is reported never
+disagree. A misconfigured tool stays advertised in `tools/list` (its refusal says why); only an
+upstream tool with no policy under `unknown_tools: deny` is hidden.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, deny
+from proxy.envelope.misconfig import EVERY_TOOL, Dependencies, Layer, Misconfiguration
 from proxy.envelope.tools import ToolRegistry, effective_effect
-from proxy.policy.compiled import PolicyRevision
+from proxy.policy.compiled import CompiledTool, PolicyRevision
 
 
 def _upstream_of(key: str) -> str:
@@ -27,32 +31,141 @@ def _trusts(revision: PolicyRevision, upstream: str) -> bool:
     return bool(declared is not None and declared.trust_annotations)
 
 
-def misconfiguration(revision: PolicyRevision, key: str, effect: Effect) -> str | None:
-    """Why no call of tool `key` (with its effective `effect`) can ever run; None when one can.
+def _shadow(policy: Any) -> bool:
+    # `mode` may not exist in the policy model yet (the shadow check adds it).
+    return getattr(policy, "mode", None) == "shadow"
 
-    Gating: a tool whose policy has an `approval` block is gated exactly when
-    `approval.required` is true; otherwise when its effect is in `defaults.gated_effects`. The
-    approval gate does not exist yet, so a gated tool is misconfigured.
-    """
-    compiled = revision.tools.get(key)
-    approval = compiled.policy.approval if compiled is not None else None
-    gated = (
-        approval.required
-        if approval is not None
-        else effect in revision.document.defaults.gated_effects
+
+@dataclass(frozen=True, slots=True)
+class ToolFacts:
+    """What the rules look at for one tool: its policy, effect, upstream and the runtime."""
+
+    revision: PolicyRevision
+    key: str
+    compiled: CompiledTool | None
+    effect: Effect
+    # Whether the upstream's tools/list has this tool; None until that upstream's list is learned.
+    offered: bool | None
+    deps: Dependencies
+
+    @property
+    def upstream(self) -> str:
+        return _upstream_of(self.key)
+
+    @property
+    def gated(self) -> bool:
+        """A tool with an `approval` block is gated exactly when `approval.required` is true;
+        otherwise when its effect is in `defaults.gated_effects`."""
+        approval = self.compiled.policy.approval if self.compiled is not None else None
+        if approval is not None:
+            return bool(approval.required)
+        return self.effect in self.revision.document.defaults.gated_effects
+
+
+# -- the rules: each returns why the tool can never run, or None ------------------------------
+
+
+def _undeclared_upstream(t: ToolFacts) -> str | None:
+    if t.upstream in t.revision.document.upstreams:
+        return None
+    return f"tool '{t.key}' names upstream '{t.upstream}', which is not declared under upstreams"
+
+
+def _not_offered(t: ToolFacts) -> str | None:
+    if t.offered is not False:
+        return None
+    return f"tool '{t.key}' is in the policy but upstream '{t.upstream}' does not offer it in tools/list"
+
+
+def _fallback_deny_without_allow(t: ToolFacts) -> str | None:
+    c = t.compiled
+    if c is None or c.fallback != "deny" or any(rule.kind == "allow" for rule in c.rules):
+        return None
+    return f"tool '{t.key}' has fallback deny and no allow rule, so no call can ever run"
+
+
+def _no_approval_gate(t: ToolFacts) -> str | None:
+    if not t.gated:
+        return None
+    d = t.deps
+    if d.store is None:
+        why = "no state store is configured"
+    elif not d.approvals_enabled:
+        why = "approvals are disabled"
+    elif not d.approval_check:
+        why = "this proxy has no approval check"
+    else:
+        return None
+    return f"tool '{t.key}' needs approval (effect {t.effect.value}) but no approval gate is configured ({why})"
+
+
+def _no_idempotency_store(t: ToolFacts) -> str | None:
+    if not t.gated or t.deps.store is not None:
+        return None
+    return (f"tool '{t.key}' has a gated effect ({t.effect.value}), which needs an idempotency store, "
+            "but no state store is configured")
+
+
+def _no_shadow_recorder(t: ToolFacts) -> str | None:
+    if t.compiled is None or not _shadow(t.compiled.policy) or t.effect is Effect.READ:
+        return None
+    if t.deps.store is not None:
+        return None
+    return (f"tool '{t.key}' is in shadow mode (its calls are recorded, not performed) "
+            "but no state store is configured to record them")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One way a tool can never run: a stable id (the report's `kind`), its layer, its test."""
+
+    id: str
+    layer: Layer
+    test: Callable[[ToolFacts], str | None]
+
+
+# Registry layer first (the catalogue and the policy disagree), then the envelope layer (a
+# dependency is missing). A call is refused with the first problem found.
+TOOL_RULES: tuple[Rule, ...] = (
+    Rule("undeclared_upstream", "registry", _undeclared_upstream),
+    Rule("not_offered", "registry", _not_offered),
+    Rule("fallback_deny", "registry", _fallback_deny_without_allow),
+    Rule("no_approval_gate", "envelope", _no_approval_gate),
+    Rule("no_idempotency_store", "envelope", _no_idempotency_store),
+    Rule("no_shadow_recorder", "envelope", _no_shadow_recorder),
+)
+
+
+_RULE_ORDER = {rule.id: index for index, rule in enumerate(TOOL_RULES)}
+
+
+def tool_problems(facts: ToolFacts) -> list[Misconfiguration]:
+    """Every reason the tool of `facts` can never run, in rule order; [] when a call can."""
+    problems = []
+    for rule in TOOL_RULES:
+        reason = rule.test(facts)
+        if reason is not None:
+            problems.append(Misconfiguration(facts.key, rule.layer, rule.id, reason))
+    return problems
+
+
+def principal_problem(revision: PolicyRevision, principal_id: str, deps: Dependencies) -> Misconfiguration | None:
+    """Why no writer call of this principal can run (shadow mode with no recorder), or None."""
+    principal = revision.principals.get(principal_id)
+    if principal is None or not _shadow(principal.policy) or deps.store is not None:
+        return None
+    return Misconfiguration(
+        EVERY_TOOL, "envelope", "no_shadow_recorder",
+        f"principal '{principal_id}' is in shadow mode (its writer calls are recorded, not performed) "
+        "but no state store is configured to record them",
+        principal=principal_id,
     )
-    if gated:
-        return (
-            f"tool '{key}' needs approval (effect {effect.value}) "
-            "but no approval gate is configured"
-        )
-    if compiled is not None and compiled.fallback == "deny":
-        if not any(rule.kind == "allow" for rule in compiled.rules):
-            return f"tool '{key}' has fallback deny and no allow rule, so no call can ever run"
-    upstream = _upstream_of(key)
-    if upstream not in revision.document.upstreams:
-        return f"tool '{key}' names upstream '{upstream}', which is not declared under upstreams"
-    return None
+
+
+def _offered(registry: ToolRegistry, upstream: str, tool: str) -> bool | None:
+    if registry.get(upstream, tool) is not None:
+        return True
+    return False if upstream in registry.upstreams() else None
 
 
 def _effect_of(
@@ -65,28 +178,67 @@ def _effect_of(
     )
 
 
-def misconfigured_tools(revision: PolicyRevision, registry: ToolRegistry) -> dict[str, str]:
-    """Every misconfigured tool key to its reason: all policy tools, plus every learned tool
-    when `defaults.unknown_tools` is allow (those run on the defaults and can be misconfigured
-    too)."""
+def _facts(revision: PolicyRevision, registry: ToolRegistry, deps: Dependencies, key: str) -> ToolFacts:
+    upstream, _, tool = key.partition(".")
+    return ToolFacts(
+        revision, key, revision.tools.get(key), _effect_of(revision, registry, upstream, tool),
+        _offered(registry, upstream, tool), deps,
+    )
+
+
+def misconfiguration(
+    revision: PolicyRevision, key: str, effect: Effect, deps: Dependencies | None = None,
+    offered: bool | None = None,
+) -> str | None:
+    """Why no call of tool `key` (with its effective `effect`) can ever run; None when one can.
+
+    `deps` absent: no store (every envelope-layer dependency missing).
+    """
+    facts = ToolFacts(revision, key, revision.tools.get(key), effect, offered,
+                      deps or Dependencies(store=None))
+    problems = tool_problems(facts)
+    return problems[0].reason if problems else None
+
+
+def misconfigurations(
+    revision: PolicyRevision, registry: ToolRegistry, deps: Dependencies
+) -> list[Misconfiguration]:
+    """The report: every problem of every policy tool, of every learned tool (with no policy:
+    `unknown_tool` under deny, else the rules as for a policy tool) and of every shadow principal.
+    Sorted by tool, then in rule order (the first problem of a tool is the one its calls get)."""
+    report: list[Misconfiguration] = []
+    for key in revision.tools:
+        report.extend(tool_problems(_facts(revision, registry, deps, key)))
+    deny_unknown = revision.document.defaults.unknown_tools == "deny"
+    for upstream in registry.upstreams():
+        for info in registry.tools(upstream):
+            key = f"{upstream}.{info.name}"
+            if key in revision.tools:
+                continue
+            if deny_unknown:
+                report.append(Misconfiguration(
+                    key, "registry", "unknown_tool",
+                    f"upstream '{upstream}' offers tool '{key}', which has no policy while "
+                    "defaults.unknown_tools is deny (hidden from tools/list, refused as unknown_tool)",
+                ))
+            else:
+                report.extend(tool_problems(_facts(revision, registry, deps, key)))
+    for principal_id in revision.principals:
+        problem = principal_problem(revision, principal_id, deps)
+        if problem is not None:
+            report.append(problem)
+    return sorted(report, key=lambda p: (p.tool, p.principal or "", _RULE_ORDER.get(p.kind, -1)))
+
+
+def misconfigured_tools(
+    revision: PolicyRevision, registry: ToolRegistry, deps: Dependencies | None = None
+) -> dict[str, str]:
+    """Misconfigured tool key -> its first reason (tools that are refused as misconfigured)."""
     report: dict[str, str] = {}
-    for key, compiled in revision.tools.items():
-        effect = _effect_of(revision, registry, compiled.upstream, compiled.name)
-        reason = misconfiguration(revision, key, effect)
-        if reason is not None:
-            report[key] = reason
-    if revision.document.defaults.unknown_tools == "allow":
-        for upstream in registry.upstreams():
-            for info in registry.tools(upstream):
-                key = f"{upstream}.{info.name}"
-                if key in revision.tools:
-                    continue
-                reason = misconfiguration(
-                    revision, key, _effect_of(revision, registry, upstream, info.name)
-                )
-                if reason is not None:
-                    report[key] = reason
-    return dict(sorted(report.items()))
+    for p in misconfigurations(revision, registry, deps or Dependencies(store=None)):
+        if p.kind != "unknown_tool" and p.principal is None:
+            report.setdefault(p.tool, p.reason)
+    return report
 
 
 def _read_only(revision: PolicyRevision, principal_id: str) -> bool:
@@ -100,16 +252,14 @@ def visible(
 ) -> bool:
     """Whether `tools/list` shows this tool to this principal.
 
-    Hidden when the catalogue would refuse it (unknown or misconfigured) or when the principal is
-    read-only and the tool's effect is not read. CEL conditions (authz, rules) do not hide a tool:
-    they depend on arguments.
+    Hidden when it has no policy under `unknown_tools: deny`, or when the principal is read-only
+    and the tool's effect is not read. A misconfigured tool stays listed: a call gets a refusal
+    that says why. CEL conditions (authz, rules) do not hide a tool: they depend on arguments.
     """
     key = f"{upstream}.{tool}"
     if key not in revision.tools and revision.document.defaults.unknown_tools == "deny":
         return False
     effect = _effect_of(revision, registry, upstream, tool)
-    if misconfiguration(revision, key, effect) is not None:
-        return False
     return not (effect is not Effect.READ and _read_only(revision, principal_id))
 
 
@@ -122,14 +272,35 @@ class CatalogueCheck:
         self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
     ):
         self._revision = revision
+        self._registry = registry
+        self._deps = Dependencies.of(services)
         self._tools = revision.tools
         self._deny_unknown = revision.document.defaults.unknown_tools == "deny"
         self._trusted = frozenset(
             name for name, up in revision.document.upstreams.items() if up.trust_annotations
         )
-        # (key, effect) -> reason or None. Misconfiguration depends only on the revision, the key
-        # and the effect; keys are bounded by the policy catalogue (unknown keys are not cached).
-        self._misconfigured: dict[tuple[str, Effect], str | None] = {}
+        # (key, effect, offered) -> first problem or None. Keys are bounded by the policy
+        # catalogue (tools with no policy are not cached).
+        self._misconfigured: dict[tuple[str, Effect, bool | None], Misconfiguration | None] = {}
+        self._shadow_principals = {
+            pid: p for pid in revision.principals
+            if (p := principal_problem(revision, pid, self._deps)) is not None
+        }
+
+    def _problem(self, key: str, compiled: CompiledTool | None, effect: Effect,
+                 call: ToolCall) -> Misconfiguration | None:
+        offered = (True if call.upstream_tool is not None
+                   else _offered(self._registry, call.upstream, call.tool))
+        cache_key = (key, effect, offered)
+        try:
+            return self._misconfigured[cache_key]
+        except KeyError:
+            pass
+        problems = tool_problems(ToolFacts(self._revision, key, compiled, effect, offered, self._deps))
+        problem = problems[0] if problems else None
+        if compiled is not None:
+            self._misconfigured[cache_key] = problem
+        return problem
 
     def decide(self, call: ToolCall) -> Decision | None:
         """Refuse unknown or misconfigured tools; otherwise set `call.effect` and continue."""
@@ -148,16 +319,9 @@ class CatalogueCheck:
             call.upstream in self._trusted,
         )
         call.effect = effect
-        if compiled is not None:
-            cache_key = (key, effect)
-            try:
-                reason = self._misconfigured[cache_key]
-            except KeyError:
-                reason = self._misconfigured[cache_key] = misconfiguration(
-                    self._revision, key, effect
-                )
-        else:
-            reason = misconfiguration(self._revision, key, effect)
-        if reason is not None:
-            return deny(Code.MISCONFIGURED, self.id, reason, f"tools.{key}")
+        problem = self._problem(key, compiled, effect, call)
+        if problem is None and effect is not Effect.READ and self._shadow_principals:
+            problem = self._shadow_principals.get(call.principal.id)
+        if problem is not None:
+            return deny(Code.MISCONFIGURED, self.id, problem.reason, problem.rule)
         return None

@@ -18,7 +18,16 @@ from typing import Any
 from proxy.admin.metrics import Metrics
 from proxy.audit.log import AuditLog
 from proxy.audit.record import build_record
-from proxy.envelope import arg_rules, authz, capability, catalogue, schema
+from proxy.envelope import (
+    approval,
+    arg_rules,
+    authz,
+    capability,
+    catalogue,
+    idempotency,
+    schema,
+    shadow,
+)
 from proxy.envelope.call import (
     ALLOWED,
     AsyncCheck,
@@ -30,6 +39,7 @@ from proxy.envelope.call import (
     ToolCall,
     Verdict,
 )
+from proxy.envelope.misconfig import Dependencies, MisconfigSink, Misconfiguration
 from proxy.envelope.tools import ToolRegistry
 from proxy.errors import AuditError
 from proxy.policy.compiled import PolicyRevision
@@ -37,13 +47,18 @@ from proxy.policy.compiled import PolicyRevision
 log = logging.getLogger("envelope")
 
 # The order is the contract (DESIGN section 2): cheapest and most decisive first. Later checks
-# (delegation, dataflow, rate limit, approval, idempotency, shadow) are added to this table.
+# (delegation, dataflow, rate limit) are added to this table. Shadow runs before approval and
+# idempotency (DESIGN lists it after them): a dry run must not page approvers, and a shadowed
+# call is never performed, so it needs no idempotency claim.
 CHECKS: tuple[type[Any], ...] = (
     catalogue.CatalogueCheck,
     capability.CapabilityCheck,
     schema.SchemaCheck,
     authz.AuthzCheck,
     arg_rules.ArgRulesCheck,
+    shadow.ShadowCheck,
+    approval.ApprovalCheck,
+    idempotency.IdempotencyCheck,
 )
 
 UNKNOWN_TOOL_LABEL = "<unknown>"
@@ -58,6 +73,8 @@ class Chain:
         self.registry = registry
         self._metrics = metrics
         self.services = services
+        # What the envelope layer provides (store, approvals), fixed for the chain's lifetime.
+        self.dependencies = Dependencies.of(services)
         self.checks: tuple[Check | AsyncCheck, ...] = tuple(
             cls(revision, registry, services) for cls in CHECKS
         )
@@ -111,8 +128,9 @@ class Chain:
         """Whether `tools/list` shows this tool to this principal."""
         return catalogue.visible(self.revision, self.registry, principal.id, upstream, tool)
 
-    def misconfigured(self) -> dict[str, str]:
-        return catalogue.misconfigured_tools(self.revision, self.registry)
+    def misconfigured(self) -> list[Misconfiguration]:
+        """Every tool that can never run and why (the registry as learned so far)."""
+        return catalogue.misconfigurations(self.revision, self.registry, self.dependencies)
 
     def tool_label(self, call: ToolCall) -> str:
         """A bounded metric label: the tool's name when the catalogue knows it."""
@@ -143,6 +161,8 @@ class Envelope:
         self.registry = registry
         self.services = services
         self._chain: Chain | None = None
+        # Misconfigurations: logged once per revision, counted by layer, listed by the admin API.
+        self.misconfig = MisconfigSink(metrics)
         # Probe once now: a log that cannot take a record must refuse the very first call too.
         audit.check_writable(force=True)
 
@@ -154,14 +174,17 @@ class Envelope:
         """Build a whole new chain for `revision` and swap it in."""
         chain = Chain(revision, self.registry, self.metrics, self.services)
         self._chain = chain
+        self.misconfig.loaded()
         self.refresh_catalogue_metrics()
         return chain
 
     def refresh_catalogue_metrics(self) -> None:
+        """Recompute the misconfiguration report and the catalogue gauges: at every install and
+        whenever the registry learns a tools/list (new problems are logged, known ones are not)."""
         chain = self._chain
         if chain is None:
             return
-        self.metrics.set_misconfigured(len(chain.misconfigured()))
+        self.misconfig.publish(chain.misconfigured())
         self.metrics.set_catalogue(
             {upstream: len(self.registry.tools(upstream)) for upstream in self.registry.upstreams()}
         )

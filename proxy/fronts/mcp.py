@@ -23,9 +23,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.admin.metrics import UpstreamOutcome
+from proxy.config import RetryConfig
 from proxy.envelope.call import (
     Code,
     Decision,
+    Effect,
     Principal,
     RequestInfo,
     RunContext,
@@ -36,6 +38,15 @@ from proxy.envelope.pipeline import Envelope, Pending
 from proxy.errors import AuditError, IdentityError, UpstreamError, UpstreamTimeout
 from proxy.forward import Forwarder, UpstreamResponse
 from proxy.fronts import jsonrpc
+from proxy.fronts.inband import (
+    ID_PREFIX,
+    DeferChannel,
+    Elicitations,
+    SessionCapabilities,
+    SessionChannel,
+    stateless_elicitation,
+    strip_stateless,
+)
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event
 
@@ -52,10 +63,34 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Request headers the proxy consumes itself and does not pass upstream.
-NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run"}
+NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run",
+                             "x-envelope-shadow"}
 # Response headers the proxy's own server sets.
 NOT_DOWNSTREAM = HOP_BY_HOP | {"server", "date"}
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+# Upstream answers that say "try again" without the call having run (or, for 502/504 behind a
+# gateway, without the proxy knowing): retried for read-only and client-keyed calls only.
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+
+
+def _connect_failed(exc: UpstreamError) -> bool:
+    """The request never reached the upstream (refused, unreachable, no connection in time).
+
+    Both forwarders word connect failures this way; anything later (a reset after sending) may
+    have reached the upstream and is not retried.
+    """
+    return str(exc).startswith("cannot connect to upstream")
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a `Retry-After: <seconds>` header; None when absent or an HTTP date."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +184,11 @@ class McpFront:
         self.on_upstream: Callable[[str, UpstreamOutcome, str | None], None] | None = None
         # Fire-and-forget upstream notifications (cancellations), tracked so shutdown can wait.
         self._background: set[asyncio.Task[None]] = set()
+        self.shutting_down = False  # set by the runtime when it starts draining
+        # In-band approval: what each session's client can do (from its initialize), and the
+        # elicitation requests the proxy sent and awaits answers for.
+        self.sessions = SessionCapabilities()
+        self.elicitations = Elicitations()
 
     def routes(self) -> list[web.RouteDef]:
         return [web.route("*", "/mcp/{upstream}", self.handle)]
@@ -210,6 +250,9 @@ class McpFront:
         if request.method == "POST":
             return await self._post(request, target, principal)
         if request.method in ("GET", "DELETE"):
+            session = request.headers.get("Mcp-Session-Id")
+            if request.method == "DELETE" and session:
+                self.sessions.forget(target.name, session)
             return await self._relay(request, target, None, stream_timeout=None)
         return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
 
@@ -271,6 +314,21 @@ class McpFront:
             return await self._tools_call(request, target, principal, msg, body)
         if msg.is_request and msg.method == "tools/list":
             return await self._tools_list(request, target, principal, msg, body)
+        if msg.method is None and isinstance(msg.id, str) and msg.id.startswith(ID_PREFIX):
+            # The client's answer to the proxy's own elicitation request: never relayed upstream.
+            if not self.elicitations.resolve(target.name, request.headers.get("Mcp-Session-Id"),
+                                             principal.id, msg.body):
+                log.info("an answer to unknown (or late) proxy request %s was dropped", msg.id)
+            return web.Response(status=202)
+        if msg.is_request and msg.method == "initialize":
+            capabilities = msg.params.get("capabilities")
+
+            def remember(resp: UpstreamResponse) -> None:
+                session = resp.headers.get("Mcp-Session-Id")
+                if session and resp.status == 200:
+                    self.sessions.remember(target.name, session, principal.id, capabilities)
+
+            return await self._relay(request, target, body, stream_timeout=None, on_response=remember)
         return await self._relay(request, target, body, stream_timeout=None)
 
     # ---- upstream plumbing -------------------------------------------------------------
@@ -305,8 +363,10 @@ class McpFront:
             )
 
     async def _relay(self, request: web.Request, target: UpstreamTarget, body: bytes | None,
-                     stream_timeout: float | None) -> web.StreamResponse:
-        """Relay a request we do not inspect: bytes in, bytes out, streamed."""
+                     stream_timeout: float | None,
+                     on_response: Callable[[UpstreamResponse], None] | None = None) -> web.StreamResponse:
+        """Relay a request we do not inspect: bytes in, bytes out, streamed. `on_response` sees
+        the upstream's response (status, headers) before it is relayed."""
         started = time.perf_counter()
         try:
             resp = await self._open(request, target, body, stream_timeout)
@@ -318,6 +378,8 @@ class McpFront:
             msg = f"upstream {target.name!r} " + ("timed out" if outcome == "timeout" else f"unavailable: {exc}")
             return _rpc_error(502 if outcome == "error" else 504, None, jsonrpc.INTERNAL_ERROR, msg)
         self._observe_upstream(target.name, time.perf_counter() - started, "ok")
+        if on_response is not None:
+            on_response(resp)
         async with resp:
             out = web.StreamResponse(status=resp.status, headers=self._downstream_headers(resp))
             length = resp.headers.get("Content-Length")
@@ -437,14 +499,18 @@ class McpFront:
         )
 
     async def _refuse(self, pending: Pending, decision: Decision, msg: Message, stateless: bool,
-                      **finish: Any) -> web.Response:
-        """Audit a refusal and build its reply (a tool result, or -32602 for unknown tools)."""
+                      stream: web.StreamResponse | None = None, **finish: Any) -> web.StreamResponse:
+        """Audit a refusal and build its reply (a tool result, or -32602 for unknown tools); as
+        the last event of `stream` when the call's SSE stream is already open."""
         try:
             await self.envelope.finish(pending, decision, **finish)
         except AuditError:
             decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                                 "the audit log cannot be written; the call was refused")
         call = pending.call
+        if stream is not None:
+            payload = jsonrpc.result_body(msg.id, refusal_result(decision, call.decision_id, stateless))
+            return await _end_stream(stream, payload)
         if decision.code is Code.UNKNOWN_TOOL:
             return _rpc_error(400 if stateless else 200, msg.id, jsonrpc.INVALID_PARAMS,
                               f"Unknown tool: {call.tool}",
@@ -459,15 +525,62 @@ class McpFront:
         except BadMessage as exc:
             self.metrics.rejected(exc.reason)
             return _json(exc.status, jsonrpc.error_body(exc.id, exc.code, exc.message))
+        channel = self._in_band_channel(request, target, principal, msg, stateless)
+        if isinstance(channel, DeferChannel) and (channel.answer is not None or channel.state is not None):
+            # The proxy's own answer and state never reach the upstream.
+            params, _, _ = strip_stateless(msg.params)
+            msg = Message({**msg.body, "params": params})
+            body = orjson.dumps(msg.body)
+        call.in_band = channel
         pending = await self.envelope.begin(call)
+        stream = channel.stream if isinstance(channel, SessionChannel) else None
+        if (isinstance(channel, DeferChannel) and channel.minted is not None
+                and pending.decision.code is Code.APPROVAL_PENDING):
+            return await self._input_required(pending, msg, channel)
         if pending.decision.refused:
-            return await self._refuse(pending, pending.decision, msg, stateless)
+            return await self._refuse(pending, pending.decision, msg, stateless, stream)
         if pending.decision.result is not None:
+            if stream is not None:
+                return await _end_stream(stream, await self._held_body(pending, msg, stateless))
             return await self._answer_held(pending, msg, stateless)
-        return await _ForwardedCall(self, request, target, msg, body, pending, stateless).run()
+        return await _ForwardedCall(self, request, target, msg, body, pending, stateless, stream).run()
+
+    def _in_band_channel(self, request: web.Request, target: UpstreamTarget, principal: Principal,
+                         msg: Message, stateless: bool) -> SessionChannel | DeferChannel | None:
+        """How the person at the client can be asked to approve this call, if at all (whether
+        they may is the approval check's business)."""
+        if stateless:
+            _, carried, _ = strip_stateless(msg.params)
+            if carried is not None:
+                return carried
+            return DeferChannel() if stateless_elicitation(msg.params) else None
+        session = request.headers.get("Mcp-Session-Id")
+        if not session or "text/event-stream" not in request.headers.get("Accept", ""):
+            return None
+        info = self.sessions.get(target.name, session)
+        if info is None or not info.elicitation or info.principal != principal.id:
+            return None
+        return SessionChannel(request, self.elicitations, target.name, session, principal.id)
+
+    async def _input_required(self, pending: Pending, msg: Message, channel: DeferChannel) -> web.Response:
+        """2026-07-28: ask the client's user for the approval with an `input_required` result."""
+        result = channel.input_required()
+        result["_meta"] = {DECISION_META: pending.decision.as_meta(pending.call.decision_id)}
+        try:
+            await self.envelope.finish(pending)
+        except AuditError:
+            return await self._refuse(pending, Decision(  # type: ignore[return-value]
+                Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                "the audit log cannot be written; the call was refused"), msg, True)
+        return _json(200, jsonrpc.result_body(msg.id, result))
 
     async def _answer_held(self, pending: Pending, msg: Message, stateless: bool) -> web.Response:
         """Answer with a result the envelope holds (an idempotent replay, a shadow result)."""
+        return _json(200, await self._held_body(pending, msg, stateless))
+
+    async def _held_body(self, pending: Pending, msg: Message, stateless: bool) -> bytes:
+        """Audit a held result (replay, shadow) and return its JSON-RPC reply (a refusal when
+        the audit fails)."""
         decision = pending.decision
         result = dict(decision.result or {})
         meta = dict(result.get("_meta") or {})
@@ -482,10 +595,14 @@ class McpFront:
         try:
             await self.envelope.finish(pending)
         except AuditError:
-            return await self._refuse(pending, Decision(
-                Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
-                "the audit log cannot be written; the call was refused"), msg, stateless)
-        return _json(200, jsonrpc.result_body(msg.id, result))
+            refusal = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                               "the audit log cannot be written; the call was refused")
+            try:
+                await self.envelope.finish(pending, refusal)
+            except AuditError:
+                pass
+            result = refusal_result(refusal, pending.call.decision_id, stateless)
+        return jsonrpc.result_body(msg.id, result)
 
     def spawn(self, coro: Any) -> None:
         """Run `coro` in the background, tracked so shutdown waits for it."""
@@ -494,11 +611,22 @@ class McpFront:
         task.add_done_callback(self._background.discard)
 
 
+async def _end_stream(stream: web.StreamResponse, payload: bytes) -> web.StreamResponse:
+    """Write the call's last message as an SSE event and end the stream."""
+    try:
+        await stream.write(format_event(payload))
+        await stream.write_eof()
+    except ConnectionResetError:
+        pass
+    return stream
+
+
 class _ForwardedCall:
     """One allowed `tools/call` on its way upstream and back: audit before the reply."""
 
     def __init__(self, front: McpFront, request: web.Request, target: UpstreamTarget, msg: Message,
-                 body: bytes, pending: Pending, stateless: bool):
+                 body: bytes, pending: Pending, stateless: bool,
+                 stream: web.StreamResponse | None = None):
         self.front = front
         self.request = request
         self.target = target
@@ -508,9 +636,12 @@ class _ForwardedCall:
         self.stateless = stateless
         self.started = 0.0
         self.status: int | None = None
-        self.stream: web.StreamResponse | None = None
+        # The client's SSE response, when open: the proxy opened it before forwarding (in-band
+        # approval) or it relays the upstream's stream. Everything else is written on it.
+        self.stream: web.StreamResponse | None = stream
         self.finished = False
         self.resumable = False  # the upstream's events carry ids: the client can resume
+        self.attempts = 1
 
     def _upstream_seconds(self) -> float:
         return time.perf_counter() - self.started
@@ -569,7 +700,14 @@ class _ForwardedCall:
         if self.finished:
             return
         self.finished = True
-        if self.resumable:
+        if self.front.shutting_down:
+            # Not the client: the proxy is stopping and its grace ran out on this call.
+            log.warning("shutdown cut off decision %s (%s) before %s answered",
+                        self.pending.call.decision_id, self.pending.call.qualified_name, self.target.name)
+            self.front.cancel_upstream(self.request, self.target, self.msg.id)
+            decision = self._failure(Code.SHUTDOWN,
+                                     "the proxy shut down before the upstream answered; cancelled")
+        elif self.resumable:
             decision = Decision(Verdict.ALLOW, Code.OK, "forward",
                                 "the client disconnected; the stream is resumable, the call goes on")
         else:
@@ -611,12 +749,70 @@ class _ForwardedCall:
             pass
         return self.stream
 
+    def _retry_config(self) -> RetryConfig | None:
+        """The retry settings when this call may be retried: read-only, or carrying the client's
+        idempotency key (the envelope claimed it, so a retry cannot perform it twice)."""
+        call = self.pending.call
+        if call.effect is not Effect.READ and call.idempotency_key is None:
+            return None
+        settings = getattr(self.front.envelope.services, "settings", None)
+        retry = getattr(settings, "retry", None)
+        return retry if isinstance(retry, RetryConfig) else RetryConfig()
+
+    def _retry_delay(self, retry: RetryConfig, retry_after: float | None) -> float | None:
+        """Seconds to wait before the next attempt; None when no attempt is left or the wait
+        would not leave the attempt any of the upstream's timeout."""
+        if self.attempts >= retry.attempts:
+            return None
+        delay = retry_after if retry_after is not None else retry.backoff * 2 ** (self.attempts - 1)
+        delay = min(delay, retry.max_backoff)
+        if delay >= self.target.timeout - self._upstream_seconds():
+            return None
+        return delay
+
+    async def _open(self) -> UpstreamResponse:
+        """Open the upstream request, retrying transient failures when the call allows it.
+
+        Runs before any byte reaches the client, so a retry is invisible to it. Each failed
+        attempt is counted as an upstream error and each retry in
+        `envelope_upstream_retries_total`; the audit record carries the number of attempts.
+        """
+        front, target = self.front, self.target
+        retry = self._retry_config()
+        while True:
+            attempt_started = time.perf_counter()
+            delay: float | None = None
+            try:
+                resp = await front.forwarder.open(
+                    "POST", target.url, front._upstream_headers(self.request, target), self.body,
+                    connect_timeout=target.connect_timeout, read_timeout=target.timeout,
+                )
+            except UpstreamError as exc:
+                if retry is not None and _connect_failed(exc):
+                    delay = self._retry_delay(retry, None)
+                if delay is None:
+                    raise
+                front._observe_upstream(target.name, time.perf_counter() - attempt_started,
+                                        "error", str(exc))
+            else:
+                if retry is None or resp.status not in RETRY_STATUSES:
+                    return resp
+                delay = self._retry_delay(retry, _retry_after(resp.headers.get("Retry-After")))
+                if delay is None:
+                    return resp
+                resp.close()
+                front._observe_upstream(target.name, time.perf_counter() - attempt_started,
+                                        "error", f"answered HTTP {resp.status}")
+            front.metrics.upstream_retry(target.name)
+            log.info("retrying %s on %s in %.3gs (attempt %d failed)", self.pending.call.qualified_name,
+                     target.name, delay, self.attempts)
+            await asyncio.sleep(delay)
+            self.attempts += 1
+            self.pending.call.audit_extra["attempts"] = self.attempts
+
     async def _exchange(self) -> web.StreamResponse:
-        front, target, request = self.front, self.target, self.request
-        resp = await front.forwarder.open(
-            "POST", target.url, front._upstream_headers(request, target), self.body,
-            connect_timeout=target.connect_timeout, read_timeout=target.timeout,
-        )
+        front, target = self.front, self.target
+        resp = await self._open()
         async with resp:
             self.status = resp.status
             ctype = resp.headers.get("Content-Type", "")
@@ -635,11 +831,15 @@ class _ForwardedCall:
                     and ("result" in parsed or "error" in parsed)):
                 # The server's own answer (a result, or a JSON-RPC error with its HTTP status).
                 if not await self._finish_ok(parsed):
+                    if self.stream is not None:
+                        return await _end_stream(self.stream, self._audit_refusal().body)  # type: ignore[arg-type]
                     return self._audit_refusal()
+                if self.stream is not None:
+                    return await _end_stream(self.stream, data)
                 return web.Response(status=resp.status, body=data, headers=front._downstream_headers(resp))
             reason = f"upstream {target.name!r} answered HTTP {resp.status}" + (
                 "" if resp.status != 200 else " without a JSON-RPC reply")
-            if resp.status == 404:
+            if resp.status == 404 and self.stream is None:
                 # Unknown or expired session: pass it through so the client re-initializes, as
                 # the protocol asks.
                 self.finished = True
@@ -662,9 +862,11 @@ class _ForwardedCall:
     async def _relay_sse(self, resp: UpstreamResponse) -> web.StreamResponse:
         """Relay the call's SSE stream event by event; audit just before the result event."""
         front = self.front
-        out = web.StreamResponse(status=200, headers=front._downstream_headers(resp))
-        await out.prepare(self.request)
-        self.stream = out
+        out = self.stream
+        if out is None:
+            out = web.StreamResponse(status=200, headers=front._downstream_headers(resp))
+            await out.prepare(self.request)
+            self.stream = out
         parser = SSEParser()
         first = True
         async for chunk in resp.chunks():

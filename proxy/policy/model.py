@@ -95,15 +95,26 @@ class Rule(_Model):
 
 
 class Approval(_Model):
-    """Human approval for gated effects. Needs the approval gate (a later check)."""
+    """Human approval for this tool (the `approval` check). A tool with an `approval` block is
+    gated exactly when `required` is true; without one, when its effect is gated."""
 
     required: bool = False
+    # How long a gated call is held waiting for a decision before it is refused as
+    # approval_pending (the client retries the same call after approval). Absent: 30 s.
     wait: float = 30.0
+    # How long an approval for this tool may be decided and used. Absent: approvals.ttl of the
+    # runtime config (1 h by default).
+    ttl: float | None = None
+    # Also ask the person at the client (the caller's own user) when the client can be asked:
+    # MCP elicitation (2025-06-18 / 2025-11-25 sessions) or input_required (2026-07-28); the
+    # answer is recorded as decided by `user:<principal>`. Otherwise (and meanwhile) the
+    # out-of-band approval applies. Absent: false.
+    in_band: bool = False
 
-    @field_validator("wait", mode="before")
+    @field_validator("wait", "ttl", mode="before")
     @classmethod
-    def _duration(cls, v: object) -> float:
-        return parse_duration(v)  # type: ignore[arg-type]
+    def _duration(cls, v: object) -> float | None:
+        return None if v is None else parse_duration(v)  # type: ignore[arg-type]
 
 
 class ToolPolicy(_Model):
@@ -128,6 +139,16 @@ class ToolPolicy(_Model):
     # Write the arguments themselves into the audit log. Absent: only their digest.
     log_args: bool = False
     approval: Approval | None = None
+    # Replay a retry of an identical call (same run, arguments) from the stored first result,
+    # even when the effect is not gated. Absent: false (gated effects and calls carrying a
+    # client idempotency key are deduplicated anyway).
+    idempotent: bool = False
+    # shadow: every call of this tool is a shadow call (writers recorded, not performed).
+    # Absent: enforce.
+    mode: Literal["enforce", "shadow"] = "enforce"
+    # The text a client receives for a shadowed call. Absent: "Shadow run: this call was
+    # recorded, not performed."
+    shadow_result: str | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -146,6 +167,12 @@ class PrincipalPolicy(_Model):
     groups: list[str] = Field(default_factory=list)
     # CEL authorization for every call of this principal (any true authorizes). Absent: none.
     allow: list[CelExpr] | None = None
+    # Effects that need approval for this principal's calls of tools without an `approval`
+    # block. Absent: defaults.gated_effects.
+    gated_effects: list[Effect] | None = None
+    # shadow: every run of this principal is a shadow run (writers recorded, not performed).
+    # Absent: enforce.
+    mode: Literal["enforce", "shadow"] = "enforce"
 
     @field_validator("allow", mode="before")
     @classmethod
@@ -161,8 +188,8 @@ class Defaults(_Model):
     unknown_tools: Literal["allow", "deny"] = "deny"
     # Capability of principals not listed under `principals`.
     capability: Literal["read-only", "read-write"] = "read-write"
-    # Effects that need approval when the tool's policy does not say. Until the approval gate
-    # exists, a tool with a gated effect is reported misconfigured and refused.
+    # Effects that need approval when the tool's policy does not say. With no approval gate
+    # (approvals disabled or no state store) such a tool is reported misconfigured and refused.
     gated_effects: list[Effect] = Field(
         default_factory=lambda: [Effect.EXTERNAL, Effect.DESTRUCTIVE]
     )

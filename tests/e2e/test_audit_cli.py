@@ -37,7 +37,8 @@ def audited(tmp_path_factory: pytest.TempPathFactory, sse_upstream: Any) -> Iter
         ("ops", "echo", {"text": "two"}),
         ("reader", "search_notes", {"query": "x", "limit": 0}),  # schema
     ]
-    with proxy_process(tmp, {"notes": sse_upstream.url}) as pp:
+    # Approvals off: delete_note stays refused as misconfigured (no 30 s approval wait).
+    with proxy_process(tmp, {"notes": sse_upstream.url}, config={"approvals": {"enabled": False}}) as pp:
 
         async def go() -> tuple[list[str], int]:
             refused_ids, allowed = [], 0

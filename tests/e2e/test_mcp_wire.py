@@ -42,7 +42,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     ):
         ups = {"sse": sse, "json": js, "stateless": st}
         policies = write_policy(tmp / "policies", {NAMES[m]: {} for m in UPSTREAM_MODES})
-        with proxy_process(tmp, {NAMES[m]: ups[m].url for m in UPSTREAM_MODES}, policies=policies) as pp:
+        # Approvals off: delete_note (destructive) stays refused as misconfigured here; the gate
+        # itself is tested in test_approvals.py.
+        with proxy_process(tmp, {NAMES[m]: ups[m].url for m in UPSTREAM_MODES}, policies=policies,
+                           config={"approvals": {"enabled": False}}) as pp:
             yield World(pp, {m: ups[m].url for m in UPSTREAM_MODES})
 
 
@@ -130,8 +133,9 @@ async def test_tools_list_filtered_per_principal(world: World, umode: str, cmode
     assert set(direct) == {"search_notes", "echo", "write_note", "delete_note"}
     async with mcp_client(url, cmode, bearer=OPS) as c:
         tools = {t.name: t for t in (await c.list_tools()).tools}
-    # delete_note is destructive with no approval gate: misconfigured, so hidden.
-    assert set(tools) == {"search_notes", "echo", "write_note"}
+    # Every tool with a policy is listed, delete_note too: a gated tool is listed whether its
+    # approval gate is there or not (a misconfigured tool is listed and refused with its reason).
+    assert set(tools) == {"search_notes", "echo", "write_note", "delete_note"}
     for name, tool in tools.items():  # visible tools are relayed as the upstream described them
         assert tool.input_schema == direct[name].input_schema
         assert tool.description == direct[name].description

@@ -146,7 +146,9 @@ def notes_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     tmp = tmp_path_factory.mktemp("tsclient")
     with upstream_server("sse") as up:
         policies = write_policy(tmp / "policies", {"notes": {}})
-        with proxy_process(tmp, {"notes": up.url}, policies=policies) as pp:
+        # Approvals off: delete_note stays refused as misconfigured (no 30 s approval wait).
+        with proxy_process(tmp, {"notes": up.url}, policies=policies,
+                           config={"approvals": {"enabled": False}}) as pp:
             yield pp
 
 
@@ -167,7 +169,8 @@ def test_typescript_sdk_client_through_proxy(notes_proxy: Any) -> None:
         ("delete_note", {"title": "welcome"}),
     ], bearer=token("ops", tenant="acme"))
     assert out["sessionId"]  # the TS SDK speaks the session-based revision
-    assert set(out["tools"]) == {"search_notes", "echo", "write_note"}
+    # delete_note is misconfigured here (approvals disabled): still listed, refused when called.
+    assert set(out["tools"]) == {"search_notes", "echo", "write_note", "delete_note"}
     echo, refused, misconfigured = out["calls"]
     assert echo == {"tool": "echo", "isError": False, "text": "from typescript", "meta": None} or (
         echo["isError"] is False and echo["text"] == "from typescript")

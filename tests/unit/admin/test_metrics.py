@@ -33,7 +33,7 @@ def _exercise(m: Metrics) -> None:
     m.reload("success", when=1234.5)
     m.reload("failure")
     m.set_revision("rev-a")
-    m.set_misconfigured(2)
+    m.set_misconfigured({"registry": 2, "envelope": 1})
     m.audit_record()
     m.audit_write_failure()
     m.check_error("authz")
@@ -76,7 +76,8 @@ def test_exposition_has_every_declared_metric_with_its_labels() -> None:
     assert s[("envelope_policy_reloads_total", (("result", "failure"),))] == 1
     assert s[("envelope_policy_last_reload_timestamp_seconds", ())] == 1234.5
     assert s[("envelope_policy_revision_info", (("revision", "rev-a"),))] == 1
-    assert s[("envelope_misconfigured_tools", ())] == 2
+    assert s[("envelope_misconfigured_tools", (("layer", "registry"),))] == 2
+    assert s[("envelope_misconfigured_tools", (("layer", "envelope"),))] == 1
     assert s[("envelope_audit_records_total", ())] == 1
     assert s[("envelope_audit_write_failures_total", ())] == 1
     assert s[("envelope_check_errors_total", (("check", "authz"),))] == 1
@@ -113,3 +114,16 @@ def test_unbounded_label_values_are_refused() -> None:
         m.observe_upstream("github", 0.1, "meh")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         m.reload("maybe")  # type: ignore[arg-type]
+
+
+def test_misconfigured_per_layer() -> None:
+    m = Metrics()
+    gauge = "envelope_misconfigured_tools"
+    s = _samples(m)  # both layers exist (at 0) from the start
+    assert s[(gauge, (("layer", "registry"),))] == 0 and s[(gauge, (("layer", "envelope"),))] == 0
+    m.set_misconfigured({"envelope": 3})
+    m.set_misconfigured({"registry": 1})  # an absent layer goes back to 0
+    s = _samples(m)
+    assert s[(gauge, (("layer", "registry"),))] == 1 and s[(gauge, (("layer", "envelope"),))] == 0
+    with pytest.raises(ValueError):
+        m.set_misconfigured({"policy": 1})

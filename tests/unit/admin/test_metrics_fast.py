@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.admin.metrics import (
     DURATION_BUCKETS,
     METRICS,
+    MISCONFIG_LAYERS,
     REJECT_REASONS,
     RELOAD_RESULTS,
     STAGES,
@@ -58,6 +59,8 @@ class Stock:
             self.c["envelope_policy_reloads_total"].labels(r)
         for r in REJECT_REASONS:
             self.c["envelope_rejected_requests_total"].labels(r)
+        for layer in MISCONFIG_LAYERS:
+            self.c["envelope_misconfigured_tools"].labels(layer)
 
     def decision(self, upstream: str, tool: str, verdict: Any, code: Any) -> None:
         self.c["envelope_decisions_total"].labels(upstream, tool, str(verdict), str(code)).inc()

@@ -157,15 +157,16 @@ def test_misconfigured_tools_report(registry: ToolRegistry) -> None:
     report = misconfigured_tools(rev, registry)
     assert set(report) == {"demo.d", "demo.learned", "ghost.g"}
     assert "needs approval" in report["demo.learned"]
-    # ghost is not trusted: destructive default, gated first.
-    assert "needs approval" in report["ghost.g"]
+    # ghost is not declared: the registry-layer problem comes first.
+    assert "which is not declared under upstreams" in report["ghost.g"]
 
 
 def test_misconfigured_tools_report_ignores_learned_when_unknown_denied(
     registry: ToolRegistry,
 ) -> None:
     rev = build_revision(doc(tools={"demo.r": {"effect": "read"}}))
-    registry.learn("demo", [{"name": "learned"}])
+    registry.learn("demo", [{"name": "r"}, {"name": "learned"}])
+    # Reported (see test_misconfig.py) but refused as unknown_tool, not as misconfigured.
     assert misconfigured_tools(rev, registry) == {}
 
 
@@ -182,7 +183,7 @@ def test_visible(registry: ToolRegistry) -> None:
     )
     assert visible(rev, registry, "agent", "demo", "r")
     assert visible(rev, registry, "agent", "demo", "w")
-    assert not visible(rev, registry, "agent", "demo", "d")  # misconfigured
+    assert visible(rev, registry, "agent", "demo", "d")  # misconfigured: listed, refused when called
     assert not visible(rev, registry, "agent", "demo", "unknown")  # unknown, deny
     assert visible(rev, registry, "reader", "demo", "r")
     assert not visible(rev, registry, "reader", "demo", "w")  # read-only principal
@@ -193,7 +194,11 @@ def test_visible_unknown_allowed_uses_trusted_annotations(registry: ToolRegistry
     rev = build_revision(doc(upstreams=upstreams, defaults={"unknown_tools": "allow"}))
     registry.learn("demo", [{"name": "ro", "annotations": {"readOnlyHint": True}}, {"name": "rw"}])
     assert visible(rev, registry, "agent", "demo", "ro")
-    assert not visible(rev, registry, "agent", "demo", "rw")  # destructive default: gated
+    assert visible(rev, registry, "agent", "demo", "rw")  # gated (misconfigured) but listed
+    rev = build_revision(doc(upstreams=upstreams, defaults={"unknown_tools": "allow"},
+                             principals={"reader": {"capability": "read-only"}}))
+    assert visible(rev, registry, "reader", "demo", "ro")
+    assert not visible(rev, registry, "reader", "demo", "rw")  # destructive default
 
 
 # -- capability --------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def setup(tmp_path: Path, engine: str) -> tuple[Any, ToolRegistry, list[Any]]:
     (tmp_path / "policy.yaml").write_text(POLICY)
     revision = loader.load_policy(tmp_path, engine)
     registry = ToolRegistry()
-    registry.learn("demo", [{"name": "search", "inputSchema": {"type": "object"}}])
+    registry.learn("demo", [{"name": "search", "inputSchema": {"type": "object"}},
+                            {"name": "write"}, {"name": "drop"}])
     return revision, registry, [cls(revision, registry) for cls in CHECKS]
 
 
@@ -116,5 +117,5 @@ def test_report_and_visibility(setup: tuple[Any, ToolRegistry, list[Any]]) -> No
     assert visible(revision, registry, "reader", "demo", "search")
     assert not visible(revision, registry, "reader", "demo", "write")
     assert visible(revision, registry, "alice", "demo", "write")
-    assert not visible(revision, registry, "alice", "demo", "drop")
+    assert visible(revision, registry, "alice", "demo", "drop")  # misconfigured stays listed
     assert isinstance(registry.get("demo", "search"), ToolInfo)

@@ -52,9 +52,10 @@ def _records(tmp_path: Path) -> list[dict]:
 
 def test_chain_order_is_the_documented_table(envelope: Envelope) -> None:
     assert [c.id for c in envelope.chain.checks] == [  # type: ignore[union-attr]
-        "catalogue", "capability", "schema", "authz", "arg_rules",
+        "catalogue", "capability", "schema", "authz", "arg_rules", "shadow", "approval",
+        "idempotency",
     ]
-    assert len(CHECKS) == 5
+    assert len(CHECKS) == 8
 
 
 async def test_first_refusing_check_decides_and_is_audited_once(envelope: Envelope, tmp_path: Path) -> None:

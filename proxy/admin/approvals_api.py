@@ -1,0 +1,148 @@
+"""Approvals API on the admin listener: approvers list, inspect, approve and deny gated calls.
+
+    GET  /v1/approvals?state=pending|approved|denied|expired|consumed
+    GET  /v1/approvals/{id}
+    POST /v1/approvals/{id}/approve   {"reason": "...", "grant": {"scope": "tool"|"run",
+                                        "args": {...}, "duration": "30m"}}   (grant optional)
+    POST /v1/approvals/{id}/deny      {"reason": "..."}
+    GET  /v1/grants
+
+Every route needs `Authorization: Bearer <approver token>` (tokens from `approvals.approvers`
+of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
+arguments. Answers: 401 no or unknown token, 403 an approver deciding their own call, 404
+unknown id, 409 no longer pending, 400 bad body, 503 the store cannot answer (fail closed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+import orjson
+from aiohttp import web
+
+from proxy.approvals import (
+    STATES,
+    ApprovalError,
+    ApprovalService,
+    Approvers,
+    GrantRequest,
+    State,
+)
+from proxy.errors import StoreError
+
+_NO_STORE = {"Cache-Control": "no-store"}
+_MAX_BODY = 64 * 1024
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers={**_NO_STORE, **(headers or {})})
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return _json({"error": message}, status=status, headers=headers)
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def add_routes(app: web.Application, service: ApprovalService, approvers: Approvers) -> None:
+    """Mount the approvals routes on the admin application."""
+
+    def approver_of(request: web.Request) -> str | web.Response:
+        name = approvers.authenticate(_bearer(request))
+        if name is None:
+            return _error(401, "an approver token is required (Authorization: Bearer <token>)",
+                          **{"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
+        return name
+
+    def unavailable(exc: StoreError) -> web.Response:
+        return _error(503, f"the state store ({service.store.kind}) is unavailable: {exc}")
+
+    async def list_approvals(request: web.Request) -> web.Response:
+        who = approver_of(request)
+        if isinstance(who, web.Response):
+            return who
+        state = request.query.get("state")
+        if state is not None and state not in STATES:
+            return _error(400, f"state must be one of {', '.join(get_args(State))}")
+        try:
+            found = await service.approvals(state)
+        except StoreError as exc:
+            return unavailable(exc)
+        now = service.clock()
+        return _json({"approvals": [a.view(now) for a in found]})
+
+    async def show(request: web.Request) -> web.Response:
+        who = approver_of(request)
+        if isinstance(who, web.Response):
+            return who
+        approval_id = request.match_info["id"]
+        try:
+            approval = await service.get(approval_id)
+        except StoreError as exc:
+            return unavailable(exc)
+        if approval is None:
+            return _error(404, f"no approval {approval_id}")
+        return _json(approval.view(service.clock()))
+
+    async def decide(request: web.Request, approve: bool) -> web.Response:
+        who = approver_of(request)
+        if isinstance(who, web.Response):
+            return who
+        raw = await request.content.read(_MAX_BODY + 1)
+        if len(raw) > _MAX_BODY:
+            return _error(413, "body too large")
+        try:
+            body = orjson.loads(raw) if raw.strip() else {}
+        except orjson.JSONDecodeError:
+            return _error(400, 'body must be JSON: {"reason": "..."}')
+        if not isinstance(body, dict):
+            return _error(400, 'body must be a JSON object: {"reason": "..."}')
+        reason = body.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            return _error(400, "a reason is required")
+        unknown = set(body) - {"reason", "grant"}
+        if unknown or (not approve and "grant" in body):
+            return _error(400, f"unexpected field(s): {', '.join(sorted(unknown or {'grant'}))}")
+        try:
+            grant = (GrantRequest.parse(body["grant"], service.config.max_grant_duration)
+                     if body.get("grant") is not None else None)
+            approval, granted = await service.decide(
+                request.match_info["id"], approver=who, approve=approve, reason=reason.strip(),
+                grant=grant,
+            )
+        except ApprovalError as exc:
+            return _error(exc.status, str(exc))
+        except StoreError as exc:
+            return unavailable(exc)
+        now = service.clock()
+        data = approval.view(now)
+        if granted is not None:
+            data["grant"] = granted.view(now)
+        return _json(data)
+
+    async def approve(request: web.Request) -> web.Response:
+        return await decide(request, True)
+
+    async def deny(request: web.Request) -> web.Response:
+        return await decide(request, False)
+
+    async def grants(request: web.Request) -> web.Response:
+        who = approver_of(request)
+        if isinstance(who, web.Response):
+            return who
+        try:
+            found = await service.grants()
+        except StoreError as exc:
+            return unavailable(exc)
+        now = service.clock()
+        return _json({"grants": [g.view(now) for g in found if now < g.expires_at]})
+
+    app.router.add_get("/v1/approvals", list_approvals)
+    app.router.add_get("/v1/approvals/{id}", show)
+    app.router.add_post("/v1/approvals/{id}/approve", approve)
+    app.router.add_post("/v1/approvals/{id}/deny", deny)
+    app.router.add_get("/v1/grants", grants)

@@ -1,0 +1,32 @@
+"""Which calls count as gated: one definition for approval, idempotency and shadow records.
+
+A tool whose policy has an `approval` block is gated exactly when `approval.required` is true;
+otherwise when its effective effect is in the principal's `gated_effects` (when its policy sets
+them), else in `defaults.gated_effects`. A call whose effect is not known yet counts as the safe
+default (destructive).
+"""
+
+from __future__ import annotations
+
+from proxy.envelope.call import Effect, ToolCall
+from proxy.policy.compiled import PolicyRevision
+
+
+def gated_effect(revision: PolicyRevision, key: str, effect: Effect | None,
+                 principal_id: str | None = None) -> bool:
+    """Whether tool `key` with effective `effect`, called by `principal_id`, needs approval."""
+    compiled = revision.tools.get(key)
+    approval = compiled.policy.approval if compiled is not None else None
+    if approval is not None:
+        return bool(approval.required)
+    gated_effects = revision.document.defaults.gated_effects
+    principal = revision.principals.get(principal_id) if principal_id is not None else None
+    own = getattr(principal.policy, "gated_effects", None) if principal is not None else None
+    if own is not None:
+        gated_effects = own
+    return (effect or Effect.DESTRUCTIVE) in gated_effects
+
+
+def gated(revision: PolicyRevision, call: ToolCall) -> bool:
+    """Whether `call` has a gated effect (needs approval and idempotency)."""
+    return gated_effect(revision, call.qualified_name, call.effect, call.principal.id)

@@ -1,0 +1,200 @@
+"""Idempotency check: a retry of a call already performed returns the stored first result.
+
+Applies to gated effects (`proxy.envelope.effects.gated`), to tools with `idempotent: true` and
+to every call carrying a client idempotency key. The first call claims its key in the store
+(`add`: atomic, also across replicas sharing Redis) and registers a result hook: an upstream
+JSON-RPC `result` is stored for replay for `idempotency.ttl`; any other outcome deletes the claim
+so a retry can perform the call. A duplicate that finds the claim still in flight polls the store
+for up to `idempotency.wait` and answers with the same result, or refuses
+`idempotency_in_flight`.
+
+Keys: the client's key (`Idempotency-Key` header or `_meta["envelope/idempotency_key"]`), scoped
+to the principal, upstream and tool so one client cannot read another's results; else a key
+derived from principal, run, upstream, tool and the argument digest. A client key reused with
+other arguments is refused (`idempotency_conflict`) rather than answered with another call's
+result.
+
+Fail closed: with no store, or a store that cannot answer, the call is refused; it is never
+performed without a record that keeps it from being performed twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import orjson
+
+from proxy.audit.record import args_digest
+from proxy.envelope.call import Code, Decision, ResultHook, Services, ToolCall, Verdict, deny
+from proxy.envelope.effects import gated
+from proxy.envelope.tools import ToolRegistry
+from proxy.errors import StoreError
+from proxy.policy.compiled import PolicyRevision
+from proxy.store.base import Store
+
+NS = "idem"
+DEFAULT_TTL = 24 * 3600.0
+DEFAULT_WAIT = 30.0
+# A claim outlives the longest the first call can take (upstream timeout, a duplicate's wait)
+# by this margin. A claim left by a proxy that died mid-call then frees itself instead of
+# refusing every retry for a whole `ttl`.
+CLAIM_MARGIN = 60.0
+POLL_FIRST = 0.02
+POLL_MAX = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyKey:
+    """A call's key: `store` is the store key, `shown` what audit records carry."""
+
+    store: str
+    shown: str
+
+
+def call_key(call: ToolCall, digest: str) -> IdempotencyKey:
+    """The call's idempotency key (see the module docstring for the scoping)."""
+    pid = call.principal.id
+    if call.idempotency_key is not None:
+        material = f"client\0{pid}\0{call.upstream}\0{call.tool}\0{call.idempotency_key}"
+        h = hashlib.sha256(material.encode()).hexdigest()
+        return IdempotencyKey(h, call.idempotency_key)
+    material = f"derived\0{pid}\0{call.run.id}\0{call.upstream}\0{call.tool}\0{digest}"
+    h = hashlib.sha256(material.encode()).hexdigest()
+    return IdempotencyKey(h, f"derived:{h[:16]}")
+
+
+def _load(raw: bytes) -> dict[str, Any]:
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise StoreError(f"unreadable idempotency record: {exc}") from exc
+    if not isinstance(record, dict):
+        raise StoreError("unreadable idempotency record: not an object")
+    return record
+
+
+class IdempotencyCheck:
+    """Claims a call's key, or answers a duplicate with the first call's stored result."""
+
+    id: ClassVar[str] = "idempotency"
+
+    def __init__(
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
+    ):
+        self._revision = revision
+        self._services = services
+        self._idempotent = frozenset(
+            key for key, tool in revision.tools.items() if tool.policy.idempotent
+        )
+        cfg = getattr(getattr(services, "settings", None), "idempotency", None)
+        self._ttl: float = cfg.ttl if cfg is not None else DEFAULT_TTL
+        self._wait: float = cfg.wait if cfg is not None else DEFAULT_WAIT
+        self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
+
+    def applies(self, call: ToolCall) -> bool:
+        return (
+            call.idempotency_key is not None
+            or call.qualified_name in self._idempotent
+            or gated(self._revision, call)
+        )
+
+    async def decide(self, call: ToolCall) -> Decision | None:
+        """None after claiming the key (the call goes on); a replay of the stored result for a
+        duplicate. Refuses `misconfigured` without a store, `store_unavailable` when the store
+        fails, `idempotency_in_flight` when the first call does not finish within the wait and
+        `idempotency_conflict` for a client key reused with other arguments."""
+        store: Store | None = self._services.store if self._services is not None else None
+        if store is None:
+            return Decision(Verdict.ERROR, Code.MISCONFIGURED, self.id,
+                            "idempotency needs a state store and none is configured; "
+                            "the call was refused")
+        digest = args_digest(call.arguments)
+        key = call_key(call, digest)
+        try:
+            return await self._claim_or_replay(store, call, key, digest)
+        except (StoreError, TimeoutError) as exc:
+            return Decision(Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id,
+                            f"the state store cannot record this call ({exc or 'timed out'}); "
+                            "refused rather than risk performing it twice")
+
+    def _claim_ttl(self, call: ToolCall) -> float:
+        return min(self._ttl, self._timeouts.get(call.upstream, 30.0) + self._wait + CLAIM_MARGIN)
+
+    async def _claim_or_replay(self, store: Store, call: ToolCall, key: IdempotencyKey,
+                               digest: str) -> Decision | None:
+        claim = orjson.dumps({"state": "inflight", "decision_id": call.decision_id,
+                              "args_digest": digest, "at": time.time()})
+        deadline = time.monotonic() + self._wait
+        poll = POLL_FIRST
+        while True:
+            if await store.add(NS, key.store, claim, ttl=self._claim_ttl(call)):
+                if call.audit_extra.get("approval_state") == "consumed":
+                    # Its one approval was already used by a call that performed it, and no
+                    # result is stored to replay (expired): never perform it a second time.
+                    await store.delete(NS, key.store)
+                    return Decision(
+                        Verdict.DENY, Code.APPROVAL_EXPIRED, self.id,
+                        "the approval for this call was already used and its result is no longer "
+                        "stored; ask for a new approval to perform it again",
+                    )
+                call.on_result.append(self._recorder(store, key, digest))
+                call.audit_extra["idempotency_key"] = key.shown
+                return None
+            raw = await store.get(NS, key.store)
+            if raw is not None:
+                record = _load(raw)
+                if record.get("args_digest") != digest:
+                    return deny(Code.IDEMPOTENCY_CONFLICT, self.id,
+                                f"idempotency key {key.shown!r} was used for a call with other "
+                                "arguments; use a new key for a new call")
+                if record.get("state") == "done" and isinstance(record.get("result"), dict):
+                    return self._replay(key, record)
+            # In flight elsewhere (or the claim just went away: the next `add` takes it).
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Decision(
+                    Verdict.ERROR, Code.IDEMPOTENCY_IN_FLIGHT, self.id,
+                    f"the same call (idempotency key {key.shown!r}) is still being performed; "
+                    f"it did not finish within {self._wait:g}s, retry later",
+                )
+            await asyncio.sleep(min(poll, remaining))
+            poll = min(poll * 2, POLL_MAX)
+
+    def _replay(self, key: IdempotencyKey, record: Mapping[str, Any]) -> Decision:
+        first = str(record.get("decision_id", ""))
+        metrics = self._services.metrics if self._services is not None else None
+        if metrics is not None:
+            metrics.idempotent_replay()
+        return Decision(
+            Verdict.ALLOW, Code.REPLAYED, self.id,
+            f"a repeat of decision {first}: answered with its stored result, not performed again",
+            result=record["result"],
+            audit={"replayed": True, "idempotency_key": key.shown, "replayed_from": first},
+        )
+
+    def _recorder(self, store: Store, key: IdempotencyKey, digest: str) -> ResultHook:
+        ttl = self._ttl
+
+        async def record(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
+            result = reply.get("result") if isinstance(reply, Mapping) else None
+            if decision.verdict is Verdict.ALLOW and isinstance(result, dict):
+                await store.put(NS, key.store, orjson.dumps({
+                    "state": "done", "decision_id": call.decision_id, "args_digest": digest,
+                    "result": result, "at": time.time(),
+                }), ttl=ttl)
+                return
+            if decision.verdict is Verdict.ALLOW and reply is None:
+                # The client left a resumable stream: the call goes on upstream with an unknown
+                # outcome. Keep the claim (it expires) rather than let a retry perform it again.
+                return
+            # Failed, refused, or answered with a JSON-RPC error: free the key for a retry.
+            raw = await store.get(NS, key.store)
+            if raw is not None and _load(raw).get("decision_id") == call.decision_id:
+                await store.delete(NS, key.store)
+
+        return record

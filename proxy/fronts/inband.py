@@ -1,0 +1,307 @@
+"""In-band approval on the MCP wire: asking the person at the client to approve a gated call.
+
+The approval check (`proxy.envelope.approval`) decides *whether* the person at the client may
+approve (the tool's `approval.in_band`) and records their answer; this module only speaks the
+wire:
+
+- Sessions (2025-06-18 / 2025-11-25): the front remembers each session's client capabilities
+  from the `initialize` it relays (`SessionCapabilities`, a bounded in-memory LRU keyed by
+  upstream and the `Mcp-Session-Id` the upstream returned). For a client that declared
+  `elicitation`, `SessionChannel.ask` turns the held `tools/call` into an SSE stream and sends an
+  `elicitation/create` request with a proxy-minted id (`envelope-<uuid>`); the client's answering
+  POST (a JSON-RPC response with that id) is intercepted by the front (`Elicitations.resolve`),
+  answered 202 and never relayed upstream. With several replicas a session must stick to one
+  replica; elsewhere the capabilities are unknown and the call falls back to out-of-band approval.
+- Stateless (2026-07-28): a client that lists `elicitation` in its per-request
+  `_meta["io.modelcontextprotocol/clientCapabilities"]` gets an `input_required` result
+  (`DeferChannel`); the retry's `inputResponses["envelope/approval"]` and the proxy's
+  `requestState` are taken out of the request (`strip_stateless`) before anything goes upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+from proxy.approvals import STATE_PREFIX
+from proxy.envelope.call import ApprovalPrompt, InBandAnswer
+from proxy.fronts.sse import format_event
+
+log = logging.getLogger("envelope.mcp.inband")
+
+ID_PREFIX = "envelope-"
+INPUT_KEY = "envelope/approval"
+CAPABILITIES_META = "io.modelcontextprotocol/clientCapabilities"
+PREVIEW_CHARS = 300
+REASON_CHARS = 500
+
+
+# -- what the client can do -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    principal: str
+    capabilities: dict[str, Any]
+
+    @property
+    def elicitation(self) -> bool:
+        return isinstance(self.capabilities.get("elicitation"), dict)
+
+
+class SessionCapabilities:
+    """Client capabilities per (upstream, session id), from the relayed `initialize`.
+
+    In memory and bounded (least recently used dropped first): a session this replica never
+    saw (another replica, a restart, evicted) simply gets out-of-band approval.
+    """
+
+    def __init__(self, max_sessions: int = 10000):
+        self._max = max_sessions
+        self._sessions: OrderedDict[tuple[str, str], SessionInfo] = OrderedDict()
+
+    def remember(self, upstream: str, session: str, principal: str, capabilities: Any) -> None:
+        key = (upstream, session)
+        self._sessions[key] = SessionInfo(principal, capabilities if isinstance(capabilities, dict) else {})
+        self._sessions.move_to_end(key)
+        while len(self._sessions) > self._max:
+            self._sessions.popitem(last=False)
+
+    def get(self, upstream: str, session: str) -> SessionInfo | None:
+        info = self._sessions.get((upstream, session))
+        if info is not None:
+            self._sessions.move_to_end((upstream, session))
+        return info
+
+    def forget(self, upstream: str, session: str) -> None:
+        self._sessions.pop((upstream, session), None)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+def stateless_elicitation(params: dict[str, Any]) -> bool:
+    """Whether a 2026-07-28 request says its client handles elicitation input requests."""
+    meta = params.get("_meta")
+    caps = meta.get(CAPABILITIES_META) if isinstance(meta, dict) else None
+    return isinstance(caps, dict) and isinstance(caps.get("elicitation"), dict)
+
+
+# -- the question ------------------------------------------------------------------------------
+
+
+def elicitation_params(prompt: ApprovalPrompt) -> dict[str, Any]:
+    """The form-mode `elicitation/create` params asking to approve one call."""
+    preview = orjson.dumps(dict(prompt.arguments)).decode()
+    if len(preview) > PREVIEW_CHARS:
+        preview = preview[:PREVIEW_CHARS] + "…"
+    message = (
+        f"Approve the tool call {prompt.tool} on upstream {prompt.upstream}? "
+        f"Arguments (digest {prompt.args_digest}): {preview} "
+        f"[approval {prompt.approval_id}]"
+    )
+    return {
+        "mode": "form",
+        "message": message,
+        "requestedSchema": {
+            "type": "object",
+            "properties": {
+                "approve": {"type": "boolean", "title": "Approve",
+                            "description": f"Let {prompt.tool} run with these arguments",
+                            "default": False},
+                "reason": {"type": "string", "title": "Reason",
+                           "description": "Why (recorded with the decision)",
+                           "maxLength": REASON_CHARS},
+            },
+            "required": ["approve"],
+        },
+        "_meta": {"envelope/approval_id": prompt.approval_id},
+    }
+
+
+def parse_answer(result: Any) -> InBandAnswer | None:
+    """An `ElicitResult` -> the person's answer; None when it is not one (no decision)."""
+    if not isinstance(result, dict):
+        return None
+    action = result.get("action")
+    if action == "accept":
+        content = result.get("content")
+        content = content if isinstance(content, dict) else {}
+        reason = content.get("reason")
+        reason = reason[:REASON_CHARS] if isinstance(reason, str) and reason.strip() else ""
+        if content.get("approve") is True:
+            return InBandAnswer(True, reason or "approved by the user at the client", "accept")
+        return InBandAnswer(False, reason or "not approved by the user at the client", "accept")
+    if action == "decline":
+        return InBandAnswer(False, "declined by the user at the client", "decline")
+    if action == "cancel":
+        return InBandAnswer(False, "dismissed by the user at the client", "cancel")
+    return None
+
+
+# -- sessions: elicitation/create on the call's stream ------------------------------------------
+
+
+@dataclass(slots=True)
+class _Waiting:
+    upstream: str
+    session: str
+    principal: str
+    future: asyncio.Future[Any]
+
+
+class Elicitations:
+    """Elicitation requests the proxy sent and awaits answers for, by their JSON-RPC id."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, _Waiting] = {}
+
+    def open(self, upstream: str, session: str, principal: str) -> tuple[str, asyncio.Future[Any]]:
+        request_id = f"{ID_PREFIX}{uuid.uuid4()}"
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = _Waiting(upstream, session, principal, future)
+        return request_id, future
+
+    def close(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+
+    def resolve(self, upstream: str, session: str | None, principal: str, body: dict[str, Any]) -> bool:
+        """Deliver a client's answer. False when nobody waits for it from this session and
+        principal (unknown, late, or someone else's)."""
+        waiting = self._waiting.get(body.get("id"))  # type: ignore[arg-type]
+        if waiting is None or (waiting.upstream, waiting.session, waiting.principal) != (
+                upstream, session, principal):
+            return False
+        if not waiting.future.done():
+            waiting.future.set_result(body)
+        return True
+
+
+@dataclass(slots=True)
+class SessionChannel:
+    """Ask over a session's `tools/call` stream (mode "hold"). Opens the SSE response on first
+    use; the front then writes the call's result (or refusal) on `stream`."""
+
+    request: web.Request
+    elicitations: Elicitations
+    upstream: str
+    session: str
+    principal: str
+    mode: Literal["hold", "defer"] = "hold"
+    answer: InBandAnswer | None = None
+    state: str | None = None
+    stream: web.StreamResponse | None = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def open_stream(self) -> web.StreamResponse:
+        async with self._lock:
+            if self.stream is None:
+                out = web.StreamResponse(status=200, headers={
+                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache, no-transform",
+                    "X-Accel-Buffering": "no", "Mcp-Session-Id": self.session,
+                })
+                await out.prepare(self.request)
+                self.stream = out
+            return self.stream
+
+    async def ask(self, prompt: ApprovalPrompt) -> InBandAnswer | None:
+        out = await self.open_stream()
+        request_id, future = self.elicitations.open(self.upstream, self.session, self.principal)
+        try:
+            await out.write(format_event(orjson.dumps({
+                "jsonrpc": "2.0", "id": request_id, "method": "elicitation/create",
+                "params": elicitation_params(prompt),
+            })))
+            try:
+                reply = await future
+            except asyncio.CancelledError:  # not answered in time, or decided out-of-band
+                await self._cancelled(out, request_id)
+                raise
+        finally:
+            self.elicitations.close(request_id)
+        if "error" in reply:
+            log.info("client answered in-band approval %s with an error: %s", prompt.approval_id,
+                     reply.get("error"))
+            return None
+        return parse_answer(reply.get("result"))
+
+    @staticmethod
+    async def _cancelled(out: web.StreamResponse, request_id: str) -> None:
+        """Tell the client the question is moot (not answered in time, or decided elsewhere)."""
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await out.write(format_event(orjson.dumps({
+                "jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": request_id, "reason": "the approval no longer waits for this answer"},
+            })))
+
+    def defer(self, prompt: ApprovalPrompt, state: str) -> None:  # pragma: no cover - hold mode
+        raise RuntimeError("a session channel asks while the call is held")
+
+
+# -- stateless: input_required --------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DeferChannel:
+    """Ask by answering with `input_required` (mode "defer"); the retry carries the answer."""
+
+    answer: InBandAnswer | None = None
+    state: str | None = None
+    mode: Literal["hold", "defer"] = "defer"
+    prompt: ApprovalPrompt | None = None
+    minted: str | None = None
+
+    async def ask(self, prompt: ApprovalPrompt) -> InBandAnswer | None:  # pragma: no cover
+        raise RuntimeError("a stateless channel defers; it cannot ask while holding")
+
+    def defer(self, prompt: ApprovalPrompt, state: str) -> None:
+        self.prompt = prompt
+        self.minted = state
+
+    def input_required(self) -> dict[str, Any]:
+        """The `input_required` result asking for the approval (after `defer`)."""
+        assert self.prompt is not None and self.minted is not None
+        return {
+            "resultType": "input_required",
+            "inputRequests": {INPUT_KEY: {"method": "elicitation/create",
+                                          "params": elicitation_params(self.prompt)}},
+            "requestState": self.minted,
+        }
+
+
+def strip_stateless(params: dict[str, Any]) -> tuple[dict[str, Any], DeferChannel | None, bool]:
+    """Take the proxy's own answer and state out of a 2026-07-28 `tools/call`'s params.
+
+    Returns (params to forward, the channel carrying what was taken out or None when the
+    request carries nothing of ours, whether params changed). A `requestState` is ours when it
+    starts with the proxy's prefix; another one (the upstream's own) is left in place.
+    """
+    responses = params.get("inputResponses")
+    ours_answer = isinstance(responses, dict) and INPUT_KEY in responses
+    state = params.get("requestState")
+    ours_state = isinstance(state, str) and state.startswith(STATE_PREFIX)
+    if not ours_answer and not ours_state:
+        return params, None, False
+    channel = DeferChannel()
+    out = dict(params)
+    if ours_answer:
+        assert isinstance(responses, dict)
+        raw = responses[INPUT_KEY]
+        channel.answer = parse_answer(raw) or InBandAnswer(False, "an unreadable answer", "cancel")
+        rest = {k: v for k, v in responses.items() if k != INPUT_KEY}
+        if rest:
+            out["inputResponses"] = rest
+        else:
+            out.pop("inputResponses")
+    if ours_state:
+        channel.state = state
+        out.pop("requestState")
+    return out, channel, True

@@ -1,0 +1,338 @@
+"""Approvals through the wire: the real proxy process, the official SDK client, the demo notes
+server (its `delete_note` answers `existed`, so a second deletion would show), the admin API,
+the `envelope-proxy approvals` CLI and a webhook receiver.
+
+Several policy upstreams point at the same demo server, each with its own approval settings:
+`notes` (refused as pending at once), `held` (holds calls for 10 s), `short` (1 s TTL), `gated`
+(an external writer, for grants) and `flaky` (its webhook deliveries fail twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import cli, upstream_server
+
+from tests.harness import ProxyProcess, free_port, mcp_client, metric_value, proxy_process, token
+
+OPS = token("ops", tenant="acme")
+ALICE_TOKEN = "alice-approver-token"
+OPS_APPROVER_TOKEN = "ops-approver-token"  # an approver who is also the calling principal
+ALICE = {"Authorization": f"Bearer {ALICE_TOKEN}"}
+
+
+class Receiver:
+    """A webhook receiver on loopback (own thread): records notifications; fails the first two
+    deliveries of each approval on upstream `flaky`."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        self.attempts: dict[str, int] = {}
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                n = receiver.attempts[body["id"]] = receiver.attempts.get(body["id"], 0) + 1
+                failing = body["upstream"] == "flaky" and n <= 2
+                if not failing:
+                    receiver.received.append(body)
+                self.send_response(500 if failing else 204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.port = free_port()
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _policy(directory: Path) -> Path:
+    notes_tools = {
+        "write_note": {"effect": "write"},
+        "search_notes": {"effect": "read"},
+    }
+    tools: dict[str, Any] = {}
+    for upstream, approval in {
+        "notes": {"required": True, "wait": "0s"},
+        "held": {"required": True, "wait": "10s"},
+        "short": {"required": True, "wait": "0s", "ttl": "1s"},
+        "flaky": {"required": True, "wait": "0s"},
+    }.items():
+        tools[f"{upstream}.delete_note"] = {"effect": "destructive", "approval": approval}
+        for name, entry in notes_tools.items():
+            tools[f"{upstream}.{name}"] = entry
+    tools["gated.write_note"] = {"effect": "external", "approval": {"required": True, "wait": "0s"}}
+    doc = {
+        "version": 1,
+        "upstreams": {u: {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}
+                      for u in ("notes", "held", "short", "flaky", "gated")},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": tools,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
+    return directory
+
+
+class World:
+    def __init__(self, proxy: ProxyProcess, receiver: Receiver):
+        self.proxy = proxy
+        self.receiver = receiver
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("approvals")
+    receiver = Receiver()
+    try:
+        with upstream_server("sse") as up:
+            upstreams = {u: up.url for u in ("notes", "held", "short", "flaky", "gated")}
+            config = {"approvals": {
+                "poll_interval": "100ms",
+                "approvers": {
+                    "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()},
+                    "ops": {"token_env": "OPS_APPROVER_TOKEN"},
+                },
+                "webhook": {"url": f"http://127.0.0.1:{receiver.port}/hook", "timeout": "2s",
+                            "attempts": 3, "backoff": "50ms"},
+            }}
+            with proxy_process(tmp, upstreams, policies=_policy(tmp / "policies"), config=config,
+                               env={"OPS_APPROVER_TOKEN": OPS_APPROVER_TOKEN}) as pp:
+                yield World(pp, receiver)
+    finally:
+        receiver.close()
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+async def call(world: World, upstream: str, tool: str, args: dict[str, Any]) -> Any:
+    async with mcp_client(world.proxy.url(upstream), "auto", bearer=OPS) as c:
+        return await c.call_tool(tool, args)
+
+
+def decision(result: Any) -> dict[str, Any]:
+    return dict((result.meta or {})["envelope/decision"])
+
+
+def record(world: World, decision_id: str) -> dict[str, Any]:
+    found = [r for r in world.proxy.audit_records() if r["decision_id"] == decision_id]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def last_record(world: World, upstream: str, tool: str) -> dict[str, Any]:
+    return [r for r in world.proxy.audit_records() if (r["upstream"], r["tool"]) == (upstream, tool)][-1]
+
+
+async def admin(world: World, method: str, path: str, headers: dict[str, str] | None = None,
+                **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=world.proxy.admin, timeout=10) as http:
+        return await http.request(method, path, headers=ALICE if headers is None else headers, **kw)
+
+
+async def pending_for(world: World, upstream: str, title: str, within: float = 5.0) -> dict[str, Any]:
+    """The pending approval of the call deleting/writing `title` on `upstream`."""
+    for _ in range(int(within / 0.05)):
+        r = await admin(world, "GET", "/v1/approvals?state=pending")
+        assert r.status_code == 200, r.text
+        found = [a for a in r.json()["approvals"]
+                 if a["upstream"] == upstream and a["arguments"].get("title") == title]
+        if found:
+            assert len(found) == 1
+            return found[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no pending approval for {upstream} {title}")
+
+
+def assert_refused(result: Any, code: str) -> dict[str, Any]:
+    assert result.is_error is True
+    meta = decision(result)
+    assert meta["code"] == code, meta
+    assert meta["check"] == "approval"
+    assert result.content[0].text == f"Blocked by policy ({code}): {meta['reason']}"
+    return meta
+
+
+async def write(world: World, upstream: str, title: str) -> None:
+    r = await call(world, upstream, "write_note", {"title": title, "body": "b"})
+    assert r.is_error is False, r
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+
+async def test_held_call_released_by_an_approval_while_it_waits(world: World) -> None:
+    await write(world, "held", "h1")
+    held = asyncio.create_task(call(world, "held", "delete_note", {"title": "h1"}))
+    approval = await pending_for(world, "held", "h1")
+    assert approval["principal"] == "ops" and approval["tool"] == "delete_note"
+    r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/approve", json={"reason": "cleanup"})
+    assert r.status_code == 200, r.text
+    result = await asyncio.wait_for(held, 10)
+    assert result.is_error is False
+    assert result.structured_content == {"deleted": "h1", "existed": True}
+    rec = last_record(world, "held", "delete_note")
+    assert rec["verdict"] == "allow" and rec["upstream_status"] == 200
+    assert rec["extra"]["approval_id"] == approval["id"]
+    assert rec["extra"]["approver"] == "alice"
+    shown = (await admin(world, "GET", f"/v1/approvals/{approval['id']}")).json()
+    assert (shown["state"], shown["approver"], shown["decision_reason"]) == ("consumed", "alice", "cleanup")
+
+
+async def test_pending_then_retried_after_approval_forwarded_exactly_once(world: World) -> None:
+    await write(world, "notes", "p1")
+    first = await call(world, "notes", "delete_note", {"title": "p1"})
+    meta = assert_refused(first, "approval_pending")
+    approval = await pending_for(world, "notes", "p1")
+    assert approval["id"] in meta["reason"]
+    assert "retry the same call after approval" in meta["reason"]
+    rec = record(world, meta["decision_id"])
+    assert (rec["code"], rec["extra"]["approval_id"]) == ("approval_pending", approval["id"])
+
+    r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/approve", json={"reason": "ok"})
+    assert r.status_code == 200
+    retried = await call(world, "notes", "delete_note", {"title": "p1"})
+    assert retried.structured_content == {"deleted": "p1", "existed": True}
+    again = await call(world, "notes", "delete_note", {"title": "p1"})
+    # Not performed twice: had it reached the server, `existed` would now be false.
+    assert again.structured_content == {"deleted": "p1", "existed": True}
+    performed = [r for r in world.proxy.audit_records()
+                 if (r["upstream"], r["tool"]) == ("notes", "delete_note")
+                 and r["args_digest"] == rec["args_digest"] and r["upstream_status"] == 200]
+    assert len(performed) == 1, performed
+    assert performed[0]["extra"]["approver"] == "alice"
+
+
+async def test_denied_call_shows_the_approvers_reason(world: World) -> None:
+    first = await call(world, "notes", "delete_note", {"title": "welcome"})
+    assert_refused(first, "approval_pending")
+    approval = await pending_for(world, "notes", "welcome")
+    r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/deny",
+                    json={"reason": "the welcome note stays"})
+    assert r.status_code == 200 and r.json()["state"] == "denied"
+    denied = await call(world, "notes", "delete_note", {"title": "welcome"})
+    meta = assert_refused(denied, "approval_denied")
+    assert "denied by alice: the welcome note stays" in denied.content[0].text
+    assert record(world, meta["decision_id"])["extra"]["approver"] == "alice"
+    search = await call(world, "notes", "search_notes", {"query": "welcome"})
+    assert search.structured_content["result"]  # still there
+
+
+async def test_expired_approval(world: World) -> None:
+    assert_refused(await call(world, "short", "delete_note", {"title": "e1"}), "approval_pending")
+    approval = await pending_for(world, "short", "e1")
+    await asyncio.sleep(1.3)
+    r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/approve", json={"reason": "late"})
+    assert r.status_code == 409
+    meta = assert_refused(await call(world, "short", "delete_note", {"title": "e1"}), "approval_expired")
+    assert approval["id"] in meta["reason"]
+    listed = (await admin(world, "GET", "/v1/approvals?state=expired")).json()["approvals"]
+    assert approval["id"] in [a["id"] for a in listed]
+
+
+async def test_self_approval_is_refused(world: World) -> None:
+    assert_refused(await call(world, "notes", "delete_note", {"title": "s1"}), "approval_pending")
+    approval = await pending_for(world, "notes", "s1")
+    mine = {"Authorization": f"Bearer {OPS_APPROVER_TOKEN}"}
+    r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/approve", headers=mine,
+                    json={"reason": "trust me"})
+    assert r.status_code == 403
+    assert "cannot decide a call made by ops" in r.json()["error"]
+    r = await admin(world, "GET", "/v1/approvals", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    # The CLI says the same.
+    out = cli("approvals", "--admin", world.proxy.admin, "approve", approval["id"], "--reason", "me",
+              env={**os.environ, "ENVELOPE_APPROVER_TOKEN": OPS_APPROVER_TOKEN})
+    assert out.returncode == 1
+    assert "403" in out.stderr and "cannot decide a call made by ops" in out.stderr
+
+
+async def test_grant_releases_later_matching_calls_without_waiting(world: World) -> None:
+    first = await call(world, "gated", "write_note", {"title": "g1", "body": "b", "folder": "drafts"})
+    assert_refused(first, "approval_pending")
+    approval = await pending_for(world, "gated", "g1")
+    r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/approve", json={
+        "reason": "drafts are fine", "grant": {"scope": "tool", "args": {"folder": "drafts"}, "duration": "30m"},
+    })
+    assert r.status_code == 200, r.text
+    grant = r.json()["grant"]
+    started = time.monotonic()
+    second = await call(world, "gated", "write_note", {"title": "g2", "body": "b", "folder": "drafts"})
+    assert second.is_error is False and second.structured_content["saved"] == "g2"
+    assert time.monotonic() - started < 5
+    rec = last_record(world, "gated", "write_note")
+    assert rec["verdict"] == "allow" and rec["extra"]["grant_id"] == grant["id"]
+    assert rec["extra"]["approver"] == "alice"
+    other = await call(world, "gated", "write_note", {"title": "g3", "body": "b", "folder": "inbox"})
+    assert_refused(other, "approval_pending")
+    grants = (await admin(world, "GET", "/v1/grants")).json()["grants"]
+    assert [g["id"] for g in grants] == [grant["id"]]
+
+
+async def test_approval_through_the_cli(world: World) -> None:
+    await write(world, "notes", "c1")
+    assert_refused(await call(world, "notes", "delete_note", {"title": "c1"}), "approval_pending")
+    approval = await pending_for(world, "notes", "c1")
+    env = {**os.environ, "ENVELOPE_APPROVER_TOKEN": ALICE_TOKEN}
+    listed = cli("approvals", "--admin", world.proxy.admin, "list", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert approval["id"] in listed.stdout and "ops -> notes.delete_note" in listed.stdout
+    shown = cli("approvals", "show", approval["id"], "--admin", world.proxy.admin, env=env)
+    assert json.loads(shown.stdout)["arguments"] == {"title": "c1"}
+    done = cli("approvals", "--admin", world.proxy.admin, "--token", ALICE_TOKEN, "approve",
+               approval["id"], "--reason", "via the cli")
+    assert done.returncode == 0, done.stderr
+    assert f"{approval['id']} approved by alice: via the cli" in done.stdout
+    result = await call(world, "notes", "delete_note", {"title": "c1"})
+    assert result.structured_content == {"deleted": "c1", "existed": True}
+    assert last_record(world, "notes", "delete_note")["extra"]["approval_id"] == approval["id"]
+    missing = cli("approvals", "--admin", world.proxy.admin, "show", "apr-nope", env=env)
+    assert missing.returncode == 1 and "404" in missing.stderr
+
+
+async def test_webhook_notified_and_failures_retried_and_counted(world: World) -> None:
+    assert_refused(await call(world, "notes", "delete_note", {"title": "w1"}), "approval_pending")
+    approval = await pending_for(world, "notes", "w1")
+    for _ in range(100):
+        sent = [n for n in world.receiver.received if n["id"] == approval["id"]]
+        if sent:
+            break
+        await asyncio.sleep(0.05)
+    assert len(sent) == 1
+    note = sent[0]
+    assert {k: note[k] for k in ("type", "principal", "upstream", "tool", "args_digest")} == {
+        "type": "approval.created", "principal": "ops", "upstream": "notes", "tool": "delete_note",
+        "args_digest": approval["args_digest"]}
+    assert note["run"] == approval["run"] and note["expires_at"] == approval["expires_at"]
+    assert note["reason"] and note["review_url"] == f"{world.proxy.admin}/v1/approvals/{approval['id']}"
+
+    before = metric_value(world.proxy.metrics(), "envelope_approval_webhook_failures_total")
+    assert_refused(await call(world, "flaky", "delete_note", {"title": "f1"}), "approval_pending")
+    flaky = await pending_for(world, "flaky", "f1")
+    for _ in range(100):
+        if any(n["id"] == flaky["id"] for n in world.receiver.received):
+            break
+        await asyncio.sleep(0.05)
+    assert world.receiver.attempts[flaky["id"]] == 3  # two failures, then delivered
+    after = metric_value(world.proxy.metrics(), "envelope_approval_webhook_failures_total")
+    assert after - before == 2
+    assert metric_value(world.proxy.metrics(), "envelope_approvals_pending") >= 1

@@ -1,0 +1,184 @@
+"""Idempotent replay through the real proxy process.
+
+A repeat of a performed call (same client Idempotency-Key, or an `idempotent: true` tool called
+again with the same arguments in the same run) is answered with the stored first result, marked
+`_meta["envelope/replayed"]` and audited as replayed; the upstream performs it once. Two
+concurrent duplicates: one performs, the other waits and gets the same result. With the
+default SQLite store the record survives a proxy restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import write_policy
+from fake_upstream import FakeUpstream, fake_upstream
+
+from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, rpc, token
+
+OPS = token("ops", tenant="acme")
+TOOLS = {
+    "notes.echo": {"effect": "read"},
+    "notes.write_note": {"effect": "write"},
+    "notes.tally": {"effect": "write", "idempotent": True},
+}
+STATIC = {"mode": "static", "principal": "agent"}
+
+
+def call_body(tool: str, args: dict[str, Any], id: int = 1) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": args}}
+
+
+def result_of(resp: httpx.Response) -> dict[str, Any]:
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()["result"]
+    return result
+
+
+def record(pp: ProxyProcess, decision_id: str) -> dict[str, Any]:
+    [rec] = [r for r in pp.audit_records() if r["decision_id"] == decision_id]
+    return rec
+
+
+def without_meta(result: dict[str, Any]) -> dict[str, Any]:
+    # The proxy's own answers carry resultType for 2026-07-28 clients; the fake upstream omits it.
+    return {k: v for k, v in result.items() if k not in ("_meta", "resultType")}
+
+
+# ---- the SDK client and the demo notes server ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sdk_proxy(tmp_path_factory: pytest.TempPathFactory, sse_upstream: Any) -> Iterator[ProxyProcess]:
+    tmp = tmp_path_factory.mktemp("idem-sdk")
+    with proxy_process(tmp, {"notes": sse_upstream.url}, config={"store": {"kind": "memory"}}) as pp:
+        yield pp
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_replay_returns_the_identical_result_marked_replayed(sdk_proxy: ProxyProcess, mode: str) -> None:
+    pp = sdk_proxy
+    args = {"title": f"idem-{mode}", "body": "once", "folder": "inbox"}
+    headers = {"Idempotency-Key": f"sdk-{mode}-1"}
+    async with mcp_client(pp.url("notes"), mode, bearer=OPS, headers=headers) as c:
+        first = await c.call_tool("write_note", args)
+        again = await c.call_tool("write_note", args)
+    assert first.is_error is False and again.is_error is False
+    assert again.content == first.content
+    assert again.structured_content == first.structured_content
+    assert not (first.meta or {}).get("envelope/replayed")
+    meta = again.meta or {}
+    assert meta["envelope/replayed"] is True
+    decision = meta["envelope/decision"]
+    assert (decision["code"], decision["check"]) == ("replayed", "idempotency")
+
+    replayed = record(pp, decision["decision_id"])
+    assert (replayed["verdict"], replayed["code"], replayed["check"]) == ("allow", "replayed", "idempotency")
+    assert replayed["upstream_status"] is None  # not forwarded
+    assert replayed["extra"]["replayed"] is True
+    assert replayed["extra"]["idempotency_key"] == f"sdk-{mode}-1"
+    performed = record(pp, replayed["extra"]["replayed_from"])
+    assert (performed["code"], performed["upstream_status"]) == ("ok", 200)
+    assert performed["extra"]["idempotency_key"] == f"sdk-{mode}-1"
+    assert performed["args_digest"] == replayed["args_digest"]
+    assert metric_value(pp.metrics(), "envelope_idempotent_replays_total") >= 1
+
+
+# ---- a counting upstream --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProxyProcess, FakeUpstream]]:
+    tmp = tmp_path_factory.mktemp("idem-count")
+    with fake_upstream() as fake:
+        policies = write_policy(tmp / "policies", {"counted": {}}, tools=TOOLS, principals={})
+        with proxy_process(tmp, {"counted": fake.url}, policies=policies, identity=STATIC,
+                           config={"store": {"kind": "memory"}}) as pp:
+            yield pp, fake
+
+
+def test_client_key_performs_once(counted: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = counted
+    headers = {"Idempotency-Key": "count-1"}
+    before = fake.calls["write_note"]
+    first = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "a"}), headers=headers))
+    second = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "a"}, 2), headers=headers))
+    assert fake.calls["write_note"] == before + 1
+    assert without_meta(second) == without_meta(first)
+    assert second["_meta"]["envelope/replayed"] is True
+    # The same key for other arguments is refused, not answered with the first result.
+    clash = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "b"}, 3), headers=headers))
+    assert clash["isError"] is True
+    assert clash["_meta"]["envelope/decision"]["code"] == "idempotency_conflict"
+    # The key in _meta works the same as the header.
+    body = call_body("write_note", {"title": "c"}, 4)
+    body["params"]["_meta"] = {"envelope/idempotency_key": "count-meta"}
+    one = result_of(rpc(pp.url("counted"), body))
+    two = result_of(rpc(pp.url("counted"), body))
+    assert fake.calls["write_note"] == before + 2
+    assert two["_meta"]["envelope/replayed"] is True and without_meta(two) == without_meta(one)
+
+
+def test_idempotent_tool_replays_within_its_run(counted: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = counted
+    before = fake.calls["tally"]
+    run = {"X-Envelope-Run": "run-tally"}
+    first = result_of(rpc(pp.url("counted"), call_body("tally", {"n": 1}), headers=run))
+    second = result_of(rpc(pp.url("counted"), call_body("tally", {"n": 1}), headers=run))
+    assert fake.calls["tally"] == before + 1
+    assert second["_meta"]["envelope/replayed"] is True
+    assert without_meta(second) == without_meta(first)
+    # Another run, or other arguments, is another call.
+    result_of(rpc(pp.url("counted"), call_body("tally", {"n": 1}), headers={"X-Envelope-Run": "run-other"}))
+    result_of(rpc(pp.url("counted"), call_body("tally", {"n": 2}), headers=run))
+    assert fake.calls["tally"] == before + 3
+    # A plain writer without a key is not deduplicated.
+    before_w = fake.calls["write_note"]
+    result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "z"}), headers=run))
+    result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "z"}), headers=run))
+    assert fake.calls["write_note"] == before_w + 2
+
+
+async def test_concurrent_duplicates_call_the_upstream_once(counted: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = counted
+    fake.delay = 0.5  # the first is still in flight when the second arrives
+    before = fake.calls["write_note"]
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "MCP-Protocol-Version": "2026-07-28", "Idempotency-Key": "concurrent-1"}
+    body = json.dumps(call_body("write_note", {"title": "together"}))
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            a, b = await asyncio.gather(
+                client.post(pp.url("counted"), content=body, headers=headers),
+                client.post(pp.url("counted"), content=body, headers=headers),
+            )
+    finally:
+        fake.delay = 0.0
+    ra, rb = result_of(a), result_of(b)
+    assert fake.calls["write_note"] == before + 1
+    assert without_meta(ra) == without_meta(rb)
+    assert ra["isError"] is False
+    assert sorted(bool(r.get("_meta", {}).get("envelope/replayed")) for r in (ra, rb)) == [False, True]
+
+
+# ---- SQLite (the default store) across a restart ----------------------------------------------
+
+def test_replay_after_restart_with_sqlite(tmp_path: Path) -> None:
+    pytest.importorskip("proxy.store.sqlite")
+    with fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools=TOOLS, principals={})
+        headers = {"Idempotency-Key": "restart-1"}
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC) as pp:
+            first = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "r"}), headers=headers))
+        assert (tmp_path / "state" / "state.db").exists()
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC) as pp:
+            again = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "r"}), headers=headers))
+            rec = record(pp, again["_meta"]["envelope/decision"]["decision_id"])
+        assert fake.calls["write_note"] == 1
+        assert again["_meta"]["envelope/replayed"] is True
+        assert without_meta(again) == without_meta(first)
+        assert rec["code"] == "replayed"

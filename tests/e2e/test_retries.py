@@ -1,0 +1,130 @@
+"""Bounded retry of transient upstream failures, through the real proxy process.
+
+Only read-only calls and calls carrying a client idempotency key are retried; a writer without a
+key is never sent twice. Asserted: the reply, the upstream's own request count, the audit
+record's `attempts` and `envelope_upstream_retries_total`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from e2e_helpers import write_policy
+from fake_upstream import FakeUpstream, fake_upstream
+
+from tests.harness import ProxyProcess, free_port, metric_value, proxy_process, rpc
+
+TOOLS = {
+    "notes.echo": {"effect": "read"},
+    "notes.write_note": {"effect": "write"},
+}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProxyProcess, FakeUpstream]]:
+    tmp = tmp_path_factory.mktemp("retries")
+    dead = f"http://127.0.0.1:{free_port()}/mcp"  # nothing listens there
+    with fake_upstream() as fake:
+        policies = write_policy(tmp / "policies", {"flaky": {}, "dead": {}}, tools=TOOLS, principals={})
+        with proxy_process(tmp, {"flaky": fake.url, "dead": dead}, policies=policies,
+                           identity={"mode": "static", "principal": "agent"},
+                           config={"store": {"kind": "memory"},
+                                   "retry": {"attempts": 3, "backoff": "50ms", "max_backoff": "1s"}}) as pp:
+            yield pp, fake
+
+
+def call(pp: ProxyProcess, upstream: str, tool: str, args: dict[str, Any],
+         headers: dict[str, str] | None = None) -> dict[str, Any]:
+    resp = rpc(pp.url(upstream), {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                                  "params": {"name": tool, "arguments": args}}, headers=headers)
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()["result"]
+    return result
+
+
+def record_of(pp: ProxyProcess, result: dict[str, Any] | None = None) -> dict[str, Any]:
+    records = pp.audit_records()
+    if result is not None and "_meta" in result:
+        decision_id = result["_meta"]["envelope/decision"]["decision_id"]
+        return next(r for r in records if r["decision_id"] == decision_id)
+    return records[-1]
+
+
+def retries(pp: ProxyProcess, upstream: str) -> float:
+    return metric_value(pp.metrics(), "envelope_upstream_retries_total", upstream=upstream)
+
+
+def test_read_only_call_is_retried_through_503s(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = world
+    before = retries(pp, "flaky")
+    fake.fail["echo"] = [503, 503]
+    result = call(pp, "flaky", "echo", {"text": "hi"})
+    assert result["isError"] is False
+    assert result["content"][0]["text"] == f"echo #{fake.calls['echo']}"
+    assert fake.fail["echo"] == []
+    rec = record_of(pp)
+    assert (rec["tool"], rec["verdict"], rec["code"], rec["upstream_status"]) == ("echo", "allow", "ok", 200)
+    assert rec["extra"]["attempts"] == 3
+    assert retries(pp, "flaky") == before + 2
+
+
+def test_retry_after_is_honoured(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = world
+    fake.fail["echo"] = [429]
+    fake.retry_after = "0.4"
+    try:
+        started = time.monotonic()
+        result = call(pp, "flaky", "echo", {"text": "later"})
+        assert time.monotonic() - started >= 0.4
+    finally:
+        fake.retry_after = None
+    assert result["isError"] is False
+    assert record_of(pp)["extra"]["attempts"] == 2
+
+
+def test_attempts_are_bounded(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = world
+    before_attempts = fake.attempts["echo"]
+    fake.fail["echo"] = [503, 503, 503, 503]
+    result = call(pp, "flaky", "echo", {"text": "no luck"})
+    fake.fail["echo"] = []
+    assert result["isError"] is True
+    assert result["_meta"]["envelope/decision"]["code"] == "upstream_error"
+    assert fake.attempts["echo"] - before_attempts == 3
+    rec = record_of(pp, result)
+    assert rec["extra"]["attempts"] == 3 and rec["upstream_status"] == 503
+
+
+def test_writer_without_key_is_not_retried(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = world
+    before, before_attempts = retries(pp, "flaky"), fake.attempts["write_note"]
+    fake.fail["write_note"] = [503]
+    result = call(pp, "flaky", "write_note", {"title": "once"})
+    assert result["isError"] is True
+    assert result["_meta"]["envelope/decision"]["code"] == "upstream_error"
+    assert fake.attempts["write_note"] - before_attempts == 1
+    assert "attempts" not in record_of(pp, result).get("extra", {})
+    assert retries(pp, "flaky") == before
+
+
+def test_writer_with_client_key_is_retried(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = world
+    fake.fail["write_note"] = [502]
+    result = call(pp, "flaky", "write_note", {"title": "keyed"}, headers={"Idempotency-Key": "retry-k1"})
+    assert result["isError"] is False
+    rec = record_of(pp)
+    assert rec["extra"]["attempts"] == 2
+    assert rec["extra"]["idempotency_key"] == "retry-k1"
+
+
+def test_connection_refused_is_retried_then_refused(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, _ = world
+    before = retries(pp, "dead")
+    result = call(pp, "dead", "echo", {"text": "anyone?"})
+    assert result["isError"] is True
+    assert result["_meta"]["envelope/decision"]["code"] == "upstream_error"
+    assert record_of(pp, result)["extra"]["attempts"] == 3
+    assert retries(pp, "dead") == before + 2
