@@ -44,7 +44,7 @@ from proxy.envelope.call import (
     Verdict,
 )
 from proxy.envelope.pipeline import Pending
-from proxy.errors import AuditError, IdentityError, UpstreamError, UpstreamTimeout
+from proxy.errors import AuditError, UpstreamError, UpstreamTimeout
 from proxy.fronts import jsonrpc
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.mcp import (
@@ -125,14 +125,9 @@ class AggregateFront:
         problem = front._check_host_origin(request)
         if problem is not None:
             return problem
-        try:
-            principal = front.identity.resolve(request.headers)
-        except IdentityError as exc:
-            front.metrics.rejected("unauthenticated")
-            return web.Response(
-                status=401, body=jsonrpc.error_body(None, jsonrpc.INVALID_REQUEST, f"Unauthorized: {exc}"),
-                content_type="application/json", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
-            )
+        principal = front.authenticate(request)
+        if isinstance(principal, web.Response):
+            return principal
         try:
             if request.method == "POST":
                 return await self._post(request, principal)

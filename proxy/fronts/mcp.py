@@ -239,14 +239,9 @@ class McpFront:
         if target is None:
             return _rpc_error(404, None, jsonrpc.METHOD_NOT_FOUND,
                               f"no upstream named {request.match_info['upstream']!r} is configured")
-        try:
-            principal = self.identity.resolve(request.headers)
-        except IdentityError as exc:
-            self.metrics.rejected("unauthenticated")
-            return web.Response(
-                status=401, body=jsonrpc.error_body(None, jsonrpc.INVALID_REQUEST, f"Unauthorized: {exc}"),
-                content_type="application/json", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
-            )
+        principal = self.authenticate(request)
+        if isinstance(principal, web.Response):
+            return principal
         if request.method == "POST":
             return await self._post(request, target, principal)
         if request.method in ("GET", "DELETE"):
@@ -262,6 +257,17 @@ class McpFront:
         self.metrics.observe_upstream(upstream, seconds, outcome)
         if self.on_upstream is not None:
             self.on_upstream(upstream, outcome, error)
+
+    def authenticate(self, request: web.Request) -> Principal | web.Response:
+        """The verified principal, or the 401 to send (identity headers are never trusted)."""
+        try:
+            return self.identity.resolve(request.headers)
+        except IdentityError as exc:
+            self.metrics.rejected("unauthenticated")
+            return web.Response(
+                status=401, body=jsonrpc.error_body(None, jsonrpc.INVALID_REQUEST, f"Unauthorized: {exc}"),
+                content_type="application/json", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
 
     def _check_host_origin(self, request: web.Request) -> web.Response | None:
         allowed = self.settings.allowed_hosts
