@@ -1,8 +1,14 @@
-"""The audit log writer: append-only JSONL with a SHA-256 hash chain, rotated by size.
+"""The audit log writer: append-only JSONL with a SHA-256 hash chain, rotated by size and time.
 
 Every line is one record carrying `prev` (the previous record's hash) and `hash`
 ("sha256:" + hex of the canonical JSON of the record without `hash`). The chain continues
 across restarts and across rotated files, so `proxy.audit.verify` can prove a log untouched.
+
+Rotation renames `<name>.jsonl` to `<name>-<UTC timestamp>.jsonl` and starts a new file whose
+first record's `prev` is the last hash of the renamed one. It happens before a write that
+would take the file past `max_bytes`, and (with `rotate_interval`) before the first write in a
+new interval: intervals are aligned to the Unix epoch, so `24h` gives one file per UTC day and
+`1h` one per hour. An idle log is not rotated until its next record.
 
 One `AuditLog` is the only writer of its `<name>.jsonl` (an exclusive lock on `<name>.lock`
 enforces it; workers use distinct names). It is synchronous and not thread-safe: it is called
@@ -19,7 +25,8 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -124,13 +131,25 @@ class AuditLog:
         name: str = "audit",
         fsync: bool = False,
         max_bytes: int = 100 * 2**20,
+        rotate_interval: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        """Open (or create) the log and continue its chain. Raises `AuditError` on failure."""
+        """Open (or create) the log and continue its chain. Raises `AuditError` on failure.
+
+        `rotate_interval` (seconds; None: never by time) starts a new file per interval;
+        `clock` (Unix seconds) decides the interval, and is replaceable for tests.
+        """
+        if rotate_interval is not None and rotate_interval <= 0:
+            raise AuditError("audit rotate_interval must be positive")
         self._dir = Path(directory)
         self._name = name
         self._path = self._dir / f"{name}.jsonl"
         self._fsync = fsync
         self._max_bytes = max_bytes
+        self._interval = rotate_interval
+        self._clock = clock
+        # The interval (Unix seconds // rotate_interval) of the current file's first record.
+        self._period: int | None = None
         self._fh: BinaryIO | None = None
         self._fd = -1  # of _fh: writes go straight to os.write (FileIO.write costs ~0.5 µs more)
         self._lock_fd: int | None = None
@@ -194,9 +213,15 @@ class AuditLog:
         try:
             if self._fh is None or not self._healthy:
                 self._reopen()
-            if self._size and self._size + len(line) > self._max_bytes:
+            period = self._current_period()
+            if self._size and (
+                self._size + len(line) > self._max_bytes
+                or (period is not None and self._period is not None and period != self._period)
+            ):
                 self._rotate()
             self._append(line)
+            if self._size == 0 or self._period is None:
+                self._period = period
         except (OSError, ValueError) as e:
             self._fail(e)
             raise AuditError(f"audit write failed: {self._last_error}") from e
@@ -256,6 +281,21 @@ class AuditLog:
 
     # -- internals ----------------------------------------------------------------------
 
+    def _current_period(self) -> int | None:
+        return None if self._interval is None else int(self._clock() // self._interval)
+
+    def _file_period(self) -> int | None:
+        """The interval of the current file's first record (by its `ts`); None if unknown."""
+        if self._interval is None:
+            return None
+        try:
+            with open(self._path, "rb") as fh:
+                first = orjson.loads(fh.readline())
+            started = datetime.strptime(first["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        except (OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+            return None
+        return int(started.timestamp() // self._interval)
+
     def _lock(self) -> None:
         fd = os.open(self._dir / f"{self._name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -288,6 +328,7 @@ class AuditLog:
             if h is not None:
                 self._last = h
                 self._size = size
+                self._period = self._file_period()
                 if missing_newline:
                     self._append(b"\n")
                     self._size += 1

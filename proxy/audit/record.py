@@ -1,6 +1,8 @@
 """The audit record of one decision: a versioned event, masked before it is written.
 
-Arguments are recorded by digest only unless the tool's policy asks for them (`log_args`).
+Arguments are recorded by digest only unless the tool's policy asks for them (`log_args`);
+then the values the policy names in `mask` are replaced by "***" in the recorded copy (the
+digest is always of the real arguments, so a call can still be matched to its record).
 Built on the hot path of every call: plain dict, no validation layer.
 """
 
@@ -8,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
 RECORD_VERSION = 1
+MASKED = "***"
 _OPT = orjson.OPT_SORT_KEYS
 
 # Formatting the date part costs more than the rest of the record: cache it per second.
@@ -37,6 +40,70 @@ def args_digest(arguments: Mapping[str, Any]) -> str:
     Independent of key order. Raises TypeError (orjson.JSONEncodeError) for non-JSON values.
     """
     return "sha256:" + hashlib.sha256(orjson.dumps(arguments, option=_OPT)).hexdigest()
+
+
+def _pointer(pointer: str) -> list[str]:
+    """The unescaped segments of a JSON pointer ("/a~1b/~0c" -> ["a/b", "~c"])."""
+    return [seg.replace("~1", "/").replace("~0", "~") for seg in pointer.split("/")[1:]]
+
+
+def _mask_names(value: Any, names: frozenset[str]) -> Any:
+    """A copy of `value` with every object member named in `names` masked, at any depth."""
+    if isinstance(value, Mapping):
+        return {k: MASKED if k in names else _mask_names(v, names) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_mask_names(v, names) for v in value]
+    return value
+
+
+def _mask_pointer(value: Any, segments: Sequence[str]) -> Any:
+    """A copy of `value` with the member at `segments` masked (copies only along the path);
+    `value` itself when the path does not exist. `*` matches every element or member."""
+    if not segments:
+        return MASKED
+    head, rest = segments[0], segments[1:]
+    if isinstance(value, Mapping):
+        keys: Iterable[Any] = value.keys() if head == "*" else ([head] if head in value else [])
+        out = None
+        for k in keys:
+            new = _mask_pointer(value[k], rest)
+            if new is not value[k]:
+                if out is None:
+                    out = dict(value)
+                out[k] = new
+        return value if out is None else out
+    if isinstance(value, list | tuple):
+        if head == "*":
+            idx: Iterable[int] = range(len(value))
+        elif head.isdigit() and (head == "0" or not head.startswith("0")) and int(head) < len(value):
+            idx = [int(head)]
+        else:
+            idx = []
+        lst = None
+        for i in idx:
+            new = _mask_pointer(value[i], rest)
+            if new is not value[i]:
+                if lst is None:
+                    lst = list(value)
+                lst[i] = new
+        return value if lst is None else lst
+    return value
+
+
+def mask_arguments(arguments: Mapping[str, Any], mask: Iterable[str]) -> Mapping[str, Any]:
+    """The arguments with every masked value replaced by "***"; never modifies `arguments`.
+
+    A `mask` entry starting with "/" is a JSON pointer (RFC 6901; `*` as a segment matches every
+    array element or object member); any other entry is a member name masked at any depth
+    (nested objects and arrays included). Paths that do not exist are ignored. Returns
+    `arguments` itself when nothing is masked.
+    """
+    names = frozenset(m for m in mask if not m.startswith("/"))
+    result: Any = _mask_names(arguments, names) if names else arguments
+    for m in mask:
+        if m.startswith("/"):
+            result = _mask_pointer(result, _pointer(m))
+    return result
 
 
 def _value(v: Any) -> Any:
@@ -64,13 +131,16 @@ def build_record(
     latency: Mapping[str, float],
     upstream_status: int | None,
     extra: Mapping[str, Any] | None = None,
+    mask: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The audit record (schema version 1) of one decision, ready for `AuditLog.write`.
 
     `latency` is seconds per stage (as measured, e.g. with `perf_counter`); the record holds
     milliseconds rounded to 3 decimals under `latency_ms`. `verdict` and `code` may be the
     enums of `proxy.envelope.call`. `extra`, when given, is kept under its own `extra` key so
-    it can never shadow a versioned field. `args` is present only when `log_args`.
+    it can never shadow a versioned field. `args` is present only when `log_args`, with the
+    values named by `mask` replaced by "***" (see `mask_arguments`); `args_digest` is always
+    the digest of the real, unmasked arguments.
     """
     rec: dict[str, Any] = {
         "v": RECORD_VERSION,
@@ -93,7 +163,7 @@ def build_record(
         "upstream_status": upstream_status,
     }
     if log_args:
-        rec["args"] = arguments
+        rec["args"] = mask_arguments(arguments, mask) if mask else arguments
     if extra:
         rec["extra"] = dict(extra)
     return rec
