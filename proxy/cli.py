@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import multiprocessing
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -32,7 +34,10 @@ examples:
   envelope-proxy demo                          run the demo (bundled notes server + ./policies)
   envelope-proxy serve --config config.yaml    run for real
   envelope-proxy check policies/               validate a policy directory (file:line:column errors)
+  envelope-proxy test policies/ --coverage     run the policy tests kept beside the policies
   envelope-proxy audit verify state/audit      prove the audit log untouched
+  envelope-proxy audit query state/audit --since 1h --verdict deny    recent refusals
+  envelope-proxy audit tail -f state/audit     follow decisions as they are made
   envelope-proxy approvals list                pending approvals (token: ENVELOPE_APPROVER_TOKEN)"""
 
 
@@ -71,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy until SIGTERM/SIGINT. SIGHUP reloads the policy.")
     serve.add_argument("--config", type=Path, metavar="FILE", help="runtime config YAML (env ENVELOPE_CONFIG); flags and ENVELOPE_* env override it")
     _add_serve_flags(serve)
+    serve.add_argument("--record", type=Path, metavar="FILE",
+                       help="append one JSON line per tools/call decision to FILE, for "
+                            "`envelope-proxy replay` (full arguments and JWT claims: protect it)")
 
     demo = sub.add_parser("demo", help="run the demo: the bundled notes server behind the proxy",
                           description="Start the bundled example MCP server and the proxy in front of it, "
@@ -95,10 +103,43 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Check the hash chain of an audit file or directory. Exit 0 when intact; "
                                               "exit 1 naming the first bad record otherwise.")
     verify.add_argument("path", type=Path)
+    _add_audit_read_parsers(audit_sub)
 
     _add_approvals_parser(sub)
     _add_shadow_parser(sub)
+    _add_replay_parser(sub)
+    _add_test_parser(sub)
     return parser
+
+
+def _add_test_parser(sub: Any) -> None:
+    test = sub.add_parser(
+        "test", help="run the policy tests kept beside a policy directory",
+        description="Run the YAML policy test cases under DIR/tests/ and DIR/**/*.test.yaml on the "
+                    "proxy's own chain of checks (an in-memory store; gated calls are not held: "
+                    "approval_pending at once). Exits 1 when a case fails, the policy or a case "
+                    "file has a problem (file:line:column: message), or coverage is below --threshold.")
+    test.add_argument("directory", type=Path)
+    test.add_argument("-v", "--verbose", action="store_true",
+                      help="show every case with the check and rule that decided it, and why")
+    test.add_argument("--coverage", action="store_true",
+                      help="report the tools, rules, allow expressions and fallbacks no case exercised")
+    test.add_argument("--threshold", type=float, default=None, metavar="PCT",
+                      help="fail when coverage is below PCT percent (implies --coverage)")
+    test.add_argument("--format", choices=["text", "json"], default="text")
+    test.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None,
+                      help="CEL engine (env ENVELOPE_CEL_ENGINE; default auto)")
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    """`test DIR`: 0 when every case passes (and coverage meets --threshold), else 1."""
+    from proxy.policy.testing import render_json, render_text, run_tests
+
+    report = run_tests(args.directory, engine=args.cel_engine, coverage=args.coverage,
+                       threshold=args.threshold)
+    out = render_json(report) if args.format == "json" else render_text(report, args.verbose)
+    sys.stdout.write(out)
+    return 0 if report.ok else 1
 
 
 def _add_shadow_parser(sub: Any) -> None:
@@ -111,6 +152,9 @@ def _add_shadow_parser(sub: Any) -> None:
                         help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
     common.add_argument("--run", default=None, help="only the records of this run id")
     common.add_argument("--limit", type=int, default=100, help="the most recent N records (default 100)")
+    common.add_argument("--token", default=None,
+                        help="approver token: shadow records hold arguments "
+                             "(default: env ENVELOPE_APPROVER_TOKEN)")
     ssub = shadow.add_subparsers(dest="shadow_command", required=True, metavar="SUBCOMMAND")
     ssub.add_parser("list", help="one line per recorded write, oldest first", parents=[common])
     ssub.add_parser("export", help="the records as JSON lines (full arguments)", parents=[common])
@@ -126,8 +170,10 @@ def cmd_shadow(args: argparse.Namespace) -> int:
     query = urllib.parse.urlencode({k: v for k, v in {"run": args.run, "limit": args.limit}.items()
                                     if v is not None})
     url = f"{args.admin.rstrip('/')}/v1/shadow?{query}"
+    token = args.token or os.environ.get("ENVELOPE_APPROVER_TOKEN", "")
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(request, timeout=30) as resp:
             data = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -196,6 +242,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "policies": args.policies, "listen": args.listen, "admin": args.admin,
         "state_dir": args.state_dir, "workers": args.workers, "cel_engine": args.cel_engine,
         "log_level": args.log_level,
+        "record": {"path": str(args.record)} if getattr(args, "record", None) else None,
     }
 
 
@@ -241,6 +288,90 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     where = f"{result.file}:{result.line}" if result.file and result.line else str(args.path)
     print(f"TAMPERED: {where}: {result.problem}")
     return 1
+
+
+def _add_audit_read_parsers(audit_sub: Any) -> None:
+    filters = argparse.ArgumentParser(add_help=False)
+    filters.add_argument("directory", type=Path, help="the audit directory (rotated files are read too)")
+    for flag in ("principal", "run", "upstream", "tool", "verdict", "code", "decision-id"):
+        filters.add_argument(f"--{flag}", default=None, help=f"only records whose {flag.replace('-', '_')} is this")
+    filters.add_argument("--format", choices=["table", "json"], default="table",
+                         help="table (truncated columns) or json (one record per line, as written)")
+    query = audit_sub.add_parser(
+        "query", help="find audit records", parents=[filters],
+        description="Filter the records of an audit directory (every log, rotated files too), newest "
+                    "first. Times are RFC 3339 (2026-01-02T03:04:05Z; no offset: UTC) or relative "
+                    "(90s, 15m, 1h, 2d, 1w: that long ago).")
+    query.add_argument("--since", default=None, metavar="TIME", help="records at or after TIME")
+    query.add_argument("--until", default=None, metavar="TIME", help="records before TIME")
+    query.add_argument("--limit", type=int, default=100, metavar="N", help="at most N records (default 100; 0: all)")
+    query.add_argument("--oldest-first", action="store_true", help="oldest records first")
+    tail = audit_sub.add_parser(
+        "tail", help="the last audit records, and with -f new ones as they are written", parents=[filters],
+        description="Print the last N records (oldest of them first); with -f keep printing new "
+                    "records (following rotation) until Ctrl-C.")
+    tail.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="how many records (default 10)")
+    tail.add_argument("-f", "--follow", action="store_true", help="keep printing records as they are written")
+    tail.add_argument("--interval", type=float, default=0.25, help=argparse.SUPPRESS)
+
+
+def cmd_audit_read(args: argparse.Namespace) -> int:
+    """`audit query` / `audit tail`: exit 0 (also on Ctrl-C), 2 on a bad argument or directory."""
+    import shutil
+    import signal
+
+    from proxy.audit import query as q
+
+    if not args.directory.is_dir():
+        print(f"envelope-proxy audit {args.audit_command}: not a directory: {args.directory}", file=sys.stderr)
+        return 2
+    fields = {"principal": args.principal, "run": args.run, "upstream": args.upstream, "tool": args.tool,
+              "verdict": args.verdict, "code": args.code, "decision_id": args.decision_id}
+    width = shutil.get_terminal_size((160, 24)).columns
+
+    def emit(records: list[dict[str, Any]]) -> None:
+        for rec in records:
+            print(q.json_line(rec) if args.format == "json" else q.table_row(rec, width))
+        sys.stdout.flush()
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        if args.format == "table":
+            print(q.table_header(width))
+        if args.audit_command == "query":
+            try:
+                since = q.parse_time(args.since) if args.since else None
+                until = q.parse_time(args.until) if args.until else None
+            except ValueError as exc:
+                print(f"envelope-proxy audit query: {exc}", file=sys.stderr)
+                return 2
+            emit(q.query_records(args.directory, since=since, until=until, limit=args.limit,
+                                 newest_first=not args.oldest_first, **fields))
+            return 0
+        # tail: open the follower first, so nothing written meanwhile is lost; skip what the
+        # last-N query already printed.
+        follower = q.Follower(args.directory) if args.follow else None
+        last = q.query_records(args.directory, limit=args.lines, **fields) if args.lines > 0 else []
+        last.reverse()
+        emit(last)
+        if follower is None:
+            return 0
+        shown = {r.get("hash") for r in last}
+        match = q.matcher(**fields)
+        with follower:
+            while True:
+                new = [r for r in follower.poll() if match(r) and r.get("hash") not in shown]
+                shown.clear()  # only the first poll can repeat what was printed
+                emit(new)
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `| head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _serve_worker(config_json: str, worker: int) -> None:
@@ -296,7 +427,7 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from proxy.config import UpstreamOverride, load_config
+    from proxy.config import ApproverConfig, UpstreamOverride, load_config
     from proxy.identity import IdentityConfig
     from proxy.server import serve
 
@@ -318,15 +449,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"envelope-proxy: {exc}", file=sys.stderr)
             return 2
+        approver_token = secrets.token_urlsafe(24)
         config = config.model_copy(update={
             "upstreams": {"demo": UpstreamOverride(url=f"http://127.0.0.1:{port}/mcp")},
             "workers": 1,
             # The demo's agent is one static workload identity, as in a one-agent sidecar.
             "identity": IdentityConfig(mode="static", principal="demo-agent"),
+            # One approver with a token minted for this run, so gated calls can be approved.
+            "approvals": config.approvals.model_copy(update={"approvers": {
+                "demo-approver": ApproverConfig(token_sha256=hashlib.sha256(approver_token.encode()).hexdigest()),
+            }}),
         })
         _setup_logging(config.log_level)
         print(f"demo notes server (MCP) on http://127.0.0.1:{port}/mcp; the agent is principal 'demo-agent'. Ctrl-C stops.",
               flush=True)
+        print(f"approver 'demo-approver' token (for the approvals API and CLI): {approver_token}", flush=True)
         return int(_run(serve(config)))
     finally:
         server.terminate()
@@ -418,6 +555,55 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_replay_parser(sub: Any) -> None:
+    replay = sub.add_parser(
+        "replay", help="re-decide recorded calls under another policy and show what changes",
+        description="Re-decide every call recorded by `serve --record FILE` under the policy in "
+                    "--policies, with the proxy's own engine and checks (approvals decided "
+                    "statically: a gated call is `approval_pending`; idempotency and shadow on an "
+                    "empty store), and print the calls newly refused, newly allowed or refused with "
+                    "another code or rule. Exit 2 on policy or record file errors; 1 with "
+                    "--fail-on-change when anything changed; else 0.")
+    replay.add_argument("file", type=Path, help="the record file (JSON lines)")
+    replay.add_argument("--policies", type=Path, required=True, metavar="DIR",
+                        help="the policy directory to decide under")
+    replay.add_argument("--format", choices=["text", "json"], default="text")
+    replay.add_argument("--fail-on-change", action="store_true",
+                        help="exit 1 when any decision changes")
+    replay.add_argument("--config", type=Path, metavar="FILE", default=None,
+                        help="runtime config whose approvals/idempotency settings apply (optional)")
+    replay.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """`replay`: 0 (or 1 with --fail-on-change when something changed); 2 on input errors."""
+    from proxy.config import Config, load_config
+    from proxy.policy.loader import load_policy
+    from proxy.replay import RecordError, format_report, load_records, replay
+
+    try:
+        config = load_config(args.config, environ={}) if args.config else Config()
+    except ConfigError as exc:
+        print(f"envelope-proxy replay: {exc}", file=sys.stderr)
+        return 2
+    try:
+        revision = load_policy(args.policies, engine=args.cel_engine or config.cel_engine)
+    except PolicyError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        print(f"envelope-proxy replay: {len(exc.problems)} problem(s) in {args.policies}",
+              file=sys.stderr)
+        return 2
+    try:
+        records = load_records(args.file)
+    except RecordError as exc:
+        print(f"envelope-proxy replay: {exc}", file=sys.stderr)
+        return 2
+    report = asyncio.run(replay(records, revision, config))
+    print(format_report(report, args.format))
+    return 1 if report.changes and args.fail_on_change else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
@@ -426,10 +612,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_approvals(args)
     if args.command == "shadow":
         return cmd_shadow(args)
+    if args.command == "audit" and args.audit_command in ("query", "tail"):
+        return cmd_audit_read(args)
     if args.command == "audit":
         return cmd_audit_verify(args)
     if args.command == "demo":
         return cmd_demo(args)
+    if args.command == "replay":
+        return cmd_replay(args)
+    if args.command == "test":
+        return cmd_test(args)
     return cmd_serve(args)
 
 

@@ -60,6 +60,15 @@ class AuditConfig(_Model):
     fsync: bool = False
     # Rotate the file past this size; the hash chain continues into the next file.
     max_bytes: int = 100 * 2**20
+    # Also start a new file at every interval (e.g. 24h: one file per UTC day; intervals are
+    # aligned to the Unix epoch), before the first record written in it; the chain continues.
+    # Absent: no time rotation.
+    rotate_interval: float | None = Field(default=None, gt=0)
+
+    @field_validator("rotate_interval", mode="before")
+    @classmethod
+    def _interval(cls, v: object) -> float | None:
+        return None if v is None else _seconds(v)
 
 
 class StoreConfig(_Model):
@@ -215,6 +224,22 @@ class AggregateConfig(_Model):
     max_sessions: int = Field(default=1000, ge=1)
 
 
+class RecordConfig(_Model):
+    """Decision recording for `envelope-proxy replay` (`serve --record FILE`).
+
+    Not the audit log: a line that cannot be written is logged and counted, and the call goes
+    on. Lines hold full arguments and the principal's verified claims: protect the file.
+    """
+
+    # The JSONL file records are appended to (with several workers: `<stem>-w<n><suffix>` each).
+    path: Path
+    # fsync every line (like `audit.fsync`). Absent: false (flushed to the OS per line).
+    fsync: bool = False
+    # Record the principal's verified JWT claims (CEL may depend on them). false: omitted, and
+    # rules over `principal.claims` re-decide as if there were none.
+    claims: bool = True
+
+
 class Config(_Model):
     """Everything `envelope-proxy serve` needs besides the policy."""
 
@@ -256,6 +281,8 @@ class Config(_Model):
     # Consecutive failures (traffic or probe) after which an upstream is reported down.
     health_down_after: int = Field(default=1, ge=1)
     aggregate: AggregateConfig = Field(default_factory=AggregateConfig)
+    # Record every decision for `envelope-proxy replay`. Absent: not recorded.
+    record: RecordConfig | None = None
 
     @field_validator("listen", "admin")
     @classmethod

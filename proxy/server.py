@@ -33,6 +33,7 @@ from proxy.identity import Identity
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.reload import PolicyWatcher
+from proxy.replay import open_recorder
 from proxy.store.base import Store
 from proxy.store.factory import open_store
 from proxy.transport import FastForwarder
@@ -51,7 +52,8 @@ class Runtime:
         self.metrics = Metrics()
         audit_name = "audit" if config.workers == 1 else f"audit-w{worker}"
         self.audit = AuditLog(config.audit_dir, name=audit_name, fsync=config.audit.fsync,
-                              max_bytes=config.audit.max_bytes)
+                              max_bytes=config.audit.max_bytes,
+                              rotate_interval=config.audit.rotate_interval)
         self.store: Store | None = open_store(config)
         self.store_error: str | None = None  # last store ping failure (readiness)
         self._store_pinger: asyncio.Task[None] | None = None
@@ -68,6 +70,7 @@ class Runtime:
         self.services = Services(store=self.store, settings=config, metrics=self.metrics,
                                  notifier=self.approval_notifier)
         self.envelope = Envelope(self.audit, self.metrics, self.registry, self.services)
+        self.envelope.recorder = open_recorder(config, worker, self.metrics.registry)
         self.identity = Identity(config.identity)
         self.forwarder: Forwarder = FastForwarder() if config.transport == "fast" else Forwarder()
         self.revision: PolicyRevision | None = None
@@ -317,6 +320,8 @@ class Runtime:
         if self.store is not None:
             await self.store.close()
         self.audit.close()
+        if self.envelope.recorder is not None:
+            self.envelope.recorder.close()
         log.info("shutdown complete: store closed, audit log flushed and closed")
 
     async def run_until_signalled(self) -> None:

@@ -142,8 +142,10 @@ def proxy_process(
     identity: dict[str, Any] | None = None,
     config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    args: list[str] | None = None,
 ) -> Iterator[ProxyProcess]:
-    """Run `envelope-proxy serve` (the real console script) with a config file."""
+    """Run `envelope-proxy serve` (the real console script) with a config file (and `args`,
+    extra serve flags such as `--record FILE`)."""
     port, admin_port = free_port(), free_port()
     state = tmp / "state"
     cfg: dict[str, Any] = {
@@ -164,7 +166,7 @@ def proxy_process(
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "proxy"]
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            [*cmd, "serve", "--config", str(config_path)],
+            [*cmd, "serve", "--config", str(config_path), *(args or [])],
             stdout=logf, stderr=subprocess.STDOUT, cwd=tmp,
             env={**os.environ, **(env or {})},
         )

@@ -104,4 +104,8 @@ def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application
     from proxy.admin.shadow_api import add_shadow_routes
 
     add_shadow_routes(app, status)
+    # The review page, the decisions API and the approver-token guard of /v1/shadow (review).
+    from proxy.admin.review import add_review_routes
+
+    add_review_routes(app, status)
     return app

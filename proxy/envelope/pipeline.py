@@ -161,6 +161,8 @@ class Envelope:
         self.registry = registry
         self.services = services
         self._chain: Chain | None = None
+        # Decision recorder for replay (`serve --record`; `proxy.replay.Recorder`), or None.
+        self.recorder: Any = None
         # Misconfigurations: logged once per revision, counted by layer, listed by the admin API.
         self.misconfig = MisconfigSink(metrics)
         # Probe once now: a log that cannot take a record must refuse the very first call too.
@@ -246,6 +248,11 @@ class Envelope:
             (tool_policy is not None and tool_policy.policy.log_args)
             or (chain is not None and chain.revision.document.defaults.log_args)
         )
+        mask: list[str] = []
+        if log_args and chain is not None:
+            mask = chain.revision.document.defaults.mask
+            if tool_policy is not None and tool_policy.policy.mask:
+                mask = [*mask, *tool_policy.policy.mask]
         record = build_record(
             decision_id=call.decision_id,
             revision=revision,
@@ -264,6 +271,7 @@ class Envelope:
             latency=latency,
             upstream_status=upstream_status,
             extra=extra,
+            mask=mask,
         )
         t_audit = time.perf_counter()
         try:
@@ -282,3 +290,5 @@ class Envelope:
         m.observe_stage("total", done - pending.started)
         if upstream_seconds is not None:
             m.observe_stage("upstream", upstream_seconds)
+        if self.recorder is not None:  # never raises: a recording failure is logged and counted
+            self.recorder.record(pending, decision, reply)

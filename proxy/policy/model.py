@@ -40,6 +40,8 @@ class _Model(BaseModel):
 
 
 CelExpr = Annotated[str, Field(min_length=1)]
+# An argument name, or a JSON pointer (RFC 6901) starting with "/" (`~0` is "~", `~1` is "/").
+MaskPath = Annotated[str, Field(min_length=1, pattern=r"^(?:[^/].*|(?:/(?:[^~/]|~[01])*)+)$")]
 
 
 class Upstream(_Model):
@@ -138,6 +140,12 @@ class ToolPolicy(_Model):
     fallback_reason: str | None = None
     # Write the arguments themselves into the audit log. Absent: only their digest.
     log_args: bool = False
+    # With log_args: argument values replaced by "***" in the recorded `args` (never in the call
+    # itself; `args_digest` stays the digest of the real arguments). Each entry is an argument
+    # name (masked at any depth, in nested objects and arrays too) or a JSON pointer like
+    # `/card/number` (`*` as a segment: every array element or object member). Added to
+    # defaults.mask. Absent: none.
+    mask: list[MaskPath] = Field(default_factory=list)
     approval: Approval | None = None
     # Replay a retry of an identical call (same run, arguments) from the stored first result,
     # even when the effect is not gated. Absent: false (gated effects and calls carrying a
@@ -196,6 +204,8 @@ class Defaults(_Model):
     # Request headers visible to CEL as request.headers (lower-case names). Absent: none.
     request_headers: list[str] = Field(default_factory=list)
     log_args: bool = False
+    # Masked in the recorded arguments of every tool (see ToolPolicy.mask). Absent: none.
+    mask: list[MaskPath] = Field(default_factory=list)
 
 
 class PolicyDocument(_Model):

@@ -7,7 +7,9 @@ stays shadow without the header; a principal with `mode: shadow` is always shado
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,9 @@ from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process,
 OPS = token("ops", tenant="acme")
 TRAINEE = token("trainee", groups=["writers"])
 DEFAULT_TEXT = "Shadow run: this call was recorded, not performed."
+# Shadow records hold arguments: /v1/shadow needs an approver token.
+APPROVER_TOKEN = "shadow-reviewer-token"
+APPROVER = {"Authorization": f"Bearer {APPROVER_TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +33,15 @@ def pp(tmp_path_factory: pytest.TempPathFactory, sse_upstream: Any) -> Iterator[
     principals = {**fixture_policy()["principals"], "trainee": {"mode": "shadow"}}
     policies = write_policy(tmp / "policies", {"notes": {}}, principals=principals)
     with proxy_process(tmp, {"notes": sse_upstream.url}, policies=policies,
-                       config={"store": {"kind": "memory"}}) as proxy:
+                       config={"store": {"kind": "memory"}, "approvals": {"approvers": {
+                           "reviewer": {"token_sha256": hashlib.sha256(APPROVER_TOKEN.encode()).hexdigest()},
+                       }}}) as proxy:
         yield proxy
 
 
 def shadow_records(pp: ProxyProcess, run: str) -> list[dict[str, Any]]:
-    resp = httpx.get(f"{pp.admin}/v1/shadow", params={"run": run}, timeout=5)
+    assert httpx.get(f"{pp.admin}/v1/shadow", params={"run": run}, timeout=5).status_code == 401
+    resp = httpx.get(f"{pp.admin}/v1/shadow", params={"run": run}, headers=APPROVER, timeout=5)
     assert resp.status_code == 200, resp.text
     records: list[dict[str, Any]] = resp.json()["records"]
     return records
@@ -106,11 +114,13 @@ async def test_cli_lists_and_exports(pp: ProxyProcess) -> None:
     headers = {"X-Envelope-Shadow": "1", "X-Envelope-Run": "cli-run"}
     async with mcp_client(pp.url("notes"), "auto", bearer=OPS, headers=headers) as c:
         await c.call_tool("write_note", {"title": "cli-1", "body": "x", "folder": "inbox"})
-    out = cli("shadow", "export", "--admin", pp.admin, "--run", "cli-run")
+    out = cli("shadow", "export", "--admin", pp.admin, "--run", "cli-run",
+              "--token", APPROVER_TOKEN)
     assert out.returncode == 0, out.stderr
     [line] = out.stdout.splitlines()
     assert json.loads(line)["arguments"]["title"] == "cli-1"
-    listed = cli("shadow", "list", "--admin", pp.admin, "--run", "cli-run")
+    listed = cli("shadow", "list", "--admin", pp.admin, "--run", "cli-run",
+                 env={**os.environ, "ENVELOPE_APPROVER_TOKEN": APPROVER_TOKEN})
     assert listed.returncode == 0, listed.stderr
     assert "notes.write_note" in listed.stdout and "run=cli-run" in listed.stdout
     down = cli("shadow", "list", "--admin", "http://127.0.0.1:1")

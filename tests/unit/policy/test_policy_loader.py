@@ -168,7 +168,7 @@ def test_unknown_field(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    efect: read\n")
     assert problems(path.parent) == [
         f"{path}:8:5: unknown field 'efect' in tools.demo.echo (allowed: effect, output, "
-        "schema, allow, rules, fallback, fallback_reason, log_args, approval, idempotent, mode, shadow_result)"
+        "schema, allow, rules, fallback, fallback_reason, log_args, mask, approval, idempotent, mode, shadow_result)"
     ]
 
 
