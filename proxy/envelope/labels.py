@@ -1,0 +1,156 @@
+"""Output labels: which parts of a tool result are untrusted or secret (the data-flow ledger's input).
+
+A tool's output is labelled by its policy (`output: trusted | untrusted`, `sensitivity:
+public | secret`); when the policy says nothing about `output`, the output is untrusted unless
+the tool's annotations say `openWorldHint: false` and the upstream's annotations are trusted
+(an upstream's own hints never make its output trusted otherwise). `labels` refine parts of
+`structuredContent` by JSON pointer (the most specific pointer covering a value wins).
+
+`pieces` walks a result and yields every string an agent can read, with its labels: `content`
+text, resource text and URIs, resource links, and `structuredContent` strings. A text item that
+is just the JSON serialisation of `structuredContent` (what servers send for compatibility) is
+covered by the structured walk, so path labels are not undone by the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.envelope.call import ToolInfo
+from proxy.envelope.tools import annotation
+from proxy.policy.model import PathLabel, ToolPolicy
+
+# Walk no deeper than this into structuredContent (the front already caps JSON depth).
+MAX_DEPTH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Label:
+    """Labels of one piece of output."""
+
+    untrusted: bool
+    secret: bool
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the ledger records it."""
+        return self.untrusted or self.secret
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One string of a tool result with its labels; `where` is a short locator for evidence."""
+
+    text: str
+    label: Label
+    where: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLabels:
+    """The labels of one tool's output, built once per policy revision and tool."""
+
+    base: Label
+    # (pointer segments, PathLabel) most specific first.
+    paths: tuple[tuple[tuple[str, ...], PathLabel], ...] = ()
+
+    @property
+    def tracked(self) -> bool:
+        """Whether any part of the output can be untrusted or secret."""
+        return self.base.tracked or any(
+            p.output == "untrusted" or p.sensitivity == "secret" for _, p in self.paths
+        )
+
+    def at(self, path: tuple[str, ...]) -> Label:
+        """The label of the structuredContent value at `path`."""
+        for pattern, label in self.paths:
+            if len(pattern) <= len(path) and all(
+                seg == "*" or seg == got for seg, got in zip(pattern, path, strict=False)
+            ):
+                return Label(
+                    self.base.untrusted if label.output is None else label.output == "untrusted",
+                    self.base.secret if label.sensitivity is None else label.sensitivity == "secret",
+                )
+        return self.base
+
+
+def _pointer(path: str) -> tuple[str, ...]:
+    if not path.startswith("/"):
+        return (path,)
+    return tuple(s.replace("~1", "/").replace("~0", "~") for s in path[1:].split("/"))
+
+
+def output_labels(policy: ToolPolicy | None, info: ToolInfo | None, trust_annotations: bool) -> OutputLabels:
+    """A tool's output labels from its policy, else (trusted) annotations, else untrusted."""
+    if policy is not None and policy.output is not None:
+        untrusted = policy.output == "untrusted"
+    else:
+        untrusted = not (trust_annotations and info is not None
+                         and not annotation(info, "openWorldHint"))
+    secret = policy is not None and policy.sensitivity == "secret"
+    paths: list[tuple[tuple[str, ...], PathLabel]] = []
+    if policy is not None:
+        paths = [(_pointer(p), label) for p, label in policy.labels.items()]
+        # Most specific first: longer pointers, then fewer wildcards.
+        paths.sort(key=lambda pl: (-len(pl[0]), sum(s == "*" for s in pl[0])))
+    return OutputLabels(Label(untrusted, secret), tuple(paths))
+
+
+def _strings(value: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tuple[str, ...], str]]:
+    if depth > MAX_DEPTH:
+        return
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(v, (*path, str(k)), depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _strings(v, (*path, str(i)), depth + 1)
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000_000:
+        yield path, str(value)  # an account number sent as a JSON number
+
+
+def _is_copy(text: str, structured: Any) -> bool:
+    if not text.lstrip().startswith(("{", "[")):
+        return False
+    try:
+        return bool(orjson.loads(text) == structured)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def pieces(result: Mapping[str, Any], labels: OutputLabels) -> Iterator[Piece]:
+    """Every string of a tool result an agent can read, with its labels (tracked ones only)."""
+    structured = result.get("structuredContent")
+    content = result.get("content")
+    base = labels.base
+    if isinstance(content, list):
+        for i, item in enumerate(content):
+            if not isinstance(item, Mapping):
+                continue
+            kind = item.get("type")
+            where = f"content[{i}]"
+            texts: list[str] = []
+            if kind == "text" and isinstance(item.get("text"), str):
+                if structured is not None and labels.paths and _is_copy(item["text"], structured):
+                    continue
+                texts.append(item["text"])
+            elif kind == "resource" and isinstance(item.get("resource"), Mapping):
+                res = item["resource"]
+                texts += [v for v in (res.get("text"), res.get("uri")) if isinstance(v, str)]
+            elif kind == "resource_link":
+                texts += [v for k in ("uri", "name", "title", "description")
+                          if isinstance(v := item.get(k), str)]
+            if base.tracked:
+                for text in texts:
+                    yield Piece(text, base, where)
+    if structured is not None:
+        for path, text in _strings(structured, (), 0):
+            label = labels.at(path)
+            if label.tracked:
+                yield Piece(text, label, "structuredContent/" + "/".join(path))

@@ -1,0 +1,63 @@
+"""The labelled data-flow corpus as regression tests, and its precision and recall.
+
+Each case is an untrusted source text and a sink's arguments; the flow is flagged when an
+argument (not declassified) copies at least `min_match` untrusted characters verbatim, or any
+argument carries a distinctive token of the source. The chosen default must flag every attack
+and no benign flow; `python tests/dataflow/test_corpus.py` prints the rates for several N.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.envelope.dataflow import Ledger, LedgerDelta, free_text, match_argument
+from proxy.envelope.labels import Label, Piece
+from proxy.policy.model import DataflowPolicy
+
+CORPUS = yaml.safe_load((Path(__file__).parent / "corpus.yaml").read_text())["cases"]
+DEFAULT_N = DataflowPolicy().min_match
+
+
+def flagged(case: dict[str, Any], n: int) -> bool:
+    ledger = Ledger(n)
+    ledger.merge(LedgerDelta.of("web.fetch_page", [Piece(case["source"], Label(True, False), "t")], n),
+                 65536)
+    declassified = set(case.get("declassify", case.get("declassified", [])))
+    for ptr, text in free_text(case["args"], None, frozenset()):
+        verbatim, toks = match_argument(ledger, text, n)
+        if toks or (verbatim and ptr[1:].split("/")[0] not in declassified):
+            return True
+    return False
+
+
+def rates(n: int) -> tuple[float, float, int, int, int]:
+    tp = fp = fn = 0
+    for case in CORPUS:
+        got = flagged(case, n)
+        tp += got and case["flag"]
+        fp += got and not case["flag"]
+        fn += (not got) and case["flag"]
+    precision = tp / (tp + fp) if tp + fp else 1.0
+    recall = tp / (tp + fn) if tp + fn else 1.0
+    return precision, recall, tp, fp, fn
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_case_at_default(case: dict[str, Any]) -> None:
+    assert flagged(case, DEFAULT_N) == case["flag"]
+
+
+def test_precision_and_recall_at_default() -> None:
+    precision, recall, *_ = rates(DEFAULT_N)
+    assert (precision, recall) == (1.0, 1.0)
+
+
+if __name__ == "__main__":
+    print("N  precision recall tp fp fn")
+    for n in (8, 12, 16, 20, 24, 32, 40, 48, 64):
+        p, r, tp, fp, fn = rates(n)
+        print(f"{n:<3} {p:.2f}      {r:.2f}   {tp} {fp} {fn}")

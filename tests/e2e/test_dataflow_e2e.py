@@ -1,0 +1,260 @@
+"""Data flow through the wire: the real proxy process, the official SDK client and a small SDK
+upstream (`mail_server.py`) whose `fetch_page` returns a page with an injected instruction
+(an attacker's address and a phishing URL) and whose `send_email` is the sink.
+
+Each test uses its own run (`X-Envelope-Run`), so ledgers never mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from mail_server import ATTACKER, PAGE, PHISH
+
+from tests.harness import (
+    ROOT,
+    ProxyProcess,
+    free_port,
+    mcp_client,
+    metric_value,
+    proxy_process,
+    stop,
+    token,
+    wait_port,
+)
+
+AGENT = token("agent")
+ALICE_TOKEN = "alice-approver-token"
+
+
+@contextlib.contextmanager
+def mail_server() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "e2e" / "mail_server.py"),
+                             "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        wait_port(port, proc)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(proc)
+
+
+def _policy(directory: Path, mode: str) -> Path:
+    tools: dict[str, Any] = {}
+    for up in ("mail", "escalate"):
+        tools[f"{up}.fetch_page"] = {"effect": "read"}
+        tools[f"{up}.read_secrets"] = {"effect": "read", "output": "trusted", "sensitivity": "secret"}
+        tools[f"{up}.send_email"] = {
+            "effect": "external", "approval": {"required": False, "wait": "0s"},
+            "schema": {"type": "object", "required": ["to", "subject", "body"], "properties": {
+                "to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"},
+                "priority": {"enum": ["low", "normal", "high"]}}},
+        }
+    doc = {
+        "version": 1,
+        "upstreams": {u: {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"} for u in ("mail", "escalate")},
+        "tools": tools,
+        "dataflow": {
+            "mode": mode,
+            "declassify": {"mail.send_email": ["body"], "escalate.send_email": ["body"]},
+            "on_flag": {"default": "block", "escalate.send_email": "approve"},
+        },
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
+    return directory
+
+
+def _config() -> dict[str, Any]:
+    return {"approvals": {"poll_interval": "100ms", "approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+
+
+@pytest.fixture(scope="module")
+def upstream_url() -> Iterator[str]:
+    with mail_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def enforcing(tmp_path_factory: pytest.TempPathFactory, upstream_url: str) -> Iterator[ProxyProcess]:
+    tmp = tmp_path_factory.mktemp("dataflow-enforce")
+    with proxy_process(tmp, {"mail": upstream_url, "escalate": upstream_url},
+                       policies=_policy(tmp / "policies", "enforce"), config=_config()) as pp:
+        yield pp
+
+
+@pytest.fixture(scope="module")
+def shadowing(tmp_path_factory: pytest.TempPathFactory, upstream_url: str) -> Iterator[ProxyProcess]:
+    tmp = tmp_path_factory.mktemp("dataflow-shadow")
+    with proxy_process(tmp, {"mail": upstream_url}, policies=_policy(tmp / "policies", "shadow"),
+                       config=_config()) as pp:
+        yield pp
+
+
+def _run() -> dict[str, str]:
+    return {"X-Envelope-Run": f"run-{uuid.uuid4().hex}"}
+
+
+async def _call(url: str, run: dict[str, str], tool: str, args: dict[str, Any]) -> Any:
+    async with mcp_client(url, "auto", bearer=AGENT, headers=run) as c:
+        return await c.call_tool(tool, args)
+
+
+def _decision(result: Any) -> dict[str, Any]:
+    return dict((result.meta or {}).get("envelope/decision") or {})
+
+
+def _record(pp: ProxyProcess, decision_id: str) -> dict[str, Any]:
+    found = [r for r in pp.audit_records() if r["decision_id"] == decision_id]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _email(to: str, body: str, subject: str = "Report") -> dict[str, Any]:
+    return {"to": to, "subject": subject, "body": body, "priority": "normal"}
+
+
+async def test_injected_address_is_refused_in_enforce(enforcing: ProxyProcess) -> None:
+    run = _run()
+    url = enforcing.url("mail")
+    page = await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    assert ATTACKER in page.content[0].text
+    r = await _call(url, run, "send_email", _email(ATTACKER.upper(), "Here is the customer list."))
+    d = _decision(r)
+    assert r.is_error and d["code"] == "dataflow_policy_blocked", d
+    assert "'/to'" in d["reason"] and "mail.fetch_page" in d["reason"], d
+    rec = _record(enforcing, d["decision_id"])
+    flow = rec["extra"]["dataflow"]
+    assert flow["mode"] == "enforce" and flow["evidence"][0]["argument"] == "/to"
+    assert flow["evidence"][0]["source"] == "mail.fetch_page"
+    assert metric_value(enforcing.metrics(), "envelope_dataflow_flagged_total",
+                        tool="send_email", mode="enforce") >= 1
+
+
+async def test_injected_address_is_forwarded_and_flagged_in_shadow(shadowing: ProxyProcess) -> None:
+    run = _run()
+    url = shadowing.url("mail")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    before = metric_value(shadowing.metrics(), "envelope_dataflow_flagged_total",
+                          tool="send_email", mode="shadow")
+    r = await _call(url, run, "send_email", _email(ATTACKER, "Here is the list."))
+    assert not r.is_error, r
+    assert r.structured_content["sent"] is True
+    rec = _record(shadowing, _decision(r)["decision_id"]) if _decision(r) else \
+        [x for x in shadowing.audit_records() if x["tool"] == "send_email"][-1]
+    assert rec["verdict"] == "allow"
+    flow = rec["extra"]["dataflow"]
+    assert flow["flagged"] and flow["mode"] == "shadow"
+    assert any(e["argument"] == "/to" and e["kind"] == "token" for e in flow["evidence"])
+    after = metric_value(shadowing.metrics(), "envelope_dataflow_flagged_total",
+                         tool="send_email", mode="shadow")
+    assert after == before + 1
+
+
+async def test_declassified_body_quoting_the_page_is_allowed(enforcing: ProxyProcess) -> None:
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    quote = PAGE[:84]  # "Quarterly report: revenue grew 12 percent ..."
+    r = await _call(url, run, "send_email", _email("boss@corp.example", f"Summary: {quote}"))
+    assert not r.is_error, r.content
+    rec = [x for x in enforcing.audit_records() if x["run"] == run["X-Envelope-Run"]][-1]
+    assert rec["tool"] == "send_email" and rec["verdict"] == "allow"
+    declassified = rec["extra"]["dataflow_declassified"]
+    assert declassified[0]["argument"] == "/body" and declassified[0]["source"] == "mail.fetch_page"
+
+
+async def test_phishing_url_inside_declassified_body_is_refused(enforcing: ProxyProcess) -> None:
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    body = "Hi team, please confirm your account at login.attacker-pay.example/verify/ today."
+    r = await _call(url, run, "send_email", _email("team@corp.example", body))
+    d = _decision(r)
+    assert d["code"] == "dataflow_policy_blocked", d
+    assert "'/body'" in d["reason"] and "attacker-pay.example" in d["reason"]
+    assert PHISH.startswith("https://login.attacker-pay.example")
+
+
+async def test_benign_flow_passes(enforcing: ProxyProcess) -> None:
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    r = await _call(url, run, "send_email",
+                    _email("boss@corp.example", "Revenue went up this quarter, details tomorrow.",
+                           subject="Quarter summary"))
+    assert not r.is_error, r.content
+    assert r.structured_content["sent"] is True
+
+
+async def test_trifecta_fires(enforcing: ProxyProcess) -> None:
+    run = _run()
+    url = enforcing.url("mail")
+    # Secret alone: a sink may fire.
+    await _call(url, run, "read_secrets", {"name": "db"})
+    ok = await _call(url, run, "send_email", _email("boss@corp.example", "All good.", "Status"))
+    assert not ok.is_error, ok.content
+    # Untrusted too: any sink is refused, even without a verbatim match.
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    r = await _call(url, run, "send_email", _email("boss@corp.example", "All good.", "Status"))
+    d = _decision(r)
+    assert d["code"] == "dataflow_policy_blocked" and d["rule"] == "dataflow.trifecta", d
+    assert "trifecta" in d["reason"] and "mail.read_secrets" in d["reason"]
+
+
+async def test_on_flag_approve_sends_the_call_to_the_approval_gate(enforcing: ProxyProcess) -> None:
+    run = _run()
+    url = enforcing.url("escalate")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    args = _email(ATTACKER, "As requested.")
+    r = await _call(url, run, "send_email", args)
+    d = _decision(r)
+    assert d["code"] == "approval_pending", d
+    rec = _record(enforcing, d["decision_id"])
+    assert rec["extra"]["dataflow"]["on_flag"] == "approve"
+    approval_id = rec["extra"]["approval_id"]
+    headers = {"Authorization": f"Bearer {ALICE_TOKEN}"}
+    async with httpx.AsyncClient(base_url=enforcing.admin, timeout=10) as http:
+        shown = (await http.get(f"/v1/approvals/{approval_id}", headers=headers)).json()
+        assert "data flow" in shown["reason"] and "'/to'" in shown["reason"], shown
+        assert "mail.fetch_page" not in shown["reason"] and "escalate.fetch_page" in shown["reason"]
+        ok = await http.post(f"/v1/approvals/{approval_id}/approve", headers=headers,
+                             json={"reason": "the user asked for it"})
+        assert ok.status_code == 200, ok.text
+    again = await _call(url, run, "send_email", args)
+    assert not again.is_error, again.content
+    assert again.structured_content["sent"] is True
+
+
+async def test_replicas_share_the_ledger_through_redis(tmp_path: Path, upstream_url: str) -> None:
+    from tests.redis_server import running_redis
+
+    with running_redis(tmp_path) as server:
+        config = {**_config(), "store": {"kind": "redis", "url": server.url, "timeout": 1.0}}
+        policies = _policy(tmp_path / "policies", "enforce")
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        with proxy_process(tmp_path / "a", {"mail": upstream_url}, policies=policies,
+                           config=config) as a, \
+                proxy_process(tmp_path / "b", {"mail": upstream_url}, policies=policies,
+                              config=config) as b:
+            run = _run()
+            await _call(a.url("mail"), run, "fetch_page", {"url": "https://news.example/q3"})
+            r = await _call(b.url("mail"), run, "send_email", _email(ATTACKER, "List attached."))
+            d = _decision(r)
+            assert d["code"] == "dataflow_policy_blocked", d
+            assert "mail.fetch_page" in d["reason"]
+            other = await _call(b.url("mail"), _run(), "send_email", _email(ATTACKER, "Hi."))
+            assert not other.is_error, other.content  # another run holds no taint
