@@ -1,0 +1,105 @@
+"""Capability narrowing by header and Rule-of-Two profiles (capability check, tools/list, check CLI)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from envelope_helpers import UPSTREAMS, build_revision, make_call
+
+from proxy.envelope.call import Code, Effect, ToolCall, ToolInfo, Verdict
+from proxy.envelope.capability import CapabilityCheck
+from proxy.envelope.catalogue import visible
+from proxy.envelope.tools import ToolRegistry
+from proxy.policy.model import PolicyDocument
+
+TOOLS = {
+    "demo.echo": {"effect": "read", "output": "trusted"},
+    "demo.fetch": {"effect": "read"},  # output: untrusted by default
+    "demo.vault": {"effect": "read", "output": "trusted"},
+    "demo.write_note": {"effect": "write", "output": "trusted"},
+}
+
+
+def _rev(principals: dict[str, Any], **defaults: Any) -> Any:
+    doc = {"upstreams": UPSTREAMS, "tools": TOOLS, "principals": principals}
+    if defaults:
+        doc["defaults"] = defaults
+    return build_revision(doc)
+
+
+def _call(tool: str, principal: str = "agent", capability: str | None = None) -> ToolCall:
+    call = make_call(tool, principal=principal)
+    call.effect = Effect.WRITE if tool == "write_note" else Effect.READ
+    call.capability_requested = capability
+    return call
+
+
+def test_header_narrows_read_write_to_read_only() -> None:
+    check = CapabilityCheck(_rev({"agent": {}}), ToolRegistry())
+    assert check.decide(_call("write_note")) is None
+    d = check.decide(_call("write_note", capability="read-only"))
+    assert d is not None and (d.verdict, d.code, d.rule) == (
+        Verdict.DENY, Code.CAPABILITY_BLOCKED, "request:X-Envelope-Capability")
+    assert "narrowed to read-only" in d.reason
+    assert check.decide(_call("echo", capability="read-only")) is None
+    assert check.decide(_call("write_note", capability=" Read-Only ")) is not None
+
+
+@pytest.mark.parametrize("asked", ["read-write", "admin", "", None])
+def test_header_never_widens(asked: str | None) -> None:
+    check = CapabilityCheck(_rev({"agent": {"capability": "read-only"}}), ToolRegistry())
+    d = check.decide(_call("write_note", capability=asked))
+    assert d is not None and d.rule == "principals.agent.capability"
+    # Unlisted principals under a read-only default too.
+    check = CapabilityCheck(_rev({}, capability="read-only"), ToolRegistry())
+    d = check.decide(_call("write_note", principal="nobody", capability=asked))
+    assert d is not None and d.rule == "defaults.capability"
+
+
+def test_denying_external_side_effects_forces_read_only_and_hides_writers() -> None:
+    rev = _rev({"agent": {"capability": "read-write",
+                          "rule_of_two": {"external_side_effects": False}}})
+    check = CapabilityCheck(rev, ToolRegistry())
+    d = check.decide(_call("write_note"))
+    assert d is not None and d.code is Code.CAPABILITY_BLOCKED
+    assert d.rule == "principals.agent.rule_of_two.external_side_effects"
+    assert "Rule-of-Two" in d.reason
+    assert check.decide(_call("echo")) is None
+    assert not visible(rev, ToolRegistry(), "agent", "demo", "write_note")
+    assert visible(rev, ToolRegistry(), "agent", "demo", "echo")
+
+
+def test_denying_sensitive_data_refuses_secret_output() -> None:
+    tools = {**TOOLS, "demo.vault": {"effect": "read", "output": "trusted", "sensitivity": "secret"}}
+    try:
+        doc = {"upstreams": UPSTREAMS, "tools": tools,
+               "principals": {"agent": {"rule_of_two": {"sensitive_data": False}}}}
+        PolicyDocument.model_validate(doc)
+    except Exception:
+        pytest.skip("ToolPolicy.sensitivity is not in the policy model yet (data-flow issue)")
+    check = CapabilityCheck(build_revision(doc), ToolRegistry())
+    d = check.decide(_call("vault"))
+    assert d is not None and d.code is Code.CAPABILITY_BLOCKED
+    assert d.rule == "principals.agent.rule_of_two.sensitive_data" and "secret" in d.reason
+    assert check.decide(_call("echo")) is None
+
+
+def test_denying_untrusted_input_refuses_untrusted_output() -> None:
+    check = CapabilityCheck(_rev({"agent": {"rule_of_two": {"untrusted_input": False}}}), ToolRegistry())
+    call = _call("fetch")
+    d = check.decide(call)
+    assert d is not None and d.rule == "principals.agent.rule_of_two.untrusted_input"
+    assert check.decide(_call("echo")) is None  # output: trusted
+    # Annotations of an untrusted upstream never make output trusted.
+    call = _call("fetch")
+    call.upstream_tool = ToolInfo("fetch", annotations={"openWorldHint": False})
+    assert check.decide(call) is not None
+
+
+def test_profile_model_defaults() -> None:
+    doc = PolicyDocument.model_validate({"principals": {"a": {"rule_of_two": {}}}})
+    profile = doc.principals["a"].rule_of_two
+    assert profile is not None and profile.holds_all
+    assert doc.defaults.max_depth == 2
+    assert doc.principals["a"].propagate_taint is True
