@@ -1,0 +1,347 @@
+"""Output guardrails (check 13): detectors, redaction, block, warn, RE2 at policy load."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from envelope_helpers import build_revision
+
+from proxy.admin.metrics import Metrics
+from proxy.envelope.call import Code, Principal, RequestInfo, RunContext, ToolCall, Verdict
+from proxy.envelope.guardrails import (
+    BUILTIN_PATTERNS,
+    DETECTORS,
+    compile_pattern,
+    engine_of,
+    guard_reply,
+    rules_for,
+)
+from proxy.envelope.pipeline import Chain
+from proxy.envelope.tools import ToolRegistry
+from proxy.errors import PolicyError
+from proxy.policy.loader import load_policy
+
+AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+PEM = (
+    "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA0Z3VS5JJcds3xfn/ygWyF8PbnGy0AHB7Mqv\n"
+    "c2VjcmV0IGtleSBtYXRlcmlhbA==\n-----END RSA PRIVATE KEY-----"
+)
+JWT = ("eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+       "dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U")
+GITHUB = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+GITHUB_PAT = "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJ"
+SLACK = "xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOpQrStUvWx"
+
+
+def _doc(tool_guardrails: list[dict[str, Any]] | None = None,
+         default_guardrails: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "upstreams": {"docs": {"url": "http://127.0.0.1:1/mcp"}},
+        "defaults": {"guardrails": default_guardrails or []},
+        "tools": {"docs.fetch": {"effect": "read", "guardrails": tool_guardrails or []}},
+    }
+
+
+class _Pending:
+    """What guard_reply reads of an `envelope.pipeline.Pending`."""
+
+    def __init__(self, doc: dict[str, Any]):
+        self.chain = Chain(build_revision(doc), ToolRegistry())
+        self.call = ToolCall(
+            decision_id="d1", upstream="docs", tool="fetch", arguments={},
+            principal=Principal("p"), run=RunContext("r"), request=RequestInfo("tools/call"),
+        )
+
+
+def _reply(result: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": 1, "result": result}
+
+
+def _text(*texts: str) -> dict[str, Any]:
+    return _reply({"content": [{"type": "text", "text": t} for t in texts], "isError": False})
+
+
+SECRETS = [{"detector": "secrets", "action": "redact"}]
+
+
+# -- detectors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("detector", "text", "secret"), [
+    ("aws_access_key_id", f"key id {AWS_KEY} here", AWS_KEY),
+    ("aws_access_key_id", "temp ASIAY34FZKBOKMUTVV7A.", "ASIAY34FZKBOKMUTVV7A"),
+    ("aws_secret_access_key", f"aws_secret_access_key = {AWS_SECRET}\n", AWS_SECRET),
+    ("aws_secret_access_key", f'{{"SecretAccessKey": "{AWS_SECRET}"}}', AWS_SECRET),
+    ("private_key", f"here:\n{PEM}\nthanks", PEM),
+    ("jwt", f"token {JWT} end", JWT),
+    ("bearer_token", "Authorization: Bearer abcdef0123456789abcdef", "abcdef0123456789abcdef"),
+    ("github_token", f"use {GITHUB}", GITHUB),
+    ("github_token", f"use {GITHUB_PAT}", GITHUB_PAT),
+    ("slack_token", f"slack {SLACK}", SLACK),
+    ("generic_api_key", "api_key=sk_live_0123456789abcdef", "sk_live_0123456789abcdef"),
+    ("generic_api_key", '{"apiKey": "Zm9vYmFyYmF6cXV4"}', "Zm9vYmFyYmF6cXV4"),
+])
+def test_builtin_detector_redacts_only_the_secret(detector: str, text: str, secret: str) -> None:
+    pending = _Pending(_doc([{"detector": detector, "action": "redact"}]))
+    reply = _text(text)
+    guarded = guard_reply(pending, reply)
+    out = reply["result"]["content"][0]["text"]
+    assert guarded.changed and guarded.decision is None
+    assert secret not in out
+    assert f"[REDACTED:{detector}]" in out
+    assert out.replace(f"[REDACTED:{detector}]", secret) == text  # the context stays readable
+    assert pending.call.audit_extra["guardrails"] == [
+        {"id": detector, "detector": detector, "action": "redact", "matches": 1}]
+
+
+@pytest.mark.parametrize("text", [
+    "nothing to see here",
+    "AKIA is a prefix, AKIAshort is not a key",
+    "the secret key is short",
+    "bearer of good news",
+    "api_key=[none]",
+    "a plain sentence about tokens and keys",
+])
+def test_benign_text_is_left_alone(text: str) -> None:
+    pending = _Pending(_doc(SECRETS))
+    reply = _text(text)
+    guarded = guard_reply(pending, reply)
+    assert not guarded.changed and guarded.decision is None
+    assert reply["result"]["content"][0]["text"] == text
+    assert "guardrails" not in pending.call.audit_extra
+
+
+def test_every_builtin_is_re2_and_secrets_names_them_all() -> None:
+    assert set(DETECTORS) == {*BUILTIN_PATTERNS, "secrets"}
+    for pattern in BUILTIN_PATTERNS.values():
+        assert engine_of(compile_pattern(pattern)) == "re2"
+    rules = rules_for(build_revision(_doc(SECRETS)), "docs.fetch")
+    assert [r.detector for r in rules] == list(BUILTIN_PATTERNS)
+
+
+# -- where results are scanned -------------------------------------------------------------
+
+
+def test_redacts_content_structured_content_and_embedded_resources() -> None:
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    reply = _reply({
+        "content": [
+            {"type": "text", "text": f"id={AWS_KEY}"},
+            {"type": "resource", "resource": {"uri": "file:///creds", "mimeType": "text/plain",
+                                              "text": f"aws_secret_access_key={AWS_SECRET}"}},
+            {"type": "image", "data": "aGVsbG8=", "mimeType": "image/png"},
+        ],
+        "structuredContent": {"creds": [{"id": AWS_KEY, "n": 3, "ok": True},
+                                        {"nested": {"deep": [f"x {AWS_KEY} y"]}}],
+                              "note": "fine"},
+        "isError": False,
+    })
+    guarded = guard_reply(pending, reply)
+    result = reply["result"]
+    assert guarded.changed
+    dumped = json.dumps(result)
+    assert AWS_KEY not in dumped and AWS_SECRET not in dumped
+    assert result["content"][0]["text"] == "id=[REDACTED:aws_access_key_id]"
+    assert result["content"][1]["resource"]["text"] == (
+        "aws_secret_access_key=[REDACTED:aws_secret_access_key]")
+    assert result["content"][1]["resource"]["uri"] == "file:///creds"
+    assert result["content"][2]["data"] == "aGVsbG8="
+    structured = result["structuredContent"]
+    assert structured["creds"][0] == {"id": "[REDACTED:aws_access_key_id]", "n": 3, "ok": True}
+    assert structured["creds"][1]["nested"]["deep"] == ["x [REDACTED:aws_access_key_id] y"]
+    assert structured["note"] == "fine"
+    entries = {e["detector"]: e for e in pending.call.audit_extra["guardrails"]}
+    assert entries["aws_access_key_id"]["matches"] == 3
+    assert entries["aws_secret_access_key"]["matches"] == 1
+    assert AWS_KEY not in json.dumps(pending.call.audit_extra)  # counts, never the secret
+
+
+def test_deeply_nested_structured_content_does_not_recurse() -> None:
+    pending = _Pending(_doc(SECRETS))
+    deep: Any = AWS_KEY
+    for _ in range(5000):
+        deep = {"x": [deep]}
+    reply = _reply({"content": [], "structuredContent": deep})
+    assert guard_reply(pending, reply).changed
+    node = reply["result"]["structuredContent"]
+    for _ in range(5000):
+        node = node["x"][0]
+    assert node == "[REDACTED:aws_access_key_id]"
+
+
+def test_errors_and_non_results_pass_unchanged() -> None:
+    pending = _Pending(_doc(SECRETS))
+    error = {"jsonrpc": "2.0", "id": 1, "error": {"code": -32000, "message": AWS_KEY}}
+    assert guard_reply(pending, error).changed is False
+
+
+def test_no_guardrails_is_a_no_op() -> None:
+    pending = _Pending(_doc())
+    reply = _text(AWS_KEY)
+    assert guard_reply(pending, reply).changed is False
+    assert reply["result"]["content"][0]["text"] == AWS_KEY
+
+
+# -- block, warn, policy patterns ------------------------------------------------------------
+
+
+def test_block_replaces_the_result_with_a_refusal_decision() -> None:
+    metrics = Metrics()
+    pending = _Pending(_doc([{"detector": "private_key", "action": "block", "id": "no-keys"},
+                             {"detector": "aws_access_key_id", "action": "redact"}]))
+    guarded = guard_reply(pending, _text(f"{PEM} and {AWS_KEY}"), metrics)
+    decision = guarded.decision
+    assert decision is not None
+    assert decision.verdict is Verdict.DENY and decision.code is Code.GUARDRAIL_BLOCKED
+    assert decision.check == "guardrails" and decision.rule == "no-keys"
+    assert "BEGIN" not in decision.reason and "no-keys" in decision.reason
+    assert pending.call.audit_extra["guardrails"] == [
+        {"id": "no-keys", "detector": "private_key", "action": "block", "matches": 1},
+        {"id": "aws_access_key_id", "detector": "aws_access_key_id", "action": "redact", "matches": 1},
+    ]
+    text = metrics.render()[0].decode()
+    assert 'envelope_guardrail_actions_total{action="block",tool="fetch"} 1.0' in text
+    assert 'action="redact"' not in text  # a blocked result redacts nothing
+
+
+def test_block_uses_the_rule_reason() -> None:
+    pending = _Pending(_doc([{"pattern": r"(?i)internal use only", "id": "classified",
+                              "action": "block", "reason": "classified documents stay inside"}]))
+    guarded = guard_reply(pending, _reply({"content": [], "structuredContent": {"s": "INTERNAL USE ONLY"}}))
+    assert guarded.decision is not None
+    assert guarded.decision.reason == "classified documents stay inside"
+
+
+def test_warn_changes_nothing_but_is_audited_and_counted() -> None:
+    metrics = Metrics()
+    pending = _Pending(_doc([{"detector": "jwt", "action": "warn"}]))
+    reply = _text(f"a {JWT}", f"b {JWT}")
+    before = json.dumps(reply)
+    guarded = guard_reply(pending, reply, metrics)
+    assert not guarded.changed and guarded.decision is None
+    assert json.dumps(reply) == before
+    assert pending.call.audit_extra["guardrails"] == [
+        {"id": "jwt", "detector": "jwt", "action": "warn", "matches": 2}]
+    assert 'envelope_guardrail_actions_total{action="warn",tool="fetch"} 1.0' in metrics.render()[0].decode()
+
+
+def test_warn_and_block_judge_the_text_before_redaction() -> None:
+    pending = _Pending(_doc([{"detector": "aws_access_key_id", "action": "redact"},
+                             {"pattern": "AKIA[A-Z0-9]{16}", "id": "aws-seen", "action": "warn"}]))
+    reply = _text(AWS_KEY)
+    guard_reply(pending, reply)
+    assert reply["result"]["content"][0]["text"] == "[REDACTED:aws_access_key_id]"
+    assert [e["id"] for e in pending.call.audit_extra["guardrails"]] == ["aws_access_key_id", "aws-seen"]
+
+
+def test_policy_pattern_redacts_with_its_id_and_secret_group() -> None:
+    pending = _Pending(_doc([{"pattern": r"acct-(?P<secret>\d{8})", "id": "account", "action": "redact"}]))
+    reply = _text("pay acct-12345678 and acct-87654321")
+    guard_reply(pending, reply)
+    assert reply["result"]["content"][0]["text"] == "pay acct-[REDACTED:account] and acct-[REDACTED:account]"
+
+
+def test_defaults_run_before_the_tools_own_rules() -> None:
+    doc = _doc([{"pattern": "x+", "id": "tool-x"}], [{"detector": "slack_token", "id": "slack"}])
+    assert [r.id for r in rules_for(build_revision(doc), "docs.fetch")] == ["slack", "tool-x"]
+    assert [r.id for r in rules_for(build_revision(doc), "docs.other")] == ["slack"]
+
+
+def test_a_guardrail_that_raises_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.envelope.guardrails as g
+
+    def boom(*_: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(g, "scan_result", boom)
+    metrics = Metrics()
+    guarded = guard_reply(_Pending(_doc(SECRETS)), _text("x"), metrics)
+    assert guarded.decision is not None and guarded.decision.code is Code.INTERNAL_ERROR
+    assert guarded.decision.check == "guardrails"
+
+
+# -- RE2: linear time, load errors -----------------------------------------------------------
+
+
+def test_catastrophic_backtracking_pattern_runs_on_re2() -> None:
+    """`(a+)+$` takes exponential time on a backtracking engine (Python's `re`) against
+    "aaa...a!"; RE2 matches in time linear in the input, so the pattern is accepted and this
+    finishes at once. The test asserts correctness and that the engine is RE2 (no timing)."""
+    regex = compile_pattern("(a+)+$")
+    assert engine_of(regex) == "re2"
+    assert type(regex).__module__.startswith("re2")
+    evil = "a" * 100_000 + "!"
+    assert regex.search(evil) is None
+    assert regex.search("a" * 100_000) is not None
+    pending = _Pending(_doc([{"pattern": "(a+)+$", "id": "evil", "action": "block"}]))
+    assert engine_of(rules_for(pending.chain.revision, "docs.fetch")[0].regex) == "re2"
+    assert guard_reply(pending, _text(evil)).decision is None
+    blocked = guard_reply(_Pending(_doc([{"pattern": "(a+)+$", "id": "evil", "action": "block"}])),
+                          _text("a" * 100_000))
+    assert blocked.decision is not None and blocked.decision.code is Code.GUARDRAIL_BLOCKED
+
+
+def _policy(tmp_path: Path, guardrails: str) -> Path:
+    d = tmp_path / "policy"
+    d.mkdir()
+    (d / "p.yaml").write_text(textwrap.dedent("""\
+        version: 1
+        upstreams:
+          docs: {url: "http://127.0.0.1:1/mcp"}
+        tools:
+          docs.fetch:
+            effect: read
+            guardrails:
+        """) + textwrap.indent(textwrap.dedent(guardrails), "      "))
+    return d
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ('- {id: la, pattern: "(?=secret)s"}\n', "not a valid RE2 pattern: invalid perl operator: (?="),
+    ('- {id: br, pattern: "(a)\\\\1"}\n', "not a valid RE2 pattern: invalid escape sequence"),
+    ('- {id: bad, pattern: "[unclosed"}\n', "not a valid RE2 pattern: missing ]"),
+    ('- {id: empty, pattern: "a*"}\n', "matches the empty string"),
+])
+def test_a_bad_pattern_is_a_load_error_with_its_location(tmp_path: Path, entry: str, message: str) -> None:
+    d = _policy(tmp_path, entry)
+    with pytest.raises(PolicyError) as info:
+        load_policy(d)
+    problems = info.value.problems
+    assert len(problems) == 1, problems
+    p = problems[0]
+    # file:line:column of the pattern scalar itself (6 spaces of indent, 1-based columns)
+    assert p.file.endswith("p.yaml") and p.line == 8 and p.column == entry.index('"') + 7
+    assert "tools.docs.fetch.guardrails[0].pattern" in p.message and message in p.message
+
+
+def test_unknown_detector_and_missing_kind_are_load_errors(tmp_path: Path) -> None:
+    d = _policy(tmp_path, """\
+        - {detector: aws_keys}
+        - {action: block}
+        - {pattern: "x+"}
+        - {detector: jwt, action: shred}
+        """)
+    with pytest.raises(PolicyError) as info:
+        load_policy(d)
+    messages = sorted(f"{p.line}: {p.message}" for p in info.value.problems)
+    assert any(m.startswith("8: ") and "unknown detector 'aws_keys'" in m for m in messages), messages
+    assert any(m.startswith("9: ") and "exactly one of 'detector' or 'pattern'" in m for m in messages)
+    assert any(m.startswith("10: ") and "needs an 'id'" in m for m in messages)
+    assert any(m.startswith("11: ") and "action" in m for m in messages)
+
+
+def test_a_good_policy_loads_and_compiles_on_re2(tmp_path: Path) -> None:
+    d = _policy(tmp_path, """\
+        - {detector: secrets, action: redact}
+        - {id: evil, pattern: "(a+)+$", action: warn}
+        """)
+    revision = load_policy(d)
+    rules = rules_for(revision, "docs.fetch")
+    assert [r.id for r in rules][-1] == "evil"
+    assert all(engine_of(r.regex) == "re2" for r in rules)
