@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("directory", type=Path)
     check.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None)
     check.add_argument("--strict", action="store_true",
-                       help="also exit 1 when a tool is misconfigured (it can never run)")
+                       help="also exit 1 when a tool is misconfigured (it can never run) or a principal's "
+                            "rule_of_two holds all three properties")
 
     audit = sub.add_parser("audit", help="audit log tools")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True, metavar="SUBCOMMAND")
@@ -275,7 +276,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     for p in problems:
         who = f" (principal {p.principal})" if p.principal is not None else ""
         print(f"  {p.tool}{who} [{p.layer}] {p.kind}: {p.reason}")
-    return 1 if problems and args.strict else 0
+    # Rule of Two: a profile that holds all three properties is the dangerous configuration.
+    dangerous = sorted(
+        pid for pid, principal in revision.principals.items()
+        if (profile := getattr(principal.policy, "rule_of_two", None)) is not None and profile.holds_all
+    )
+    level = "error" if args.strict else "warning"
+    for pid in dangerous:
+        print(f"{level}: principal '{pid}': rule_of_two holds all three of untrusted_input, sensitive_data "
+              "and external_side_effects (the lethal trifecta); set one of them to false")
+    return 1 if (problems or dangerous) and args.strict else 0
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:

@@ -98,7 +98,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Counter, "envelope_upstream_retries_total", "Upstream requests retried after a transient failure (connect error, 429, 502, 503, 504).", ("upstream",)),
     MetricSpec(Counter, "envelope_shadow_records_total", "Writer calls of shadow runs recorded instead of performed."),
     MetricSpec(Gauge, "envelope_approvals_pending", "Approvals waiting for a person's decision (not yet expired)."),
+    MetricSpec(Counter, "envelope_dataflow_flagged_total", "Sink calls the data-flow check flagged, by tool and mode (shadow: forwarded; enforce: refused or sent to approval).", ("tool", "mode")),
     MetricSpec(Counter, "envelope_approval_webhook_failures_total", "Failed approval webhook delivery attempts (each retry counts)."),
+    MetricSpec(Counter, "envelope_guardrail_actions_total", "Output guardrail rules that fired on a result, by tool and action (redact, block, warn).", ("tool", "action")),
 )  # fmt: skip
 
 
@@ -302,6 +304,15 @@ class Metrics:
     def shadow_record(self) -> None:
         """Count one writer call recorded (not performed) in a shadow run."""
         cast(Counter, self.collectors["envelope_shadow_records_total"]).inc()
+
+    def guardrail_action(self, tool: str, action: str) -> None:
+        """Count one guardrail rule that fired on a result; `tool` as for `decision`."""
+        cast(Counter, self.collectors["envelope_guardrail_actions_total"]).labels(tool, action).inc()
+
+    def dataflow_flagged(self, tool: str, mode: str) -> None:
+        """Count one flagged sink; `tool` is a catalogue name or "<unknown>", `mode` the
+        data-flow mode (shadow, enforce)."""
+        cast(Counter, self.collectors["envelope_dataflow_flagged_total"]).labels(tool, mode).inc()
 
     def rejected(self, reason: RejectReason) -> None:
         """Count a request rejected at the front; raises ValueError outside `REJECT_REASONS`."""

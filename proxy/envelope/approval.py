@@ -115,6 +115,8 @@ class ApprovalCheck:
         return gated(self._revision, call)
 
     def _rule(self, call: ToolCall) -> str:
+        if call.escalation is not None:
+            return "dataflow.on_flag"
         if self._policies.get(call.qualified_name) is not None:
             return f"tools.{call.qualified_name}.approval"
         if call.principal.id in self._principal_gated:
@@ -178,7 +180,7 @@ class ApprovalCheck:
         effect = (call.effect or Effect.DESTRUCTIVE).value
         approval, _ = await service.request(
             binding, arguments=call.arguments, effect=effect,
-            reason=f"effect {effect} of {call.qualified_name} is gated ({self._rule(call)})",
+            reason=call.escalation or f"effect {effect} of {call.qualified_name} is gated ({self._rule(call)})",
             ttl=ttl, decision_id=call.decision_id,
         )
         return await self._hold(service, call, approval, wait, channel)

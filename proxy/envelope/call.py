@@ -48,6 +48,8 @@ class Code(enum.StrEnum):
     APPROVAL_DENIED = "approval_denied"
     APPROVAL_EXPIRED = "approval_expired"
     STORE_UNAVAILABLE = "store_unavailable"
+    # dataflow (enforce): untrusted content flowing into a sink, or the lethal trifecta.
+    DATAFLOW_POLICY_BLOCKED = "dataflow_policy_blocked"
     # idempotency: the same call is being performed right now and did not finish in time.
     IDEMPOTENCY_IN_FLIGHT = "idempotency_in_flight"
     # idempotency: the client reused an idempotency key for a call with other arguments.
@@ -55,6 +57,14 @@ class Code(enum.StrEnum):
     # Not refusals: the client receives a result the proxy holds instead of a forwarded one.
     REPLAYED = "replayed"  # idempotency: the stored first result of this call
     SHADOWED = "shadowed"  # shadow run: recorded, not performed; a synthetic result
+    # output guardrails: the result matched a `block` rule and was withheld (it was performed).
+    GUARDRAIL_BLOCKED = "guardrail_blocked"
+    # delegation: the run is deeper than max_depth below its root run (the proxy's own lineage).
+    DEPTH_EXCEEDED = "depth_exceeded"
+    # delegation: the child agent (X-Envelope-Agent) is not on its parent holder's roster.
+    NOT_ON_ROSTER = "not_on_roster"
+    # rate limit: the run already has max_concurrent_per_run calls in flight (all replicas).
+    RATE_LIMITED = "rate_limited"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +92,15 @@ class RunContext:
     tainted: bool = False
     secret: bool = False
     session: str | None = None
+    # The child agent's name (X-Envelope-Agent), checked against the parent holder's roster.
+    agent: str | None = None
+    # Filled by the delegation check from the proxy's own lineage records (never the client's).
+    # Until then `parent` is what the client named (X-Envelope-Parent-Run) and `depth` is 0.
+    lineage_known: bool = False
+    # Set by the delegation check for child runs: the ancestor runs whose ledgers this run's
+    # untrusted or secret output widens (nearest first, already cut at `propagate_taint: false`).
+    # None: not computed (the data-flow check then widens the direct parent only).
+    taint_targets: tuple[str, ...] | None = None
 
     def as_cel(self) -> dict[str, Any]:
         return {
@@ -193,6 +212,12 @@ class ToolCall:
     activation: Any = None
     # Set by the front when the person at the client can be asked for approval (in-band).
     in_band: InBandChannel | None = None
+    # Set by a check that sends the call to the approval gate whatever its effect (dataflow
+    # `on_flag: approve`): the evidence, shown to the approver. None: gated by effect only.
+    escalation: str | None = None
+    # X-Envelope-Capability: the capability the caller asks for this call; it can only narrow
+    # the principal's ("read-only" narrows read-write; anything else changes nothing).
+    capability_requested: str | None = None
 
     @property
     def qualified_name(self) -> str:

@@ -1,51 +1,136 @@
-"""Capability check: a read-only principal cannot call tools whose effect is not read.
+"""Capability check: a read-only principal or call cannot call tools whose effect is not read,
+and a principal's Rule-of-Two profile takes dangerous properties away.
 
-The principal's capability is its policy's `capability`, else `defaults.capability`. The same
-rule hides writer tools from `tools/list` (see `proxy.envelope.catalogue.visible`).
+The principal's capability is its policy's `capability`, else `defaults.capability`. A call may
+narrow it (never widen it) with `X-Envelope-Capability: read-only`; any other value of the header
+changes nothing. The Rule-of-Two profile (`principals.<id>.rule_of_two`) then applies:
+
+- `external_side_effects: false` forces the read-only floor (whatever `capability` says);
+- `sensitive_data: false` refuses tools whose output sensitivity is `secret`
+  (`tools.<key>.sensitivity`, absent: public);
+- `untrusted_input: false` refuses tools whose output is untrusted (`tools.<key>.output`;
+  absent: untrusted unless the upstream's trusted annotations say `openWorldHint: false`).
+
+The read-only rule also hides writer tools from `tools/list` (see
+`proxy.envelope.catalogue.visible`, which asks `principal_read_only_rule`).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, deny
+from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, ToolInfo, deny
 from proxy.envelope.tools import ToolRegistry
-from proxy.policy.compiled import PolicyRevision
+from proxy.policy.compiled import CompiledTool, PolicyRevision
+
+READ_ONLY_HEADER = "X-Envelope-Capability"
+
+
+def principal_read_only_rule(revision: PolicyRevision, principal_id: str) -> str | None:
+    """The policy rule that makes the principal read-only, or None (read-write).
+
+    `principals.<id>.rule_of_two` with `external_side_effects: false` forces read-only whatever
+    `capability` says; then the principal's `capability`; then `defaults.capability`.
+    """
+    principal = revision.principals.get(principal_id)
+    policy = principal.policy if principal is not None else None
+    profile = getattr(policy, "rule_of_two", None)
+    if profile is not None and not profile.external_side_effects:
+        return f"principals.{principal_id}.rule_of_two.external_side_effects"
+    capability = policy.capability if policy is not None else None
+    if capability == "read-only":
+        return f"principals.{principal_id}.capability"
+    if capability is None and revision.document.defaults.capability == "read-only":
+        return "defaults.capability"
+    return None
+
+
+def tool_sensitivity(compiled: CompiledTool | None) -> str:
+    """`secret` or `public` (the data-flow model's `sensitivity` label; absent: public)."""
+    if compiled is None:
+        return "public"
+    return str(getattr(compiled.policy, "sensitivity", None) or "public")
+
+
+def tool_output_untrusted(compiled: CompiledTool | None, info: ToolInfo | None, trusted_upstream: bool) -> bool:
+    """Whether the tool's output is untrusted: the policy's `output` label, else the upstream's
+    annotations when the upstream is trusted (`openWorldHint: false` -> trusted), else
+    untrusted (the safe default)."""
+    label = compiled.policy.output if compiled is not None else None
+    if label is not None:
+        return label == "untrusted"
+    if trusted_upstream and info is not None:
+        return info.annotations.get("openWorldHint", True) is not False
+    return True
 
 
 class CapabilityCheck:
-    """Refuses `capability_blocked` when a read-only principal calls a non-read tool."""
+    """Refuses `capability_blocked` when a read-only principal or call calls a non-read tool, or
+    when the principal's Rule-of-Two profile takes away what the tool would bring."""
 
     id: ClassVar[str] = "capability"
 
     def __init__(
         self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
     ):
-        default_read_only = revision.document.defaults.capability == "read-only"
+        self._revision = revision
         # principal id -> the rule that makes it read-only; absent: read-write.
         self._read_only: dict[str, str] = {}
+        # principal id -> its Rule-of-Two profile, when it takes something away.
+        self._profiles: dict[str, Any] = {}
         for pid, principal in revision.principals.items():
-            capability = principal.policy.capability
-            if capability == "read-only":
-                self._read_only[pid] = f"principals.{pid}.capability"
-            elif capability is None and default_read_only:
-                self._read_only[pid] = "defaults.capability"
+            rule = principal_read_only_rule(revision, pid)
+            if rule is not None:
+                self._read_only[pid] = rule
+            profile = getattr(principal.policy, "rule_of_two", None)
+            if profile is not None and not (profile.sensitive_data and profile.untrusted_input):
+                self._profiles[pid] = profile
         self._listed = frozenset(revision.principals)
-        self._default_rule = "defaults.capability" if default_read_only else None
+        self._default_rule = (
+            "defaults.capability" if revision.document.defaults.capability == "read-only" else None
+        )
+        self._trusted = frozenset(
+            name for name, up in revision.document.upstreams.items() if up.trust_annotations
+        )
 
     def decide(self, call: ToolCall) -> Decision | None:
-        """Refuse a non-read effect for a read-only principal. A missing effect counts as the safe
-        default (destructive)."""
+        """Refuse a non-read effect for a read-only principal or call (a missing effect counts as
+        the safe default, destructive), then apply the Rule-of-Two profile."""
         pid = call.principal.id
         rule = self._read_only.get(pid) if pid in self._listed else self._default_rule
-        if rule is None:
-            return None
+        narrowed = False
+        if rule is None and (call.capability_requested or "").strip().lower() == "read-only":
+            rule, narrowed = f"request:{READ_ONLY_HEADER}", True
         effect = call.effect or Effect.DESTRUCTIVE
-        if effect is Effect.READ:
+        if rule is not None and effect is not Effect.READ:
+            who = (f"this call is narrowed to read-only by {READ_ONLY_HEADER}" if narrowed
+                   else f"principal '{pid}' is read-only")
+            if rule.endswith(".rule_of_two.external_side_effects"):
+                who = f"principal '{pid}' is read-only (its Rule-of-Two profile denies external side effects)"
+            return deny(
+                Code.CAPABILITY_BLOCKED,
+                self.id,
+                f"{who} and tool '{call.qualified_name}' has effect {effect.value}",
+                rule,
+            )
+        profile = self._profiles.get(pid)
+        if profile is None:
             return None
-        return deny(
-            Code.CAPABILITY_BLOCKED,
-            self.id,
-            f"principal '{pid}' is read-only and tool '{call.qualified_name}' has effect {effect.value}",
-            rule,
-        )
+        compiled = self._revision.tools.get(call.qualified_name)
+        if not profile.sensitive_data and tool_sensitivity(compiled) == "secret":
+            return deny(
+                Code.CAPABILITY_BLOCKED, self.id,
+                f"principal '{pid}' may not handle sensitive data (Rule of Two) and tool "
+                f"'{call.qualified_name}' returns secret output",
+                f"principals.{pid}.rule_of_two.sensitive_data",
+            )
+        if not profile.untrusted_input and tool_output_untrusted(
+            compiled, call.upstream_tool, call.upstream in self._trusted
+        ):
+            return deny(
+                Code.CAPABILITY_BLOCKED, self.id,
+                f"principal '{pid}' may not take untrusted input (Rule of Two) and tool "
+                f"'{call.qualified_name}' returns untrusted output",
+                f"principals.{pid}.rule_of_two.untrusted_input",
+            )
+        return None

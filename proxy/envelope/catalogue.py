@@ -242,9 +242,10 @@ def misconfigured_tools(
 
 
 def _read_only(revision: PolicyRevision, principal_id: str) -> bool:
-    principal = revision.principals.get(principal_id)
-    capability = principal.policy.capability if principal is not None else None
-    return (capability or revision.document.defaults.capability) == "read-only"
+    # The capability check's own rule (capability, defaults, Rule-of-Two read-only floor).
+    from proxy.envelope.capability import principal_read_only_rule
+
+    return principal_read_only_rule(revision, principal_id) is not None
 
 
 def visible(

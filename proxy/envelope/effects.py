@@ -28,5 +28,8 @@ def gated_effect(revision: PolicyRevision, key: str, effect: Effect | None,
 
 
 def gated(revision: PolicyRevision, call: ToolCall) -> bool:
-    """Whether `call` has a gated effect (needs approval and idempotency)."""
+    """Whether `call` has a gated effect, or a check escalated it (needs approval and
+    idempotency)."""
+    if call.escalation is not None:
+        return True
     return gated_effect(revision, call.qualified_name, call.effect, call.principal.id)

@@ -182,7 +182,10 @@ class IdempotencyCheck:
 
         async def record(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
             result = reply.get("result") if isinstance(reply, Mapping) else None
-            if decision.verdict is Verdict.ALLOW and isinstance(result, dict):
+            # A result withheld by the output guardrails (blocked, or not checkable) was performed
+            # all the same: its refusal is what a retry replays (never a second performance).
+            performed = decision.verdict is Verdict.ALLOW or decision.check == "guardrails"
+            if performed and isinstance(result, dict):
                 await store.put(NS, key.store, orjson.dumps({
                     "state": "done", "decision_id": call.decision_id, "args_digest": digest,
                     "result": result, "at": time.time(),

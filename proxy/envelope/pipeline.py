@@ -24,7 +24,10 @@ from proxy.envelope import (
     authz,
     capability,
     catalogue,
+    dataflow,
+    delegation,
     idempotency,
+    ratelimit,
     schema,
     shadow,
 )
@@ -46,17 +49,22 @@ from proxy.policy.compiled import PolicyRevision
 
 log = logging.getLogger("envelope")
 
-# The order is the contract (DESIGN section 2): cheapest and most decisive first. Later checks
-# (delegation, dataflow, rate limit) are added to this table. Shadow runs before approval and
+# The order is the contract (DESIGN section 2): cheapest and most decisive first. Delegation is
+# second (a too-deep run or an off-roster agent is refused before anything else looks at it); the
+# rate limit runs after shadow (a shadowed call is never performed, so it takes no slot) and
+# before approval (a call beyond the bound pages nobody). Shadow runs before approval and
 # idempotency (DESIGN lists it after them): a dry run must not page approvers, and a shadowed
 # call is never performed, so it needs no idempotency claim.
 CHECKS: tuple[type[Any], ...] = (
     catalogue.CatalogueCheck,
+    delegation.DelegationCheck,
     capability.CapabilityCheck,
     schema.SchemaCheck,
     authz.AuthzCheck,
     arg_rules.ArgRulesCheck,
+    dataflow.DataflowCheck,
     shadow.ShadowCheck,
+    ratelimit.RateLimitCheck,
     approval.ApprovalCheck,
     idempotency.IdempotencyCheck,
 )

@@ -53,6 +53,7 @@ from proxy.fronts.mcp import (
     McpFront,
     UpstreamTarget,
     _is_stateless,
+    guard_result,
     idempotency_key,
     refusal_result,
 )
@@ -431,13 +432,16 @@ class AggregateFront:
             decision_id=uuid.uuid4().hex, upstream=target.name, tool=tool, arguments=arguments,
             principal=principal,
             run=RunContext(id=request.headers.get("X-Envelope-Run") or session or f"principal:{principal.id}",
-                           session=session),
+                           session=session,
+                           parent=request.headers.get("X-Envelope-Parent-Run") or None,
+                           agent=request.headers.get("X-Envelope-Agent") or None),
             request=RequestInfo(method="tools/call",
                                 protocol_version=request.headers.get("MCP-Protocol-Version", "")
                                 or (sess.protocol if sess else ""),
                                 headers={h: request.headers[h] for h in wanted if h in request.headers}),
             idempotency_key=idempotency_key(request.headers, params),
             shadow_requested=request.headers.get("X-Envelope-Shadow", "").strip().lower() in ("1", "true", "yes"),
+            capability_requested=request.headers.get("X-Envelope-Capability"),
         )
         pending = await front.envelope.begin(call)
         if pending.decision.refused:
@@ -465,11 +469,12 @@ class AggregateFront:
             except AuditError:
                 pass
             raise
+        reply, guarded, _ = guard_result(front.envelope, pending, reply, msg.id, stateless)
         result = reply.get("result")
         error = reply.get("error")
         is_error = bool(result.get("isError", False)) if isinstance(result, dict) else True
         try:
-            await front.envelope.finish(pending, upstream_status=status, upstream_seconds=seconds,
+            await front.envelope.finish(pending, guarded, upstream_status=status, upstream_seconds=seconds,
                                         extra={"is_error": is_error}, reply=reply)
         except AuditError:
             decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",

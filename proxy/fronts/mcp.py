@@ -34,6 +34,7 @@ from proxy.envelope.call import (
     ToolCall,
     Verdict,
 )
+from proxy.envelope.guardrails import guard_reply
 from proxy.envelope.pipeline import Envelope, Pending
 from proxy.errors import AuditError, IdentityError, UpstreamError, UpstreamTimeout
 from proxy.forward import Forwarder, UpstreamResponse
@@ -64,7 +65,8 @@ HOP_BY_HOP = frozenset(
 )
 # Request headers the proxy consumes itself and does not pass upstream.
 NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run",
-                             "x-envelope-shadow"}
+                             "x-envelope-shadow", "x-envelope-parent-run", "x-envelope-capability",
+                             "x-envelope-agent"}
 # Response headers the proxy's own server sets.
 NOT_DOWNSTREAM = HOP_BY_HOP | {"server", "date"}
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
@@ -161,6 +163,21 @@ def refusal_result(decision: Decision, decision_id: str, stateless: bool) -> dic
     if stateless:
         result["resultType"] = "complete"
     return result
+
+
+def guard_result(envelope: Envelope, pending: Pending, reply: dict[str, Any], msg_id: Any,
+                 stateless: bool) -> tuple[dict[str, Any], Decision | None, bool]:
+    """Run the output guardrails on the upstream's JSON-RPC reply before it is audited and sent.
+
+    Returns (the reply to audit and send, the decision to audit instead of the call's own, or
+    None, whether the reply differs from the upstream's bytes). Redactions rewrite `reply` in
+    place; a `block` (or a guardrail failure: fail closed) replaces the result with a refusal.
+    """
+    guarded = guard_reply(pending, reply, envelope.metrics)
+    if guarded.decision is None:
+        return reply, None, guarded.changed
+    refusal = refusal_result(guarded.decision, pending.call.decision_id, stateless)
+    return {"jsonrpc": "2.0", "id": msg_id, "result": refusal}, guarded.decision, True
 
 
 class McpFront:
@@ -496,12 +513,17 @@ class McpFront:
             tool=name,
             arguments=arguments,
             principal=principal,
-            run=RunContext(id=run_id, session=session),
+            # The parent run and agent are claims the delegation check resolves against the
+            # proxy's own lineage records; the depth is never taken from the client.
+            run=RunContext(id=run_id, session=session,
+                           parent=request.headers.get("X-Envelope-Parent-Run") or None,
+                           agent=request.headers.get("X-Envelope-Agent") or None),
             request=RequestInfo(method="tools/call",
                                 protocol_version=request.headers.get("MCP-Protocol-Version", ""),
                                 headers=selected),
             idempotency_key=idempotency_key(request.headers, params),
             shadow_requested=request.headers.get("X-Envelope-Shadow", "").strip().lower() in ("1", "true", "yes"),
+            capability_requested=request.headers.get("X-Envelope-Capability"),
         )
 
     async def _refuse(self, pending: Pending, decision: Decision, msg: Message, stateless: bool,
@@ -652,8 +674,13 @@ class _ForwardedCall:
     def _upstream_seconds(self) -> float:
         return time.perf_counter() - self.started
 
-    async def _finish_ok(self, result_body: Any) -> bool:
-        """Audit the upstream's answer. False when the audit failed (the reply becomes a refusal)."""
+    def _guard(self, reply: dict[str, Any]) -> tuple[dict[str, Any], Decision | None, bool]:
+        """The output guardrails on the call's reply (see `guard_result`)."""
+        return guard_result(self.front.envelope, self.pending, reply, self.msg.id, self.stateless)
+
+    async def _finish_ok(self, result_body: Any, decision: Decision | None = None) -> bool:
+        """Audit the upstream's answer (or `decision`, a guardrail's refusal that replaces it).
+        False when the audit failed (the reply becomes a refusal)."""
         is_error = None
         if isinstance(result_body, dict):
             res = result_body.get("result")
@@ -663,7 +690,7 @@ class _ForwardedCall:
                 is_error = True
         self.finished = True
         try:
-            await self.front.envelope.finish(self.pending, upstream_status=self.status,
+            await self.front.envelope.finish(self.pending, decision, upstream_status=self.status,
                                              upstream_seconds=self._upstream_seconds(),
                                              extra={"is_error": is_error}, reply=result_body)
         except AuditError:
@@ -836,7 +863,10 @@ class _ForwardedCall:
             if (isinstance(parsed, dict) and parsed.get("id") == self.msg.id
                     and ("result" in parsed or "error" in parsed)):
                 # The server's own answer (a result, or a JSON-RPC error with its HTTP status).
-                if not await self._finish_ok(parsed):
+                parsed, guarded, changed = self._guard(parsed)
+                if changed:  # redacted or blocked: a new body (and so a new Content-Length)
+                    data = orjson.dumps(parsed)
+                if not await self._finish_ok(parsed, guarded):
                     if self.stream is not None:
                         return await _end_stream(self.stream, self._audit_refusal().body)  # type: ignore[arg-type]
                     return self._audit_refusal()
@@ -917,9 +947,13 @@ class _ForwardedCall:
                 reply = None
             if (isinstance(reply, dict) and reply.get("id") == self.msg.id
                     and ("result" in reply or "error" in reply)):
-                if not await self._finish_ok(reply):
+                reply, guarded, changed = self._guard(reply)
+                if not await self._finish_ok(reply, guarded):
                     await out.write(format_event(self._audit_refusal().body))  # type: ignore[arg-type]
                     await out.write_eof()
                     return False
+                if changed:  # redacted or blocked: the rewritten result event, same id
+                    await out.write(format_event(orjson.dumps(reply), ev.event, ev.id))
+                    return True
         await out.write(ev.raw)
         return True

@@ -32,6 +32,7 @@ from proxy.policy.compiled import (
 from proxy.policy.model import (
     TOOL_KEY,
     UPSTREAM_NAME,
+    DataflowPolicy,
     Defaults,
     PolicyDocument,
     PrincipalPolicy,
@@ -105,6 +106,7 @@ class _Loader:
         self.files: list[YamlFile] = []
         self.entries: dict[str, dict[str, _Entry]] = {s: {} for s in _SECTIONS}
         self.defaults: _Entry | None = None
+        self.dataflow: _Entry | None = None
         self.version: tuple[Any, YamlFile, Node] | None = None
 
     def add(self, file: YamlFile | str, node: Node | None, message: str) -> None:
@@ -154,6 +156,14 @@ class _Loader:
                         )
                     else:
                         self.defaults = _Entry("defaults", "defaults", f, key, value)
+                elif k == "dataflow":
+                    if self.dataflow is not None:
+                        first = self.dataflow.location()
+                        self.add(
+                            f, key, f"'dataflow' may appear in one file only (first at {first})"
+                        )
+                    else:
+                        self.dataflow = _Entry("dataflow", "dataflow", f, key, value)
                 else:
                     self._merge_section(f, k, value)
 
@@ -398,6 +408,9 @@ class _Loader:
         defaults = Defaults()
         if self.defaults is not None:
             defaults = self.validate(self.defaults, Defaults) or defaults
+        dataflow: DataflowPolicy | None = None
+        if self.dataflow is not None:
+            dataflow = self.validate(self.dataflow, DataflowPolicy)
 
         tools: dict[str, CompiledTool] = {}
         for name, (entry, policy) in validated["tools"].items():
@@ -422,6 +435,7 @@ class _Loader:
             defaults=defaults,
             tools={n: v for n, (_, v) in validated["tools"].items()},
             principals={n: v for n, (_, v) in validated["principals"].items()},
+            dataflow=dataflow,
         )
         locations = {
             f"{section}.{name}": entry.location()
@@ -430,6 +444,8 @@ class _Loader:
         }
         if self.defaults is not None:
             locations["defaults"] = self.defaults.location()
+        if self.dataflow is not None:
+            locations["dataflow"] = self.dataflow.location()
         return PolicyRevision(
             revision=policy_revision(directory, paths),
             directory=directory,

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proxy.envelope.call import Effect
+from proxy.envelope.guardrails import DETECTORS, PatternError, compile_pattern
 
 _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
@@ -119,6 +120,56 @@ class Approval(_Model):
         return None if v is None else parse_duration(v)  # type: ignore[arg-type]
 
 
+class PathLabel(_Model):
+    """Labels of one JSON path of a tool's `structuredContent`. Absent fields: the tool's."""
+
+    output: Literal["trusted", "untrusted"] | None = None
+    sensitivity: Literal["public", "secret"] | None = None
+
+
+class Guardrail(_Model):
+    """One output guardrail rule (`proxy.envelope.guardrails`): exactly one of `detector` (a
+    built-in secret detector, or `secrets` for all of them) or `pattern` (an RE2 regular
+    expression, compiled at load: look-around and back-references are load errors)."""
+
+    # Names the rule in audit records and metrics; a pattern's redaction marker is
+    # `[REDACTED:<id>]`. Absent: the detector's name (required with `pattern`).
+    id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    detector: str | None = None
+    pattern: str | None = Field(default=None, min_length=1, max_length=4096)
+    # redact: matches become [REDACTED:<detector or id>]; block: the result is replaced by a
+    # guardrail_blocked refusal; warn: audited and counted only. Absent: redact.
+    action: Literal["redact", "block", "warn"] = "redact"
+    # The refusal's reason for `block` (never the matched text). Absent: a generic reason.
+    reason: str | None = None
+
+    @field_validator("detector")
+    @classmethod
+    def _detector(cls, v: str | None) -> str | None:
+        if v is not None and v not in DETECTORS:
+            raise ValueError(f"unknown detector {v!r} (built-in: {', '.join(DETECTORS)})")
+        return v
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                compile_pattern(v)
+            except PatternError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Guardrail:
+        if (self.detector is None) == (self.pattern is None):
+            raise ValueError("a guardrail has exactly one of 'detector' or 'pattern'")
+        if self.pattern is not None and self.id is None:
+            raise ValueError("a 'pattern' guardrail needs an 'id' (it names the rule in the "
+                             "redaction marker and the audit)")
+        return self
+
+
 class ToolPolicy(_Model):
     """Policy for one tool, keyed `<upstream>.<tool>`."""
 
@@ -127,6 +178,13 @@ class ToolPolicy(_Model):
     # Output label (used by the data-flow check). Absent: untrusted unless annotations say
     # openWorldHint false.
     output: Literal["trusted", "untrusted"] | None = None
+    # Sensitivity of the output (data-flow check: a run holding untrusted and secret content
+    # flags every sink). Absent: public.
+    sensitivity: Literal["public", "secret"] | None = None
+    # Labels of parts of `structuredContent`, by JSON pointer (`*` as a segment: every array
+    # element or object member); the most specific pointer covering a value wins over the tool's
+    # `output` / `sensitivity`. Absent: none (the whole output has the tool's labels).
+    labels: dict[MaskPath, PathLabel] = Field(default_factory=dict)
     # JSON Schema that replaces the upstream's inputSchema. Absent: the upstream's.
     input_schema: dict[str, object] | None = Field(default=None, alias="schema")
     # CEL authorization: the call is authorized when any expression is true. Absent: no
@@ -157,6 +215,8 @@ class ToolPolicy(_Model):
     # The text a client receives for a shadowed call. Absent: "Shadow run: this call was
     # recorded, not performed."
     shadow_result: str | None = None
+    # Output guardrails run on this tool's results after defaults.guardrails. Absent: none.
+    guardrails: list[Guardrail] = Field(default_factory=list)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -164,6 +224,23 @@ class ToolPolicy(_Model):
     @classmethod
     def _one_or_many(cls, v: object) -> object:
         return [v] if isinstance(v, str) else v
+
+
+class RuleOfTwo(_Model):
+    """Meta's "Agents Rule of Two": which of the three dangerous properties a principal's runs
+    may combine. A property set to false is taken away: `external_side_effects: false` forces the
+    read-only floor (every tool whose effect is not read is refused), `sensitive_data: false`
+    refuses tools whose output sensitivity is `secret`, `untrusted_input: false` refuses tools
+    whose output is untrusted. Absent properties: true (allowed). A profile holding all three is
+    the dangerous configuration `envelope-proxy check` reports."""
+
+    untrusted_input: bool = True
+    sensitive_data: bool = True
+    external_side_effects: bool = True
+
+    @property
+    def holds_all(self) -> bool:
+        return self.untrusted_input and self.sensitive_data and self.external_side_effects
 
 
 class PrincipalPolicy(_Model):
@@ -181,6 +258,20 @@ class PrincipalPolicy(_Model):
     # shadow: every run of this principal is a shadow run (writers recorded, not performed).
     # Absent: enforce.
     mode: Literal["enforce", "shadow"] = "enforce"
+    # Rule-of-Two profile (see RuleOfTwo). Absent: no profile (nothing taken away).
+    rule_of_two: RuleOfTwo | None = None
+    # Names of the child agents (X-Envelope-Agent) this principal's runs may spawn. A child run
+    # whose agent is not listed is refused not_on_roster. Absent: any child agent.
+    roster: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = None
+    # Deepest run depth (root run 0, child 1, grandchild 2...) this principal may call at.
+    # Absent: defaults.max_depth.
+    max_depth: int | None = Field(default=None, ge=0)
+    # Whether untrusted or secret content seen by a child run widens this principal's (parent)
+    # run's ledger. false: children are trusted not to carry taint upwards. Absent: true.
+    propagate_taint: bool = True
+    # Most calls of one run in flight at once (shared by all replicas through the store); a call
+    # beyond it is refused rate_limited. Absent: defaults.max_concurrent_per_run.
+    max_concurrent_per_run: int | None = Field(default=None, ge=1)
 
     @field_validator("allow", mode="before")
     @classmethod
@@ -206,6 +297,62 @@ class Defaults(_Model):
     log_args: bool = False
     # Masked in the recorded arguments of every tool (see ToolPolicy.mask). Absent: none.
     mask: list[MaskPath] = Field(default_factory=list)
+    # Output guardrails run on every tool's results (before the tool's own). Absent: none.
+    guardrails: list[Guardrail] = Field(default_factory=list)
+    # Deepest run depth below a root run (0 root/session, 1 child, 2 grandchild). Absent: 2.
+    max_depth: int = Field(default=2, ge=0)
+    # Most calls of one run in flight at once for principals that do not set their own.
+    # Absent: no bound.
+    max_concurrent_per_run: int | None = Field(default=None, ge=1)
+
+
+OnFlag = Literal["block", "approve"]
+
+
+class DataflowPolicy(_Model):
+    """The data-flow check (`dataflow:`): untrusted content flowing into sinks."""
+
+    # off: no ledger, no check. shadow: flagged sinks are forwarded, audited and counted.
+    # enforce: flagged sinks are refused (or escalated, see on_flag). Absent: enforce (the
+    # section is present; with no `dataflow:` section at all the check runs in shadow).
+    mode: Literal["off", "shadow", "enforce"] = "enforce"
+    # Shortest verbatim run of untrusted characters (after normalising case and whitespace)
+    # that flags an argument. Absent: 32 (measured: bench/RESULTS.md, "Data flow").
+    min_match: int = Field(default=32, ge=8, le=1024)
+    # Sinks (`<upstream>.<tool>`: true) or single arguments of a sink (a list of argument
+    # names) that may receive untrusted text. Distinctive tokens (addresses, URLs/domains,
+    # account numbers) lifted from untrusted content are still flagged in them. Absent: none.
+    declassify: dict[str, list[str] | bool] = Field(default_factory=dict)
+    # What a flagged sink gets in enforce mode: block (refused) or approve (sent to the
+    # approval gate with the evidence). `default` applies to sinks not listed. A plain string
+    # sets the default. Absent: block.
+    on_flag: dict[str, OnFlag] = Field(default_factory=lambda: {"default": "block"})  # type: ignore[arg-type]
+    # String arguments whose schema `format` is one of these are not matched. Absent:
+    # date-time, date, time.
+    skip_formats: list[str] = Field(default_factory=lambda: ["date-time", "date", "time"])
+    # Most fingerprints a run's ledger keeps; beyond it the run keeps a coarse "overflowed"
+    # flag that flags every free-text sink argument (widens, never narrows). Absent: 65536.
+    ledger_cap: int = Field(default=65536, ge=1024, le=4_000_000)
+    # Seconds a run's ledger lives after its last update. Absent: 24h.
+    ledger_ttl: float = 24 * 3600.0
+
+    @field_validator("on_flag", mode="before")
+    @classmethod
+    def _on_flag(cls, v: object) -> object:
+        return {"default": v} if isinstance(v, str) else v
+
+    @field_validator("ledger_ttl", mode="before")
+    @classmethod
+    def _ttl(cls, v: object) -> float:
+        return parse_duration(v)  # type: ignore[arg-type]
+
+    @field_validator("declassify", "on_flag")
+    @classmethod
+    def _keys(cls, v: dict[str, object]) -> dict[str, object]:
+        for key in v:
+            if key != "default" and not TOOL_KEY.match(key):
+                raise ValueError(f"sink key {key!r} must be '<upstream>.<tool>'")
+        return v
 
 
 class PolicyDocument(_Model):
@@ -216,6 +363,9 @@ class PolicyDocument(_Model):
     defaults: Defaults = Field(default_factory=Defaults)
     tools: dict[str, ToolPolicy] = Field(default_factory=dict)
     principals: dict[str, PrincipalPolicy] = Field(default_factory=dict)
+    # The data-flow check. Absent: shadow mode with every other default (flows are counted
+    # and audited, never refused, until a policy opts in with a `dataflow:` section).
+    dataflow: DataflowPolicy | None = None
 
     @field_validator("upstreams")
     @classmethod

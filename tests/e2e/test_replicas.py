@@ -279,10 +279,10 @@ def test_replica_losing_redis_fails_closed_and_recovers(tmp_path: Path) -> None:
             assert time.monotonic() - started < 10
             assert down["isError"] is True
             decision = down["_meta"]["envelope/decision"]
-            # The shadow check (before approval) already needs the store to tell whether the run
-            # is a shadow run, so it is the one that refuses; either way: store_unavailable.
+            # The first check that needs the store refuses (delegation records the run's
+            # lineage before shadow and approval look at it); whichever: store_unavailable.
             assert decision["code"] == "store_unavailable", decision
-            assert decision["check"] in ("shadow", "approval"), decision
+            assert decision["check"] in ("delegation", "shadow", "approval"), decision
             assert f"127.0.0.1:{port}" in decision["reason"], decision  # names the store
             assert fake.calls["delete_note"] == 0
             rec = record(pp, decision["decision_id"])

@@ -273,6 +273,10 @@ def progress_of(messages: list[dict[str, Any]]) -> list[Any]:
     return [m["params"]["progress"] for m in messages if m.get("method") == "notifications/progress"]
 
 
+# Seen failing once under a fully loaded 2-core machine and never in isolation: the SDK
+# upstream's replay of stored events and its live stream race. One rerun keeps CI honest
+# (a proxy that loses the stream fails every attempt).
+@pytest.mark.flaky(reruns=1)
 async def test_resumption_with_last_event_id_of_a_relayed_stream(world: World) -> None:
     """prompts/get is relayed byte for byte: its stream resumes through the proxy."""
     messages = await resume_after_drop(world.url, {

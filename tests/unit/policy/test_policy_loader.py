@@ -160,7 +160,7 @@ def test_defaults_twice_and_unknown_top_level_key(write: Write) -> None:
     assert problems(first.parent) == [
         f"{second}:1:1: 'defaults' may appear in one file only (first at {first}:5:1)",
         f"{second}:2:1: unknown top-level key 'dataflw' "
-        "(allowed: version, upstreams, defaults, tools, principals)",
+        "(allowed: version, upstreams, defaults, tools, principals, dataflow)",
     ]
 
 
@@ -168,7 +168,8 @@ def test_unknown_field(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    efect: read\n")
     assert problems(path.parent) == [
         f"{path}:8:5: unknown field 'efect' in tools.demo.echo (allowed: effect, output, "
-        "schema, allow, rules, fallback, fallback_reason, log_args, mask, approval, idempotent, mode, shadow_result)"
+        "sensitivity, labels, schema, allow, rules, fallback, fallback_reason, log_args, mask, "
+        "approval, idempotent, mode, shadow_result, guardrails)"
     ]
 
 
