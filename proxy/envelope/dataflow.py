@@ -21,7 +21,7 @@ token lifted from untrusted content in them is still flagged.
 Modes: `shadow` forwards flagged calls (audited with the evidence under `dataflow`, counted in
 `envelope_dataflow_flagged_total`); `enforce` refuses them with `dataflow_policy_blocked`, or,
 with `on_flag: approve` for the sink and an approval gate configured, sends them to the approval
-gate with the evidence (`ToolCall.escalation`). No `dataflow:` section: shadow.
+gate with the evidence (`ToolCall.escalation`). No `dataflow:` section: off.
 
 Recording: for a call whose output can be untrusted or secret, the check first writes a pending
 marker into the run's ledger, then a result hook adds the output's fingerprints and clears the
@@ -492,7 +492,9 @@ class DataflowCheck:
         self._registry = registry
         self._services = services
         policy = revision.document.dataflow
-        self.policy: DataflowPolicy = policy if policy is not None else DataflowPolicy(mode="shadow")
+        # No `dataflow:` section: the check is off. Tracking costs store round trips on every
+        # untrusted read (measured in bench/RESULTS.md), so a policy opts in explicitly.
+        self.policy: DataflowPolicy = policy if policy is not None else DataflowPolicy(mode="off")
         self.mode = self.policy.mode
         self._n = self.policy.min_match
         self._skip = frozenset(self.policy.skip_formats)
