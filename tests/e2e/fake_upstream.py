@@ -54,7 +54,9 @@ class FakeUpstream:
 
 
 @contextlib.contextmanager
-def fake_upstream() -> Iterator[FakeUpstream]:
+def fake_upstream(**runner_options: Any) -> Iterator[FakeUpstream]:
+    """Serve a FakeUpstream on a free port in a thread; `runner_options` go to aiohttp's
+    AppRunner (e.g. handler_cancellation, shutdown_timeout)."""
     fake = FakeUpstream(port=free_port())
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -64,7 +66,7 @@ def fake_upstream() -> Iterator[FakeUpstream]:
         nonlocal runner
         app = web.Application()
         app.router.add_post("/mcp", fake.handle)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, **runner_options)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", fake.port).start()
         started.set()
@@ -76,7 +78,7 @@ def fake_upstream() -> Iterator[FakeUpstream]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    started.wait(10)
+    assert started.wait(10), "the fake upstream did not start"
     try:
         yield fake
     finally:

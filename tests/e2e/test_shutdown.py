@@ -6,7 +6,6 @@ the store (SQLite by default) and so survive a restart on the same state directo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import re
@@ -20,11 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 from e2e_helpers import cli, write_policy
-from fake_upstream import FakeUpstream
+from fake_upstream import FakeUpstream, fake_upstream
 
-from tests.harness import ProxyProcess, free_port, proxy_process, rpc
+from tests.harness import ProxyProcess, proxy_process, rpc
 
 STATIC = {"mode": "static", "principal": "agent"}
 ALICE_TOKEN = "alice-shutdown-approver-token"
@@ -90,40 +88,11 @@ def wait_exit(pp: ProxyProcess, within: float) -> tuple[int, float]:
     return code, time.monotonic() - started
 
 
-@contextlib.contextmanager
-def slow_upstream() -> Iterator[FakeUpstream]:
+def slow_upstream() -> contextlib.AbstractContextManager[FakeUpstream]:
     """fake_upstream's counting tool server, but its sleeping handlers are cancelled when the
     proxy drops the connection and its own shutdown does not wait for them (so a 10 s sleep the
     proxy cut off does not hold the test's teardown)."""
-    fake = FakeUpstream(port=free_port())
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    runner: web.AppRunner | None = None
-
-    async def begin() -> None:
-        nonlocal runner
-        app = web.Application()
-        app.router.add_post("/mcp", fake.handle)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.2)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", fake.port).start()
-        started.set()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(begin())
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(10)
-    try:
-        yield fake
-    finally:
-        if runner is not None:
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    return fake_upstream(handler_cancellation=True, shutdown_timeout=0.2)
 
 
 @pytest.fixture
