@@ -242,9 +242,7 @@ class McpFront:
             except (UpstreamError, TimeoutError) as exc:
                 log.info("could not send notifications/cancelled to %s: %s", target.name, exc)
 
-        task = asyncio.get_running_loop().create_task(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.spawn(send())
 
     # ---- entry -------------------------------------------------------------------------
 
