@@ -5,12 +5,28 @@ approvals, grants, idempotency records, shadow records and run flags, whose logi
 above it (never per backend). Values are bytes (the callers store JSON). Every method raises
 `proxy.errors.StoreError` when the backend cannot answer: callers fail closed.
 
-Namespaces in use: `approval`, `approval_by_call`, `grant`, `idem`, `shadow`, `run`.
+Beside the plain values, a store keeps **hashes**: a key holding many small fields (bytes ->
+bytes) that are added, read and removed a few at a time, with one expiry for the whole hash and
+an optional cap on its number of fields. They exist for the data-flow ledgers, whose cost must
+follow the size of a call, never the size of what a run has read (Redis HSET/HMGET, SQLite rows
+keyed by field). Hash keys live apart from plain keys: `delete` and `items` do not see them.
+
+Namespaces in use: `approval`, `approval_by_call`, `grant`, `idem`, `shadow`, `run`; hashes:
+`ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+
+class HashPut(NamedTuple):
+    """What `hash_put` did: fields newly added, and fields left out because of the cap."""
+
+    added: int
+    refused: int
 
 
 class Store(ABC):
@@ -42,6 +58,29 @@ class Store(ABC):
     @abstractmethod
     async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:
         """Unexpired (key, value) pairs of a namespace, at most `limit`, in no set order."""
+
+    # -- hashes -------------------------------------------------------------------------
+
+    @abstractmethod
+    async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
+                       *, replace: bool = True, cap: int | None = None) -> HashPut:
+        """Set fields of the hash, atomically. `replace=False` keeps the value of a field that
+        exists (HSETNX). With `cap`, a new field that would take the hash beyond `cap` fields is
+        left out (counted in `refused`); existing fields are still replaced. With `ttl`, the
+        whole hash expires `ttl` seconds after this call (also when `fields` is empty); without,
+        its expiry is left as it was. An expired hash reads as empty and starts afresh."""
+
+    @abstractmethod
+    async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
+        """The values of `fields` (None where absent), in order. Cost follows len(fields)."""
+
+    @abstractmethod
+    async def hash_all(self, ns: str, key: str, limit: int = 10_000) -> dict[bytes, bytes]:
+        """At most `limit` fields of the hash (for small hashes: flags, markers)."""
+
+    @abstractmethod
+    async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
+        """Remove fields (no error when absent); expiry unchanged."""
 
     @abstractmethod
     async def ping(self) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 
-from proxy.store.base import Store
+from proxy.store.base import HashPut, Store
 
 
 class MemoryStore(Store):
@@ -14,6 +15,8 @@ class MemoryStore(Store):
 
     def __init__(self) -> None:
         self._data: dict[str, dict[str, tuple[bytes, float | None]]] = {}
+        # ns -> key -> [fields, expiry]
+        self._hashes: dict[str, dict[str, tuple[dict[bytes, bytes], list[float | None]]]] = {}
         self._now = time.monotonic
         self.fail: Exception | None = None  # tests: make every call raise this
 
@@ -70,6 +73,54 @@ class MemoryStore(Store):
             if value is not None:
                 out.append((key, value))
         return out
+
+    def _hash(self, ns: str, key: str) -> tuple[dict[bytes, bytes], list[float | None]] | None:
+        entry = self._hashes.get(ns, {}).get(key)
+        if entry is not None and entry[1][0] is not None and entry[1][0] <= self._now():
+            del self._hashes[ns][key]
+            return None
+        return entry
+
+    async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
+                       *, replace: bool = True, cap: int | None = None) -> HashPut:
+        self._check()
+        entry = self._hash(ns, key)
+        if entry is None:
+            entry = self._hashes.setdefault(ns, {})[key] = ({}, [None])
+        values, expiry = entry
+        added = refused = 0
+        for field, value in fields.items():
+            if field in values:
+                if replace:
+                    values[field] = value
+            elif cap is not None and len(values) >= cap:
+                refused += 1
+            else:
+                values[field] = value
+                added += 1
+        if ttl is not None:
+            expiry[0] = self._expiry(ttl)
+        return HashPut(added, refused)
+
+    async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
+        self._check()
+        entry = self._hash(ns, key)
+        values = entry[0] if entry is not None else {}
+        return [values.get(f) for f in fields]
+
+    async def hash_all(self, ns: str, key: str, limit: int = 10_000) -> dict[bytes, bytes]:
+        self._check()
+        entry = self._hash(ns, key)
+        if entry is None:
+            return {}
+        return dict(list(entry[0].items())[: max(0, limit)])
+
+    async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
+        self._check()
+        entry = self._hash(ns, key)
+        if entry is not None:
+            for f in fields:
+                entry[0].pop(f, None)
 
     async def ping(self) -> None:
         self._check()

@@ -3,6 +3,16 @@
 Keys are `<prefix><ns>:<key>`; expiry is Redis's own (`PX`, milliseconds, rounded up). `add` is
 `SET NX PX`, `cas` a Lua script (atomic on the server), `items` a bounded `SCAN` plus `MGET`.
 
+Hashes are Redis hashes at `<prefix>#hash:<ns>:<key>`. No namespace starts with `#`, so a hash key
+never equals a plain key nor matches the `<prefix><ns>:*` pattern of `items`, and the reverse.
+`hash_put` is a Lua script (HLEN once, then HSET/HSETNX per field under the cap, PEXPIRE): atomic
+for up to `_HASH_PUT_CHUNK` fields. A larger put runs as several scripts, each atomic and each
+re-reading the size, so the cap holds against concurrent writers, but a reader may see a part of
+the put and the expiry is set again by each part. `hash_get` is `HMGET`, `hash_delete` `HDEL`.
+Redis keeps no empty hash: one emptied by `hash_delete`, or given a ttl but no field, is no key
+and has no expiry, so a later put without a ttl makes a hash that does not expire (memory and
+SQLite keep the earlier expiry there).
+
 Failure: every operation is bounded by `timeout` seconds (socket timeouts and an overall
 deadline), and any Redis error, connection error or timeout raises StoreError naming the server
 URL without its password. A dropped connection is retried once, immediately, so the first call
@@ -13,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from itertools import islice
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -23,7 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.errors import StoreError
-from proxy.store.base import Store
+from proxy.store.base import HashPut, Store
 
 T = TypeVar("T")
 
@@ -40,8 +51,42 @@ end
 return 0
 """
 
-# Keys asked for per SCAN round trip.
+# KEYS[1] the hash; ARGV: replace ("1"/"0"), cap ("" for none), expiry in ms ("" for none), then
+# field, value pairs. {added, refused}. The size is read once and counted here, never recounted.
+_HASH_PUT = """
+local replace = ARGV[1] == '1'
+local cap = tonumber(ARGV[2])
+local size = redis.call('HLEN', KEYS[1])
+local added, refused = 0, 0
+for i = 4, #ARGV, 2 do
+  if cap == nil or size < cap then
+    local new
+    if replace then
+      new = redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    else
+      new = redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
+    end
+    size = size + new
+    added = added + new
+  elseif redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
+    if replace then
+      redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    end
+  else
+    refused = refused + 1
+  end
+end
+if ARGV[3] ~= '' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return {added, refused}
+"""
+
+# Keys asked for per SCAN round trip (and fields per HSCAN round trip).
 _SCAN_COUNT = 500
+
+# Fields per hash_put script: one script holds the server for its whole run.
+_HASH_PUT_CHUNK = 2000
 
 
 def redact_url(url: str) -> str:
@@ -92,9 +137,13 @@ class RedisStore(Store):
         except (ValueError, RedisError) as exc:
             raise StoreError(f"redis store {self.url}: invalid url: {exc}") from exc
         self._cas = self._client.register_script(_CAS)
+        self._hash_put = self._client.register_script(_HASH_PUT)
 
     def _key(self, ns: str, key: str) -> str:
         return f"{self.prefix}{ns}:{key}"
+
+    def _hash_key(self, ns: str, key: str) -> str:
+        return f"{self.prefix}#hash:{ns}:{key}"
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -149,6 +198,66 @@ class RedisStore(Store):
             return [(k[skip:].decode(), _bytes(v)) for k, v in zip(names, values, strict=True) if v is not None]
 
         return await self._call("items", scan)
+
+    # ---- hashes -------------------------------------------------------------------------------
+
+    async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
+                       *, replace: bool = True, cap: int | None = None) -> HashPut:
+        name = self._hash_key(ns, key)
+        head: list[bytes] = [
+            b"1" if replace else b"0",
+            b"" if cap is None else str(cap).encode(),
+            b"" if ttl is None else str(_px(ttl)).encode(),
+        ]
+        items = list(fields.items())
+
+        async def put() -> HashPut:
+            added = refused = 0
+            # At least one script, so that an empty put still sets the expiry.
+            for start in range(0, max(1, len(items)), _HASH_PUT_CHUNK):
+                args = list(head)
+                for field, value in items[start : start + _HASH_PUT_CHUNK]:
+                    args += (field, value)
+                done = await self._hash_put(keys=[name], args=args)
+                added, refused = added + int(done[0]), refused + int(done[1])
+            return HashPut(added, refused)
+
+        return await self._call("hash_put", put)
+
+    async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
+        if not fields:
+            return []
+        name = self._hash_key(ns, key)
+        values = await self._call("hash_get", lambda: self._client.hmget(name, list(fields)))
+        return [None if v is None else _bytes(v) for v in values]
+
+    async def hash_all(self, ns: str, key: str, limit: int = 10_000) -> dict[bytes, bytes]:
+        name = self._hash_key(ns, key)
+
+        async def read() -> dict[bytes, bytes]:
+            if limit <= 0:
+                return {}
+            if await self._client.hlen(name) <= limit:
+                # The hash may grow between the two calls: still cut at `limit`.
+                found = await self._client.hgetall(name)
+                return {_bytes(f): _bytes(v) for f, v in islice(found.items(), limit)}
+            out: dict[bytes, bytes] = {}
+            cursor: Any = 0
+            while len(out) < limit:
+                cursor, batch = await self._client.hscan(name, cursor, count=_SCAN_COUNT)
+                pairs = cast("dict[bytes, bytes]", batch)  # a field list only with no_values=True
+                out.update((_bytes(f), _bytes(v)) for f, v in pairs.items())
+                if int(cursor) == 0:
+                    break
+            return dict(islice(out.items(), limit))
+
+        return await self._call("hash_all", read)
+
+    async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
+        if not fields:
+            return
+        name = self._hash_key(ns, key)
+        await self._call("hash_delete", lambda: self._client.hdel(name, *fields))
 
     async def ping(self) -> None:
         await self._call("ping", self._client.ping)

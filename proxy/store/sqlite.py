@@ -1,10 +1,17 @@
 """SQLite store: the embedded default. One file in the state directory, shared by every worker.
 
 Every sqlite call runs on one worker thread the store owns (the connection lives there), so the
-event loop never waits on disk or on another process's lock. Each operation is one SQL statement
-in autocommit mode, which makes `add` and `cas` atomic across threads and processes. Expiry is
-wall-clock (`time.time()`), because several processes read the same rows; expired rows are
-invisible to reads and removed by an occasional purge.
+event loop never waits on disk or on another process's lock. Each plain operation is one SQL
+statement in autocommit mode, which makes `add` and `cas` atomic across threads and processes.
+Expiry is wall-clock (`time.time()`), because several processes read the same rows; expired rows
+are invisible to reads and removed by an occasional purge.
+
+Hashes live apart from `kv`: a `hash` row per field and a `hash_meta` row per hash holding its
+expiry and its number of fields, kept exact so that a cap check never counts rows. A write to a
+hash is one `BEGIN IMMEDIATE` transaction (the write lock is taken up front, so two processes
+cannot both count the same free room under a cap); a read is one read transaction (one snapshot
+across its chunks). Fields are named in `IN (...)` lists of at most `_IN_CHUNK`, so every hash
+operation costs what its own fields cost, never what the hash holds.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
@@ -19,13 +26,13 @@ import asyncio
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 from proxy.errors import StoreError
-from proxy.store.base import Store
+from proxy.store.base import HashPut, Store
 
 T = TypeVar("T")
 
@@ -37,6 +44,14 @@ _SCHEMA = (
     " ns TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL, expires REAL NULL,"
     " PRIMARY KEY (ns, key)) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS kv_expires ON kv (expires) WHERE expires IS NOT NULL",
+    "CREATE TABLE IF NOT EXISTS hash ("
+    " ns TEXT NOT NULL, key TEXT NOT NULL, field BLOB NOT NULL, value BLOB NOT NULL,"
+    " PRIMARY KEY (ns, key, field)) WITHOUT ROWID",
+    # `size` is the hash's number of fields. A field row exists only while its meta row does.
+    "CREATE TABLE IF NOT EXISTS hash_meta ("
+    " ns TEXT NOT NULL, key TEXT NOT NULL, expires REAL NULL, size INTEGER NOT NULL,"
+    " PRIMARY KEY (ns, key)) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS hash_meta_expires ON hash_meta (expires) WHERE expires IS NOT NULL",
 )
 _LIVE = "(expires IS NULL OR expires > ?)"
 _GET = f"SELECT value FROM kv WHERE ns = ? AND key = ? AND {_LIVE}"
@@ -52,9 +67,60 @@ _DELETE = "DELETE FROM kv WHERE ns = ? AND key = ?"
 _ITEMS = f"SELECT key, value FROM kv WHERE ns = ? AND {_LIVE} LIMIT ?"
 _PURGE = "DELETE FROM kv WHERE expires IS NOT NULL AND expires <= ?"
 
+_HASH_META = "SELECT expires, size FROM hash_meta WHERE ns = ? AND key = ?"
+_HASH_SET_META = (
+    "INSERT INTO hash_meta (ns, key, expires, size) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (ns, key) DO UPDATE SET expires = excluded.expires, size = excluded.size"
+)
+_HASH_SET_SIZE = "UPDATE hash_meta SET size = ? WHERE ns = ? AND key = ?"
+_HASH_DROP_META = "DELETE FROM hash_meta WHERE ns = ? AND key = ?"
+_HASH_CLEAR = "DELETE FROM hash WHERE ns = ? AND key = ?"
+_HASH_UPSERT = (
+    "INSERT INTO hash (ns, key, field, value) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (ns, key, field) DO UPDATE SET value = excluded.value"
+)
+# Completed with `field IN (?, ...)` per chunk of fields.
+_HASH_FIELDS = "SELECT field FROM hash WHERE ns = ? AND key = ? AND field IN "
+_HASH_VALUES = "SELECT field, value FROM hash WHERE ns = ? AND key = ? AND field IN "
+_HASH_REMOVE = "DELETE FROM hash WHERE ns = ? AND key = ? AND field IN "
+_HASH_ALL = "SELECT field, value FROM hash WHERE ns = ? AND key = ? LIMIT ?"
+# Fields before their meta rows, inside one transaction: no field outlives its meta row.
+_HASH_PURGE = (
+    "DELETE FROM hash WHERE (ns, key) IN"
+    " (SELECT ns, key FROM hash_meta WHERE expires IS NOT NULL AND expires <= ?)"
+)
+_HASH_PURGE_META = "DELETE FROM hash_meta WHERE expires IS NOT NULL AND expires <= ?"
+
+# Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
+_IN_CHUNK = 500
+
+
+def _in_chunks(fields: Sequence[bytes]) -> Iterator[tuple[str, Sequence[bytes]]]:
+    """`(?, ..., ?)` and the fields it binds, at most `_IN_CHUNK` at a time."""
+    for start in range(0, len(fields), _IN_CHUNK):
+        chunk = fields[start : start + _IN_CHUNK]
+        yield "(" + ", ".join("?" * len(chunk)) + ")", chunk
+
+
+def _transaction(conn: sqlite3.Connection, begin: str, fn: Callable[[], T]) -> T:
+    """Run `fn` between `begin` and COMMIT; roll back when it (or the commit) fails."""
+    conn.execute(begin)
+    try:
+        result = fn()
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return result
+
+
+def _live(expires: float | None, now: float) -> bool:
+    return expires is None or expires > now
+
 
 class SqliteStore(Store):
-    """A `kv` table in one WAL-mode SQLite file; safe for several processes on one host."""
+    """`kv`, `hash` and `hash_meta` tables in one WAL-mode SQLite file; safe for several processes on one host."""
 
     kind = "sqlite"
 
@@ -79,15 +145,29 @@ class SqliteStore(Store):
         # the write lock, which another worker may hold while it does the same.
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=self._busy_timeout())
         try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            for statement in _SCHEMA:
-                conn.execute(statement)
+            self._set_up(conn)
         except BaseException:
             conn.close()
             raise
         self._conn = conn
         return conn
+
+    def _set_up(self, conn: sqlite3.Connection) -> None:
+        # Two processes opening a new file at once: sqlite can refuse the switch to WAL as
+        # "locked" straight away, without waiting on the busy timeout. The set-up is idempotent,
+        # so it is tried again until the busy timeout has passed.
+        deadline = time.monotonic() + self._busy_timeout()
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = NORMAL")
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                return
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.01)
 
     def _busy_timeout(self) -> float:
         # A little under the operation timeout, so a locked database fails inside the worker
@@ -98,6 +178,12 @@ class SqliteStore(Store):
         if now >= self._next_purge:
             self._next_purge = now + PURGE_INTERVAL
             conn.execute(_PURGE, (now,))
+
+            def purge_hashes() -> None:
+                conn.execute(_HASH_PURGE, (now,))
+                conn.execute(_HASH_PURGE_META, (now,))
+
+            _transaction(conn, "BEGIN IMMEDIATE", purge_hashes)
 
     def _close_conn(self) -> None:
         if self._conn is not None:
@@ -174,6 +260,89 @@ class SqliteStore(Store):
             return [(str(k), bytes(v)) for k, v in rows]
 
         return await self._run("items", op)
+
+    # ---- hashes -------------------------------------------------------------------------------
+
+    async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
+                       *, replace: bool = True, cap: int | None = None) -> HashPut:
+        items = list(fields.items())
+        names = [field for field, _ in items]
+
+        def put(conn: sqlite3.Connection, now: float) -> HashPut:
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is not None and not _live(meta[0], now):
+                # Expired: starts afresh (no fields, no expiry) before this put counts anything.
+                conn.execute(_HASH_CLEAR, (ns, key))
+                conn.execute(_HASH_DROP_META, (ns, key))
+                meta = None
+            expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+            existing: set[bytes] = set()
+            for marks, chunk in _in_chunks(names):
+                existing.update(bytes(row[0]) for row in conn.execute(_HASH_FIELDS + marks, (ns, key, *chunk)))
+            new = [(field, value) for field, value in items if field not in existing]
+            # The first new fields (in the caller's order) that fit under the cap are added.
+            room = len(new) if cap is None else max(0, min(len(new), cap - size))
+            writes = [(ns, key, field, value) for field, value in new[:room]]
+            if replace:
+                writes += [(ns, key, field, value) for field, value in items if field in existing]
+            conn.executemany(_HASH_UPSERT, writes)
+            if room or ttl is not None:
+                expires = expires if ttl is None else now + ttl
+                conn.execute(_HASH_SET_META, (ns, key, expires, size + room))
+            return HashPut(room, len(new) - room)
+
+        def op(conn: sqlite3.Connection) -> HashPut:
+            now = time.time()
+            result = _transaction(conn, "BEGIN IMMEDIATE", lambda: put(conn, now))
+            self._maybe_purge(conn, now)
+            return result
+
+        return await self._run("hash_put", op)
+
+    async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
+        if not fields:
+            return []
+
+        def read(conn: sqlite3.Connection) -> list[bytes | None]:
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is None or not _live(meta[0], time.time()):
+                return [None] * len(fields)
+            found: dict[bytes, bytes] = {}
+            for marks, chunk in _in_chunks(fields):
+                rows = conn.execute(_HASH_VALUES + marks, (ns, key, *chunk))
+                found.update((bytes(field), bytes(value)) for field, value in rows)
+            return [found.get(field) for field in fields]
+
+        # One read transaction: every chunk sees the same snapshot.
+        return await self._run("hash_get", lambda conn: _transaction(conn, "BEGIN", lambda: read(conn)))
+
+    async def hash_all(self, ns: str, key: str, limit: int = 10_000) -> dict[bytes, bytes]:
+        def read(conn: sqlite3.Connection) -> dict[bytes, bytes]:
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is None or not _live(meta[0], time.time()):
+                return {}
+            rows = conn.execute(_HASH_ALL, (ns, key, max(0, limit)))
+            return {bytes(field): bytes(value) for field, value in rows}
+
+        return await self._run("hash_all", lambda conn: _transaction(conn, "BEGIN", lambda: read(conn)))
+
+    async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
+        if not fields:
+            return
+
+        def remove(conn: sqlite3.Connection) -> None:
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is None or not _live(meta[0], time.time()):
+                return  # absent, or expired (the next put or purge clears it)
+            expires, size = meta[0], int(meta[1])
+            for marks, chunk in _in_chunks(fields):
+                size -= conn.execute(_HASH_REMOVE + marks, (ns, key, *chunk)).rowcount
+            if size <= 0 and expires is None:
+                conn.execute(_HASH_DROP_META, (ns, key))  # an empty hash without expiry is no hash
+            else:
+                conn.execute(_HASH_SET_SIZE, (max(0, size), ns, key))
+
+        await self._run("hash_delete", lambda conn: _transaction(conn, "BEGIN IMMEDIATE", lambda: remove(conn)))
 
     async def ping(self) -> None:
         def op(conn: sqlite3.Connection) -> None:

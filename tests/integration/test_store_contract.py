@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import StoreError
-from proxy.store.base import Store
+from proxy.store.base import HashPut, Store
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
 from proxy.store.sqlite import SqliteStore
@@ -26,6 +26,8 @@ from tests.redis_server import RedisServer, running_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL = 0.2
+# Every namespace in use, plain and hash: none may see another's keys.
+NAMESPACES = ["approval", "approval_by_call", "grant", "idem", "shadow", "run", "ledger", "ledger_fp"]
 
 Opener = Callable[[], Store]
 
@@ -219,6 +221,179 @@ async def test_concurrent_cas_increments(opener: Opener, stores: list[Store]) ->
     assert sum(tries) >= 50
 
 
+# ---- the contract: hashes --------------------------------------------------------------------
+
+
+async def hash_gone(store: Store, ns: str, key: str, fields: list[bytes]) -> None:
+    async def gone() -> bool:
+        return await store.hash_get(ns, key, fields) == [None] * len(fields)
+
+    await eventually(gone)
+
+
+async def test_hash_put_get_in_order(store: Store) -> None:
+    fields = {b"a": b"1", b"\x00b\xff": b"\x00two\xff", b"c": b"3"}
+    assert await store.hash_put("ledger", "run-1", fields) == HashPut(added=3, refused=0)
+    assert await store.hash_get("ledger", "run-1", [b"c", b"absent", b"a", b"\x00b\xff", b"c"]) == [
+        b"3", None, b"1", b"\x00two\xff", b"3",
+    ]
+    assert await store.hash_get("ledger", "run-1", []) == []
+    assert await store.hash_all("ledger", "run-1") == fields
+    # Another key, another namespace: another hash.
+    assert await store.hash_get("ledger", "run-2", [b"a"]) == [None]
+    assert await store.hash_get("ledger_fp", "run-1", [b"a"]) == [None]
+    assert await store.hash_all("ledger_fp", "run-1") == {}
+    await store.hash_put("ledger", "with:colon/and*glob?", {b"f": b"v"})
+    assert await store.hash_get("ledger", "with:colon/and*glob?", [b"f"]) == [b"v"]
+
+
+async def test_hash_replace_or_keep(store: Store) -> None:
+    await store.hash_put("ledger", "r", {b"a": b"1", b"b": b"1"})
+    assert await store.hash_put("ledger", "r", {b"a": b"2", b"c": b"2"}) == HashPut(1, 0)
+    assert await store.hash_get("ledger", "r", [b"a", b"b", b"c"]) == [b"2", b"1", b"2"]
+    assert await store.hash_put("ledger", "r", {b"a": b"3", b"d": b"3"}, replace=False) == HashPut(1, 0)
+    assert await store.hash_get("ledger", "r", [b"a", b"d"]) == [b"2", b"3"]  # a kept (HSETNX)
+    assert await store.hash_put("ledger", "r", {b"a": b"4"}, replace=False) == HashPut(0, 0)
+    assert await store.hash_all("ledger", "r") == {b"a": b"2", b"b": b"1", b"c": b"2", b"d": b"3"}
+
+
+async def test_hash_cap(store: Store) -> None:
+    assert await store.hash_put("ledger_fp", "r", {b"a": b"1", b"b": b"1"}, cap=3) == HashPut(2, 0)
+    # At the cap: the first new field fits, the later ones are refused; an existing one is replaced.
+    put = await store.hash_put("ledger_fp", "r", {b"a": b"2", b"c": b"2", b"d": b"2", b"e": b"2"}, cap=3)
+    assert put == HashPut(added=1, refused=2)
+    assert await store.hash_get("ledger_fp", "r", [b"a", b"b", b"c", b"d", b"e"]) == [b"2", b"1", b"2", None, None]
+    assert await store.hash_all("ledger_fp", "r") == {b"a": b"2", b"b": b"1", b"c": b"2"}
+    # Full: existing fields are still replaced (or kept with replace=False), nothing refused.
+    assert await store.hash_put("ledger_fp", "r", {b"b": b"3"}, cap=3) == HashPut(0, 0)
+    assert await store.hash_put("ledger_fp", "r", {b"c": b"3"}, cap=3, replace=False) == HashPut(0, 0)
+    assert await store.hash_get("ledger_fp", "r", [b"b", b"c"]) == [b"3", b"2"]
+    assert await store.hash_put("ledger_fp", "r", {b"d": b"3", b"b": b"4"}, cap=3) == HashPut(0, 1)
+    assert await store.hash_get("ledger_fp", "r", [b"b", b"d"]) == [b"4", None]
+    # The cap is per call: a larger one lets more in, none lets everything in.
+    assert await store.hash_put("ledger_fp", "r", {b"d": b"5", b"e": b"5"}, cap=4) == HashPut(1, 1)
+    assert await store.hash_put("ledger_fp", "r", {b"e": b"6"}) == HashPut(1, 0)
+    assert len(await store.hash_all("ledger_fp", "r")) == 5
+    assert await store.hash_put("ledger_fp", "zero", {b"a": b"1"}, cap=0) == HashPut(0, 1)
+    assert await store.hash_all("ledger_fp", "zero") == {}
+
+
+async def test_hash_ttl_expires_the_whole_hash(store: Store) -> None:
+    await store.hash_put("ledger", "short", {b"a": b"1", b"b": b"1"}, ttl=TTL, cap=2)
+    await store.hash_put("ledger", "long", {b"a": b"1"}, ttl=60)
+    assert await store.hash_get("ledger", "short", [b"a", b"b"]) == [b"1", b"1"]
+    await hash_gone(store, "ledger", "short", [b"a", b"b"])
+    assert await store.hash_all("ledger", "short") == {}
+    assert await store.hash_get("ledger", "long", [b"a"]) == [b"1"]
+
+    # An expired hash starts afresh: the cap counts from zero, no old field comes back, and
+    # the new hash takes no expiry from the old one.
+    assert await store.hash_put("ledger", "short", {b"c": b"2", b"d": b"2"}, cap=2) == HashPut(2, 0)
+    assert await store.hash_all("ledger", "short") == {b"c": b"2", b"d": b"2"}
+
+    async def kept() -> bool:
+        return await store.hash_all("ledger", "short") == {b"c": b"2", b"d": b"2"}
+
+    await hold_for(TTL * 2, kept)
+
+
+async def test_hash_put_without_ttl_keeps_the_expiry(store: Store) -> None:
+    await store.hash_put("ledger", "r", {b"a": b"1"}, ttl=TTL)
+    await store.hash_put("ledger", "r", {b"b": b"1"})  # no ttl: the earlier expiry stays
+    await store.hash_put("ledger", "r", {b"a": b"2"}, replace=False)
+    await hash_gone(store, "ledger", "r", [b"a", b"b"])
+
+    # A ttl sets the expiry again, also with no fields; a delete leaves it alone.
+    await store.hash_put("ledger", "s", {b"a": b"1", b"b": b"1"}, ttl=TTL)
+    assert await store.hash_put("ledger", "s", {}, ttl=60) == HashPut(0, 0)
+    await store.hash_delete("ledger", "s", [b"b"])
+
+    async def kept() -> bool:
+        return await store.hash_get("ledger", "s", [b"a", b"b"]) == [b"1", None]
+
+    await hold_for(TTL * 2, kept)
+    await store.hash_put("ledger", "s", {}, ttl=TTL)
+    await hash_gone(store, "ledger", "s", [b"a"])
+
+
+async def test_hash_delete_frees_room_under_the_cap(store: Store) -> None:
+    assert await store.hash_put("ledger_fp", "r", {b"a": b"1", b"b": b"1"}, cap=2) == HashPut(2, 0)
+    assert await store.hash_put("ledger_fp", "r", {b"c": b"1"}, cap=2) == HashPut(0, 1)
+    await store.hash_delete("ledger_fp", "r", [b"a", b"absent", b"a"])
+    await store.hash_delete("ledger_fp", "r", [])
+    await store.hash_delete("ledger_fp", "no-such-hash", [b"a"])
+    assert await store.hash_get("ledger_fp", "r", [b"a", b"b"]) == [None, b"1"]
+    assert await store.hash_put("ledger_fp", "r", {b"c": b"2", b"d": b"2"}, cap=2) == HashPut(1, 1)
+    assert await store.hash_all("ledger_fp", "r") == {b"b": b"1", b"c": b"2"}
+
+    # Emptied, then filled again: counts from zero.
+    await store.hash_delete("ledger_fp", "r", [b"b", b"c"])
+    assert await store.hash_all("ledger_fp", "r") == {}
+    assert await store.hash_put("ledger_fp", "r", {b"x": b"3", b"y": b"3", b"z": b"3"}, cap=2) == HashPut(2, 1)
+
+
+async def test_hash_all_limit(store: Store) -> None:
+    # More fields than Redis keeps in a compact encoding, so HSCAN really pages.
+    fields = {f"f{i}".encode(): f"v{i}".encode() for i in range(600)}
+    await store.hash_put("ledger", "r", fields)
+    assert await store.hash_all("ledger", "r") == fields
+    for limit in (1, 10, 550):
+        some = await store.hash_all("ledger", "r", limit=limit)
+        assert len(some) == limit and some.items() <= fields.items()
+    assert await store.hash_all("ledger", "r", limit=0) == {}
+    assert await store.hash_all("ledger", "absent") == {}
+
+
+async def test_hash_keys_apart_from_plain_keys(store: Store) -> None:
+    for ns in NAMESPACES:
+        await store.put(ns, "same", b"plain")
+        await store.hash_put(ns, "same", {b"f": b"hash"})
+        await store.hash_put(ns, "hash-only", {b"f": b"hash"})
+    for ns in NAMESPACES:
+        assert await store.items(ns) == [("same", b"plain")]
+        assert await store.get(ns, "same") == b"plain"
+        assert await store.get(ns, "hash-only") is None
+        assert await store.hash_get(ns, "same", [b"f"]) == [b"hash"]
+
+    await store.delete("ledger", "same")
+    assert await store.hash_all("ledger", "same") == {b"f": b"hash"}
+    await store.put("ledger", "same", b"again")
+    await store.hash_delete("ledger", "same", [b"f"])
+    assert await store.get("ledger", "same") == b"again"
+    assert await store.hash_all("ledger", "same") == {}
+
+
+async def test_concurrent_hash_put_never_exceeds_the_cap(opener: Opener, stores: list[Store]) -> None:
+    stores.extend([opener(), opener()])
+    a, b = stores
+    cap = 50
+    puts = await asyncio.gather(*(
+        (a if i % 2 else b).hash_put(
+            "ledger_fp", "race", {f"{i}-{j}".encode(): b"x" for j in range(7)}, ttl=30, cap=cap
+        )
+        for i in range(40)
+    ))
+    assert sum(p.added for p in puts) == cap
+    assert sum(p.refused for p in puts) == 40 * 7 - cap
+    assert len(await a.hash_all("ledger_fp", "race")) == cap
+    assert len(await b.hash_all("ledger_fp", "race")) == cap
+
+
+async def test_hash_large_put_and_get(store: Store) -> None:
+    fields = {f"fp-{i:05}".encode(): f"source-{i % 7}".encode() for i in range(20_000)}
+    assert await store.hash_put("ledger_fp", "big", fields, ttl=60) == HashPut(20_000, 0)
+    wanted = [f"fp-{i:05}".encode() for i in range(19_999, 0, -8)]  # 2 500 present, reversed
+    wanted += [f"absent-{i}".encode() for i in range(2_500)]
+    values = await store.hash_get("ledger_fp", "big", wanted)
+    assert len(values) == 5_000
+    assert values == [fields.get(f) for f in wanted]
+
+    # A large put under a cap: the cap holds across however many pieces the backend makes.
+    more = {f"more-{i:05}".encode(): b"m" for i in range(20_000)}
+    assert await store.hash_put("ledger_fp", "big", more, cap=25_000) == HashPut(5_000, 15_000)
+    assert len(await store.hash_all("ledger_fp", "big", limit=100_000)) == 25_000
+
+
 # ---- SQLite: one file, several instances and processes ----------------------------------------
 
 CHILD = textwrap.dedent("""
@@ -276,6 +451,73 @@ async def test_sqlite_shared_by_instances_and_processes(tmp_path: Path) -> None:
         await b.close()
 
 
+
+HASH_CHILD = textwrap.dedent("""
+    import asyncio, json, sys, time
+    from pathlib import Path
+    from proxy.store.sqlite import SqliteStore
+
+    async def main(path, n, start_at):
+        store = SqliteStore(Path(path), timeout=10.0)
+        await store.ping()
+        time.sleep(max(0.0, start_at - time.time()))
+        added = 0
+        for batch in range(10):
+            fields = {f"{n}-{batch}-{j}".encode(): b"x" for j in range(20)}
+            added += (await store.hash_put("ledger_fp", "race", fields, ttl=60, cap=300)).added
+        await store.close()
+        print(json.dumps({"added": added}))
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+""")
+
+
+async def test_sqlite_hash_cap_holds_across_processes(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteStore(path, timeout=10.0)
+    try:
+        await store.ping()
+        start_at = time.time() + 1.5
+        children = [
+            await asyncio.create_subprocess_exec(
+                sys.executable, "-c", HASH_CHILD, str(path), str(n), str(start_at),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+            )
+            for n in range(3)
+        ]
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        ours = 0
+        for batch in range(10):
+            fields = {f"parent-{batch}-{j}".encode(): b"x" for j in range(20)}
+            ours += (await store.hash_put("ledger_fp", "race", fields, ttl=60, cap=300)).added
+        outputs = await asyncio.gather(*(c.communicate() for c in children))
+        for child, (_out, err) in zip(children, outputs, strict=True):
+            assert child.returncode == 0, err.decode()
+
+        assert ours + sum(json.loads(out)["added"] for out, _ in outputs) == 300
+        assert len(await store.hash_all("ledger_fp", "race")) == 300
+        with sqlite3.connect(path) as conn:  # the kept size is the real one
+            assert conn.execute("SELECT size FROM hash_meta").fetchall() == [(300,)]
+            assert conn.execute("SELECT COUNT(*) FROM hash").fetchone() == (300,)
+    finally:
+        await store.close()
+
+
+async def test_sqlite_purge_drops_expired_hashes(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteStore(path, timeout=5.0)
+    try:
+        await store.hash_put("ledger", "short", {b"a": b"1", b"b": b"1"}, ttl=TTL)
+        await store.hash_put("ledger", "long", {b"a": b"1"}, ttl=60)
+        await hash_gone(store, "ledger", "short", [b"a", b"b"])
+        store._next_purge = 0.0  # the next write purges
+        await store.put("run", "k", b"v")
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("SELECT key, field FROM hash").fetchall() == [("long", b"a")]
+            assert conn.execute("SELECT key, size FROM hash_meta").fetchall() == [("long", 1)]
+    finally:
+        await store.close()
+
 async def test_sqlite_locked_file_is_a_store_error_within_timeout(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteStore(path, timeout=0.5)
@@ -322,6 +564,10 @@ OPS: list[tuple[str, Callable[[Store], Awaitable[object]]]] = [
     ("cas", lambda s: s.cas("run", "k", b"v", b"w")),
     ("delete", lambda s: s.delete("run", "k")),
     ("items", lambda s: s.items("run")),
+    ("hash_put", lambda s: s.hash_put("ledger", "k", {b"f": b"v"}, ttl=5, cap=10)),
+    ("hash_get", lambda s: s.hash_get("ledger", "k", [b"f"])),
+    ("hash_all", lambda s: s.hash_all("ledger", "k")),
+    ("hash_delete", lambda s: s.hash_delete("ledger", "k", [b"f"])),
     ("ping", lambda s: s.ping()),
 ]
 
@@ -354,6 +600,7 @@ async def test_redis_killed_then_restarted(own_redis: RedisServer) -> None:
         await store.put("run", "k", b"again")
         assert await store.cas("run", "k", b"again", b"cas-ok") is True  # script reloaded
         assert await store.items("run") == [("k", b"cas-ok")]
+        assert await store.hash_put("ledger", "k", {b"f": b"v"}, cap=10) == HashPut(1, 0)  # script reloaded
     finally:
         await store.close()
 
