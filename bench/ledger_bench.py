@@ -1,0 +1,140 @@
+"""Cost of the data-flow ledger as the ledger grows: a sink check must cost the same whether
+the run has read 1 KB or 1 MB of untrusted text.
+
+For each store (memory, sqlite in a temp file, redis on a redis-server started here when the
+binary exists) and each ledger size, the run's ledger is filled with fingerprints of distinct
+untrusted text, then two operations are timed:
+
+- check: what the flow check does for one sink call with a 300-character argument: load the
+  run's flags and exactly the argument's fingerprints, then match (`load` + `match_argument`);
+- record: fingerprint a 1,000-character untrusted output and add it to the ledger (`record`).
+
+Usage (from the repository root, venv active):
+
+    python bench/ledger_bench.py [--sizes 1000,16000,64000,256000] [--repeat 200]
+
+Prints a Markdown table (median µs per operation); bench/RESULTS.md quotes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from proxy.envelope.dataflow import LedgerDelta, Probe, load, match_argument, record
+from proxy.envelope.labels import Label, Piece
+from proxy.store.base import Store
+from proxy.store.memory import MemoryStore
+from proxy.store.redis import RedisStore
+from proxy.store.sqlite import SqliteStore
+
+N = 32
+ARGUMENT = ("Hi team, the quarterly numbers are in the attached sheet; revenue went up and costs "
+            "went down, so the forecast holds. Please review the summary before Thursday's call "
+            "and send your comments to the finance channel. Thanks, and see you all at the offsite "
+            "next month.")[:300]
+
+
+def page(i: int, size: int) -> str:
+    """Distinct untrusted text of `size` characters (every 32-gram new)."""
+    out, length, j = [], 0, 0
+    while length < size:
+        word = f"w{i}x{j}"
+        out.append(word)
+        length += len(word) + 1
+        j += 1
+    return " ".join(out)[:size]
+
+
+def delta(text: str) -> LedgerDelta:
+    return LedgerDelta.of("web.fetch", [Piece(text, Label(True, False), "t")], N)
+
+
+@asynccontextmanager
+async def stores(tmp: Path) -> AsyncIterator[list[tuple[str, Callable[[], Store]]]]:
+    found: list[tuple[str, Callable[[], Store]]] = [("memory", MemoryStore)]
+    found.append(("sqlite", lambda: SqliteStore(tmp / f"state-{time.monotonic_ns()}.db", timeout=30.0)))
+    if shutil.which("redis-server"):
+        from tests.redis_server import running_redis
+        (tmp / "redis").mkdir()
+        with running_redis(tmp / "redis") as server:
+            found.append(("redis", lambda: RedisStore(server.url, prefix=f"b{time.monotonic_ns()}:", timeout=30.0)))
+            yield found
+    else:
+        yield found
+
+
+async def fill(store: Store, run: str, fingerprints: int) -> None:
+    chunk, i = 20_000, 0
+    while fingerprints > 0:
+        take = min(chunk, fingerprints)
+        await record(store, run, delta(page(i, take + N - 1)), n=N, cap=10_000_000, ttl=3600)
+        fingerprints -= take
+        i += 1
+
+
+async def timed(fn: Callable[[], object], repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        await fn()  # type: ignore[misc]
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+async def measure(store: Store, repeat: int) -> tuple[float, float]:
+    """(median µs of a sink check, median µs of recording a 1,000-character output)."""
+    probe = Probe.of(ARGUMENT, N)
+    counter = iter(range(10**9))
+
+    async def check() -> None:
+        ledger = await load(store, "run", N, probe.fields())
+        assert ledger is not None
+        match_argument(ledger, probe, N)
+
+    async def add() -> None:
+        await record(store, "other", delta(page(10_000 + next(counter), 1000)),
+                     n=N, cap=10_000_000, ttl=3600)
+
+    return await timed(check, repeat), await timed(add, max(20, repeat // 4))
+
+
+async def main(sizes: list[int], repeat: int) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        async with stores(Path(tmp)) as found:
+            for name, opener in found:
+                store = opener()
+                try:
+                    have = 0
+                    for size in sizes:
+                        await fill(store, "run", size - have)
+                        have = size
+                        check_us, add_us = await measure(store, repeat)
+                        rows.append((name, size, check_us, add_us))
+                        print(f"{name} {size}: check {check_us:.0f} µs, record {add_us:.0f} µs",
+                              file=sys.stderr, flush=True)
+                finally:
+                    await store.close()
+    print("| store | ledger fingerprints | sink check (300-char argument) µs | record (1,000-char output) µs |")
+    print("|---|---:|---:|---:|")
+    for name, size, check_us, add_us in rows:
+        print(f"| {name} | {size:,} | {check_us:.0f} | {add_us:.0f} |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1000,16000,64000,256000")
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args()
+    asyncio.run(main([int(x) for x in args.sizes.split(",")], args.repeat))
