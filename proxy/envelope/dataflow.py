@@ -23,7 +23,7 @@ token lifted from untrusted content in them is still flagged.
 Modes: `shadow` forwards flagged calls (audited with the evidence under `dataflow`, counted in
 `envelope_dataflow_flagged_total`); `enforce` refuses them with `dataflow_policy_blocked`, or,
 with `on_flag: approve` for the sink and an approval gate configured, sends them to the approval
-gate with the evidence (`ToolCall.escalation`). No `dataflow:` section: off.
+gate with the evidence (`ToolCall.escalation`). No `dataflow:` section: shadow.
 
 Recording: for a call whose output can be untrusted or secret, the check first writes a pending
 marker into the run's ledger, then a result hook adds the output's fingerprints and clears the
@@ -43,6 +43,8 @@ import logging
 import re
 import time
 import unicodedata
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -60,7 +62,7 @@ from proxy.envelope.call import (
 )
 from proxy.envelope.labels import OutputLabels, Piece, output_labels, pieces
 from proxy.envelope.tools import ToolRegistry
-from proxy.errors import StoreError
+from proxy.errors import ResultWithheld, StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import DataflowPolicy
 from proxy.store.base import Store
@@ -205,6 +207,7 @@ class LedgerDelta:
     grams: dict[bytes, str] = field(default_factory=dict)
     tokens: dict[bytes, str] = field(default_factory=dict)
     overflow: bool = False
+    lost: bool = False  # the output may reach the agent without passing the proxy
 
     @classmethod
     def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None) -> LedgerDelta:
@@ -235,7 +238,7 @@ class LedgerDelta:
 
     @property
     def empty(self) -> bool:
-        return not (self.untrusted or self.secret or self.overflow)
+        return not (self.untrusted or self.secret or self.overflow or self.lost)
 
     def labels(self) -> set[str]:
         """The labels its fingerprints carry."""
@@ -266,6 +269,8 @@ class LedgerDelta:
             out[f"n:{n}".encode()] = b"1"
         if self.overflow:
             out[b"o"] = b"1"
+        if self.lost:
+            out[b"l"] = b"1"
         return out
 
 
@@ -279,6 +284,7 @@ class Ledger:
     untrusted: bool = False
     secret: bool = False
     overflow: bool = False
+    lost: bool = False  # an output reached the agent (or may have) without being fingerprinted
     pending: dict[str, float] = field(default_factory=dict)  # decision id -> deadline (epoch)
     sources: dict[bytes, str] = field(default_factory=dict)  # source id -> "<label>|<source>"
     sizes: set[int] = field(default_factory=set)  # every min_match the ledger was built with
@@ -286,7 +292,8 @@ class Ledger:
 
     @classmethod
     def from_meta(cls, n: int, meta: Mapping[bytes, bytes]) -> Ledger:
-        ledger = cls(n, untrusted=b"u" in meta, secret=b"s" in meta, overflow=b"o" in meta)
+        ledger = cls(n, untrusted=b"u" in meta, secret=b"s" in meta, overflow=b"o" in meta,
+                     lost=b"l" in meta)
         for key, value in meta.items():
             if key.startswith(b"src:"):
                 ledger.sources[key[4:]] = value.decode(errors="replace")
@@ -307,6 +314,9 @@ class Ledger:
             return "the run's ledger reached its size cap"
         if self.sizes - {n}:
             return f"the run's ledger was built with another min_match than the policy's {n}"
+        if self.lost:
+            return ("an output of the run may have reached the agent without passing the proxy "
+                    "(a dropped stream the client can resume)")
         if any(deadline < now for deadline in self.pending.values()):
             return "an untrusted output of the run was not fingerprinted (its result was lost)"
         return None
@@ -367,11 +377,77 @@ async def load(store: Store, run_id: str, n: int, probes: Iterable[bytes] = ()) 
     return ledger
 
 
+class RecentWrites:
+    """What this process wrote to which run ledgers in the last `window` seconds, so that an
+    output already recorded (an agent reading the same page again) and unchanged flags cost no
+    store write. A run is "fresh" when this process refreshed both of its hashes (same expiry)
+    within the window; only then are writes skipped, and a skipped refresh moves an expiry at
+    most `window` seconds earlier than a rewrite would have. Bounded (LRU over runs)."""
+
+    def __init__(self, window: float = 60.0, size: int = 4096) -> None:
+        self.window = window
+        self.size = size
+        # Per store (weakly: a closed store's entries go with it), per run: when, and digests.
+        self._stores: weakref.WeakKeyDictionary[Store, OrderedDict[str, tuple[float, set[bytes]]]] = (
+            weakref.WeakKeyDictionary())
+
+    def _runs(self, store: Store) -> OrderedDict[str, tuple[float, set[bytes]]]:
+        runs = self._stores.get(store)
+        if runs is None:
+            runs = self._stores[store] = OrderedDict()
+        return runs
+
+    def _entry(self, store: Store, run_id: str, ttl: float) -> set[bytes] | None:
+        entry = self._runs(store).get(run_id)
+        if entry is None or time.monotonic() - entry[0] > min(self.window, ttl / 10):
+            return None
+        return entry[1]
+
+    def fresh(self, store: Store, run_id: str, ttl: float) -> bool:
+        return self._entry(store, run_id, ttl) is not None
+
+    def covers(self, store: Store, run_id: str, digests: Iterable[bytes], ttl: float) -> bool:
+        seen = self._entry(store, run_id, ttl)
+        return seen is not None and all(d in seen for d in digests)
+
+    def refreshed(self, store: Store, run_id: str, digests: Iterable[bytes], ttl: float) -> None:
+        """Both hashes of the run were just written with expiry `ttl`, holding `digests`."""
+        seen = self._entry(store, run_id, ttl)
+        if seen is None:
+            seen = set()
+        seen.update(digests)
+        runs = self._runs(store)
+        runs[run_id] = (time.monotonic(), seen)
+        runs.move_to_end(run_id)
+        while len(runs) > self.size:
+            runs.popitem(last=False)
+
+    def forget(self, store: Store, run_id: str) -> None:
+        self._runs(store).pop(run_id, None)
+
+
+RECENT = RecentWrites()
+
+
+def _digest(kind: bytes, fields: Mapping[bytes, bytes]) -> bytes:
+    h = hashlib.blake2b(kind, digest_size=16)
+    for k, v in fields.items():
+        h.update(k)
+        h.update(v)
+    return h.digest()
+
+
 async def mark_pending(store: Store, run_id: str, decision_id: str, deadline: float, *,
                        ttl: float) -> None:
-    """Say that an output of the run is on its way (cleared by `record`)."""
-    await store.hash_put(META_NS, run_id, {b"p:" + decision_id.encode(): repr(deadline).encode()}, ttl=ttl)
-    await store.hash_put(FP_NS, run_id, {}, ttl=ttl)  # the two hashes expire together
+    """Say that an output of the run is on its way (cleared by `record`). Both hashes get the
+    same expiry, unless this process refreshed them moments ago (then the expiry stays)."""
+    marker = {b"p:" + decision_id.encode(): repr(deadline).encode()}
+    if RECENT.fresh(store, run_id, ttl):
+        await store.hash_put(META_NS, run_id, marker)
+        return
+    await store.hash_put(META_NS, run_id, marker, ttl=ttl)
+    await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
+    RECENT.forget(store, run_id)
 
 
 async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
@@ -379,20 +455,25 @@ async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: 
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
     go in first and the marker goes last, so an interruption leaves the run coarse (fail
     closed). Both hashes get the same expiry: flags that outlived their fingerprints would
-    narrow verdicts. Raises StoreError when the store cannot answer."""
+    narrow verdicts. What this process wrote moments ago is not written again (`RECENT`).
+    Raises StoreError when the store cannot answer."""
     meta = delta.meta(n)
-    refreshed = False
-    for label, replace in (("untrusted", True), ("secret", False)):
-        fields = delta.fields(label)
-        if fields:
-            put = await store.hash_put(FP_NS, run_id, fields, ttl=ttl, replace=replace, cap=cap)
-            refreshed = True
-            if put.refused:
-                meta[b"o"] = b"1"
-    if meta:
-        if not refreshed:
-            await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
-        await store.hash_put(META_NS, run_id, meta, ttl=ttl)
+    parts = [(label, replace, delta.fields(label)) for label, replace in (("untrusted", True), ("secret", False))]
+    parts = [part for part in parts if part[2]]
+    digests = [_digest(label.encode(), fields) for label, _, fields in parts]
+    if meta or parts:
+        digests.append(_digest(b"meta", meta))
+        if not RECENT.covers(store, run_id, digests, ttl):
+            RECENT.forget(store, run_id)
+            for _, replace, fields in parts:
+                put = await store.hash_put(FP_NS, run_id, fields, ttl=ttl, replace=replace, cap=cap)
+                if put.refused:
+                    meta[b"o"] = b"1"
+            if not parts:
+                await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
+            await store.hash_put(META_NS, run_id, meta, ttl=ttl)
+            if b"o" not in meta:  # an overflowing output is written again next time
+                RECENT.refreshed(store, run_id, digests, ttl)
     if done is not None:
         await store.hash_delete(META_NS, run_id, [b"p:" + done.encode()])
 
@@ -546,9 +627,9 @@ class DataflowCheck:
         self._registry = registry
         self._services = services
         policy = revision.document.dataflow
-        # No `dataflow:` section: the check is off. Tracking costs store round trips on every
-        # untrusted read (measured in bench/RESULTS.md), so a policy opts in explicitly.
-        self.policy: DataflowPolicy = policy if policy is not None else DataflowPolicy(mode="off")
+        # No `dataflow:` section: shadow (flows are tracked, flagged, audited and counted, never
+        # refused). Its cost is measured in bench/RESULTS.md; `mode: off` turns it off.
+        self.policy: DataflowPolicy = policy if policy is not None else DataflowPolicy(mode="shadow")
         self.mode = self.policy.mode
         self._n = self.policy.min_match
         self._skip = frozenset(self.policy.skip_formats)
@@ -609,8 +690,11 @@ class DataflowCheck:
         try:
             decision = await self._check_sink(store, call) if sink else None
             if decision is None and labels.tracked:
-                deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
-                await mark_pending(store, call.run.id, call.decision_id, deadline, ttl=self._ttl)
+                if call.run.session:
+                    # A session's stream may be resumed past the proxy (GET + Last-Event-ID)
+                    # if the client drops it: say beforehand that an output is on its way.
+                    deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
+                    await mark_pending(store, call.run.id, call.decision_id, deadline, ttl=self._ttl)
                 call.on_result.append(self._recorder(store, labels))
             return decision
         except (StoreError, TimeoutError) as exc:
@@ -686,30 +770,44 @@ class DataflowCheck:
     # -- recording -----------------------------------------------------------------------
 
     def _recorder(self, store: Store, labels: OutputLabels) -> ResultHook:
-        n, ttl, cap = self._n, self._ttl, self._cap
+        n, ttl, cap, mode = self._n, self._ttl, self._cap, self.mode
 
         async def hook(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
+            """Record the output before it reaches the agent. When it cannot be recorded, the
+            result is withheld (enforce; shadow audits `dataflow_error` and lets it through). A
+            call allowed but finished without a result (a resumable stream the client dropped)
+            may still reach the agent by resumption, past the proxy: the run goes coarse."""
             result: Any = reply.get("result") if isinstance(reply, Mapping) else None
             if result is None and decision.code is Code.REPLAYED:
                 result = decision.result
             delta = LedgerDelta(call.qualified_name)
             if isinstance(result, Mapping):
                 delta = LedgerDelta.of(call.qualified_name, pieces(result, labels), n, limit=cap)
+            elif reply is None and decision.verdict is Verdict.ALLOW and decision.code is Code.OK:
+                delta = LedgerDelta(call.qualified_name, untrusted=labels.base.untrusted,
+                                    secret=labels.base.secret, lost=True)
             try:
-                await record(store, call.run.id, delta, n=n, cap=cap, ttl=ttl, done=call.decision_id)
+                await record(store, call.run.id, delta, n=n, cap=cap, ttl=ttl,
+                             done=call.decision_id if call.run.session else None)
                 if not delta.empty:
                     for ancestor in _ancestors(call):
                         await widen_parent(store, ancestor, delta, n=n, cap=cap, ttl=ttl)
             except (StoreError, TimeoutError) as exc:
-                # The pending marker stays: once past its deadline the run counts as coarse.
+                # A session's pending marker stays: past its deadline the run counts as coarse.
                 log.error("data-flow ledger of run %s not updated: %s", call.run.id, exc)
                 call.audit_extra["dataflow_error"] = f"ledger not updated: {exc}"
+                if mode == "enforce" and isinstance(result, Mapping) and not delta.empty:
+                    raise ResultWithheld(Decision(
+                        Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id,
+                        f"the run's data-flow ledger cannot record this {'untrusted' if delta.untrusted else 'secret'} "
+                        f"output ({exc or 'timed out'}); the result is withheld")) from exc
                 return
             if delta.untrusted or delta.secret:
                 call.audit_extra["dataflow_recorded"] = {
                     "untrusted": delta.untrusted, "secret": delta.secret,
                     "fingerprints": len(delta.grams) + len(delta.tokens),
-                    **({"overflow": True} if delta.overflow else {})}
+                    **({"overflow": True} if delta.overflow else {}),
+                    **({"lost": True} if delta.lost else {})}
 
         return hook
 

@@ -44,7 +44,7 @@ from proxy.envelope.call import (
 )
 from proxy.envelope.misconfig import Dependencies, MisconfigSink, Misconfiguration
 from proxy.envelope.tools import ToolRegistry
-from proxy.errors import AuditError
+from proxy.errors import AuditError, ResultWithheld
 from proxy.policy.compiled import PolicyRevision
 
 log = logging.getLogger("envelope")
@@ -230,19 +230,28 @@ class Envelope:
         `reply` is the upstream's JSON-RPC reply when the call was forwarded and answered.
         Raises AuditError when the record cannot be written. Call it before the reply is sent:
         a record that cannot be written turns the reply into an `audit_unavailable` refusal.
+        Raises ResultWithheld (after auditing its refusal) when a hook says the result must not
+        reach the agent; the front answers with that refusal instead.
         """
         call = pending.call
         decision = decision or pending.decision
+        withheld: Decision | None = None
         for hook in call.on_result:
             try:
                 await hook(call, decision, reply)
             except asyncio.CancelledError:
                 raise
+            except ResultWithheld as exc:  # the refusal is audited in place of the decision
+                withheld = withheld or exc.decision
             except Exception as exc:  # a hook never hides the outcome; the record says so
                 log.error("result hook failed for decision %s", call.decision_id, exc_info=exc)
                 extra = {**(extra or {}), "hook_error": f"{type(exc).__name__}: {exc}"}
         if call.audit_extra:
             extra = {**(extra or {}), **call.audit_extra}
+        if withheld is not None:
+            extra = {**(extra or {}), "withheld": {"verdict": decision.verdict.value,
+                                                   "code": decision.code.value}}
+            decision = withheld
         if decision.audit:
             extra = {**(extra or {}), **decision.audit}
         now = time.perf_counter()
@@ -300,3 +309,5 @@ class Envelope:
             m.observe_stage("upstream", upstream_seconds)
         if self.recorder is not None:  # never raises: a recording failure is logged and counted
             self.recorder.record(pending, decision, reply)
+        if withheld is not None:
+            raise ResultWithheld(withheld)

@@ -44,7 +44,7 @@ from proxy.envelope.call import (
     Verdict,
 )
 from proxy.envelope.pipeline import Pending
-from proxy.errors import AuditError, UpstreamError, UpstreamTimeout
+from proxy.errors import AuditError, ResultWithheld, UpstreamError, UpstreamTimeout
 from proxy.fronts import jsonrpc
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.mcp import (
@@ -476,6 +476,8 @@ class AggregateFront:
         try:
             await front.envelope.finish(pending, guarded, upstream_status=status, upstream_seconds=seconds,
                                         extra={"is_error": is_error}, reply=reply)
+        except ResultWithheld as exc:
+            return _result(msg.id, refusal_result(exc.decision, call.decision_id, stateless))
         except AuditError:
             decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                                 "the audit log cannot be written; the result is withheld")

@@ -36,7 +36,7 @@ from proxy.envelope.call import (
 )
 from proxy.envelope.guardrails import guard_reply
 from proxy.envelope.pipeline import Envelope, Pending
-from proxy.errors import AuditError, IdentityError, UpstreamError, UpstreamTimeout
+from proxy.errors import AuditError, IdentityError, ResultWithheld, UpstreamError, UpstreamTimeout
 from proxy.forward import Forwarder, UpstreamResponse
 from proxy.fronts import jsonrpc
 from proxy.fronts.inband import (
@@ -644,6 +644,8 @@ class McpFront:
             result.setdefault("resultType", "complete")
         try:
             await self.envelope.finish(pending)
+        except ResultWithheld as exc:
+            result = refusal_result(exc.decision, pending.call.decision_id, stateless)
         except AuditError:
             refusal = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
                                "the audit log cannot be written; the call was refused")
@@ -700,9 +702,10 @@ class _ForwardedCall:
         """The output guardrails on the call's reply (see `guard_result`)."""
         return guard_result(self.front.envelope, self.pending, reply, self.msg.id, self.stateless)
 
-    async def _finish_ok(self, result_body: Any, decision: Decision | None = None) -> bool:
+    async def _finish_ok(self, result_body: Any, decision: Decision | None = None) -> Decision | None:
         """Audit the upstream's answer (or `decision`, a guardrail's refusal that replaces it).
-        False when the audit failed (the reply becomes a refusal)."""
+        None when the answer may go out; else the refusal to send instead (the audit failed, or
+        the result is withheld)."""
         is_error = None
         if isinstance(result_body, dict):
             res = result_body.get("result")
@@ -716,8 +719,11 @@ class _ForwardedCall:
                                              upstream_seconds=self._upstream_seconds(),
                                              extra={"is_error": is_error}, reply=result_body)
         except AuditError:
-            return False
-        return True
+            return Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                            "the audit log cannot be written; the result is withheld")
+        except ResultWithheld as exc:
+            return exc.decision
+        return None
 
     def _failure(self, code: Code, reason: str) -> Decision:
         return Decision(Verdict.ERROR, code, "forward", reason)
@@ -888,10 +894,11 @@ class _ForwardedCall:
                 parsed, guarded, changed = self._guard(parsed)
                 if changed:  # redacted or blocked: a new body (and so a new Content-Length)
                     data = orjson.dumps(parsed)
-                if not await self._finish_ok(parsed, guarded):
+                refusal = await self._finish_ok(parsed, guarded)
+                if refusal is not None:
                     if self.stream is not None:
-                        return await _end_stream(self.stream, self._audit_refusal().body)  # type: ignore[arg-type]
-                    return self._audit_refusal()
+                        return await _end_stream(self.stream, self._refusal(refusal).body)  # type: ignore[arg-type]
+                    return self._refusal(refusal)
                 if self.stream is not None:
                     return await _end_stream(self.stream, data)
                 return web.Response(status=resp.status, body=data, headers=front._downstream_headers(resp))
@@ -912,8 +919,10 @@ class _ForwardedCall:
             return await self._fail(self._failure(Code.UPSTREAM_ERROR, reason))
 
     def _audit_refusal(self) -> web.Response:
-        decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
-                            "the audit log cannot be written; the result is withheld")
+        return self._refusal(Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
+                                      "the audit log cannot be written; the result is withheld"))
+
+    def _refusal(self, decision: Decision) -> web.Response:
         return _json(200, jsonrpc.result_body(
             self.msg.id, refusal_result(decision, self.pending.call.decision_id, self.stateless)))
 
@@ -970,8 +979,9 @@ class _ForwardedCall:
             if (isinstance(reply, dict) and reply.get("id") == self.msg.id
                     and ("result" in reply or "error" in reply)):
                 reply, guarded, changed = self._guard(reply)
-                if not await self._finish_ok(reply, guarded):
-                    await out.write(format_event(self._audit_refusal().body))  # type: ignore[arg-type]
+                refusal = await self._finish_ok(reply, guarded)
+                if refusal is not None:
+                    await out.write(format_event(self._refusal(refusal).body))  # type: ignore[arg-type]
                     await out.write_eof()
                     return False
                 if changed:  # redacted or blocked: the rewritten result event, same id

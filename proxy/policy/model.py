@@ -314,7 +314,7 @@ class DataflowPolicy(_Model):
 
     # off: no ledger, no check. shadow: flagged sinks are forwarded, audited and counted.
     # enforce: flagged sinks are refused (or escalated, see on_flag). Absent: enforce (the
-    # section is present; with no `dataflow:` section at all the check is off).
+    # section is present; with no `dataflow:` section at all the check runs in shadow).
     mode: Literal["off", "shadow", "enforce"] = "enforce"
     # Shortest verbatim run of untrusted characters (after normalising case and whitespace)
     # that flags an argument. Absent: 32 (measured: bench/RESULTS.md, "Data flow").

@@ -277,3 +277,36 @@ async def test_replicas_share_the_ledger_through_redis(tmp_path: Path, upstream_
             assert "mail.fetch_page" in d["reason"]
             other = await _call(b.url("mail"), _run(), "send_email", _email(ATTACKER, "Hi."))
             assert not other.is_error, other.content  # another run holds no taint
+
+
+async def test_an_output_that_cannot_be_recorded_is_withheld(tmp_path: Path, upstream_url: str) -> None:
+    """Fail closed on the result side: with the store gone, an untrusted page the ledger
+    cannot record never reaches the agent (store_unavailable, audited with what was withheld);
+    once the store is back, the same read works and is recorded. (An output this process
+    recorded moments ago is not written again, so the withheld read is a new one.)"""
+    from tests.redis_server import running_redis
+
+    with running_redis(tmp_path) as server:
+        config = {**_config(), "store": {"kind": "redis", "url": server.url, "timeout": 1.0}}
+        (tmp_path / "p").mkdir()
+        with proxy_process(tmp_path / "p", {"mail": upstream_url}, config=config,
+                           policies=_policy(tmp_path / "policies", "enforce")) as pp:
+            url, run = pp.url("mail"), _run()
+            await _call(url, run, "read_secrets", {"name": "db"})
+            mine = [r for r in pp.audit_records() if r["run"] == run["X-Envelope-Run"]]
+            assert mine[-1]["extra"]["dataflow_recorded"]["secret"] is True
+            server.kill()
+            cut = await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+            d = _decision(cut)
+            assert cut.is_error and d["code"] == "store_unavailable", cut.content
+            assert "withheld" in d["reason"] and ATTACKER not in cut.content[0].text
+            rec = _record(pp, d["decision_id"])
+            assert rec["verdict"] == "error" and rec["code"] == "store_unavailable"
+            assert rec["extra"]["withheld"] == {"verdict": "allow", "code": "ok"}
+            assert "ledger not updated" in rec["extra"]["dataflow_error"]
+            server.start()
+            again = await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+            assert not again.is_error and ATTACKER in again.content[0].text
+            # and the taint it carries still blocks the attacker's address
+            r = await _call(url, run, "send_email", _email(ATTACKER, "List attached."))
+            assert _decision(r)["code"] == "dataflow_policy_blocked", r.content

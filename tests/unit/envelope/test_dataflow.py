@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import pytest
 from envelope_helpers import build_revision, make_call
 
-from proxy.envelope.call import Code, Effect, Services, ToolInfo
+from proxy.envelope import dataflow
+from proxy.envelope.call import Code, Decision, Effect, RunContext, Services, ToolInfo, Verdict
 from proxy.envelope.dataflow import (
     DataflowCheck,
     Ledger,
@@ -21,6 +24,7 @@ from proxy.envelope.dataflow import (
     widen_parent,
 )
 from proxy.envelope.labels import Label, Piece, output_labels, pieces
+from proxy.errors import ResultWithheld, StoreError
 from proxy.policy.model import ToolPolicy
 from proxy.store.memory import MemoryStore
 
@@ -174,3 +178,91 @@ async def test_enforce_without_store_refuses_sinks() -> None:
     call.effect = Effect.EXTERNAL
     decision = await check.decide(call)
     assert decision is not None and decision.code is Code.MISCONFIGURED
+
+
+async def test_an_output_recorded_moments_ago_is_not_written_again() -> None:
+    """Re-reading the same page costs no fingerprint write within the window; a new page, or
+    the same page once the window has passed, is written (and both hashes refreshed)."""
+    store = MemoryStore()
+    puts: list[str] = []
+    real = store.hash_put
+
+    async def counting(ns: str, key: str, fields: Any, ttl: float | None = None, **kw: Any) -> Any:
+        puts.append(ns)
+        return await real(ns, key, fields, ttl, **kw)
+
+    store.hash_put = counting  # type: ignore[method-assign]
+    recent = dataflow.RECENT
+    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done=None)
+    assert puts == ["ledger_fp", "ledger"]
+    await mark_pending(store, "run", "d2", time.time() + 60, ttl=3600)
+    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done="d2")
+    assert puts == ["ledger_fp", "ledger", "ledger"]  # only the marker, no rewrite
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and not ledger.pending
+    await record(store, "run", _delta("a different page about " + PAGE), n=32, cap=4096, ttl=3600)
+    assert puts[3:] == ["ledger_fp", "ledger"]
+    recent.forget(store, "run")
+    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600)
+    assert puts[5:] == ["ledger_fp", "ledger"]
+    # The cache is per store: another store with the same run id is written in full.
+    other = MemoryStore()
+    await record(other, "run", _delta(PAGE), n=32, cap=4096, ttl=3600)
+    assert (await load(other, "run", 32)) is not None
+
+
+def _read(session: str | None = None) -> Any:
+    call = make_call("fetch", {"url": "https://news.example"}, upstream="web")
+    call.run = RunContext("run-1", session=session)
+    return call
+
+
+async def test_a_stateless_read_costs_no_store_write_before_it_is_forwarded() -> None:
+    """Outputs are recorded before they reach the agent, so a stateless read needs no pending
+    marker; a session's stream can be resumed past the proxy, so a session read has one."""
+    for session, before in ((None, set()), ("s-1", {"ledger", "ledger_fp"})):
+        store = MemoryStore()
+        check = DataflowCheck(_revision(), None, Services(store=store))  # type: ignore[arg-type]
+        call = _read(session)
+        assert await check.decide(call) is None
+        assert set(store._hashes) == before
+        ok = Decision(Verdict.ALLOW, Code.OK, "forward", "")
+        page = {"result": {"content": [{"type": "text", "text": PAGE}]}}
+        await call.on_result[0](call, ok, page)
+        ledger = await load(store, "run-1", 32)
+        assert ledger is not None and ledger.untrusted and not ledger.pending
+
+
+async def test_an_allowed_call_finished_without_its_result_makes_the_run_coarse() -> None:
+    store = MemoryStore()
+    check = DataflowCheck(_revision(), None, Services(store=store))  # type: ignore[arg-type]
+    call = _read("s-1")
+    await check.decide(call)
+    resumable = Decision(Verdict.ALLOW, Code.OK, "forward", "the client disconnected; resumable")
+    await call.on_result[0](call, resumable, None)
+    ledger = await load(store, "run-1", 32)
+    assert ledger is not None and ledger.lost and not ledger.pending
+    assert "without passing the proxy" in (ledger.coarse(time.time(), 32) or "")
+    send = make_call("send", {"to": "boss@corp.example", "body": "x" * 40}, upstream="web")
+    send.effect = Effect.EXTERNAL
+    refused = await check.decide(send)
+    assert refused is not None and refused.code is Code.DATAFLOW_POLICY_BLOCKED
+
+
+async def test_an_output_the_ledger_cannot_take_is_withheld_in_enforce_only() -> None:
+    for mode in ("enforce", "shadow"):
+        store = MemoryStore()
+        check = DataflowCheck(_revision(mode), None, Services(store=store))  # type: ignore[arg-type]
+        call = _read()
+        await check.decide(call)
+        store.fail = StoreError("redis store redis://x: get failed: Connection refused")
+        page = {"result": {"content": [{"type": "text", "text": PAGE}]}}
+        ok = Decision(Verdict.ALLOW, Code.OK, "forward", "")
+        if mode == "enforce":
+            with pytest.raises(ResultWithheld) as caught:
+                await call.on_result[0](call, ok, page)
+            assert caught.value.decision.code is Code.STORE_UNAVAILABLE
+            assert "withheld" in caught.value.decision.reason
+        else:
+            await call.on_result[0](call, ok, page)
+        assert "Connection refused" in call.audit_extra["dataflow_error"]
