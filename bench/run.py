@@ -64,8 +64,8 @@ HEADERS = {
     "Mcp-Name": TOOL,
 }
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-CONFIGS = ("direct", "nginx", "passthrough", "envelope", "dataflow")
-ENVELOPES = ("envelope", "dataflow")  # configs served by envelope-proxy
+CONFIGS = ("direct", "nginx", "passthrough", "noflow", "envelope")
+ENVELOPES = ("noflow", "envelope")  # configs served by envelope-proxy
 TARGET_THROUGHPUT = 0.9
 TARGET_P50_MS = 0.3
 ALLOWED = "allow/ok"
@@ -264,14 +264,15 @@ def start_passthrough(tmp: Path, upstream_url: str, workers: int) -> Route:
     return Route("passthrough", workers, f"http://127.0.0.1:{port}/mcp", svc)
 
 
-def dataflow_policy(tmp: Path) -> Path:
-    """The bench policy plus `dataflow: {mode: shadow}`: every call's untrusted output is
-    fingerprinted into the run's ledger (all calls share one run, the static principal)."""
-    directory = tmp / "policy-dataflow"
+def noflow_policy(tmp: Path) -> Path:
+    """The bench policy plus `dataflow: {mode: off}`: the envelope without data-flow tracking
+    (the default, with no `dataflow:` section, is shadow: every call's untrusted output is
+    fingerprinted into the run's ledger; all calls share one run, the static principal)."""
+    directory = tmp / "policy-noflow"
     directory.mkdir(exist_ok=True)
     for f in POLICY_DIR.glob("*.yaml"):
         (directory / f.name).write_text(f.read_text())
-    (directory / "zz-dataflow.yaml").write_text("version: 1\ndataflow:\n  mode: shadow\n")
+    (directory / "zz-noflow.yaml").write_text("version: 1\ndataflow:\n  mode: \"off\"\n")
     return directory
 
 
@@ -281,7 +282,7 @@ def envelope_config(tmp: Path, upstream_url: str, workers: int, name: str = "env
     config = {
         "listen": f"127.0.0.1:{port}",
         "admin": f"127.0.0.1:{admin}",
-        "policies": str(dataflow_policy(tmp) if name == "dataflow" else POLICY_DIR),
+        "policies": str(noflow_policy(tmp) if name == "noflow" else POLICY_DIR),
         "state_dir": str(state),
         "identity": {"mode": "static", "principal": "bench-agent", "groups": ["engineering"]},
         "upstreams": {UPSTREAM_NAME: {"url": upstream_url}},
@@ -307,8 +308,8 @@ def start_envelope(tmp: Path, upstream_url: str, workers: int, name: str = "enve
     return Route(name, workers, f"http://127.0.0.1:{port}/mcp/{UPSTREAM_NAME}", svc, admins)
 
 
-def start_dataflow(tmp: Path, upstream_url: str, workers: int) -> Route:
-    return start_envelope(tmp, upstream_url, workers, "dataflow")
+def start_noflow(tmp: Path, upstream_url: str, workers: int) -> Route:
+    return start_envelope(tmp, upstream_url, workers, "noflow")
 
 
 # ---- verification ------------------------------------------------------------------------
@@ -497,7 +498,7 @@ def run_matrix(args: argparse.Namespace, tmp: Path, upstream: Service, upstream_
                script: Path) -> list[Cell]:
     cells: list[Cell] = []
     starters = {"nginx": start_nginx, "passthrough": start_passthrough, "envelope": start_envelope,
-                "dataflow": start_dataflow}
+                "noflow": start_noflow}
     if "direct" in args.configs:
         print("direct (workers: n/a)", flush=True)
         direct = Route("direct", 1, upstream_url, None)
@@ -673,6 +674,7 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], pr
         "Envelope: bench/policy/bench.yaml (policy schema with 5 typed properties, one CEL `allow`, "
         "15 forbid rules that do not match and 5 allow rules of which the last matches), static "
         "identity, audit log on (one hash-chained JSONL file per worker), Prometheus metrics, "
+        "data-flow tracking in its default shadow mode (`noflow`: the same with `dataflow: {mode: off}`), "
         "policy reload polling off. Every cell was verified: HTTP 200 and `isError: false` before "
         "and after, no non-2xx or socket errors in wrk, and only `allow` decisions in the envelope's metrics "
         "(besides at most one `client_disconnected` per connection wrk drops mid-call when its time is up).",
@@ -720,19 +722,19 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], pr
                     lines.append(f"| {workers} | {conc} | {fmt(ng.proxy_cpu_us)} | "
                                  f"{fmt(base.proxy_cpu_us if base else None)} | {fmt(env.proxy_cpu_us)} | "
                                  f"{env.proxy_cpu_us / ng.proxy_cpu_us:.1f}x | {own} |")
-    if {"envelope", "dataflow"} <= set(args.configs):
-        lines += ["", "Data-flow tracking (`dataflow` = the envelope with `dataflow: {mode: shadow}`: every "
-                  "call's untrusted output fingerprinted into the run's ledger in the sqlite store; all "
-                  "calls share one run):", "",
-                  "| workers | concurrency | dataflow / envelope req/s | dataflow - envelope CPU µs/call |",
+    if {"envelope", "noflow"} <= set(args.configs):
+        lines += ["", "Data-flow tracking (`envelope` is the default, shadow: every call's untrusted output "
+                  "is fingerprinted into the run's ledger in the sqlite store before it is delivered; "
+                  "`noflow` is the same policy with `dataflow: {mode: off}`; all calls share one run):", "",
+                  "| workers | concurrency | envelope / noflow req/s | envelope - noflow CPU µs/call |",
                   "|---:|---:|---:|---:|"]
         for workers in args.workers:
             for conc in args.concurrency:
-                env, flow = by.get(("envelope", workers, conc)), by.get(("dataflow", workers, conc))
-                if env and flow:
-                    cpu = (f"{flow.proxy_cpu_us - env.proxy_cpu_us:+.1f} µs"
-                           if flow.proxy_cpu_us and env.proxy_cpu_us else "-")
-                    lines.append(f"| {workers} | {conc} | {flow.rps / env.rps:.2f} | {cpu} |")
+                flow, off = by.get(("envelope", workers, conc)), by.get(("noflow", workers, conc))
+                if flow and off:
+                    cpu = (f"{flow.proxy_cpu_us - off.proxy_cpu_us:+.1f} µs"
+                           if flow.proxy_cpu_us and off.proxy_cpu_us else "-")
+                    lines.append(f"| {workers} | {conc} | {flow.rps / off.rps:.2f} | {cpu} |")
     if profile:
         lines += ["", "## Where the envelope's time goes", "", profile]
     return "\n".join(lines) + "\n"

@@ -308,17 +308,6 @@ def call_from_record(rec: Mapping[str, Any]) -> ToolCall:
     )
 
 
-class StaticApprovalCheck(ApprovalCheck):
-    """The proxy's approval check, deciding without waiting: a pending approval (every approval
-    starts pending in replay's empty store) is refused at once as `approval_pending`."""
-
-    async def _hold(self, service: Any, call: ToolCall, approval: Any, wait: float,
-                    channel: Any = None) -> Decision:
-        return Decision(Verdict.DENY, Code.APPROVAL_PENDING, self.id,
-                        "needs approval (replay decides statically, without waiting)",
-                        self._rule(call))
-
-
 _NOT_PERFORMED = Decision(Verdict.ERROR, Code.INTERNAL_ERROR, "replay", "not performed (replay)")
 
 
@@ -341,7 +330,7 @@ class Replayer:
         self.services = Services(store=self.store, settings=config)
         self.chain = Chain(revision, self.registry, None, self.services)
         self.chain.checks = tuple(
-            StaticApprovalCheck(revision, self.registry, self.services) if isinstance(c, ApprovalCheck) else c
+            ApprovalCheck(revision, self.registry, self.services, hold=False) if isinstance(c, ApprovalCheck) else c
             for c in self.chain.checks
         )
 

@@ -89,8 +89,13 @@ class ApprovalCheck:
     id: ClassVar[str] = "approval"
 
     def __init__(
-        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None,
+        *, hold: bool = True,
     ):
+        """`hold=False` decides without holding anyone (policy tests, replay): a gated call
+        whose approval has no decision yet is `approval_pending` at once; everything else
+        (gating, grants, rule ids, the store) is the same check."""
+        self._hold_calls = hold
         self._revision = revision
         self._policies: dict[str, ApprovalPolicy | None] = {
             key: tool.policy.approval for key, tool in revision.tools.items()
@@ -152,7 +157,7 @@ class ApprovalCheck:
         binding = CallBinding(call.principal.id, call.run.id, call.upstream, call.tool,
                               args_digest(call.arguments))
         policy = self._policies.get(call.qualified_name)
-        wait = policy.wait if policy is not None else DEFAULT_WAIT
+        wait = (policy.wait if policy is not None else DEFAULT_WAIT) if self._hold_calls else 0.0
         ttl = (policy.ttl if policy is not None else None) or self._config.ttl
         channel = self._in_band(call, policy)
         if channel is not None and channel.mode == "defer" and (

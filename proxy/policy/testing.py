@@ -19,7 +19,7 @@ skips both) holds `cases:`, a list of:
 Each case runs with a fresh in-memory store and the default runtime config, so stateful checks
 (shadow, approval, idempotency) behave as in `envelope-proxy serve`, except that a gated call is
 not held: the approval check answers `approval_pending` at once instead of waiting
-`approval.wait` for a person (see `_NoWaitApproval`).
+`approval.wait` for a person (`ApprovalCheck(hold=False)`).
 
 The run `history` labels are recorded in the case model but no check consumes them yet (the
 data-flow check and taint ledger come later): `run.tainted` and `run.secret` stay false, as they
@@ -264,16 +264,6 @@ def _file_cases(f: YamlFile, convert: Converter) -> tuple[list[LoadedCase], list
 # -- running -------------------------------------------------------------------------------------
 
 
-class _NoWaitApproval(approval.ApprovalCheck):
-    """The approval check with no hold: a gated call with no decision is `approval_pending` at
-    once (a test has no approver). Everything else (gating, rule ids, grants, the store) is the
-    real check's."""
-
-    async def _hold(self, service: Any, call: ToolCall, approval: Any, wait: float,
-                    channel: Any = None) -> Decision | None:
-        return await super()._hold(service, call, approval, 0.0, channel)
-
-
 @dataclass(frozen=True, slots=True)
 class CaseResult:
     case: LoadedCase
@@ -483,7 +473,8 @@ def _chain(revision: PolicyRevision, case: Case) -> pipeline.Chain:
     services = Services(store=MemoryStore(), settings=Config())
     chain = pipeline.Chain(revision, registry, None, services)
     chain.checks = tuple(
-        _NoWaitApproval(revision, registry, services) if isinstance(c, approval.ApprovalCheck) else c
+        approval.ApprovalCheck(revision, registry, services, hold=False)
+        if isinstance(c, approval.ApprovalCheck) else c
         for c in chain.checks
     )
     return chain

@@ -80,6 +80,8 @@ _HASH_UPSERT = (
     " ON CONFLICT (ns, key, field) DO UPDATE SET value = excluded.value"
 )
 # Completed with `field IN (?, ...)` per chunk of fields.
+_HASH_INSERT_NEW = "INSERT OR IGNORE INTO hash (ns, key, field, value) VALUES (?, ?, ?, ?)"
+_HASH_REPLACE = "UPDATE hash SET value = ? WHERE ns = ? AND key = ? AND field = ? AND value IS NOT ?"
 _HASH_FIELDS = "SELECT field FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_VALUES = "SELECT field, value FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_REMOVE = "DELETE FROM hash WHERE ns = ? AND key = ? AND field IN "
@@ -276,6 +278,18 @@ class SqliteStore(Store):
                 conn.execute(_HASH_DROP_META, (ns, key))
                 meta = None
             expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+            if cap is None or size + len(items) <= cap:
+                # Every field fits: insert the new ones in one pass (changes() counts them), and
+                # only when some existed, replace those in a second; no lookup before writing.
+                before = conn.total_changes
+                conn.executemany(_HASH_INSERT_NEW, [(ns, key, f, v) for f, v in items])
+                added = conn.total_changes - before
+                if replace and added < len(items):
+                    conn.executemany(_HASH_REPLACE, [(v, ns, key, f, v) for f, v in items])
+                if added or ttl is not None:
+                    expires = expires if ttl is None else now + ttl
+                    conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
+                return HashPut(added, 0)
             existing: set[bytes] = set()
             for marks, chunk in _in_chunks(names):
                 existing.update(bytes(row[0]) for row in conn.execute(_HASH_FIELDS + marks, (ns, key, *chunk)))
