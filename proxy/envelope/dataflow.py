@@ -64,7 +64,7 @@ from proxy.envelope.labels import OutputLabels, Piece, output_labels, pieces
 from proxy.envelope.tools import ToolRegistry
 from proxy.errors import ResultWithheld, StoreError
 from proxy.policy.compiled import PolicyRevision
-from proxy.policy.model import DataflowPolicy
+from proxy.policy.model import DEFAULT_WINNOW, DataflowPolicy
 from proxy.store.base import Store
 
 NS = "ledger"
@@ -104,25 +104,56 @@ def normalise(text: str) -> str:
     return _WS.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
 
 
-def gram_hashes(norm: str, n: int) -> list[bytes]:
-    """The 8-byte hash of every n-character window of a normalised string, in order (computed
-    in segments of `_SEGMENT` windows, so the power tables stay small for huge texts)."""
+def _window_hashes(norm: str, k: int) -> np.ndarray:
+    """The hash of every k-character window of a normalised string, in order (computed in
+    segments of `_SEGMENT` windows, so the power tables stay small for huge texts)."""
     length = len(norm)
-    if length < n:
-        return []
+    if length < k:
+        return np.empty(0, np.uint64)
     codes = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
-    out: list[bytes] = []
-    for start in range(0, length - n + 1, _SEGMENT):
-        seg = codes[start: start + _SEGMENT + n - 1]
+    parts = []
+    for start in range(0, length - k + 1, _SEGMENT):
+        seg = codes[start: start + _SEGMENT + k - 1]
         size = len(seg)
         up, down = _power_tables(size)
         prefix = np.zeros(size + 1, np.uint64)
         with np.errstate(over="ignore"):
             np.cumsum(seg * up[:size], out=prefix[1:])
-            windows = (prefix[n:] - prefix[:-n]) * down[: size - n + 1]
-        raw = windows.astype("<u8").tobytes()
-        out += [raw[i: i + 8] for i in range(0, len(raw), 8)]
-    return out
+            parts.append((prefix[k:] - prefix[:-k]) * down[: size - k + 1])
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _as_fields(hashes: np.ndarray) -> list[bytes]:
+    raw = hashes.astype("<u8").tobytes()
+    return [raw[i: i + 8] for i in range(0, len(raw), 8)]
+
+
+def gram_length(n: int, window: int) -> int:
+    """The length k of the hashed grams: winnowing with `window` guarantees that every shared
+    run of k + window - 1 = n characters shares a kept fingerprint."""
+    return n - window + 1
+
+
+def gram_hashes(norm: str, n: int, window: int = DEFAULT_WINNOW) -> list[bytes]:
+    """The 8-byte fingerprint of every gram of a normalised string, in order (what an
+    argument is looked up by)."""
+    return _as_fields(_window_hashes(norm, gram_length(n, window)))
+
+
+def winnowed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> list[bytes]:
+    """The fingerprints an output keeps (Schleimer, Wilkerson and Aiken's winnowing): in every
+    run of `window` consecutive grams, the smallest hash (the rightmost on ties). Any text of
+    at least n characters shared with the output contains `window` whole grams, so one of its
+    grams is kept; about 2/(window+1) of the grams are stored. `window` 1 keeps every gram."""
+    hashes = _window_hashes(norm, gram_length(n, window))
+    if window <= 1 or len(hashes) == 0:
+        return _as_fields(np.unique(hashes))
+    if len(hashes) < window:
+        return _as_fields(hashes[[int(hashes.argmin())]])
+    views = np.lib.stride_tricks.sliding_window_view(hashes, window)
+    rightmost = window - 1 - views[:, ::-1].argmin(axis=1)
+    keep = np.unique(np.arange(len(views)) + rightmost)
+    return _as_fields(hashes[keep])
 
 
 _EMAIL = re.compile(r"[a-z0-9._%+-]+@[a-z0-9-]+(?:\.[a-z0-9-]+)*\.[a-z]{2,24}")
@@ -196,6 +227,11 @@ def source_id(label: str, source: str) -> bytes:
     return hashlib.blake2b(f"{label}|{source}".encode(), digest_size=4).digest()
 
 
+def _scheme(n: int, window: int) -> str:
+    """How a ledger's fingerprints were made; a ledger made another way cannot be matched."""
+    return f"{n}w{window}"
+
+
 @dataclass(slots=True)
 class LedgerDelta:
     """What one tool output adds to a run's ledger (also what widens a parent's ledger)."""
@@ -210,9 +246,11 @@ class LedgerDelta:
     lost: bool = False  # the output may reach the agent without passing the proxy
 
     @classmethod
-    def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None) -> LedgerDelta:
-        """The fingerprints of labelled pieces. Beyond `limit` fingerprints the rest of the
-        output is not hashed and the delta says `overflow` (bounded work per output)."""
+    def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None,
+           window: int = DEFAULT_WINNOW) -> LedgerDelta:
+        """The fingerprints of labelled pieces (grams winnowed with `window`). Beyond `limit`
+        fingerprints the rest of the output is not hashed and the delta says `overflow`
+        (bounded work per output)."""
         delta = cls(source)
         for piece in parts:
             label = "untrusted" if piece.label.untrusted else "secret"
@@ -222,11 +260,13 @@ class LedgerDelta:
                 delta.overflow = True
                 continue
             norm = normalise(piece.text)
-            if limit is not None and len(norm) - n + 1 > limit - len(delta.grams):
-                # Beyond the cap: hash no more than could be kept (bounded work per output).
-                norm = norm[: max(0, limit - len(delta.grams)) + n - 1]
+            # Winnowing keeps at least one gram of every `window`: past this length the output
+            # would overflow the cap anyway, so no more of it is hashed (bounded work).
+            most = None if limit is None else max(0, limit - len(delta.grams)) * window + n
+            if most is not None and len(norm) > most:
+                norm = norm[:most]
                 delta.overflow = True
-            grams = gram_hashes(norm, n)
+            grams = winnowed(norm, n, window)
             toks = [token_hash(kind, value) for kind, value in tokens(piece.text)]
             for into, found in ((delta.grams, grams), (delta.tokens, toks)):
                 if label == "untrusted":
@@ -257,7 +297,7 @@ class LedgerDelta:
         out.update((h, sid) for h, lab in self.grams.items() if lab == label)
         return out
 
-    def meta(self, n: int) -> dict[bytes, bytes]:
+    def meta(self, n: int, window: int = DEFAULT_WINNOW) -> dict[bytes, bytes]:
         """The flag and source fields this delta sets in the run's meta hash."""
         out: dict[bytes, bytes] = {}
         present = self.labels()
@@ -266,7 +306,7 @@ class LedgerDelta:
                 out[label[0].encode()] = b"1"
                 out[b"src:" + source_id(label, self.source)] = f"{label}|{self.source}".encode()
         if out:
-            out[f"n:{n}".encode()] = b"1"
+            out[b"n:" + _scheme(n, window).encode()] = b"1"
         if self.overflow:
             out[b"o"] = b"1"
         if self.lost:
@@ -287,13 +327,14 @@ class Ledger:
     lost: bool = False  # an output reached the agent (or may have) without being fingerprinted
     pending: dict[str, float] = field(default_factory=dict)  # decision id -> deadline (epoch)
     sources: dict[bytes, str] = field(default_factory=dict)  # source id -> "<label>|<source>"
-    sizes: set[int] = field(default_factory=set)  # every min_match the ledger was built with
+    schemes: set[str] = field(default_factory=set)  # every (min_match, winnow) it was built with
+    window: int = DEFAULT_WINNOW
     fingerprints: dict[bytes, bytes] = field(default_factory=dict)
 
     @classmethod
-    def from_meta(cls, n: int, meta: Mapping[bytes, bytes]) -> Ledger:
+    def from_meta(cls, n: int, meta: Mapping[bytes, bytes], window: int = DEFAULT_WINNOW) -> Ledger:
         ledger = cls(n, untrusted=b"u" in meta, secret=b"s" in meta, overflow=b"o" in meta,
-                     lost=b"l" in meta)
+                     lost=b"l" in meta, window=window)
         for key, value in meta.items():
             if key.startswith(b"src:"):
                 ledger.sources[key[4:]] = value.decode(errors="replace")
@@ -302,18 +343,19 @@ class Ledger:
                     ledger.pending[key[2:].decode(errors="replace")] = float(value)
                 except ValueError:
                     ledger.pending[key[2:].decode(errors="replace")] = 0.0  # unreadable: lost
-            elif key.startswith(b"n:") and key[2:].isdigit():
-                ledger.sizes.add(int(key[2:]))
+            elif key.startswith(b"n:"):
+                ledger.schemes.add(key[2:].decode(errors="replace"))
         return ledger
 
     # -- reading -------------------------------------------------------------------------
 
-    def coarse(self, now: float, n: int) -> str | None:
+    def coarse(self, now: float, n: int, window: int | None = None) -> str | None:
         """Why every free-text argument counts as matching, or None."""
         if self.overflow:
             return "the run's ledger reached its size cap"
-        if self.sizes - {n}:
-            return f"the run's ledger was built with another min_match than the policy's {n}"
+        if self.schemes - {_scheme(n, self.window if window is None else window)}:
+            return (f"the run's ledger was built with another min_match or winnow than the policy's "
+                    f"({n}, {self.window if window is None else window})")
         if self.lost:
             return ("an output of the run may have reached the agent without passing the proxy "
                     "(a dropped stream the client can resume)")
@@ -337,7 +379,7 @@ class Ledger:
     def merge(self, delta: LedgerDelta, cap: int) -> None:
         """Add a delta as the store would (untrusted fingerprints replace, secret ones do not;
         new fingerprints beyond `cap` are left out and the ledger overflows)."""
-        for key, value in delta.meta(self.n).items():
+        for key, value in delta.meta(self.n, self.window).items():
             if key.startswith(b"src:"):
                 self.sources[key[4:]] = value.decode()
         self.untrusted |= delta.untrusted
@@ -363,13 +405,14 @@ META_NS = NS
 FP_NS = "ledger_fp"
 
 
-async def load(store: Store, run_id: str, n: int, probes: Iterable[bytes] = ()) -> Ledger | None:
+async def load(store: Store, run_id: str, n: int, probes: Iterable[bytes] = (),
+               window: int = DEFAULT_WINNOW) -> Ledger | None:
     """The run's flags and the fingerprints among `probes` it holds, or None when the run has
     no ledger. Two store round trips at most; cost follows the probes, not the ledger."""
     meta = await store.hash_all(META_NS, run_id)
     if not meta:
         return None
-    ledger = Ledger.from_meta(n, meta)
+    ledger = Ledger.from_meta(n, meta, window)
     wanted = list(dict.fromkeys(probes))
     if wanted and (ledger.untrusted or ledger.secret):
         values = await store.hash_get(FP_NS, run_id, wanted)
@@ -451,13 +494,13 @@ async def mark_pending(store: Store, run_id: str, decision_id: str, deadline: fl
 
 
 async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
-                 done: str | None = None) -> None:
+                 done: str | None = None, window: int = DEFAULT_WINNOW) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
     go in first and the marker goes last, so an interruption leaves the run coarse (fail
     closed). Both hashes get the same expiry: flags that outlived their fingerprints would
     narrow verdicts. What this process wrote moments ago is not written again (`RECENT`).
     Raises StoreError when the store cannot answer."""
-    meta = delta.meta(n)
+    meta = delta.meta(n, window)
     parts = [(label, replace, delta.fields(label)) for label, replace in (("untrusted", True), ("secret", False))]
     parts = [part for part in parts if part[2]]
     digests = [_digest(label.encode(), fields) for label, _, fields in parts]
@@ -479,13 +522,14 @@ async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: 
 
 
 async def widen_parent(store: Store, parent_run_id: str, delta: LedgerDelta, *,
-                       n: int, cap: int = 65536, ttl: float = 24 * 3600.0) -> None:
+                       n: int, cap: int = 65536, ttl: float = 24 * 3600.0,
+                       window: int = DEFAULT_WINNOW) -> None:
     """Widen (never narrow) a parent run's ledger with a child's delta.
 
     For run lineage: call it for each ancestor that should inherit a child's taint. Raises
     StoreError when the store cannot answer (the caller fails closed).
     """
-    await record(store, parent_run_id, delta, n=n, cap=cap, ttl=ttl)
+    await record(store, parent_run_id, delta, n=n, cap=cap, ttl=ttl, window=window)
 
 
 # -- arguments ------------------------------------------------------------------------------------
@@ -572,14 +616,15 @@ class Probe:
     """One argument value, fingerprinted the way outputs are: what to ask the ledger for."""
 
     norm: str
-    grams: list[bytes]
+    grams: list[bytes]  # every gram, in order (outputs keep only winnowed ones)
     tokens: list[tuple[str, str, bytes]]  # (kind, value, fingerprint)
+    k: int = 0  # gram length
 
     @classmethod
-    def of(cls, text: str, n: int) -> Probe:
+    def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW) -> Probe:
         norm = normalise(text)
-        return cls(norm, gram_hashes(norm, n),
-                   [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))])
+        return cls(norm, gram_hashes(norm, n, window),
+                   [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))], gram_length(n, window))
 
     def fields(self) -> Iterator[bytes]:
         for _, _, h in self.tokens:
@@ -587,24 +632,26 @@ class Probe:
         yield from self.grams
 
 
-def match_argument(ledger: Ledger, text: str | Probe, n: int) -> tuple[list[Finding], list[Finding]]:
+def match_argument(ledger: Ledger, text: str | Probe, n: int,
+                   window: int = DEFAULT_WINNOW) -> tuple[list[Finding], list[Finding]]:
     """(untrusted verbatim findings, untrusted token findings) of one argument value (its
-    pointer is filled in by the caller). Secret-only matches are not findings."""
-    probe = text if isinstance(text, Probe) else Probe.of(text, n)
+    pointer is filled in by the caller). Secret-only matches are not findings. Kept grams of a
+    copied run lie at most `window` grams apart: hits that close are one run of evidence."""
+    probe = text if isinstance(text, Probe) else Probe.of(text, n, window)
+    k = probe.k or gram_length(n, window)
     verbatim: list[Finding] = []
-    hits = [ledger.find(h) for h in probe.grams]
-    i = 0
-    while i < len(hits):
-        hit = hits[i]
-        if hit is None or not hit.startswith("untrusted|"):
-            i += 1
-            continue
-        j = i
-        while j + 1 < len(hits) and hits[j + 1] is not None:
-            j += 1
-        verbatim.append(Finding("verbatim", None, hit.partition("|")[2],
-                                _snippet(probe.norm[i: j + n])))
-        i = j + 1
+    hits = [(i, found) for i, h in enumerate(probe.grams) if (found := ledger.find(h)) is not None]
+    start = 0
+    while start < len(hits):
+        end = start
+        while end + 1 < len(hits) and hits[end + 1][0] - hits[end][0] <= window:
+            end += 1
+        source = next((f for _, f in hits[start: end + 1] if f.startswith("untrusted|")), None)
+        if source is not None:
+            first, last = hits[start][0], hits[end][0]
+            verbatim.append(Finding("verbatim", None, source.partition("|")[2],
+                                    _snippet(probe.norm[first: last + k])))
+        start = end + 1
     toks: list[Finding] = []
     for _, value, h in probe.tokens:
         found = ledger.find(h)
@@ -632,6 +679,7 @@ class DataflowCheck:
         self.policy: DataflowPolicy = policy if policy is not None else DataflowPolicy(mode="shadow")
         self.mode = self.policy.mode
         self._n = self.policy.min_match
+        self._window = self.policy.winnow
         self._skip = frozenset(self.policy.skip_formats)
         self._ttl = self.policy.ledger_ttl
         self._cap = self.policy.ledger_cap
@@ -707,7 +755,7 @@ class DataflowCheck:
 
     def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
         """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
-        return [(ptr, Probe.of(text, self._n))
+        return [(ptr, Probe.of(text, self._n, self._window))
                 for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
 
     def findings(self, call: ToolCall, ledger: Ledger,
@@ -716,11 +764,11 @@ class DataflowCheck:
         flagged: list[Finding] = []
         declassified: list[Finding] = []
         decl = self._declassified(call)
-        coarse = ledger.coarse(time.time(), self._n)
+        coarse = ledger.coarse(time.time(), self._n, self._window)
         for ptr, probe in self.probes(call) if probes is None else probes:
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
-            verbatim, toks = match_argument(ledger, probe, self._n)
+            verbatim, toks = match_argument(ledger, probe, self._n, self._window)
             flagged += [dataclasses.replace(f, argument=ptr) for f in toks]
             if is_decl:
                 declassified += [dataclasses.replace(f, argument=ptr) for f in verbatim]
@@ -735,7 +783,7 @@ class DataflowCheck:
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
         probes = self.probes(call)
         ledger = await load(store, call.run.id, self._n,
-                            (f for _, probe in probes for f in probe.fields()))
+                            (f for _, probe in probes for f in probe.fields()), self._window)
         if ledger is None:
             return None
         flagged, declassified = self.findings(call, ledger, probes)
@@ -770,7 +818,7 @@ class DataflowCheck:
     # -- recording -----------------------------------------------------------------------
 
     def _recorder(self, store: Store, labels: OutputLabels) -> ResultHook:
-        n, ttl, cap, mode = self._n, self._ttl, self._cap, self.mode
+        n, window, ttl, cap, mode = self._n, self._window, self._ttl, self._cap, self.mode
 
         async def hook(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
             """Record the output before it reaches the agent. When it cannot be recorded, the
@@ -782,16 +830,17 @@ class DataflowCheck:
                 result = decision.result
             delta = LedgerDelta(call.qualified_name)
             if isinstance(result, Mapping):
-                delta = LedgerDelta.of(call.qualified_name, pieces(result, labels), n, limit=cap)
+                delta = LedgerDelta.of(call.qualified_name, pieces(result, labels), n, limit=cap,
+                                       window=window)
             elif reply is None and decision.verdict is Verdict.ALLOW and decision.code is Code.OK:
                 delta = LedgerDelta(call.qualified_name, untrusted=labels.base.untrusted,
                                     secret=labels.base.secret, lost=True)
             try:
-                await record(store, call.run.id, delta, n=n, cap=cap, ttl=ttl,
+                await record(store, call.run.id, delta, n=n, cap=cap, ttl=ttl, window=window,
                              done=call.decision_id if call.run.session else None)
                 if not delta.empty:
                     for ancestor in _ancestors(call):
-                        await widen_parent(store, ancestor, delta, n=n, cap=cap, ttl=ttl)
+                        await widen_parent(store, ancestor, delta, n=n, cap=cap, ttl=ttl, window=window)
             except (StoreError, TimeoutError) as exc:
                 # A session's pending marker stays: past its deadline the run counts as coarse.
                 log.error("data-flow ledger of run %s not updated: %s", call.run.id, exc)

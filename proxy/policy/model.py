@@ -309,6 +309,10 @@ class Defaults(_Model):
 OnFlag = Literal["block", "approve"]
 
 
+# The data-flow winnowing window (see DataflowPolicy.winnow).
+DEFAULT_WINNOW = 4
+
+
 class DataflowPolicy(_Model):
     """The data-flow check (`dataflow:`): untrusted content flowing into sinks."""
 
@@ -319,6 +323,12 @@ class DataflowPolicy(_Model):
     # Shortest verbatim run of untrusted characters (after normalising case and whitespace)
     # that flags an argument. Absent: 32 (measured: bench/RESULTS.md, "Data flow").
     min_match: int = Field(default=32, ge=8, le=1024)
+    # Winnowing window: an output keeps about 2/(winnow+1) of its gram fingerprints (the
+    # smallest of every `winnow` consecutive grams of min_match - winnow + 1 characters), so
+    # every copied run of min_match characters is still caught, and shorter runs down to
+    # min_match - winnow + 1 sometimes are. 1 keeps every gram. Absent: 4 (measured:
+    # bench/RESULTS.md, "Data flow").
+    winnow: int = Field(default=DEFAULT_WINNOW, ge=1, le=16)
     # Sinks (`<upstream>.<tool>`: true) or single arguments of a sink (a list of argument
     # names) that may receive untrusted text. Distinctive tokens (addresses, URLs/domains,
     # account numbers) lifted from untrusted content are still flagged in them. Absent: none.
@@ -335,6 +345,13 @@ class DataflowPolicy(_Model):
     ledger_cap: int = Field(default=65536, ge=1024, le=4_000_000)
     # Seconds a run's ledger lives after its last update. Absent: 24h.
     ledger_ttl: float = 24 * 3600.0
+
+    @model_validator(mode="after")
+    def _gram_length(self) -> DataflowPolicy:
+        if self.min_match - self.winnow + 1 < 8:
+            raise ValueError(f"min_match - winnow + 1 must be at least 8 (grams shorter than 8 "
+                             f"characters match common words); got {self.min_match} and {self.winnow}")
+        return self
 
     @field_validator("on_flag", mode="before")
     @classmethod

@@ -20,24 +20,25 @@ from proxy.policy.model import DataflowPolicy
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "corpus.yaml").read_text())["cases"]
 DEFAULT_N = DataflowPolicy().min_match
+DEFAULT_WINNOW = DataflowPolicy().winnow
 
 
-def flagged(case: dict[str, Any], n: int) -> bool:
-    ledger = Ledger(n)
-    ledger.merge(LedgerDelta.of("web.fetch_page", [Piece(case["source"], Label(True, False), "t")], n),
-                 65536)
+def flagged(case: dict[str, Any], n: int, window: int = DEFAULT_WINNOW) -> bool:
+    ledger = Ledger(n, window=window)
+    ledger.merge(LedgerDelta.of("web.fetch_page", [Piece(case["source"], Label(True, False), "t")], n,
+                                window=window), 65536)
     declassified = set(case.get("declassify", case.get("declassified", [])))
     for ptr, text in free_text(case["args"], None, frozenset()):
-        verbatim, toks = match_argument(ledger, text, n)
+        verbatim, toks = match_argument(ledger, text, n, window)
         if toks or (verbatim and ptr[1:].split("/")[0] not in declassified):
             return True
     return False
 
 
-def rates(n: int) -> tuple[float, float, int, int, int]:
+def rates(n: int, window: int = DEFAULT_WINNOW) -> tuple[float, float, int, int, int]:
     tp = fp = fn = 0
     for case in CORPUS:
-        got = flagged(case, n)
+        got = flagged(case, n, window)
         tp += got and case["flag"]
         fp += got and not case["flag"]
         fn += (not got) and case["flag"]
@@ -57,7 +58,10 @@ def test_precision_and_recall_at_default() -> None:
 
 
 if __name__ == "__main__":
-    print("N  precision recall tp fp fn")
-    for n in (8, 12, 16, 20, 24, 32, 40, 48, 64):
-        p, r, tp, fp, fn = rates(n)
-        print(f"{n:<3} {p:.2f}      {r:.2f}   {tp} {fp} {fn}")
+    print("N  winnow precision recall tp fp fn")
+    for n in (12, 16, 20, 24, 28, 32, 40, 48, 64):
+        for window in (1, 4, 8):
+            if n - window + 1 < 8:
+                continue
+            p, r, tp, fp, fn = rates(n, window)
+            print(f"{n:<3} {window:<6} {p:.2f}      {r:.2f}   {tp} {fp} {fn}")

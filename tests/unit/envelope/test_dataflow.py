@@ -19,6 +19,7 @@ from proxy.envelope.dataflow import (
     load,
     mark_pending,
     match_argument,
+    normalise,
     record,
     tokens,
     widen_parent,
@@ -90,7 +91,9 @@ async def test_widen_parent_unions_and_never_narrows() -> None:
     parent = await load(store, "parent", 32, page.fields())
     assert parent is not None and parent.untrusted and parent.secret
     assert parent.find(page.tokens[0][2]) == "untrusted|web.fetch"
-    assert parent.find(page.grams[0]) == "untrusted|web.fetch"
+    assert any(parent.find(g) == "untrusted|web.fetch" for g in page.grams)
+    verbatim, _ = match_argument(parent, page, 32)
+    assert [f.source for f in verbatim] == ["web.fetch"] and "previous instructions" in verbatim[0].snippet
     assert await load(store, "someone-else", 32, page.fields()) is None
 
 
@@ -266,3 +269,28 @@ async def test_an_output_the_ledger_cannot_take_is_withheld_in_enforce_only() ->
         else:
             await call.on_result[0](call, ok, page)
         assert "Connection refused" in call.audit_extra["dataflow_error"]
+
+
+@pytest.mark.parametrize("window", [1, 4, 8])
+def test_winnowing_keeps_every_copied_run_of_min_match_characters(window: int) -> None:
+    """The guarantee winnowing gives: any run of at least min_match characters copied from an
+    output (anywhere in it, inside other text) is matched, while the output keeps only about
+    2/(window+1) of its grams."""
+    import random
+
+    rng = random.Random(window)
+    words = [f"{rng.choice('bcdfghjklmnpqrstvwz')}{rng.choice('aeiou')}{rng.randrange(100)}" for _ in range(3000)]
+    page = " ".join(words)
+    ledger = Ledger(32, window=window)
+    delta = LedgerDelta.of("web.fetch", [Piece(page, Label(True, False), "t")], 32, window=window)
+    ledger.merge(delta, 10**6)
+    grams = len(set(dataflow.gram_hashes(normalise(page), 32, window)))
+    kept = len(delta.grams)
+    assert kept <= grams and (window == 1 or kept < grams * 2.4 / (window + 1))
+    for _ in range(200):
+        start = rng.randrange(len(page) - 40)
+        copied = page[start: start + 32 + rng.randrange(8)]
+        verbatim, _ = match_argument(ledger, f"Dear team, as discussed: {copied} -- thanks", 32, window)
+        assert verbatim and verbatim[0].source == "web.fetch", copied
+    unrelated = "Dear team, the numbers look fine and the offsite is on Thursday as planned."
+    assert match_argument(ledger, unrelated, 32, window) == ([], [])
