@@ -38,6 +38,7 @@ continues.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import re
@@ -60,7 +61,7 @@ from proxy.envelope.call import (
     ToolCall,
     Verdict,
 )
-from proxy.envelope.labels import OutputLabels, Piece, output_labels, pieces
+from proxy.envelope.labels import OutputLabels, Piece, annotation, output_labels, pieces
 from proxy.envelope.tools import ToolRegistry
 from proxy.errors import ResultWithheld, StoreError
 from proxy.policy.compiled import PolicyRevision
@@ -145,8 +146,10 @@ def winnowed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> list[bytes]:
     run of `window` consecutive grams, the smallest hash (the rightmost on ties). Any text of
     at least n characters shared with the output contains `window` whole grams, so one of its
     grams is kept; about 2/(window+1) of the grams are stored. `window` 1 keeps every gram."""
+    if len(norm) < gram_length(n, window):
+        return []  # shorter than one gram (most short outputs): no numpy round trip
     hashes = _window_hashes(norm, gram_length(n, window))
-    if window <= 1 or len(hashes) == 0:
+    if window <= 1:
         return _as_fields(np.unique(hashes))
     if len(hashes) < window:
         return _as_fields(hashes[[int(hashes.argmin())]])
@@ -222,6 +225,7 @@ def token_hash(kind: str, value: str) -> bytes:
 # -- the ledger ---------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)
 def source_id(label: str, source: str) -> bytes:
     """The 4-byte id a fingerprint stores for its "<label>|<upstream>.<tool>" source."""
     return hashlib.blake2b(f"{label}|{source}".encode(), digest_size=4).digest()
@@ -684,6 +688,7 @@ class DataflowCheck:
         self._ttl = self.policy.ledger_ttl
         self._cap = self.policy.ledger_cap
         self._trust = {name: up.trust_annotations for name, up in revision.document.upstreams.items()}
+        self._labels: dict[tuple[str, bool, Any], OutputLabels] = {}
         self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
         self._store: Store | None = services.store if services is not None else None
         approvals = getattr(services.settings, "approvals", None) if services is not None else None
@@ -692,9 +697,18 @@ class DataflowCheck:
     # -- cheap filters -------------------------------------------------------------------
 
     def labels(self, call: ToolCall) -> OutputLabels:
-        compiled = self._revision.tools.get(call.qualified_name)
-        return output_labels(compiled.policy if compiled is not None else None,
-                             call.upstream_tool, self._trust.get(call.upstream, False))
+        """The output labels of the call's tool (cached per tool and annotation hint: they
+        depend on nothing else)."""
+        trust = self._trust.get(call.upstream, False)
+        info = call.upstream_tool
+        key = (call.qualified_name, info is None, trust and info is not None and annotation(info, "openWorldHint"))
+        found = self._labels.get(key)
+        if found is None:
+            compiled = self._revision.tools.get(call.qualified_name)
+            found = output_labels(compiled.policy if compiled is not None else None, info, trust)
+            if len(self._labels) < 10_000:
+                self._labels[key] = found
+        return found
 
     def applies(self, call: ToolCall) -> bool:
         if self.mode == "off":
