@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -425,19 +426,10 @@ async def test_sqlite_shared_by_instances_and_processes(tmp_path: Path) -> None:
         assert await a.get("other", "k") == b"b-wrote"
 
         start_at = time.time() + 1.5  # after the children have imported and opened the file
-        children = [
-            await asyncio.create_subprocess_exec(
-                sys.executable, "-c", CHILD, str(path), str(n), str(start_at),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-            )
-            for n in range(3)
-        ]
+        children = await _children(CHILD, path, start_at)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         ours = await asyncio.gather(a.add("idem", "race", b"parent-a"), b.add("idem", "race", b"parent-b"))
-        outputs = await asyncio.gather(*(c.communicate() for c in children))
-        for child, (_out, err) in zip(children, outputs, strict=True):
-            assert child.returncode == 0, err.decode()
-        reports = [json.loads(out) for out, _ in outputs]
+        reports = await _reports(children)
 
         assert [r["won"] for r in reports].count(True) + list(ours).count(True) == 1
         assert all(r["seen"] == "parent" for r in reports)
@@ -450,6 +442,26 @@ async def test_sqlite_shared_by_instances_and_processes(tmp_path: Path) -> None:
         await a.close()
         await b.close()
 
+
+
+async def _children(script: str, path: Path, start_at: float, count: int = 3) -> list[asyncio.subprocess.Process]:
+    """`count` processes running `script` on the database at `path`, each told its number and
+    when to start."""
+    return [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, str(path), str(n), str(start_at),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+        )
+        for n in range(count)
+    ]
+
+
+async def _reports(children: list[asyncio.subprocess.Process]) -> list[dict[str, Any]]:
+    """Each child's JSON report (every child must have exited 0)."""
+    outputs = await asyncio.gather(*(c.communicate() for c in children))
+    for child, (_out, err) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, err.decode()
+    return [json.loads(out) for out, _ in outputs]
 
 
 HASH_CHILD = textwrap.dedent("""
@@ -478,23 +490,14 @@ async def test_sqlite_hash_cap_holds_across_processes(tmp_path: Path) -> None:
     try:
         await store.ping()
         start_at = time.time() + 1.5
-        children = [
-            await asyncio.create_subprocess_exec(
-                sys.executable, "-c", HASH_CHILD, str(path), str(n), str(start_at),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-            )
-            for n in range(3)
-        ]
+        children = await _children(HASH_CHILD, path, start_at)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         ours = 0
         for batch in range(10):
             fields = {f"parent-{batch}-{j}".encode(): b"x" for j in range(20)}
             ours += (await store.hash_put("ledger_fp", "race", fields, ttl=60, cap=300)).added
-        outputs = await asyncio.gather(*(c.communicate() for c in children))
-        for child, (_out, err) in zip(children, outputs, strict=True):
-            assert child.returncode == 0, err.decode()
-
-        assert ours + sum(json.loads(out)["added"] for out, _ in outputs) == 300
+        reports = await _reports(children)
+        assert ours + sum(r["added"] for r in reports) == 300
         assert len(await store.hash_all("ledger_fp", "race")) == 300
         with sqlite3.connect(path) as conn:  # the kept size is the real one
             assert conn.execute("SELECT size FROM hash_meta").fetchall() == [(300,)]
