@@ -100,9 +100,21 @@ def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
     return _powers
 
 
+# Invisible format characters (zero-width spaces and joiners, soft hyphen, bidi controls, BOM):
+# a model told to slip them into a copied address must not break the match.
+_INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e\u200b-\u200f"
+                        "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
+
+
+def _fold(text: str) -> str:
+    """NFKC, invisible characters removed, case-folded."""
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
+
+
 def normalise(text: str) -> str:
-    """Case-folded, NFKC, whitespace runs collapsed to one space, stripped."""
-    return _WS.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+    """Case-folded, NFKC, invisible characters removed, whitespace runs collapsed to one space,
+    stripped."""
+    return _WS.sub(" ", _fold(text)).strip()
 
 
 def _window_hashes(norm: str, k: int) -> np.ndarray:
@@ -192,7 +204,7 @@ def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
 
 def tokens(text: str) -> set[tuple[str, str]]:
     """Distinctive tokens of a text, normalised: (kind, value), values of at least 8 chars."""
-    low = unicodedata.normalize("NFKC", text).casefold()
+    low = _fold(text)
     found: set[tuple[str, str]] = set()
     emails = _EMAIL.findall(low)
     for e in emails:
