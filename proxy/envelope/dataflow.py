@@ -1,8 +1,9 @@
 """Data-flow check: untrusted content must not steer a sink (DESIGN section 2, check 7).
 
 Per run, a **ledger** in the store holds fingerprints of the untrusted and secret content the
-run has read: hashes of every normalised character n-gram of length `min_match` (N), and hashes
-of distinctive tokens (e-mail addresses, URLs and domains, account-number-like digit runs, IBANs;
+run has read: hashes of normalised character grams, winnowed (of every `winnow` consecutive
+grams of N - winnow + 1 characters the smallest hash is kept, so every copied run of N =
+`min_match` characters shares a kept one), and hashes of distinctive tokens (e-mail addresses, URLs and domains, account-number-like digit runs, IBANs;
 normalised, at least 8 characters). It is two store hashes (`Store.hash_put` / `hash_get`): the
 fingerprints, each pointing at its source tool, and a small one of flags (untrusted, secret,
 overflowed), sources and pending markers. Checking a sink fetches the flags and asks for exactly
@@ -25,10 +26,13 @@ Modes: `shadow` forwards flagged calls (audited with the evidence under `dataflo
 with `on_flag: approve` for the sink and an approval gate configured, sends them to the approval
 gate with the evidence (`ToolCall.escalation`). No `dataflow:` section: shadow.
 
-Recording: for a call whose output can be untrusted or secret, the check first writes a pending
-marker into the run's ledger, then a result hook adds the output's fingerprints and clears the
-marker. A marker left past its deadline (the hook failed, the process died) makes the run coarse
-(fail closed: content the agent may have seen was not fingerprinted).
+Recording: a result hook adds an output's fingerprints to the ledger before the output reaches
+the agent. When the store cannot take them, enforce withholds the result (`ResultWithheld`:
+refused `store_unavailable`), shadow delivers it and audits `dataflow_error`. A session read also
+gets a pending marker before it is forwarded, because a client may resume a dropped session
+stream past the proxy: a marker left past its deadline, or a call allowed but finished without
+its result, makes the run coarse (fail closed: content the agent may see was not fingerprinted).
+What this process recorded for a run in the last minute is not written again (`RECENT`).
 
 Fail closed: in enforce mode a sink with no store refuses `misconfigured` and a store error
 refuses `store_unavailable`; in shadow mode both are audited (`dataflow_error`) and the call
