@@ -156,15 +156,7 @@ class AggregateFront:
         front = self.front
         try:
             body = await front._read_body(request)
-            msg = jsonrpc.parse_message(body, front.settings.max_json_depth)
-            if msg.method == "tools/call" and not msg.is_request:
-                raise BadMessage(jsonrpc.INVALID_REQUEST,
-                                 'Invalid Request: "tools/call" must be a request with an "id"', "invalid_request")
-            header_method = request.headers.get("Mcp-Method")
-            if header_method is not None and msg.method is not None and header_method != msg.method:
-                raise BadMessage(jsonrpc.HEADER_MISMATCH,
-                                 f"Mcp-Method header {header_method!r} does not match the body's method {msg.method!r}",
-                                 "header_mismatch", id=msg.id)
+            msg = jsonrpc.parse_post(body, front.settings.max_json_depth, request.headers.get("Mcp-Method"))
         except BadMessage as exc:
             front.metrics.rejected(exc.reason)
             return _error(exc.status, exc.id, exc.code, exc.message)

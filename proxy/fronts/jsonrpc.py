@@ -106,6 +106,21 @@ def parse_message(body: bytes, max_depth: int) -> Message:
     return Message(value)
 
 
+def parse_post(body: bytes, max_depth: int, mcp_method: str | None) -> Message:
+    """The message of an MCP POST: `parse_message`, plus what every front refuses on top. A
+    `tools/call` without an id would slip past the envelope as a "notification"; an
+    `Mcp-Method` header (2026-07-28) must name the body's method."""
+    msg = parse_message(body, max_depth)
+    if msg.method == "tools/call" and not msg.is_request:
+        raise BadMessage(INVALID_REQUEST, 'Invalid Request: "tools/call" must be a request with an "id"',
+                         "invalid_request")
+    if mcp_method is not None and msg.method is not None and mcp_method != msg.method:
+        raise BadMessage(HEADER_MISMATCH,
+                         f"Mcp-Method header {mcp_method!r} does not match the body's method {msg.method!r}",
+                         "header_mismatch", id=msg.id)
+    return msg
+
+
 def _valid_id(v: Any) -> bool:
     return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
 

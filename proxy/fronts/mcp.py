@@ -341,17 +341,7 @@ class McpFront:
     async def _post(self, request: web.Request, target: UpstreamTarget, principal: Principal) -> web.StreamResponse:
         try:
             body = await self._read_body(request)
-            msg = jsonrpc.parse_message(body, self.settings.max_json_depth)
-            if msg.method == "tools/call" and not msg.is_request:
-                # A call without an id would slip past the envelope as a "notification".
-                raise BadMessage(jsonrpc.INVALID_REQUEST,
-                                 'Invalid Request: "tools/call" must be a request with an "id"',
-                                 "invalid_request")
-            header_method = request.headers.get("Mcp-Method")
-            if header_method is not None and msg.method is not None and header_method != msg.method:
-                raise BadMessage(jsonrpc.HEADER_MISMATCH,
-                                 f"Mcp-Method header {header_method!r} does not match the body's method {msg.method!r}",
-                                 "header_mismatch", id=msg.id)
+            msg = jsonrpc.parse_post(body, self.settings.max_json_depth, request.headers.get("Mcp-Method"))
         except BadMessage as exc:
             self.metrics.rejected(exc.reason)
             headers = {"Connection": "close"} if exc.status == 413 else None

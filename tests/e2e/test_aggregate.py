@@ -237,3 +237,11 @@ def test_list_changed_fans_out_to_the_aggregated_get_stream(tmp_path: Any) -> No
             httpx.delete(agg, headers=mine, timeout=10)
     finally:
         stop(server)
+
+
+def test_the_aggregated_route_refuses_id_less_calls_and_header_mismatches(agg: str) -> None:
+    call = {"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "a.echo", "arguments": {"text": "x"}}}
+    resp = rpc(agg, call, bearer=OPS)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == -32600
+    resp = rpc(agg, {**call, "id": 3}, bearer=OPS, headers={"Mcp-Method": "tools/list"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == -32020

@@ -176,3 +176,21 @@ async def test_after_all_of_them(proxy: ProxyProcess, baseline: dict[str, Any]) 
     done = cli("audit", "verify", str(proxy.audit_dir))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("ok")
+
+
+def test_a_tools_call_without_an_id_is_refused_not_forwarded(proxy: ProxyProcess,
+                                                             baseline: dict[str, Any]) -> None:
+    """A `tools/call` sent as a notification would bypass the envelope (nothing answers a
+    notification): it is refused, never forwarded, never performed."""
+    before = len(proxy.audit_records())
+    body = {k: v for k, v in call_body().items() if k != "id"}
+    err = assert_rpc_error(rpc(proxy.url("notes"), body, bearer=OPS), 400, -32600)
+    assert "must be a request" in err["error"]["message"]
+    assert len(proxy.audit_records()) == before
+
+
+def test_an_mcp_method_header_that_disagrees_with_the_body_is_refused(proxy: ProxyProcess,
+                                                                     baseline: dict[str, Any]) -> None:
+    resp = rpc(proxy.url("notes"), call_body(), bearer=OPS, headers={"Mcp-Method": "tools/list"})
+    err = assert_rpc_error(resp, 400, -32020)
+    assert "does not match" in err["error"]["message"] and err["id"] == 7
