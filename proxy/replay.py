@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from proxy.audit.record import utc_timestamp
-from proxy.envelope.approval import ApprovalCheck
 from proxy.envelope.call import (
     Code,
     Decision,
@@ -327,12 +326,8 @@ class Replayer:
         self.revision = revision
         self.registry = ToolRegistry()
         self.store = MemoryStore()
-        self.services = Services(store=self.store, settings=config)
+        self.services = Services(store=self.store, settings=config, hold_calls=False)
         self.chain = Chain(revision, self.registry, None, self.services)
-        self.chain.checks = tuple(
-            ApprovalCheck(revision, self.registry, self.services, hold=False) if isinstance(c, ApprovalCheck) else c
-            for c in self.chain.checks
-        )
 
     async def decide(self, rec: Mapping[str, Any]) -> Decision:
         announced = rec.get("announced")

@@ -89,13 +89,11 @@ class ApprovalCheck:
     id: ClassVar[str] = "approval"
 
     def __init__(
-        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None,
-        *, hold: bool = True,
+        self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
     ):
-        """`hold=False` decides without holding anyone (policy tests, replay): a gated call
-        whose approval has no decision yet is `approval_pending` at once; everything else
-        (gating, grants, rule ids, the store) is the same check."""
-        self._hold_calls = hold
+        # `Services.hold_calls` False (policy tests, replay): a gated call whose approval has no
+        # decision yet is `approval_pending` at once; everything else is the same check.
+        self._hold_calls = services.hold_calls if services is not None else True
         self._revision = revision
         self._policies: dict[str, ApprovalPolicy | None] = {
             key: tool.policy.approval for key, tool in revision.tools.items()

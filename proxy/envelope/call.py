@@ -270,13 +270,16 @@ class Services:
     """What stateful checks need besides the policy, built once per process.
 
     `store` is the state store (None when none is configured: stateful checks then refuse,
-    fail closed); `settings` the runtime config; `metrics` the process metrics.
+    fail closed); `settings` the runtime config; `metrics` the process metrics. `hold_calls`
+    False says nobody waits at the other end (policy tests, replay): a check that would hold a
+    call for a person (approval) decides at once.
     """
 
     store: Any = None
     settings: Any = None
     metrics: Any = None
     notifier: Any = None  # approval webhook notifier, when configured
+    hold_calls: bool = True
 
 
 @runtime_checkable

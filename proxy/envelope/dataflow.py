@@ -500,6 +500,14 @@ def _digest(kind: bytes, fields: Mapping[bytes, bytes]) -> bytes:
     return h.digest()
 
 
+async def run_flags(store: Store, run_id: str) -> tuple[bool, bool]:
+    """(tainted, secret) of a run: whether it has read untrusted content (or an output may have
+    reached it unrecorded) and whether it has read secret content. One store read. Raises
+    StoreError when the store cannot answer."""
+    meta = await store.hash_all(META_NS, run_id)
+    return (b"u" in meta or b"l" in meta), b"s" in meta
+
+
 async def mark_pending(store: Store, run_id: str, decision_id: str, deadline: float, *,
                        ttl: float) -> None:
     """Say that an output of the run is on its way (cleared by `record`). Both hashes get the

@@ -28,6 +28,7 @@ from proxy.envelope import (
     delegation,
     idempotency,
     ratelimit,
+    runtaint,
     schema,
     shadow,
 )
@@ -60,6 +61,7 @@ CHECKS: tuple[type[Any], ...] = (
     delegation.DelegationCheck,
     capability.CapabilityCheck,
     schema.SchemaCheck,
+    runtaint.RunTaintCheck,
     authz.AuthzCheck,
     arg_rules.ArgRulesCheck,
     dataflow.DataflowCheck,

@@ -6,6 +6,7 @@ re-parse YAML or recompile CEL on the request path.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,15 @@ class CompiledPrincipal:
     location: Location | None = None
 
 
+# CEL that reads the run's taint (`run.tainted`, `run.secret`, or the `run["..."]` forms).
+_RUN_TAINT = re.compile(r"""\brun\s*(?:\.\s*(?:tainted|secret)\b|\[\s*["'](?:tainted|secret)["']\s*\])""")
+
+
+def reads_run_taint(source: str) -> bool:
+    """Whether a CEL expression reads `run.tainted` or `run.secret`."""
+    return _RUN_TAINT.search(source) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyRevision:
     """One loaded, validated, compiled policy directory."""
@@ -81,3 +91,21 @@ class PolicyRevision:
     loaded_at: float = 0.0
     # Where each tool key / principal id / upstream was declared, for error messages.
     locations: Mapping[str, Location] = field(default_factory=dict)
+
+    def run_taint_readers(self) -> list[tuple[str, Location | None]]:
+        """(what, where) of every CEL expression that reads `run.tainted` / `run.secret`."""
+        return taint_readers(self.tools.values(), self.principals.values())
+
+
+def taint_readers(tools: Any, principals: Any) -> list[tuple[str, Location | None]]:
+    """(what, where) of the CEL expressions of compiled tools and principals that read the
+    run's taint."""
+    found: list[tuple[str, Location | None]] = []
+    for tool in tools:
+        found += [(f"tools.{tool.key}.allow", tool.location) for p in tool.allow if reads_run_taint(p.source)]
+        found += [(f"tools.{tool.key} rule {r.id}", r.location or tool.location)
+                  for r in tool.rules if reads_run_taint(r.program.source)]
+    for principal in principals:
+        found += [(f"principals.{principal.id}.allow", principal.location)
+                  for p in principal.allow if reads_run_taint(p.source)]
+    return found

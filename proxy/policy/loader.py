@@ -28,6 +28,7 @@ from proxy.policy.compiled import (
     Location,
     PolicyRevision,
     Program,
+    taint_readers,
 )
 from proxy.policy.model import (
     TOOL_KEY,
@@ -426,6 +427,14 @@ class _Loader:
             if ok:
                 principals[name] = CompiledPrincipal(name, ppolicy, allow, entry.location())
 
+        if dataflow is not None and dataflow.mode == "off":
+            # No ledger is kept, so run.tainted / run.secret could never be true.
+            for what, where in taint_readers(tools.values(), principals.values()):
+                at = where or Location("<policy>", 1, 1)
+                self.problems.append(PolicyProblem(
+                    at.file, at.line, at.column,
+                    f"{what} reads run.tainted / run.secret, but dataflow.mode is off: no run ledger "
+                    "is kept, so they would always be false; use shadow or enforce"))
         if self.problems:
             self.problems.sort(key=lambda p: (p.file, p.line, p.column))
             raise PolicyError(self.problems)

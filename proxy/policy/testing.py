@@ -19,11 +19,11 @@ skips both) holds `cases:`, a list of:
 Each case runs with a fresh in-memory store and the default runtime config, so stateful checks
 (shadow, approval, idempotency) behave as in `envelope-proxy serve`, except that a gated call is
 not held: the approval check answers `approval_pending` at once instead of waiting
-`approval.wait` for a person (`ApprovalCheck(hold=False)`).
+`approval.wait` for a person (`Services(hold_calls=False)`).
 
-The run `history` labels are recorded in the case model but no check consumes them yet (the
-data-flow check and taint ledger come later): `run.tainted` and `run.secret` stay false, as they
-are in the proxy today.
+The run `history` labels are written into the run's data-flow ledger before the case runs, as
+the proxy would have after those results: `run.tainted` / `run.secret` in CEL, the data-flow
+trifecta and the rest behave as on the wire (labels only: no texts, so no verbatim matches).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ruamel.yaml.nodes import MappingNode, Node, SequenceNode
 
-from proxy.envelope import approval, pipeline
+from proxy.envelope import dataflow, pipeline
 from proxy.envelope.call import (
     Code,
     Decision,
@@ -56,7 +56,7 @@ from proxy.errors import CelEvalError, PolicyError, PolicyProblem
 from proxy.policy.cel import get_engine
 from proxy.policy.compiled import Location, PolicyRevision
 from proxy.policy.loader import load_policy
-from proxy.policy.model import TOOL_KEY
+from proxy.policy.model import TOOL_KEY, DataflowPolicy
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
@@ -89,7 +89,8 @@ class PrincipalSpec(_Model):
 
 
 class ResultLabel(_Model):
-    """An earlier tool result of the run and its labels (recorded; not consumed by any check yet)."""
+    """An earlier tool result of the run and its labels (written into the run's ledger before
+    the case runs)."""
 
     tool: str
     output: Literal["trusted", "untrusted"] = "untrusted"
@@ -470,14 +471,22 @@ def _chain(revision: PolicyRevision, case: Case) -> pipeline.Chain:
     if case.annotations is not None:
         upstream, _, name = case.call.tool.partition(".")
         registry.learn(upstream, [{"name": name, "annotations": case.annotations}])
-    services = Services(store=MemoryStore(), settings=Config())
-    chain = pipeline.Chain(revision, registry, None, services)
-    chain.checks = tuple(
-        approval.ApprovalCheck(revision, registry, services, hold=False)
-        if isinstance(c, approval.ApprovalCheck) else c
-        for c in chain.checks
-    )
-    return chain
+    services = Services(store=MemoryStore(), settings=Config(), hold_calls=False)
+    return pipeline.Chain(revision, registry, None, services)
+
+
+async def _seed_history(chain: pipeline.Chain, run_id: str, history: list[ResultLabel]) -> None:
+    """Write the case's run history into the run's ledger, as the proxy would have after those
+    results: untrusted and secret flags, so `run.tainted` / `run.secret`, the trifecta and a
+    coarse-free ledger behave as on the wire (a history has labels, not texts: no fingerprints)."""
+    policy = chain.revision.document.dataflow or DataflowPolicy()
+    store = chain.services.store if chain.services is not None else None
+    for item in history:
+        delta = dataflow.LedgerDelta(item.tool, untrusted=item.output == "untrusted",
+                                     secret=item.sensitivity == "secret")
+        if store is not None and not delta.empty:
+            await dataflow.record(store, run_id, delta, n=policy.min_match,
+                                  cap=policy.ledger_cap, ttl=policy.ledger_ttl, window=policy.winnow)
 
 
 def _compare(expect: Expect, d: Decision) -> tuple[str, ...]:
@@ -496,7 +505,9 @@ async def _run_cases(revision: PolicyRevision, cases: list[LoadedCase],
     for loaded in cases:
         case = loaded.case
         call = _call(case, revision)
-        decision = await _chain(revision, case).run(call)
+        chain = _chain(revision, case)
+        await _seed_history(chain, call.run.id, case.run.history)
+        decision = await chain.run(call)
         hits |= _exercised(revision, call, decision)
         results.append(CaseResult(loaded, decision.verdict.value, decision.code.value,
                                   decision.check, decision.rule, decision.reason,

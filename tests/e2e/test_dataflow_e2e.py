@@ -310,3 +310,24 @@ async def test_an_output_that_cannot_be_recorded_is_withheld(tmp_path: Path, ups
             # and the taint it carries still blocks the attacker's address
             r = await _call(url, run, "send_email", _email(ATTACKER, "List attached."))
             assert _decision(r)["code"] == "dataflow_policy_blocked", r.content
+
+
+async def test_cel_sees_run_tainted_through_the_wire(tmp_path: Path, upstream_url: str) -> None:
+    """`run.tainted` in a forbid rule is true once the run has read untrusted content: the
+    same e-mail is sent by a clean run and refused by the rule in a run that fetched a page."""
+    policies = _policy(tmp_path / "policies", "shadow")
+    doc = json.loads((policies / "policy.yaml").read_text())
+    doc["tools"]["mail.send_email"]["rules"] = [
+        {"id": "clean-runs-only", "forbid": "run.tainted", "reason": "the run has read untrusted content"}]
+    (policies / "policy.yaml").write_text(json.dumps(doc))
+    (tmp_path / "p").mkdir()
+    with proxy_process(tmp_path / "p", {"mail": upstream_url}, policies=policies, config=_config()) as pp:
+        url = pp.url("mail")
+        clean = await _call(url, _run(), "send_email", _email("boss@corp.example", "Weekly notes."))
+        assert not clean.is_error, clean.content
+        run = _run()
+        await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+        r = await _call(url, run, "send_email", _email("boss@corp.example", "Weekly notes."))
+        d = _decision(r)
+        assert d["code"] == "capability_blocked" and d["rule"] == "clean-runs-only", d
+        assert "untrusted content" in d["reason"]

@@ -86,11 +86,64 @@ def test_all_pass_on_every_engine(pack: Path, engine: str) -> None:
     assert len(report.results) == 6
 
 
-def test_run_history_is_recorded_not_consumed(pack: Path) -> None:
+def test_run_history_is_recorded(pack: Path) -> None:
     report = run_tests(pack)
     case = next(r.case.case for r in report.results if r.case.case.name == "tenant allow rule")
     assert case.run.parent == "r0"
     assert case.run.history[0].sensitivity == "secret"
+
+
+TAINT_POLICY = """
+version: 1
+upstreams:
+  up: {url: "http://127.0.0.1:1/mcp"}
+dataflow: {mode: shadow}
+tools:
+  up.fetch: {effect: read}
+  up.vault: {effect: read, output: trusted, sensitivity: secret}
+  up.post:
+    effect: write
+    rules:
+      - {id: clean-runs-only, forbid: 'run.tainted', reason: "the run has read untrusted content"}
+      - {id: no-secrets-out, forbid: 'run["secret"]', reason: "the run has read secrets"}
+"""
+
+TAINT_CASES = """
+cases:
+  - name: a clean run may post
+    principal: {id: a}
+    call: {tool: up.post, arguments: {}}
+    expect: {verdict: allow}
+  - name: an untrusted read taints the run
+    principal: {id: a}
+    run: {history: [{tool: up.fetch, output: untrusted}]}
+    call: {tool: up.post, arguments: {}}
+    expect: {verdict: deny, code: capability_blocked, check: arg_rules, rule: clean-runs-only}
+  - name: a secret read marks the run secret
+    principal: {id: a}
+    run: {history: [{tool: up.vault, output: trusted, sensitivity: secret}]}
+    call: {tool: up.post, arguments: {}}
+    expect: {verdict: deny, code: capability_blocked, check: arg_rules, rule: no-secrets-out}
+"""
+
+
+def test_run_history_feeds_run_tainted_and_run_secret(write: Callable[[str, str], Path], engine: str) -> None:
+    """A case's `history` is written into the run's ledger first, so CEL's `run.tainted` and
+    `run.secret` see it as they would on the wire."""
+    write("policy.yaml", TAINT_POLICY)
+    pack = write("tests/cases.yaml", TAINT_CASES).parent.parent
+    report = run_tests(pack, engine=engine)
+    assert report.ok, render_text(report, verbose=True)
+    assert [r.code for r in report.results] == ["ok", "capability_blocked", "capability_blocked"]
+
+
+def test_run_taint_with_dataflow_off_is_a_load_error(write: Callable[[str, str], Path]) -> None:
+    path = write("policy.yaml", TAINT_POLICY.replace("mode: shadow", "mode: \"off\""))
+    report = run_tests(path.parent)
+    assert not report.ok
+    text = "\n".join(str(p) for p in report.problems)
+    assert "policy.yaml:11:9:" in text and "tools.up.post rule clean-runs-only reads run.tainted" in text
+    assert "dataflow.mode is off" in text and "rule no-secrets-out" in text
 
 
 @pytest.mark.parametrize("field,value,words", [
