@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from ruamel.yaml import YAML
 # The repository root, so `tests.harness` imports however pytest was started.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.harness import FIXTURE_POLICIES, ROOT, upstream_server  # noqa: F401
+from tests.harness import FIXTURE_POLICIES, ROOT, free_port, stop, upstream_server, wait_port  # noqa: F401
 
 EXE = Path(sys.executable).with_name("envelope-proxy")
 CLI = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "proxy"]
@@ -48,6 +50,26 @@ def write_policy(directory: Path, upstreams: dict[str, dict[str, Any]],
         for key, policy in (tools or base["tools"]).items():
             doc["tools"][name + key[len("notes"):]] = policy
     doc.update(overrides)
+    return write_doc(directory, doc)
+
+
+def write_doc(directory: Path, doc: dict[str, Any]) -> Path:
+    """`directory` holding one policy file, `policy.yaml`, with `doc` (JSON is YAML)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
     return directory
+
+
+@contextlib.contextmanager
+def mail_server() -> Iterator[str]:
+    """The mail fixture upstream (`mail_server.py`: a page with an injected instruction,
+    secrets, a send_email sink) in its own process; yields its MCP URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "e2e" / "mail_server.py"),
+                             "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        wait_port(port, proc)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop(proc)

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import cli, upstream_server
+from e2e_helpers import cli, upstream_server, write_doc
 
 from tests.harness import ProxyProcess, free_port, mcp_client, metric_value, proxy_process, token
 
@@ -87,9 +87,7 @@ def _policy(directory: Path) -> Path:
         "defaults": {"unknown_tools": "deny"},
         "tools": tools,
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
-    return directory
+    return write_doc(directory, doc)
 
 
 class World:

@@ -7,11 +7,8 @@ Each test uses its own run (`X-Envelope-Run`), so ledgers never mix.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,35 +16,19 @@ from typing import Any
 
 import httpx
 import pytest
+from e2e_helpers import mail_server, write_doc
 from mail_server import ATTACKER, PAGE, PHISH
 
 from tests.harness import (
-    ROOT,
     ProxyProcess,
-    free_port,
     mcp_client,
     metric_value,
     proxy_process,
-    stop,
     token,
-    wait_port,
 )
 
 AGENT = token("agent")
 ALICE_TOKEN = "alice-approver-token"
-
-
-@contextlib.contextmanager
-def mail_server() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "e2e" / "mail_server.py"),
-                             "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    try:
-        wait_port(port, proc)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        stop(proc)
 
 
 def _policy(directory: Path, mode: str) -> Path:
@@ -71,9 +52,7 @@ def _policy(directory: Path, mode: str) -> Path:
             "on_flag": {"default": "block", "escalate.send_email": "approve"},
         },
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
-    return directory
+    return write_doc(directory, doc)
 
 
 def _config() -> dict[str, Any]:
@@ -319,7 +298,7 @@ async def test_cel_sees_run_tainted_through_the_wire(tmp_path: Path, upstream_ur
     doc = json.loads((policies / "policy.yaml").read_text())
     doc["tools"]["mail.send_email"]["rules"] = [
         {"id": "clean-runs-only", "forbid": "run.tainted", "reason": "the run has read untrusted content"}]
-    (policies / "policy.yaml").write_text(json.dumps(doc))
+    write_doc(policies, doc)
     (tmp_path / "p").mkdir()
     with proxy_process(tmp_path / "p", {"mail": upstream_url}, policies=policies, config=_config()) as pp:
         url = pp.url("mail")

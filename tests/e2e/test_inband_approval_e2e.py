@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from e2e_helpers import upstream_server
+from e2e_helpers import upstream_server, write_doc
 
 from tests.harness import ProxyProcess, free_port, proxy_process, rpc, token
 
@@ -98,9 +98,7 @@ def _policy(directory: Path) -> Path:
         "defaults": {"unknown_tools": "deny"},
         "tools": tools,
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
-    return directory
+    return write_doc(directory, doc)
 
 
 class World:

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import upstream_server
+from e2e_helpers import upstream_server, write_doc
 
 from tests.harness import ProxyProcess, mcp_client, proxy_process, token
 
@@ -54,9 +54,7 @@ def _policy(directory: Path) -> Path:
             "demo.search_notes": {"effect": "read"},
         },
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
-    return directory
+    return write_doc(directory, doc)
 
 
 @pytest.fixture(scope="module")

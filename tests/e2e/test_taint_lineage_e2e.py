@@ -18,27 +18,20 @@ Each test uses fresh run ids, so ledgers and lineage records never mix.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_helpers import mail_server, write_doc
 from mail_server import ATTACKER
 
 from tests.harness import (
-    ROOT,
     ProxyProcess,
-    free_port,
     mcp_client,
     proxy_process,
-    stop,
     token,
-    wait_port,
 )
 
 # Principals (JWT `sub`). `*-trusting` set `propagate_taint: false` (they trust their children).
@@ -47,19 +40,6 @@ ORCH_TRUSTING = "orch-trusting"
 MID = "mid"
 MID_TRUSTING = "mid-trusting"
 LEAF = "leaf"
-
-
-@contextlib.contextmanager
-def mail_server() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "e2e" / "mail_server.py"),
-                             "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    try:
-        wait_port(port, proc)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        stop(proc)
 
 
 def _policy(directory: Path) -> Path:
@@ -86,9 +66,7 @@ def _policy(directory: Path) -> Path:
         "dataflow": {"mode": "enforce", "declassify": {"mail.send_email": ["body"]},
                      "on_flag": {"default": "block"}},
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "policy.yaml").write_text(json.dumps(doc, indent=2))
-    return directory
+    return write_doc(directory, doc)
 
 
 @pytest.fixture(scope="module")
