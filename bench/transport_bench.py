@@ -1,6 +1,6 @@
 """CPU cost per proxied request of the two upstream transports, client side only.
 
-Starts a minimal raw-asyncio HTTP/1.1 upstream in a separate process, then sends N sequential
+Starts the raw-asyncio HTTP/1.1 upstream of bench/upstream.py in a separate process, then sends N sequential
 keep-alive POSTs (an MCP-sized JSON-RPC body, reading the whole answer) through
 `proxy.forward.Forwarder` (aiohttp) and `proxy.transport.FastForwarder`, and reports the CPU
 time (time.process_time) this process spent per request, and the ratio.
@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "bench"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from upstream import Upstream, answer  # noqa: E402  (bench/upstream.py: the raw-asyncio upstream)
 
 from proxy.forward import Forwarder  # noqa: E402
 from proxy.transport import FastForwarder  # noqa: E402
@@ -35,44 +38,6 @@ HEADERS = {
     "MCP-Protocol-Version": "2025-06-18",
     "X-Upstream-Credential": "proxy-own-secret",
 }
-_ANSWER = (b'{"jsonrpc":"2.0","id":7,"result":{"content":[{"type":"text","text":"ok"}],'
-           b'"isError":false}}')
-_REPLY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nMcp-Session-Id: "
-          b"3f1c2b9a8d7e4f60a1b2c3d4e5f60718\r\nContent-Length: %d\r\n\r\n" % len(_ANSWER)) + _ANSWER
-
-
-class _Upstream(asyncio.Protocol):
-    """Answers each complete request (head + Content-Length body) with a fixed JSON reply."""
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf + data
-        out = []
-        while True:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                break
-            head = buf[:end].lower()
-            length = 0
-            i = head.find(b"\r\ncontent-length:")
-            if i >= 0:
-                j = head.find(b"\r\n", i + 2)
-                length = int(head[i + 17: j if j >= 0 else len(head)])
-            if len(buf) < end + 4 + length:
-                break
-            buf = buf[end + 4 + length:]
-            out.append(_REPLY)
-        self.buf = buf
-        if out and self.transport is not None:
-            self.transport.write(b"".join(out))
-
-
 def serve(port: int) -> None:
     runner: Any = asyncio.run
     try:
@@ -83,7 +48,7 @@ def serve(port: int) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(_Upstream, "127.0.0.1", port)
+        server = await loop.create_server(Upstream, "127.0.0.1", port)
         async with server:
             await server.serve_forever()
 
@@ -98,7 +63,7 @@ async def measure(fwd: Forwarder, url: str, n: int) -> float:
             resp = await fwd.open("POST", url, HEADERS, BODY, connect_timeout=5, read_timeout=30)
             async with resp:
                 data = await resp.read()
-            assert resp.status == 200 and data == _ANSWER, (resp.status, data)
+            assert resp.status == 200 and data == answer(BODY), (resp.status, data)
 
         for _ in range(500):
             await one()

@@ -19,9 +19,14 @@ _HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %
 _NOT_FOUND = b"HTTP/1.1 405 Method Not Allowed\r\nContent-Length: 0\r\n\r\n"
 
 
-def reply(body: bytes) -> bytes:
+def answer(body: bytes) -> bytes:
+    """The JSON-RPC result this upstream sends for a request body (its id echoed)."""
     m = _ID.search(body)
-    payload = b'{"jsonrpc":"2.0","id":' + (m.group(1) if m else b"null") + b"," + _RESULT
+    return b'{"jsonrpc":"2.0","id":' + (m.group(1) if m else b"null") + b"," + _RESULT
+
+
+def reply(body: bytes) -> bytes:
+    payload = answer(body)
     return _HEAD % len(payload) + payload
 
 
