@@ -266,7 +266,8 @@ async def test_an_output_that_cannot_be_recorded_is_withheld(tmp_path: Path, ups
     from tests.redis_server import running_redis
 
     with running_redis(tmp_path) as server:
-        config = {**_config(), "store": {"kind": "redis", "url": server.url, "timeout": 1.0}}
+        config = {**_config(), "store": {"kind": "redis", "url": server.url, "timeout": 1.0},
+                  "aggregate": {"enabled": True, "upstreams": ["mail"]}}
         (tmp_path / "p").mkdir()
         with proxy_process(tmp_path / "p", {"mail": upstream_url}, config=config,
                            policies=_policy(tmp_path / "policies", "enforce")) as pp:
@@ -283,6 +284,10 @@ async def test_an_output_that_cannot_be_recorded_is_withheld(tmp_path: Path, ups
             assert rec["verdict"] == "error" and rec["code"] == "store_unavailable"
             assert rec["extra"]["withheld"] == {"verdict": "allow", "code": "ok"}
             assert "ledger not updated" in rec["extra"]["dataflow_error"]
+            # the aggregated route withholds it the same way
+            via_agg = await _call(f"{pp.base}/mcp", run, "mail.fetch_page", {"url": "https://news.example/q3"})
+            assert via_agg.is_error and _decision(via_agg)["code"] == "store_unavailable", via_agg.content
+            assert ATTACKER not in via_agg.content[0].text
             server.start()
             again = await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
             assert not again.is_error and ATTACKER in again.content[0].text
