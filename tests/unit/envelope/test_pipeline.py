@@ -52,13 +52,11 @@ def _records(tmp_path: Path) -> list[dict]:
 
 def test_chain_order_is_the_documented_table(envelope: Envelope) -> None:
     ids = [c.id for c in envelope.chain.checks]  # type: ignore[union-attr]
-    # The data-flow check (check 7) sits between arg_rules and shadow when present.
-    assert [i for i in ids if i != "dataflow"] == [
-        "catalogue", "delegation", "capability", "schema", "authz", "arg_rules", "shadow",
-        "rate_limit", "approval", "idempotency",
+    # run_taint reads the ledger flags CEL may use, so it sits just before authz and arg_rules.
+    assert ids == [
+        "catalogue", "delegation", "capability", "schema", "run_taint", "authz", "arg_rules",
+        "dataflow", "shadow", "rate_limit", "approval", "idempotency",
     ]
-    if "dataflow" in ids:
-        assert ids.index("arg_rules") < ids.index("dataflow") < ids.index("shadow")
     assert len(CHECKS) == len(ids)
 
 
