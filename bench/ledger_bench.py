@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy.envelope.dataflow import LedgerDelta, Probe, load, match_argument, record
+from proxy.envelope.dataflow.ledger import LedgerDelta, load, record
+from proxy.envelope.dataflow.match import Probe, match_argument
 from proxy.envelope.labels import Label, Piece
 from proxy.store.base import Store
 from proxy.store.memory import MemoryStore

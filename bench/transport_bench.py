@@ -2,7 +2,7 @@
 
 Starts the raw-asyncio HTTP/1.1 upstream of bench/upstream.py in a separate process, then sends N sequential
 keep-alive POSTs (an MCP-sized JSON-RPC body, reading the whole answer) through
-`proxy.forward.Forwarder` (aiohttp) and `proxy.transport.FastForwarder`, and reports the CPU
+`proxy.upstream.forwarder.Forwarder` (aiohttp) and `proxy.upstream.transport.FastForwarder`, and reports the CPU
 time (time.process_time) this process spent per request, and the ratio.
 
     python bench/transport_bench.py [-n 5000] [--loop uvloop|asyncio] [--rounds 3]
@@ -26,8 +26,8 @@ for _path in (ROOT, ROOT / "bench"):
 
 from upstream import Upstream, answer  # noqa: E402  (bench/upstream.py: the raw-asyncio upstream)
 
-from proxy.forward import Forwarder  # noqa: E402
-from proxy.transport import FastForwarder  # noqa: E402
+from proxy.upstream.forwarder import Forwarder  # noqa: E402
+from proxy.upstream.transport import FastForwarder  # noqa: E402
 
 BODY = (b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"search_notes",'
         b'"arguments":{"query":"welcome","limit":5}}}')

@@ -134,7 +134,7 @@ def _add_test_parser(sub: Any) -> None:
 
 def cmd_test(args: argparse.Namespace) -> int:
     """`test DIR`: 0 when every case passes (and coverage meets --threshold), else 1."""
-    from proxy.policy.testing import render_json, render_text, run_tests
+    from proxy.tools.policy_tests import render_json, render_text, run_tests
 
     report = run_tests(args.directory, engine=args.cel_engine, coverage=args.coverage,
                        threshold=args.threshold)
@@ -248,7 +248,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from proxy.envelope.catalogue import misconfigurations
+    from proxy.envelope.checks.catalogue import misconfigurations
     from proxy.envelope.misconfig import Dependencies
     from proxy.envelope.tools import ToolRegistry
     from proxy.policy.loader import load_policy
@@ -385,8 +385,8 @@ def cmd_audit_read(args: argparse.Namespace) -> int:
 
 
 def _serve_worker(config_json: str, worker: int) -> None:
+    from proxy.app.runtime import serve
     from proxy.config import Config
-    from proxy.server import serve
 
     config = Config.model_validate_json(config_json)
     _setup_logging(config.log_level)
@@ -394,8 +394,8 @@ def _serve_worker(config_json: str, worker: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from proxy.app.runtime import serve
     from proxy.config import load_config
-    from proxy.server import serve
 
     try:
         config = load_config(getattr(args, "config", None), _overrides(args))
@@ -437,9 +437,9 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from proxy.app.runtime import serve
     from proxy.config import ApproverConfig, UpstreamOverride, load_config
     from proxy.identity import IdentityConfig
-    from proxy.server import serve
 
     policies = Path(args.policies or os.environ.get("ENVELOPE_POLICIES") or "policies")
     if not policies.is_dir():
@@ -589,7 +589,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """`replay`: 0 (or 1 with --fail-on-change when something changed); 2 on input errors."""
     from proxy.config import Config, load_config
     from proxy.policy.loader import load_policy
-    from proxy.replay import RecordError, format_report, load_records, replay
+    from proxy.tools.replay import RecordError, format_report, load_records, replay
 
     try:
         config = load_config(args.config, environ={}) if args.config else Config()

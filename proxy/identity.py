@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from proxy.envelope.call import Principal
+from proxy.envelope.types import Principal
 from proxy.errors import ConfigError, IdentityError
 
 Algorithm = Literal["HS256", "RS256", "ES256"]

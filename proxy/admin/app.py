@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from proxy.admin.metrics import Metrics
+from proxy.observability.metrics import Metrics
 
 _JSON = "application/json"
 _NO_STORE = {"Cache-Control": "no-store"}

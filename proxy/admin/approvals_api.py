@@ -20,14 +20,9 @@ from typing import Any, get_args
 import orjson
 from aiohttp import web
 
-from proxy.approvals import (
-    STATES,
-    ApprovalError,
-    ApprovalService,
-    Approvers,
-    GrantRequest,
-    State,
-)
+from proxy.approvals.approvers import Approvers
+from proxy.approvals.records import STATES, ApprovalError, GrantRequest, State
+from proxy.approvals.service import ApprovalService
 from proxy.errors import StoreError
 
 _NO_STORE = {"Cache-Control": "no-store"}

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.envelope.shadow import list_records
+from proxy.envelope.checks.shadow import list_records
 from proxy.errors import StoreError
 
 MAX_LIMIT = 10_000

@@ -137,7 +137,7 @@ def build_record(
 
     `latency` is seconds per stage (as measured, e.g. with `perf_counter`); the record holds
     milliseconds rounded to 3 decimals under `latency_ms`. `verdict` and `code` may be the
-    enums of `proxy.envelope.call`. `extra`, when given, is kept under its own `extra` key so
+    enums of `proxy.envelope.types`. `extra`, when given, is kept under its own `extra` key so
     it can never shadow a versioned field. `args` is present only when `log_args`, with the
     values named by `mask` replaced by "***" (see `mask_arguments`); `args_digest` is always
     the digest of the real, unmasked arguments.

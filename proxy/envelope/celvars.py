@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from proxy.envelope.call import Effect, ToolCall
 from proxy.envelope.tools import ANNOTATION_DEFAULTS
+from proxy.envelope.types import Effect, ToolCall
 from proxy.errors import CelEvalError
 from proxy.policy.cel import Engine
 

@@ -8,7 +8,7 @@ default (destructive).
 
 from __future__ import annotations
 
-from proxy.envelope.call import Effect, ToolCall
+from proxy.envelope.types import Effect, ToolCall
 from proxy.policy.compiled import PolicyRevision
 
 

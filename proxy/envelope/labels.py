@@ -20,8 +20,8 @@ from typing import Any
 
 import orjson
 
-from proxy.envelope.call import ToolInfo
 from proxy.envelope.tools import annotation
+from proxy.envelope.types import ToolInfo
 from proxy.policy.model import PathLabel, ToolPolicy
 
 # Walk no deeper than this into structuredContent (the front already caps JSON depth).

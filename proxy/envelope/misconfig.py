@@ -1,6 +1,6 @@
 """Misconfigurations: tools that can never run, one shape for every sink.
 
-The catalogue (`proxy.envelope.catalogue`) decides what is misconfigured, with an ordered list of
+The catalogue (`proxy.envelope.checks.catalogue`) decides what is misconfigured, with an ordered list of
 rules; this module holds the shared shape (`Misconfiguration`), what the envelope layer depends
 on (`Dependencies`) and the one sink (`MisconfigSink`) that turns a report into a log line per
 problem (once per revision), the `envelope_misconfigured_tools{layer}` gauge and the list served

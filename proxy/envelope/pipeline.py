@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.admin.metrics import Metrics
 from proxy.audit.log import AuditLog
 from proxy.audit.record import build_record
-from proxy.envelope import (
+from proxy.envelope.checks import (
     approval,
     arg_rules,
     authz,
@@ -32,7 +31,9 @@ from proxy.envelope import (
     schema,
     shadow,
 )
-from proxy.envelope.call import (
+from proxy.envelope.misconfig import Dependencies, MisconfigSink, Misconfiguration
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
     ALLOWED,
     AsyncCheck,
     Check,
@@ -43,9 +44,8 @@ from proxy.envelope.call import (
     ToolCall,
     Verdict,
 )
-from proxy.envelope.misconfig import Dependencies, MisconfigSink, Misconfiguration
-from proxy.envelope.tools import ToolRegistry
 from proxy.errors import AuditError, ResultWithheld
+from proxy.observability.metrics import Metrics
 from proxy.policy.compiled import PolicyRevision
 
 log = logging.getLogger("envelope")
@@ -171,7 +171,7 @@ class Envelope:
         self.registry = registry
         self.services = services
         self._chain: Chain | None = None
-        # Decision recorder for replay (`serve --record`; `proxy.replay.Recorder`), or None.
+        # Decision recorder for replay (`serve --record`; `proxy.tools.replay.Recorder`), or None.
         self.recorder: Any = None
         # Misconfigurations: logged once per revision, counted by layer, listed by the admin API.
         self.misconfig = MisconfigSink(metrics)

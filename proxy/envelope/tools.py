@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from proxy.envelope.call import Effect, ToolInfo
+from proxy.envelope.types import Effect, ToolInfo
 
 # MCP annotation defaults when absent: a destructive, open-world writer.
 ANNOTATION_DEFAULTS: Mapping[str, bool] = {

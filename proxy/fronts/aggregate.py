@@ -34,7 +34,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.envelope.call import (
+from proxy.envelope.pipeline import Pending
+from proxy.envelope.types import (
     Code,
     Decision,
     Principal,
@@ -43,11 +44,10 @@ from proxy.envelope.call import (
     ToolCall,
     Verdict,
 )
-from proxy.envelope.pipeline import Pending
 from proxy.errors import AuditError, ResultWithheld, UpstreamError, UpstreamTimeout
 from proxy.fronts import jsonrpc
 from proxy.fronts.jsonrpc import BadMessage, Message
-from proxy.fronts.mcp import (
+from proxy.fronts.per_upstream import (
     DECISION_META,
     STATELESS_REVISION,
     McpFront,

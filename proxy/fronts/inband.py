@@ -1,6 +1,6 @@
 """In-band approval on the MCP wire: asking the person at the client to approve a gated call.
 
-The approval check (`proxy.envelope.approval`) decides *whether* the person at the client may
+The approval check (`proxy.envelope.checks.approval`) decides *whether* the person at the client may
 approve (the tool's `approval.in_band`) and records their answer; this module only speaks the
 wire:
 
@@ -31,8 +31,8 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-from proxy.approvals import STATE_PREFIX
-from proxy.envelope.call import ApprovalPrompt, InBandAnswer
+from proxy.approvals.signer import STATE_PREFIX
+from proxy.envelope.types import ApprovalPrompt, InBandAnswer
 from proxy.fronts.sse import format_event
 
 log = logging.getLogger("envelope.mcp.inband")

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from proxy.admin.metrics import RejectReason
+from proxy.observability.metrics import RejectReason
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600

@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proxy.envelope.call import Effect
-from proxy.envelope.guardrails import DETECTORS, PatternError, compile_pattern
+from proxy.envelope.checks.guardrails import DETECTORS, PatternError, compile_pattern
+from proxy.envelope.types import Effect
 
 _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
@@ -128,7 +128,7 @@ class PathLabel(_Model):
 
 
 class Guardrail(_Model):
-    """One output guardrail rule (`proxy.envelope.guardrails`): exactly one of `detector` (a
+    """One output guardrail rule (`proxy.envelope.checks.guardrails`): exactly one of `detector` (a
     built-in secret detector, or `secrets` for all of them) or `pattern` (an RE2 regular
     expression, compiled at load: look-around and back-references are load errors)."""
 

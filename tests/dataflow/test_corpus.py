@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.envelope.dataflow import Ledger, LedgerDelta, free_text, match_argument
+from proxy.envelope.dataflow.ledger import Ledger, LedgerDelta
+from proxy.envelope.dataflow.match import free_text, match_argument
 from proxy.envelope.labels import Label, Piece
 from proxy.policy.model import DataflowPolicy
 

@@ -13,7 +13,8 @@ import pytest
 from deploy_helpers import DEPLOY, REPO, TARGET_LABELS, grouping_labels, load_yaml, metric_refs
 from prometheus_client import Histogram
 
-from proxy.admin.metrics import (
+from proxy.envelope.types import Code, Verdict
+from proxy.observability.metrics import (
     METRICS,
     MISCONFIG_LAYERS,
     REJECT_REASONS,
@@ -21,7 +22,6 @@ from proxy.admin.metrics import (
     STAGES,
     UPSTREAM_OUTCOMES,
 )
-from proxy.envelope.call import Code, Verdict
 
 PROM = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "envelope-dashboard.json"
@@ -64,7 +64,7 @@ def _check_expr(expr: str, where: str) -> set[str]:
     assert refs or "envelope_" not in expr, where
     names = set()
     for name, matchers in refs:
-        assert name in SPECS, f"{where}: {name} is not exported (proxy.admin.metrics.METRICS)"
+        assert name in SPECS, f"{where}: {name} is not exported (proxy.observability.metrics.METRICS)"
         names.add(name)
         known = set(SPECS[name].labels) | TARGET_LABELS | ({"le"} if name in HISTOGRAMS else set())
         for label, op, value in matchers:

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.forward import Forwarder, UpstreamResponse
-from proxy.transport import FastForwarder
+from proxy.upstream.forwarder import Forwarder, UpstreamResponse
+from proxy.upstream.transport import FastForwarder
 from tests.harness import ROOT, free_port, stop, wait_port
 
 MCP_HEADERS = {

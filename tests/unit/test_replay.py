@@ -12,7 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.envelope.call import (
+from proxy.envelope.pipeline import Chain, Pending
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
     ALLOWED,
     Code,
     Decision,
@@ -24,10 +26,8 @@ from proxy.envelope.call import (
     Verdict,
     deny,
 )
-from proxy.envelope.pipeline import Chain, Pending
-from proxy.envelope.tools import ToolRegistry
 from proxy.policy.loader import load_policy
-from proxy.replay import (
+from proxy.tools.replay import (
     RECORD_VERSION,
     Recorder,
     RecordError,

@@ -1,4 +1,4 @@
-"""proxy.transport.FastForwarder against raw asyncio servers scripting byte-exact responses."""
+"""proxy.upstream.transport.FastForwarder against raw asyncio servers scripting byte-exact responses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from proxy.errors import UpstreamError, UpstreamTimeout
-from proxy.transport import HIGH_WATER, FastForwarder, FastResponse
+from proxy.upstream.transport import HIGH_WATER, FastForwarder, FastResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 

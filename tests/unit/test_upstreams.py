@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from proxy.admin.metrics import Metrics
 from proxy.errors import UpstreamError, UpstreamTimeout
-from proxy.upstreams import PROBE_SESSION, HealthProber, ProbeTarget, UpstreamHealth
+from proxy.observability.metrics import Metrics
+from proxy.upstream.health import PROBE_SESSION, HealthProber, ProbeTarget, UpstreamHealth
 
 
 def metric_value(text: str, name: str, upstream: str) -> float:

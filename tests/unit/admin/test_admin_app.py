@@ -9,7 +9,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.admin.app import build_admin_app
-from proxy.admin.metrics import Metrics
+from proxy.observability.metrics import Metrics
 
 
 class FakeStatus:

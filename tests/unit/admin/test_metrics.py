@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admin.metrics import METRICS, REJECT_REASONS, STAGES, Metrics
-from proxy.envelope.call import Code, Verdict
+from proxy.envelope.types import Code, Verdict
+from proxy.observability.metrics import METRICS, REJECT_REASONS, STAGES, Metrics
 
 
 def _samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import disable_created_metrics, enable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admin.metrics import (
+from proxy.envelope.types import Code, Verdict
+from proxy.observability.metrics import (
     DURATION_BUCKETS,
     METRICS,
     MISCONFIG_LAYERS,
@@ -23,7 +24,6 @@ from proxy.admin.metrics import (
     Metrics,
     MetricSpec,
 )
-from proxy.envelope.call import Code, Verdict
 
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 

@@ -11,7 +11,7 @@ import orjson
 from proxy.audit.log import AuditLog
 from proxy.audit.record import args_digest, build_record, utc_timestamp
 from proxy.audit.verify import verify
-from proxy.envelope.call import Code, Verdict
+from proxy.envelope.types import Code, Verdict
 
 
 def _record(**over: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import jsonschema_rs
 
-from proxy.envelope.call import Principal, RequestInfo, RunContext, ToolCall, ToolInfo
+from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, ToolInfo
 from proxy.policy.cel import available_engines, get_engine
 from proxy.policy.compiled import CompiledPrincipal, CompiledRule, CompiledTool, PolicyRevision
 from proxy.policy.model import PolicyDocument

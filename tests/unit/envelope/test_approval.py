@@ -15,21 +15,21 @@ from aiohttp.test_utils import TestClient, TestServer
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
 from proxy.admin.approvals_api import add_routes
-from proxy.approvals import (
+from proxy.approvals.approvers import Approvers
+from proxy.approvals.notifier import ApprovalNotifier
+from proxy.approvals.records import (
     ApprovalConflict,
-    ApprovalNotifier,
-    ApprovalService,
-    Approvers,
     CallBinding,
     GrantRequest,
     InvalidGrant,
     SelfApproval,
 )
+from proxy.approvals.service import ApprovalService
 from proxy.audit.record import args_digest
 from proxy.config import ApprovalsConfig
-from proxy.envelope.approval import ApprovalCheck
-from proxy.envelope.call import Code, Decision, Effect, RunContext, Services, ToolCall, Verdict
+from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Effect, RunContext, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.store.memory import MemoryStore
 

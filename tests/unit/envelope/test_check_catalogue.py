@@ -7,15 +7,15 @@ from typing import Any
 import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.envelope.call import Code, Effect, ToolInfo
-from proxy.envelope.capability import CapabilityCheck
-from proxy.envelope.catalogue import (
+from proxy.envelope.checks.capability import CapabilityCheck
+from proxy.envelope.checks.catalogue import (
     CatalogueCheck,
     misconfiguration,
     misconfigured_tools,
     visible,
 )
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Effect, ToolInfo
 
 
 def doc(**kw: Any) -> dict[str, Any]:

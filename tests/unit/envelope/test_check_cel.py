@@ -6,12 +6,12 @@ from typing import Any
 
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.envelope.arg_rules import ArgRulesCheck
-from proxy.envelope.authz import AuthzCheck
-from proxy.envelope.call import Code, Decision, Effect, Principal, ToolCall, ToolInfo
-from proxy.envelope.catalogue import CatalogueCheck
 from proxy.envelope.celvars import activation, variables
+from proxy.envelope.checks.arg_rules import ArgRulesCheck
+from proxy.envelope.checks.authz import AuthzCheck
+from proxy.envelope.checks.catalogue import CatalogueCheck
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Effect, Principal, ToolCall, ToolInfo
 from proxy.policy.cel import get_engine
 
 

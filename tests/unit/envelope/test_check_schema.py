@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.envelope.call import Code, ToolInfo
-from proxy.envelope.schema import SchemaCheck, pointer
+from proxy.envelope.checks.schema import SchemaCheck, pointer
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, ToolInfo
 
 UPSTREAM_SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 from envelope_helpers import make_call
 
-from proxy.envelope.arg_rules import ArgRulesCheck
-from proxy.envelope.authz import AuthzCheck
-from proxy.envelope.call import Code, Decision, Principal, ToolCall, ToolInfo
-from proxy.envelope.capability import CapabilityCheck
-from proxy.envelope.catalogue import CatalogueCheck, misconfigured_tools, visible
-from proxy.envelope.schema import SchemaCheck
+from proxy.envelope.checks.arg_rules import ArgRulesCheck
+from proxy.envelope.checks.authz import AuthzCheck
+from proxy.envelope.checks.capability import CapabilityCheck
+from proxy.envelope.checks.catalogue import CatalogueCheck, misconfigured_tools, visible
+from proxy.envelope.checks.schema import SchemaCheck
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Principal, ToolCall, ToolInfo
 
 loader = pytest.importorskip("proxy.policy.loader")
 

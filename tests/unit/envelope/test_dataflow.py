@@ -8,23 +8,21 @@ from typing import Any
 import pytest
 from envelope_helpers import build_revision, make_call
 
-from proxy.envelope import dataflow
-from proxy.envelope.call import Code, Decision, Effect, RunContext, Services, ToolInfo, Verdict
-from proxy.envelope.dataflow import (
-    DataflowCheck,
+from proxy.envelope.checks.dataflow import DataflowCheck
+from proxy.envelope.dataflow import fingerprint
+from proxy.envelope.dataflow import ledger as ledger_mod
+from proxy.envelope.dataflow.fingerprint import normalise, tokens
+from proxy.envelope.dataflow.ledger import (
     Ledger,
     LedgerDelta,
-    Probe,
-    free_text,
     load,
     mark_pending,
-    match_argument,
-    normalise,
     record,
-    tokens,
     widen_parent,
 )
+from proxy.envelope.dataflow.match import Probe, free_text, match_argument
 from proxy.envelope.labels import Label, Piece, output_labels, pieces
+from proxy.envelope.types import Code, Decision, Effect, RunContext, Services, ToolInfo, Verdict
 from proxy.errors import ResultWithheld, StoreError
 from proxy.policy.model import ToolPolicy
 from proxy.store.memory import MemoryStore
@@ -195,7 +193,7 @@ async def test_an_output_recorded_moments_ago_is_not_written_again() -> None:
         return await real(ns, key, fields, ttl, **kw)
 
     store.hash_put = counting  # type: ignore[method-assign]
-    recent = dataflow.RECENT
+    recent = ledger_mod.RECENT
     await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done=None)
     assert puts == ["ledger_fp", "ledger"]
     await mark_pending(store, "run", "d2", time.time() + 60, ttl=3600)
@@ -284,7 +282,7 @@ def test_winnowing_keeps_every_copied_run_of_min_match_characters(window: int) -
     ledger = Ledger(32, window=window)
     delta = LedgerDelta.of("web.fetch", [Piece(page, Label(True, False), "t")], 32, window=window)
     ledger.merge(delta, 10**6)
-    grams = len(set(dataflow.gram_hashes(normalise(page), 32, window)))
+    grams = len(set(fingerprint.gram_hashes(normalise(page), 32, window)))
     kept = len(delta.grams)
     assert kept <= grams and (window == 1 or kept < grams * 2.4 / (window + 1))
     for _ in range(200):

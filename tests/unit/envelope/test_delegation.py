@@ -9,11 +9,11 @@ import orjson
 import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.envelope import delegation
-from proxy.envelope.call import Code, Decision, Effect, RunContext, Services, ToolCall, Verdict
-from proxy.envelope.delegation import DelegationCheck, lineage_key, taint_ancestors
-from proxy.envelope.ratelimit import RateLimitCheck, slot_key
+from proxy.envelope.checks import delegation
+from proxy.envelope.checks.delegation import DelegationCheck, lineage_key, taint_ancestors
+from proxy.envelope.checks.ratelimit import RateLimitCheck, slot_key
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Effect, RunContext, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.store.memory import MemoryStore
 

@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 from envelope_helpers import build_revision
 
-from proxy.admin.metrics import Metrics
-from proxy.envelope.call import Code, Principal, RequestInfo, RunContext, ToolCall, Verdict
-from proxy.envelope.guardrails import (
+from proxy.envelope.checks.guardrails import (
     BUILTIN_PATTERNS,
     DETECTORS,
     compile_pattern,
@@ -22,7 +20,9 @@ from proxy.envelope.guardrails import (
 )
 from proxy.envelope.pipeline import Chain
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Principal, RequestInfo, RunContext, ToolCall, Verdict
 from proxy.errors import PolicyError
+from proxy.observability.metrics import Metrics
 from proxy.policy.loader import load_policy
 
 AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
@@ -254,7 +254,7 @@ def test_defaults_run_before_the_tools_own_rules() -> None:
 
 
 def test_a_guardrail_that_raises_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import proxy.envelope.guardrails as g
+    import proxy.envelope.checks.guardrails as g
 
     def boom(*_: Any) -> Any:
         raise RuntimeError("boom")

@@ -10,13 +10,13 @@ import orjson
 import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.admin.metrics import Metrics
 from proxy.audit.record import args_digest
 from proxy.config import IdempotencyConfig
-from proxy.envelope.call import ALLOWED, Code, Decision, Effect, Services, ToolCall, Verdict
-from proxy.envelope.idempotency import NS, IdempotencyCheck, call_key
+from proxy.envelope.checks.idempotency import NS, IdempotencyCheck, call_key
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import ALLOWED, Code, Decision, Effect, Services, ToolCall, Verdict
 from proxy.errors import StoreError
+from proxy.observability.metrics import Metrics
 from proxy.store.memory import MemoryStore
 
 DOC: dict[str, Any] = {

@@ -12,17 +12,14 @@ from typing import Any, Literal
 import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.approvals import (
-    STATE_PREFIX,
-    ApprovalNotifier,
-    ApprovalService,
-    CallBinding,
-    InvalidRequestState,
-    RequestStateSigner,
-)
+from proxy.approvals.notifier import ApprovalNotifier
+from proxy.approvals.records import CallBinding, InvalidRequestState
+from proxy.approvals.service import ApprovalService
+from proxy.approvals.signer import STATE_PREFIX, RequestStateSigner
 from proxy.config import ApprovalsConfig
-from proxy.envelope.approval import ApprovalCheck
-from proxy.envelope.call import (
+from proxy.envelope.checks.approval import ApprovalCheck
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
     ApprovalPrompt,
     Code,
     Effect,
@@ -31,7 +28,6 @@ from proxy.envelope.call import (
     Services,
     ToolCall,
 )
-from proxy.envelope.tools import ToolRegistry
 from proxy.fronts.inband import (
     INPUT_KEY,
     DeferChannel,

@@ -9,10 +9,8 @@ from typing import Any
 import pytest
 from envelope_helpers import build_revision, make_call
 
-from proxy.admin.metrics import Metrics
 from proxy.audit.log import AuditLog
-from proxy.envelope.call import Code, Effect, Services
-from proxy.envelope.catalogue import (
+from proxy.envelope.checks.catalogue import (
     TOOL_RULES,
     CatalogueCheck,
     misconfiguration,
@@ -27,6 +25,8 @@ from proxy.envelope.misconfig import (
 )
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Effect, Services
+from proxy.observability.metrics import Metrics
 from proxy.store.memory import MemoryStore
 
 NO_STORE = Dependencies(store=None)

@@ -8,9 +8,10 @@ from typing import ClassVar
 
 import pytest
 
-from proxy.admin.metrics import Metrics
 from proxy.audit.log import AuditLog
-from proxy.envelope.call import (
+from proxy.envelope.pipeline import CHECKS, Envelope
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
     Code,
     Decision,
     Principal,
@@ -19,8 +20,7 @@ from proxy.envelope.call import (
     ToolCall,
     Verdict,
 )
-from proxy.envelope.pipeline import CHECKS, Envelope
-from proxy.envelope.tools import ToolRegistry
+from proxy.observability.metrics import Metrics
 from proxy.policy.loader import load_policy
 
 POLICIES = Path(__file__).resolve().parents[2] / "fixtures" / "policies"

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.envelope.call import Code, Effect, ToolCall, ToolInfo, Verdict
-from proxy.envelope.capability import CapabilityCheck
-from proxy.envelope.catalogue import visible
+from proxy.envelope.checks.capability import CapabilityCheck
+from proxy.envelope.checks.catalogue import visible
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Effect, ToolCall, ToolInfo, Verdict
 from proxy.policy.model import PolicyDocument
 
 TOOLS = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from envelope_helpers import build_revision, make_call
 
-from proxy.envelope import dataflow
-from proxy.envelope.call import Code, RunContext, Services
-from proxy.envelope.runtaint import RunTaintCheck
+from proxy.envelope.checks.runtaint import RunTaintCheck
+from proxy.envelope.dataflow import ledger
+from proxy.envelope.types import Code, RunContext, Services
 from proxy.errors import StoreError
 from proxy.policy.compiled import reads_run_taint
 from proxy.store.memory import MemoryStore
@@ -33,7 +33,7 @@ async def test_flags_come_from_the_ledger_and_only_widen() -> None:
     call = make_call("post", {}, upstream="up")
     assert check.applies(call)
     assert await check.decide(call) is None and not call.run.tainted and not call.run.secret
-    await dataflow.record(store, "run-1", dataflow.LedgerDelta("up.fetch", untrusted=True), n=32,
+    await ledger.record(store, "run-1", ledger.LedgerDelta("up.fetch", untrusted=True), n=32,
                           cap=1024, ttl=60)
     assert await check.decide(call) is None and call.run.tainted and not call.run.secret
     replayed = make_call("post", {}, upstream="up")

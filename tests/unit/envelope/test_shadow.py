@@ -7,9 +7,7 @@ from typing import Any
 import orjson
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.admin.metrics import Metrics
-from proxy.envelope.call import Code, Effect, RunContext, Services, ToolCall, Verdict
-from proxy.envelope.shadow import (
+from proxy.envelope.checks.shadow import (
     DEFAULT_RESULT,
     NS,
     RUN_NS,
@@ -18,7 +16,9 @@ from proxy.envelope.shadow import (
     run_flag_key,
 )
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Effect, RunContext, Services, ToolCall, Verdict
 from proxy.errors import StoreError
+from proxy.observability.metrics import Metrics
 from proxy.store.memory import MemoryStore
 
 DOC: dict[str, Any] = {

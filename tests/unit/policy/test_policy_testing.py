@@ -1,4 +1,4 @@
-"""The policy test runner (`proxy.policy.testing`): running, expectations, coverage, reporting."""
+"""The policy test runner (`proxy.tools.policy_tests`): running, expectations, coverage, reporting."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main
-from proxy.policy.testing import render_json, render_text, run_tests
+from proxy.tools.policy_tests import render_json, render_text, run_tests
 
 POLICY = """
 version: 1

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import jsonschema_rs
 
-from proxy.envelope.call import Code, Decision, Services, ToolCall, deny
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.policy.compiled import PolicyRevision
 
 # Reasons reach the model and the audit log; a schema message can quote a huge argument.

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, deny
 from proxy.envelope.misconfig import EVERY_TOOL, Dependencies, Layer, Misconfiguration
 from proxy.envelope.tools import ToolRegistry, effective_effect
+from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
 
 
@@ -243,7 +243,7 @@ def misconfigured_tools(
 
 def _read_only(revision: PolicyRevision, principal_id: str) -> bool:
     # The capability check's own rule (capability, defaults, Rule-of-Two read-only floor).
-    from proxy.envelope.capability import principal_read_only_rule
+    from proxy.envelope.checks.capability import principal_read_only_rule
 
     return principal_read_only_rule(revision, principal_id) is not None
 

@@ -12,15 +12,15 @@ changes nothing. The Rule-of-Two profile (`principals.<id>.rule_of_two`) then ap
   absent: untrusted unless the upstream's trusted annotations say `openWorldHint: false`).
 
 The read-only rule also hides writer tools from `tools/list` (see
-`proxy.envelope.catalogue.visible`, which asks `principal_read_only_rule`).
+`proxy.envelope.checks.catalogue.visible`, which asks `principal_read_only_rule`).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, ToolInfo, deny
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, ToolInfo, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
 
 READ_ONLY_HEADER = "X-Envelope-Capability"

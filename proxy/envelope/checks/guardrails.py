@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import re2
 
-from proxy.envelope.call import Code, Decision, Verdict
+from proxy.envelope.types import Code, Decision, Verdict
 
 log = logging.getLogger("envelope.guardrails")
 

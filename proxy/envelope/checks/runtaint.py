@@ -3,7 +3,7 @@
 Authorization and argument rules may read `run.tainted` (the run has read untrusted content)
 and `run.secret` (it has read secret content). They run before the data-flow check, so this
 check, placed just before them, reads the two flags from the run's ledger
-(`proxy.envelope.dataflow.run_flags`: one store read) and sets them on the call. Only a policy
+(`proxy.envelope.checks.dataflow.run_flags`: one store read) and sets them on the call. Only a policy
 whose CEL reads them pays for it (`PolicyRevision.run_taint_readers`); a policy that reads them
 with `dataflow.mode: off` is refused at load (no ledger, always false).
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from proxy.envelope.call import Code, Decision, Services, ToolCall, Verdict
-from proxy.envelope.dataflow import run_flags
+from proxy.envelope.dataflow.ledger import run_flags
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 

@@ -1,6 +1,6 @@
 """A lean upstream transport: raw asyncio Protocols + httptools, HTTP/1.1 over plain TCP.
 
-`FastForwarder` is a drop-in `proxy.forward.Forwarder` (it subclasses it, so every front that
+`FastForwarder` is a drop-in `proxy.upstream.forwarder.Forwarder` (it subclasses it, so every front that
 takes a `Forwarder` takes it unchanged) that spends ~4x less CPU per proxied request than an
 aiohttp `ClientSession` (see bench/transport_bench.py). It only speaks plain `http://`; any
 other URL (https://, or one carrying user:password@) is delegated to the inherited aiohttp
@@ -41,7 +41,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import UpstreamError, UpstreamTimeout
-from proxy.forward import Forwarder, UpstreamResponse
+from proxy.upstream.forwarder import Forwarder, UpstreamResponse
 
 __all__ = ["FastForwarder", "FastResponse"]
 

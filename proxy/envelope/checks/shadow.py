@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 import orjson
 
 from proxy.audit.record import utc_timestamp
-from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, Verdict
 from proxy.envelope.effects import gated
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.store.base import Store

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from proxy.envelope.call import Code, Decision, Services, ToolCall, deny
 from proxy.envelope.celvars import activation
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.errors import CelEvalError
 from proxy.policy.cel import Engine, get_engine
 from proxy.policy.compiled import CompiledRule, PolicyRevision, Program

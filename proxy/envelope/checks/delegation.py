@@ -26,7 +26,7 @@ name no parent keep working, at depth 0, so an outage does not stop reads).
 Taint crosses the boundary upwards: for a child run this check sets `call.run.taint_targets`
 to `taint_ancestors` (the ancestor runs whose ledgers the child's untrusted or secret output
 widens, cut at a parent whose principal sets `propagate_taint: false`); the data-flow check's
-result hook widens each with `proxy.envelope.dataflow.widen_parent` after updating the child's
+result hook widens each with `proxy.envelope.checks.dataflow.widen_parent` after updating the child's
 own ledger.
 """
 
@@ -41,8 +41,8 @@ from typing import ClassVar
 import orjson
 
 from proxy.audit.record import utc_timestamp
-from proxy.envelope.call import Code, Decision, Effect, Services, ToolCall, Verdict, deny
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, Verdict, deny
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.store.base import Store

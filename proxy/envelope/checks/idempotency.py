@@ -30,9 +30,9 @@ from typing import Any, ClassVar
 import orjson
 
 from proxy.audit.record import args_digest
-from proxy.envelope.call import Code, Decision, ResultHook, Services, ToolCall, Verdict, deny
 from proxy.envelope.effects import gated
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, ResultHook, Services, ToolCall, Verdict, deny
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.store.base import Store

@@ -22,9 +22,10 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.admin.metrics import UpstreamOutcome
 from proxy.config import RetryConfig
-from proxy.envelope.call import (
+from proxy.envelope.checks.guardrails import guard_reply
+from proxy.envelope.pipeline import Envelope, Pending
+from proxy.envelope.types import (
     Code,
     Decision,
     Effect,
@@ -34,10 +35,7 @@ from proxy.envelope.call import (
     ToolCall,
     Verdict,
 )
-from proxy.envelope.guardrails import guard_reply
-from proxy.envelope.pipeline import Envelope, Pending
 from proxy.errors import AuditError, IdentityError, ResultWithheld, UpstreamError, UpstreamTimeout
-from proxy.forward import Forwarder, UpstreamResponse
 from proxy.fronts import jsonrpc
 from proxy.fronts.inband import (
     ID_PREFIX,
@@ -50,6 +48,8 @@ from proxy.fronts.inband import (
 )
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event
+from proxy.observability.metrics import UpstreamOutcome
+from proxy.upstream.forwarder import Forwarder, UpstreamResponse
 
 log = logging.getLogger("envelope.mcp")
 
@@ -222,7 +222,7 @@ class McpFront:
         self.targets = targets
         self.settings = settings
         self.metrics = envelope.metrics
-        # Told every upstream request outcome (proxy.upstreams.UpstreamHealth.record); optional.
+        # Told every upstream request outcome (proxy.upstream.health.UpstreamHealth.record); optional.
         self.on_upstream: Callable[[str, UpstreamOutcome, str | None], None] | None = None
         # Fire-and-forget upstream notifications (cancellations), tracked so shutdown can wait.
         self._background: set[asyncio.Task[None]] = set()

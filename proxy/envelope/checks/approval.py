@@ -49,17 +49,14 @@ import contextlib
 import logging
 from typing import Any, ClassVar
 
-from proxy.approvals import (
-    Approval,
-    ApprovalConflict,
-    ApprovalService,
-    CallBinding,
-    InvalidRequestState,
-    RequestStateSigner,
-)
+from proxy.approvals.records import Approval, ApprovalConflict, CallBinding, InvalidRequestState
+from proxy.approvals.service import ApprovalService
+from proxy.approvals.signer import RequestStateSigner
 from proxy.audit.record import args_digest
 from proxy.config import ApprovalsConfig
-from proxy.envelope.call import (
+from proxy.envelope.effects import gated
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
     ApprovalPrompt,
     Code,
     Decision,
@@ -71,8 +68,6 @@ from proxy.envelope.call import (
     Verdict,
     deny,
 )
-from proxy.envelope.effects import gated
-from proxy.envelope.tools import ToolRegistry
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import Approval as ApprovalPolicy

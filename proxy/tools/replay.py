@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from proxy.audit.record import utc_timestamp
-from proxy.envelope.call import (
+from proxy.envelope.types import (
     Code,
     Decision,
     Principal,
@@ -336,7 +336,7 @@ class Replayer:
         call = call_from_record(rec)
         run = rec.get("run") or {}
         if run.get("shadow_sticky"):
-            from proxy.envelope.shadow import RUN_FLAG_TTL, RUN_NS, run_flag_key
+            from proxy.envelope.checks.shadow import RUN_FLAG_TTL, RUN_NS, run_flag_key
 
             await self.store.put(RUN_NS, run_flag_key(call.run.id), orjson.dumps({"shadow": True}),
                                  ttl=RUN_FLAG_TTL)

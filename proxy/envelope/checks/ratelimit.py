@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from proxy.envelope.call import Code, Decision, Services, ToolCall, Verdict, deny
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Services, ToolCall, Verdict, deny
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.store.base import Store

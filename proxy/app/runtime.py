@@ -18,26 +18,28 @@ from typing import Any
 from aiohttp import web
 
 from proxy.admin.app import build_admin_app
-from proxy.admin.metrics import Metrics
-from proxy.approvals import ApprovalNotifier, ApprovalService, Approvers
+from proxy.approvals.approvers import Approvers
+from proxy.approvals.notifier import ApprovalNotifier
+from proxy.approvals.service import ApprovalService
 from proxy.audit.log import AuditLog
 from proxy.config import Config
-from proxy.envelope.call import Services
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Services
 from proxy.errors import PolicyError, StoreError
-from proxy.forward import Forwarder
 from proxy.fronts.aggregate import AggregateFront
-from proxy.fronts.mcp import LOOPBACK_HOSTS, FrontSettings, McpFront, UpstreamTarget
+from proxy.fronts.per_upstream import LOOPBACK_HOSTS, FrontSettings, McpFront, UpstreamTarget
 from proxy.identity import Identity
+from proxy.observability.metrics import Metrics
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.reload import PolicyWatcher
-from proxy.replay import open_recorder
 from proxy.store.base import Store
 from proxy.store.factory import open_store
-from proxy.transport import FastForwarder
-from proxy.upstreams import HealthProber, ProbeTarget, UpstreamHealth
+from proxy.tools.replay import open_recorder
+from proxy.upstream.forwarder import Forwarder
+from proxy.upstream.health import HealthProber, ProbeTarget, UpstreamHealth
+from proxy.upstream.transport import FastForwarder
 
 log = logging.getLogger("envelope")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.errors import UpstreamError, UpstreamTimeout
-from proxy.forward import Forwarder
+from proxy.upstream.forwarder import Forwarder
 
 log = logging.getLogger("envelope.upstreams")
 

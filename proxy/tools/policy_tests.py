@@ -40,8 +40,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ruamel.yaml.nodes import MappingNode, Node, SequenceNode
 
-from proxy.envelope import dataflow, pipeline
-from proxy.envelope.call import (
+from proxy.envelope import pipeline
+from proxy.envelope.celvars import activation
+from proxy.envelope.dataflow import ledger
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
     Code,
     Decision,
     Principal,
@@ -50,8 +53,6 @@ from proxy.envelope.call import (
     Services,
     ToolCall,
 )
-from proxy.envelope.celvars import activation
-from proxy.envelope.tools import ToolRegistry
 from proxy.errors import CelEvalError, PolicyError, PolicyProblem
 from proxy.policy.cel import get_engine
 from proxy.policy.compiled import Location, PolicyRevision
@@ -482,10 +483,10 @@ async def _seed_history(chain: pipeline.Chain, run_id: str, history: list[Result
     policy = chain.revision.document.dataflow or DataflowPolicy()
     store = chain.services.store if chain.services is not None else None
     for item in history:
-        delta = dataflow.LedgerDelta(item.tool, untrusted=item.output == "untrusted",
+        delta = ledger.LedgerDelta(item.tool, untrusted=item.output == "untrusted",
                                      secret=item.sensitivity == "secret")
         if store is not None and not delta.empty:
-            await dataflow.record(store, run_id, delta, n=policy.min_match,
+            await ledger.record(store, run_id, delta, n=policy.min_match,
                                   cap=policy.ledger_cap, ttl=policy.ledger_ttl, window=policy.winnow)
 
 

@@ -1,0 +1,1 @@
+"""Process lifecycle: runtime wiring, listeners, reload, graceful shutdown."""

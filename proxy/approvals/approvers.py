@@ -1,0 +1,47 @@
+"""Approver tokens from the runtime config."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+from collections.abc import Mapping
+
+from proxy.config import ApprovalsConfig
+
+log = logging.getLogger("envelope.approvals")
+
+
+class Approvers:
+    """Approver tokens from the runtime config, checked by SHA-256 digest in constant time."""
+
+    def __init__(self, config: ApprovalsConfig, environ: Mapping[str, str] | None = None):
+        environ = os.environ if environ is None else environ
+        self._digests: list[tuple[str, bytes]] = []
+        for name, approver in config.approvers.items():
+            if approver.token_sha256:
+                self._digests.append((name, bytes.fromhex(approver.token_sha256)))
+            if approver.token_env:
+                token = environ.get(approver.token_env)
+                if token:
+                    self._digests.append((name, hashlib.sha256(token.encode()).digest()))
+                else:
+                    log.warning("approver %s: environment variable %s is not set; that token "
+                                "cannot authenticate", name, approver.token_env)
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def authenticate(self, token: str | None) -> str | None:
+        """The approver's name for this token, or None. Every digest is compared."""
+        if not token:
+            return None
+        digest = hashlib.sha256(token.encode()).digest()
+        found: str | None = None
+        for name, want in self._digests:
+            if hmac.compare_digest(digest, want) and found is None:
+                found = name
+        return found
+
+

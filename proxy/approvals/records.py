@@ -1,0 +1,200 @@
+"""Approval and grant records: a person's decision bound to one exact call, and the grants that
+pre-approve a narrow family of later calls (see `proxy.approvals` for their life)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import orjson
+
+from proxy.errors import EnvelopeError
+from proxy.policy.model import parse_duration
+
+NS_APPROVAL = "approval"
+NS_BY_CALL = "approval_by_call"
+NS_GRANT = "grant"
+
+State = Literal["pending", "approved", "denied", "expired", "consumed"]
+STATES: tuple[State, ...] = ("pending", "approved", "denied", "expired", "consumed")
+GrantScope = Literal["tool", "run"]
+
+_OPT = orjson.OPT_SORT_KEYS
+
+
+class ApprovalError(EnvelopeError):
+    """An approver's request cannot be carried out (maps to a 4xx answer)."""
+
+    status = 400
+
+
+class ApprovalNotFound(ApprovalError):
+    """No approval (or grant) has this id."""
+
+    status = 404
+
+
+class ApprovalConflict(ApprovalError):
+    """The approval is no longer pending (decided, consumed or expired)."""
+
+    status = 409
+
+
+class SelfApproval(ApprovalError):
+    """An approver tried to decide a call made by themselves."""
+
+    status = 403
+
+
+class InvalidGrant(ApprovalError):
+    """The grant in an approve request is malformed or too long."""
+
+    status = 400
+
+
+
+class InvalidRequestState(ApprovalError):
+    """A `requestState` the proxy did not mint, for another call or approval, or expired."""
+
+    status = 400
+
+
+
+def _canonical(value: Any) -> bytes:
+    return orjson.dumps(value, option=_OPT)
+
+
+@dataclass(frozen=True, slots=True)
+class CallBinding:
+    """What an approval is bound to: exactly one call."""
+
+    principal: str
+    run: str
+    upstream: str
+    tool: str
+    args_digest: str
+
+    @property
+    def key(self) -> str:
+        """A fixed-length store key (ids and names may hold any character)."""
+        raw = orjson.dumps([self.principal, self.run, self.upstream, self.tool, self.args_digest])
+        return hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    """One approval request and its decision (a store record)."""
+
+    id: str
+    state: State
+    principal: str
+    run: str
+    upstream: str
+    tool: str
+    args_digest: str
+    arguments: dict[str, Any]  # shown to approvers: they decide on what the call does
+    effect: str
+    reason: str  # why the call is gated
+    created_at: float
+    expires_at: float
+    decision_id: str | None = None  # the call that asked for it
+    approver: str | None = None
+    decision_reason: str | None = None
+    decided_at: float | None = None
+    consumed_at: float | None = None
+    grant_id: str | None = None  # a grant the approver gave with the approval
+
+    @property
+    def binding(self) -> CallBinding:
+        return CallBinding(self.principal, self.run, self.upstream, self.tool, self.args_digest)
+
+    def effective_state(self, now: float) -> State:
+        """The state as of `now`: pending or approved past `expires_at` is expired."""
+        if self.state in ("pending", "approved") and now >= self.expires_at:
+            return "expired"
+        return self.state
+
+    def encode(self) -> bytes:
+        return _canonical(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Approval:
+        return cls(**orjson.loads(raw))
+
+    def view(self, now: float) -> dict[str, Any]:
+        """The JSON shape of the admin API (state as of `now`)."""
+        return {**asdict(self), "state": self.effective_state(now)}
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A standing approval: later calls of one principal to one tool (optionally in one run)
+    whose arguments hold the given exact values go ahead without waiting."""
+
+    id: str
+    scope: GrantScope
+    principal: str
+    upstream: str
+    tool: str
+    run: str | None
+    args: dict[str, Any]
+    approver: str
+    reason: str
+    approval_id: str
+    created_at: float
+    expires_at: float
+
+    def matches(self, binding: CallBinding, arguments: Mapping[str, Any], now: float) -> bool:
+        if now >= self.expires_at:
+            return False
+        if (binding.principal, binding.upstream, binding.tool) != (self.principal, self.upstream, self.tool):
+            return False
+        if self.scope == "run" and binding.run != self.run:
+            return False
+        # Exact JSON equality: canonical bytes, so 1 != true and key order does not matter.
+        return all(k in arguments and _canonical(arguments[k]) == _canonical(v) for k, v in self.args.items())
+
+    def encode(self) -> bytes:
+        return _canonical(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Grant:
+        return cls(**orjson.loads(raw))
+
+    def view(self, now: float) -> dict[str, Any]:
+        return {**asdict(self), "active": now < self.expires_at}
+
+
+@dataclass(frozen=True, slots=True)
+class GrantRequest:
+    """The `grant` of an approve request, validated."""
+
+    scope: GrantScope
+    args: dict[str, Any]
+    duration: float
+
+    @classmethod
+    def parse(cls, data: Any, max_duration: float) -> GrantRequest:
+        """Validate `{"scope": "tool"|"run", "args": {...}, "duration": "30m"}`; InvalidGrant otherwise."""
+        if not isinstance(data, dict):
+            raise InvalidGrant("grant must be an object {scope, args, duration}")
+        unknown = set(data) - {"scope", "args", "duration"}
+        if unknown:
+            raise InvalidGrant(f"unknown grant field(s): {', '.join(sorted(unknown))}")
+        scope = data.get("scope")
+        if scope not in ("tool", "run"):
+            raise InvalidGrant('grant scope must be "tool" or "run"')
+        args = data.get("args", {})
+        if not isinstance(args, dict):
+            raise InvalidGrant("grant args must be an object of exact argument values")
+        try:
+            duration = parse_duration(data.get("duration", "1h"))
+        except ValueError as exc:
+            raise InvalidGrant(f"grant duration: {exc}") from None
+        if not 0 < duration <= max_duration:
+            raise InvalidGrant(f"grant duration must be more than 0 and at most {max_duration:g}s")
+        return cls(scope, args, duration)
+
+

@@ -1,0 +1,216 @@
+"""The approval service: every transition of approvals and grants, through the store."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from proxy.approvals.notifier import ApprovalNotifier
+from proxy.approvals.records import (
+    NS_APPROVAL,
+    NS_BY_CALL,
+    NS_GRANT,
+    Approval,
+    ApprovalConflict,
+    ApprovalNotFound,
+    CallBinding,
+    Grant,
+    GrantRequest,
+    SelfApproval,
+    State,
+)
+from proxy.config import ApprovalsConfig
+from proxy.store.base import Store
+
+log = logging.getLogger("envelope.approvals")
+
+_CAS_ATTEMPTS = 8
+
+
+@dataclass
+class ApprovalService:
+    """Create, find, decide and consume approvals and grants on the store.
+
+    Stateless besides the store and the notifier: the check builds one per policy revision and
+    the admin API its own; they agree through the store.
+    """
+
+    store: Store
+    config: ApprovalsConfig = field(default_factory=ApprovalsConfig)
+    notifier: ApprovalNotifier | None = None
+    metrics: Any = None
+    clock: Callable[[], float] = time.time
+
+    # -- reading ----------------------------------------------------------------------------
+
+    async def get(self, approval_id: str) -> Approval | None:
+        raw = await self.store.get(NS_APPROVAL, approval_id)
+        return None if raw is None else Approval.decode(raw)
+
+    async def for_call(self, binding: CallBinding) -> Approval | None:
+        """The approval bound to this call, if one was requested and is still kept."""
+        approval_id = await self.store.get(NS_BY_CALL, binding.key)
+        if approval_id is None:
+            return None
+        approval = await self.get(approval_id.decode())
+        if approval is None or approval.binding != binding:  # gone, or a (never seen) collision
+            return None
+        return approval
+
+    async def approvals(self, state: State | None = None, limit: int = 1000) -> list[Approval]:
+        """Approvals (in their state as of now), oldest first."""
+        now = self.clock()
+        found = [Approval.decode(raw) for _, raw in await self.store.items(NS_APPROVAL, limit)]
+        if state is not None:
+            found = [a for a in found if a.effective_state(now) == state]
+        return sorted(found, key=lambda a: (a.created_at, a.id))
+
+    async def grants(self, limit: int = 1000) -> list[Grant]:
+        found = [Grant.decode(raw) for _, raw in await self.store.items(NS_GRANT, limit)]
+        return sorted(found, key=lambda g: (g.created_at, g.id))
+
+    async def find_grant(self, binding: CallBinding, arguments: Mapping[str, Any]) -> Grant | None:
+        """The oldest active grant that covers this call, if any."""
+        now = self.clock()
+        for grant in await self.grants():
+            if grant.matches(binding, arguments, now):
+                return grant
+        return None
+
+    async def refresh_pending(self) -> int:
+        """Count pending approvals into `envelope_approvals_pending`; returns the count."""
+        count = len(await self.approvals("pending"))
+        if self.metrics is not None:
+            self.metrics.set_approvals_pending(count)
+        return count
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _store_ttl(self, approval: Approval) -> float:
+        return max(1.0, approval.expires_at + self.config.retention - self.clock())
+
+    async def request(
+        self, binding: CallBinding, *, arguments: dict[str, Any], effect: str, reason: str,
+        ttl: float, decision_id: str | None = None,
+    ) -> tuple[Approval, bool]:
+        """The approval for this call: the existing one, or a new pending one (then notified).
+
+        Returns (approval, created). Concurrent identical calls share one approval: the binding
+        is claimed with `add`, and the loser reads the winner's.
+        """
+        now = self.clock()
+        approval = Approval(
+            id=f"apr-{secrets.token_hex(8)}", state="pending", principal=binding.principal,
+            run=binding.run, upstream=binding.upstream, tool=binding.tool,
+            args_digest=binding.args_digest, arguments=dict(arguments), effect=effect,
+            reason=reason, created_at=now, expires_at=now + ttl, decision_id=decision_id,
+        )
+        ttl_store = self._store_ttl(approval)
+        await self.store.put(NS_APPROVAL, approval.id, approval.encode(), ttl=ttl_store)
+        if not await self.store.add(NS_BY_CALL, binding.key, approval.id.encode(), ttl=ttl_store):
+            await self.store.delete(NS_APPROVAL, approval.id)
+            existing = await self.for_call(binding)
+            if existing is not None:
+                return existing, False
+            # The winner's binding vanished in between (forgotten): ours takes its place.
+            await self.store.put(NS_APPROVAL, approval.id, approval.encode(), ttl=ttl_store)
+            await self.store.put(NS_BY_CALL, binding.key, approval.id.encode(), ttl=ttl_store)
+        log.info("approval %s requested: %s calls %s.%s (%s)", approval.id, binding.principal,
+                 binding.upstream, binding.tool, reason)
+        if self.notifier is not None:
+            self.notifier.created(approval)
+        await self.refresh_gauge()
+        return approval, True
+
+    async def forget(self, approval: Approval) -> None:
+        """Unbind a spent approval (expired, or denied past its TTL) so the same call can ask
+        again. The record itself stays listed until the store expires it."""
+        key = approval.binding.key
+        await self.store.cas(NS_BY_CALL, key, approval.id.encode(), b"", ttl=1.0)
+        if approval.state in ("pending", "approved"):
+            await self._transition(approval.id, lambda a: replace(a, state="expired")
+                                   if a.state in ("pending", "approved") else a)
+
+    async def _transition(self, approval_id: str, change: Callable[[Approval], Approval]) -> Approval:
+        """Apply `change` to the stored record with compare-and-set; returns the record as
+        stored afterwards. `change` may raise ApprovalError, or return its argument unchanged."""
+        for _ in range(_CAS_ATTEMPTS):
+            raw = await self.store.get(NS_APPROVAL, approval_id)
+            if raw is None:
+                raise ApprovalNotFound(f"no approval {approval_id}")
+            current = Approval.decode(raw)
+            updated = change(current)
+            if updated == current:
+                return current
+            if await self.store.cas(NS_APPROVAL, approval_id, raw, updated.encode(),
+                                    ttl=self._store_ttl(updated)):
+                return updated
+        raise ApprovalConflict(f"approval {approval_id} is changing under heavy contention; try again")
+
+    async def decide(
+        self, approval_id: str, *, approver: str, approve: bool, reason: str,
+        grant: GrantRequest | None = None,
+    ) -> tuple[Approval, Grant | None]:
+        """Approve or deny a pending approval (with an optional grant when approving).
+
+        Raises ApprovalNotFound, SelfApproval (the approver made the call), ApprovalConflict
+        (no longer pending: decided, consumed or expired), StoreError.
+        """
+        now = self.clock()
+        grant_obj: Grant | None = None
+
+        def change(current: Approval) -> Approval:
+            nonlocal grant_obj
+            if current.principal == approver:
+                raise SelfApproval(f"{approver} cannot decide a call made by {approver}")
+            state = current.effective_state(now)
+            if state != "pending":
+                raise ApprovalConflict(f"approval {approval_id} is {state}, not pending")
+            if approve and grant is not None:
+                grant_obj = Grant(
+                    id=f"grt-{secrets.token_hex(8)}", scope=grant.scope, principal=current.principal,
+                    upstream=current.upstream, tool=current.tool,
+                    run=current.run if grant.scope == "run" else None, args=dict(grant.args),
+                    approver=approver, reason=reason, approval_id=current.id,
+                    created_at=now, expires_at=now + grant.duration,
+                )
+            return replace(
+                current, state="approved" if approve else "denied", approver=approver,
+                decision_reason=reason, decided_at=now,
+                grant_id=grant_obj.id if grant_obj is not None else None,
+            )
+
+        decided = await self._transition(approval_id, change)
+        if grant_obj is not None:
+            await self.store.put(NS_GRANT, grant_obj.id, grant_obj.encode(), ttl=grant_obj.expires_at - now)
+        log.info("approval %s %s by %s: %s%s", approval_id, decided.state, approver, reason,
+                 f" (grant {grant_obj.id}, scope {grant_obj.scope})" if grant_obj else "")
+        if self.notifier is not None:
+            self.notifier.decided(approval_id)
+        await self.refresh_gauge()
+        return decided, grant_obj
+
+    async def consume(self, approval: Approval) -> bool:
+        """Spend an approved approval: approved -> consumed, atomically. True for exactly one
+        caller; False when another caller consumed it first (or it changed meanwhile)."""
+        if approval.effective_state(self.clock()) != "approved":
+            return False
+        consumed = replace(approval, state="consumed", consumed_at=self.clock())
+        ok = await self.store.cas(NS_APPROVAL, approval.id, approval.encode(), consumed.encode(),
+                                  ttl=self._store_ttl(consumed))
+        return ok
+
+    async def refresh_gauge(self) -> None:
+        """`refresh_pending`, never raising (a gauge never fails a decision)."""
+        if self.metrics is None:
+            return
+        try:
+            await self.refresh_pending()
+        except Exception as exc:  # a gauge never fails a decision
+            log.debug("could not refresh the pending approvals gauge: %s", exc)
+
+

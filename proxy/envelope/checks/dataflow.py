@@ -1,0 +1,264 @@
+"""Data-flow check: untrusted content must not steer a sink (DESIGN section 2, check 8).
+
+See `proxy.envelope.dataflow` for the ledger it reads and writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from proxy.envelope.dataflow.ledger import (
+    Ledger,
+    LedgerDelta,
+    load,
+    mark_pending,
+    record,
+    widen_parent,
+)
+from proxy.envelope.dataflow.match import (
+    Finding,
+    Probe,
+    free_text,
+    match_argument,
+)
+from proxy.envelope.labels import OutputLabels, annotation, output_labels, pieces
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
+    Code,
+    Decision,
+    Effect,
+    ResultHook,
+    Services,
+    ToolCall,
+    Verdict,
+)
+from proxy.errors import ResultWithheld, StoreError
+from proxy.policy.compiled import PolicyRevision
+from proxy.policy.model import DataflowPolicy
+from proxy.store.base import Store
+
+PENDING_GRACE = 30.0  # seconds past the upstream timeout before a pending marker counts as lost
+
+log = logging.getLogger("envelope.dataflow")
+
+# -- the check ------------------------------------------------------------------------------------
+
+
+class DataflowCheck:
+    """Flags sinks fed with untrusted content; records labelled outputs into the run's ledger."""
+
+    id: ClassVar[str] = "dataflow"
+
+    def __init__(self, revision: PolicyRevision, registry: ToolRegistry,
+                 services: Services | None = None):
+        self._revision = revision
+        self._registry = registry
+        self._services = services
+        policy = revision.document.dataflow
+        # No `dataflow:` section: shadow (flows are tracked, flagged, audited and counted, never
+        # refused). Its cost is measured in bench/RESULTS.md; `mode: off` turns it off.
+        self.policy: DataflowPolicy = policy if policy is not None else DataflowPolicy(mode="shadow")
+        self.mode = self.policy.mode
+        self._n = self.policy.min_match
+        self._window = self.policy.winnow
+        self._skip = frozenset(self.policy.skip_formats)
+        self._ttl = self.policy.ledger_ttl
+        self._cap = self.policy.ledger_cap
+        self._trust = {name: up.trust_annotations for name, up in revision.document.upstreams.items()}
+        self._labels: dict[tuple[str, bool, Any], OutputLabels] = {}
+        self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
+        self._store: Store | None = services.store if services is not None else None
+        approvals = getattr(services.settings, "approvals", None) if services is not None else None
+        self._gate = self._store is not None and bool(getattr(approvals, "enabled", True))
+
+    # -- cheap filters -------------------------------------------------------------------
+
+    def labels(self, call: ToolCall) -> OutputLabels:
+        """The output labels of the call's tool (cached per tool and annotation hint: they
+        depend on nothing else)."""
+        trust = self._trust.get(call.upstream, False)
+        info = call.upstream_tool
+        key = (call.qualified_name, info is None, trust and info is not None and annotation(info, "openWorldHint"))
+        found = self._labels.get(key)
+        if found is None:
+            compiled = self._revision.tools.get(call.qualified_name)
+            found = output_labels(compiled.policy if compiled is not None else None, info, trust)
+            if len(self._labels) < 10_000:
+                self._labels[key] = found
+        return found
+
+    def applies(self, call: ToolCall) -> bool:
+        if self.mode == "off":
+            return False
+        return call.effect is not Effect.READ or self.labels(call).tracked
+
+    def _declassified(self, call: ToolCall) -> bool | frozenset[str]:
+        entry = self.policy.declassify.get(call.qualified_name)
+        if entry is True:
+            return True
+        if isinstance(entry, list):
+            return frozenset(entry)
+        return False
+
+    def _on_flag(self, call: ToolCall) -> str:
+        return self.policy.on_flag.get(call.qualified_name) or self.policy.on_flag.get("default", "block")
+
+    def _schema(self, call: ToolCall) -> Any:
+        compiled = self._revision.tools.get(call.qualified_name)
+        if compiled is not None and compiled.policy.input_schema is not None:
+            return compiled.policy.input_schema
+        return call.upstream_tool.input_schema if call.upstream_tool is not None else None
+
+    # -- deciding ------------------------------------------------------------------------
+
+    async def decide(self, call: ToolCall) -> Decision | None:
+        """None to continue (clean, shadow-flagged, or escalated to approval); a refusal
+        `dataflow_policy_blocked` for a flagged sink in enforce mode. Without a store (or with a
+        failing one) enforce refuses sinks (`misconfigured` / `store_unavailable`); shadow
+        audits `dataflow_error` and continues."""
+        sink = call.effect is not Effect.READ
+        labels = self.labels(call)
+        store = self._store
+        if store is None:
+            if self.mode == "enforce" and sink:
+                return Decision(Verdict.ERROR, Code.MISCONFIGURED, self.id,
+                                "the data-flow check is enforced but no state store is configured "
+                                "for the run ledgers; sinks are refused", "dataflow.mode")
+            call.audit_extra["dataflow_error"] = "no state store: flows are not tracked"
+            return None
+        try:
+            decision = await self._check_sink(store, call) if sink else None
+            if decision is None and labels.tracked:
+                if call.run.session:
+                    # A session's stream may be resumed past the proxy (GET + Last-Event-ID)
+                    # if the client drops it: say beforehand that an output is on its way.
+                    deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
+                    await mark_pending(store, call.run.id, call.decision_id, deadline, ttl=self._ttl)
+                call.on_result.append(self._recorder(store, labels))
+            return decision
+        except (StoreError, TimeoutError) as exc:
+            if self.mode == "shadow":
+                call.audit_extra["dataflow_error"] = f"state store unavailable: {exc}"
+                return None
+            return Decision(Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id,
+                            f"the state store cannot answer for the run's data-flow ledger ({exc or 'timed out'}); "
+                            "sinks are refused until it can")
+
+    def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
+        """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
+        return [(ptr, Probe.of(text, self._n, self._window))
+                for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
+
+    def findings(self, call: ToolCall, ledger: Ledger,
+                 probes: list[tuple[str, Probe]] | None = None) -> tuple[list[Finding], list[Finding]]:
+        """(flagging findings, declassified flows) of a sink call against a run's ledger."""
+        flagged: list[Finding] = []
+        declassified: list[Finding] = []
+        decl = self._declassified(call)
+        coarse = ledger.coarse(time.time(), self._n, self._window)
+        for ptr, probe in self.probes(call) if probes is None else probes:
+            top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
+            is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
+            verbatim, toks = match_argument(ledger, probe, self._n, self._window)
+            flagged += [dataclasses.replace(f, argument=ptr) for f in toks]
+            if is_decl:
+                declassified += [dataclasses.replace(f, argument=ptr) for f in verbatim]
+            else:
+                flagged += [dataclasses.replace(f, argument=ptr) for f in verbatim]
+                if coarse and not verbatim and len(probe.norm) >= self._n:
+                    flagged.append(Finding("coarse", ptr, "this run", coarse))
+        if ledger.untrusted and ledger.secret:
+            flagged.append(Finding("trifecta", None, ledger.first_source("secret") or "a secret tool", ""))
+        return flagged, declassified
+
+    async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
+        probes = self.probes(call)
+        ledger = await load(store, call.run.id, self._n,
+                            (f for _, probe in probes for f in probe.fields()), self._window)
+        if ledger is None:
+            return None
+        flagged, declassified = self.findings(call, ledger, probes)
+        if declassified:
+            call.audit_extra["dataflow_declassified"] = [f.as_dict() for f in declassified]
+        if not flagged:
+            return None
+        evidence = [f.as_dict() for f in flagged]
+        reason = "data flow: " + "; ".join(f.describe() for f in flagged[:3])
+        if len(flagged) > 3:
+            reason += f" (and {len(flagged) - 3} more)"
+        rule = f"dataflow.{flagged[0].kind}"
+        metrics = self._services.metrics if self._services is not None else None
+        if metrics is not None and hasattr(metrics, "dataflow_flagged"):
+            known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
+            metrics.dataflow_flagged(call.tool if known else "<unknown>", self.mode)
+        audit: dict[str, Any] = {"flagged": True, "mode": self.mode, "rule": rule,
+                                 "evidence": evidence}
+        if self.mode == "shadow":
+            call.audit_extra["dataflow"] = audit
+            return None
+        if self._on_flag(call) == "approve":
+            if self._gate:
+                audit["on_flag"] = "approve"
+                call.audit_extra["dataflow"] = audit
+                call.escalation = f"{reason} (dataflow.on_flag approve)"
+                return None
+            reason += " (on_flag approve, but no approval gate is configured)"
+        return Decision(Verdict.DENY, Code.DATAFLOW_POLICY_BLOCKED, self.id, reason, rule,
+                        audit={"dataflow": {**audit, "on_flag": "block"}})
+
+    # -- recording -----------------------------------------------------------------------
+
+    def _recorder(self, store: Store, labels: OutputLabels) -> ResultHook:
+        n, window, ttl, cap, mode = self._n, self._window, self._ttl, self._cap, self.mode
+
+        async def hook(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
+            """Record the output before it reaches the agent. When it cannot be recorded, the
+            result is withheld (enforce; shadow audits `dataflow_error` and lets it through). A
+            call allowed but finished without a result (a resumable stream the client dropped)
+            may still reach the agent by resumption, past the proxy: the run goes coarse."""
+            result: Any = reply.get("result") if isinstance(reply, Mapping) else None
+            if result is None and decision.code is Code.REPLAYED:
+                result = decision.result
+            delta = LedgerDelta(call.qualified_name)
+            if isinstance(result, Mapping):
+                delta = LedgerDelta.of(call.qualified_name, pieces(result, labels), n, limit=cap,
+                                       window=window)
+            elif reply is None and decision.verdict is Verdict.ALLOW and decision.code is Code.OK:
+                delta = LedgerDelta(call.qualified_name, untrusted=labels.base.untrusted,
+                                    secret=labels.base.secret, lost=True)
+            try:
+                await record(store, call.run.id, delta, n=n, cap=cap, ttl=ttl, window=window,
+                             done=call.decision_id if call.run.session else None)
+                if not delta.empty:
+                    for ancestor in _ancestors(call):
+                        await widen_parent(store, ancestor, delta, n=n, cap=cap, ttl=ttl, window=window)
+            except (StoreError, TimeoutError) as exc:
+                # A session's pending marker stays: past its deadline the run counts as coarse.
+                log.error("data-flow ledger of run %s not updated: %s", call.run.id, exc)
+                call.audit_extra["dataflow_error"] = f"ledger not updated: {exc}"
+                if mode == "enforce" and isinstance(result, Mapping) and not delta.empty:
+                    raise ResultWithheld(Decision(
+                        Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id,
+                        f"the run's data-flow ledger cannot record this {'untrusted' if delta.untrusted else 'secret'} "
+                        f"output ({exc or 'timed out'}); the result is withheld")) from exc
+                return
+            if delta.untrusted or delta.secret:
+                call.audit_extra["dataflow_recorded"] = {
+                    "untrusted": delta.untrusted, "secret": delta.secret,
+                    "fingerprints": len(delta.grams) + len(delta.tokens),
+                    **({"overflow": True} if delta.overflow else {}),
+                    **({"lost": True} if delta.lost else {})}
+
+        return hook
+
+
+def _ancestors(call: ToolCall) -> tuple[str, ...]:
+    """Runs whose ledgers a call's output widens besides its own: `run.taint_targets` when the
+    lineage layer sets it (already filtered by `propagate_taint`), else the direct parent."""
+    targets = getattr(call.run, "taint_targets", None)
+    if targets is not None:
+        return tuple(targets)
+    return (call.run.parent,) if call.run.parent else ()

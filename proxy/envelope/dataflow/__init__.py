@@ -1,0 +1,44 @@
+"""Data flow: the run ledger of untrusted and secret content, and matching sink arguments against it.
+
+`fingerprint` (normalising, grams, winnowing, distinctive tokens), `ledger` (the store layout,
+recording and loading) and `match` (which arguments can carry text, and what they copy). The
+check itself is `proxy.envelope.checks.dataflow`.
+
+Per run, a **ledger** in the store holds fingerprints of the untrusted and secret content the
+run has read: hashes of normalised character grams, winnowed (of every `winnow` consecutive
+grams of N - winnow + 1 characters the smallest hash is kept, so every copied run of N =
+`min_match` characters shares a kept one), and hashes of distinctive tokens (e-mail addresses, URLs and domains, account-number-like digit runs, IBANs;
+normalised, at least 8 characters). It is two store hashes (`Store.hash_put` / `hash_get`): the
+fingerprints, each pointing at its source tool, and a small one of flags (untrusted, secret,
+overflowed), sources and pending markers. Checking a sink fetches the flags and asks for exactly
+the fingerprints of its arguments (two round trips, cost proportional to the arguments, never to
+the ledger); recording an output adds fields (flags only get set and fingerprints only get added,
+so concurrent calls of a run never contend). When the cap `ledger_cap` is reached, later content
+is not fingerprinted and every free-text sink argument counts as matching: eviction widens a
+verdict, never narrows it.
+
+A **sink** is a call whose effect is not `read`. Its string arguments (and long integers) are
+matched unless the tool's schema constrains them (enum, const, boolean, bounded number, a
+`skip_formats` format, maxLength below 8). A sink is flagged when an argument contains a run of
+at least N untrusted characters verbatim, or carries a distinctive untrusted token, or (the
+trifecta) the run holds both untrusted and secret content. `declassify` lets listed sinks or
+arguments receive untrusted text: their verbatim runs are audited as declassified flows, but a
+token lifted from untrusted content in them is still flagged.
+
+Modes: `shadow` forwards flagged calls (audited with the evidence under `dataflow`, counted in
+`envelope_dataflow_flagged_total`); `enforce` refuses them with `dataflow_policy_blocked`, or,
+with `on_flag: approve` for the sink and an approval gate configured, sends them to the approval
+gate with the evidence (`ToolCall.escalation`). No `dataflow:` section: shadow.
+
+Recording: a result hook adds an output's fingerprints to the ledger before the output reaches
+the agent. When the store cannot take them, enforce withholds the result (`ResultWithheld`:
+refused `store_unavailable`), shadow delivers it and audits `dataflow_error`. A session read also
+gets a pending marker before it is forwarded, because a client may resume a dropped session
+stream past the proxy: a marker left past its deadline, or a call allowed but finished without
+its result, makes the run coarse (fail closed: content the agent may see was not fingerprinted).
+What this process recorded for a run in the last minute is not written again (`RECENT`).
+
+Fail closed: in enforce mode a sink with no store refuses `misconfigured` and a store error
+refuses `store_unavailable`; in shadow mode both are audited (`dataflow_error`) and the call
+continues.
+"""

@@ -1,0 +1,172 @@
+"""Fingerprints of text: normalising, gram hashes, winnowing and distinctive tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Iterator
+
+import numpy as np
+
+from proxy.policy.model import DEFAULT_WINNOW
+
+MIN_TOKEN = 8  # shortest distinctive token
+
+# -- normalisation and fingerprints ------------------------------------------------------------
+
+_WS = re.compile(r"\s+")
+# Window hashes are polynomial hashes mod 2**64 (numpy's wrapping uint64 arithmetic), computed
+# for every window at once from prefix sums: hash(i) = sum(c[i+k] * B**k), stable across
+# processes and replicas. A collision can only make a benign argument match (never hide a copy).
+_B = 0x100000001B3  # odd, so invertible mod 2**64
+_B_INV = pow(_B, -1, 1 << 64)
+_SEGMENT = 1 << 15
+_powers: tuple[np.ndarray, np.ndarray] = (np.ones(1, np.uint64), np.ones(1, np.uint64))
+
+
+def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """B**i and B**-i mod 2**64 for i < length (grown by doubling, shared by every call)."""
+    global _powers
+    if len(_powers[0]) < length:
+        size = 1 << max(12, (length - 1).bit_length())
+        one = np.ones(1, np.uint64)
+        with np.errstate(over="ignore"):
+            _powers = (np.cumprod(np.concatenate((one, np.full(size - 1, _B, np.uint64))), dtype=np.uint64),
+                       np.cumprod(np.concatenate((one, np.full(size - 1, _B_INV, np.uint64))), dtype=np.uint64))
+    return _powers
+
+
+# Invisible format characters (zero-width spaces and joiners, soft hyphen, bidi controls, BOM):
+# a model told to slip them into a copied address must not break the match.
+_INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e\u200b-\u200f"
+                        "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
+
+
+def _fold(text: str) -> str:
+    """NFKC, invisible characters removed, case-folded."""
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
+
+
+def normalise(text: str) -> str:
+    """Case-folded, NFKC, invisible characters removed, whitespace runs collapsed to one space,
+    stripped."""
+    return _WS.sub(" ", _fold(text)).strip()
+
+
+def _window_hashes(norm: str, k: int) -> np.ndarray:
+    """The hash of every k-character window of a normalised string, in order (computed in
+    segments of `_SEGMENT` windows, so the power tables stay small for huge texts)."""
+    length = len(norm)
+    if length < k:
+        return np.empty(0, np.uint64)
+    codes = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+    parts = []
+    for start in range(0, length - k + 1, _SEGMENT):
+        seg = codes[start: start + _SEGMENT + k - 1]
+        size = len(seg)
+        up, down = _power_tables(size)
+        prefix = np.zeros(size + 1, np.uint64)
+        with np.errstate(over="ignore"):
+            np.cumsum(seg * up[:size], out=prefix[1:])
+            parts.append((prefix[k:] - prefix[:-k]) * down[: size - k + 1])
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _as_fields(hashes: np.ndarray) -> list[bytes]:
+    raw = hashes.astype("<u8").tobytes()
+    return [raw[i: i + 8] for i in range(0, len(raw), 8)]
+
+
+def gram_length(n: int, window: int) -> int:
+    """The length k of the hashed grams: winnowing with `window` guarantees that every shared
+    run of k + window - 1 = n characters shares a kept fingerprint."""
+    return n - window + 1
+
+
+def gram_hashes(norm: str, n: int, window: int = DEFAULT_WINNOW) -> list[bytes]:
+    """The 8-byte fingerprint of every gram of a normalised string, in order (what an
+    argument is looked up by)."""
+    return _as_fields(_window_hashes(norm, gram_length(n, window)))
+
+
+def winnowed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> list[bytes]:
+    """The fingerprints an output keeps (Schleimer, Wilkerson and Aiken's winnowing): in every
+    run of `window` consecutive grams, the smallest hash (the rightmost on ties). Any text of
+    at least n characters shared with the output contains `window` whole grams, so one of its
+    grams is kept; about 2/(window+1) of the grams are stored. `window` 1 keeps every gram."""
+    if len(norm) < gram_length(n, window):
+        return []  # shorter than one gram (most short outputs): no numpy round trip
+    hashes = _window_hashes(norm, gram_length(n, window))
+    if window <= 1:
+        return _as_fields(np.unique(hashes))
+    if len(hashes) < window:
+        return _as_fields(hashes[[int(hashes.argmin())]])
+    views = np.lib.stride_tricks.sliding_window_view(hashes, window)
+    rightmost = window - 1 - views[:, ::-1].argmin(axis=1)
+    keep = np.unique(np.arange(len(views)) + rightmost)
+    return _as_fields(hashes[keep])
+
+
+_EMAIL = re.compile(r"[a-z0-9._%+-]+@[a-z0-9-]+(?:\.[a-z0-9-]+)*\.[a-z]{2,24}")
+_URL = re.compile(r"(?:[a-z][a-z0-9+.-]*://|www\.)[^\s<>\"'`()\[\]{}|\\^]+")
+_DOMAIN = re.compile(
+    r"(?<![@\w.-])(?:[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\.)+[a-z]{2,24}(?![\w-])(?:/[^\s<>\"'`()\[\]{}]*)?"
+)
+_DIGITS = re.compile(r"(?<![\w])\d(?:[ .\-/()]{0,2}\d){7,}(?![\w])")
+_IBAN = re.compile(r"\b[a-z]{2}\d{2}(?: ?[a-z0-9]{4}){2,7}(?: ?[a-z0-9]{1,4})?\b")
+_DATE = re.compile(r"^\d{4}[-./]\d{1,2}[-./]\d{1,2}$|^\d{1,2}[-./]\d{1,2}[-./]\d{4}$")
+# Bare "domains" that are file names, not hosts.
+_FILE_TLDS = frozenset(
+    "txt md pdf doc docx xls xlsx csv json yaml yml py js ts html htm png jpg jpeg gif svg zip "
+    "gz tar log ini cfg toml xml sh rs go java c h cpp rb php css".split()
+)
+_TRAIL = ".,;:!?'\")]}>*"
+
+
+def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
+    value = raw.rstrip(_TRAIL)
+    value = re.sub(r"^[a-z][a-z0-9+.-]*://", "", value)
+    value = value.removeprefix("www.")
+    value = value.rstrip("/")
+    host, _, rest = value.partition("/")
+    host = host.split("@")[-1].split(":")[0]
+    if "." not in host or host.rsplit(".", 1)[-1] in _FILE_TLDS:
+        return
+    if len(host) >= MIN_TOKEN:
+        yield "host", host
+    if rest:
+        yield "url", f"{host}/{rest}"
+
+
+def tokens(text: str) -> set[tuple[str, str]]:
+    """Distinctive tokens of a text, normalised: (kind, value), values of at least 8 chars."""
+    low = _fold(text)
+    found: set[tuple[str, str]] = set()
+    emails = _EMAIL.findall(low)
+    for e in emails:
+        found.add(("email", e))
+        host = e.rsplit("@", 1)[1]
+        if len(host) >= MIN_TOKEN:
+            found.add(("host", host))
+    for m in _URL.findall(low):
+        found.update(_url_tokens(m))
+    for m in _DOMAIN.findall(low):
+        found.update(_url_tokens(m))
+    for m in _DIGITS.findall(low):
+        if _DATE.match(m):
+            continue
+        digits = re.sub(r"\D", "", m)
+        if len(digits) >= MIN_TOKEN:
+            found.add(("number", digits))
+    for m in _IBAN.findall(low):
+        compact = m.replace(" ", "")
+        if any(ch.isdigit() for ch in compact[4:]):
+            found.add(("number", compact))
+    return {(k, v) for k, v in found if len(v) >= MIN_TOKEN}
+
+
+def token_hash(kind: str, value: str) -> bytes:
+    """The 8-byte fingerprint of a distinctive token."""
+    return hashlib.blake2b(f"{kind}:{value}".encode(), digest_size=8).digest()
+

@@ -1,0 +1,348 @@
+"""The run ledger in the store: what a run has read, recorded and loaded by fingerprint."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from proxy.envelope.dataflow.fingerprint import (
+    normalise,
+    token_hash,
+    tokens,
+    winnowed,
+)
+from proxy.envelope.labels import Piece
+from proxy.policy.model import DEFAULT_WINNOW
+from proxy.store.base import Store
+
+NS = "ledger"
+
+log = logging.getLogger("envelope.dataflow")
+
+# -- the ledger ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def source_id(label: str, source: str) -> bytes:
+    """The 4-byte id a fingerprint stores for its "<label>|<upstream>.<tool>" source."""
+    return hashlib.blake2b(f"{label}|{source}".encode(), digest_size=4).digest()
+
+
+def _scheme(n: int, window: int) -> str:
+    """How a ledger's fingerprints were made; a ledger made another way cannot be matched."""
+    return f"{n}w{window}"
+
+
+@dataclass(slots=True)
+class LedgerDelta:
+    """What one tool output adds to a run's ledger (also what widens a parent's ledger)."""
+
+    source: str  # "<upstream>.<tool>"
+    untrusted: bool = False
+    secret: bool = False
+    # fingerprint -> "untrusted" | "secret" (untrusted wins when both)
+    grams: dict[bytes, str] = field(default_factory=dict)
+    tokens: dict[bytes, str] = field(default_factory=dict)
+    overflow: bool = False
+    lost: bool = False  # the output may reach the agent without passing the proxy
+
+    @classmethod
+    def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None,
+           window: int = DEFAULT_WINNOW) -> LedgerDelta:
+        """The fingerprints of labelled pieces (grams winnowed with `window`). Beyond `limit`
+        fingerprints the rest of the output is not hashed and the delta says `overflow`
+        (bounded work per output)."""
+        delta = cls(source)
+        for piece in parts:
+            label = "untrusted" if piece.label.untrusted else "secret"
+            delta.untrusted |= piece.label.untrusted
+            delta.secret |= piece.label.secret
+            if limit is not None and len(delta.grams) + len(delta.tokens) >= limit:
+                delta.overflow = True
+                continue
+            norm = normalise(piece.text)
+            # Winnowing keeps at least one gram of every `window`: past this length the output
+            # would overflow the cap anyway, so no more of it is hashed (bounded work).
+            most = None if limit is None else max(0, limit - len(delta.grams)) * window + n
+            if most is not None and len(norm) > most:
+                norm = norm[:most]
+                delta.overflow = True
+            grams = winnowed(norm, n, window)
+            toks = [token_hash(kind, value) for kind, value in tokens(piece.text)]
+            for into, found in ((delta.grams, grams), (delta.tokens, toks)):
+                if label == "untrusted":
+                    into.update(dict.fromkeys(found, label))
+                else:
+                    for h in found:
+                        into.setdefault(h, label)
+        return delta
+
+    @property
+    def empty(self) -> bool:
+        return not (self.untrusted or self.secret or self.overflow or self.lost)
+
+    def labels(self) -> set[str]:
+        """The labels its fingerprints carry."""
+        if self.untrusted and not self.secret:
+            return {"untrusted"} if self.grams or self.tokens else set()
+        return set(self.grams.values()) | set(self.tokens.values())
+
+    def fields(self, label: str) -> dict[bytes, bytes]:
+        """The fingerprint fields of one label, each pointing at this delta's source id."""
+        sid = source_id(label, self.source)
+        if self.labels() == {label}:
+            out = dict.fromkeys(self.tokens, sid)
+            out.update(dict.fromkeys(self.grams, sid))
+            return out
+        out = {h: sid for h, lab in self.tokens.items() if lab == label}
+        out.update((h, sid) for h, lab in self.grams.items() if lab == label)
+        return out
+
+    def meta(self, n: int, window: int = DEFAULT_WINNOW) -> dict[bytes, bytes]:
+        """The flag and source fields this delta sets in the run's meta hash."""
+        out: dict[bytes, bytes] = {}
+        present = self.labels()
+        for label, on in (("untrusted", self.untrusted), ("secret", self.secret)):
+            if on or label in present:
+                out[label[0].encode()] = b"1"
+                out[b"src:" + source_id(label, self.source)] = f"{label}|{self.source}".encode()
+        if out:
+            out[b"n:" + _scheme(n, window).encode()] = b"1"
+        if self.overflow:
+            out[b"o"] = b"1"
+        if self.lost:
+            out[b"l"] = b"1"
+        return out
+
+
+@dataclass(slots=True)
+class Ledger:
+    """What the check knows of one run's ledger: coarse flags, pending markers, the sources,
+    and fingerprints (field -> source id). Loaded from the store, it holds only the
+    fingerprints a call asked about; built in memory (`merge`), all of them."""
+
+    n: int
+    untrusted: bool = False
+    secret: bool = False
+    overflow: bool = False
+    lost: bool = False  # an output reached the agent (or may have) without being fingerprinted
+    pending: dict[str, float] = field(default_factory=dict)  # decision id -> deadline (epoch)
+    sources: dict[bytes, str] = field(default_factory=dict)  # source id -> "<label>|<source>"
+    schemes: set[str] = field(default_factory=set)  # every (min_match, winnow) it was built with
+    window: int = DEFAULT_WINNOW
+    fingerprints: dict[bytes, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def from_meta(cls, n: int, meta: Mapping[bytes, bytes], window: int = DEFAULT_WINNOW) -> Ledger:
+        ledger = cls(n, untrusted=b"u" in meta, secret=b"s" in meta, overflow=b"o" in meta,
+                     lost=b"l" in meta, window=window)
+        for key, value in meta.items():
+            if key.startswith(b"src:"):
+                ledger.sources[key[4:]] = value.decode(errors="replace")
+            elif key.startswith(b"p:"):
+                try:
+                    ledger.pending[key[2:].decode(errors="replace")] = float(value)
+                except ValueError:
+                    ledger.pending[key[2:].decode(errors="replace")] = 0.0  # unreadable: lost
+            elif key.startswith(b"n:"):
+                ledger.schemes.add(key[2:].decode(errors="replace"))
+        return ledger
+
+    # -- reading -------------------------------------------------------------------------
+
+    def coarse(self, now: float, n: int, window: int | None = None) -> str | None:
+        """Why every free-text argument counts as matching, or None."""
+        if self.overflow:
+            return "the run's ledger reached its size cap"
+        if self.schemes - {_scheme(n, self.window if window is None else window)}:
+            return (f"the run's ledger was built with another min_match or winnow than the policy's "
+                    f"({n}, {self.window if window is None else window})")
+        if self.lost:
+            return ("an output of the run may have reached the agent without passing the proxy "
+                    "(a dropped stream the client can resume)")
+        if any(deadline < now for deadline in self.pending.values()):
+            return "an untrusted output of the run was not fingerprinted (its result was lost)"
+        return None
+
+    def find(self, fingerprint: bytes) -> str | None:
+        """The "<label>|<source>" of a gram or token fingerprint, or None."""
+        sid = self.fingerprints.get(fingerprint)
+        if sid is None:
+            return None
+        return self.sources.get(sid, "untrusted|an earlier tool")
+
+    def first_source(self, label: str) -> str | None:
+        prefix = f"{label}|"
+        return next((s[len(prefix):] for s in sorted(self.sources.values()) if s.startswith(prefix)), None)
+
+    # -- writing (in memory: tests and the corpus) ---------------------------------------------
+
+    def merge(self, delta: LedgerDelta, cap: int) -> None:
+        """Add a delta as the store would (untrusted fingerprints replace, secret ones do not;
+        new fingerprints beyond `cap` are left out and the ledger overflows)."""
+        for key, value in delta.meta(self.n, self.window).items():
+            if key.startswith(b"src:"):
+                self.sources[key[4:]] = value.decode()
+        self.untrusted |= delta.untrusted
+        self.secret |= delta.secret
+        self.overflow |= delta.overflow
+        for label, replace in (("untrusted", True), ("secret", False)):
+            for key, sid in delta.fields(label).items():
+                if key in self.fingerprints:
+                    if replace:
+                        self.fingerprints[key] = sid
+                elif len(self.fingerprints) >= cap:
+                    self.overflow = True
+                else:
+                    self.fingerprints[key] = sid
+
+
+# Store layout, per run: the hash `ledger`/<run> holds the flags (`u`, `s`, `o`), one `n:<N>`
+# per min_match used, `src:<id>` -> "<label>|<source>" and the pending markers `p:<decision>`
+# -> deadline; the hash `ledger_fp`/<run> holds fingerprint -> source id. Both expire
+# `ledger_ttl` after the run's last recorded output. Flags only ever get set, fingerprints only
+# ever get added: concurrent writers never conflict, so no compare-and-set is needed.
+META_NS = NS
+FP_NS = "ledger_fp"
+
+
+async def load(store: Store, run_id: str, n: int, probes: Iterable[bytes] = (),
+               window: int = DEFAULT_WINNOW) -> Ledger | None:
+    """The run's flags and the fingerprints among `probes` it holds, or None when the run has
+    no ledger. Two store round trips at most; cost follows the probes, not the ledger."""
+    meta = await store.hash_all(META_NS, run_id)
+    if not meta:
+        return None
+    ledger = Ledger.from_meta(n, meta, window)
+    wanted = list(dict.fromkeys(probes))
+    if wanted and (ledger.untrusted or ledger.secret):
+        values = await store.hash_get(FP_NS, run_id, wanted)
+        ledger.fingerprints = {k: v for k, v in zip(wanted, values, strict=True) if v is not None}
+    return ledger
+
+
+class RecentWrites:
+    """What this process wrote to which run ledgers in the last `window` seconds, so that an
+    output already recorded (an agent reading the same page again) and unchanged flags cost no
+    store write. A run is "fresh" when this process refreshed both of its hashes (same expiry)
+    within the window; only then are writes skipped, and a skipped refresh moves an expiry at
+    most `window` seconds earlier than a rewrite would have. Bounded (LRU over runs)."""
+
+    def __init__(self, window: float = 60.0, size: int = 4096) -> None:
+        self.window = window
+        self.size = size
+        # Per store (weakly: a closed store's entries go with it), per run: when, and digests.
+        self._stores: weakref.WeakKeyDictionary[Store, OrderedDict[str, tuple[float, set[bytes]]]] = (
+            weakref.WeakKeyDictionary())
+
+    def _runs(self, store: Store) -> OrderedDict[str, tuple[float, set[bytes]]]:
+        runs = self._stores.get(store)
+        if runs is None:
+            runs = self._stores[store] = OrderedDict()
+        return runs
+
+    def _entry(self, store: Store, run_id: str, ttl: float) -> set[bytes] | None:
+        entry = self._runs(store).get(run_id)
+        if entry is None or time.monotonic() - entry[0] > min(self.window, ttl / 10):
+            return None
+        return entry[1]
+
+    def fresh(self, store: Store, run_id: str, ttl: float) -> bool:
+        return self._entry(store, run_id, ttl) is not None
+
+    def covers(self, store: Store, run_id: str, digests: Iterable[bytes], ttl: float) -> bool:
+        seen = self._entry(store, run_id, ttl)
+        return seen is not None and all(d in seen for d in digests)
+
+    def refreshed(self, store: Store, run_id: str, digests: Iterable[bytes], ttl: float) -> None:
+        """Both hashes of the run were just written with expiry `ttl`, holding `digests`."""
+        seen = self._entry(store, run_id, ttl)
+        if seen is None:
+            seen = set()
+        seen.update(digests)
+        runs = self._runs(store)
+        runs[run_id] = (time.monotonic(), seen)
+        runs.move_to_end(run_id)
+        while len(runs) > self.size:
+            runs.popitem(last=False)
+
+    def forget(self, store: Store, run_id: str) -> None:
+        self._runs(store).pop(run_id, None)
+
+
+RECENT = RecentWrites()
+
+
+def _digest(kind: bytes, fields: Mapping[bytes, bytes]) -> bytes:
+    h = hashlib.blake2b(kind, digest_size=16)
+    for k, v in fields.items():
+        h.update(k)
+        h.update(v)
+    return h.digest()
+
+
+async def run_flags(store: Store, run_id: str) -> tuple[bool, bool]:
+    """(tainted, secret) of a run: whether it has read untrusted content (or an output may have
+    reached it unrecorded) and whether it has read secret content. One store read. Raises
+    StoreError when the store cannot answer."""
+    meta = await store.hash_all(META_NS, run_id)
+    return (b"u" in meta or b"l" in meta), b"s" in meta
+
+
+async def mark_pending(store: Store, run_id: str, decision_id: str, deadline: float, *,
+                       ttl: float) -> None:
+    """Say that an output of the run is on its way (cleared by `record`). Both hashes get the
+    same expiry, unless this process refreshed them moments ago (then the expiry stays)."""
+    marker = {b"p:" + decision_id.encode(): repr(deadline).encode()}
+    if RECENT.fresh(store, run_id, ttl):
+        await store.hash_put(META_NS, run_id, marker)
+        return
+    await store.hash_put(META_NS, run_id, marker, ttl=ttl)
+    await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
+    RECENT.forget(store, run_id)
+
+
+async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
+                 done: str | None = None, window: int = DEFAULT_WINNOW) -> None:
+    """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
+    go in first and the marker goes last, so an interruption leaves the run coarse (fail
+    closed). Both hashes get the same expiry: flags that outlived their fingerprints would
+    narrow verdicts. What this process wrote moments ago is not written again (`RECENT`).
+    Raises StoreError when the store cannot answer."""
+    meta = delta.meta(n, window)
+    parts = [(label, replace, delta.fields(label)) for label, replace in (("untrusted", True), ("secret", False))]
+    parts = [part for part in parts if part[2]]
+    digests = [_digest(label.encode(), fields) for label, _, fields in parts]
+    if meta or parts:
+        digests.append(_digest(b"meta", meta))
+        if not RECENT.covers(store, run_id, digests, ttl):
+            RECENT.forget(store, run_id)
+            for _, replace, fields in parts:
+                put = await store.hash_put(FP_NS, run_id, fields, ttl=ttl, replace=replace, cap=cap)
+                if put.refused:
+                    meta[b"o"] = b"1"
+            if not parts:
+                await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
+            await store.hash_put(META_NS, run_id, meta, ttl=ttl)
+            if b"o" not in meta:  # an overflowing output is written again next time
+                RECENT.refreshed(store, run_id, digests, ttl)
+    if done is not None:
+        await store.hash_delete(META_NS, run_id, [b"p:" + done.encode()])
+
+
+async def widen_parent(store: Store, parent_run_id: str, delta: LedgerDelta, *,
+                       n: int, cap: int = 65536, ttl: float = 24 * 3600.0,
+                       window: int = DEFAULT_WINNOW) -> None:
+    """Widen (never narrow) a parent run's ledger with a child's delta.
+
+    For run lineage: call it for each ancestor that should inherit a child's taint. Raises
+    StoreError when the store cannot answer (the caller fails closed).
+    """
+    await record(store, parent_run_id, delta, n=n, cap=cap, ttl=ttl, window=window)
+

@@ -1,0 +1,151 @@
+"""Which sink arguments can carry an attacker's text, and what they copy from the ledger."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.envelope.dataflow.fingerprint import (
+    MIN_TOKEN,
+    gram_hashes,
+    gram_length,
+    normalise,
+    token_hash,
+    tokens,
+)
+from proxy.envelope.dataflow.ledger import (
+    Ledger,
+)
+from proxy.policy.model import DEFAULT_WINNOW
+
+SNIPPET = 80  # evidence snippets are truncated to this many characters
+MAX_DEPTH = 32
+
+# -- arguments ------------------------------------------------------------------------------------
+
+
+def _constrained(schema: Any, skip_formats: frozenset[str]) -> bool:
+    """Whether a schema leaves no room for an attacker's text (enum, boolean, bounded number,
+    a skipped format, a short maxLength)."""
+    if not isinstance(schema, Mapping):
+        return False
+    if "enum" in schema or "const" in schema:
+        return True
+    kind = schema.get("type")
+    if kind == "boolean":
+        return True
+    if kind in ("number", "integer"):
+        return (("minimum" in schema or "exclusiveMinimum" in schema)
+                and ("maximum" in schema or "exclusiveMaximum" in schema))
+    if schema.get("format") in skip_formats:
+        return True
+    max_len = schema.get("maxLength")
+    return isinstance(max_len, int) and max_len < MIN_TOKEN
+
+
+def _escape(seg: str) -> str:
+    return seg.replace("~", "~0").replace("/", "~1")
+
+
+def free_text(value: Any, schema: Any, skip_formats: frozenset[str], ptr: str = "",
+              depth: int = 0) -> Iterator[tuple[str, str]]:
+    """(JSON pointer, text) of every argument value that can carry an attacker's text."""
+    if depth > MAX_DEPTH or _constrained(schema, skip_formats):
+        return
+    sch = schema if isinstance(schema, Mapping) else {}
+    if isinstance(value, str):
+        yield ptr, value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) >= 10 ** (MIN_TOKEN - 1):
+            yield ptr, str(value)
+    elif isinstance(value, Mapping):
+        found = sch.get("properties")
+        props: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+        extra = sch.get("additionalProperties")
+        for k, v in value.items():
+            sub = props.get(k, extra if isinstance(extra, Mapping) else None)
+            yield from free_text(v, sub, skip_formats, f"{ptr}/{_escape(str(k))}", depth + 1)
+    elif isinstance(value, list):
+        items = sch.get("items")
+        for i, v in enumerate(value):
+            yield from free_text(v, items, skip_formats, f"{ptr}/{i}", depth + 1)
+
+
+def _snippet(text: str) -> str:
+    return text if len(text) <= SNIPPET else text[: SNIPPET - 1] + "…"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One piece of evidence: which argument, what matched, from which tool."""
+
+    kind: str  # verbatim | token | trifecta | coarse
+    argument: str | None
+    source: str
+    snippet: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "argument": self.argument, "source": self.source,
+                "snippet": self.snippet}
+
+    def describe(self) -> str:
+        arg = f"argument '{self.argument}'" if self.argument else "the call"
+        if self.kind == "verbatim":
+            return f"{arg} copies untrusted text from {self.source} verbatim: {self.snippet!r}"
+        if self.kind == "token":
+            return f"{arg} carries {self.snippet!r}, lifted from untrusted output of {self.source}"
+        if self.kind == "coarse":
+            return f"{arg} may carry untrusted content: {self.snippet}"
+        return (f"the run holds untrusted content and secret content (from {self.source}); a "
+                "sink may not fire (lethal trifecta)")
+
+
+@dataclass(slots=True)
+class Probe:
+    """One argument value, fingerprinted the way outputs are: what to ask the ledger for."""
+
+    norm: str
+    grams: list[bytes]  # every gram, in order (outputs keep only winnowed ones)
+    tokens: list[tuple[str, str, bytes]]  # (kind, value, fingerprint)
+    k: int = 0  # gram length
+
+    @classmethod
+    def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW) -> Probe:
+        norm = normalise(text)
+        return cls(norm, gram_hashes(norm, n, window),
+                   [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))], gram_length(n, window))
+
+    def fields(self) -> Iterator[bytes]:
+        for _, _, h in self.tokens:
+            yield h
+        yield from self.grams
+
+
+def match_argument(ledger: Ledger, text: str | Probe, n: int,
+                   window: int = DEFAULT_WINNOW) -> tuple[list[Finding], list[Finding]]:
+    """(untrusted verbatim findings, untrusted token findings) of one argument value (its
+    pointer is filled in by the caller). Secret-only matches are not findings. Kept grams of a
+    copied run lie at most `window` grams apart: hits that close are one run of evidence."""
+    probe = text if isinstance(text, Probe) else Probe.of(text, n, window)
+    k = probe.k or gram_length(n, window)
+    verbatim: list[Finding] = []
+    hits = [(i, found) for i, h in enumerate(probe.grams) if (found := ledger.find(h)) is not None]
+    start = 0
+    while start < len(hits):
+        end = start
+        while end + 1 < len(hits) and hits[end + 1][0] - hits[end][0] <= window:
+            end += 1
+        source = next((f for _, f in hits[start: end + 1] if f.startswith("untrusted|")), None)
+        if source is not None:
+            first, last = hits[start][0], hits[end][0]
+            verbatim.append(Finding("verbatim", None, source.partition("|")[2],
+                                    _snippet(probe.norm[first: last + k])))
+        start = end + 1
+    toks: list[Finding] = []
+    for _, value, h in probe.tokens:
+        found = ledger.find(h)
+        if found is not None and found.startswith("untrusted|"):
+            toks.append(Finding("token", None, found.partition("|")[2], _snippet(value)))
+    return verbatim, toks
+

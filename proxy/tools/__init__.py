@@ -1,0 +1,1 @@
+"""Engines of the offline commands: policy tests (`envelope-proxy test`) and replay."""

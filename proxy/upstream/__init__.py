@@ -1,0 +1,1 @@
+"""Upstream side: the forwarder seam, the lean HTTP transport, upstream health."""
