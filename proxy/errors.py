@@ -52,17 +52,6 @@ class AuditError(EnvelopeError):
     """The audit log cannot be written: calls are refused until it can."""
 
 
-class ResultWithheld(EnvelopeError):
-    """A result must not reach the agent: something that has to happen before delivery failed
-    (the data-flow ledger could not record an untrusted output). A result hook raises it with
-    the refusal; `Envelope.finish` audits the refusal instead of the call's decision and raises
-    it again, and the front answers with the refusal instead of the result."""
-
-    def __init__(self, decision: Any):
-        self.decision = decision
-        super().__init__(getattr(decision, "reason", str(decision)))
-
-
 class UpstreamError(EnvelopeError):
     """The upstream could not be reached or answered garbage."""
 

@@ -143,9 +143,11 @@ def proxy_process(
     config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
+    preexec_fn: Any = None,
 ) -> Iterator[ProxyProcess]:
     """Run `envelope-proxy serve` (the real console script) with a config file (and `args`,
-    extra serve flags such as `--record FILE`)."""
+    extra serve flags such as `--record FILE`; `preexec_fn` runs in the child before it starts,
+    e.g. to set resource limits)."""
     port, admin_port = free_port(), free_port()
     state = tmp / "state"
     cfg: dict[str, Any] = {
@@ -168,7 +170,7 @@ def proxy_process(
         proc = subprocess.Popen(
             [*cmd, "serve", "--config", str(config_path), *(args or [])],
             stdout=logf, stderr=subprocess.STDOUT, cwd=tmp,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {})}, preexec_fn=preexec_fn,
         )
     pp = ProxyProcess(port, admin_port, state, policies, proc, log_path, config_path)
     try:

@@ -28,7 +28,10 @@ from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Services
 from proxy.errors import PolicyError, StoreError
 from proxy.fronts.aggregate import AggregateFront
-from proxy.fronts.per_upstream import LOOPBACK_HOSTS, FrontSettings, McpFront, UpstreamTarget
+from proxy.fronts.context import FrontContext, FrontSettings
+from proxy.fronts.forwarded import UpstreamTarget
+from proxy.fronts.guard import LOOPBACK_HOSTS, GuardSettings, guard_middleware
+from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
 from proxy.observability.metrics import Metrics
 from proxy.policy.compiled import PolicyRevision
@@ -90,7 +93,7 @@ class Runtime:
             lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items()],
             interval=config.health_interval, timeout=config.health_timeout,
         )
-        self.front: McpFront | None = None
+        self.fronts: FrontContext | None = None
 
     # ---- policy ------------------------------------------------------------------------
 
@@ -231,22 +234,22 @@ class Runtime:
         return frozenset(names)
 
     def build_mcp_app(self) -> web.Application:
-        self.front = front = McpFront(
+        limits = self.config.limits
+        self.fronts = context = FrontContext(
             self.envelope, self.forwarder, self.identity, self.target,
-            FrontSettings(
-                max_body_bytes=self.config.limits.max_body_bytes,
-                max_json_depth=self.config.limits.max_json_depth,
-                allowed_hosts=self._allowed_hosts(),
-                allowed_origins=frozenset(self.config.allowed_origins),
-                request_headers=self.request_headers,
-            ),
+            FrontSettings(max_body_bytes=limits.max_body_bytes, max_json_depth=limits.max_json_depth,
+                          request_headers=self.request_headers),
+            retry=self.config.retry, on_upstream=self.health.record,
         )
+        guard = guard_middleware(
+            GuardSettings(max_body_bytes=limits.max_body_bytes, allowed_hosts=self._allowed_hosts(),
+                          allowed_origins=frozenset(self.config.allowed_origins)),
+            self.envelope, self.metrics)
         # aiohttp's own body cap is bypassed by the front's streaming reader, which enforces ours.
-        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
-        front.on_upstream = self.health.record
-        app.add_routes(front.routes())
+        app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[guard])
+        app.add_routes(McpFront(context).routes())
         if self.config.aggregate.enabled:
-            aggregate = AggregateFront(front, self.aggregate_upstreams,
+            aggregate = AggregateFront(context, self.aggregate_upstreams,
                                        max_sessions=self.config.aggregate.max_sessions)
             app.add_routes(aggregate.routes())
             app.on_shutdown.append(aggregate.shutdown)
@@ -306,13 +309,13 @@ class Runtime:
         if self._watcher is not None:
             await self._watcher.stop()
         await self._prober.stop()
-        if self.front is not None:
-            self.front.shutting_down = True  # calls cut off from here on say so
+        if self.fronts is not None:
+            self.fronts.shutting_down = True  # calls cut off from here on say so
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
-        if self.front is not None:
-            await self.front.close()
+        if self.fronts is not None:
+            await self.fronts.close()  # completions (their audit records), then notifications
         await self.forwarder.close()
         if self._store_pinger is not None:
             self._store_pinger.cancel()

@@ -47,6 +47,24 @@ _TAIL_CHUNK = 64 * 1024
 _PROBE_BYTES = 64 * 1024
 
 
+def sanitized(value: Any) -> Any:
+    """`value` with every string JSON cannot hold (lone surrogates) backslash-escaped and every
+    non-JSON value replaced by its repr; JSON values are kept as they are."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, Mapping):
+        return {sanitized(k) if isinstance(k, str) else repr(k): sanitized(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [sanitized(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | orjson.Fragment):
+        return value
+    return repr(value)
+
+
 def canonical(record: Mapping[str, Any]) -> bytes:
     """The bytes a record's hash is computed over: sorted keys, no spaces (orjson)."""
     return orjson.dumps(record, option=_OPT)
@@ -194,9 +212,10 @@ class AuditLog:
     def write(self, record: Mapping[str, Any]) -> str:
         """Append one record (adds `prev` and `hash`) and return its hash.
 
-        Raises `AuditError` if the record cannot be serialized (the log stays healthy) or
-        cannot be written (the log turns unhealthy until a write succeeds); nothing of a failed
-        record stays in the file.
+        A value JSON cannot hold is escaped (`sanitized`, and the record says `"sanitized":
+        true`) rather than losing the record. Raises `AuditError` if the record cannot be
+        written (the log turns unhealthy until a write succeeds); nothing of a failed record
+        stays in the file.
         """
         if self._closed:
             raise AuditError("audit log is closed")
@@ -205,8 +224,14 @@ class AuditLog:
         rec["prev"] = self._last
         try:
             body = orjson.dumps(rec, option=_OPT)
-        except orjson.JSONEncodeError as e:
-            raise AuditError(f"audit record cannot be serialized: {e}") from e
+        except orjson.JSONEncodeError:
+            # A value JSON cannot hold (a string with lone surrogates from undecodable bytes):
+            # the decision is recorded all the same, with such values escaped and marked.
+            rec = {**sanitized(rec), "sanitized": True}
+            try:
+                body = orjson.dumps(rec, option=_OPT)
+            except orjson.JSONEncodeError as e:
+                raise AuditError(f"audit record cannot be serialized: {e}") from e
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         # `hash` is appended unsorted: verify re-canonicalizes the parsed record anyway.
         line = body[:-1] + b',"hash":"' + digest.encode() + b'"}\n'

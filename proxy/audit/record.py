@@ -34,12 +34,24 @@ def utc_timestamp(ns: int | None = None) -> str:
     return "%s.%06dZ" % (prefix, rem // 1000)  # noqa: UP031 - faster than an f-string here
 
 
+def canonical_args(arguments: Mapping[str, Any]) -> bytes:
+    """The canonical JSON (sorted keys, no spaces) of the arguments: what `args_digest` hashes
+    and what a record's `args` holds. Raises TypeError (orjson.JSONEncodeError) for non-JSON
+    values."""
+    return orjson.dumps(arguments, option=_OPT)
+
+
+def digest_of(canonical: bytes) -> str:
+    """"sha256:<hex>" of canonical argument bytes."""
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
 def args_digest(arguments: Mapping[str, Any]) -> str:
     """Return "sha256:<hex>" of the canonical JSON (sorted keys, no spaces) of the arguments.
 
     Independent of key order. Raises TypeError (orjson.JSONEncodeError) for non-JSON values.
     """
-    return "sha256:" + hashlib.sha256(orjson.dumps(arguments, option=_OPT)).hexdigest()
+    return digest_of(canonical_args(arguments))
 
 
 def _pointer(pointer: str) -> list[str]:
@@ -132,6 +144,8 @@ def build_record(
     upstream_status: int | None,
     extra: Mapping[str, Any] | None = None,
     mask: Sequence[str] = (),
+    method: str | None = None,
+    canonical: bytes | None = None,
 ) -> dict[str, Any]:
     """The audit record (schema version 1) of one decision, ready for `AuditLog.write`.
 
@@ -140,8 +154,12 @@ def build_record(
     enums of `proxy.envelope.types`. `extra`, when given, is kept under its own `extra` key so
     it can never shadow a versioned field. `args` is present only when `log_args`, with the
     values named by `mask` replaced by "***" (see `mask_arguments`); `args_digest` is always
-    the digest of the real, unmasked arguments.
+    the digest of the real, unmasked arguments. `canonical`, the arguments' `canonical_args`
+    when the caller has them, is hashed and (unmasked) recorded as is, never serialised again.
+    `method` is the MCP method the record is about (absent: `tools/call`).
     """
+    if canonical is None:
+        canonical = canonical_args(arguments)
     rec: dict[str, Any] = {
         "v": RECORD_VERSION,
         "ts": utc_timestamp(),
@@ -157,13 +175,16 @@ def build_record(
         "check": check,
         "rule": rule,
         "reason": reason,
-        "args_digest": args_digest(arguments),
+        "args_digest": digest_of(canonical),
         # round(x * 1e6) / 1000 == round(x * 1000, 3), at a tenth of the cost.
         "latency_ms": {stage: round(s * 1e6) / 1000 for stage, s in latency.items()},
         "upstream_status": upstream_status,
     }
+    if method is not None and method != "tools/call":
+        rec["method"] = method
     if log_args:
-        rec["args"] = mask_arguments(arguments, mask) if mask else arguments
+        # Canonical bytes are sorted already, so the line stays canonical (the chain's hash).
+        rec["args"] = mask_arguments(arguments, mask) if mask else orjson.Fragment(canonical)
     if extra:
         rec["extra"] = dict(extra)
     return rec

@@ -21,7 +21,8 @@ from typing import Any
 import orjson
 
 from proxy.envelope.tools import annotation
-from proxy.envelope.types import ToolInfo
+from proxy.envelope.types import ToolCall, ToolInfo
+from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import PathLabel, ToolPolicy
 
 # Walk no deeper than this into structuredContent (the front already caps JSON depth).
@@ -98,6 +99,29 @@ def output_labels(policy: ToolPolicy | None, info: ToolInfo | None, trust_annota
         # Most specific first: longer pointers, then fewer wildcards.
         paths.sort(key=lambda pl: (-len(pl[0]), sum(s == "*" for s in pl[0])))
     return OutputLabels(Label(untrusted, secret), tuple(paths))
+
+
+class ToolLabels:
+    """The output labels of each tool of one policy revision (cached per tool and annotation
+    hint: they depend on nothing else)."""
+
+    def __init__(self, revision: PolicyRevision):
+        self._revision = revision
+        self._trust = {name: up.trust_annotations for name, up in revision.document.upstreams.items()}
+        self._cache: dict[tuple[str, bool, bool], OutputLabels] = {}
+
+    def of(self, call: ToolCall) -> OutputLabels:
+        trust = self._trust.get(call.upstream, False)
+        info = call.upstream_tool
+        key = (call.qualified_name, info is None,
+               trust and info is not None and annotation(info, "openWorldHint"))
+        found = self._cache.get(key)
+        if found is None:
+            compiled = self._revision.tools.get(call.qualified_name)
+            found = output_labels(compiled.policy if compiled is not None else None, info, trust)
+            if len(self._cache) < 10_000:
+                self._cache[key] = found
+        return found
 
 
 def _strings(value: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tuple[str, ...], str]]:

@@ -17,7 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    from proxy.envelope.types import Services
 
 log = logging.getLogger("envelope")
 
@@ -61,12 +64,6 @@ class Misconfiguration:
         return data
 
 
-def _approvals_enabled(settings: Any) -> bool:
-    # The runtime config may not have an `approvals` section (yet): absent means enabled.
-    approvals = getattr(settings, "approvals", None)
-    return bool(getattr(approvals, "enabled", True))
-
-
 def _approval_check_built() -> bool:
     # An approval gate exists only when the chain has an `approval` check; imported late because
     # the pipeline imports the catalogue.
@@ -89,12 +86,12 @@ class Dependencies:
     approval_check: bool = False
 
     @classmethod
-    def of(cls, services: Any) -> Dependencies:
+    def of(cls, services: Services | None) -> Dependencies:
         """The dependencies a process's `Services` provide (None: none at all)."""
-        store = getattr(services, "store", None)
+        store = services.store if services is not None else None
         return cls(
-            store=(getattr(store, "kind", None) or type(store).__name__) if store is not None else None,
-            approvals_enabled=_approvals_enabled(getattr(services, "settings", None)),
+            store=store.kind if store is not None else None,
+            approvals_enabled=services.settings.approvals.enabled if services is not None else True,
             approval_check=_approval_check_built(),
         )
 

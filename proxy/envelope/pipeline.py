@@ -2,7 +2,10 @@
 
 `Chain` is built once per policy revision and never changes; `Envelope.install` swaps chains
 atomically (calls in flight keep the chain they started with). Fronts call `Envelope.begin`
-to decide a call and `Envelope.finish` to audit and count it; they never see a check.
+to decide a call (or `begin_read` to open a content read) and the forwarded-call executor
+ends it with `Envelope.complete` (`proxy.envelope.outcome`): the one place where the answer
+is inspected, the result checks run, the audit record is written and the call is counted.
+Fronts never see a check, never build a decision and never write audit.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from proxy.audit.log import AuditLog
 from proxy.audit.record import build_record
@@ -31,7 +35,9 @@ from proxy.envelope.checks import (
     schema,
     shadow,
 )
+from proxy.envelope.inspect import Inspector, Notes, Subject
 from proxy.envelope.misconfig import Dependencies, MisconfigSink, Misconfiguration
+from proxy.envelope.outcome import AUDIT_DOWN, Completion
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
     ALLOWED,
@@ -39,12 +45,12 @@ from proxy.envelope.types import (
     Check,
     Code,
     Decision,
+    Outcome,
     Principal,
     Services,
     ToolCall,
     Verdict,
 )
-from proxy.errors import AuditError, ResultWithheld
 from proxy.observability.metrics import Metrics
 from proxy.policy.compiled import PolicyRevision
 
@@ -88,6 +94,8 @@ class Chain:
         self.checks: tuple[Check | AsyncCheck, ...] = tuple(
             cls(revision, registry, services) for cls in CHECKS
         )
+        # How what the upstreams send is inspected under this revision.
+        self.inspector = Inspector(revision)
 
     @property
     def checks(self) -> tuple[Check | AsyncCheck, ...]:
@@ -149,32 +157,78 @@ class Chain:
         return UNKNOWN_TOOL_LABEL
 
 
+    def subject(self, call: ToolCall) -> Subject:
+        """Whose content the upstream's answer to `call` is (labels, guardrails, ledger source):
+        the tool's for `tools/call` (and for `tasks/result` of a task the front knows), the
+        resource's or prompt's for a read, else anything an upstream sends."""
+        method = call.request.method
+        inspector = self.inspector
+        if method == "tools/call" or (method == "tasks/result" and call.tool != method):
+            return inspector.tool(call, self.tool_label(call))
+        if method == "resources/read":
+            uri = call.arguments.get("uri")
+            return inspector.resource(call.upstream, uri if isinstance(uri, str) else "")
+        if method == "prompts/get":
+            name = call.arguments.get("name")
+            return inspector.prompt(call.upstream, name if isinstance(name, str) else "")
+        return inspector.relayed(call.upstream, method)
+
+
 @dataclass(slots=True)
 class Pending:
-    """A decided call on its way to the upstream (or to its refusal)."""
+    """A decided call (or a content read) on its way to the upstream, or to its refusal.
+
+    `record` is its audit record, built and serialised before anything is forwarded (the end
+    only adds the result fields); `notes` what the inspection of its stream did so far;
+    `outcome` is set once the call has ended (`Envelope.complete`): it ends exactly once.
+    """
 
     call: ToolCall
-    chain: Chain
+    chain: Chain | None
     decision: Decision
     started: float
     envelope_seconds: float
-    latency: dict[str, float] = field(default_factory=dict)
+    record: dict[str, Any] | None = None
+    notes: Notes = field(default_factory=Notes)
+    outcome: Outcome | None = None
+    completion: asyncio.Task[Outcome] | None = None
+    _subject: Subject | None = None
+
+    @property
+    def subject(self) -> Subject | None:
+        if self._subject is None and self.chain is not None:
+            self._subject = self.chain.subject(self.call)
+        return self._subject
+
+    @property
+    def forwardable(self) -> bool:
+        """Whether the call goes upstream: allowed, and nothing held in its place."""
+        return not self.decision.refused and self.decision.result is None and self.outcome is None
 
 
-class Envelope:
-    """Runs the current chain and writes one audit record per decision."""
+# What a content read (`resources/read`, `prompts/get`, `tasks/result`) is decided as: no
+# policy check applies to it; its answer is inspected like a tool result and audited.
+READ_ALLOWED = Decision(Verdict.ALLOW, Code.OK, "inspect", "content relayed after inspection")
+
+
+class Envelope(Completion):
+    """Runs the current chain, ends every call exactly once (`complete`, in `outcome.py`) and
+    writes one audit record per decision."""
 
     def __init__(self, audit: AuditLog, metrics: Metrics, registry: ToolRegistry,
                  services: Services | None = None):
         self.audit = audit
         self.metrics = metrics
         self.registry = registry
-        self.services = services
+        self.services = services if services is not None else Services(metrics=metrics)
         self._chain: Chain | None = None
         # Decision recorder for replay (`serve --record`; `proxy.tools.replay.Recorder`), or None.
         self.recorder: Any = None
         # Misconfigurations: logged once per revision, counted by layer, listed by the admin API.
         self.misconfig = MisconfigSink(metrics)
+        # Completions running in tasks of their own (shielded, or after the client left):
+        # tracked so that shutdown waits for their audit records.
+        self.completing: set[asyncio.Task[Any]] = set()
         # Probe once now: a log that cannot take a record must refuse the very first call too.
         audit.check_writable(force=True)
 
@@ -201,115 +255,77 @@ class Envelope:
             {upstream: len(self.registry.tools(upstream)) for upstream in self.registry.upstreams()}
         )
 
+    def _unavailable(self) -> Decision | None:
+        """The refusal every call gets while nothing can be decided or audited, or None."""
+        if self._chain is None:
+            return Decision(Verdict.ERROR, Code.MISCONFIGURED, "catalogue", "no policy is loaded")
+        if not (self.audit.healthy or self.audit.check_writable()):
+            return AUDIT_DOWN
+        return None
+
     async def begin(self, call: ToolCall) -> Pending:
-        """Decide a call. Never raises (but cancellation): failures become refusals."""
+        """Decide a call and build its audit record. Never raises (but cancellation): failures
+        become refusals. A call whose record cannot be built is refused, never forwarded."""
         started = time.perf_counter()
         chain = self._chain
-        if chain is None:
-            decision = Decision(Verdict.ERROR, Code.MISCONFIGURED, "catalogue", "no policy is loaded")
-        elif not (self.audit.healthy or self.audit.check_writable()):
-            decision = Decision(
-                Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
-                "the audit log cannot be written; calls are refused until it can",
-            )
-        else:
+        decision = self._unavailable()
+        if decision is None:
+            assert chain is not None
             decision = await chain.run(call)
-        elapsed = time.perf_counter() - started
-        return Pending(call, chain, decision, started, elapsed)  # type: ignore[arg-type]
+        pending = Pending(call, chain, decision, started, time.perf_counter() - started)
+        self._prepare(pending)
+        return pending
 
-    async def finish(
-        self,
-        pending: Pending,
-        decision: Decision | None = None,
-        *,
-        upstream_status: int | None = None,
-        upstream_seconds: float | None = None,
-        extra: dict[str, Any] | None = None,
-        reply: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Run the call's result hooks, then audit and count its final decision.
+    def begin_read(self, call: ToolCall) -> Pending:
+        """Open a content read (`resources/read`, `prompts/get`, `tasks/result`): allowed unless
+        nothing can be decided or audited; its answer is inspected and audited by `complete`."""
+        started = time.perf_counter()
+        decision = self._unavailable() or READ_ALLOWED
+        pending = Pending(call, self._chain, decision, started, time.perf_counter() - started)
+        self._prepare(pending)
+        return pending
 
-        `reply` is the upstream's JSON-RPC reply when the call was forwarded and answered.
-        Raises AuditError when the record cannot be written. Call it before the reply is sent:
-        a record that cannot be written turns the reply into an `audit_unavailable` refusal.
-        Raises ResultWithheld (after auditing its refusal) when a hook says the result must not
-        reach the agent; the front answers with that refusal instead.
-        """
-        call = pending.call
-        decision = decision or pending.decision
-        withheld: Decision | None = None
-        for hook in call.on_result:
-            try:
-                await hook(call, decision, reply)
-            except asyncio.CancelledError:
-                raise
-            except ResultWithheld as exc:  # the refusal is audited in place of the decision
-                withheld = withheld or exc.decision
-            except Exception as exc:  # a hook never hides the outcome; the record says so
-                log.error("result hook failed for decision %s", call.decision_id, exc_info=exc)
-                extra = {**(extra or {}), "hook_error": f"{type(exc).__name__}: {exc}"}
-        if call.audit_extra:
-            extra = {**(extra or {}), **call.audit_extra}
-        if withheld is not None:
-            extra = {**(extra or {}), "withheld": {"verdict": decision.verdict.value,
-                                                   "code": decision.code.value}}
-            decision = withheld
-        if decision.audit:
-            extra = {**(extra or {}), **decision.audit}
-        now = time.perf_counter()
-        latency = {"envelope": pending.envelope_seconds, "total": now - pending.started}
-        if upstream_seconds is not None:
-            latency["upstream"] = upstream_seconds
-        chain = pending.chain
-        revision = chain.revision.revision if chain is not None else "none"
-        tool_policy = chain.revision.tools.get(call.qualified_name) if chain is not None else None
-        log_args = bool(
-            (tool_policy is not None and tool_policy.policy.log_args)
-            or (chain is not None and chain.revision.document.defaults.log_args)
-        )
-        mask: list[str] = []
-        if log_args and chain is not None:
-            mask = chain.revision.document.defaults.mask
-            if tool_policy is not None and tool_policy.policy.mask:
-                mask = [*mask, *tool_policy.policy.mask]
-        record = build_record(
-            decision_id=call.decision_id,
-            revision=revision,
-            principal=call.principal.id,
-            session=call.run.session,
-            run=call.run.id,
-            upstream=call.upstream,
-            tool=call.tool,
-            verdict=decision.verdict.value,
-            code=decision.code.value,
-            check=decision.check,
-            rule=decision.rule,
-            reason=decision.reason,
-            arguments=call.arguments,
-            log_args=log_args,
-            latency=latency,
-            upstream_status=upstream_status,
-            extra=extra,
-            mask=mask,
-        )
-        t_audit = time.perf_counter()
+    def _prepare(self, pending: Pending) -> None:
+        """Build the call's audit record and serialise it once, before anything is forwarded:
+        a record that cannot be written whole refuses the call (the refusal is recorded with
+        the offending values escaped)."""
+        call, chain = pending.call, pending.chain
+        log_args, mask = _logging(chain, call)
         try:
-            self.audit.write(record)
-        except AuditError:
-            self.metrics.audit_write_failure()
-            log.error("audit write failed for decision %s: %s", call.decision_id, self.audit.last_error)
-            raise
-        done = time.perf_counter()
-        m = self.metrics
-        m.audit_record()
-        label = chain.tool_label(call) if chain is not None else UNKNOWN_TOOL_LABEL
-        m.decision(call.upstream, label, decision.verdict.value, decision.code.value)
-        m.observe_stage("envelope", pending.envelope_seconds)
-        m.observe_stage("audit", done - t_audit)
-        m.observe_stage("total", done - pending.started)
-        if upstream_seconds is not None:
-            m.observe_stage("upstream", upstream_seconds)
-        if self.recorder is not None:  # never raises: a recording failure is logged and counted
-            self.recorder.record(pending, decision, reply)
-        if withheld is not None:
-            raise ResultWithheld(withheld)
+            record = build_record(
+                decision_id=call.decision_id,
+                revision=chain.revision.revision if chain is not None else "none",
+                principal=call.principal.id, session=call.run.session, run=call.run.id,
+                upstream=call.upstream, tool=call.tool, verdict=pending.decision.verdict,
+                code=pending.decision.code, check=pending.decision.check,
+                rule=pending.decision.rule, reason=pending.decision.reason,
+                arguments=call.arguments, log_args=log_args, latency={}, upstream_status=None,
+                mask=mask, method=call.request.method, canonical=call.args_json(),
+            )
+            orjson.dumps(record)
+            if call.audit_extra:
+                orjson.dumps(call.audit_extra)
+        except (orjson.JSONEncodeError, TypeError) as exc:
+            log.error("the audit record of decision %s cannot be serialised (%s): refused",
+                      call.decision_id, exc)
+            pending.decision = Decision(
+                Verdict.ERROR, Code.INTERNAL_ERROR, "audit",
+                "the call's audit record cannot be written (a value the log cannot hold); the "
+                "call was refused")
+            record = None
+        pending.record = record
+
+
+def _logging(chain: Chain | None, call: ToolCall) -> tuple[bool, list[str]]:
+    """Whether the call's record holds its arguments, and what is masked in them."""
+    if chain is None:
+        return False, []
+    defaults = chain.revision.document.defaults
+    tool_policy = chain.revision.tools.get(call.qualified_name)
+    log_args = bool((tool_policy is not None and tool_policy.policy.log_args) or defaults.log_args)
+    mask: list[str] = []
+    if log_args:
+        mask = list(defaults.mask)
+        if tool_policy is not None and tool_policy.policy.mask:
+            mask += tool_policy.policy.mask
+    return log_args, mask

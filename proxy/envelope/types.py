@@ -9,7 +9,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+from proxy.audit.record import canonical_args, digest_of
+
+if TYPE_CHECKING:
+    from proxy.approvals.notifier import ApprovalNotifier
+    from proxy.config import Config
+    from proxy.envelope.dataflow.ledger import RecentWrites
+    from proxy.observability.metrics import Metrics
+    from proxy.store.base import Store
 
 
 class Effect(enum.StrEnum):
@@ -65,6 +74,9 @@ class Code(enum.StrEnum):
     NOT_ON_ROSTER = "not_on_roster"
     # rate limit: the run already has max_concurrent_per_run calls in flight (all replicas).
     RATE_LIMITED = "rate_limited"
+    # guard: the request was refused before any check (a header value that is not a valid
+    # HTTP field value); the request is audited, never forwarded.
+    INVALID_REQUEST = "invalid_request"
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,11 +230,27 @@ class ToolCall:
     # X-Envelope-Capability: the capability the caller asks for this call; it can only narrow
     # the principal's ("read-only" narrows read-write; anything else changes nothing).
     capability_requested: str | None = None
+    # The decision id of a pending marker in the run's ledger (an output is on its way), set
+    # by the data-flow check: whoever ends the call records the output, or clears the marker.
+    ledger_pending: str | None = None
+    # The canonical JSON of `arguments`, computed once (`args_json`).
+    _args_json: bytes | None = field(default=None, repr=False)
 
     @property
     def qualified_name(self) -> str:
         """The policy key of the tool: `<upstream>.<tool>`."""
         return f"{self.upstream}.{self.tool}"
+
+    def args_json(self) -> bytes:
+        """The canonical JSON of the arguments (sorted keys): what the digest hashes and the
+        audit record holds. Computed once per call."""
+        if self._args_json is None:
+            self._args_json = canonical_args(self.arguments)
+        return self._args_json
+
+    def args_digest(self) -> str:
+        """"sha256:<hex>" of the canonical arguments: binds approvals and idempotency records."""
+        return digest_of(self.args_json())
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,20 +293,98 @@ def deny(code: Code, check: str, reason: str, rule: str | None = None) -> Decisi
 ResultHook = Callable[["ToolCall", Decision, "Mapping[str, Any] | None"], Awaitable[None]]
 
 
-@dataclass(slots=True)
-class Services:
-    """What stateful checks need besides the policy, built once per process.
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The upstream's JSON-RPC answer to a forwarded request, as it arrived.
 
-    `store` is the state store (None when none is configured: stateful checks then refuse,
-    fail closed); `settings` the runtime config; `metrics` the process metrics. `hold_calls`
-    False says nobody waits at the other end (policy tests, replay): a check that would hold a
-    call for a person (approval) decides at once.
+    `message` is the parsed answer (the inspection may rewrite it in place); `raw` its bytes as
+    they would be delivered (a JSON body, or a whole SSE event; delivered unchanged when nothing
+    was rewritten; None when the front must rebuild it); `status` the upstream's HTTP status;
+    `sse` the event's (type, id) when the answer came as an SSE event.
     """
 
-    store: Any = None
-    settings: Any = None
-    metrics: Any = None
-    notifier: Any = None  # approval webhook notifier, when configured
+    message: dict[str, Any]
+    raw: bytes | None = None
+    status: int = 200
+    sse: tuple[str, str | None] | None = None
+
+
+FailureKind = Literal["error", "timeout", "disconnected", "shutdown", "detached", "session_lost"]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a forwarded request ended without an answer to deliver, as the front saw it.
+
+    `error`: the upstream failed or answered garbage; `timeout`: it exceeded its timeout;
+    `disconnected`: the client went away (the upstream call was cancelled); `shutdown`: the
+    proxy stopped first; `detached`: the client left a resumable stream, the call goes on
+    upstream and its result may be fetched later; `session_lost`: the upstream does not know
+    the client's session (HTTP 404: the client must initialize again). The envelope turns it
+    into the decision.
+    """
+
+    kind: FailureKind
+    reason: str
+    status: int | None = None  # the upstream's HTTP status, when it answered one
+    extra: Mapping[str, Any] | None = None
+
+
+OutcomeKind = Literal["deliver", "refuse", "held", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a call (or a content read) ended, as audited: what the front delivers.
+
+    - `deliver`: the upstream's answer, inspected: `raw` (its bytes, unchanged) when not None,
+      else `message` (rewritten: redacted, forged meta removed). `status` is the upstream's.
+    - `refuse`: a refusal of `decision` (rendered as a tool result the model reads, or a
+      JSON-RPC error for unknown tools).
+    - `held`: a result the envelope holds instead of forwarding (`message` is the result: an
+      idempotent replay or a shadow result).
+    - `none`: nothing to deliver (the client is gone; a resumable call goes on).
+    """
+
+    kind: OutcomeKind
+    decision: Decision
+    decision_id: str
+    message: Mapping[str, Any] | None = None
+    raw: bytes | None = None
+    status: int = 200
+    sse: tuple[str, str | None] | None = None  # the answer's SSE (event type, id), as it came
+
+
+def _default_config() -> Config:
+    from proxy.config import Config
+
+    return Config()
+
+
+def _recent_writes() -> RecentWrites:
+    from proxy.envelope.dataflow.ledger import RecentWrites
+
+    return RecentWrites()
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """What stateful checks and the completion of calls need besides the policy, built once
+    per process by the runtime (tests and offline tools build their own).
+
+    `store`: the state store (None when none is configured: stateful checks then refuse, fail
+    closed). `settings`: the runtime config. `metrics`: the process metrics (None: not
+    counted). `notifier`: the approval notifier (webhook, early wake-up of held calls).
+    `recent`: what this process wrote to run ledgers moments ago (skips rewriting them).
+    `hold_calls` False says nobody waits at the other end (policy tests, replay): a check that
+    would hold a call for a person (approval) decides at once.
+    """
+
+    store: Store | None = None
+    settings: Config = field(default_factory=_default_config)
+    metrics: Metrics | None = None
+    notifier: ApprovalNotifier | None = None
+    recent: RecentWrites = field(default_factory=_recent_writes)
     hold_calls: bool = True
 
 

@@ -6,17 +6,20 @@ upstream as an MCP client through the same forwarder, with one upstream session 
 session and upstream (2025-06-18 / 2025-11-25 clients, `Mcp-Session-Id` of its own), or one
 shared upstream session per upstream for stateless 2026-07-28 clients (`server/discover`).
 
-Policy is not duplicated here: `tools/list` results go through `McpFront._filter_list` (learn
-into the registry, `Chain.visible` per principal) and `tools/call` through `Envelope.begin` /
-`finish` with `upstream=<upstream>`, `tool=<original name>`, so refusals, audit records and
-metrics are those of the per-upstream route.
+Nothing of the per-upstream route is copied here: `tools/list` results go through
+`FrontContext.filter_tools` (learn into the registry, `Chain.visible` per principal), and a
+`tools/call` is built by `calls.tool_call_from` (`upstream=<upstream>`, `tool=<original name>`),
+decided by `Envelope.begin`, forwarded and ended by the same executor (retries, cancellation
+with `notifications/cancelled`, resumption of a stream the upstream closes early) and answered
+by `render`, so refusals, audit records and metrics are those of the per-upstream route.
 
 Served: `initialize`, `server/discover`, `ping`, `tools/list` (all upstreams merged, no
 pagination), `tools/call`, notifications, GET (legacy sessions: the upstreams'
 `notifications/tools/list_changed` fanned out) and DELETE. Everything else (resources/*,
 prompts/*, completion, logging) is answered with JSON-RPC -32601: those have no unambiguous
 merge across servers; use `/mcp/<upstream>` for them. Upstream progress notifications and
-server-to-client requests (sampling, elicitation) are not relayed.
+server-to-client requests (sampling, elicitation) are not relayed (the client gets JSON only),
+so nothing of them reaches the client; the answer is inspected like on every route.
 """
 
 from __future__ import annotations
@@ -34,30 +37,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.envelope.pipeline import Pending
-from proxy.envelope.types import (
-    Code,
-    Decision,
-    Principal,
-    RequestInfo,
-    RunContext,
-    ToolCall,
-    Verdict,
-)
-from proxy.errors import AuditError, ResultWithheld, UpstreamError, UpstreamTimeout
-from proxy.fronts import jsonrpc
+from proxy.envelope.types import Principal
+from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.fronts import calls, jsonrpc, render
+from proxy.fronts.calls import STATELESS_REVISION, Route
+from proxy.fronts.context import FrontContext
+from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
+from proxy.fronts.guard import read_body
 from proxy.fronts.jsonrpc import BadMessage, Message
-from proxy.fronts.per_upstream import (
-    DECISION_META,
-    STATELESS_REVISION,
-    McpFront,
-    UpstreamTarget,
-    _is_stateless,
-    guard_result,
-    idempotency_key,
-    refusal_result,
-    run_id,
-)
 from proxy.fronts.sse import SSEParser, format_event
 
 log = logging.getLogger("envelope.aggregate")
@@ -100,10 +87,10 @@ class _Reply(Exception):
 
 
 class AggregateFront:
-    """aiohttp handlers for `/mcp`, built on a `McpFront` (its envelope, forwarder, identity)."""
+    """aiohttp handlers for `/mcp`, on the same `FrontContext` as `/mcp/<upstream>`."""
 
-    def __init__(self, front: McpFront, upstreams: Callable[[], Sequence[str]], max_sessions: int = 1000):
-        self.front = front
+    def __init__(self, context: FrontContext, upstreams: Callable[[], Sequence[str]], max_sessions: int = 1000):
+        self.ctx = context
         self.upstreams = upstreams  # the aggregated upstream names, in order (config or policy)
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _ClientSession] = OrderedDict()
@@ -123,11 +110,7 @@ class AggregateFront:
     # ---- entry -------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        front = self.front
-        problem = front._check_host_origin(request)
-        if problem is not None:
-            return problem
-        principal = front.authenticate(request)
+        principal = self.ctx.authenticate(request)
         if isinstance(principal, web.Response):
             return principal
         try:
@@ -153,16 +136,16 @@ class AggregateFront:
         return sess
 
     async def _post(self, request: web.Request, principal: Principal) -> web.StreamResponse:
-        front = self.front
+        ctx = self.ctx
         try:
-            body = await front._read_body(request)
-            msg = jsonrpc.parse_post(body, front.settings.max_json_depth, request.headers.get("Mcp-Method"))
+            body = await read_body(request, ctx.settings.max_body_bytes)
+            msg = jsonrpc.parse_post(body, ctx.settings.max_json_depth, request.headers.get("Mcp-Method"))
         except BadMessage as exc:
-            front.metrics.rejected(exc.reason)
+            ctx.metrics.rejected(exc.reason)
             return _error(exc.status, exc.id, exc.code, exc.message)
         if not msg.is_request:
             return web.Response(status=202)  # notifications and responses: nothing to do
-        stateless = _is_stateless(request, msg)
+        stateless = calls.is_stateless(request.headers, msg)
         if msg.method == "initialize":
             return self._initialize(msg, principal)
         if msg.method == "server/discover":
@@ -207,11 +190,11 @@ class AggregateFront:
         for q in sess.streams:
             q.put_nowait(None)
         for name, us in sess.upstreams.items():
-            target = self.front.targets(name)
+            target = self.ctx.targets(name)
             if target is not None and us.session_id:
                 try:
                     async with asyncio.timeout(target.connect_timeout):
-                        resp = await self.front.forwarder.open(
+                        resp = await self.ctx.forwarder.open(
                             "DELETE", target.url, self._headers(target, us, request), None,
                             connect_timeout=target.connect_timeout, read_timeout=target.connect_timeout)
                     resp.close()
@@ -224,7 +207,7 @@ class AggregateFront:
     def _targets(self) -> list[UpstreamTarget]:
         out = []
         for name in self.upstreams():
-            target = self.front.targets(name)
+            target = self.ctx.targets(name)
             if target is None:
                 if name not in self._warned:
                     self._warned.add(name)
@@ -263,7 +246,7 @@ class AggregateFront:
                         payload: dict[str, Any]) -> tuple[int, str | None, dict[str, Any] | None]:
         """POST one message; (status, session id header, the JSON-RPC reply to it or None)."""
         rid = payload.get("id")
-        resp = await self.front.forwarder.open(
+        resp = await self.ctx.forwarder.open(
             "POST", target.url, self._headers(target, us, request), orjson.dumps(payload),
             connect_timeout=target.connect_timeout, read_timeout=target.timeout)
         async with resp:
@@ -333,14 +316,14 @@ class AggregateFront:
                 status, reply = await self._request(sess, target, request, method, params)
         except (TimeoutError, UpstreamTimeout) as exc:
             reason = f"did not answer within {target.timeout:g}s"
-            self.front._observe_upstream(target.name, time.perf_counter() - started, "timeout", reason)
+            self.ctx.observe(target.name, time.perf_counter() - started, "timeout", reason)
             raise UpstreamTimeout(reason) from exc
         except UpstreamError as exc:
-            self.front._observe_upstream(target.name, time.perf_counter() - started, "error", str(exc))
+            self.ctx.observe(target.name, time.perf_counter() - started, "error", str(exc))
             raise
         seconds = time.perf_counter() - started
         ok = status < 500
-        self.front._observe_upstream(target.name, seconds, "ok" if ok else "error",
+        self.ctx.observe(target.name, seconds, "ok" if ok else "error",
                                      None if ok else f"answered HTTP {status}")
         return status, reply, seconds
 
@@ -358,7 +341,7 @@ class AggregateFront:
                 err = reply.get("error")
                 raise UpstreamError(f"tools/list failed: {err.get('message') if isinstance(err, dict) else reply}")
             # The per-upstream route's own path: learn into the registry, filter per principal.
-            visible = self.front._filter_list(result, target, principal).get("tools", [])
+            visible = self.ctx.filter_tools(result, target.name, principal).get("tools", [])
             for tool in visible:
                 name = f"{target.name}.{tool['name']}"
                 if not TOOL_NAME.fullmatch(name):
@@ -395,112 +378,42 @@ class AggregateFront:
     # ---- tools/call --------------------------------------------------------------------
 
     async def _tools_call(self, request: web.Request, sess: _ClientSession | None, principal: Principal,
-                          msg: Message, stateless: bool) -> web.Response:
-        front = self.front
-        params = msg.params
-        name = params.get("name")
-        arguments = params.get("arguments")
-        arguments = {} if arguments is None else arguments
-        problem = None
-        if not isinstance(name, str) or not name:
-            problem = 'Invalid params: "name" must be a non-empty string'
-        elif not isinstance(arguments, dict):
-            problem = 'Invalid params: "arguments" must be an object'
-        if problem is not None:
-            front.metrics.rejected("invalid_request")
-            return _error(400, msg.id, jsonrpc.INVALID_PARAMS, problem)
-        assert isinstance(name, str) and isinstance(arguments, dict)
-        header_name = request.headers.get("Mcp-Name")
-        if header_name is not None and header_name != name:
-            front.metrics.rejected("header_mismatch")
-            return _error(400, msg.id, jsonrpc.HEADER_MISMATCH,
-                          f"Mcp-Name header {header_name!r} does not match the tool name {name!r}")
+                          msg: Message, stateless: bool) -> web.StreamResponse:
+        ctx = self.ctx
+        try:
+            name, arguments = calls.tool_request(msg, request.headers)
+        except BadMessage as exc:
+            ctx.metrics.rejected(exc.reason)
+            return _error(400, exc.id, exc.code, exc.message)
         split = self._split(name)
         if split is None:
             return _error(400 if stateless else 200, msg.id, jsonrpc.INVALID_PARAMS, f"Unknown tool: {name}")
         target, tool = split
-        session = sess.id if sess is not None else None
-        wanted = front.settings.request_headers()
-        call = ToolCall(
-            decision_id=uuid.uuid4().hex, upstream=target.name, tool=tool, arguments=arguments,
-            principal=principal,
-            run=RunContext(id=run_id(request.headers, session, principal.id, params), session=session,
-                           parent=request.headers.get("X-Envelope-Parent-Run") or None,
-                           agent=request.headers.get("X-Envelope-Agent") or None),
-            request=RequestInfo(method="tools/call",
-                                protocol_version=request.headers.get("MCP-Protocol-Version", "")
-                                or (sess.protocol if sess else ""),
-                                headers={h: request.headers[h] for h in wanted if h in request.headers}),
-            idempotency_key=idempotency_key(request.headers, params),
-            shadow_requested=request.headers.get("X-Envelope-Shadow", "").strip().lower() in ("1", "true", "yes"),
-            capability_requested=request.headers.get("X-Envelope-Capability"),
-        )
-        pending = await front.envelope.begin(call)
-        if pending.decision.refused:
-            return await self._refuse(pending, pending.decision, msg, name, stateless)
-        if pending.decision.result is not None:  # a replay or a shadow result: nothing to forward
-            return await front._answer_held(pending, msg, stateless)
-        started = time.perf_counter()
-        try:
-            status, reply, seconds = await self._forward(sess, target, request, "tools/call",
-                                                         {"name": tool, "arguments": arguments})
-        except UpstreamTimeout as exc:
-            return await self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_TIMEOUT, "forward",
-                                                  f"upstream {target.name!r} {exc}"),
-                                msg, name, stateless, upstream_seconds=time.perf_counter() - started)
-        except UpstreamError as exc:
-            return await self._refuse(pending, Decision(Verdict.ERROR, Code.UPSTREAM_ERROR, "forward",
-                                                  f"upstream {target.name!r} failed: {exc}"),
-                                msg, name, stateless, upstream_seconds=time.perf_counter() - started)
-        except asyncio.CancelledError:
-            try:
-                await front.envelope.finish(pending, Decision(
-                    Verdict.ERROR, Code.CLIENT_DISCONNECTED, "forward",
-                    "the client disconnected before the upstream answered"),
-                    upstream_seconds=time.perf_counter() - started)
-            except AuditError:
-                pass
-            raise
-        reply, guarded, _ = guard_result(front.envelope, pending, reply, msg.id, stateless)
-        result = reply.get("result")
-        error = reply.get("error")
-        is_error = bool(result.get("isError", False)) if isinstance(result, dict) else True
-        try:
-            await front.envelope.finish(pending, guarded, upstream_status=status, upstream_seconds=seconds,
-                                        extra={"is_error": is_error}, reply=reply)
-        except ResultWithheld as exc:
-            return _result(msg.id, refusal_result(exc.decision, call.decision_id, stateless))
-        except AuditError:
-            decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
-                                "the audit log cannot be written; the result is withheld")
-            return _result(msg.id, refusal_result(decision, call.decision_id, stateless))
-        if isinstance(result, dict):
-            if stateless:
-                result.setdefault("resultType", "complete")
-            return _result(msg.id, result)
-        if isinstance(error, dict):  # the upstream's own JSON-RPC error, under the client's id
-            return _error(200, msg.id, int(error.get("code", jsonrpc.INTERNAL_ERROR)),
-                          str(error.get("message", "")), error.get("data"))
-        return _error(200, msg.id, jsonrpc.INTERNAL_ERROR, f"upstream {target.name!r} answered without a result")
+        route = Route(target.name, sess.id if sess is not None else None,
+                      request.headers.get("MCP-Protocol-Version", "") or (sess.protocol if sess else ""))
+        call = calls.tool_call_from(request.headers, msg, route, tool, arguments, principal,
+                                    ctx.settings.request_headers())
+        pending = await ctx.envelope.begin(call)
+        reply_id = self._next_id()
+        params: dict[str, Any] = {"name": tool, "arguments": arguments}
+        us = self._upstream_session(sess, target.name)
 
-    async def _refuse(self, pending: Pending, decision: Decision, msg: Message, name: str, stateless: bool,
-                      upstream_seconds: float | None = None) -> web.Response:
-        """Audit a refusal and answer it as the per-upstream route does (tool result, or -32602)."""
-        try:
-            await self.front.envelope.finish(pending, decision, upstream_seconds=upstream_seconds)
-        except AuditError:
-            decision = Decision(Verdict.ERROR, Code.AUDIT_UNAVAILABLE, "audit",
-                                "the audit log cannot be written; the call was refused")
-        call = pending.call
-        if decision.code is Code.UNKNOWN_TOOL:
-            return _error(400 if stateless else 200, msg.id, jsonrpc.INVALID_PARAMS, f"Unknown tool: {name}",
-                          {DECISION_META: decision.as_meta(call.decision_id)})
-        return _result(msg.id, refusal_result(decision, call.decision_id, stateless))
+        async def setup(fresh: bool) -> dict[str, str]:
+            if fresh:
+                us.ready = False
+            await self._ensure(us, target, request)
+            return self._headers(target, us, request)
+
+        upstream = UpstreamRequest(
+            target, orjson.dumps({"jsonrpc": "2.0", "id": reply_id, "method": "tools/call", "params": params}),
+            {}, reply_id, resume=True, setup=setup)
+        outcome = await ctx.executor.run(pending, upstream, Downstream())
+        return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False)
 
     # ---- GET: list_changed fan-out ----------------------------------------------------
 
     async def _get(self, request: web.Request, principal: Principal) -> web.StreamResponse:
-        if _is_stateless(request, None):
+        if calls.is_stateless(request.headers, None):
             return web.Response(status=405, headers={"Allow": "POST"})
         sess = self._client_session(request, principal)
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
@@ -534,7 +447,7 @@ class AggregateFront:
             try:
                 async with asyncio.timeout(target.timeout):
                     await self._ensure(us, target, request)
-                    resp = await self.front.forwarder.open(
+                    resp = await self.ctx.forwarder.open(
                         "GET", target.url, self._headers(target, us, request, accept="text/event-stream"), None,
                         connect_timeout=target.connect_timeout, read_timeout=None)
                 async with resp:

@@ -107,3 +107,22 @@ def format_event(data: bytes, event: str | None = "message", id: str | None = No
         out += b"data: " + line + b"\n"
     out += b"\n"
     return bytes(out)
+
+
+KEEP_ALIVE = b": keep-alive\n\n"
+
+
+def format_fields(event: SSEEvent) -> bytes:
+    """An event without data rebuilt from the fields a client acts on (`event`, `id`,
+    `retry`): a 2025-11-25 priming event keeps its id and retry; comments (text no client
+    reads, but a lenient one could) become a bare keep-alive."""
+    out = bytearray()
+    if event.id is not None:
+        out += b"id: " + event.id.encode() + b"\n"
+    if event.retry is not None:
+        out += b"retry: " + str(event.retry).encode() + b"\n"
+    if not out:
+        return KEEP_ALIVE
+    if event.has_data:
+        out += b"data: \n"  # a priming event's empty data (2025-11-25), as the upstream sent it
+    return bytes(out) + b"\n"

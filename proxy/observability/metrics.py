@@ -57,6 +57,7 @@ RejectReason = Literal[
     "bad_origin",
     "unauthenticated",
     "header_mismatch",
+    "invalid_header",
 ]
 # The fixed label sets, from the types above (one source for mypy and the runtime check).
 STAGES: tuple[Stage, ...] = get_args(Stage)

@@ -31,8 +31,11 @@ from proxy.policy.compiled import (
     taint_readers,
 )
 from proxy.policy.model import (
+    PROMPT_KEY,
+    RESOURCE_KEY,
     TOOL_KEY,
     UPSTREAM_NAME,
+    ContentPolicy,
     DataflowPolicy,
     Defaults,
     PolicyDocument,
@@ -57,6 +60,14 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "upstreams": Upstream,
     "tools": ToolPolicy,
     "principals": PrincipalPolicy,
+    "resources": ContentPolicy,
+    "prompts": ContentPolicy,
+}
+# Sections keyed `<upstream>.<...>`: the key's pattern and how problems name it.
+_UPSTREAM_KEYED = {
+    "tools": (TOOL_KEY, "a tool key '<upstream>.<tool>'"),
+    "resources": (RESOURCE_KEY, "a resource key '<upstream>.<URI prefix>'"),
+    "prompts": (PROMPT_KEY, "a prompt key '<upstream>.<prompt name>'"),
 }
 _TOP_KEYS = tuple(PolicyDocument.model_fields)
 
@@ -280,6 +291,16 @@ class _Loader:
             if isinstance(node, ScalarNode) and isinstance(self.convert.value(node), str):
                 self.compile_cel(entry.file, node)
 
+    def _upstream_declared(self, entry: _Entry) -> bool:
+        """Whether the upstream an `<upstream>.<...>` key names is declared (else a problem)."""
+        upstream = entry.name.partition(".")[0]
+        if upstream in self.entries["upstreams"]:
+            return True
+        declared = ", ".join(sorted(self.entries["upstreams"])) or "none"
+        self.add(entry.file, entry.key, f"{entry.section} '{entry.name}': upstream '{upstream}' is "
+                 f"not declared under upstreams (declared: {declared})")
+        return False
+
     # -- stage: tools -----------------------------------------------------------------------
 
     def tool(self, entry: _Entry, policy: ToolPolicy) -> CompiledTool | None:
@@ -389,9 +410,7 @@ class _Loader:
             pattern, what = (
                 (UPSTREAM_NAME, "an upstream name")
                 if section == "upstreams"
-                else (TOOL_KEY, "a tool key '<upstream>.<tool>'")
-                if section == "tools"
-                else (None, "")
+                else _UPSTREAM_KEYED.get(section, (None, ""))
             )
             for name, entry in self.entries[section].items():
                 if pattern is not None and not pattern.match(name):
@@ -400,6 +419,8 @@ class _Loader:
                         entry.key,
                         f"'{name}' is not {what} (must match {pattern.pattern})",
                     )
+                    continue
+                if section in ("resources", "prompts") and not self._upstream_declared(entry):
                     continue
                 value = self.validate(entry, model)
                 if value is not None:
@@ -445,6 +466,8 @@ class _Loader:
             tools={n: v for n, (_, v) in validated["tools"].items()},
             principals={n: v for n, (_, v) in validated["principals"].items()},
             dataflow=dataflow,
+            resources={n: v for n, (_, v) in validated["resources"].items()},
+            prompts={n: v for n, (_, v) in validated["prompts"].items()},
         )
         locations = {
             f"{section}.{name}": entry.location()

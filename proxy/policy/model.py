@@ -19,6 +19,10 @@ _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
 # MCP tool names: 1-128 chars of [A-Za-z0-9_.-]; the policy key is `<upstream>.<tool>`.
 TOOL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}\.[A-Za-z0-9_.-]{1,128}$")
+# `resources:` keys: `<upstream>.<URI prefix>` (`<upstream>.*`: every resource of the upstream).
+RESOURCE_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}\.\S{1,1024}$")
+# `prompts:` keys: `<upstream>.<prompt name>`.
+PROMPT_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}\.\S{1,256}$")
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 
 
@@ -226,6 +230,20 @@ class ToolPolicy(_Model):
         return [v] if isinstance(v, str) else v
 
 
+class ContentPolicy(_Model):
+    """Labels and guardrails of content an upstream serves outside tool results: a resource
+    (`resources:`, keyed `<upstream>.<URI prefix>`, the longest matching prefix wins) or a
+    prompt (`prompts:`, keyed `<upstream>.<prompt name>`). Content with no entry is untrusted,
+    public, and gets `defaults.guardrails` only."""
+
+    # Data-flow label of the content the client receives. Absent: untrusted.
+    output: Literal["trusted", "untrusted"] | None = None
+    # Absent: public.
+    sensitivity: Literal["public", "secret"] | None = None
+    # Output guardrails run on this content after defaults.guardrails. Absent: none.
+    guardrails: list[Guardrail] = Field(default_factory=list)
+
+
 class RuleOfTwo(_Model):
     """Meta's "Agents Rule of Two": which of the three dangerous properties a principal's runs
     may combine. A property set to false is taken away: `external_side_effects: false` forces the
@@ -383,6 +401,11 @@ class PolicyDocument(_Model):
     # The data-flow check. Absent: shadow mode with every other default (flows are counted
     # and audited, never refused, until a policy opts in with a `dataflow:` section).
     dataflow: DataflowPolicy | None = None
+    # Resource contents (`resources/read`), keyed `<upstream>.<URI prefix>`. Absent: none
+    # (every resource is untrusted, public, with defaults.guardrails).
+    resources: dict[str, ContentPolicy] = Field(default_factory=dict)
+    # Prompt messages (`prompts/get`), keyed `<upstream>.<prompt name>`. Absent: none.
+    prompts: dict[str, ContentPolicy] = Field(default_factory=dict)
 
     @field_validator("upstreams")
     @classmethod

@@ -378,9 +378,9 @@ async def test_client_disconnect_mid_call_cancels_upstream_and_is_audited(world:
         # The non-resumable case (cancelled) is tests/integration/test_relay_streams.py.
         assert not world.upstream.lines(f"cancelled-{tag}")
         assert (record["tool"], record["verdict"], record["code"]) == ("slow", "allow", "ok")
-        # The result may now reach the client by resumption, past the proxy: the run's data-flow
-        # ledger is marked coarse rather than left without the output's fingerprints.
-        assert record["extra"]["dataflow_recorded"]["lost"] is True
+        # The result may reach the client later, on a resumed stream: it is inspected and
+        # recorded then (tests/e2e/test_response_path.py), so the run is not made coarse now.
+        assert "resumable" in record["reason"] and "lost" not in record["extra"].get("dataflow_recorded", {})
     assert time.monotonic() - started < 10
 
 

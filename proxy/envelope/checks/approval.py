@@ -52,7 +52,6 @@ from typing import Any, ClassVar
 from proxy.approvals.records import Approval, ApprovalConflict, CallBinding, InvalidRequestState
 from proxy.approvals.service import ApprovalService
 from proxy.approvals.signer import RequestStateSigner
-from proxy.audit.record import args_digest
 from proxy.config import ApprovalsConfig
 from proxy.envelope.effects import gated
 from proxy.envelope.tools import ToolRegistry
@@ -96,14 +95,13 @@ class ApprovalCheck:
         self._principal_gated = frozenset(
             pid for pid, p in revision.principals.items() if p.policy.gated_effects is not None
         )
-        config = getattr(services.settings, "approvals", None) if services is not None else None
-        self._config: ApprovalsConfig = config if isinstance(config, ApprovalsConfig) else ApprovalsConfig()
+        self._config: ApprovalsConfig = services.settings.approvals if services is not None else ApprovalsConfig()
         self._service: ApprovalService | None = None
         self._store_kind = "none"
         if services is not None and services.store is not None and self._config.enabled:
             self._service = ApprovalService(services.store, self._config, services.notifier,
                                             services.metrics)
-            self._store_kind = getattr(services.store, "kind", "store")
+            self._store_kind = services.store.kind
         self._signer = RequestStateSigner.from_config(self._config)
 
     # -- gating (sync, cheap) ---------------------------------------------------------------
@@ -148,7 +146,7 @@ class ApprovalCheck:
 
     async def _decide(self, service: ApprovalService, call: ToolCall) -> Decision | None:
         binding = CallBinding(call.principal.id, call.run.id, call.upstream, call.tool,
-                              args_digest(call.arguments))
+                              call.args_digest())
         policy = self._policies.get(call.qualified_name)
         wait = (policy.wait if policy is not None else DEFAULT_WAIT) if self._hold_calls else 0.0
         ttl = (policy.ttl if policy is not None else None) or self._config.ttl

@@ -7,16 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow.ledger import (
     Ledger,
-    LedgerDelta,
     load,
     mark_pending,
-    record,
-    widen_parent,
 )
 from proxy.envelope.dataflow.match import (
     Finding,
@@ -24,18 +20,17 @@ from proxy.envelope.dataflow.match import (
     free_text,
     match_argument,
 )
-from proxy.envelope.labels import OutputLabels, annotation, output_labels, pieces
+from proxy.envelope.labels import OutputLabels, ToolLabels
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
     Code,
     Decision,
     Effect,
-    ResultHook,
     Services,
     ToolCall,
     Verdict,
 )
-from proxy.errors import ResultWithheld, StoreError
+from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import DataflowPolicy
 from proxy.store.base import Store
@@ -48,7 +43,8 @@ log = logging.getLogger("envelope.dataflow")
 
 
 class DataflowCheck:
-    """Flags sinks fed with untrusted content; records labelled outputs into the run's ledger."""
+    """Flags sinks fed with untrusted content (the outputs are recorded into the run's ledger
+    by the inspection of what the upstream sends: `proxy.envelope.inspect`)."""
 
     id: ClassVar[str] = "dataflow"
 
@@ -67,28 +63,17 @@ class DataflowCheck:
         self._skip = frozenset(self.policy.skip_formats)
         self._ttl = self.policy.ledger_ttl
         self._cap = self.policy.ledger_cap
-        self._trust = {name: up.trust_annotations for name, up in revision.document.upstreams.items()}
-        self._labels: dict[tuple[str, bool, Any], OutputLabels] = {}
+        self._labels = ToolLabels(revision)
         self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
         self._store: Store | None = services.store if services is not None else None
-        approvals = getattr(services.settings, "approvals", None) if services is not None else None
-        self._gate = self._store is not None and bool(getattr(approvals, "enabled", True))
+        self._recent = services.recent if services is not None else None
+        self._gate = self._store is not None and services is not None and services.settings.approvals.enabled
 
     # -- cheap filters -------------------------------------------------------------------
 
     def labels(self, call: ToolCall) -> OutputLabels:
-        """The output labels of the call's tool (cached per tool and annotation hint: they
-        depend on nothing else)."""
-        trust = self._trust.get(call.upstream, False)
-        info = call.upstream_tool
-        key = (call.qualified_name, info is None, trust and info is not None and annotation(info, "openWorldHint"))
-        found = self._labels.get(key)
-        if found is None:
-            compiled = self._revision.tools.get(call.qualified_name)
-            found = output_labels(compiled.policy if compiled is not None else None, info, trust)
-            if len(self._labels) < 10_000:
-                self._labels[key] = found
-        return found
+        """The output labels of the call's tool."""
+        return self._labels.of(call)
 
     def applies(self, call: ToolCall) -> bool:
         if self.mode == "off":
@@ -131,13 +116,15 @@ class DataflowCheck:
             return None
         try:
             decision = await self._check_sink(store, call) if sink else None
-            if decision is None and labels.tracked:
-                if call.run.session:
-                    # A session's stream may be resumed past the proxy (GET + Last-Event-ID)
-                    # if the client drops it: say beforehand that an output is on its way.
-                    deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
-                    await mark_pending(store, call.run.id, call.decision_id, deadline, ttl=self._ttl)
-                call.on_result.append(self._recorder(store, labels))
+            if decision is None and labels.tracked and call.run.session:
+                # A session's stream may be resumed with GET + Last-Event-ID after the client
+                # drops it, possibly on another replica that does not know this call's labels:
+                # say beforehand that an output is on its way. Recording the output clears the
+                # marker; a marker left past its deadline makes the run coarse (fail closed).
+                deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
+                await mark_pending(store, call.run.id, call.decision_id, deadline, ttl=self._ttl,
+                                   recent=self._recent)
+                call.ledger_pending = call.decision_id
             return decision
         except (StoreError, TimeoutError) as exc:
             if self.mode == "shadow":
@@ -191,7 +178,7 @@ class DataflowCheck:
             reason += f" (and {len(flagged) - 3} more)"
         rule = f"dataflow.{flagged[0].kind}"
         metrics = self._services.metrics if self._services is not None else None
-        if metrics is not None and hasattr(metrics, "dataflow_flagged"):
+        if metrics is not None:
             known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
             metrics.dataflow_flagged(call.tool if known else "<unknown>", self.mode)
         audit: dict[str, Any] = {"flagged": True, "mode": self.mode, "rule": rule,
@@ -208,57 +195,3 @@ class DataflowCheck:
             reason += " (on_flag approve, but no approval gate is configured)"
         return Decision(Verdict.DENY, Code.DATAFLOW_POLICY_BLOCKED, self.id, reason, rule,
                         audit={"dataflow": {**audit, "on_flag": "block"}})
-
-    # -- recording -----------------------------------------------------------------------
-
-    def _recorder(self, store: Store, labels: OutputLabels) -> ResultHook:
-        n, window, ttl, cap, mode = self._n, self._window, self._ttl, self._cap, self.mode
-
-        async def hook(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
-            """Record the output before it reaches the agent. When it cannot be recorded, the
-            result is withheld (enforce; shadow audits `dataflow_error` and lets it through). A
-            call allowed but finished without a result (a resumable stream the client dropped)
-            may still reach the agent by resumption, past the proxy: the run goes coarse."""
-            result: Any = reply.get("result") if isinstance(reply, Mapping) else None
-            if result is None and decision.code is Code.REPLAYED:
-                result = decision.result
-            delta = LedgerDelta(call.qualified_name)
-            if isinstance(result, Mapping):
-                delta = LedgerDelta.of(call.qualified_name, pieces(result, labels), n, limit=cap,
-                                       window=window)
-            elif reply is None and decision.verdict is Verdict.ALLOW and decision.code is Code.OK:
-                delta = LedgerDelta(call.qualified_name, untrusted=labels.base.untrusted,
-                                    secret=labels.base.secret, lost=True)
-            try:
-                await record(store, call.run.id, delta, n=n, cap=cap, ttl=ttl, window=window,
-                             done=call.decision_id if call.run.session else None)
-                if not delta.empty:
-                    for ancestor in _ancestors(call):
-                        await widen_parent(store, ancestor, delta, n=n, cap=cap, ttl=ttl, window=window)
-            except (StoreError, TimeoutError) as exc:
-                # A session's pending marker stays: past its deadline the run counts as coarse.
-                log.error("data-flow ledger of run %s not updated: %s", call.run.id, exc)
-                call.audit_extra["dataflow_error"] = f"ledger not updated: {exc}"
-                if mode == "enforce" and isinstance(result, Mapping) and not delta.empty:
-                    raise ResultWithheld(Decision(
-                        Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id,
-                        f"the run's data-flow ledger cannot record this {'untrusted' if delta.untrusted else 'secret'} "
-                        f"output ({exc or 'timed out'}); the result is withheld")) from exc
-                return
-            if delta.untrusted or delta.secret:
-                call.audit_extra["dataflow_recorded"] = {
-                    "untrusted": delta.untrusted, "secret": delta.secret,
-                    "fingerprints": len(delta.grams) + len(delta.tokens),
-                    **({"overflow": True} if delta.overflow else {}),
-                    **({"lost": True} if delta.lost else {})}
-
-        return hook
-
-
-def _ancestors(call: ToolCall) -> tuple[str, ...]:
-    """Runs whose ledgers a call's output widens besides its own: `run.taint_targets` when the
-    lineage layer sets it (already filtered by `propagate_taint`), else the direct parent."""
-    targets = getattr(call.run, "taint_targets", None)
-    if targets is not None:
-        return tuple(targets)
-    return (call.run.parent,) if call.run.parent else ()

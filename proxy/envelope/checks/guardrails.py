@@ -1,4 +1,4 @@
-"""Output guardrails: scan a forwarded call's result before it reaches the agent (check 13).
+"""Output guardrails: scan what an upstream sends before it reaches the client.
 
 A guardrail rule is either a built-in secret detector or a policy regular expression, with an
 action:
@@ -7,10 +7,13 @@ action:
 - `block`: the whole result is replaced by a `guardrail_blocked` refusal;
 - `warn`: nothing changes, the match is audited and counted.
 
-Scanned: `content[].text`, the `text` of embedded resources (`content[].resource.text`) and
-every string of `structuredContent`, at any depth. Each rule that fires is recorded in the
-call's audit record (`guardrails`: rule id, detector, action, number of matches; never the
-matched text) and counted in `envelope_guardrail_actions_total{tool,action}`.
+Scanned (by `proxy.envelope.inspect`, the one inspection seam): every string and object key
+of every message an upstream sends toward the client: tool results (`content`,
+`structuredContent`, `_meta`), JSON-RPC error replies, task results and status, resource
+contents, prompt messages, and server-to-client requests and notifications in a stream. Each
+rule that fires is recorded in the audit record (`guardrails`: rule id, detector, action,
+number of matches; never the matched text) and counted in
+`envelope_guardrail_actions_total{tool,action}`.
 
 Every pattern, built-in or from policy, is compiled with google-re2: matching is linear in the
 text (no backtracking), so no policy regex can hang the proxy. Patterns RE2 cannot express
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -137,18 +140,16 @@ def expand(spec: Any) -> tuple[Rule, ...]:
     )
 
 
+def compiled(*specs: Iterable[Any]) -> tuple[Rule, ...]:
+    """The compiled rules of policy entries (`proxy.policy.model.Guardrail`), in order (each
+    entry compiled once: cached)."""
+    return tuple(rule for group in specs for spec in group for rule in expand(spec))
+
+
 def rules_for(revision: Any, qualified_name: str) -> tuple[Rule, ...]:
     """`defaults.guardrails` then the tool's own `guardrails`, compiled (cached per entry)."""
-    document = getattr(revision, "document", None)
-    defaults = getattr(getattr(document, "defaults", None), "guardrails", None) or ()
-    tool = revision.tools.get(qualified_name) if revision is not None else None
-    own = getattr(getattr(tool, "policy", None), "guardrails", None) or ()
-    if not defaults and not own:
-        return ()
-    out: list[Rule] = []
-    for spec in (*defaults, *own):
-        out.extend(expand(spec))
-    return tuple(out)
+    tool = revision.tools.get(qualified_name)
+    return compiled(revision.document.defaults.guardrails, tool.policy.guardrails if tool else ())
 
 
 # -- scanning ------------------------------------------------------------------------------
@@ -198,105 +199,82 @@ class _Scan:
         return out
 
 
-def _strings(container: Any, scan: _Scan) -> None:
-    """Scan every string value under `container` in place (iteratively: no recursion limit)."""
-    stack: list[Any] = [container]
-    while stack:
-        node = stack.pop()
-        items: Iterable[tuple[Any, Any]] = (
-            node.items() if isinstance(node, dict) else enumerate(node)
-        )
-        for key, value in list(items):
-            if isinstance(value, str):
-                new = scan.text(value)
-                if new is not value:
-                    node[key] = new
-            elif isinstance(value, dict | list):
-                stack.append(value)
+def scan_payload(payload: dict[str, Any] | list[Any], rules: tuple[Rule, ...]) -> Guarded:
+    """Apply `rules` in place to every string of `payload` (values and object keys, at any
+    depth, iteratively: no recursion limit): redactions rewrite it, block and warn only count.
 
-
-def scan_result(result: dict[str, Any], rules: tuple[Rule, ...]) -> tuple[list[int], bool]:
-    """Apply `rules` to a tool result in place: per-rule match counts and whether it changed.
-
-    Scanned: `content[].text`, `content[].resource.text`, every string of `structuredContent`.
+    What an upstream sends is scanned whole, not only the fields a client usually shows: a
+    secret in `_meta`, in an error's `data` or in an object key reaches the client all the same.
     """
     scan = _Scan(rules)
-    content = result.get("content")
-    if isinstance(content, list):
-        for item in content:
-            if not isinstance(item, dict):
-                continue
-            text = item.get("text")
-            if isinstance(text, str):
-                new = scan.text(text)
-                if new is not text:
-                    item["text"] = new
-            resource = item.get("resource")
-            if isinstance(resource, dict) and isinstance(resource.get("text"), str):
-                new = scan.text(resource["text"])
-                if new is not resource["text"]:
-                    resource["text"] = new
-    structured = result.get("structuredContent")
-    if isinstance(structured, str):
-        new = scan.text(structured)
-        if new is not structured:
-            result["structuredContent"] = new
-    elif isinstance(structured, dict | list):
-        _strings(structured, scan)
-    return scan.matches, scan.changed
+    stack: list[Any] = [payload]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            renamed: list[tuple[str, str]] = []
+            for key, value in node.items():
+                if isinstance(value, str):
+                    new = scan.text(value)
+                    if new is not value:
+                        node[key] = new
+                elif isinstance(value, dict | list):
+                    stack.append(value)
+                if isinstance(key, str):
+                    new_key = scan.text(key)
+                    if new_key is not key:
+                        renamed.append((key, new_key))
+            for old, new in renamed:  # a redacted key keeps its value (the marker may repeat)
+                node[new] = node.pop(old)
+        else:
+            for i, value in enumerate(node):
+                if isinstance(value, str):
+                    new = scan.text(value)
+                    if new is not value:
+                        node[i] = new
+                elif isinstance(value, dict | list):
+                    stack.append(value)
+    fired = tuple(Fired(rule, n) for rule, n in zip(rules, scan.matches, strict=True) if n)
+    blocking = next((f.rule for f in fired if f.rule.action == "block"), None)
+    return Guarded(fired, scan.changed and blocking is None, blocking)
+
+
+@dataclass(frozen=True, slots=True)
+class Fired:
+    """One rule that matched, and how often."""
+
+    rule: Rule
+    matches: int
+
+    def as_audit(self) -> dict[str, Any]:
+        """The audit record's view (never the matched text)."""
+        return {"id": self.rule.id, "detector": self.rule.detector, "action": self.rule.action,
+                "matches": self.matches}
 
 
 @dataclass(frozen=True, slots=True)
 class Guarded:
-    """What the guardrails did to one reply."""
+    """What the guardrails did to one payload: the rules that fired, whether it was rewritten
+    (redactions; never when a rule blocks), and the first blocking rule (the payload is then
+    withheld whole)."""
 
-    changed: bool  # the reply was rewritten in place (redactions)
-    decision: Decision | None = None  # a refusal replacing the result (block, or an error)
+    fired: tuple[Fired, ...] = ()
+    changed: bool = False
+    blocking: Rule | None = None
+
+    def refusal(self) -> Decision | None:
+        """The `guardrail_blocked` decision that replaces the content, or None."""
+        rule = self.blocking
+        if rule is None:
+            return None
+        what = "a secret" if rule.detector != "pattern" else "a forbidden pattern"
+        reason = rule.reason or f"the upstream's content contains {what} (guardrail {rule.id}); it was withheld"
+        return Decision(Verdict.DENY, Code.GUARDRAIL_BLOCKED, CHECK_ID, reason, rule=rule.id)
 
 
-UNCHANGED = Guarded(False)
+UNCHANGED = Guarded()
 
 
-def guard_reply(pending: Any, reply: Mapping[str, Any], metrics: Any = None) -> Guarded:
-    """Run the call's guardrails on the upstream's JSON-RPC `reply` (its `result` is rewritten
-    in place when redacted). A `block` match, or a failure (fail closed), returns the decision
-    that replaces the result. The actions go into `call.audit_extra["guardrails"]` and metrics.
-    """
-    chain = getattr(pending, "chain", None)
-    result = reply.get("result") if isinstance(reply, Mapping) else None
-    if chain is None or not isinstance(result, dict):
-        return UNCHANGED
-    call = pending.call
-    try:
-        rules = rules_for(chain.revision, call.qualified_name)
-        if not rules:
-            return UNCHANGED
-        matches, changed = scan_result(result, rules)
-    except Exception as exc:  # fail closed: a result that could not be checked is withheld
-        log.error("guardrails failed on %s (decision %s)", call.qualified_name, call.decision_id,
-                  exc_info=exc)
-        if metrics is not None:
-            metrics.check_error(CHECK_ID)
-        return Guarded(False, Decision(
-            Verdict.ERROR, Code.INTERNAL_ERROR, CHECK_ID,
-            f"the guardrails check failed ({type(exc).__name__}); the result was withheld"))
-    fired = [(rule, n) for rule, n in zip(rules, matches, strict=True) if n]
-    if not fired:
-        return UNCHANGED
-    call.audit_extra["guardrails"] = [
-        {"id": rule.id, "detector": rule.detector, "action": rule.action, "matches": n}
-        for rule, n in fired
-    ]
-    blocking = next((rule for rule, _ in fired if rule.action == "block"), None)
-    if metrics is not None:
-        tool = chain.tool_label(call)
-        for rule, _ in fired:
-            if blocking is None or rule.action != "redact":  # a blocked result redacts nothing
-                metrics.guardrail_action(tool, rule.action)
-    if blocking is not None:
-        what = "a secret" if blocking.detector != "pattern" else "a forbidden pattern"
-        reason = blocking.reason or (
-            f"the tool's result contains {what} (guardrail {blocking.id}); it was withheld")
-        return Guarded(False, Decision(Verdict.DENY, Code.GUARDRAIL_BLOCKED, CHECK_ID, reason,
-                                       rule=blocking.id))
-    return Guarded(changed)
+def failed(exc: Exception) -> Decision:
+    """The refusal when the guardrails could not run (fail closed: the content is withheld)."""
+    return Decision(Verdict.ERROR, Code.INTERNAL_ERROR, CHECK_ID,
+                    f"the guardrails check failed ({type(exc).__name__}); the content was withheld")

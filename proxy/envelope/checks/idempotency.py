@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from proxy.audit.record import args_digest
 from proxy.envelope.effects import gated
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, ResultHook, Services, ToolCall, Verdict, deny
@@ -91,7 +90,7 @@ class IdempotencyCheck:
         self._idempotent = frozenset(
             key for key, tool in revision.tools.items() if tool.policy.idempotent
         )
-        cfg = getattr(getattr(services, "settings", None), "idempotency", None)
+        cfg = services.settings.idempotency if services is not None else None
         self._ttl: float = cfg.ttl if cfg is not None else DEFAULT_TTL
         self._wait: float = cfg.wait if cfg is not None else DEFAULT_WAIT
         self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
@@ -113,7 +112,7 @@ class IdempotencyCheck:
             return Decision(Verdict.ERROR, Code.MISCONFIGURED, self.id,
                             "idempotency needs a state store and none is configured; "
                             "the call was refused")
-        digest = args_digest(call.arguments)
+        digest = call.args_digest()
         key = call_key(call, digest)
         try:
             return await self._claim_or_replay(store, call, key, digest)

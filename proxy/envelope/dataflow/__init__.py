@@ -30,13 +30,16 @@ Modes: `shadow` forwards flagged calls (audited with the evidence under `dataflo
 with `on_flag: approve` for the sink and an approval gate configured, sends them to the approval
 gate with the evidence (`ToolCall.escalation`). No `dataflow:` section: shadow.
 
-Recording: a result hook adds an output's fingerprints to the ledger before the output reaches
-the agent. When the store cannot take them, enforce withholds the result (`ResultWithheld`:
-refused `store_unavailable`), shadow delivers it and audits `dataflow_error`. A session read also
-gets a pending marker before it is forwarded, because a client may resume a dropped session
-stream past the proxy: a marker left past its deadline, or a call allowed but finished without
-its result, makes the run coarse (fail closed: content the agent may see was not fingerprinted).
-What this process recorded for a run in the last minute is not written again (`RECENT`).
+Recording: everything an upstream sends toward the client (tool results, error replies, task
+results, resource and prompt contents, messages relayed in a stream) is recorded by the one
+inspection seam (`proxy.envelope.inspect`, run by `Envelope.complete`) before it is delivered,
+with the labels of its tool, resource or prompt. When the store cannot take it, enforce withholds
+it (refused `store_unavailable`), shadow delivers it and audits `dataflow_error`. A session read
+also gets a pending marker before it is forwarded, because a client may resume a dropped stream
+on another replica, which does not know the call's labels: recording the output clears it, and a
+marker left past its deadline makes the run coarse (fail closed: content the agent may have seen
+was not fingerprinted with its labels). What this process recorded for a run in the last minute
+is not written again (`RecentWrites`, one per process, in `Services.recent`).
 
 Fail closed: in enforce mode a sink with no store refuses `misconfigured` and a store error
 refuses `store_unavailable`; in shadow mode both are audited (`dataflow_error`) and the call

@@ -276,9 +276,6 @@ class RecentWrites:
         self._runs(store).pop(run_id, None)
 
 
-RECENT = RecentWrites()
-
-
 def _digest(kind: bytes, fields: Mapping[bytes, bytes]) -> bytes:
     h = hashlib.blake2b(kind, digest_size=16)
     for k, v in fields.items():
@@ -296,33 +293,37 @@ async def run_flags(store: Store, run_id: str) -> tuple[bool, bool]:
 
 
 async def mark_pending(store: Store, run_id: str, decision_id: str, deadline: float, *,
-                       ttl: float) -> None:
+                       ttl: float, recent: RecentWrites | None = None) -> None:
     """Say that an output of the run is on its way (cleared by `record`). Both hashes get the
-    same expiry, unless this process refreshed them moments ago (then the expiry stays)."""
+    same expiry, unless this process refreshed them moments ago (`recent`: then the expiry
+    stays)."""
     marker = {b"p:" + decision_id.encode(): repr(deadline).encode()}
-    if RECENT.fresh(store, run_id, ttl):
+    if recent is not None and recent.fresh(store, run_id, ttl):
         await store.hash_put(META_NS, run_id, marker)
         return
     await store.hash_put(META_NS, run_id, marker, ttl=ttl)
     await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
-    RECENT.forget(store, run_id)
+    if recent is not None:
+        recent.forget(store, run_id)
 
 
 async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
-                 done: str | None = None, window: int = DEFAULT_WINNOW) -> None:
+                 done: str | None = None, window: int = DEFAULT_WINNOW,
+                 recent: RecentWrites | None = None) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
     go in first and the marker goes last, so an interruption leaves the run coarse (fail
     closed). Both hashes get the same expiry: flags that outlived their fingerprints would
-    narrow verdicts. What this process wrote moments ago is not written again (`RECENT`).
-    Raises StoreError when the store cannot answer."""
+    narrow verdicts. What this process wrote moments ago (`recent`, the process's
+    `RecentWrites`) is not written again. Raises StoreError when the store cannot answer."""
     meta = delta.meta(n, window)
     parts = [(label, replace, delta.fields(label)) for label, replace in (("untrusted", True), ("secret", False))]
     parts = [part for part in parts if part[2]]
     digests = [_digest(label.encode(), fields) for label, _, fields in parts]
     if meta or parts:
         digests.append(_digest(b"meta", meta))
-        if not RECENT.covers(store, run_id, digests, ttl):
-            RECENT.forget(store, run_id)
+        if recent is None or not recent.covers(store, run_id, digests, ttl):
+            if recent is not None:
+                recent.forget(store, run_id)
             for _, replace, fields in parts:
                 put = await store.hash_put(FP_NS, run_id, fields, ttl=ttl, replace=replace, cap=cap)
                 if put.refused:
@@ -330,19 +331,19 @@ async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: 
             if not parts:
                 await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
             await store.hash_put(META_NS, run_id, meta, ttl=ttl)
-            if b"o" not in meta:  # an overflowing output is written again next time
-                RECENT.refreshed(store, run_id, digests, ttl)
+            if recent is not None and b"o" not in meta:  # an overflow is written again next time
+                recent.refreshed(store, run_id, digests, ttl)
     if done is not None:
         await store.hash_delete(META_NS, run_id, [b"p:" + done.encode()])
 
 
 async def widen_parent(store: Store, parent_run_id: str, delta: LedgerDelta, *,
                        n: int, cap: int = 65536, ttl: float = 24 * 3600.0,
-                       window: int = DEFAULT_WINNOW) -> None:
+                       window: int = DEFAULT_WINNOW, recent: RecentWrites | None = None) -> None:
     """Widen (never narrow) a parent run's ledger with a child's delta.
 
     For run lineage: call it for each ancestor that should inherit a child's taint. Raises
     StoreError when the store cannot answer (the caller fails closed).
     """
-    await record(store, parent_run_id, delta, n=n, cap=cap, ttl=ttl, window=window)
+    await record(store, parent_run_id, delta, n=n, cap=cap, ttl=ttl, window=window, recent=recent)
 

@@ -56,12 +56,16 @@ def test_write_returns_hash_and_does_not_mutate_the_record(tmp_path: Path) -> No
         assert stored["hash"] == h and stored["prev"] == GENESIS
 
 
-def test_unserializable_record_raises_but_stays_healthy(tmp_path: Path) -> None:
+def test_unserializable_values_are_escaped_not_lost(tmp_path: Path) -> None:
+    """A header value decoded with surrogate escapes (an undecodable byte) or any non-JSON value
+    cannot make a decision go unrecorded: it is escaped, the record says so, the chain verifies."""
     with AuditLog(tmp_path) as log:
-        with pytest.raises(AuditError):
-            log.write({"x": object()})
+        log.write({"session": "sess-\udcff", "x": object(), "ok": "plain"})
         assert log.healthy
-        assert log.path.read_bytes() == b""
+    rec = orjson.loads(log.path.read_bytes())
+    assert rec["session"] == "sess-\\udcff" and rec["ok"] == "plain" and rec["sanitized"] is True
+    assert rec["x"].startswith("<object object")
+    assert verify(tmp_path).ok
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

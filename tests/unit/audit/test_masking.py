@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -78,7 +79,7 @@ def test_record_args_masked_digest_of_real_arguments() -> None:
     assert rec["args"]["card"]["number"] == MASKED and rec["args"]["secret"] == MASKED
     assert rec["args_digest"] == args_digest(ARGS) == _build([])["args_digest"]
     assert rec["args_digest"] != args_digest(rec["args"])
-    assert _build([])["args"] == ARGS
+    assert orjson.loads(orjson.dumps(_build([])))["args"] == ARGS  # unmasked: recorded as is
 
 
 def test_no_args_without_log_args() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from proxy.approvals.records import (
 )
 from proxy.approvals.service import ApprovalService
 from proxy.audit.record import args_digest
-from proxy.config import ApprovalsConfig
+from proxy.config import ApprovalsConfig, Config
 from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Effect, RunContext, Services, ToolCall, Verdict
@@ -56,7 +55,7 @@ class World:
                  store: MemoryStore | None = None):
         self.store = store if store is not None else MemoryStore()
         self.notifier = ApprovalNotifier()
-        self.services = Services(store=self.store, settings=SimpleNamespace(approvals=config),
+        self.services = Services(store=self.store, settings=Config(approvals=config),
                                  notifier=self.notifier)
         self.check = ApprovalCheck(build_revision(doc or policy()), ToolRegistry(), self.services)
         # The admin API's service: another instance over the same store and notifier.
@@ -116,8 +115,8 @@ def test_gating_by_tool_policy_defaults_and_principal() -> None:
 
 async def test_no_store_or_disabled_is_misconfigured() -> None:
     for services in (
-        Services(store=None, settings=SimpleNamespace(approvals=CONFIG)),
-        Services(store=MemoryStore(), settings=SimpleNamespace(approvals=ApprovalsConfig(enabled=False))),
+        Services(store=None, settings=Config(approvals=CONFIG)),
+        Services(store=MemoryStore(), settings=Config(approvals=ApprovalsConfig(enabled=False))),
         None,
     ):
         check = ApprovalCheck(build_revision(policy()), ToolRegistry(), services)

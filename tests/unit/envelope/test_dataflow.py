@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from envelope_helpers import build_revision, make_call
 
+from proxy.audit.log import AuditLog
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import fingerprint
-from proxy.envelope.dataflow import ledger as ledger_mod
 from proxy.envelope.dataflow.fingerprint import normalise, tokens
 from proxy.envelope.dataflow.ledger import (
     Ledger,
     LedgerDelta,
+    RecentWrites,
     load,
     mark_pending,
     record,
@@ -22,8 +25,19 @@ from proxy.envelope.dataflow.ledger import (
 )
 from proxy.envelope.dataflow.match import Probe, free_text, match_argument
 from proxy.envelope.labels import Label, Piece, output_labels, pieces
-from proxy.envelope.types import Code, Decision, Effect, RunContext, Services, ToolInfo, Verdict
-from proxy.errors import ResultWithheld, StoreError
+from proxy.envelope.pipeline import Envelope
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import (
+    Code,
+    Effect,
+    Failure,
+    Reply,
+    RunContext,
+    Services,
+    ToolInfo,
+)
+from proxy.errors import StoreError
+from proxy.observability.metrics import Metrics
 from proxy.policy.model import ToolPolicy
 from proxy.store.memory import MemoryStore
 
@@ -193,22 +207,23 @@ async def test_an_output_recorded_moments_ago_is_not_written_again() -> None:
         return await real(ns, key, fields, ttl, **kw)
 
     store.hash_put = counting  # type: ignore[method-assign]
-    recent = ledger_mod.RECENT
-    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done=None)
+    recent = RecentWrites()
+    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done=None, recent=recent)
     assert puts == ["ledger_fp", "ledger"]
-    await mark_pending(store, "run", "d2", time.time() + 60, ttl=3600)
-    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done="d2")
+    await mark_pending(store, "run", "d2", time.time() + 60, ttl=3600, recent=recent)
+    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done="d2", recent=recent)
     assert puts == ["ledger_fp", "ledger", "ledger"]  # only the marker, no rewrite
     ledger = await load(store, "run", 32)
     assert ledger is not None and not ledger.pending
-    await record(store, "run", _delta("a different page about " + PAGE), n=32, cap=4096, ttl=3600)
+    await record(store, "run", _delta("a different page about " + PAGE), n=32, cap=4096, ttl=3600,
+                 recent=recent)
     assert puts[3:] == ["ledger_fp", "ledger"]
     recent.forget(store, "run")
-    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600)
+    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, recent=recent)
     assert puts[5:] == ["ledger_fp", "ledger"]
     # The cache is per store: another store with the same run id is written in full.
     other = MemoryStore()
-    await record(other, "run", _delta(PAGE), n=32, cap=4096, ttl=3600)
+    await record(other, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, recent=recent)
     assert (await load(other, "run", 32)) is not None
 
 
@@ -218,55 +233,74 @@ def _read(session: str | None = None) -> Any:
     return call
 
 
-async def test_a_stateless_read_costs_no_store_write_before_it_is_forwarded() -> None:
-    """Outputs are recorded before they reach the agent, so a stateless read needs no pending
-    marker; a session's stream can be resumed past the proxy, so a session read has one."""
+def _envelope(tmp_path: Path, store: MemoryStore, mode: str = "enforce") -> Envelope:
+    metrics = Metrics()
+    envelope = Envelope(AuditLog(tmp_path), metrics, ToolRegistry(), Services(store=store, metrics=metrics))
+    envelope.install(_revision(mode))  # type: ignore[arg-type]
+    return envelope
+
+
+PAGE_REPLY = {"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": PAGE}]}}
+
+
+async def test_a_stateless_read_costs_no_store_write_before_it_is_forwarded(tmp_path: Path) -> None:
+    """Outputs are recorded before they reach the agent (`Envelope.complete`), so a stateless
+    read needs no pending marker; a session's stream can be resumed, possibly on a replica that
+    does not know the call, so a session read has one, cleared when its output is recorded."""
     for session, before in ((None, set()), ("s-1", {"ledger", "ledger_fp"})):
         store = MemoryStore()
-        check = DataflowCheck(_revision(), None, Services(store=store))  # type: ignore[arg-type]
-        call = _read(session)
-        assert await check.decide(call) is None
+        envelope = _envelope(tmp_path / (session or "none"), store)
+        pending = await envelope.begin(_read(session))
+        assert not pending.decision.refused
         assert set(store._hashes) == before
-        ok = Decision(Verdict.ALLOW, Code.OK, "forward", "")
-        page = {"result": {"content": [{"type": "text", "text": PAGE}]}}
-        await call.on_result[0](call, ok, page)
+        outcome = await envelope.complete(pending, Reply(dict(PAGE_REPLY)))
+        assert outcome.kind == "deliver"
         ledger = await load(store, "run-1", 32)
         assert ledger is not None and ledger.untrusted and not ledger.pending
 
 
-async def test_an_allowed_call_finished_without_its_result_makes_the_run_coarse() -> None:
+async def test_a_detached_call_keeps_its_marker_until_its_result_is_recorded(tmp_path: Path) -> None:
+    """A client that left a resumable stream may fetch the result later (a resumed GET, which
+    the proxy inspects and records): the run is not made coarse at once, but its pending marker
+    stays, so if the result is never recorded here the run turns coarse at the deadline."""
     store = MemoryStore()
-    check = DataflowCheck(_revision(), None, Services(store=store))  # type: ignore[arg-type]
+    envelope = _envelope(tmp_path, store)
     call = _read("s-1")
-    await check.decide(call)
-    resumable = Decision(Verdict.ALLOW, Code.OK, "forward", "the client disconnected; resumable")
-    await call.on_result[0](call, resumable, None)
+    pending = await envelope.begin(call)
+    await envelope.complete(pending, Failure("detached", "the client disconnected; resumable"))
     ledger = await load(store, "run-1", 32)
-    assert ledger is not None and ledger.lost and not ledger.pending
-    assert "without passing the proxy" in (ledger.coarse(time.time(), 32) or "")
-    send = make_call("send", {"to": "boss@corp.example", "body": "x" * 40}, upstream="web")
+    assert ledger is not None and not ledger.lost and list(ledger.pending) == [call.decision_id]
+    assert ledger.coarse(time.time(), 32) is None
+    assert "not fingerprinted" in (ledger.coarse(time.time() + 3600, 32) or "")
+    # The resumed result, delivered as that call's: recorded, the marker cleared.
+    delivery = make_call("fetch", {"url": "https://news.example"}, upstream="web")
+    delivery.run, delivery.ledger_pending = call.run, call.ledger_pending
+    outcome = await envelope.complete(envelope.begin_read(delivery), Reply(dict(PAGE_REPLY)))
+    assert outcome.kind == "deliver"
+    ledger = await load(store, "run-1", 32)
+    assert ledger is not None and ledger.untrusted and not ledger.pending
+    send = make_call("send", {"to": "boss@corp.example", "body": PAGE}, upstream="web")
     send.effect = Effect.EXTERNAL
-    refused = await check.decide(send)
+    send.run = call.run
+    refused = await DataflowCheck(_revision(), None, Services(store=store)).decide(send)  # type: ignore[arg-type]
     assert refused is not None and refused.code is Code.DATAFLOW_POLICY_BLOCKED
 
 
-async def test_an_output_the_ledger_cannot_take_is_withheld_in_enforce_only() -> None:
+async def test_an_output_the_ledger_cannot_take_is_withheld_in_enforce_only(tmp_path: Path) -> None:
     for mode in ("enforce", "shadow"):
         store = MemoryStore()
-        check = DataflowCheck(_revision(mode), None, Services(store=store))  # type: ignore[arg-type]
-        call = _read()
-        await check.decide(call)
+        envelope = _envelope(tmp_path / mode, store, mode)
+        pending = await envelope.begin(_read())
         store.fail = StoreError("redis store redis://x: get failed: Connection refused")
-        page = {"result": {"content": [{"type": "text", "text": PAGE}]}}
-        ok = Decision(Verdict.ALLOW, Code.OK, "forward", "")
+        outcome = await envelope.complete(pending, Reply(dict(PAGE_REPLY)))
+        record = json.loads((tmp_path / mode / "audit.jsonl").read_text().splitlines()[-1])
+        assert "Connection refused" in record["extra"]["dataflow_error"]
         if mode == "enforce":
-            with pytest.raises(ResultWithheld) as caught:
-                await call.on_result[0](call, ok, page)
-            assert caught.value.decision.code is Code.STORE_UNAVAILABLE
-            assert "withheld" in caught.value.decision.reason
+            assert outcome.kind == "refuse" and outcome.decision.code is Code.STORE_UNAVAILABLE
+            assert "withheld" in outcome.decision.reason and record["extra"]["withheld"]["code"] == "ok"
         else:
-            await call.on_result[0](call, ok, page)
-        assert "Connection refused" in call.audit_extra["dataflow_error"]
+            assert outcome.kind == "deliver" and record["code"] == "ok"
+
 
 
 @pytest.mark.parametrize("window", [1, 4, 8])

@@ -1,4 +1,6 @@
-"""Output guardrails (check 13): detectors, redaction, block, warn, RE2 at policy load."""
+"""Output guardrails: detectors, redaction, block, warn, RE2 at policy load; applied through
+the envelope's one inspection seam (`Envelope.complete` with the upstream's answer), asserted
+on what is delivered and on the audit record."""
 
 from __future__ import annotations
 
@@ -10,17 +12,27 @@ from typing import Any
 import pytest
 from envelope_helpers import build_revision
 
+from proxy.audit.log import AuditLog
 from proxy.envelope.checks.guardrails import (
     BUILTIN_PATTERNS,
     DETECTORS,
     compile_pattern,
     engine_of,
-    guard_reply,
     rules_for,
 )
-from proxy.envelope.pipeline import Chain
+from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Principal, RequestInfo, RunContext, ToolCall, Verdict
+from proxy.envelope.types import (
+    Code,
+    Decision,
+    Principal,
+    Reply,
+    RequestInfo,
+    RunContext,
+    Services,
+    ToolCall,
+    Verdict,
+)
 from proxy.errors import PolicyError
 from proxy.observability.metrics import Metrics
 from proxy.policy.loader import load_policy
@@ -49,14 +61,50 @@ def _doc(tool_guardrails: list[dict[str, Any]] | None = None,
 
 
 class _Pending:
-    """What guard_reply reads of an `envelope.pipeline.Pending`."""
+    """A `docs.fetch` call under `doc`, ended through a real envelope (no store: nothing is
+    recorded in a ledger) with an audit log in a temporary directory."""
 
     def __init__(self, doc: dict[str, Any]):
-        self.chain = Chain(build_revision(doc), ToolRegistry())
+        import tempfile
+
+        self.directory = Path(tempfile.mkdtemp(prefix="guardrails-"))
+        self.metrics = Metrics()
+        self.envelope = Envelope(AuditLog(self.directory), self.metrics, ToolRegistry(),
+                                 Services(metrics=self.metrics))
+        self.chain = self.envelope.install(build_revision(doc))
         self.call = ToolCall(
             decision_id="d1", upstream="docs", tool="fetch", arguments={},
             principal=Principal("p"), run=RunContext("r"), request=RequestInfo("tools/call"),
         )
+
+    def record(self) -> dict[str, Any]:
+        return json.loads((self.directory / "audit.jsonl").read_text().splitlines()[-1])
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return self.record().get("extra", {})
+
+
+class _Guarded:
+    def __init__(self, changed: bool, decision: Decision | None):
+        self.changed = changed
+        self.decision = decision
+
+
+async def guard_reply(pending: _Pending, reply: dict[str, Any], metrics: Metrics | None = None) -> _Guarded:
+    """End the call with the upstream's `reply`: whether what is delivered differs from the
+    upstream's bytes, and the refusal that withholds it (None: delivered). `reply` is updated
+    to what is delivered."""
+    try:
+        raw: bytes | None = json.dumps(reply).encode()
+    except RecursionError:  # deeper than any wire reply; the envelope never needs the bytes
+        raw = None
+    outcome = await pending.envelope.complete(pending.envelope.begin_read(pending.call), Reply(reply, raw))
+    if metrics is not None:  # the envelope counted into the pending's own metrics
+        metrics.registry = pending.metrics.registry  # type: ignore[misc]
+    if outcome.kind == "deliver":
+        return _Guarded(outcome.raw is None, None)
+    return _Guarded(True, outcome.decision)
 
 
 def _reply(result: dict[str, Any]) -> dict[str, Any]:
@@ -87,16 +135,16 @@ SECRETS = [{"detector": "secrets", "action": "redact"}]
     ("generic_api_key", "api_key=sk_live_0123456789abcdef", "sk_live_0123456789abcdef"),
     ("generic_api_key", '{"apiKey": "Zm9vYmFyYmF6cXV4"}', "Zm9vYmFyYmF6cXV4"),
 ])
-def test_builtin_detector_redacts_only_the_secret(detector: str, text: str, secret: str) -> None:
+async def test_builtin_detector_redacts_only_the_secret(detector: str, text: str, secret: str) -> None:
     pending = _Pending(_doc([{"detector": detector, "action": "redact"}]))
     reply = _text(text)
-    guarded = guard_reply(pending, reply)
+    guarded = await guard_reply(pending, reply)
     out = reply["result"]["content"][0]["text"]
     assert guarded.changed and guarded.decision is None
     assert secret not in out
     assert f"[REDACTED:{detector}]" in out
     assert out.replace(f"[REDACTED:{detector}]", secret) == text  # the context stays readable
-    assert pending.call.audit_extra["guardrails"] == [
+    assert pending.extra["guardrails"] == [
         {"id": detector, "detector": detector, "action": "redact", "matches": 1}]
 
 
@@ -108,13 +156,13 @@ def test_builtin_detector_redacts_only_the_secret(detector: str, text: str, secr
     "api_key=[none]",
     "a plain sentence about tokens and keys",
 ])
-def test_benign_text_is_left_alone(text: str) -> None:
+async def test_benign_text_is_left_alone(text: str) -> None:
     pending = _Pending(_doc(SECRETS))
     reply = _text(text)
-    guarded = guard_reply(pending, reply)
+    guarded = await guard_reply(pending, reply)
     assert not guarded.changed and guarded.decision is None
     assert reply["result"]["content"][0]["text"] == text
-    assert "guardrails" not in pending.call.audit_extra
+    assert "guardrails" not in pending.extra
 
 
 def test_every_builtin_is_re2_and_secrets_names_them_all() -> None:
@@ -128,7 +176,7 @@ def test_every_builtin_is_re2_and_secrets_names_them_all() -> None:
 # -- where results are scanned -------------------------------------------------------------
 
 
-def test_redacts_content_structured_content_and_embedded_resources() -> None:
+async def test_redacts_content_structured_content_and_embedded_resources() -> None:
     pending = _Pending(_doc(default_guardrails=SECRETS))
     reply = _reply({
         "content": [
@@ -142,7 +190,7 @@ def test_redacts_content_structured_content_and_embedded_resources() -> None:
                               "note": "fine"},
         "isError": False,
     })
-    guarded = guard_reply(pending, reply)
+    guarded = await guard_reply(pending, reply)
     result = reply["result"]
     assert guarded.changed
     dumped = json.dumps(result)
@@ -156,94 +204,98 @@ def test_redacts_content_structured_content_and_embedded_resources() -> None:
     assert structured["creds"][0] == {"id": "[REDACTED:aws_access_key_id]", "n": 3, "ok": True}
     assert structured["creds"][1]["nested"]["deep"] == ["x [REDACTED:aws_access_key_id] y"]
     assert structured["note"] == "fine"
-    entries = {e["detector"]: e for e in pending.call.audit_extra["guardrails"]}
+    entries = {e["detector"]: e for e in pending.extra["guardrails"]}
     assert entries["aws_access_key_id"]["matches"] == 3
     assert entries["aws_secret_access_key"]["matches"] == 1
-    assert AWS_KEY not in json.dumps(pending.call.audit_extra)  # counts, never the secret
+    assert AWS_KEY not in json.dumps(pending.record())  # counts, never the secret
 
 
-def test_deeply_nested_structured_content_does_not_recurse() -> None:
+async def test_deeply_nested_structured_content_does_not_recurse() -> None:
     pending = _Pending(_doc(SECRETS))
     deep: Any = AWS_KEY
     for _ in range(5000):
         deep = {"x": [deep]}
     reply = _reply({"content": [], "structuredContent": deep})
-    assert guard_reply(pending, reply).changed
+    assert (await guard_reply(pending, reply)).decision is None
     node = reply["result"]["structuredContent"]
     for _ in range(5000):
         node = node["x"][0]
     assert node == "[REDACTED:aws_access_key_id]"
 
 
-def test_errors_and_non_results_pass_unchanged() -> None:
+async def test_an_error_reply_is_scanned_too() -> None:
+    """A JSON-RPC error of an untrusted tool carries upstream text to the client too."""
     pending = _Pending(_doc(SECRETS))
-    error = {"jsonrpc": "2.0", "id": 1, "error": {"code": -32000, "message": AWS_KEY}}
-    assert guard_reply(pending, error).changed is False
+    error = {"jsonrpc": "2.0", "id": 1, "error": {"code": -32000, "message": f"failed: {AWS_KEY}",
+                                                  "data": {"detail": AWS_KEY}}}
+    assert (await guard_reply(pending, error)).changed
+    assert AWS_KEY not in json.dumps(error)
+    assert error["error"]["message"] == "failed: [REDACTED:aws_access_key_id]"
 
 
-def test_no_guardrails_is_a_no_op() -> None:
+async def test_no_guardrails_is_a_no_op() -> None:
     pending = _Pending(_doc())
     reply = _text(AWS_KEY)
-    assert guard_reply(pending, reply).changed is False
+    assert (await guard_reply(pending, reply)).changed is False
     assert reply["result"]["content"][0]["text"] == AWS_KEY
 
 
 # -- block, warn, policy patterns ------------------------------------------------------------
 
 
-def test_block_replaces_the_result_with_a_refusal_decision() -> None:
+async def test_block_replaces_the_result_with_a_refusal_decision() -> None:
     metrics = Metrics()
     pending = _Pending(_doc([{"detector": "private_key", "action": "block", "id": "no-keys"},
                              {"detector": "aws_access_key_id", "action": "redact"}]))
-    guarded = guard_reply(pending, _text(f"{PEM} and {AWS_KEY}"), metrics)
+    guarded = await guard_reply(pending, _text(f"{PEM} and {AWS_KEY}"), metrics)
     decision = guarded.decision
     assert decision is not None
     assert decision.verdict is Verdict.DENY and decision.code is Code.GUARDRAIL_BLOCKED
     assert decision.check == "guardrails" and decision.rule == "no-keys"
     assert "BEGIN" not in decision.reason and "no-keys" in decision.reason
-    assert pending.call.audit_extra["guardrails"] == [
+    assert pending.extra["guardrails"] == [
         {"id": "no-keys", "detector": "private_key", "action": "block", "matches": 1},
         {"id": "aws_access_key_id", "detector": "aws_access_key_id", "action": "redact", "matches": 1},
     ]
-    text = metrics.render()[0].decode()
+    text = pending.metrics.render()[0].decode()
     assert 'envelope_guardrail_actions_total{action="block",tool="fetch"} 1.0' in text
     assert 'action="redact"' not in text  # a blocked result redacts nothing
 
 
-def test_block_uses_the_rule_reason() -> None:
+async def test_block_uses_the_rule_reason() -> None:
     pending = _Pending(_doc([{"pattern": r"(?i)internal use only", "id": "classified",
                               "action": "block", "reason": "classified documents stay inside"}]))
-    guarded = guard_reply(pending, _reply({"content": [], "structuredContent": {"s": "INTERNAL USE ONLY"}}))
+    guarded = await guard_reply(pending, _reply({"content": [], "structuredContent": {"s": "INTERNAL USE ONLY"}}))
     assert guarded.decision is not None
     assert guarded.decision.reason == "classified documents stay inside"
 
 
-def test_warn_changes_nothing_but_is_audited_and_counted() -> None:
+async def test_warn_changes_nothing_but_is_audited_and_counted() -> None:
     metrics = Metrics()
     pending = _Pending(_doc([{"detector": "jwt", "action": "warn"}]))
     reply = _text(f"a {JWT}", f"b {JWT}")
     before = json.dumps(reply)
-    guarded = guard_reply(pending, reply, metrics)
+    guarded = await guard_reply(pending, reply, metrics)
     assert not guarded.changed and guarded.decision is None
     assert json.dumps(reply) == before
-    assert pending.call.audit_extra["guardrails"] == [
+    assert pending.extra["guardrails"] == [
         {"id": "jwt", "detector": "jwt", "action": "warn", "matches": 2}]
-    assert 'envelope_guardrail_actions_total{action="warn",tool="fetch"} 1.0' in metrics.render()[0].decode()
+    assert 'envelope_guardrail_actions_total{action="warn",tool="fetch"} 1.0' in pending.metrics.render()[0].decode()
 
 
-def test_warn_and_block_judge_the_text_before_redaction() -> None:
+async def test_warn_and_block_judge_the_text_before_redaction() -> None:
     pending = _Pending(_doc([{"detector": "aws_access_key_id", "action": "redact"},
                              {"pattern": "AKIA[A-Z0-9]{16}", "id": "aws-seen", "action": "warn"}]))
     reply = _text(AWS_KEY)
-    guard_reply(pending, reply)
+    await guard_reply(pending, reply)
     assert reply["result"]["content"][0]["text"] == "[REDACTED:aws_access_key_id]"
-    assert [e["id"] for e in pending.call.audit_extra["guardrails"]] == ["aws_access_key_id", "aws-seen"]
+    assert [e["id"] for e in pending.extra["guardrails"]] == ["aws_access_key_id", "aws-seen"]
 
 
-def test_policy_pattern_redacts_with_its_id_and_secret_group() -> None:
+async def test_policy_pattern_redacts_with_its_id_and_secret_group() -> None:
     pending = _Pending(_doc([{"pattern": r"acct-(?P<secret>\d{8})", "id": "account", "action": "redact"}]))
     reply = _text("pay acct-12345678 and acct-87654321")
-    guard_reply(pending, reply)
+    await guard_reply(pending, reply)
     assert reply["result"]["content"][0]["text"] == "pay acct-[REDACTED:account] and acct-[REDACTED:account]"
 
 
@@ -253,23 +305,24 @@ def test_defaults_run_before_the_tools_own_rules() -> None:
     assert [r.id for r in rules_for(build_revision(doc), "docs.other")] == ["slack"]
 
 
-def test_a_guardrail_that_raises_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import proxy.envelope.checks.guardrails as g
-
+async def test_a_guardrail_that_raises_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*_: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(g, "scan_result", boom)
-    metrics = Metrics()
-    guarded = guard_reply(_Pending(_doc(SECRETS)), _text("x"), metrics)
+    import proxy.envelope.inspect as inspect_module
+
+    monkeypatch.setattr(inspect_module, "scan_payload", boom)
+    pending = _Pending(_doc(SECRETS))
+    guarded = await guard_reply(pending, _text("x"))
     assert guarded.decision is not None and guarded.decision.code is Code.INTERNAL_ERROR
     assert guarded.decision.check == "guardrails"
+    assert pending.record()["code"] == "internal_error"  # audited, not delivered
 
 
 # -- RE2: linear time, load errors -----------------------------------------------------------
 
 
-def test_catastrophic_backtracking_pattern_runs_on_re2() -> None:
+async def test_catastrophic_backtracking_pattern_runs_on_re2() -> None:
     """`(a+)+$` takes exponential time on a backtracking engine (Python's `re`) against
     "aaa...a!"; RE2 matches in time linear in the input, so the pattern is accepted and this
     finishes at once. The test asserts correctness and that the engine is RE2 (no timing)."""
@@ -281,9 +334,9 @@ def test_catastrophic_backtracking_pattern_runs_on_re2() -> None:
     assert regex.search("a" * 100_000) is not None
     pending = _Pending(_doc([{"pattern": "(a+)+$", "id": "evil", "action": "block"}]))
     assert engine_of(rules_for(pending.chain.revision, "docs.fetch")[0].regex) == "re2"
-    assert guard_reply(pending, _text(evil)).decision is None
-    blocked = guard_reply(_Pending(_doc([{"pattern": "(a+)+$", "id": "evil", "action": "block"}])),
-                          _text("a" * 100_000))
+    assert (await guard_reply(pending, _text(evil))).decision is None
+    blocked = await guard_reply(_Pending(_doc([{"pattern": "(a+)+$", "id": "evil", "action": "block"}])),
+                                _text("a" * 100_000))
     assert blocked.decision is not None and blocked.decision.code is Code.GUARDRAIL_BLOCKED
 
 

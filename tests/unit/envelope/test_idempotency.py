@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -11,7 +10,7 @@ import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
 from proxy.audit.record import args_digest
-from proxy.config import IdempotencyConfig
+from proxy.config import Config, IdempotencyConfig
 from proxy.envelope.checks.idempotency import NS, IdempotencyCheck, call_key
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import ALLOWED, Code, Decision, Effect, Services, ToolCall, Verdict
@@ -37,7 +36,7 @@ FORWARD_FAILED = Decision(Verdict.ERROR, Code.UPSTREAM_ERROR, "forward", "HTTP 5
 def _check(store: MemoryStore | None, wait: float = 1.0) -> tuple[IdempotencyCheck, Metrics]:
     metrics = Metrics()
     services = Services(store=store, metrics=metrics,
-                        settings=SimpleNamespace(idempotency=IdempotencyConfig(ttl=60, wait=wait)))
+                        settings=Config(idempotency=IdempotencyConfig(ttl=60, wait=wait)))
     return IdempotencyCheck(build_revision(DOC), ToolRegistry(), services), metrics
 
 

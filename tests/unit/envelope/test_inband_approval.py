@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Literal
 
 import pytest
@@ -16,7 +15,7 @@ from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.records import CallBinding, InvalidRequestState
 from proxy.approvals.service import ApprovalService
 from proxy.approvals.signer import STATE_PREFIX, RequestStateSigner
-from proxy.config import ApprovalsConfig
+from proxy.config import ApprovalsConfig, Config
 from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
@@ -131,7 +130,7 @@ class World:
     def __init__(self, in_band: bool = True, wait: str = "2s"):
         self.store = MemoryStore()
         config = ApprovalsConfig(poll_interval=0.01)
-        self.services = Services(store=self.store, settings=SimpleNamespace(approvals=config),
+        self.services = Services(store=self.store, settings=Config(approvals=config),
                                  notifier=ApprovalNotifier())
         self.check = ApprovalCheck(build_revision(doc(in_band, wait)), ToolRegistry(), self.services)
         self.service = ApprovalService(self.store, config, self.services.notifier)

@@ -10,6 +10,7 @@ import pytest
 from envelope_helpers import build_revision, make_call
 
 from proxy.audit.log import AuditLog
+from proxy.config import ApprovalsConfig, Config
 from proxy.envelope.checks.catalogue import (
     TOOL_RULES,
     CatalogueCheck,
@@ -120,11 +121,8 @@ def test_dependencies_of_services() -> None:
     deps = Dependencies.of(Services(store=MemoryStore()))
     assert (deps.store, deps.approvals_enabled) == ("memory", True)
 
-    class Settings:
-        class approvals:
-            enabled = False
-
-    assert Dependencies.of(Services(store=MemoryStore(), settings=Settings())).approvals_enabled is False
+    off = Config(approvals=ApprovalsConfig(enabled=False))
+    assert Dependencies.of(Services(store=MemoryStore(), settings=off)).approvals_enabled is False
     assert Dependencies.default_runtime().describe() == "sqlite store, approvals enabled"
 
 

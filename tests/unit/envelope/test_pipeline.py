@@ -66,7 +66,9 @@ async def test_first_refusing_check_decides_and_is_audited_once(envelope: Envelo
     assert (d.verdict, d.code, d.check, d.rule) == (
         Verdict.DENY, Code.CAPABILITY_BLOCKED, "arg_rules", "notes.write_note#fallback"
     )
-    await envelope.finish(pending)
+    outcome = await envelope.complete(pending)
+    assert outcome.kind == "refuse" and outcome.decision is d
+    assert await envelope.complete(pending) is outcome  # a call ends exactly once
     [rec] = _records(tmp_path)
     assert rec["decision_id"] == "d-write_note" and rec["code"] == "capability_blocked"
     assert rec["verdict"] == "deny" and rec["rule"] == "notes.write_note#fallback"
@@ -93,7 +95,7 @@ async def test_a_check_that_raises_refuses_with_internal_error(envelope: Envelop
     assert pending.decision.refused
     assert pending.decision.verdict is Verdict.ERROR
     assert pending.decision.code is Code.INTERNAL_ERROR and pending.decision.check == "authz"
-    await envelope.finish(pending)
+    await envelope.complete(pending)
     [rec] = _records(tmp_path)
     assert rec["code"] == "internal_error" and rec["verdict"] == "error"
     assert 'envelope_check_errors_total{check="authz"} 1.0' in envelope.metrics.render()[0].decode()

@@ -160,7 +160,7 @@ def test_defaults_twice_and_unknown_top_level_key(write: Write) -> None:
     assert problems(first.parent) == [
         f"{second}:1:1: 'defaults' may appear in one file only (first at {first}:5:1)",
         f"{second}:2:1: unknown top-level key 'dataflw' "
-        "(allowed: version, upstreams, defaults, tools, principals, dataflow)",
+        "(allowed: version, upstreams, defaults, tools, principals, dataflow, resources, prompts)",
     ]
 
 

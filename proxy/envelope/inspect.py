@@ -1,0 +1,277 @@
+"""The one inspection seam for what an upstream sends toward the client.
+
+Every message an upstream sends that the client will receive passes `Inspector` before it is
+delivered, on every route and stream form (JSON reply, SSE event of a call's stream, standalone
+or resumed GET stream, aggregated `/mcp`): tool results (also `tasks/result` and task status),
+JSON-RPC error replies, resource contents (`resources/read`), prompt messages (`prompts/get`),
+and the server-to-client requests and notifications relayed in a stream. Three steps, in order:
+
+1. `_meta` keys in the `envelope/` namespace are removed wherever they appear: only the proxy
+   speaks there, so an upstream cannot forge a decision, a replay or a shadow mark;
+2. the output guardrails of the content's `Subject` (`defaults.guardrails`, then the tool's,
+   resource's or prompt's own) scan every string and key of the message's payload (`result`,
+   `error` or `params`): redact rewrites it, warn counts, block withholds it whole;
+3. what will be delivered is recorded in the run's data-flow ledger with the subject's labels
+   (untrusted unless the policy says otherwise), before delivery.
+
+Steps 1 and 2 are synchronous (`scan`); step 3 waits for the store (`record`). The envelope
+(`proxy.envelope.pipeline.Envelope`) runs them and decides what a failure means; fronts only
+hand messages in and deliver what comes out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.envelope.checks.guardrails import UNCHANGED, Guarded, Rule, compiled, scan_payload
+from proxy.envelope.dataflow.ledger import LedgerDelta, RecentWrites, record, widen_parent
+from proxy.envelope.labels import Label, OutputLabels, Piece, ToolLabels, pieces
+from proxy.envelope.types import RunContext, ToolCall
+from proxy.policy.compiled import PolicyRevision
+from proxy.policy.model import ContentPolicy, DataflowPolicy
+from proxy.store.base import Store
+
+log = logging.getLogger("envelope.inspect")
+
+NAMESPACE = "envelope/"
+UNTRUSTED = Label(untrusted=True, secret=False)
+# Walk no deeper into a payload than this when collecting text for the ledger (the front caps
+# JSON depth on requests; upstream replies are parsed by orjson, which caps at 1024).
+MAX_DEPTH = 256
+
+
+def strip_envelope_meta(message: Any) -> bool:
+    """Remove `envelope/*` keys from every `_meta` object in `message`, in place; whether any
+    was removed. Iterative (no recursion limit)."""
+    changed = False
+    stack = [message]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            meta = node.get("_meta")
+            if isinstance(meta, dict):
+                forged = [k for k in meta if isinstance(k, str) and k.startswith(NAMESPACE)]
+                for key in forged:
+                    del meta[key]
+                changed = changed or bool(forged)
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+    return changed
+
+
+def payload_of(message: Mapping[str, Any]) -> Any:
+    """The part of a JSON-RPC message that carries the upstream's content: `result`, `error`
+    or `params` (None when it has none)."""
+    for key in ("result", "error", "params"):
+        if key in message:
+            return message[key]
+    return None
+
+
+def all_pieces(value: Any, label: Label, where: str) -> Iterator[Piece]:
+    """Every string of `value` (and long integers, which can be account numbers) as a piece."""
+    if not label.tracked:
+        return
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            yield Piece(node, label, where)
+        elif depth >= MAX_DEPTH:
+            continue
+        elif isinstance(node, Mapping):
+            for k, v in node.items():
+                if isinstance(k, str):
+                    yield Piece(k, label, where)
+                stack.append((v, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+        elif isinstance(node, int) and not isinstance(node, bool) and abs(node) >= 10_000_000:
+            yield Piece(str(node), label, where)
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """Whose content a message is: where it is recorded from, its labels, its guardrails.
+
+    `source` names it in the ledger and in evidence (`<upstream>.<tool>`, `<upstream>.<URI>`,
+    `<upstream>.<prompt>`); `tool_result` says the payload is a tool result (labels by path of
+    `structuredContent` apply); `metric_tool` is the bounded metric label.
+    """
+
+    source: str
+    labels: OutputLabels
+    rules: tuple[Rule, ...]
+    tool_result: bool
+    metric_tool: str
+
+
+@dataclass(slots=True)
+class Scan:
+    """What `Inspector.scan` did to one message."""
+
+    changed: bool = False  # the message differs from the upstream's bytes
+    stripped: bool = False  # forged `envelope/*` meta was removed
+    guarded: Guarded = UNCHANGED
+    error: Exception | None = None  # the guardrails failed: withhold (fail closed)
+
+
+@dataclass(slots=True)
+class Notes:
+    """What inspection did over one call (its stream and its reply), for its audit record."""
+
+    guardrails: dict[str, dict[str, Any]] = field(default_factory=dict)  # rule id -> entry
+    recorded: dict[str, Any] | None = None
+    meta_stripped: int = 0
+
+    def add_guarded(self, guarded: Guarded) -> None:
+        for fired in guarded.fired:
+            entry = self.guardrails.get(fired.rule.id)
+            if entry is None:
+                self.guardrails[fired.rule.id] = fired.as_audit()
+            else:
+                entry["matches"] += fired.matches
+
+    def add_recorded(self, delta: LedgerDelta) -> None:
+        if not (delta.untrusted or delta.secret):
+            return
+        r = self.recorded
+        if r is None:
+            r = self.recorded = {"untrusted": False, "secret": False, "fingerprints": 0}
+        r["untrusted"] |= delta.untrusted
+        r["secret"] |= delta.secret
+        r["fingerprints"] += len(delta.grams) + len(delta.tokens)
+        if delta.overflow:
+            r["overflow"] = True
+
+    def audit(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.guardrails:
+            out["guardrails"] = list(self.guardrails.values())
+        if self.recorded is not None:
+            out["dataflow_recorded"] = dict(self.recorded)
+        if self.meta_stripped:
+            out["meta_stripped"] = self.meta_stripped
+        return out
+
+
+class Inspector:
+    """The inspection of one policy revision: subjects, guardrails, ledger recording.
+
+    Built once per revision (by `Chain`) and immutable but for its caches.
+    """
+
+    def __init__(self, revision: PolicyRevision):
+        self.revision = revision
+        document = revision.document
+        # No `dataflow:` section: shadow (outputs are recorded; nothing is refused).
+        self.dataflow: DataflowPolicy = (document.dataflow if document.dataflow is not None
+                                         else DataflowPolicy(mode="shadow"))
+        self._tool_labels = ToolLabels(revision)
+        self._defaults = compiled(document.defaults.guardrails)
+        self._tools: dict[tuple[str, bool, bool], Subject] = {}
+        # Resources: per upstream, (prefix, policy) longest prefix first; `*` matches any URI.
+        self._resources: dict[str, list[tuple[str, ContentPolicy]]] = {}
+        for key, policy in document.resources.items():
+            upstream, _, prefix = key.partition(".")
+            self._resources.setdefault(upstream, []).append(("" if prefix == "*" else prefix, policy))
+        for entries in self._resources.values():
+            entries.sort(key=lambda e: -len(e[0]))
+        self._prompts: dict[str, ContentPolicy] = dict(document.prompts)
+
+    @property
+    def recording(self) -> bool:
+        return self.dataflow.mode != "off"
+
+    # -- subjects --------------------------------------------------------------------------
+
+    def tool(self, call: ToolCall, metric_tool: str) -> Subject:
+        """A tool's results (also its task results and the messages of its stream)."""
+        labels = self._tool_labels.of(call)
+        key = (call.qualified_name, labels.base.untrusted, labels.base.secret)
+        found = self._tools.get(key)
+        if found is None:
+            tool = self.revision.tools.get(call.qualified_name)
+            rules = compiled(self.revision.document.defaults.guardrails,
+                             tool.policy.guardrails if tool is not None else ())
+            found = Subject(call.qualified_name, labels, rules, True, metric_tool)
+            if len(self._tools) < 10_000:
+                self._tools[key] = found
+        return found
+
+    def _content(self, source: str, policy: ContentPolicy | None, metric: str) -> Subject:
+        if policy is None:
+            return Subject(source, OutputLabels(UNTRUSTED), self._defaults, False, metric)
+        label = Label(untrusted=policy.output != "trusted", secret=policy.sensitivity == "secret")
+        return Subject(source, OutputLabels(label), self._defaults + compiled(policy.guardrails),
+                       False, metric)
+
+    def resource(self, upstream: str, uri: str) -> Subject:
+        """A resource's contents: the `resources:` entry with the longest matching URI prefix."""
+        policy = next((p for prefix, p in self._resources.get(upstream, ()) if uri.startswith(prefix)),
+                      None)
+        return self._content(f"{upstream}.{uri[:200]}", policy, "resources/read")
+
+    def prompt(self, upstream: str, name: str) -> Subject:
+        return self._content(f"{upstream}.{name[:200]}", self._prompts.get(f"{upstream}.{name}"),
+                             "prompts/get")
+
+    def relayed(self, upstream: str, what: str) -> Subject:
+        """Anything else an upstream sends (untrusted, `defaults.guardrails`)."""
+        return self._content(f"{upstream}.{what}", None, what)
+
+    # -- the synchronous steps -------------------------------------------------------------
+
+    def scan(self, subject: Subject, message: dict[str, Any]) -> Scan:
+        """Strip forged `envelope/*` meta and run the subject's guardrails on `message` (in
+        place). Never raises: a guardrail failure is `Scan.error` (the caller withholds)."""
+        scan = Scan()
+        try:
+            scan.changed = scan.stripped = strip_envelope_meta(message)
+            payload = payload_of(message)
+            if subject.rules and isinstance(payload, dict | list):
+                scan.guarded = scan_payload(payload, subject.rules)
+                scan.changed = scan.changed or scan.guarded.changed
+        except Exception as exc:  # fail closed: content that could not be checked is withheld
+            log.error("inspection of %s failed", subject.source, exc_info=exc)
+            scan.error = exc
+        return scan
+
+    # -- the ledger -----------------------------------------------------------------------
+
+    def delta(self, subject: Subject, message: Mapping[str, Any]) -> LedgerDelta:
+        """What delivering `message` adds to the run's ledger (computed, not yet written)."""
+        policy = self.dataflow
+        payload = payload_of(message)
+        if subject.tool_result and "result" in message and isinstance(payload, Mapping):
+            found = pieces(payload, subject.labels)
+        else:
+            found = all_pieces(payload, subject.labels.base, subject.source)
+        return LedgerDelta.of(subject.source, found, policy.min_match, limit=policy.ledger_cap,
+                              window=policy.winnow)
+
+    async def record(self, store: Store, recent: RecentWrites, run: RunContext, delta: LedgerDelta,
+                     done: str | None = None) -> None:
+        """Write `delta` to the run's ledger (and widen its ancestors'), then clear the pending
+        marker `done`. Raises StoreError (or TimeoutError) when the store cannot take it."""
+        policy = self.dataflow
+        kw: dict[str, Any] = {"n": policy.min_match, "cap": policy.ledger_cap,
+                              "ttl": policy.ledger_ttl, "window": policy.winnow, "recent": recent}
+        if delta.empty and done is None:
+            return
+        await record(store, run.id, delta, done=done, **kw)
+        if not delta.empty:
+            for ancestor in ancestors(run):
+                await widen_parent(store, ancestor, delta, **kw)
+
+
+def ancestors(run: RunContext) -> tuple[str, ...]:
+    """Runs whose ledgers a run's output widens besides its own: `run.taint_targets` when the
+    delegation check set it (already cut at `propagate_taint: false`), else the direct parent."""
+    if run.taint_targets is not None:
+        return tuple(run.taint_targets)
+    return (run.parent,) if run.parent else ()

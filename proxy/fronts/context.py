@@ -1,0 +1,117 @@
+"""What both MCP fronts share: the envelope, the executor, identity, upstream targets, and the
+catalogue's view of `tools/list`. Built once by the runtime; `/mcp/<upstream>`
+(`proxy.fronts.per_upstream`) and the aggregated `/mcp` (`proxy.fronts.aggregate`) each hold it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from proxy.config import RetryConfig
+from proxy.envelope.inspect import strip_envelope_meta
+from proxy.envelope.pipeline import Envelope
+from proxy.envelope.types import Principal
+from proxy.errors import IdentityError
+from proxy.fronts import jsonrpc
+from proxy.fronts.forwarded import Executor, UpstreamTarget
+from proxy.observability.metrics import Metrics, UpstreamOutcome
+from proxy.upstream.forwarder import Forwarder
+
+log = logging.getLogger("envelope.mcp")
+
+
+class Identity(Protocol):
+    """Resolves the verified principal of a request (see `proxy.identity`)."""
+
+    def resolve(self, headers: Mapping[str, str]) -> Principal: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSettings:
+    max_body_bytes: int
+    max_json_depth: int
+    request_headers: Callable[[], tuple[str, ...]]  # policy-selected headers visible to CEL
+
+
+@dataclass(slots=True)
+class FrontContext:
+    """The pieces every MCP route uses (see the module docstring)."""
+
+    envelope: Envelope
+    forwarder: Forwarder
+    identity: Identity
+    targets: Callable[[str], UpstreamTarget | None]
+    settings: FrontSettings
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    # Told every upstream request outcome (proxy.upstream.health.UpstreamHealth.record).
+    on_upstream: Callable[[str, UpstreamOutcome, str | None], None] | None = None
+    # Fire-and-forget upstream requests (cancellations, session ends), tracked for shutdown.
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+    shutting_down: bool = False
+    executor: Executor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.executor = Executor(self.envelope, self.forwarder, self.observe, self.retry,
+                                 self.spawn, lambda: self.shutting_down)
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.envelope.metrics
+
+    def observe(self, upstream: str, seconds: float, outcome: UpstreamOutcome,
+                error: str | None = None) -> None:
+        """Count one upstream request and tell the health tracker (if any) its outcome."""
+        self.metrics.observe_upstream(upstream, seconds, outcome)
+        if self.on_upstream is not None:
+            self.on_upstream(upstream, outcome, error)
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run `coro` in the background, tracked so shutdown waits for it."""
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def close(self, grace: float = 2.0) -> None:
+        """Let completions and background notifications finish (bounded), then drop them."""
+        await self.envelope.drain(grace)
+        if self.background:
+            await asyncio.wait(set(self.background), timeout=grace)
+        for task in self.background:
+            task.cancel()
+
+    def authenticate(self, request: web.Request) -> Principal | web.Response:
+        """The verified principal, or the 401 to send (identity headers are never trusted)."""
+        try:
+            return self.identity.resolve(request.headers)
+        except IdentityError as exc:
+            self.metrics.rejected("unauthenticated")
+            return web.Response(
+                status=401, body=jsonrpc.error_body(None, jsonrpc.INVALID_REQUEST, f"Unauthorized: {exc}"),
+                content_type="application/json", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+
+    def filter_tools(self, result: Any, upstream: str, principal: Principal) -> Any:
+        """A `tools/list` result as this principal sees it: learned into the registry (schemas
+        and annotations), forged `envelope/*` meta removed, tools it may never call hidden."""
+        if not isinstance(result, dict) or not isinstance(result.get("tools"), list):
+            return result
+        strip_envelope_meta(result)
+        envelope = self.envelope
+        envelope.registry.learn(upstream, result["tools"])
+        envelope.refresh_catalogue_metrics()
+        chain = envelope.chain
+        if chain is None:
+            visible: list[Any] = []
+        else:
+            visible = [
+                t for t in result["tools"]
+                if isinstance(t, dict) and isinstance(t.get("name"), str)
+                and chain.visible(principal, upstream, t["name"])
+            ]
+        return {**result, "tools": visible}

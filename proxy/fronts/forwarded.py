@@ -1,0 +1,439 @@
+"""The forwarded-call executor: one call (or content read) on its way upstream and back, the
+same way on every route (`/mcp/<upstream>` and the aggregated `/mcp`).
+
+`Executor.run(pending, request, downstream)` ends every call it is given exactly once, through
+`Envelope.complete`:
+
+- a call the envelope refused or answers itself (replay, shadow) is completed at once;
+- an allowed one is sent upstream (`UpstreamRequest`: body, headers, the id its answer carries)
+  with bounded retries for calls that may be repeated (read-only, or carrying the client's
+  idempotency key: never a writer that may have been performed), within the upstream's
+  timeout, which covers the upstream exchange only: the completion (inspection, result checks,
+  audit) runs after it, shielded, so no timeout and no disconnect can cut it short;
+- the answer comes as JSON or as an SSE stream; every other message of the stream (progress,
+  logging, server-to-client requests) is inspected by the envelope before it is relayed to the
+  `Downstream` (the client's SSE stream; the aggregate's JSON clients get none), and a refusal
+  there ends the call (the upstream call is cancelled);
+- a stream the upstream closes early after events with ids is resumable: the aggregate resumes
+  it itself (GET + `Last-Event-ID`); the per-upstream route leaves the resumption to its client
+  (the call is `detached`, and the result, when fetched, is inspected by the GET relay);
+- the client going away cancels the upstream call (`notifications/cancelled` for session
+  upstreams; closing the stream cancels a stateless one), unless its stream is resumable.
+
+It never builds a decision: failures are `Failure`s, the envelope decides what they mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.config import RetryConfig
+from proxy.envelope.pipeline import Envelope, Pending
+from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
+from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
+from proxy.observability.metrics import UpstreamOutcome
+from proxy.upstream.forwarder import Forwarder, UpstreamResponse
+
+log = logging.getLogger("envelope.forward")
+
+# Upstream answers that say "try again" without the call having run (or, for 502/504 behind a
+# gateway, without the proxy knowing): retried for calls that may be repeated only.
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# Most times the aggregate resumes one stream its upstream closed early.
+MAX_RESUMES = 8
+
+Observe = Callable[[str, float, UpstreamOutcome, str | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTarget:
+    """Where and how to reach one upstream (policy plus runtime overrides)."""
+
+    name: str
+    url: str
+    timeout: float
+    connect_timeout: float
+    headers: Mapping[str, str]
+    forward_authorization: bool
+
+
+@dataclass(slots=True)
+class UpstreamRequest:
+    """What goes upstream for one forwarded request.
+
+    `reply_id` is the JSON-RPC id the upstream's answer carries; `session` the headers that
+    reach the upstream session (`Mcp-Session-Id`, protocol version, credentials) for
+    `notifications/cancelled` and stream resumption, None for a stateless request (closing the
+    stream cancels it); `resume` says the proxy resumes a stream the upstream closed early
+    itself. `setup`, when the proxy holds the upstream session itself (the aggregate), opens it
+    before the first attempt (`setup(False)`) and again when the upstream answers 404 because
+    it lost it (`setup(True)`), returning the headers that reach it (then both the request's
+    headers and `session`); it raises UpstreamError when it cannot.
+    """
+
+    target: UpstreamTarget
+    body: bytes
+    headers: Mapping[str, str]
+    reply_id: Any
+    session: Mapping[str, str] | None = None
+    resume: bool = False
+    setup: Callable[[bool], Awaitable[Mapping[str, str]]] | None = None
+
+
+@dataclass(slots=True)
+class Downstream:
+    """Where a call's stream goes before its answer: the client's SSE response, opened on the
+    first event with the upstream's headers (`request` None: nothing is relayed, the client
+    gets the answer only). `stream` may already be open (an in-band approval asked on it)."""
+
+    request: web.Request | None = None
+    stream: web.StreamResponse | None = None
+    headers: Callable[[UpstreamResponse], Mapping[str, str]] | None = None
+    # The upstream's response headers kept for the client (`headers` applied), once it answered.
+    response_headers: Mapping[str, str] | None = None
+
+    @property
+    def relays(self) -> bool:
+        return self.request is not None
+
+    async def open(self, resp: UpstreamResponse) -> None:
+        if self.stream is None and self.request is not None:
+            out = web.StreamResponse(status=200, headers=self.headers(resp) if self.headers else None)
+            await out.prepare(self.request)
+            self.stream = out
+
+    async def write(self, event: bytes) -> None:
+        if self.stream is not None:
+            await self.stream.write(event)
+
+
+@dataclass(slots=True)
+class Executor:
+    """What every forwarded call of a front needs: the envelope, the upstream client, where
+    upstream outcomes are reported, the retry settings, and the front's lifecycle hooks."""
+
+    envelope: Envelope
+    forwarder: Forwarder
+    observe: Observe
+    retry: RetryConfig
+    # Fire-and-forget upstream notifications (cancellations), tracked by the front.
+    spawn: Callable[[Awaitable[None]], None]
+    # True once the proxy is draining: a call cut off then was cut off by the shutdown.
+    shutting_down: Callable[[], bool] = lambda: False
+    # Told of a call whose client left a resumable stream (its result may be fetched later).
+    on_detached: Callable[[Pending, UpstreamRequest], None] | None = None
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def run(self, pending: Pending, request: UpstreamRequest | None,
+                  downstream: Downstream) -> Outcome:
+        """End `pending`: forward it if it is to be forwarded, then complete it."""
+        if request is None or not pending.forwardable:
+            return await self.envelope.complete(pending)
+        return await _Forwarded(self, pending, request, downstream).run()
+
+    async def deliver(self, pending: Pending, reply: Reply) -> Outcome:
+        """End `pending` with an answer that arrived outside its own stream (a result fetched
+        on a resumed GET): inspected, recorded and audited like any answer."""
+        return await self.envelope.complete(pending, reply if pending.forwardable else None)
+
+    def cancel(self, request: UpstreamRequest, reason: str) -> None:
+        """Tell a session upstream that the request is abandoned (2025-06-18 / 2025-11-25: a
+        dropped connection is not a cancellation; 2026-07-28: closing the stream is, and the
+        executor does that)."""
+        if request.session is None:
+            return
+        target = request.target
+        body = orjson.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                             "params": {"requestId": request.reply_id, "reason": reason}})
+        headers = {**request.session, "Content-Type": "application/json",
+                   "Accept": "application/json, text/event-stream"}
+
+        async def send() -> None:
+            try:
+                resp = await self.forwarder.open("POST", target.url, headers, body,
+                                                 connect_timeout=target.connect_timeout,
+                                                 read_timeout=target.connect_timeout)
+                resp.close()
+            except (UpstreamError, TimeoutError) as exc:
+                log.info("could not send notifications/cancelled to %s: %s", target.name, exc)
+
+        self.spawn(send())
+
+
+class _Forwarded:
+    """One forwarded request, from the first attempt to its completion."""
+
+    def __init__(self, executor: Executor, pending: Pending, request: UpstreamRequest,
+                 downstream: Downstream):
+        self.x = executor
+        self.pending = pending
+        self.request = request
+        self.downstream = downstream
+        self.target = request.target
+        self.started = 0.0
+        self.status: int | None = None
+        self.attempts = 1
+        self.last_event_id: str | None = None  # the upstream's events carry ids: resumable
+
+    def _seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    async def run(self) -> Outcome:
+        x, target = self.x, self.target
+        self.started = time.perf_counter()
+        try:
+            async with asyncio.timeout(target.timeout):
+                ending = await self._exchange()
+        except (TimeoutError, UpstreamTimeout):
+            x.observe(target.name, self._seconds(), "timeout", None)
+            ending = self._failure("timeout", f"upstream {target.name!r} did not answer within "
+                                   f"{target.timeout:g}s")
+        except UpstreamError as exc:
+            x.observe(target.name, self._seconds(), "error", str(exc))
+            ending = self._failure("error", f"upstream {target.name!r} failed: {exc}")
+        except asyncio.CancelledError:
+            x.envelope.complete_soon(self.pending, self._gone(), upstream_seconds=self._seconds())
+            raise
+        except ConnectionResetError:  # writing to a client that went away mid-stream
+            ending = self._gone()
+        if isinstance(ending, Failure) and ending.kind == "timeout":
+            x.cancel(self.request, "the proxy's upstream timeout expired")
+        return await x.envelope.complete(self.pending, ending, upstream_seconds=self._seconds())
+
+    def _failure(self, kind: Any, reason: str) -> Failure:
+        extra = {"attempts": self.attempts} if self.attempts > 1 else None
+        return Failure(kind, reason, self.status, extra)
+
+    def _gone(self) -> Failure:
+        """The client left before the answer: why, as the record will say."""
+        x = self.x
+        extra = {"client_disconnected": True}
+        if x.shutting_down():
+            log.warning("shutdown cut off decision %s (%s) before %s answered",
+                        self.pending.call.decision_id, self.pending.call.qualified_name, self.target.name)
+            x.cancel(self.request, "the proxy is shutting down")
+            return Failure("shutdown", "the proxy shut down before the upstream answered; cancelled",
+                           self.status, extra)
+        if self.last_event_id is not None and self.downstream.relays:
+            # A stream whose events carry ids may be resumed with GET + Last-Event-ID: the spec
+            # says a disconnect is not a cancellation then; the upstream call goes on.
+            if x.on_detached is not None:
+                x.on_detached(self.pending, self.request)
+            return Failure("detached", "the client disconnected; the stream is resumable, the "
+                           "call goes on", self.status, extra)
+        x.cancel(self.request, "client disconnected")
+        return Failure("disconnected", "the client disconnected before the upstream answered; "
+                       "cancelled", self.status, extra)
+
+    # -- the upstream exchange ---------------------------------------------------------------
+
+    def _retry(self) -> RetryConfig | None:
+        """The retry settings when this request may be repeated: read-only, or carrying the
+        client's idempotency key (the envelope claimed it, so a repeat cannot run it twice)."""
+        call = self.pending.call
+        if call.effect is Effect.READ or call.idempotency_key is not None:
+            return self.x.retry
+        return None
+
+    def _delay(self, retry: RetryConfig, retry_after: float | None) -> float | None:
+        """Seconds to wait before the next attempt; None when no attempt is left or the wait
+        would not leave the attempt any of the upstream's timeout."""
+        if self.attempts >= retry.attempts:
+            return None
+        delay = retry_after if retry_after is not None else retry.backoff * 2 ** (self.attempts - 1)
+        delay = min(delay, retry.max_backoff)
+        if delay >= self.target.timeout - self._seconds():
+            return None
+        return delay
+
+    async def _open(self) -> UpstreamResponse:
+        """Send the request; repeat transient failures when the call allows it, before any byte
+        reached the client. Each failed attempt is counted as an upstream error and each retry
+        in `envelope_upstream_retries_total`; the record carries the number of attempts."""
+        x, target, request = self.x, self.target, self.request
+        retry = self._retry()
+        reopened = False
+        if request.setup is not None:
+            request.headers = request.session = await request.setup(False)
+        while True:
+            attempt_started = time.perf_counter()
+            delay: float | None = None
+            try:
+                resp = await x.forwarder.open(
+                    "POST", target.url, request.headers, request.body,
+                    connect_timeout=target.connect_timeout, read_timeout=target.timeout)
+            except UpstreamError as exc:
+                if retry is not None and _connect_failed(exc):
+                    delay = self._delay(retry, None)
+                if delay is None:
+                    raise
+                x.observe(target.name, time.perf_counter() - attempt_started, "error", str(exc))
+            else:
+                if resp.status == 404 and request.setup is not None and not reopened:
+                    # The upstream forgot the session (restart, expiry): it did not run the call.
+                    resp.close()
+                    request.headers = request.session = await request.setup(True)
+                    reopened = True
+                    continue
+                if retry is None or resp.status not in RETRY_STATUSES:
+                    return resp
+                delay = self._delay(retry, _retry_after(resp.headers.get("Retry-After")))
+                if delay is None:
+                    return resp
+                resp.close()
+                x.observe(target.name, time.perf_counter() - attempt_started, "error",
+                          f"answered HTTP {resp.status}")
+            x.envelope.metrics.upstream_retry(target.name)
+            log.info("retrying %s on %s in %.3gs (attempt %d failed)",
+                     self.pending.call.qualified_name, target.name, delay, self.attempts)
+            await asyncio.sleep(delay)
+            self.attempts += 1
+            self.pending.call.audit_extra["attempts"] = self.attempts
+
+    async def _exchange(self) -> Reply | Failure | Decision:
+        x, target = self.x, self.target
+        resp = await self._open()
+        async with resp:
+            self.status = resp.status
+            if self.downstream.headers is not None:
+                self.downstream.response_headers = self.downstream.headers(resp)
+            ctype = resp.headers.get("Content-Type", "")
+            if ctype.startswith("text/event-stream") and resp.status == 200:
+                x.observe(target.name, self._seconds(), "ok", None)
+                await self.downstream.open(resp)
+                return await self._stream(resp)
+            data = await resp.read()
+            x.observe(target.name, self._seconds(), "ok" if resp.status < 500 else "error",
+                      f"answered HTTP {resp.status}")
+            if ctype.startswith("application/json"):
+                reply = _reply_to(data, self.request.reply_id)
+                if reply is not None:
+                    # The server's own answer: a result, or a JSON-RPC error with its status.
+                    return Reply(reply, data, resp.status)
+            if resp.status == 404 and self.downstream.stream is None:
+                # Unknown or expired session: the client must initialize again.
+                return self._failure("session_lost", f"upstream {target.name!r} does not know "
+                                     "the session (HTTP 404)")
+            reason = f"upstream {target.name!r} answered HTTP {resp.status}" + (
+                "" if resp.status != 200 else " without a JSON-RPC reply")
+            return self._failure("error", reason)
+
+    async def _stream(self, resp: UpstreamResponse) -> Reply | Failure | Decision:
+        """Read the call's SSE stream: relay (inspected) events until the answer arrives; resume
+        a stream closed early when this front resumes streams itself."""
+        resumes = 0
+        while True:
+            parser = SSEParser()
+            async for chunk in resp.chunks():
+                for ev in parser.feed(chunk):
+                    found = await self._event(ev)
+                    if found is not None:
+                        return found
+            for ev in parser.flush():
+                found = await self._event(ev)
+                if found is not None:
+                    return found
+            if self.last_event_id is None:
+                return self._failure("error", f"upstream {self.target.name!r} closed the stream "
+                                     "without a result")
+            if not self.request.resume:
+                # 2025-11-25 lets a server close a call's stream early (after an event with an
+                # id); the client resumes with GET + Last-Event-ID and the answer arrives there.
+                if self.x.on_detached is not None:
+                    self.x.on_detached(self.pending, self.request)
+                return self._failure("detached", "the upstream closed the stream before the "
+                                     "result; the client resumes it (GET + Last-Event-ID)")
+            resumes += 1
+            if resumes > MAX_RESUMES:
+                return self._failure("error", f"upstream {self.target.name!r} closed the stream "
+                                     f"{MAX_RESUMES} times without a result")
+            resp.close()
+            resp = await self._resume()
+            if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                resp.close()
+                return self._failure("error", f"upstream {self.target.name!r} answered HTTP "
+                                     f"{resp.status} to resuming the stream")
+
+    async def _resume(self) -> UpstreamResponse:
+        target = self.target
+        headers = {**(self.request.session or {}), "Accept": "text/event-stream",
+                   "Last-Event-ID": self.last_event_id or ""}
+        return await self.x.forwarder.open("GET", target.url, headers, None,
+                                           connect_timeout=target.connect_timeout,
+                                           read_timeout=target.timeout)
+
+    async def _event(self, ev: SSEEvent) -> Reply | Decision | None:
+        """Handle one event of the call's stream: the answer (returned), or an event relayed
+        after inspection (a refusal there is returned: it ends the call)."""
+        if ev.id:
+            self.last_event_id = ev.id
+        if not ev.data.strip():  # a priming event (an id, empty data), a comment: no text passes
+            if self.downstream.relays:
+                await self.downstream.write(format_fields(ev))
+            return None
+        message = _json(ev.data)
+        if not isinstance(message, dict):
+            log.info("dropped an event of %s that is not a JSON-RPC message", self.target.name)
+            return None
+        if message.get("id") == self.request.reply_id and ("result" in message or "error" in message):
+            return Reply(message, ev.raw if not _has_comment(ev.raw) else None, self.status or 200,
+                         (ev.event, ev.id))
+        if not self.downstream.relays:
+            return None  # nobody receives it: nothing to inspect
+        relayed = await self.x.envelope.inspect_event(self.pending, message)
+        if relayed.refusal is not None:
+            self.x.cancel(self.request, "the proxy withheld the call's stream")
+            return relayed.refusal
+        if relayed.changed or _has_comment(ev.raw):
+            await self.downstream.write(format_event(orjson.dumps(relayed.message), ev.event, ev.id))
+        else:
+            await self.downstream.write(ev.raw)
+        return None
+
+
+def _has_comment(raw: bytes) -> bool:
+    """Whether an event carries comment lines (rebuilt without them: no text passes unread)."""
+    return raw.startswith(b":") or b"\n:" in raw or b"\r:" in raw
+
+
+def _json(data: str | bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _reply_to(data: bytes, reply_id: Any) -> dict[str, Any] | None:
+    reply = _json(data)
+    if isinstance(reply, dict) and reply.get("id") == reply_id and ("result" in reply or "error" in reply):
+        return reply
+    return None
+
+
+def _connect_failed(exc: UpstreamError) -> bool:
+    """The request never reached the upstream (refused, unreachable, no connection in time).
+
+    Both forwarders word connect failures this way; anything later (a reset after sending) may
+    have reached the upstream and is not retried.
+    """
+    return str(exc).startswith("cannot connect to upstream")
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a `Retry-After: <seconds>` header; None when absent or an HTTP date."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None

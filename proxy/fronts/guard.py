@@ -1,0 +1,117 @@
+"""The MCP listener's guard: what a request must satisfy before any front reads it.
+
+An aiohttp middleware on the MCP listener, in this order:
+
+- **Header values** are RFC 9110 field values made of visible ASCII, space and tab (no
+  control characters, and no obs-text: MCP clients send non-ASCII values base64-encoded as
+  `=?base64?...?=`). A value with any other byte is refused with HTTP 400 before anything else
+  reads it, and the refusal is audited (`invalid_request`, check `guard`, the header's name and
+  its value escaped): an undecodable byte can never reach a check, the upstream or the audit
+  log's serialiser.
+- **Host** must be a configured or loopback name (421; DNS rebinding).
+- **Origin**, when present, must be configured or loopback (403).
+- A declared body larger than the cap is refused at once (413); `read_body` enforces the cap
+  on what actually arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from proxy.envelope.pipeline import Envelope
+from proxy.fronts import jsonrpc
+from proxy.fronts.jsonrpc import BadMessage
+from proxy.fronts.render import rpc_error
+from proxy.observability.metrics import Metrics
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+# Bytes a header value may hold: HTAB, SP and visible ASCII.
+_FIELD_VALUE = bytes([0x09, *range(0x20, 0x7F)])
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class GuardSettings:
+    max_body_bytes: int
+    allowed_hosts: frozenset[str]  # lower-case host names without port; "*" allows any
+    allowed_origins: frozenset[str]  # exact origins ("https://app.example"); loopback always ok
+
+
+def invalid_header(request: web.Request) -> tuple[str, bytes] | None:
+    """The first header whose value holds a byte outside a field value, or None."""
+    for name, value in request.raw_headers:
+        if value.translate(None, _FIELD_VALUE):
+            return name.decode("latin-1"), value
+    return None
+
+
+def _host_allowed(request: web.Request, allowed: frozenset[str]) -> str | None:
+    """None when the Host is allowed; else the host as sent."""
+    if "*" in allowed:
+        return None
+    host = (request.host or "").lower()
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if host.startswith("[") and "]" in host:
+        name = host[: host.index("]") + 1]
+    if name in allowed or name.strip("[]") in allowed:
+        return None
+    return host
+
+
+def guard_middleware(settings: GuardSettings, envelope: Envelope, metrics: Metrics) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The middleware (see the module docstring)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        bad = invalid_header(request)
+        if bad is not None:
+            name, value = bad
+            position = next(i for i, b in enumerate(value) if bytes([b]).translate(None, _FIELD_VALUE))
+            shown = value.decode("latin-1").encode("ascii", "backslashreplace").decode("ascii")
+            reason = (f"header {name} holds a byte that is not allowed in a field value "
+                      f"(0x{value[position]:02x} at position {position}); the request was refused")
+            metrics.rejected("invalid_header")
+            decision_id = envelope.reject(
+                upstream=request.match_info.get("upstream"), method=request.method,
+                path=request.rel_url.raw_path, reason=reason,
+                extra={"header": name[:100], "value": shown[:200]})
+            return rpc_error(400, None, jsonrpc.INVALID_REQUEST, f"Bad Request: {reason}",
+                             {"envelope/decision": {"code": "invalid_request", "check": "guard",
+                                                    "rule": None, "reason": reason,
+                                                    "decision_id": decision_id}})
+        host = _host_allowed(request, settings.allowed_hosts)
+        if host is not None:
+            metrics.rejected("bad_host")
+            return rpc_error(421, None, jsonrpc.INVALID_REQUEST, f"Misdirected request: host {host!r} is not allowed")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin not in settings.allowed_origins:
+            hostname = (urlsplit(origin).hostname or "").lower()
+            if hostname not in LOOPBACK_HOSTS:
+                metrics.rejected("bad_origin")
+                return rpc_error(403, None, jsonrpc.INVALID_REQUEST, f"Forbidden: origin {origin!r} is not allowed")
+        length = request.content_length
+        if length is not None and length > settings.max_body_bytes:
+            metrics.rejected("too_large")
+            response = rpc_error(413, None, jsonrpc.INVALID_REQUEST,
+                                 f"Request body larger than {settings.max_body_bytes} bytes")
+            response.headers["Connection"] = "close"
+            return response
+        return await handler(request)
+
+    return guard
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, refused (BadMessage, 413) as soon as more than `limit` bytes arrive."""
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request body larger than {limit} bytes",
+                             "too_large", status=413)
+    return bytes(buf)
