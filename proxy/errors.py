@@ -55,6 +55,11 @@ class AuditError(EnvelopeError):
 class UpstreamError(EnvelopeError):
     """The upstream could not be reached or answered garbage."""
 
+    # How many times the request was written to the upstream (so may have been performed), set
+    # by `Forwarder.open` on every error it raises: 0 for `cannot connect to upstream ...`, 2
+    # after a resend. None on errors raised elsewhere (while reading a response's body).
+    attempts: int | None = None
+
 
 class UpstreamTimeout(UpstreamError):
     """The upstream did not answer within its timeout."""

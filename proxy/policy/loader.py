@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
 
-import jsonschema_rs
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
@@ -44,6 +43,7 @@ from proxy.policy.model import (
     Upstream,
 )
 from proxy.policy.revision import policy_revision
+from proxy.policy.schemas import compile_schema
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
@@ -382,7 +382,7 @@ class _Loader:
             )
             return None
         try:
-            return jsonschema_rs.validator_for(schema)
+            return compile_schema(schema)
         except Exception as exc:
             message = str(getattr(exc, "message", None) or exc).split("\n", 1)[0]
             path = [p for p in getattr(exc, "instance_path", []) or []]

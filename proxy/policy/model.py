@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from proxy.envelope.checks.guardrails import DETECTORS, PatternError, compile_pattern
 from proxy.envelope.types import Effect
+from proxy.policy.schemas import VALIDATED_FORMATS
 
 _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
@@ -355,8 +356,9 @@ class DataflowPolicy(_Model):
     # approval gate with the evidence). `default` applies to sinks not listed. A plain string
     # sets the default. Absent: block.
     on_flag: dict[str, OnFlag] = Field(default_factory=lambda: {"default": "block"})  # type: ignore[arg-type]
-    # String arguments whose schema `format` is one of these are not matched. Absent:
-    # date-time, date, time.
+    # String arguments whose schema `format` is one of these are not matched (the schema check
+    # has rejected any value that is not of that format). Only formats the schema check asserts
+    # (`proxy.policy.schemas.VALIDATED_FORMATS`) are accepted. Absent: date-time, date, time.
     skip_formats: list[str] = Field(default_factory=lambda: ["date-time", "date", "time"])
     # Most fingerprints a run's ledger keeps; beyond it the run keeps a coarse "overflowed"
     # flag that flags every free-text sink argument (widens, never narrows). Absent: 65536.
@@ -370,6 +372,17 @@ class DataflowPolicy(_Model):
             raise ValueError(f"min_match - winnow + 1 must be at least 8 (grams shorter than 8 "
                              f"characters match common words); got {self.min_match} and {self.winnow}")
         return self
+
+    @field_validator("skip_formats")
+    @classmethod
+    def _validated_formats(cls, v: list[str]) -> list[str]:
+        unchecked = [f for f in v if f not in VALIDATED_FORMATS]
+        if unchecked:
+            raise ValueError(
+                f"{', '.join(map(repr, unchecked))}: the schema check does not validate this "
+                f"format, so its values may hold any text (validated: "
+                f"{', '.join(sorted(VALIDATED_FORMATS))})")
+        return v
 
     @field_validator("on_flag", mode="before")
     @classmethod

@@ -4,6 +4,22 @@ Everything upstream-bound goes through `Forwarder.open`, so the transport can be
 leaner client was measured against aiohttp's in bench/) without touching a front. Errors are
 mapped at this boundary: `UpstreamTimeout` when the upstream is too slow, `UpstreamError` when
 it cannot be reached or breaks the connection.
+
+Resending
+    A request written to an upstream is written again only when the caller passes
+    `resend=True` (it knows the call is safe to perform twice: read-only, or idempotent by
+    key). Without it, a connection that fails after the write (a pooled keep-alive connection
+    the server closed at that very moment, a reset, EOF) raises `UpstreamError`: the request
+    may or may not have been performed, and only the caller can decide what to do. A request
+    that provably never left (the TCP connection could not be made) raises an error whose
+    message starts with `cannot connect to upstream`, and callers may retry that whatever the
+    method. The response's `attempts` (and a raised `UpstreamError.attempts`) says how many
+    times the request was written: 2 means the upstream may have performed it twice.
+
+    aiohttp by itself resends GET, HEAD, OPTIONS, TRACE, PUT and DELETE once when a connection
+    breaks before the response (`ClientSession._request`, "retry_persistent_connection"); a
+    per-request client middleware refuses that second send, so the resend decision is the
+    caller's alone, on both transports.
 """
 
 from __future__ import annotations
@@ -17,15 +33,25 @@ from multidict import CIMultiDictProxy
 from proxy.errors import UpstreamError, UpstreamTimeout
 
 
+def counted(exc: UpstreamError, attempts: int) -> UpstreamError:
+    """`exc` saying how many times the request was written to the upstream."""
+    exc.attempts = attempts
+    return exc
+
+
 class UpstreamResponse:
-    """A response whose body has not been read yet; always `close()` it (or use `async with`)."""
+    """A response whose body has not been read yet; always `close()` it (or use `async with`).
 
-    __slots__ = ("_resp", "headers", "status")
+    `attempts`: how many times the request was written to the upstream (2 after a resend).
+    """
 
-    def __init__(self, resp: aiohttp.ClientResponse):
+    __slots__ = ("_resp", "attempts", "headers", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse, attempts: int = 1):
         self._resp = resp
         self.status: int = resp.status
         self.headers: CIMultiDictProxy[str] = resp.headers
+        self.attempts = attempts
 
     async def read(self) -> bytes:
         try:
@@ -87,28 +113,87 @@ class Forwarder:
         *,
         connect_timeout: float,
         read_timeout: float | None,
+        resend: bool = False,
     ) -> UpstreamResponse:
         """Send a request and return once the status line and headers arrived.
 
-        `read_timeout` bounds each wait for bytes (None for long-lived streams).
-        Raises UpstreamError / UpstreamTimeout.
+        `read_timeout` bounds each wait for bytes (None for long-lived streams). `resend`: the
+        request may be written a second time when the connection breaks before any response
+        (see the module docstring); otherwise it is written at most once. The response's
+        `attempts` says how many times it was written.
+        Raises UpstreamError / UpstreamTimeout, with `attempts` set: 0 (and a message starting
+        with `cannot connect to upstream`) when the request was never written.
         """
         if self._session is None:
-            raise UpstreamError("forwarder is not started")
+            raise counted(UpstreamError("forwarder is not started"), 0)
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout, sock_read=read_timeout
         )
+        attempts = 0
+        first: str | None = None  # the first attempt's failure, once resending
+        while True:
+            sends = _OneSend()
+            try:
+                resp = await self._session.request(
+                    method, url, headers=headers, data=body, timeout=timeout,
+                    allow_redirects=False, compress=None, middlewares=(sends,),
+                )
+            except asyncio.CancelledError:
+                raise
+            except aiohttp.ClientConnectorError as exc:
+                raise _unsent(UpstreamError(
+                    f"cannot connect to upstream: {exc.os_error or exc}"), first, attempts) from exc
+            except aiohttp.ConnectionTimeoutError as exc:
+                raise _unsent(UpstreamTimeout(
+                    f"cannot connect to upstream: no connection within {connect_timeout}s"),
+                    first, attempts) from exc
+            except TimeoutError as exc:
+                raise counted(UpstreamTimeout(
+                    f"upstream did not answer in time ({url})"), attempts + 1) from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # Written, then the connection broke before any response: resent only when
+                # the caller said it may be, and only once.
+                attempts += 1
+                if resend and first is None:
+                    first = f"upstream request failed: {exc}"
+                    continue
+                raise counted(UpstreamError(
+                    f"upstream request failed: {exc}"), attempts) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise counted(UpstreamError(
+                    f"upstream request failed: {exc}"), attempts + 1) from exc
+            return UpstreamResponse(resp, attempts + 1)
+
+
+def _unsent(exc: UpstreamError, first: str | None, attempts: int) -> UpstreamError:
+    """A connect failure: nothing written this time; but a resend's failure must not read as one
+    (callers retry `cannot connect to upstream` errors whatever the method)."""
+    if first is not None:
+        exc = type(exc)(f"{first}; resending it failed: {exc}")
+    return counted(exc, attempts)
+
+
+class _OneSend:
+    """aiohttp client middleware: one send per `session.request`, aiohttp's own resend refused.
+
+    The second call (aiohttp retrying after a broken connection) raises the first send's error
+    again, which aiohttp then raises to `open`, as for a method it does not resend.
+    """
+
+    __slots__ = ("error", "sent")
+
+    def __init__(self) -> None:
+        self.sent = False
+        self.error: BaseException | None = None
+
+    async def __call__(
+        self, request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+    ) -> aiohttp.ClientResponse:
+        if self.sent:
+            raise self.error or aiohttp.ServerDisconnectedError()
+        self.sent = True
         try:
-            resp = await self._session.request(
-                method, url, headers=headers, data=body, timeout=timeout,
-                allow_redirects=False, compress=None,
-            )
-        except TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream did not answer in time ({url})") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(f"cannot connect to upstream: {exc.os_error or exc}") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"upstream request failed: {exc}") from exc
-        except asyncio.CancelledError:
+            return await handler(request)
+        except BaseException as exc:
+            self.error = exc
             raise
-        return UpstreamResponse(resp)

@@ -185,6 +185,9 @@ class HealthProber:
                     "GET", target.url,
                     {"Accept": "application/json", "Mcp-Session-Id": PROBE_SESSION},
                     None, connect_timeout=self.timeout, read_timeout=self.timeout,
+                    # A probe changes nothing upstream; resending it after the stale keep-alive
+                    # race keeps that race from marking a healthy upstream down.
+                    resend=True,
                 )
             resp.close()
         except (TimeoutError, UpstreamTimeout):

@@ -17,12 +17,16 @@ Connection pool
 
 The stale keep-alive race
     A server may close an idle keep-alive connection at the very moment we send a new request
-    on it. We cannot tell whether such a request was processed, but when the failure (write
-    error, reset, EOF) happens on a connection *reused from the pool* and *before a single
-    response byte arrived*, the server closed it for idleness, not because of our request: the
-    request is sent again, once, on a fresh connection. That is the standard behaviour of HTTP
-    clients (aiohttp, urllib3, Go's net/http) and applies to every method, POST included. A
-    failure on a fresh connection, or after any response byte, is never retried.
+    on it. We cannot tell whether such a request was processed: an upstream that read a
+    `tools/call` and then dropped the connection looks exactly the same. So a request is sent
+    again only when the caller says it may be (`open(..., resend=True)`: read-only or
+    idempotent calls) and the failure (write error, reset, EOF) happened on a connection
+    *reused from the pool* *before a single response byte arrived*: then it is sent once more,
+    on a fresh connection, and the response's `attempts` is 2. Otherwise (`resend=False`, the
+    default) the caller gets `UpstreamError` with `attempts` 1: the request may have been
+    performed. A failure on a fresh connection, or after any response byte, is never retried.
+    A request that never left (connection refused, no connection within `connect_timeout`)
+    raises `cannot connect to upstream ...` with `attempts` 0; callers retry on that prefix.
 
 Timeouts
     `connect_timeout` bounds the wait for a pool slot plus the TCP connect; `read_timeout`
@@ -41,7 +45,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import UpstreamError, UpstreamTimeout
-from proxy.upstream.forwarder import Forwarder, UpstreamResponse
+from proxy.upstream.forwarder import Forwarder, UpstreamResponse, counted
 
 __all__ = ["FastForwarder", "FastResponse"]
 
@@ -323,13 +327,15 @@ class FastResponse(UpstreamResponse):
 
     __slots__ = ("_conn", "_eof", "_fwd", "_read_timeout")
 
-    def __init__(self, fwd: FastForwarder, conn: _Conn, read_timeout: float | None):
+    def __init__(self, fwd: FastForwarder, conn: _Conn, read_timeout: float | None,
+                 attempts: int = 1):
         self._fwd = fwd
         self._conn: _Conn | None = conn
         self._eof = False
         self._read_timeout = read_timeout
         self.status = conn.status
         self.headers = CIMultiDictProxy(conn.headers)
+        self.attempts = attempts
 
     async def _next(self) -> bytes:
         """The next piece of the body; b"" at its end."""
@@ -465,24 +471,32 @@ class FastForwarder(Forwarder):
         *,
         connect_timeout: float,
         read_timeout: float | None,
+        resend: bool = False,
     ) -> UpstreamResponse:
         """Send a request and return once the status line and headers arrived.
 
-        `read_timeout` bounds each wait for bytes (None for long-lived streams).
-        Raises UpstreamError / UpstreamTimeout.
+        `read_timeout` bounds each wait for bytes (None for long-lived streams). `resend`: the
+        request may be sent a second time after the stale keep-alive race (module docstring);
+        otherwise it is written at most once. The response's `attempts` says how many times.
+        Raises UpstreamError / UpstreamTimeout, with `attempts` set: 0 (and a message starting
+        with `cannot connect to upstream`) when the request was never written.
         """
         if not self._started:
-            raise UpstreamError("forwarder is not started")
+            raise counted(UpstreamError("forwarder is not started"), 0)
         try:
             target = self._urls[url]
         except KeyError:
-            target = _parse_url(url)
+            try:
+                target = _parse_url(url)
+            except UpstreamError as exc:
+                exc.attempts = 0
+                raise
             if len(self._urls) >= _URL_CACHE_MAX:
                 self._urls.clear()
             self._urls[url] = target
         if target is None:
-            return await super().open(method, url, headers, body,
-                                      connect_timeout=connect_timeout, read_timeout=read_timeout)
+            return await super().open(method, url, headers, body, connect_timeout=connect_timeout,
+                                      read_timeout=read_timeout, resend=resend)
 
         lines = [f"{method} {target.target} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
         for name, value in headers.items():
@@ -496,25 +510,36 @@ class FastForwarder(Forwarder):
         lines.append("\r\n")
         head = "".join(lines)
         if head.count("\n") != len(lines) + 1 or head.count("\r") != len(lines) + 1:
-            raise UpstreamError("refusing to send a header name or value containing CR or LF")
+            raise counted(UpstreamError(
+                "refusing to send a header name or value containing CR or LF"), 0)
         data = head.encode("utf-8", "surrogateescape")
         if body:
             data += body
         head_only = method == "HEAD"
 
-        retried = False
+        attempts = 0
+        first: UpstreamError | None = None  # the first send's failure, once resending
         while True:
-            conn = await self._acquire(target, connect_timeout, fresh=retried)
+            try:
+                conn = await self._acquire(target, connect_timeout, fresh=first is not None)
+            except UpstreamError as exc:
+                if first is not None:  # the first send was written: not a connect failure
+                    raise counted(type(exc)(f"{first}; resending it failed: {exc}"),
+                                  attempts) from exc
+                exc.attempts = 0
+                raise
             conn.send(data, head_only)
+            attempts += 1
             while not conn.headers_done:
                 if conn.exc is not None:
-                    exc = conn.exc
-                    stale = conn.reused and not conn.got_bytes and not retried
+                    failure = conn.exc
+                    stale = resend and conn.reused and not conn.got_bytes and first is None
                     conn.abort()
                     self._release(conn)
                     if stale:
+                        first = failure
                         break  # the stale keep-alive race: once more, on a new connection
-                    raise exc
+                    raise counted(failure, attempts)
                 try:
                     got = await conn.wait(read_timeout)
                 except BaseException:  # cancelled: abort the upstream request
@@ -524,11 +549,11 @@ class FastForwarder(Forwarder):
                 if not got:
                     conn.abort()
                     self._release(conn)
-                    raise UpstreamTimeout(
-                        f"upstream {target.label} did not answer within {read_timeout}s ({url})")
+                    raise counted(UpstreamTimeout(
+                        f"upstream {target.label} did not answer within {read_timeout}s ({url})"),
+                        attempts)
             else:
-                return FastResponse(self, conn, read_timeout)
-            retried = True
+                return FastResponse(self, conn, read_timeout, attempts)
 
     # ---- the pool ------------------------------------------------------------------------
 

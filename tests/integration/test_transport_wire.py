@@ -1,5 +1,6 @@
 """FastForwarder and the aiohttp Forwarder side by side on real servers: an aiohttp app on
-loopback and the official MCP SDK demo server (json and sse modes). Both must see the same."""
+loopback, the official MCP SDK demo server (json and sse modes) and a raw socket upstream that
+hangs up after reading a request. Both must see the same."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.errors import UpstreamError
 from proxy.upstream.forwarder import Forwarder, UpstreamResponse
 from proxy.upstream.transport import FastForwarder
 from tests.harness import ROOT, free_port, stop, wait_port
+from tests.unit.test_transport import Server, answer_once_then_hang_up, read_request
 
 MCP_HEADERS = {
     "Accept": "application/json, text/event-stream",
@@ -213,3 +216,100 @@ async def test_demo_server_sse_mode(forwarders: tuple[Forwarder, FastForwarder],
     b = await exchange(fast, "POST", demo_sse, bad, TOOLS_LIST)
     assert a[0] == b[0]
     assert a[2] == b[2]
+
+
+# ---- resending: a raw upstream that answers once, then reads a request and hangs up ---------
+# (what a stale keep-alive connection and an upstream that dies performing a destructive call
+# both look like)
+
+def both(forwarders: tuple[Forwarder, FastForwarder]) -> list[tuple[str, Forwarder]]:
+    return [("aiohttp", forwarders[0]), ("fast", forwarders[1])]
+
+
+@pytest.mark.parametrize("method", ["POST", "DELETE", "PUT", "GET"])
+async def test_a_request_that_reached_the_upstream_is_sent_once_by_default(
+        forwarders: tuple[Forwarder, FastForwarder], method: str) -> None:
+    for name, fwd in both(forwarders):
+        box: list[Server] = []
+        async with Server(answer_once_then_hang_up(box)) as srv:
+            box.append(srv)
+            async with await fwd.open(method, srv.url, {}, b"{}", connect_timeout=5,
+                                      read_timeout=5) as resp:  # pooled
+                assert await resp.read() == b"ok" and resp.attempts == 1
+            with pytest.raises(UpstreamError) as err:
+                await fwd.open(method, srv.url, {}, b'{"call":"delete_repo"}', connect_timeout=5,
+                               read_timeout=5)
+            assert err.value.attempts == 1, name
+            assert not str(err.value).startswith("cannot connect to upstream"), name
+            await asyncio.sleep(0.1)
+            bodies = [body for _, body in srv.requests]
+            assert bodies == [b"{}", b'{"call":"delete_repo"}'], name  # exactly once
+            assert srv.connections == 1, name
+
+
+@pytest.mark.parametrize("method", ["POST", "DELETE"])
+async def test_a_resend_allowed_by_the_caller_is_sent_at_most_twice(
+        forwarders: tuple[Forwarder, FastForwarder], method: str) -> None:
+    for name, fwd in both(forwarders):
+        box: list[Server] = []
+        async with Server(answer_once_then_hang_up(box)) as srv:
+            box.append(srv)
+            async with await fwd.open(method, srv.url, {}, b"{}", connect_timeout=5,
+                                      read_timeout=5, resend=True) as resp:
+                assert await resp.read() == b"ok"
+            with pytest.raises(UpstreamError) as err:
+                await fwd.open(method, srv.url, {}, b'{"n":2}', connect_timeout=5,
+                               read_timeout=5, resend=True)
+            assert err.value.attempts == 2, name
+            await asyncio.sleep(0.1)
+            assert [body for _, body in srv.requests] == [b"{}", b'{"n":2}', b'{"n":2}'], name
+
+
+async def test_a_resend_that_succeeds_says_so(forwarders: tuple[Forwarder, FastForwarder]) -> None:
+    for name, fwd in both(forwarders):
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await read_request(reader)  # connection 1 drops the second request unanswered
+
+        async with Server(handler) as srv:
+            for attempts in (1, 2):
+                async with await fwd.open("POST", srv.url, {}, b"{}", connect_timeout=5,
+                                          read_timeout=5, resend=True) as resp:
+                    assert await resp.read() == b"ok"
+                    assert resp.attempts == attempts, name
+
+
+async def test_a_refused_connection_is_a_connect_failure(
+        forwarders: tuple[Forwarder, FastForwarder]) -> None:
+    port = free_port()
+    for name, fwd in both(forwarders):
+        for method in ("POST", "GET"):
+            with pytest.raises(UpstreamError) as err:
+                await fwd.open(method, f"http://127.0.0.1:{port}/mcp", {}, None, connect_timeout=5,
+                               read_timeout=5)
+            assert str(err.value).startswith("cannot connect to upstream"), name
+            assert err.value.attempts == 0, name
+
+
+async def test_a_resend_that_cannot_connect_is_not_a_connect_failure(
+        forwarders: tuple[Forwarder, FastForwarder]) -> None:
+    for name, fwd in both(forwarders):
+        box: list[Server] = []
+        srv = Server(answer_once_then_hang_up(box))
+        box.append(srv)
+        async with srv:
+            async with await fwd.open("POST", srv.url, {}, b"{}", connect_timeout=5,
+                                      read_timeout=5, resend=True) as resp:
+                assert await resp.read() == b"ok"
+            assert srv.server is not None
+            srv.server.close()  # stop listening: the resend's connection is refused
+            await srv.server.wait_closed()
+            with pytest.raises(UpstreamError) as err:
+                await fwd.open("POST", srv.url, {}, b"{}", connect_timeout=5, read_timeout=5,
+                               resend=True)
+        # Written once: callers must not retry it as a request that never left.
+        assert err.value.attempts == 1, name
+        assert not str(err.value).startswith("cannot connect to upstream"), name
+        assert "resending it failed: cannot connect to upstream" in str(err.value), name

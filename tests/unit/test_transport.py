@@ -96,9 +96,9 @@ async def fwd() -> AsyncIterator[FastForwarder]:
 
 async def post(fwd: FastForwarder, url: str, body: bytes | None = b'{"a":1}',
                headers: dict[str, str] | None = None, method: str = "POST",
-               read_timeout: float | None = 5.0) -> FastResponse:
+               read_timeout: float | None = 5.0, resend: bool = False) -> FastResponse:
     resp = await fwd.open(method, url, headers or {}, body, connect_timeout=2.0,
-                          read_timeout=read_timeout)
+                          read_timeout=read_timeout, resend=resend)
     assert isinstance(resp, FastResponse)
     return resp
 
@@ -222,7 +222,20 @@ async def test_half_read_connection_is_discarded(fwd: FastForwarder) -> None:
             await resp.read()
 
 
-async def test_stale_pooled_connection_is_retried_once(fwd: FastForwarder) -> None:
+def answer_once_then_hang_up(server: list[Server]) -> Handler:
+    """Connection 1 answers its first request, then reads the next and closes without a word
+    (the stale keep-alive race, or an upstream that dies performing the call); every later
+    connection reads one request and closes the same way."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            server[0].requests.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        server[0].requests.append(await read_request(reader))
+    return handler
+
+
+async def test_stale_pooled_connection_is_resent_once_when_allowed(fwd: FastForwarder) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -234,10 +247,60 @@ async def test_stale_pooled_connection_is_retried_once(fwd: FastForwarder) -> No
         await read_request(reader)
 
     async with Server(handler) as srv:
-        for _ in range(2):
-            async with await post(fwd, srv.url) as resp:
-                assert await resp.read() == b"ok"
+        async with await post(fwd, srv.url, resend=True) as resp:
+            assert await resp.read() == b"ok" and resp.attempts == 1
+        async with await post(fwd, srv.url, resend=True) as resp:
+            assert await resp.read() == b"ok"
+            assert resp.attempts == 2  # the caller learns it was sent twice
         assert srv.connections == 2
+
+
+@pytest.mark.parametrize("method", ["POST", "DELETE", "GET"])
+async def test_a_request_the_upstream_read_is_never_resent_by_default(
+        fwd: FastForwarder, method: str) -> None:
+    box: list[Server] = []
+    async with Server(answer_once_then_hang_up(box)) as srv:
+        box.append(srv)
+        async with await post(fwd, srv.url, method=method) as resp:
+            assert await resp.read() == b"ok"
+        with pytest.raises(UpstreamError, match="closed the connection before responding") as err:
+            await post(fwd, srv.url, body=b'{"call":"delete_repo"}', method=method)
+        assert err.value.attempts == 1
+        assert not str(err.value).startswith("cannot connect to upstream")
+        await asyncio.sleep(0.05)
+        assert srv.connections == 1 and len(srv.requests) == 2  # received exactly once
+
+
+async def test_a_resend_is_sent_at_most_twice(fwd: FastForwarder) -> None:
+    box: list[Server] = []
+    async with Server(answer_once_then_hang_up(box)) as srv:
+        box.append(srv)
+        async with await post(fwd, srv.url, resend=True) as resp:
+            assert await resp.read() == b"ok"
+        with pytest.raises(UpstreamError, match="closed the connection before responding") as err:
+            await post(fwd, srv.url, body=b'{"n":2}', resend=True)
+        assert err.value.attempts == 2
+        await asyncio.sleep(0.05)
+        assert srv.connections == 2
+        assert [body for _, body in srv.requests] == [b'{"a":1}', b'{"n":2}', b'{"n":2}']
+
+
+async def test_a_resend_that_cannot_connect_is_not_a_connect_failure(fwd: FastForwarder) -> None:
+    box: list[Server] = []
+    srv = Server(answer_once_then_hang_up(box))
+    box.append(srv)
+    async with srv:
+        async with await post(fwd, srv.url, resend=True) as resp:
+            assert await resp.read() == b"ok"
+        assert srv.server is not None
+        srv.server.close()  # stop listening: the resend's connection is refused
+        await srv.server.wait_closed()
+        with pytest.raises(UpstreamError) as err:
+            await post(fwd, srv.url, resend=True)
+    # Written once: callers must not take it for a request that never left.
+    assert err.value.attempts == 1
+    assert str(err.value).startswith(f"upstream 127.0.0.1:{srv.port} closed the connection")
+    assert "resending it failed: cannot connect to upstream" in str(err.value)
 
 
 async def test_failure_on_fresh_connection_is_not_retried(fwd: FastForwarder) -> None:
@@ -289,8 +352,10 @@ async def test_connection_refused(fwd: FastForwarder) -> None:
     port = server.sockets[0].getsockname()[1]
     server.close()
     await server.wait_closed()
-    with pytest.raises(UpstreamError, match=f"cannot connect to upstream 127.0.0.1:{port}"):
-        await post(fwd, f"http://127.0.0.1:{port}/mcp")
+    for resend in (False, True):
+        with pytest.raises(UpstreamError, match=f"^cannot connect to upstream 127.0.0.1:{port}") as err:
+            await post(fwd, f"http://127.0.0.1:{port}/mcp", resend=resend)
+        assert err.value.attempts == 0  # never written: safe to retry whatever the method
     assert fwd._hosts[("127.0.0.1", port)].count == 0
 
 

@@ -103,10 +103,12 @@ class FakeForwarder:
     def __init__(self, outcomes: dict[str, Any]):
         self.outcomes = outcomes
         self.seen: list[tuple[str, str, Mapping[str, str]]] = []
+        self.resends: list[bool] = []
 
     async def open(self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, *,
-                   connect_timeout: float, read_timeout: float | None) -> Any:
+                   connect_timeout: float, read_timeout: float | None, resend: bool = False) -> Any:
         self.seen.append((method, url, headers))
+        self.resends.append(resend)
         out = self.outcomes[url]
         if isinstance(out, BaseException):
             raise out
@@ -126,6 +128,7 @@ async def test_probe_records_each_upstream() -> None:
     await prober.probe_all()
     snap = h.snapshot()
     assert snap["a"]["state"] == "up" and ok.closed  # any HTTP status is alive
+    assert fwd.resends == [True] * 4  # a probe may be resent after the stale keep-alive race
     assert snap["b"]["state"] == "down" and snap["b"]["last_error"] == "probe: cannot connect: refused"
     assert snap["c"]["state"] == "down" and "no answer" in snap["c"]["last_error"]
     assert snap["d"]["state"] == "down" and snap["d"]["last_source"] == "probe"

@@ -6,6 +6,9 @@ upstream's `inputSchema`. Upstream schemas are compiled on first use and cached 
 decides whether to recompile. When no schema is known at all (no policy schema, the upstream never
 listed the tool or listed it without `inputSchema`) the call continues: catalogue and policy
 decide whether such a tool may run, and the upstream validates its own input.
+
+Both kinds of schema are compiled by `proxy.policy.schemas.compile_schema`, which asserts `format`:
+the data-flow check trusts validated formats (`dataflow.skip_formats`) to hold no free text.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jsonschema_rs
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.policy.compiled import PolicyRevision
+from proxy.policy.schemas import compile_schema
 
 # Reasons reach the model and the audit log; a schema message can quote a huge argument.
 MAX_MESSAGE = 300
@@ -84,7 +88,7 @@ class SchemaCheck:
             entry.schema = schema
             return entry
         try:
-            validator = jsonschema_rs.validator_for(dict(schema))
+            validator = compile_schema(schema)
             error = None
         except Exception as exc:  # jsonschema_rs raises ValidationError/ValueError on bad schemas
             validator, error = None, _clip(str(exc))

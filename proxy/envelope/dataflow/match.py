@@ -18,6 +18,7 @@ from proxy.envelope.dataflow.ledger import (
     Ledger,
 )
 from proxy.policy.model import DEFAULT_WINNOW
+from proxy.policy.schemas import VALIDATED_FORMATS
 
 SNIPPET = 80  # evidence snippets are truncated to this many characters
 MAX_DEPTH = 32
@@ -25,10 +26,15 @@ MAX_DEPTH = 32
 # -- arguments ------------------------------------------------------------------------------------
 
 
-def _constrained(schema: Any, skip_formats: frozenset[str]) -> bool:
-    """Whether a schema leaves no room for an attacker's text (enum, boolean, bounded number,
-    a skipped format, a short maxLength)."""
-    if not isinstance(schema, Mapping):
+def _constrained(schema: Any, value: Any, skip_formats: frozenset[str]) -> bool:
+    """Whether a schema the call was validated against leaves no room for an attacker's text in
+    `value` (enum, const, boolean, bounded number, a short maxLength, a trusted format).
+
+    `format` and `maxLength` constrain strings only (anything else passes them), and a format is
+    trusted only when the schema check asserts it (`VALIDATED_FORMATS`). A schema with `$ref`
+    is never trusted: in drafts before 2019-09 its other keywords are ignored by the validator.
+    """
+    if not isinstance(schema, Mapping) or "$ref" in schema:
         return False
     if "enum" in schema or "const" in schema:
         return True
@@ -38,7 +44,10 @@ def _constrained(schema: Any, skip_formats: frozenset[str]) -> bool:
     if kind in ("number", "integer"):
         return (("minimum" in schema or "exclusiveMinimum" in schema)
                 and ("maximum" in schema or "exclusiveMaximum" in schema))
-    if schema.get("format") in skip_formats:
+    if not isinstance(value, str):
+        return False
+    fmt = schema.get("format")
+    if fmt in skip_formats and fmt in VALIDATED_FORMATS:
         return True
     max_len = schema.get("maxLength")
     return isinstance(max_len, int) and max_len < MIN_TOKEN
@@ -50,8 +59,12 @@ def _escape(seg: str) -> str:
 
 def free_text(value: Any, schema: Any, skip_formats: frozenset[str], ptr: str = "",
               depth: int = 0) -> Iterator[tuple[str, str]]:
-    """(JSON pointer, text) of every argument value that can carry an attacker's text."""
-    if depth > MAX_DEPTH or _constrained(schema, skip_formats):
+    """(JSON pointer, text) of every argument value that can carry an attacker's text.
+
+    `schema` is the one the schema check validated the arguments against; a value is skipped
+    only when the subschema that validated it constrains it (`_constrained`).
+    """
+    if depth > MAX_DEPTH or _constrained(schema, value, skip_formats):
         return
     sch = schema if isinstance(schema, Mapping) else {}
     if isinstance(value, str):
@@ -62,14 +75,20 @@ def free_text(value: Any, schema: Any, skip_formats: frozenset[str], ptr: str = 
     elif isinstance(value, Mapping):
         found = sch.get("properties")
         props: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
-        extra = sch.get("additionalProperties")
+        # additionalProperties does not apply to a key patternProperties matches: with pattern
+        # properties, keys outside `properties` are walked without a schema.
+        extra = None if "patternProperties" in sch else sch.get("additionalProperties")
         for k, v in value.items():
             sub = props.get(k, extra if isinstance(extra, Mapping) else None)
             yield from free_text(v, sub, skip_formats, f"{ptr}/{_escape(str(k))}", depth + 1)
     elif isinstance(value, list):
+        # 2020-12: `prefixItems` validate the first elements, `items` only those after them.
+        prefix = sch.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
         items = sch.get("items")
         for i, v in enumerate(value):
-            yield from free_text(v, items, skip_formats, f"{ptr}/{i}", depth + 1)
+            sub = prefix[i] if i < len(prefix) else items
+            yield from free_text(v, sub, skip_formats, f"{ptr}/{i}", depth + 1)
 
 
 def _snippet(text: str) -> str:

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jsonschema_rs
-
 from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, ToolInfo
 from proxy.policy.cel import available_engines, get_engine
 from proxy.policy.compiled import CompiledPrincipal, CompiledRule, CompiledTool, PolicyRevision
 from proxy.policy.model import PolicyDocument
+from proxy.policy.schemas import compile_schema
 
 ENGINES = available_engines()
 
@@ -42,7 +41,7 @@ def build_revision(doc: dict[str, Any], engine: str = "cel-cpp") -> PolicyRevisi
             rules=tuple(rules),
             fallback=policy.fallback or ("deny" if has_allow else "allow"),
             schema_validator=(
-                jsonschema_rs.validator_for(policy.input_schema) if policy.input_schema else None
+                compile_schema(policy.input_schema) if policy.input_schema else None
             ),
         )
     principals = {

@@ -63,6 +63,34 @@ def test_constrained_arguments_are_not_matched() -> None:
     assert [p for p, _ in free_text(args, schema, frozenset({"date-time"}))] == ["/body"]
 
 
+def test_only_validated_formats_of_strings_are_skipped() -> None:
+    """A format is skipped only when the schema check asserts it, and only for a string (a
+    format says nothing about an object or a list)."""
+    schema = {"type": "object", "properties": {
+        "when": {"format": "date-time"}, "size": {"type": "string", "format": "int32"},
+        "note": {"maxLength": 4}}}
+    args = {"when": "2024-01-01T00:00:00Z", "size": PAGE}
+    skip = frozenset({"date-time", "int32"})
+    assert [p for p, _ in free_text(args, schema, skip)] == ["/size"]
+    smuggled = {"when": {"x": PAGE}, "note": [PAGE]}
+    assert [p for p, _ in free_text(smuggled, schema, skip)] == ["/when/x", "/note/0"]
+
+
+def test_only_the_subschema_that_validated_a_value_can_skip_it() -> None:
+    dt = {"type": "string", "format": "date-time"}
+    skip = frozenset({"date-time"})
+    # additionalProperties does not apply to keys patternProperties match.
+    pattern = {"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": dt}
+    assert [p for p, _ in free_text({"xa": PAGE}, pattern, skip)] == ["/xa"]
+    assert list(free_text({"a": "2024-01-01T00:00:00Z"}, {"additionalProperties": dt}, skip)) == []
+    # items applies only after prefixItems.
+    tup = {"type": "array", "prefixItems": [{}], "items": dt}
+    assert [p for p, _ in free_text([PAGE, "2024-01-01T00:00:00Z"], tup, skip)] == ["/0"]
+    # Beside $ref, older drafts ignore every other keyword.
+    ref = {"$ref": "#/$defs/any", "format": "date-time", "enum": [PAGE]}
+    assert [p for p, _ in free_text(PAGE, ref, skip)] == [""]
+
+
 def test_path_labels_override_the_tool_label() -> None:
     policy = ToolPolicy(output="trusted", labels={"/tx/*/subject": {"output": "untrusted"}})
     labels = output_labels(policy, None, False)
