@@ -181,7 +181,8 @@ class _Forwarded:
         self.target = request.target
         self.started = 0.0
         self.status: int | None = None
-        self.attempts = 1
+        self.attempts = 1  # tries of `_open`, for the backoff
+        self.writes = 0  # times the request was written upstream (the record's `attempts`)
         self.last_event_id: str | None = None  # the upstream's events carry ids: resumable
 
     def _seconds(self) -> float:
@@ -209,9 +210,15 @@ class _Forwarded:
             x.cancel(self.request, "the proxy's upstream timeout expired")
         return await x.envelope.complete(self.pending, ending, upstream_seconds=self._seconds())
 
+    def _sent(self, writes: int | None) -> None:
+        """Count how often the request was written upstream (a refused connection: never); the
+        record says `attempts` whenever it was more than once."""
+        self.writes += 1 if writes is None else writes
+        if self.writes > 1:
+            self.pending.call.audit_extra["attempts"] = self.writes
+
     def _failure(self, kind: Any, reason: str) -> Failure:
-        extra = {"attempts": self.attempts} if self.attempts > 1 else None
-        return Failure(kind, reason, self.status, extra)
+        return Failure(kind, reason, self.status)
 
     def _gone(self) -> Failure:
         """The client left before the answer: why, as the record will say."""
@@ -270,14 +277,17 @@ class _Forwarded:
             try:
                 resp = await x.forwarder.open(
                     "POST", target.url, request.headers, request.body,
-                    connect_timeout=target.connect_timeout, read_timeout=target.timeout)
+                    connect_timeout=target.connect_timeout, read_timeout=target.timeout,
+                    resend=retry is not None)  # a written request is sent again only if repeatable
             except UpstreamError as exc:
+                self._sent(exc.attempts)
                 if retry is not None and _connect_failed(exc):
                     delay = self._delay(retry, None)
                 if delay is None:
                     raise
                 x.observe(target.name, time.perf_counter() - attempt_started, "error", str(exc))
             else:
+                self._sent(resp.attempts)
                 if resp.status == 404 and request.setup is not None and not reopened:
                     # The upstream forgot the session (restart, expiry): it did not run the call.
                     resp.close()
@@ -297,7 +307,6 @@ class _Forwarded:
                      self.pending.call.qualified_name, target.name, delay, self.attempts)
             await asyncio.sleep(delay)
             self.attempts += 1
-            self.pending.call.audit_extra["attempts"] = self.attempts
 
     async def _exchange(self) -> Reply | Failure | Decision:
         x, target = self.x, self.target

@@ -74,6 +74,10 @@ READS = frozenset({"resources/read", "prompts/get", "tasks/result"})
 # Lists, initialize and the like are inspected (meta, guardrails) but not recorded: their text
 # is the server's self-description, read before any task, and recording it would taint every run.
 RECORDED = frozenset({"tasks/get", "tasks/list", "tasks/cancel"})
+# Requests an upstream may receive twice (nothing changes): resent once on a stale pooled
+# connection. Every other request written to an upstream is never sent again.
+REPEATABLE = frozenset({"ping", "tools/list", "resources/list", "resources/templates/list",
+                        "prompts/list", "tasks/get", "tasks/list", "completion/complete"})
 # How many calls left on a resumable stream, and how many task ids, are remembered.
 REMEMBERED = 10_000
 REMEMBER_SECONDS = 3600.0
@@ -318,7 +322,8 @@ class McpFront:
             async with asyncio.timeout(target.timeout):
                 resp = await ctx.forwarder.open(
                     request.method, target.url, self._upstream_headers(request, target), body,
-                    connect_timeout=target.connect_timeout, read_timeout=None if stream else target.timeout)
+                    connect_timeout=target.connect_timeout, read_timeout=None if stream else target.timeout,
+                    resend=request.method in ("GET", "DELETE") or (msg is not None and msg.method in REPEATABLE))
         except (UpstreamError, TimeoutError) as exc:
             timeout = isinstance(exc, TimeoutError | UpstreamTimeout)
             ctx.observe(target.name, time.perf_counter() - started, "timeout" if timeout else "error", str(exc))
