@@ -108,14 +108,41 @@ def winnowed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> list[bytes]:
     return _as_fields(hashes[keep])
 
 
+# -- distinctive tokens ---------------------------------------------------------------------------
+#
+# Token scanning costs time linear in the text, whatever the text: a fetched page or a sink
+# argument is the attacker's, and `[a-z0-9._%+-]+@...` searched from every position of a long
+# run of `a` is quadratic (60 KB held the event loop for 25 s). Python's `re` backtracks, so
+# every pattern here is written so that each character is examined a bounded number of times:
+# a match may only start where a look-behind admits it (the start of a run of the characters
+# it begins with), and from one start it backtracks at most over that run. The matches are
+# exactly those of the plain patterns (leftmost, greedy, non-overlapping); the linear-time
+# unit tests time each pattern on long runs of its own characters.
+
+# E-mail addresses: [a-z0-9._%+-]+@[a-z0-9-]+(?:\.[a-z0-9-]+)*\.[a-z]{2,24}. Every start inside a
+# run of local-part characters reaches the same "@" (or none), so only the run's first one is
+# tried; a run the previous address ended inside is tried once where it ended (`_emails`).
 _EMAIL = re.compile(r"[a-z0-9._%+-]+@[a-z0-9-]+(?:\.[a-z0-9-]+)*\.[a-z]{2,24}")
-_URL = re.compile(r"(?:[a-z][a-z0-9+.-]*://|www\.)[^\s<>\"'`()\[\]{}|\\^]+")
+_EMAIL_AT_RUN = re.compile(r"(?<![a-z0-9._%+-])" + _EMAIL.pattern)
+# URLs: (?:[a-z][a-z0-9+.-]*://|www\.)[^\s<>"'`()\[\]{}|\\^]+. A scheme starts at the first
+# letter of a run of scheme characters (every later start reaches the same "://"), so the run's
+# leading non-letters are matched outside the `url` group; "www." is a literal. A URL ends
+# where no scheme character follows, so the next match never starts inside a run.
+_URL_BODY = r"[^\s<>\"'`()\[\]{}|\\^]+"
+_URL = re.compile(rf"(?<![a-z0-9+.-])[0-9+.-]*+(?P<url>[a-z][a-z0-9+.-]*+://{_URL_BODY})"
+                  rf"|(?P<www>www\.{_URL_BODY})")
+# Bare domains, and account-number-like digit runs, are linear as they are: a match can only
+# start where a run of [@\w.-] (resp. of digits and separators) starts, and from there the
+# labels (digit groups) are split by "." (by the separators) one way only.
 _DOMAIN = re.compile(
     r"(?<![@\w.-])(?:[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\.)+[a-z]{2,24}(?![\w-])(?:/[^\s<>\"'`()\[\]{}]*)?"
 )
 _DIGITS = re.compile(r"(?<![\w])\d(?:[ .\-/()]{0,2}\d){7,}(?![\w])")
+# IBANs start at a word boundary and are at most 44 characters long: bounded work per position.
 _IBAN = re.compile(r"\b[a-z]{2}\d{2}(?: ?[a-z0-9]{4}){2,7}(?: ?[a-z0-9]{1,4})?\b")
 _DATE = re.compile(r"^\d{4}[-./]\d{1,2}[-./]\d{1,2}$|^\d{1,2}[-./]\d{1,2}[-./]\d{4}$")
+_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*://")
+_NOT_DIGIT = re.compile(r"\D")
 # Bare "domains" that are file names, not hosts.
 _FILE_TLDS = frozenset(
     "txt md pdf doc docx xls xlsx csv json yaml yml py js ts html htm png jpg jpeg gif svg zip "
@@ -124,9 +151,30 @@ _FILE_TLDS = frozenset(
 _TRAIL = ".,;:!?'\")]}>*"
 
 
+def _emails(low: str) -> Iterator[str]:
+    """E-mail addresses of a folded text, in order, not overlapping."""
+    pos = 0
+    while True:
+        # Where the previous address ended inside a run of local-part characters, the run's
+        # rest is tried once (the look-behind would skip it); then the next run's start.
+        found = _EMAIL.match(low, pos) if pos else None
+        if found is None:
+            found = _EMAIL_AT_RUN.search(low, pos)
+            if found is None:
+                return
+        yield found.group()
+        pos = found.end()
+
+
+def _urls(low: str) -> Iterator[str]:
+    """URLs (with a scheme, or starting www.) of a folded text, in order, not overlapping."""
+    for found in _URL.finditer(low):
+        yield found.group("url") or found.group("www")
+
+
 def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
     value = raw.rstrip(_TRAIL)
-    value = re.sub(r"^[a-z][a-z0-9+.-]*://", "", value)
+    value = _SCHEME.sub("", value)
     value = value.removeprefix("www.")
     value = value.rstrip("/")
     host, _, rest = value.partition("/")
@@ -140,27 +188,36 @@ def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
 
 
 def tokens(text: str) -> set[tuple[str, str]]:
-    """Distinctive tokens of a text, normalised: (kind, value), values of at least 8 chars."""
+    """Distinctive tokens of a text, normalised: (kind, value), values of at least 8 chars.
+    Time linear in the text, whatever the text."""
     low = _fold(text)
     found: set[tuple[str, str]] = set()
-    emails = _EMAIL.findall(low)
-    for e in emails:
-        found.add(("email", e))
-        host = e.rsplit("@", 1)[1]
-        if len(host) >= MIN_TOKEN:
-            found.add(("host", host))
-    for m in _URL.findall(low):
-        found.update(_url_tokens(m))
-    for m in _DOMAIN.findall(low):
-        found.update(_url_tokens(m))
-    for m in _DIGITS.findall(low):
+    # A match shorter than MIN_TOKEN yields no token (every value is a part of the match), so
+    # it costs nothing more; matches are iterated, not collected, so the thread that runs this
+    # for a large output lets others take the GIL between them.
+    if "@" in low:
+        for e in _emails(low):
+            if len(e) >= MIN_TOKEN:
+                found.add(("email", e))
+                host = e.rsplit("@", 1)[1]
+                if len(host) >= MIN_TOKEN:
+                    found.add(("host", host))
+    if "://" in low or "www." in low:
+        for m in _urls(low):
+            if len(m) >= MIN_TOKEN:
+                found.update(_url_tokens(m))
+    for match in _DOMAIN.finditer(low):
+        if match.end() - match.start() >= MIN_TOKEN:
+            found.update(_url_tokens(match.group()))
+    for match in _DIGITS.finditer(low):
+        m = match.group()
         if _DATE.match(m):
             continue
-        digits = re.sub(r"\D", "", m)
+        digits = _NOT_DIGIT.sub("", m)
         if len(digits) >= MIN_TOKEN:
             found.add(("number", digits))
-    for m in _IBAN.findall(low):
-        compact = m.replace(" ", "")
+    for match in _IBAN.finditer(low):
+        compact = match.group().replace(" ", "")
         if any(ch.isdigit() for ch in compact[4:]):
             found.add(("number", compact))
     return {(k, v) for k, v in found if len(v) >= MIN_TOKEN}
