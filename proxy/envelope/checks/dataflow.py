@@ -23,7 +23,9 @@ from proxy.envelope.dataflow.match import (
     Probe,
     free_text,
     match_argument,
+    oversized,
 )
+from proxy.envelope.dataflow.offload import probes_of
 from proxy.envelope.labels import OutputLabels, annotation, output_labels, pieces
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
@@ -67,6 +69,7 @@ class DataflowCheck:
         self._skip = frozenset(self.policy.skip_formats)
         self._ttl = self.policy.ledger_ttl
         self._cap = self.policy.ledger_cap
+        self._max_argument = self.policy.max_argument_chars
         self._trust = {name: up.trust_annotations for name, up in revision.document.upstreams.items()}
         self._labels: dict[tuple[str, bool, Any], OutputLabels] = {}
         self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
@@ -149,7 +152,7 @@ class DataflowCheck:
 
     def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
         """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
-        return [(ptr, Probe.of(text, self._n, self._window))
+        return [(ptr, Probe.of(text, self._n, self._window, self._max_argument))
                 for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
 
     def findings(self, call: ToolCall, ledger: Ledger,
@@ -160,6 +163,12 @@ class DataflowCheck:
         decl = self._declassified(call)
         coarse = ledger.coarse(time.time(), self._n, self._window)
         for ptr, probe in self.probes(call) if probes is None else probes:
+            if probe.oversized:
+                # Too long to be matched (bounded work): it counts as matching whatever the run
+                # has read that is untrusted, declassified or not (its tokens are unknown).
+                if ledger.untrusted or coarse:
+                    flagged.append(dataclasses.replace(oversized(probe, self._max_argument), argument=ptr))
+                continue
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
             verbatim, toks = match_argument(ledger, probe, self._n, self._window)
@@ -175,7 +184,9 @@ class DataflowCheck:
         return flagged, declassified
 
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
-        probes = self.probes(call)
+        # Large arguments are hashed in a worker thread: the event loop keeps serving.
+        probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
+                                 window=self._window, max_chars=self._max_argument)
         ledger = await load(store, call.run.id, self._n,
                             (f for _, probe in probes for f in probe.fields()), self._window)
         if ledger is None:
