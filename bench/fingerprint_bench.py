@@ -187,8 +187,9 @@ async def loop_report() -> list[str]:
     for size in (1_000, 2_000, 4_000, 8_000, 16_000):
         text = typical(size)
         pieces = [Piece(text, Label(True, False), "t")]
-        delta = statistics.median(_best(lambda: LedgerDelta.of("web.fetch", pieces, 32, 65536), 1) for _ in range(30))
-        probe = statistics.median(_best(lambda: Probe.of(text, 32), 1) for _ in range(30))
+        delta = statistics.median(_best(lambda p=pieces: LedgerDelta.of("web.fetch", p, 32, 65536), 1)
+                                  for _ in range(30))
+        probe = statistics.median(_best(lambda t=text: Probe.of(t, 32), 1) for _ in range(30))
         lines.append(f"| {size:,} | {delta * 1e6:,.0f} | {probe * 1e6:,.0f} |")
     return lines
 

@@ -148,9 +148,11 @@ _EMAIL_AT_RUN = re.compile(r"(?<![a-z0-9._%+-])" + _EMAIL.pattern)
 _URL_BODY = r"[^\s<>\"'`()\[\]{}|\\^]+"
 _URL = re.compile(rf"(?<![a-z0-9+.-])[0-9+.-]*+(?P<url>[a-z][a-z0-9+.-]*+://{_URL_BODY})"
                   rf"|(?P<www>www\.{_URL_BODY})")
-# Bare domains, and account-number-like digit runs, are linear as they are: a match can only
-# start where a run of [@\w.-] (resp. of digits and separators) starts, and from there the
-# labels (digit groups) are split by "." (by the separators) one way only.
+# Bare domains are linear as written: a match can only start where a run of [@\w.-] starts,
+# and from there its labels are split by "." one way only. So are digit runs: a match starts at
+# a digit after a non-word character and extends greedily to the end of its chain of digits
+# and separators; only a start with fewer than 8 digits before the chain's last possible end
+# fails, so at most 9 starts of one chain scan it.
 _DOMAIN = re.compile(
     r"(?<![@\w.-])(?:[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\.)+[a-z]{2,24}(?![\w-])(?:/[^\s<>\"'`()\[\]{}]*)?"
 )

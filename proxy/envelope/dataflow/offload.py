@@ -2,12 +2,12 @@
 one sink call's arguments ask of it (`probes_of`).
 
 Normalising, token scanning and gram hashing cost time linear in the text, up to the policy's
-caps (`max_output_chars`, `max_argument_chars`): about a second for the largest output the
-default caps let through. That must not stall every other call and `/healthz`, so an input
+caps (`max_output_chars`, `max_argument_chars`): up to about 0.7 s of CPU for the largest output
+the default caps let through. That must not stall every other call and `/healthz`, so an input
 larger than `INLINE_CHARS` is fingerprinted in a worker thread (numpy's hashing releases the
-GIL; Python's loops and `re` scans hand it back between matches and at the switch interval).
-A smaller one stays inline: a thread hop costs more than hashing it (bench/RESULTS.md,
-"Fingerprinting cost").
+GIL; the Python code between regex matches hands it back at the switch interval, so the loop
+waits at most for one C call: tens of milliseconds at the default cap). A smaller one stays
+inline: a thread hop costs more than hashing it (bench/RESULTS.md, "Fingerprinting cost").
 """
 
 from __future__ import annotations
