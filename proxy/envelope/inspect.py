@@ -28,6 +28,7 @@ from typing import Any
 
 from proxy.envelope.checks.guardrails import UNCHANGED, Guarded, Rule, compiled, scan_payload
 from proxy.envelope.dataflow.ledger import LedgerDelta, RecentWrites, record, widen_parent
+from proxy.envelope.dataflow.offload import delta_of
 from proxy.envelope.labels import Label, OutputLabels, Piece, ToolLabels, pieces
 from proxy.envelope.types import RunContext, ToolCall
 from proxy.policy.compiled import PolicyRevision
@@ -243,16 +244,18 @@ class Inspector:
 
     # -- the ledger -----------------------------------------------------------------------
 
-    def delta(self, subject: Subject, message: Mapping[str, Any]) -> LedgerDelta:
-        """What delivering `message` adds to the run's ledger (computed, not yet written)."""
+    async def delta(self, subject: Subject, message: Mapping[str, Any]) -> LedgerDelta:
+        """What delivering `message` adds to the run's ledger (computed, not yet written): at
+        most `max_output_chars` of it are fingerprinted (past that the run turns coarse), in a
+        worker thread when it is large (`proxy.envelope.dataflow.offload`)."""
         policy = self.dataflow
         payload = payload_of(message)
         if subject.tool_result and "result" in message and isinstance(payload, Mapping):
             found = pieces(payload, subject.labels)
         else:
             found = all_pieces(payload, subject.labels.base, subject.source)
-        return LedgerDelta.of(subject.source, found, policy.min_match, limit=policy.ledger_cap,
-                              window=policy.winnow)
+        return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,
+                              window=policy.winnow, max_chars=policy.max_output_chars)
 
     async def record(self, store: Store, recent: RecentWrites, run: RunContext, delta: LedgerDelta,
                      done: str | None = None) -> None:

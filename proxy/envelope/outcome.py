@@ -283,7 +283,7 @@ class Completion:
             if subject.labels.tracked:
                 call.audit_extra.setdefault("dataflow_error", "no state store: flows are not tracked")
             return None
-        delta = inspector.delta(subject, message)
+        delta = await inspector.delta(subject, message)
         marker = call.ledger_pending if done else None
         if delta.empty and marker is None:
             return None

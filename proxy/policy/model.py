@@ -330,6 +330,10 @@ OnFlag = Literal["block", "approve"]
 
 # The data-flow winnowing window (see DataflowPolicy.winnow).
 DEFAULT_WINNOW = 4
+# How much of one tool output, and of one sink argument, the data-flow check fingerprints (see
+# DataflowPolicy.max_output_chars and max_argument_chars).
+DEFAULT_MAX_OUTPUT_CHARS = 1 << 20
+DEFAULT_MAX_ARGUMENT_CHARS = 1 << 16
 
 
 class DataflowPolicy(_Model):
@@ -365,6 +369,16 @@ class DataflowPolicy(_Model):
     ledger_cap: int = Field(default=65536, ge=1024, le=4_000_000)
     # Seconds a run's ledger lives after its last update. Absent: 24h.
     ledger_ttl: float = 24 * 3600.0
+    # Most characters of one tool output that are fingerprinted (its labelled pieces in
+    # order); the rest is not hashed and the run's ledger is marked overflowed, as when it
+    # reaches ledger_cap (every free-text sink argument then counts as matching: widens, never
+    # narrows). Bounds the work one output costs. Absent: 1 MiB (1048576; measured:
+    # bench/RESULTS.md, "Fingerprinting cost").
+    max_output_chars: int = Field(default=DEFAULT_MAX_OUTPUT_CHARS, ge=4096, le=1 << 26)
+    # Longest sink argument (in characters) that is matched against the ledger. A longer one,
+    # declassified or not, is not hashed and counts as matching when the run has read
+    # untrusted content (finding `coarse`, saying it exceeded this cap). Absent: 64 KiB (65536).
+    max_argument_chars: int = Field(default=DEFAULT_MAX_ARGUMENT_CHARS, ge=1024, le=1 << 24)
 
     @model_validator(mode="after")
     def _gram_length(self) -> DataflowPolicy:

@@ -19,7 +19,9 @@ from proxy.envelope.dataflow.match import (
     Probe,
     free_text,
     match_argument,
+    oversized,
 )
+from proxy.envelope.dataflow.offload import probes_of
 from proxy.envelope.labels import OutputLabels, ToolLabels
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
@@ -63,6 +65,7 @@ class DataflowCheck:
         self._skip = frozenset(self.policy.skip_formats)
         self._ttl = self.policy.ledger_ttl
         self._cap = self.policy.ledger_cap
+        self._max_argument = self.policy.max_argument_chars
         self._labels = ToolLabels(revision)
         self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
         self._store: Store | None = services.store if services is not None else None
@@ -136,7 +139,7 @@ class DataflowCheck:
 
     def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
         """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
-        return [(ptr, Probe.of(text, self._n, self._window))
+        return [(ptr, Probe.of(text, self._n, self._window, self._max_argument))
                 for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
 
     def findings(self, call: ToolCall, ledger: Ledger,
@@ -147,6 +150,12 @@ class DataflowCheck:
         decl = self._declassified(call)
         coarse = ledger.coarse(time.time(), self._n, self._window)
         for ptr, probe in self.probes(call) if probes is None else probes:
+            if probe.oversized:
+                # Too long to be matched (bounded work): it counts as matching whatever the run
+                # has read that is untrusted, declassified or not (its tokens are unknown).
+                if ledger.untrusted or coarse:
+                    flagged.append(dataclasses.replace(oversized(probe, self._max_argument), argument=ptr))
+                continue
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
             verbatim, toks = match_argument(ledger, probe, self._n, self._window)
@@ -162,7 +171,9 @@ class DataflowCheck:
         return flagged, declassified
 
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
-        probes = self.probes(call)
+        # Large arguments are hashed in a worker thread: the event loop keeps serving.
+        probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
+                                 window=self._window, max_chars=self._max_argument)
         ledger = await load(store, call.run.id, self._n,
                             (f for _, probe in probes for f in probe.fields()), self._window)
         if ledger is None:

@@ -1,8 +1,9 @@
 """Data flow: the run ledger of untrusted and secret content, and matching sink arguments against it.
 
 `fingerprint` (normalising, grams, winnowing, distinctive tokens), `ledger` (the store layout,
-recording and loading) and `match` (which arguments can carry text, and what they copy). The
-check itself is `proxy.envelope.checks.dataflow`.
+recording and loading), `match` (which arguments can carry text, and what they copy) and
+`offload` (fingerprinting large inputs in a worker thread). The check itself is
+`proxy.envelope.checks.dataflow`.
 
 Per run, a **ledger** in the store holds fingerprints of the untrusted and secret content the
 run has read: hashes of normalised character grams, winnowed (of every `winnow` consecutive
@@ -15,7 +16,10 @@ the fingerprints of its arguments (two round trips, cost proportional to the arg
 the ledger); recording an output adds fields (flags only get set and fingerprints only get added,
 so concurrent calls of a run never contend). When the cap `ledger_cap` is reached, later content
 is not fingerprinted and every free-text sink argument counts as matching: eviction widens a
-verdict, never narrows it.
+verdict, never narrows it. Work is bounded the same way: token scanning is linear in the text,
+an output is fingerprinted up to `max_output_chars` characters (past them the run overflows),
+and a sink argument longer than `max_argument_chars` is not hashed but counts as matching
+(finding `coarse`) when the run holds untrusted content.
 
 A **sink** is a call whose effect is not `read`. Its string arguments (and long integers) are
 matched unless the tool's schema constrains them (enum, const, boolean, bounded number, a

@@ -18,7 +18,7 @@ from proxy.envelope.dataflow.fingerprint import (
     winnowed,
 )
 from proxy.envelope.labels import Piece
-from proxy.policy.model import DEFAULT_WINNOW
+from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
 from proxy.store.base import Store
 
 NS = "ledger"
@@ -54,11 +54,13 @@ class LedgerDelta:
 
     @classmethod
     def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None,
-           window: int = DEFAULT_WINNOW) -> LedgerDelta:
+           window: int = DEFAULT_WINNOW,
+           max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS) -> LedgerDelta:
         """The fingerprints of labelled pieces (grams winnowed with `window`). Beyond `limit`
-        fingerprints the rest of the output is not hashed and the delta says `overflow`
-        (bounded work per output)."""
+        fingerprints, or `max_chars` characters of its pieces, the rest of the output is not
+        hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
+        budget = max_chars
         for piece in parts:
             label = "untrusted" if piece.label.untrusted else "secret"
             delta.untrusted |= piece.label.untrusted
@@ -66,7 +68,15 @@ class LedgerDelta:
             if limit is not None and len(delta.grams) + len(delta.tokens) >= limit:
                 delta.overflow = True
                 continue
-            norm = normalise(piece.text)
+            text = piece.text
+            if budget is not None:
+                if len(text) > budget:
+                    text = text[:budget]
+                    delta.overflow = True
+                budget -= len(text)
+                if not text:
+                    continue
+            norm = normalise(text)
             # Winnowing keeps at least one gram of every `window`: past this length the output
             # would overflow the cap anyway, so no more of it is hashed (bounded work).
             most = None if limit is None else max(0, limit - len(delta.grams)) * window + n
@@ -74,7 +84,7 @@ class LedgerDelta:
                 norm = norm[:most]
                 delta.overflow = True
             grams = winnowed(norm, n, window)
-            toks = [token_hash(kind, value) for kind, value in tokens(piece.text)]
+            toks = [token_hash(kind, value) for kind, value in tokens(text)]
             for into, found in ((delta.grams, grams), (delta.tokens, toks)):
                 if label == "untrusted":
                     into.update(dict.fromkeys(found, label))

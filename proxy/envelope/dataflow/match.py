@@ -17,7 +17,7 @@ from proxy.envelope.dataflow.fingerprint import (
 from proxy.envelope.dataflow.ledger import (
     Ledger,
 )
-from proxy.policy.model import DEFAULT_WINNOW
+from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_WINNOW
 from proxy.policy.schemas import VALIDATED_FORMATS
 
 SNIPPET = 80  # evidence snippets are truncated to this many characters
@@ -128,9 +128,15 @@ class Probe:
     grams: list[bytes]  # every gram, in order (outputs keep only winnowed ones)
     tokens: list[tuple[str, str, bytes]]  # (kind, value, fingerprint)
     k: int = 0  # gram length
+    oversized: int = 0  # the value's length when it is longer than the cap (then not hashed)
 
     @classmethod
-    def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW) -> Probe:
+    def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW,
+           max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS) -> Probe:
+        """The fingerprints of one argument value; none for a value longer than `max_chars`
+        (`oversized`: the caller counts it as matching, bounded work per argument)."""
+        if max_chars is not None and len(text) > max_chars:
+            return cls("", [], [], gram_length(n, window), oversized=len(text))
         norm = normalise(text)
         return cls(norm, gram_hashes(norm, n, window),
                    [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))], gram_length(n, window))
@@ -139,6 +145,14 @@ class Probe:
         for _, _, h in self.tokens:
             yield h
         yield from self.grams
+
+
+def oversized(probe: Probe, max_chars: int) -> Finding:
+    """The `coarse` finding of an argument too long to be matched (its pointer is filled in by
+    the caller, which adds it when the run's ledger holds untrusted content or is coarse)."""
+    return Finding("coarse", None, "this run",
+                   f"it is {probe.oversized:,} characters long, more than the {max_chars:,} that are "
+                   "matched (dataflow.max_argument_chars), so it counts as matching")
 
 
 def match_argument(ledger: Ledger, text: str | Probe, n: int,

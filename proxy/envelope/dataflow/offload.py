@@ -1,0 +1,69 @@
+"""Fingerprinting off the event loop: what one output adds to a ledger (`delta_of`) and what
+one sink call's arguments ask of it (`probes_of`).
+
+Normalising, token scanning and gram hashing cost time linear in the text, up to the policy's
+caps (`max_output_chars`, `max_argument_chars`): up to about 0.7 s of CPU for the largest output
+the default caps let through. That must not stall every other call and `/healthz`, so an input
+larger than `INLINE_CHARS` is fingerprinted in a worker thread (numpy's hashing releases the
+GIL; the Python code between regex matches hands it back at the switch interval, so the loop
+waits at most for one C call: tens of milliseconds at the default cap). A smaller one stays
+inline: a thread hop costs more than hashing it (bench/RESULTS.md, "Fingerprinting cost").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from typing import TypeVar
+
+from proxy.envelope.dataflow.ledger import LedgerDelta
+from proxy.envelope.dataflow.match import Probe
+from proxy.envelope.labels import Piece
+from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
+
+# Inputs of at most this many characters (all pieces of one output, all matched arguments of
+# one call) are fingerprinted inline: ~1 ms of work, against ~0.1 ms for the hop to a thread
+# and back under load (measured: bench/fingerprint_bench.py).
+INLINE_CHARS = 4096
+
+T = TypeVar("T")
+
+
+async def _off_loop(work: Callable[[], T], executor: Executor | None) -> T:
+    if executor is None:
+        return await asyncio.to_thread(work)
+    return await asyncio.get_running_loop().run_in_executor(executor, work)
+
+
+async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | None = None,
+                   window: int = DEFAULT_WINNOW, max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
+                   executor: Executor | None = None) -> LedgerDelta:
+    """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
+    default executor, or `executor`) when its pieces hold more than INLINE_CHARS characters.
+    Raises what `LedgerDelta.of` raises; cancelling the caller does not stop a thread already
+    running (its work is bounded by the caps)."""
+    pieces = list(parts)
+    size = sum(len(piece.text) for piece in pieces)
+    work = functools.partial(LedgerDelta.of, source, pieces, n, limit, window, max_chars)
+    if min(size, size if max_chars is None else max_chars) <= INLINE_CHARS:
+        return work()
+    return await _off_loop(work, executor)
+
+
+async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int = DEFAULT_WINNOW,
+                    max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS,
+                    executor: Executor | None = None) -> list[tuple[str, Probe]]:
+    """(JSON pointer, `Probe.of(text)`) of each (pointer, text) argument value, in order, in a
+    worker thread when the values to hash (those not longer than `max_chars`: an oversized one
+    is not hashed) hold more than INLINE_CHARS characters together."""
+    values = list(arguments)
+    size = sum(len(text) for _, text in values if max_chars is None or len(text) <= max_chars)
+
+    def work() -> list[tuple[str, Probe]]:
+        return [(ptr, Probe.of(text, n, window, max_chars)) for ptr, text in values]
+
+    if size <= INLINE_CHARS:
+        return work()
+    return await _off_loop(work, executor)
