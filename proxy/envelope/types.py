@@ -11,14 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
-
-class Effect(enum.StrEnum):
-    """What a tool does to the world, from least to most consequential."""
-
-    READ = "read"
-    WRITE = "write"
-    EXTERNAL = "external"
-    DESTRUCTIVE = "destructive"
+from proxy.policy.vocab import Effect
 
 
 class Verdict(enum.StrEnum):

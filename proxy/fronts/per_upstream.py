@@ -28,7 +28,6 @@ from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.types import (
     Code,
     Decision,
-    Effect,
     Principal,
     RequestInfo,
     RunContext,
@@ -49,6 +48,7 @@ from proxy.fronts.inband import (
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event
 from proxy.observability.metrics import UpstreamOutcome
+from proxy.policy.vocab import Effect
 from proxy.upstream.forwarder import Forwarder, UpstreamResponse
 
 log = logging.getLogger("envelope.mcp")

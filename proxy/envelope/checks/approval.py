@@ -60,7 +60,6 @@ from proxy.envelope.types import (
     ApprovalPrompt,
     Code,
     Decision,
-    Effect,
     InBandAnswer,
     InBandChannel,
     Services,
@@ -71,6 +70,7 @@ from proxy.envelope.types import (
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import Approval as ApprovalPolicy
+from proxy.policy.vocab import Effect
 
 DEFAULT_WAIT = 30.0
 NS_STATE_NONCE = "approval_state_nonce"  # spent in-band states (replay protection)

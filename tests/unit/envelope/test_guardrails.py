@@ -10,20 +10,14 @@ from typing import Any
 import pytest
 from envelope_helpers import build_revision
 
-from proxy.envelope.checks.guardrails import (
-    BUILTIN_PATTERNS,
-    DETECTORS,
-    compile_pattern,
-    engine_of,
-    guard_reply,
-    rules_for,
-)
+from proxy.envelope.checks.guardrails import engine_of, guard_reply, rules_for
 from proxy.envelope.pipeline import Chain
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Principal, RequestInfo, RunContext, ToolCall, Verdict
 from proxy.errors import PolicyError
 from proxy.observability.metrics import Metrics
 from proxy.policy.loader import load_policy
+from proxy.policy.vocab import BUILTIN_PATTERNS, DETECTORS, compile_pattern
 
 AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"

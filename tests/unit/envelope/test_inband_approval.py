@@ -19,15 +19,7 @@ from proxy.approvals.signer import STATE_PREFIX, RequestStateSigner
 from proxy.config import ApprovalsConfig
 from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import (
-    ApprovalPrompt,
-    Code,
-    Effect,
-    InBandAnswer,
-    RunContext,
-    Services,
-    ToolCall,
-)
+from proxy.envelope.types import ApprovalPrompt, Code, InBandAnswer, RunContext, Services, ToolCall
 from proxy.fronts.inband import (
     INPUT_KEY,
     DeferChannel,
@@ -37,6 +29,7 @@ from proxy.fronts.inband import (
     stateless_elicitation,
     strip_stateless,
 )
+from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
 BINDING = CallBinding("agent", "run-1", "demo", "delete", "sha256:" + "0" * 64)
