@@ -21,6 +21,7 @@ from proxy.admin.app import build_admin_app
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.service import ApprovalService
+from proxy.approvals.signer import RequestStateSigner
 from proxy.audit.log import AuditLog
 from proxy.config import Config
 from proxy.envelope.pipeline import Envelope
@@ -69,8 +70,11 @@ class Runtime:
         )
         self.approvers = Approvers(config.approvals)
         self._approvals_gauge: asyncio.Task[None] | None = None
+        # One in-band approval signer for the process: every policy revision's approval check
+        # shares it, so a state handed to a client before a reload still opens after it.
+        self.signer = RequestStateSigner.from_config(config.approvals)
         self.services = Services(store=self.store, settings=config, metrics=self.metrics,
-                                 notifier=self.approval_notifier)
+                                 notifier=self.approval_notifier, signer=self.signer)
         self.envelope = Envelope(self.audit, self.metrics, self.registry, self.services)
         self.envelope.recorder = open_recorder(config, worker, self.metrics.registry)
         self.identity = Identity(config.identity)

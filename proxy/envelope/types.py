@@ -9,9 +9,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from proxy.policy.vocab import Effect
+
+if TYPE_CHECKING:
+    from proxy.approvals.signer import RequestStateSigner
 
 
 class Verdict(enum.StrEnum):
@@ -265,7 +268,9 @@ class Services:
     `store` is the state store (None when none is configured: stateful checks then refuse,
     fail closed); `settings` the runtime config; `metrics` the process metrics. `hold_calls`
     False says nobody waits at the other end (policy tests, replay): a check that would hold a
-    call for a person (approval) decides at once.
+    call for a person (approval) decides at once. `signer` signs in-band approval state: one
+    per process, so a state minted under one policy revision still opens under the next
+    (None: the approval check builds its own).
     """
 
     store: Any = None
@@ -273,6 +278,7 @@ class Services:
     metrics: Any = None
     notifier: Any = None  # approval webhook notifier, when configured
     hold_calls: bool = True
+    signer: RequestStateSigner | None = None
 
 
 @runtime_checkable

@@ -104,7 +104,10 @@ class ApprovalCheck:
             self._service = ApprovalService(services.store, self._config, services.notifier,
                                             services.metrics)
             self._store_kind = getattr(services.store, "kind", "store")
-        self._signer = RequestStateSigner.from_config(self._config)
+        # The process's signer, so states minted before a policy reload open after it; only a
+        # check built without one (tests, offline tools) signs with its own.
+        signer = services.signer if services is not None else None
+        self._signer = signer if signer is not None else RequestStateSigner.from_config(self._config)
 
     # -- gating (sync, cheap) ---------------------------------------------------------------
 
