@@ -287,6 +287,14 @@ ENV_KEYS = {
 }
 
 
+def cel_engine_setting(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The CEL engine name for commands that read no config file (`check`, `test`): the flag,
+    else `ENVELOPE_CEL_ENGINE`, else auto; the precedence `load_config` gives `cel_engine`.
+    Not validated here: an unknown name is reported by the policy loader."""
+    environ = os.environ if environ is None else environ
+    return flag or environ.get("ENVELOPE_CEL_ENGINE") or "auto"
+
+
 def load_config(
     path: Path | None = None,
     overrides: Mapping[str, Any] | None = None,

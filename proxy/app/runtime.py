@@ -32,6 +32,7 @@ from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.per_upstream import LOOPBACK_HOSTS, FrontSettings, McpFront, UpstreamTarget
 from proxy.identity import Identity
 from proxy.observability.metrics import Metrics
+from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.reload import PolicyWatcher
@@ -80,6 +81,9 @@ class Runtime:
         self.identity = Identity(config.identity)
         self.forwarder: Forwarder = FastForwarder() if config.transport == "fast" else Forwarder()
         self.revision: PolicyRevision | None = None
+        # The CEL engine, resolved from `config.cel_engine` by the first load and kept: every
+        # later revision is compiled with the same engine object.
+        self.cel: Engine | None = None
         self._targets: dict[str, UpstreamTarget] = {}
         self.last_reload: dict[str, Any] = {}
         self._reload_lock = asyncio.Lock()
@@ -100,9 +104,14 @@ class Runtime:
 
     def load_policy(self) -> PolicyRevision:
         """Load and install the policy; raises PolicyError (nothing changes then)."""
-        revision = load_policy(self.config.policies, engine=self.config.cel_engine)
+        revision = load_policy(self.config.policies, engine=self._engine())
+        self.cel = revision.cel
         self._install(revision)
         return revision
+
+    def _engine(self) -> Engine | str:
+        """The engine to compile with: the one kept, else the configured name (first load)."""
+        return self.cel if self.cel is not None else self.config.cel_engine
 
     def _install(self, revision: PolicyRevision) -> None:
         targets: dict[str, UpstreamTarget] = {}
@@ -125,7 +134,7 @@ class Runtime:
             started = time.time()
             try:
                 revision = await asyncio.to_thread(
-                    load_policy, self.config.policies, engine=self.config.cel_engine
+                    load_policy, self.config.policies, engine=self._engine()
                 )
             except PolicyError as exc:
                 errors = [str(p) for p in exc.problems]
@@ -139,6 +148,7 @@ class Runtime:
                 self.last_reload = {"result": "failure", "at": started, "trigger": trigger, "errors": [repr(exc)]}
                 log.exception("policy reload failed unexpectedly")
                 return False
+            self.cel = revision.cel
             self._install(revision)
             self.metrics.reload("success")
             self.last_reload = {"result": "success", "at": started, "trigger": trigger, "errors": []}

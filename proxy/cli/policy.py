@@ -27,13 +27,14 @@ def add_check_parser(sub: Any) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from proxy.config import cel_engine_setting
     from proxy.envelope.checks.catalogue import misconfigurations
     from proxy.envelope.misconfig import Dependencies
     from proxy.envelope.tools import ToolRegistry
     from proxy.policy.loader import load_policy
 
     try:
-        revision = load_policy(args.directory, engine=args.cel_engine)
+        revision = load_policy(args.directory, engine=cel_engine_setting(args.cel_engine))
     except PolicyError as exc:
         for problem in exc.problems:
             print(problem)
@@ -89,10 +90,11 @@ def add_test_parser(sub: Any) -> None:
 
 def cmd_test(args: argparse.Namespace) -> int:
     """`test DIR`: 0 when every case passes (and coverage meets --threshold), else 1."""
+    from proxy.config import cel_engine_setting
     from proxy.tools.policy_tests import render_json, render_text, run_tests
 
-    report = run_tests(args.directory, engine=args.cel_engine, coverage=args.coverage,
-                       threshold=args.threshold)
+    report = run_tests(args.directory, engine=cel_engine_setting(args.cel_engine),
+                       coverage=args.coverage, threshold=args.threshold)
     out = render_json(report) if args.format == "json" else render_text(report, args.verbose)
     sys.stdout.write(out)
     return 0 if report.ok else 1

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.config import Config, load_config
+from proxy.config import Config, cel_engine_setting, load_config
 from proxy.errors import ConfigError
 from tests.duration_fields import duration_fields
 
@@ -96,3 +96,12 @@ def test_rotate_interval_stays_positive_and_optional(tmp_path: Path) -> None:
         load_config(file, environ={})
     assert load_config(_config_file(tmp_path, ("audit", "rotate_interval"), None),
                        environ={}).audit.rotate_interval is None
+
+
+def test_cel_engine_setting_has_the_precedence_of_load_config() -> None:
+    env = {"ENVELOPE_CEL_ENGINE": "cel-python"}
+    assert cel_engine_setting("cel-cpp", env) == "cel-cpp"  # the flag wins
+    assert cel_engine_setting(None, env) == "cel-python"
+    assert cel_engine_setting(None, {}) == "auto"
+    assert cel_engine_setting(None, env) == load_config(None, environ=env).cel_engine
+    assert load_config(None, {"cel_engine": "cel-cpp"}, environ=env).cel_engine == "cel-cpp"
