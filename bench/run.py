@@ -576,7 +576,8 @@ def summarize_speedscope(path: Path, top: int = 15) -> str:
     for i, w in sorted(self_w.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {100 * w / total:.1f} | {name(i)} |")
     lines += ["", f"Top {top} project functions (`proxy/`) by inclusive time:", "", "| incl % | frame |", "|---:|---|"]
-    entry = ("/proxy/cli.py", "/proxy/__main__.py")  # the process's own entry frames: always 100%
+    # The process's own entry frames (always 100%): the command's dispatch and `serve`.
+    entry = ("/proxy/cli/__init__.py", "/proxy/cli/serve.py", "/proxy/__main__.py")
     ours = [(fn, w) for fn, w in total_w.items() if "/proxy/" in fn[1] and not fn[1].endswith(entry)]
     for (fname, file), w in sorted(ours, key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {100 * w / total:.1f} | `{fname}` ({short(file)}) |")

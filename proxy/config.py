@@ -24,6 +24,7 @@ from pydantic import (
 
 from proxy.errors import ConfigError
 from proxy.identity import IdentityConfig
+from proxy.policy.vocab import Duration
 
 
 class _Model(BaseModel):
@@ -63,12 +64,7 @@ class AuditConfig(_Model):
     # Also start a new file at every interval (e.g. 24h: one file per UTC day; intervals are
     # aligned to the Unix epoch), before the first record written in it; the chain continues.
     # Absent: no time rotation.
-    rotate_interval: float | None = Field(default=None, gt=0)
-
-    @field_validator("rotate_interval", mode="before")
-    @classmethod
-    def _interval(cls, v: object) -> float | None:
-        return None if v is None else _seconds(v)
+    rotate_interval: Duration | None = Field(default=None, gt=0)
 
 
 class StoreConfig(_Model):
@@ -85,12 +81,6 @@ class StoreConfig(_Model):
     prefix: str = "envelope:"
     # Seconds any single store operation may take before it counts as unavailable.
     timeout: float = 2.0
-
-
-def _seconds(v: object) -> float:
-    from proxy.policy.model import parse_duration
-
-    return parse_duration(v)  # type: ignore[arg-type]
 
 
 class ApproverConfig(_Model):
@@ -120,18 +110,13 @@ class ApprovalWebhookConfig(_Model):
 
     url: str
     # Seconds one delivery attempt may take.
-    timeout: float = 5.0
+    timeout: Duration = 5.0
     # Delivery attempts before giving up (each failure is counted).
     attempts: int = Field(default=5, ge=1)
     # Seconds before the second attempt; doubled after each failure.
-    backoff: float = 0.5
+    backoff: Duration = 0.5
     # Headers added to every notification (a shared secret for the receiver, for example).
     headers: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("timeout", "backoff", mode="before")
-    @classmethod
-    def _duration(cls, v: object) -> float:
-        return _seconds(v)
 
 
 class ApprovalsConfig(_Model):
@@ -140,13 +125,13 @@ class ApprovalsConfig(_Model):
     # false: no approval gate; tools with gated effects are refused as misconfigured.
     enabled: bool = True
     # How long an approval may be decided and used. Absent: 1 h (a tool's approval.ttl wins).
-    ttl: float = 3600.0
+    ttl: Duration = 3600.0
     # Seconds between store polls while a call waits (a decision in this process wakes it at once).
-    poll_interval: float = 0.2
+    poll_interval: Duration = 0.2
     # How long decided, consumed and expired approvals stay listed after they expire.
-    retention: float = 86400.0
+    retention: Duration = 86400.0
     # Longest grant an approver may give. Absent: 24 h.
-    max_grant_duration: float = 86400.0
+    max_grant_duration: Duration = 86400.0
     # Approver name -> token. Absent: nobody can approve through the admin API.
     approvers: dict[str, ApproverConfig] = Field(default_factory=dict)
     # Notification on every new approval. Absent: none (approvers poll the admin API).
@@ -160,28 +145,17 @@ class ApprovalsConfig(_Model):
     # reaches another replica, or this one after a restart, is refused and asks again).
     in_band_secret_env: str | None = None
     # How long a client may take to answer an in-band approval request (2026-07-28).
-    in_band_state_ttl: float = 600.0
-
-    @field_validator("ttl", "poll_interval", "retention", "max_grant_duration",
-                     "in_band_state_ttl", mode="before")
-    @classmethod
-    def _duration(cls, v: object) -> float:
-        return _seconds(v)
+    in_band_state_ttl: Duration = 600.0
 
 
 class IdempotencyConfig(_Model):
     """How long performed calls are remembered, and how long a duplicate waits for the first."""
 
     # Seconds (or "24h") a performed call's result is kept for replay. Absent: 24 hours.
-    ttl: float = 24 * 3600.0
+    ttl: Duration = 24 * 3600.0
     # Seconds a duplicate of a call still in flight waits for its result before it is refused
     # (idempotency_in_flight). Absent: 30 s.
-    wait: float = 30.0
-
-    @field_validator("ttl", "wait", mode="before")
-    @classmethod
-    def _duration(cls, v: object) -> float:
-        return _seconds(v)
+    wait: Duration = 30.0
 
 
 class RetryConfig(_Model):
@@ -194,14 +168,9 @@ class RetryConfig(_Model):
     # Attempts in all (1 disables retries). Absent: 3.
     attempts: int = Field(default=3, ge=1, le=10)
     # First backoff in seconds, doubled per retry. Absent: 0.2 s.
-    backoff: float = 0.2
+    backoff: Duration = 0.2
     # Longest single wait, also the cap on a Retry-After header. Absent: 5 s.
-    max_backoff: float = 5.0
-
-    @field_validator("backoff", "max_backoff", mode="before")
-    @classmethod
-    def _duration(cls, v: object) -> float:
-        return _seconds(v)
+    max_backoff: Duration = 5.0
 
 
 class Limits(_Model):
@@ -316,6 +285,14 @@ ENV_KEYS = {
     "ENVELOPE_TRANSPORT": "transport",
     "ENVELOPE_HEALTH_INTERVAL": "health_interval",
 }
+
+
+def cel_engine_setting(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The CEL engine name for commands that read no config file (`check`, `test`): the flag,
+    else `ENVELOPE_CEL_ENGINE`, else auto; the precedence `load_config` gives `cel_engine`.
+    Not validated here: an unknown name is reported by the policy loader."""
+    environ = os.environ if environ is None else environ
+    return flag or environ.get("ENVELOPE_CEL_ENGINE") or "auto"
 
 
 def load_config(

@@ -70,3 +70,19 @@ class IdentityError(EnvelopeError):
 
 class StoreError(EnvelopeError):
     """The state store cannot be read or written: gated calls are refused until it can."""
+
+
+class AdminApiError(EnvelopeError):
+    """The admin API could not be reached or read (`status` None), or refused a request
+    (`status`: the HTTP status; `message`: the server's own error message)."""
+
+    def __init__(self, base_url: str, url: str, message: str, status: int | None = None):
+        self.base_url = base_url
+        self.url = url
+        # One line: a server message or an OS error never breaks the CLI's one-line report.
+        self.message = " ".join(message.split())
+        self.status = status
+        if status is None:
+            super().__init__(f"cannot reach the admin API at {base_url}: {self.message}")
+        else:
+            super().__init__(f"{url}: HTTP {status}: {self.message}")

@@ -21,6 +21,7 @@ from proxy.admin.app import build_admin_app
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.service import ApprovalService
+from proxy.approvals.signer import RequestStateSigner
 from proxy.audit.log import AuditLog
 from proxy.config import Config
 from proxy.envelope.pipeline import Envelope
@@ -34,6 +35,7 @@ from proxy.fronts.guard import LOOPBACK_HOSTS, GuardSettings, guard_middleware
 from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
 from proxy.observability.metrics import Metrics
+from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.reload import PolicyWatcher
@@ -72,13 +74,19 @@ class Runtime:
         )
         self.approvers = Approvers(config.approvals)
         self._approvals_gauge: asyncio.Task[None] | None = None
+        # One in-band approval signer for the process: every policy revision's approval check
+        # shares it, so a state handed to a client before a reload still opens after it.
+        self.signer = RequestStateSigner.from_config(config.approvals)
         self.services = Services(store=self.store, settings=config, metrics=self.metrics,
-                                 notifier=self.approval_notifier)
+                                 notifier=self.approval_notifier, signer=self.signer)
         self.envelope = Envelope(self.audit, self.metrics, self.registry, self.services)
         self.envelope.recorder = open_recorder(config, worker, self.metrics.registry)
         self.identity = Identity(config.identity)
         self.forwarder: Forwarder = FastForwarder() if config.transport == "fast" else Forwarder()
         self.revision: PolicyRevision | None = None
+        # The CEL engine, resolved from `config.cel_engine` by the first load and kept: every
+        # later revision is compiled with the same engine object.
+        self.cel: Engine | None = None
         self._targets: dict[str, UpstreamTarget] = {}
         self.last_reload: dict[str, Any] = {}
         self._reload_lock = asyncio.Lock()
@@ -99,9 +107,14 @@ class Runtime:
 
     def load_policy(self) -> PolicyRevision:
         """Load and install the policy; raises PolicyError (nothing changes then)."""
-        revision = load_policy(self.config.policies, engine=self.config.cel_engine)
+        revision = load_policy(self.config.policies, engine=self._engine())
+        self.cel = revision.cel
         self._install(revision)
         return revision
+
+    def _engine(self) -> Engine | str:
+        """The engine to compile with: the one kept, else the configured name (first load)."""
+        return self.cel if self.cel is not None else self.config.cel_engine
 
     def _install(self, revision: PolicyRevision) -> None:
         targets: dict[str, UpstreamTarget] = {}
@@ -124,7 +137,7 @@ class Runtime:
             started = time.time()
             try:
                 revision = await asyncio.to_thread(
-                    load_policy, self.config.policies, engine=self.config.cel_engine
+                    load_policy, self.config.policies, engine=self._engine()
                 )
             except PolicyError as exc:
                 errors = [str(p) for p in exc.problems]
@@ -138,6 +151,7 @@ class Runtime:
                 self.last_reload = {"result": "failure", "at": started, "trigger": trigger, "errors": [repr(exc)]}
                 log.exception("policy reload failed unexpectedly")
                 return False
+            self.cel = revision.cel
             self._install(revision)
             self.metrics.reload("success")
             self.last_reload = {"result": "success", "at": started, "trigger": trigger, "errors": []}

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import orjson
 
 from proxy.errors import EnvelopeError
-from proxy.policy.model import parse_duration
+from proxy.policy.vocab import parse_duration
 
 NS_APPROVAL = "approval"
 NS_BY_CALL = "approval_by_call"

@@ -43,7 +43,8 @@ class RequestStateSigner:
     the payload binds the approval id and the call (`CallBinding.key`: principal, run, upstream,
     tool, argument digest), carries a random nonce (the approval check spends it once in the
     store, so a replayed state is refused) and an expiry. The secret is the configured one
-    (`approvals.in_band_secret_env`) or a random one for this process.
+    (`approvals.in_band_secret_env`) or a random one drawn by this signer: the runtime builds
+    one signer per process and hands it to every policy revision through `Services.signer`.
     """
 
     def __init__(self, secret: bytes | None = None, ttl: float = 600.0,

@@ -11,9 +11,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from proxy.envelope.tools import ANNOTATION_DEFAULTS
-from proxy.envelope.types import Effect, ToolCall
+from proxy.envelope.types import ToolCall
 from proxy.errors import CelEvalError
 from proxy.policy.cel import Engine
+from proxy.policy.vocab import Effect
 
 
 def variables(call: ToolCall) -> dict[str, Any]:

@@ -8,8 +8,9 @@ default (destructive).
 
 from __future__ import annotations
 
-from proxy.envelope.types import Effect, ToolCall
+from proxy.envelope.types import ToolCall
 from proxy.policy.compiled import PolicyRevision
+from proxy.policy.vocab import Effect
 
 
 def gated_effect(revision: PolicyRevision, key: str, effect: Effect | None,

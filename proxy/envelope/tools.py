@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from proxy.envelope.types import Effect, ToolInfo
+from proxy.envelope.types import ToolInfo
+from proxy.policy.vocab import Effect
 
 # MCP annotation defaults when absent: a destructive, open-world writer.
 ANNOTATION_DEFAULTS: Mapping[str, bool] = {

@@ -12,22 +12,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from proxy.audit.record import canonical_args, digest_of
+from proxy.policy.vocab import Effect
 
 if TYPE_CHECKING:
     from proxy.approvals.notifier import ApprovalNotifier
+    from proxy.approvals.signer import RequestStateSigner
     from proxy.config import Config
     from proxy.envelope.dataflow.ledger import RecentWrites
     from proxy.observability.metrics import Metrics
     from proxy.store.base import Store
-
-
-class Effect(enum.StrEnum):
-    """What a tool does to the world, from least to most consequential."""
-
-    READ = "read"
-    WRITE = "write"
-    EXTERNAL = "external"
-    DESTRUCTIVE = "destructive"
 
 
 class Verdict(enum.StrEnum):
@@ -377,7 +370,9 @@ class Services:
     counted). `notifier`: the approval notifier (webhook, early wake-up of held calls).
     `recent`: what this process wrote to run ledgers moments ago (skips rewriting them).
     `hold_calls` False says nobody waits at the other end (policy tests, replay): a check that
-    would hold a call for a person (approval) decides at once.
+    would hold a call for a person (approval) decides at once. `signer` signs in-band approval
+    state: one per process, so a state minted under one policy revision still opens under the
+    next (None: the approval check builds its own).
     """
 
     store: Store | None = None
@@ -386,6 +381,7 @@ class Services:
     notifier: ApprovalNotifier | None = None
     recent: RecentWrites = field(default_factory=_recent_writes)
     hold_calls: bool = True
+    signer: RequestStateSigner | None = None
 
 
 @runtime_checkable

@@ -33,7 +33,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.envelope.pipeline import Pending
-from proxy.envelope.types import Effect, Principal, Reply, ToolCall
+from proxy.envelope.types import Principal, Reply, ToolCall
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.fronts import calls, jsonrpc, render
 from proxy.fronts.calls import Route
@@ -51,6 +51,7 @@ from proxy.fronts.inband import (
 )
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sse import KEEP_ALIVE, SSEEvent, SSEParser, format_event, format_fields
+from proxy.policy.vocab import Effect
 from proxy.upstream.forwarder import UpstreamResponse
 
 log = logging.getLogger("envelope.mcp")

@@ -2,7 +2,10 @@
 
 `cel-cpp` (PyPI `cel-expr-python`, Google's cel-cpp) is used wherever it has a wheel; the
 pure-Python `cel-python` is the automatic fallback. Nothing outside this module imports either
-library. Select with `ENVELOPE_CEL_ENGINE=auto|cel-cpp|cel-python` (default auto).
+library. Which one runs is the caller's choice, made once: the runtime config's `cel_engine`
+(also `ENVELOPE_CEL_ENGINE`, read by `proxy.config`) or a command's `--cel-engine` flag names
+it, `get_engine` builds it, and the caller keeps the engine (a policy revision carries the one
+that compiled it). This module reads no environment and keeps no engines.
 
 Contract: `Engine.compile(expr)` raises `CelCompileError` (with a 0-based offset where known);
 `Engine.activation(vars)` converts the per-call variables once; `Program.evaluate(act)` returns a
@@ -12,7 +15,7 @@ means (a forbid rule that errors counts as matched, an allow rule as not matched
 
 from __future__ import annotations
 
-import os
+import importlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -342,42 +345,41 @@ class PyEngine:
         return act
 
 
-_ENGINES: dict[str, Engine] = {}
+# The library each engine needs (what its constructor imports).
+_LIBRARIES = {"cel-cpp": "cel_expr_python.cel", "cel-python": "celpy"}
 
 
 def available_engines() -> list[str]:
-    """Engine names that can be built on this machine."""
+    """Engine names that can be built on this machine (their library imports)."""
     names = []
-    for name in ("cel-cpp", "cel-python"):
+    for name, library in _LIBRARIES.items():
         try:
-            get_engine(name)
-        except CelCompileError:
+            importlib.import_module(library)
+        except ImportError:
             continue
         names.append(name)
     return names
 
 
-def get_engine(name: str | None = None) -> Engine:
-    """The named engine (`auto`, `cel-cpp`, `cel-python`); auto prefers cel-cpp.
+def get_engine(name: str = "auto") -> Engine:
+    """A new engine of that name (`auto`, `cel-cpp`, `cel-python`); auto prefers cel-cpp.
 
-    Raises `CelCompileError` when the named engine is not installed.
+    Callers keep the engine they get: programs compiled by one engine are evaluated with that
+    engine's activations. Raises `CelCompileError` when the name is unknown or the engine is
+    not installed.
     """
-    name = (name or os.environ.get("ENVELOPE_CEL_ENGINE") or "auto").strip()
+    name = name.strip()
     if name == "auto":
         try:
             return get_engine("cel-cpp")
         except CelCompileError:
             return get_engine("cel-python")
-    if name in _ENGINES:
-        return _ENGINES[name]
-    if name not in ("cel-cpp", "cel-python"):
+    if name not in _LIBRARIES:
         raise CelCompileError(f"unknown CEL engine {name!r} (auto, cel-cpp, cel-python)")
     try:
-        engine: Engine = CppEngine() if name == "cel-cpp" else PyEngine()
+        return CppEngine() if name == "cel-cpp" else PyEngine()
     except ImportError as exc:
         raise CelCompileError(f"CEL engine {name} is not installed: {exc}") from exc
-    _ENGINES[name] = engine
-    return engine
 
 
 # --- Static checks the engines do not do -----------------------------------------------------

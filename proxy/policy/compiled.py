@@ -10,7 +10,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from proxy.policy.cel import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,9 @@ class PolicyRevision:
     tools: Mapping[str, CompiledTool]
     principals: Mapping[str, CompiledPrincipal]
     engine: str  # CEL engine name: "cel-cpp" or "cel-python"
+    # The engine that compiled the programs: checks compile and evaluate with this one, and a
+    # reload compiles the next revision with it.
+    cel: Engine
     loaded_at: float = 0.0
     # Where each tool key / principal id / upstream was declared, for error messages.
     locations: Mapping[str, Location] = field(default_factory=dict)

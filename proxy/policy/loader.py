@@ -486,24 +486,27 @@ class _Loader:
             tools=types.MappingProxyType(tools),
             principals=types.MappingProxyType(principals),
             engine=self.engine.name,
+            cel=self.engine,
             loaded_at=time.time(),
             locations=types.MappingProxyType(locations),
         )
 
 
-def load_policy(directory: Path, engine: str | None = None) -> PolicyRevision:
+def load_policy(directory: Path, engine: cel.Engine | str = "auto") -> PolicyRevision:
     """Load, validate and compile every policy file under `directory`.
 
-    `engine` names the CEL engine (`auto`, `cel-cpp`, `cel-python`; default from
-    `ENVELOPE_CEL_ENGINE`, else auto). Raises `PolicyError` carrying every problem found, each
-    with file, 1-based line and column; never returns a partial revision.
+    `engine` is the CEL engine to compile with (the runtime passes the one it keeps, so every
+    revision shares it), or its name (`auto`, `cel-cpp`, `cel-python`: a new engine is built).
+    Raises `PolicyError` carrying every problem found, each with file, 1-based line and column
+    (an unknown or missing engine is one at the directory); never returns a partial revision.
     """
     directory = Path(directory)
-    try:
-        cel_engine = cel.get_engine(engine)
-    except CelCompileError as exc:
-        raise PolicyError([PolicyProblem(str(directory), 1, 1, str(exc))]) from exc
-    return _Loader(directory, cel_engine).run()
+    if isinstance(engine, str):
+        try:
+            engine = cel.get_engine(engine)
+        except CelCompileError as exc:
+            raise PolicyError([PolicyProblem(str(directory), 1, 1, str(exc))]) from exc
+    return _Loader(directory, engine).run()
 
 
 def _is_null(node: Node) -> bool:

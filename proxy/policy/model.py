@@ -12,9 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from proxy.envelope.checks.guardrails import DETECTORS, PatternError, compile_pattern
-from proxy.envelope.types import Effect
 from proxy.policy.schemas import VALIDATED_FORMATS
+from proxy.policy.vocab import DETECTORS, Duration, Effect, PatternError, compile_pattern
 
 _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
@@ -24,21 +23,6 @@ TOOL_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}\.[A-Za-z0-9_.-]{1,128}$")
 RESOURCE_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}\.\S{1,1024}$")
 # `prompts:` keys: `<upstream>.<prompt name>`.
 PROMPT_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}\.\S{1,256}$")
-DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
-
-
-def parse_duration(value: str | float | int) -> float:
-    """Seconds from `1.5`, `250ms`, `30s`, `5m`, `1h`; ValueError otherwise."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError("duration must not be negative")
-        return float(value)
-    if isinstance(value, str):
-        m = DURATION.match(value.strip())
-        if m:
-            n, unit = float(m.group(1)), m.group(2)
-            return n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
-    raise ValueError(f"not a duration: {value!r} (use e.g. 250ms, 30s, 5m)")
 
 
 class _Model(BaseModel):
@@ -55,9 +39,9 @@ class Upstream(_Model):
 
     url: str
     # Whole-call timeout for inspected requests (tools/call, tools/list). Streams have no timeout.
-    timeout: float = 30.0
+    timeout: Duration = 30.0
     # Connect timeout.
-    connect_timeout: float = 5.0
+    connect_timeout: Duration = 5.0
     # Trust the server's tool annotations (readOnlyHint...) when the policy says nothing.
     # Absent: false, annotations are untrusted hints and the safe default applies.
     trust_annotations: bool = False
@@ -65,11 +49,6 @@ class Upstream(_Model):
     headers: dict[str, str] = Field(default_factory=dict)
     # Pass the client's Authorization header upstream. Absent: false (never leak agent tokens).
     forward_authorization: bool = False
-
-    @field_validator("timeout", "connect_timeout", mode="before")
-    @classmethod
-    def _duration(cls, v: object) -> float:
-        return parse_duration(v)  # type: ignore[arg-type]
 
     @field_validator("url")
     @classmethod
@@ -109,20 +88,15 @@ class Approval(_Model):
     required: bool = False
     # How long a gated call is held waiting for a decision before it is refused as
     # approval_pending (the client retries the same call after approval). Absent: 30 s.
-    wait: float = 30.0
+    wait: Duration = 30.0
     # How long an approval for this tool may be decided and used. Absent: approvals.ttl of the
     # runtime config (1 h by default).
-    ttl: float | None = None
+    ttl: Duration | None = None
     # Also ask the person at the client (the caller's own user) when the client can be asked:
     # MCP elicitation (2025-06-18 / 2025-11-25 sessions) or input_required (2026-07-28); the
     # answer is recorded as decided by `user:<principal>`. Otherwise (and meanwhile) the
     # out-of-band approval applies. Absent: false.
     in_band: bool = False
-
-    @field_validator("wait", "ttl", mode="before")
-    @classmethod
-    def _duration(cls, v: object) -> float | None:
-        return None if v is None else parse_duration(v)  # type: ignore[arg-type]
 
 
 class PathLabel(_Model):
@@ -368,7 +342,7 @@ class DataflowPolicy(_Model):
     # flag that flags every free-text sink argument (widens, never narrows). Absent: 65536.
     ledger_cap: int = Field(default=65536, ge=1024, le=4_000_000)
     # Seconds a run's ledger lives after its last update. Absent: 24h.
-    ledger_ttl: float = 24 * 3600.0
+    ledger_ttl: Duration = 24 * 3600.0
     # Most characters of one tool output that are fingerprinted (its labelled pieces in
     # order); the rest is not hashed and the run's ledger is marked overflowed, as when it
     # reaches ledger_cap (every free-text sink argument then counts as matching: widens, never
@@ -402,11 +376,6 @@ class DataflowPolicy(_Model):
     @classmethod
     def _on_flag(cls, v: object) -> object:
         return {"default": v} if isinstance(v, str) else v
-
-    @field_validator("ledger_ttl", mode="before")
-    @classmethod
-    def _ttl(cls, v: object) -> float:
-        return parse_duration(v)  # type: ignore[arg-type]
 
     @field_validator("declassify", "on_flag")
     @classmethod

@@ -54,7 +54,6 @@ from proxy.envelope.types import (
     ToolCall,
 )
 from proxy.errors import CelEvalError, PolicyError, PolicyProblem
-from proxy.policy.cel import get_engine
 from proxy.policy.compiled import Location, PolicyRevision
 from proxy.policy.loader import load_policy
 from proxy.policy.model import TOOL_KEY, DataflowPolicy
@@ -398,9 +397,8 @@ def _exercised(revision: PolicyRevision, call: ToolCall, decision: Decision) -> 
     hit.add(CoverageItem("tool", key, tool.location))
     if not _reached(decision, "authz") or call.effect is None:
         return hit
-    engine = get_engine(revision.engine)
     try:
-        act = activation(call, engine)
+        act = activation(call, revision.cel)
     except CelEvalError:
         return hit
 
@@ -516,9 +514,10 @@ async def _run_cases(revision: PolicyRevision, cases: list[LoadedCase],
     return results
 
 
-def run_tests(directory: Path, *, engine: str | None = None, coverage: bool = False,
+def run_tests(directory: Path, *, engine: str = "auto", coverage: bool = False,
               threshold: float | None = None) -> TestReport:
-    """Load the policy and its cases under `directory` and decide every case.
+    """Load the policy and its cases under `directory` and decide every case, with the CEL
+    engine named `engine` (`auto`, `cel-cpp`, `cel-python`).
 
     Never raises for a bad policy or case file: their problems are in the report (and no case
     runs). With `coverage` (implied by `threshold`), the report has the coverage of the policy's

@@ -35,7 +35,7 @@ from hostile_upstream import HostileUpstream, hostile_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.envelope.checks.guardrails import BUILTIN_PATTERNS
+from proxy.policy.vocab import BUILTIN_PATTERNS
 from proxy.envelope.dataflow.ledger import load
 from proxy.envelope.dataflow.match import Probe, match_argument
 from proxy.store.sqlite import SqliteStore

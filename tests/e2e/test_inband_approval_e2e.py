@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import pytest
 from aiohttp import web
 from e2e_helpers import upstream_server, write_doc
 
-from tests.harness import ProxyProcess, free_port, proxy_process, rpc, token
+from tests.harness import ProxyProcess, free_port, metric_value, proxy_process, rpc, token
 
 OPS = token("ops")
 STATELESS = "2026-07-28"
@@ -295,6 +297,27 @@ def test_stateless_forged_and_replayed_state_is_refused(world: World) -> None:
     assert "could not be verified" in r["content"][0]["text"]
     calls = world.recorder.calls()[before:]
     assert len(calls) == 1 and "requestState" not in calls[0]["params"]
+
+
+def test_stateless_state_handed_out_before_a_reload_opens_after_it(world: World) -> None:
+    """One signer per process, not per policy revision: a SIGHUP reload between the question
+    and the answer does not turn the person's approval into a refusal."""
+    first = _stateless_call(world, "inband-r", "r-1")
+    assert first["resultType"] == "input_required"
+    reloads = metric_value(world.proxy.metrics(), "envelope_policy_reloads_total", result="success")
+    world.proxy.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while metric_value(world.proxy.metrics(), "envelope_policy_reloads_total",
+                       result="success") == reloads:
+        assert time.monotonic() < deadline, "the proxy did not reload"
+        time.sleep(0.1)
+    accept = {"envelope/approval": {"action": "accept", "content": {"approve": True}}}
+    r = _stateless_call(world, "inband-r", "r-2", inputResponses=accept,
+                        requestState=first["requestState"])
+    assert r.get("isError") is False, r
+    assert r["structuredContent"] == {"deleted": "inband-r", "existed": False}
+    last = [rec for rec in records(world) if rec["upstream"] == "rec"][-1]
+    assert (last["code"], last["extra"]["approver"], last["extra"]["in_band"]) == ("ok", "user:ops", True)
 
 
 def test_stateless_without_elicitation_falls_back(world: World) -> None:

@@ -59,7 +59,6 @@ from proxy.envelope.types import (
     ApprovalPrompt,
     Code,
     Decision,
-    Effect,
     InBandAnswer,
     InBandChannel,
     Services,
@@ -70,6 +69,7 @@ from proxy.envelope.types import (
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import Approval as ApprovalPolicy
+from proxy.policy.vocab import Effect
 
 DEFAULT_WAIT = 30.0
 NS_STATE_NONCE = "approval_state_nonce"  # spent in-band states (replay protection)
@@ -102,7 +102,10 @@ class ApprovalCheck:
             self._service = ApprovalService(services.store, self._config, services.notifier,
                                             services.metrics)
             self._store_kind = services.store.kind
-        self._signer = RequestStateSigner.from_config(self._config)
+        # The process's signer, so states minted before a policy reload open after it; only a
+        # check built without one (tests, offline tools) signs with its own.
+        signer = services.signer if services is not None else None
+        self._signer = signer if signer is not None else RequestStateSigner.from_config(self._config)
 
     # -- gating (sync, cheap) ---------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from proxy.envelope.celvars import activation
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.errors import CelEvalError
-from proxy.policy.cel import Engine, get_engine
+from proxy.policy.cel import Engine
 from proxy.policy.compiled import CompiledRule, PolicyRevision, Program
 
 MAX_ERROR = 200
@@ -55,7 +55,7 @@ class ArgRulesCheck:
     def __init__(
         self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
     ):
-        self._engine = get_engine(revision.engine)
+        self._engine = revision.cel
         # Only tools that can refuse here: those with rules or a deny fallback.
         self._plans: dict[str, _Plan] = {}
         for key, tool in revision.tools.items():

@@ -12,7 +12,6 @@ from proxy.envelope.celvars import activation
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.errors import CelEvalError
-from proxy.policy.cel import get_engine
 from proxy.policy.compiled import PolicyRevision, Program
 
 
@@ -32,7 +31,7 @@ class AuthzCheck:
     def __init__(
         self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
     ):
-        self._engine = get_engine(revision.engine)
+        self._engine = revision.cel
         # Each level's expressions as one `a || b || ...` program: one engine call per level.
         engine = self._engine
         self._tools = {

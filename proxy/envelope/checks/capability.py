@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, ToolInfo, deny
+from proxy.envelope.types import Code, Decision, Services, ToolCall, ToolInfo, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
+from proxy.policy.vocab import Effect
 
 READ_ONLY_HEADER = "X-Envelope-Capability"
 

@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 
 from proxy.envelope.misconfig import EVERY_TOOL, Dependencies, Layer, Misconfiguration
 from proxy.envelope.tools import ToolRegistry, effective_effect
-from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, deny
+from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
+from proxy.policy.vocab import Effect
 
 
 def _upstream_of(key: str) -> str:

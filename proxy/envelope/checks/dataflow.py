@@ -27,7 +27,6 @@ from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
     Code,
     Decision,
-    Effect,
     Services,
     ToolCall,
     Verdict,
@@ -35,6 +34,7 @@ from proxy.envelope.types import (
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import DataflowPolicy
+from proxy.policy.vocab import Effect
 from proxy.store.base import Store
 
 PENDING_GRACE = 30.0  # seconds past the upstream timeout before a pending marker counts as lost

@@ -42,9 +42,10 @@ import orjson
 
 from proxy.audit.record import utc_timestamp
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, Verdict, deny
+from proxy.envelope.types import Code, Decision, Services, ToolCall, Verdict, deny
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
+from proxy.policy.vocab import Effect
 from proxy.store.base import Store
 
 log = logging.getLogger("envelope.delegation")

@@ -28,78 +28,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import re2
-
 from proxy.envelope.types import Code, Decision, Verdict
+from proxy.policy.vocab import BUILTIN_PATTERNS, DETECTOR_GROUPS, compile_pattern
 
 log = logging.getLogger("envelope.guardrails")
 
 CHECK_ID = "guardrails"
 Action = Literal["redact", "block", "warn"]
 ACTIONS: tuple[Action, ...] = ("redact", "block", "warn")
-
-# Built-in detectors: name -> RE2 pattern. When the pattern has a group named `secret`, only
-# that group is replaced on redaction (the context that found it, "api_key=", stays readable).
-BUILTIN_PATTERNS: dict[str, str] = {
-    # AWS access key ids: AKIA (long-term), ASIA (temporary), plus the rarer prefixes.
-    "aws_access_key_id": r"\b(?:AKIA|ASIA|ABIA|ACCA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}\b",
-    # AWS secret access keys, found by their context (40 base64 characters after a name like
-    # aws_secret_access_key, SecretAccessKey, "secret key").
-    "aws_secret_access_key": (
-        r"(?i)(?:aws[_ .-]?)?secret[_ .-]?(?:access[_ .-]?)?key(?:[_ .-]?id)?[\"']?\s*(?:[:=]|is)\s*[\"']?"
-        r"(?P<secret>[A-Za-z0-9/+]{40})(?:[^A-Za-z0-9/+]|$)"
-    ),
-    # PEM private keys (RSA, EC, OPENSSH, ENCRYPTED, PGP...): the whole block, or up to the end
-    # of the text when it was cut off.
-    "private_key": (
-        r"-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?"
-        r"(?:-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----|\z)"
-    ),
-    # JSON Web Tokens (header.payload.signature, both JSON parts base64url of "{...").
-    "jwt": r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*",
-    # Bearer tokens in an Authorization header or prose ("Bearer abc...").
-    "bearer_token": r"(?i)\bbearer\s+(?P<secret>[A-Za-z0-9._~+/-]{16,}=*)",
-    # GitHub tokens: classic (ghp_, gho_, ghu_, ghs_, ghr_) and fine-grained (github_pat_).
-    "github_token": r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})\b",
-    # Slack tokens: bot, app, user, refresh.
-    "slack_token": r"\bxox[abpr]-[A-Za-z0-9-]{10,}",
-    # Generic credentials in key=value / "key": "value" form.
-    "generic_api_key": (
-        r"(?i)\b(?:api[_-]?key|apikey|api[_-]?secret|api[_-]?token|access[_-]?token|auth[_-]?token"
-        r"|client[_-]?secret)[\"']?\s*[:=]\s*[\"']?(?P<secret>[A-Za-z0-9_\-./+=]{8,})"
-    ),
-}
-# Names that stand for several detectors in policy (`detector: secrets`).
-DETECTOR_GROUPS: dict[str, tuple[str, ...]] = {"secrets": tuple(BUILTIN_PATTERNS)}
-DETECTORS: tuple[str, ...] = (*BUILTIN_PATTERNS, *DETECTOR_GROUPS)
-
-
-class PatternError(ValueError):
-    """A guardrail pattern RE2 rejects (or that matches the empty string)."""
-
-
-def _options() -> Any:
-    options = re2.Options()
-    options.log_errors = False  # the error is reported as a policy problem, not on stderr
-    return options
-
-
-@functools.lru_cache(maxsize=4096)
-def compile_pattern(pattern: str) -> Any:
-    """The RE2 program of `pattern` (cached). Raises PatternError when RE2 rejects it (look-
-    around, back-references, bad syntax) or when it matches the empty string (it would fire on
-    every string and redact nothing)."""
-    try:
-        compiled = re2.compile(pattern, _options())
-    except re2.error as exc:
-        detail = exc.args[0] if exc.args else exc
-        if isinstance(detail, bytes):
-            detail = detail.decode("utf-8", "replace")
-        raise PatternError(f"not a valid RE2 pattern: {detail}") from None
-    if compiled.search("") is not None:
-        raise PatternError("the pattern matches the empty string")
-    return compiled
-
 
 def engine_of(compiled: Any) -> str:
     """The module of a compiled pattern's type (`re2` for every guardrail program)."""

@@ -25,9 +25,10 @@ import orjson
 from proxy.audit.record import utc_timestamp
 from proxy.envelope.effects import gated
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, Effect, Services, ToolCall, Verdict
+from proxy.envelope.types import Code, Decision, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
+from proxy.policy.vocab import Effect
 from proxy.store.base import Store
 
 NS = "shadow"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, ToolInfo
-from proxy.policy.cel import available_engines, get_engine
+from proxy.policy.cel import Engine, available_engines, get_engine
 from proxy.policy.compiled import CompiledPrincipal, CompiledRule, CompiledTool, PolicyRevision
 from proxy.policy.model import PolicyDocument
 from proxy.policy.schemas import compile_schema
@@ -14,9 +15,16 @@ from proxy.policy.schemas import compile_schema
 ENGINES = available_engines()
 
 
+@functools.cache
+def engine_named(name: str) -> Engine:
+    """One engine per name for the whole test session, as one runtime keeps one (building a
+    cel-python engine per revision would cost ~25 ms a test)."""
+    return get_engine(name)
+
+
 def build_revision(doc: dict[str, Any], engine: str = "cel-cpp") -> PolicyRevision:
     """Validate `doc` and compile it: CEL programs, rules (forbid first), fallback, schema."""
-    eng = get_engine(engine)
+    eng = engine_named(engine)
     document = PolicyDocument.model_validate(doc)
     tools: dict[str, CompiledTool] = {}
     for key, policy in document.tools.items():
@@ -55,7 +63,8 @@ def build_revision(doc: dict[str, Any], engine: str = "cel-cpp") -> PolicyRevisi
         document=document,
         tools=tools,
         principals=principals,
-        engine=engine,
+        engine=eng.name,
+        cel=eng,
     )
 
 

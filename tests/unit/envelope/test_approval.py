@@ -28,8 +28,9 @@ from proxy.audit.record import args_digest
 from proxy.config import ApprovalsConfig, Config
 from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, Effect, RunContext, Services, ToolCall, Verdict
+from proxy.envelope.types import Code, Decision, RunContext, Services, ToolCall, Verdict
 from proxy.errors import StoreError
+from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
 CONFIG = ApprovalsConfig(poll_interval=0.01)

@@ -15,7 +15,8 @@ from proxy.envelope.checks.catalogue import (
     visible,
 )
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Effect, ToolInfo
+from proxy.envelope.types import Code, ToolInfo
+from proxy.policy.vocab import Effect
 
 
 def doc(**kw: Any) -> dict[str, Any]:

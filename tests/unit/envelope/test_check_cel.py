@@ -11,8 +11,9 @@ from proxy.envelope.checks.arg_rules import ArgRulesCheck
 from proxy.envelope.checks.authz import AuthzCheck
 from proxy.envelope.checks.catalogue import CatalogueCheck
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, Effect, Principal, ToolCall, ToolInfo
+from proxy.envelope.types import Code, Decision, Principal, ToolCall, ToolInfo
 from proxy.policy.cel import get_engine
+from proxy.policy.vocab import Effect
 
 
 def rev(engine: str, tools: dict[str, Any], principals: dict[str, Any] | None = None) -> Any:

@@ -13,8 +13,9 @@ from proxy.envelope.checks import delegation
 from proxy.envelope.checks.delegation import DelegationCheck, lineage_key, taint_ancestors
 from proxy.envelope.checks.ratelimit import RateLimitCheck, slot_key
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, Effect, RunContext, Services, ToolCall, Verdict
+from proxy.envelope.types import Code, Decision, RunContext, Services, ToolCall, Verdict
 from proxy.errors import StoreError
+from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
 TOOLS = {"demo.echo": {"effect": "read"}, "demo.write_note": {"effect": "write"}}

@@ -13,13 +13,7 @@ import pytest
 from envelope_helpers import build_revision
 
 from proxy.audit.log import AuditLog
-from proxy.envelope.checks.guardrails import (
-    BUILTIN_PATTERNS,
-    DETECTORS,
-    compile_pattern,
-    engine_of,
-    rules_for,
-)
+from proxy.envelope.checks.guardrails import engine_of, rules_for
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
@@ -36,6 +30,7 @@ from proxy.envelope.types import (
 from proxy.errors import PolicyError
 from proxy.observability.metrics import Metrics
 from proxy.policy.loader import load_policy
+from proxy.policy.vocab import BUILTIN_PATTERNS, DETECTORS, compile_pattern
 
 AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"

@@ -13,9 +13,10 @@ from proxy.audit.record import args_digest
 from proxy.config import Config, IdempotencyConfig
 from proxy.envelope.checks.idempotency import NS, IdempotencyCheck, call_key
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import ALLOWED, Code, Decision, Effect, Services, ToolCall, Verdict
+from proxy.envelope.types import ALLOWED, Code, Decision, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.observability.metrics import Metrics
+from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
 DOC: dict[str, Any] = {

@@ -18,15 +18,7 @@ from proxy.approvals.signer import STATE_PREFIX, RequestStateSigner
 from proxy.config import ApprovalsConfig, Config
 from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import (
-    ApprovalPrompt,
-    Code,
-    Effect,
-    InBandAnswer,
-    RunContext,
-    Services,
-    ToolCall,
-)
+from proxy.envelope.types import ApprovalPrompt, Code, InBandAnswer, RunContext, Services, ToolCall
 from proxy.fronts.inband import (
     INPUT_KEY,
     DeferChannel,
@@ -36,6 +28,7 @@ from proxy.fronts.inband import (
     stateless_elicitation,
     strip_stateless,
 )
+from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
 BINDING = CallBinding("agent", "run-1", "demo", "delete", "sha256:" + "0" * 64)
@@ -127,13 +120,21 @@ class HoldChannel:
 
 
 class World:
-    def __init__(self, in_band: bool = True, wait: str = "2s"):
+    """One process: the services the runtime builds (one signer among them), a check for the
+    current policy revision, and the approval service the admin API decides through."""
+
+    def __init__(self, in_band: bool = True, wait: str = "2s", signer: bool = True):
         self.store = MemoryStore()
         config = ApprovalsConfig(poll_interval=0.01)
         self.services = Services(store=self.store, settings=Config(approvals=config),
-                                 notifier=ApprovalNotifier())
-        self.check = ApprovalCheck(build_revision(doc(in_band, wait)), ToolRegistry(), self.services)
+                                 notifier=ApprovalNotifier(),
+                                 signer=RequestStateSigner.from_config(config) if signer else None)
+        self.check = self.reload(in_band, wait)
         self.service = ApprovalService(self.store, config, self.services.notifier)
+
+    def reload(self, in_band: bool = True, wait: str = "2s") -> ApprovalCheck:
+        """The check of a new policy revision, built with the same services (a hot reload)."""
+        return ApprovalCheck(build_revision(doc(in_band, wait)), ToolRegistry(), self.services)
 
     def call(self, channel: Any = None, args: dict[str, Any] | None = None) -> ToolCall:
         c = make_call("delete", args or {"title": "x"}, principal="agent")
@@ -208,6 +209,33 @@ async def test_defer_round_trip_and_replay() -> None:
                                                       state=first.minted)))
     assert replay is not None and replay.code is Code.APPROVAL_DENIED
     assert replay.audit is not None and replay.audit["in_band_refused"] == "replayed"
+
+
+async def test_defer_state_minted_before_a_reload_opens_after_it() -> None:
+    w = World()
+    first = DeferChannel()
+    d = await w.check.decide(w.call(first))
+    assert d is not None and d.code is Code.APPROVAL_PENDING and first.minted is not None
+    reloaded = w.reload()  # the next policy revision's check, same process
+    assert reloaded is not w.check
+    call = w.call(DeferChannel(answer=InBandAnswer(True, "ok"), state=first.minted))
+    assert await reloaded.decide(call) is None
+    assert call.audit_extra["approver"] == "user:agent" and call.audit_extra["in_band"] is True
+    (approval,) = await w.service.approvals()
+    assert approval.state == "consumed"
+
+
+async def test_a_check_given_no_signer_signs_with_its_own() -> None:
+    """Without the process's signer (policy tests, replay) a check still round-trips its own
+    states; a second such check cannot open them: why the runtime shares one."""
+    w = World(signer=False)
+    first = DeferChannel()
+    await w.check.decide(w.call(first))
+    other = await w.reload().decide(w.call(DeferChannel(InBandAnswer(True, "ok"), first.minted)))
+    assert other is not None and other.code is Code.APPROVAL_DENIED
+    assert other.audit is not None and other.audit["in_band_refused"] == "bad signature"
+    call = w.call(DeferChannel(answer=InBandAnswer(True, "ok"), state=first.minted))
+    assert await w.check.decide(call) is None
 
 
 async def test_defer_state_for_other_arguments_or_missing_is_refused() -> None:

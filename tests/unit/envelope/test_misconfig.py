@@ -26,8 +26,9 @@ from proxy.envelope.misconfig import (
 )
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Effect, Services
+from proxy.envelope.types import Code, Services
 from proxy.observability.metrics import Metrics
+from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
 NO_STORE = Dependencies(store=None)

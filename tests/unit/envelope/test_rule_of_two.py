@@ -10,8 +10,9 @@ from envelope_helpers import UPSTREAMS, build_revision, make_call
 from proxy.envelope.checks.capability import CapabilityCheck
 from proxy.envelope.checks.catalogue import visible
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Effect, ToolCall, ToolInfo, Verdict
+from proxy.envelope.types import Code, ToolCall, ToolInfo, Verdict
 from proxy.policy.model import PolicyDocument
+from proxy.policy.vocab import Effect
 
 TOOLS = {
     "demo.echo": {"effect": "read", "output": "trusted"},

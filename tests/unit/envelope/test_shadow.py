@@ -16,9 +16,10 @@ from proxy.envelope.checks.shadow import (
     run_flag_key,
 )
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Effect, RunContext, Services, ToolCall, Verdict
+from proxy.envelope.types import Code, RunContext, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.observability.metrics import Metrics
+from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
 DOC: dict[str, Any] = {

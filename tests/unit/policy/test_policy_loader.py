@@ -40,7 +40,7 @@ principals:
 """
 
 
-def problems(directory: Path, engine: str | None = None) -> list[str]:
+def problems(directory: Path, engine: str = "auto") -> list[str]:
     with pytest.raises(PolicyError) as info:
         load_policy(directory, engine)
     return [str(p) for p in info.value.problems]

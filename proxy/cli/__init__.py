@@ -1,0 +1,60 @@
+"""The `envelope-proxy` command: the parser and the dispatch to one module per command group.
+
+`serve.py` (serve, demo), `policy.py` (check, test, replay), `audit.py` (audit verify, query,
+tail), `admin.py` (approvals, shadow, through the one admin API client in `admin_client.py`).
+Each command's parser names its handler (`handler`), which returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from proxy.cli.admin import add_approvals_parser, add_shadow_parser
+from proxy.cli.audit import add_audit_parser
+from proxy.cli.policy import add_check_parser, add_replay_parser, add_test_parser
+from proxy.cli.serve import add_demo_parser, add_serve_parser
+
+__all__ = ["build_parser", "main"]
+
+DESCRIPTION = """\
+envelope-proxy: a policy-enforcement sidecar for AI-agent tool calls.
+
+Point an MCP client at http://<listen>/mcp/<upstream> instead of the tool server; every
+tools/call passes the envelope of checks (catalogue, capability, schema, authorization,
+argument rules) before it is forwarded, and every decision is audited and counted."""
+
+EPILOG = """common serve flags (see `envelope-proxy serve --help`):
+  --config FILE  --policies DIR  --listen HOST:PORT  --admin HOST:PORT  --state-dir DIR
+  each also as an ENVELOPE_* environment variable (ENVELOPE_POLICIES, ENVELOPE_LISTEN, ...)
+
+examples:
+  envelope-proxy demo                          run the demo (bundled notes server + ./policies)
+  envelope-proxy serve --config config.yaml    run for real
+  envelope-proxy check policies/               validate a policy directory (file:line:column errors)
+  envelope-proxy test policies/ --coverage     run the policy tests kept beside the policies
+  envelope-proxy audit verify state/audit      prove the audit log untouched
+  envelope-proxy audit query state/audit --since 1h --verdict deny    recent refusals
+  envelope-proxy audit tail -f state/audit     follow decisions as they are made
+  envelope-proxy approvals list                pending approvals (token: ENVELOPE_APPROVER_TOKEN)"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="envelope-proxy", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # In this order in `--help`.
+    add_serve_parser(sub)
+    add_demo_parser(sub)
+    add_check_parser(sub)
+    add_audit_parser(sub)
+    add_approvals_parser(sub)
+    add_shadow_parser(sub)
+    add_replay_parser(sub)
+    add_test_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))

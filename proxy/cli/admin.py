@@ -1,0 +1,154 @@
+"""`approvals` and `shadow`: commands that talk to a running proxy's admin API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from proxy.cli.admin_client import AdminClient, default_admin_url
+from proxy.errors import AdminApiError
+
+
+def add_shadow_parser(sub: Any) -> None:
+    shadow = sub.add_parser(
+        "shadow", help="review the writes shadow runs recorded instead of performing",
+        description="Read a running proxy's shadow records (GET /v1/shadow on the admin listener).")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--admin", metavar="URL",
+                        default=default_admin_url(),
+                        help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
+    common.add_argument("--run", default=None, help="only the records of this run id")
+    common.add_argument("--limit", type=int, default=100, help="the most recent N records (default 100)")
+    common.add_argument("--token", default=None,
+                        help="approver token: shadow records hold arguments "
+                             "(default: env ENVELOPE_APPROVER_TOKEN)")
+    ssub = shadow.add_subparsers(dest="shadow_command", required=True, metavar="SUBCOMMAND")
+    ssub.add_parser("list", help="one line per recorded write, oldest first", parents=[common])
+    ssub.add_parser("export", help="the records as JSON lines (full arguments)", parents=[common])
+    shadow.set_defaults(handler=cmd_shadow)
+
+
+def cmd_shadow(args: argparse.Namespace) -> int:
+    """`shadow list|export`: exit 0 with the records, 1 when the admin API refuses or is down."""
+    client = AdminClient.from_flags(args.admin, args.token)
+    try:
+        data = client.get("/v1/shadow", {"run": args.run, "limit": args.limit})
+    except AdminApiError as exc:
+        if exc.status is None:
+            print(f"envelope-proxy shadow: cannot read {exc.url}: {exc.message}", file=sys.stderr)
+        else:
+            print(f"envelope-proxy shadow: {exc}", file=sys.stderr)
+        return 1
+    records = data.get("records", []) if isinstance(data, dict) else []
+    if args.shadow_command == "export":
+        for record in records:
+            print(json.dumps(record, sort_keys=True, separators=(",", ":")))
+        return 0
+    for r in records:
+        gate = " (would need approval)" if r.get("would_need_approval") else ""
+        print(f"{r.get('time', '?')}  run={r.get('run')}  {r.get('principal')} -> "
+              f"{r.get('upstream')}.{r.get('tool')} [{r.get('effect')}]{gate}  "
+              f"decision={r.get('decision_id')}  args={json.dumps(r.get('arguments'), sort_keys=True)}")
+    print(f"{len(records)} shadow record(s)", file=sys.stderr)
+    return 0
+
+
+def add_approvals_parser(sub: Any) -> None:
+    approvals = sub.add_parser(
+        "approvals", help="list, show, approve and deny gated calls (through the admin API)",
+        description="Talk to a running proxy's approvals API. The approver is whoever holds the "
+                    "token (--token or ENVELOPE_APPROVER_TOKEN; names and token digests are in the "
+                    "runtime config under approvals.approvers). Nobody can approve their own call.")
+    approvals.add_argument("--admin", metavar="URL",
+                           default=default_admin_url(),
+                           help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
+    approvals.add_argument("--token", default=None,
+                           help="approver token (default: env ENVELOPE_APPROVER_TOKEN)")
+    approvals.add_argument("--json", action="store_true", help="print the API's JSON answers")
+    # The same flags after the subcommand too (`approvals approve ID --admin URL`).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--admin", metavar="URL", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--token", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    asub = approvals.add_subparsers(dest="approvals_command", required=True, metavar="SUBCOMMAND")
+    ls = asub.add_parser("list", help="list approvals (default: pending ones)", parents=[common])
+    ls.add_argument("--state", default="pending",
+                    choices=["pending", "approved", "denied", "expired", "consumed", "all"])
+    show = asub.add_parser("show", help="show one approval, with the call's arguments", parents=[common])
+    show.add_argument("id")
+    approve = asub.add_parser("approve", help="approve one call (optionally granting similar calls)", parents=[common])
+    approve.add_argument("id")
+    approve.add_argument("--reason", required=True)
+    approve.add_argument("--grant", choices=["tool", "run"], default=None,
+                         help="also grant later calls of the same principal and tool (and run, for run)")
+    approve.add_argument("--grant-args", default=None, metavar="JSON",
+                         help='exact argument values the granted calls must hold, e.g. \'{"title": "x"}\'')
+    approve.add_argument("--grant-duration", default="1h", metavar="DURATION",
+                         help="how long the grant lasts (e.g. 30m; default 1h)")
+    deny = asub.add_parser("deny", help="deny one call", parents=[common])
+    deny.add_argument("id")
+    deny.add_argument("--reason", required=True)
+    asub.add_parser("grants", help="list active grants", parents=[common])
+    approvals.set_defaults(handler=cmd_approvals)
+
+
+def _approval_line(a: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(a["expires_at"]))
+    who = f" by {a['approver']}" if a.get("approver") else ""
+    return (f"{a['id']}  {a['state']:<8}  {a['principal']} -> {a['upstream']}.{a['tool']}  "
+            f"run {a['run']}  {a['args_digest'][:19]}  expires {when}{who}")
+
+
+def cmd_approvals(args: argparse.Namespace) -> int:
+    """`approvals ...`: 0 on success; 1 when the admin API refuses or cannot be reached; 2 on a
+    bad --grant-args."""
+    command = args.approvals_command
+    client = AdminClient.from_flags(args.admin, args.token)
+    query: dict[str, object] | None = None
+    body: dict[str, Any] | None = None
+    if command == "list":
+        path = "/v1/approvals"
+        query = None if args.state == "all" else {"state": args.state}
+    elif command == "show":
+        path = f"/v1/approvals/{args.id}"
+    elif command == "grants":
+        path = "/v1/grants"
+    else:
+        body = {"reason": args.reason}
+        if command == "approve" and args.grant:
+            try:
+                grant_args = json.loads(args.grant_args) if args.grant_args else {}
+            except ValueError as exc:
+                print(f"envelope-proxy approvals: --grant-args is not JSON: {exc}", file=sys.stderr)
+                return 2
+            body["grant"] = {"scope": args.grant, "args": grant_args, "duration": args.grant_duration}
+        path = f"/v1/approvals/{args.id}/{command}"
+    try:
+        data = client.get(path, query) if body is None else client.post(path, body)
+    except AdminApiError as exc:
+        if exc.status is None:
+            print(f"envelope-proxy approvals: {exc}", file=sys.stderr)
+        else:
+            print(f"envelope-proxy approvals: {exc.status}: {exc.message}", file=sys.stderr)
+        return 1
+    if args.json or command == "show":
+        print(json.dumps(data, indent=2, sort_keys=True))
+    elif command == "list":
+        for a in data["approvals"]:
+            print(_approval_line(a))
+        if not data["approvals"]:
+            print(f"no {'' if args.state == 'all' else args.state + ' '}approvals")
+    elif command == "grants":
+        for g in data["grants"]:
+            run = f" run {g['run']}" if g.get("run") else ""
+            print(f"{g['id']}  {g['scope']:<4}  {g['principal']} -> {g['upstream']}.{g['tool']}{run}  "
+                  f"args {json.dumps(g['args'], sort_keys=True)}  by {g['approver']}")
+        if not data["grants"]:
+            print("no active grants")
+    else:
+        grant = f"; grant {data['grant']['id']} ({data['grant']['scope']})" if data.get("grant") else ""
+        print(f"{data['id']} {data['state']} by {data['approver']}: {data['decision_reason']}{grant}")
+    return 0

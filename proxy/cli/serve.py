@@ -1,0 +1,173 @@
+"""`serve` and `demo`: run the proxy (the demo with its bundled notes server in front)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+import multiprocessing
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from proxy.errors import ConfigError
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policies", metavar="DIR", help="policy directory (env ENVELOPE_POLICIES; default ./policies)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="MCP listener (env ENVELOPE_LISTEN; default 127.0.0.1:8080)")
+    p.add_argument("--admin", metavar="HOST:PORT", help="admin listener: /healthz /readyz /metrics /v1/policy (env ENVELOPE_ADMIN; default 127.0.0.1:9090)")
+    p.add_argument("--state-dir", metavar="DIR", help="state and audit log directory (env ENVELOPE_STATE_DIR; default ./.envelope-state)")
+    p.add_argument("--workers", type=int, metavar="N", help="worker processes sharing the listener (env ENVELOPE_WORKERS; default 1)")
+    p.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], help="CEL engine (env ENVELOPE_CEL_ENGINE; default auto)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="env ENVELOPE_LOG_LEVEL; default info")
+
+
+def add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy until SIGTERM/SIGINT. SIGHUP reloads the policy.")
+    serve.add_argument("--config", type=Path, metavar="FILE", help="runtime config YAML (env ENVELOPE_CONFIG); flags and ENVELOPE_* env override it")
+    add_serve_flags(serve)
+    serve.add_argument("--record", type=Path, metavar="FILE",
+                       help="append one JSON line per tools/call decision to FILE, for "
+                            "`envelope-proxy replay` (full arguments and JWT claims: protect it)")
+    serve.set_defaults(handler=cmd_serve)
+
+
+def add_demo_parser(sub: Any) -> None:
+    demo = sub.add_parser("demo", help="run the demo: the bundled notes server behind the proxy",
+                          description="Start the bundled example MCP server and the proxy in front of it, "
+                                      "with the policy pack in ./policies and state in ./.envelope-state.")
+    add_serve_flags(demo)
+    demo.add_argument("--upstream-port", type=int, default=0, metavar="PORT", help="port for the demo server (default: a free one)")
+    demo.set_defaults(handler=cmd_demo)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "policies": args.policies, "listen": args.listen, "admin": args.admin,
+        "state_dir": args.state_dir, "workers": args.workers, "cel_engine": args.cel_engine,
+        "log_level": args.log_level,
+        "record": {"path": str(args.record)} if getattr(args, "record", None) else None,
+    }
+
+
+def _serve_worker(config_json: str, worker: int) -> None:
+    from proxy.app.runtime import serve
+    from proxy.config import Config
+
+    config = Config.model_validate_json(config_json)
+    _setup_logging(config.log_level)
+    sys.exit(_run(serve(config, worker)))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from proxy.app.runtime import serve
+    from proxy.config import load_config
+
+    try:
+        config = load_config(getattr(args, "config", None), _overrides(args))
+    except ConfigError as exc:
+        print(f"envelope-proxy: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(config.log_level)
+    if config.workers == 1:
+        return int(_run(serve(config)))
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i)) for i in range(config.workers)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        for p in procs:
+            p.join()
+    return max((p.exitcode or 0) for p in procs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from proxy.app.runtime import serve
+    from proxy.config import ApproverConfig, UpstreamOverride, load_config
+    from proxy.identity import IdentityConfig
+
+    policies = Path(args.policies or os.environ.get("ENVELOPE_POLICIES") or "policies")
+    if not policies.is_dir():
+        print(f"envelope-proxy demo: no policy directory at {policies} (run it from the repository root "
+              "or pass --policies)", file=sys.stderr)
+        return 2
+    port = args.upstream_port or _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "proxy.examples.demo_server", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        if not _wait_port(port, server):
+            print(f"envelope-proxy demo: the demo server did not start on port {port}", file=sys.stderr)
+            return 1
+        overrides = _overrides(args) | {"policies": policies}
+        try:
+            config = load_config(None, overrides)
+        except ConfigError as exc:
+            print(f"envelope-proxy: {exc}", file=sys.stderr)
+            return 2
+        approver_token = secrets.token_urlsafe(24)
+        config = config.model_copy(update={
+            "upstreams": {"demo": UpstreamOverride(url=f"http://127.0.0.1:{port}/mcp")},
+            "workers": 1,
+            # The demo's agent is one static workload identity, as in a one-agent sidecar.
+            "identity": IdentityConfig(mode="static", principal="demo-agent"),
+            # One approver with a token minted for this run, so gated calls can be approved.
+            "approvals": config.approvals.model_copy(update={"approvers": {
+                "demo-approver": ApproverConfig(token_sha256=hashlib.sha256(approver_token.encode()).hexdigest()),
+            }}),
+        })
+        _setup_logging(config.log_level)
+        print(f"demo notes server (MCP) on http://127.0.0.1:{port}/mcp; the agent is principal 'demo-agent'. Ctrl-C stops.",
+              flush=True)
+        print(f"approver 'demo-approver' token (for the approvals API and CLI): {approver_token}", flush=True)
+        return int(_run(serve(config)))
+    finally:
+        server.terminate()
+        try:
+            server.wait(5)
+        except subprocess.TimeoutExpired:
+            server.kill()

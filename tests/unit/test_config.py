@@ -1,0 +1,107 @@
+"""Runtime config durations: every duration field takes the one `Duration` type, so each accepts
+`250ms`, `30s` and plain numbers, refuses words and negative values, and the error names the
+file and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import Config, cel_engine_setting, load_config
+from proxy.errors import ConfigError
+from tests.duration_fields import duration_fields
+
+# Every duration field of the config; the walk below must find exactly these.
+CONFIG_DURATIONS = [
+    ("audit", "rotate_interval"),
+    ("approvals", "ttl"),
+    ("approvals", "poll_interval"),
+    ("approvals", "retention"),
+    ("approvals", "max_grant_duration"),
+    ("approvals", "webhook", "timeout"),
+    ("approvals", "webhook", "backoff"),
+    ("approvals", "in_band_state_ttl"),
+    ("idempotency", "ttl"),
+    ("idempotency", "wait"),
+    ("retry", "backoff"),
+    ("retry", "max_backoff"),
+]
+
+
+def test_every_duration_field_is_listed() -> None:
+    assert sorted(duration_fields(Config)) == sorted(CONFIG_DURATIONS)
+
+
+def _config_file(tmp_path: Path, path: tuple[str, ...], value: Any) -> Path:
+    data: dict[str, Any] = {"approvals": {"webhook": {"url": "http://127.0.0.1:9/hook"}}}
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    file = tmp_path / "config.yaml"
+    file.write_text(json.dumps(data))  # JSON is YAML
+    return file
+
+
+def _read(config: Config, path: tuple[str, ...]) -> Any:
+    node: Any = config
+    for key in path:
+        node = getattr(node, key)
+    return node
+
+
+@pytest.mark.parametrize("path", CONFIG_DURATIONS, ids=".".join)
+@pytest.mark.parametrize(("value", "seconds"), [("250ms", 0.25), ("30s", 30.0), ("5m", 300.0),
+                                                ("1h", 3600.0), (2, 2.0), (1.5, 1.5)])
+def test_duration_field_accepts(tmp_path: Path, path: tuple[str, ...], value: Any,
+                                seconds: float) -> None:
+    config = load_config(_config_file(tmp_path, path, value), environ={})
+    assert _read(config, path) == seconds
+
+
+@pytest.mark.parametrize("path", CONFIG_DURATIONS, ids=".".join)
+@pytest.mark.parametrize(("value", "message"), [
+    ("soon", "not a duration: 'soon' (use e.g. 250ms, 30s, 5m)"),
+    ("30", "not a duration: '30'"),
+    (-1, "duration must not be negative"),
+    (True, "not a duration: True"),
+])
+def test_duration_field_refuses_naming_the_field(tmp_path: Path, path: tuple[str, ...],
+                                                  value: Any, message: str) -> None:
+    file = _config_file(tmp_path, path, value)
+    with pytest.raises(ConfigError) as info:
+        load_config(file, environ={})
+    assert f"{file}: {'.'.join(path)}: Value error, {message}" in str(info.value)
+
+
+def test_absent_durations_keep_their_defaults() -> None:
+    config = load_config(None, environ={})
+    assert config.audit.rotate_interval is None
+    assert (config.approvals.ttl, config.approvals.poll_interval, config.approvals.retention,
+            config.approvals.max_grant_duration, config.approvals.in_band_state_ttl) == (
+        3600.0, 0.2, 86400.0, 86400.0, 600.0)
+    assert (config.idempotency.ttl, config.idempotency.wait) == (86400.0, 30.0)
+    assert (config.retry.backoff, config.retry.max_backoff) == (0.2, 5.0)
+    webhook = load_config(None, {"approvals": {"webhook": {"url": "http://h/x"}}}, environ={})
+    assert webhook.approvals.webhook is not None
+    assert (webhook.approvals.webhook.timeout, webhook.approvals.webhook.backoff) == (5.0, 0.5)
+
+
+def test_rotate_interval_stays_positive_and_optional(tmp_path: Path) -> None:
+    file = _config_file(tmp_path, ("audit", "rotate_interval"), "0s")
+    with pytest.raises(ConfigError, match=r"audit\.rotate_interval: Input should be greater than 0"):
+        load_config(file, environ={})
+    assert load_config(_config_file(tmp_path, ("audit", "rotate_interval"), None),
+                       environ={}).audit.rotate_interval is None
+
+
+def test_cel_engine_setting_has_the_precedence_of_load_config() -> None:
+    env = {"ENVELOPE_CEL_ENGINE": "cel-python"}
+    assert cel_engine_setting("cel-cpp", env) == "cel-cpp"  # the flag wins
+    assert cel_engine_setting(None, env) == "cel-python"
+    assert cel_engine_setting(None, {}) == "auto"
+    assert cel_engine_setting(None, env) == load_config(None, environ=env).cel_engine
+    assert load_config(None, {"cel_engine": "cel-cpp"}, environ=env).cel_engine == "cel-cpp"
