@@ -64,8 +64,11 @@ HEADERS = {
     "Mcp-Name": TOOL,
 }
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-CONFIGS = ("direct", "nginx", "passthrough", "noflow", "envelope")
-ENVELOPES = ("noflow", "envelope")  # configs served by envelope-proxy
+CONFIGS = ("direct", "nginx", "passthrough", "noflow", "baseline", "envelope")
+ENVELOPES = ("noflow", "baseline", "envelope")  # configs served by envelope-proxy
+# `--baseline REV`: the envelope config served by the code of git revision REV (a worktree in
+# the run's temporary directory), so a change's cost is measured against its base in one run.
+BASELINE: dict[str, str] = {}
 TARGET_THROUGHPUT = 0.9
 TARGET_P50_MS = 0.3
 ALLOWED = "allow/ok"
@@ -142,8 +145,9 @@ class Service:
 
     def start(self, argv: list[str], log: Path, **kw: object) -> subprocess.Popen[bytes]:
         with open(log, "wb") as out:
+            kw.setdefault("cwd", ROOT)
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=ROOT, **kw)  # type: ignore[call-overload]
+                                    **kw)  # type: ignore[call-overload]
         self.procs.append(proc)
         self.logs.append(log)
         return proc
@@ -300,7 +304,10 @@ def envelope_config(tmp: Path, upstream_url: str, workers: int, name: str = "env
 def start_envelope(tmp: Path, upstream_url: str, workers: int, name: str = "envelope") -> Route:
     config, port, admin = envelope_config(tmp, upstream_url, workers, name)
     svc = Service(f"{name} (workers {workers})")
-    svc.start([sys.executable, "-m", "proxy", "serve", "--config", str(config)], tmp / f"{name}-w{workers}.log")
+    baseline = {"env": {**os.environ, "PYTHONPATH": BASELINE["tree"]}, "cwd": BASELINE["tree"]} \
+        if name == "baseline" else {}
+    svc.start([sys.executable, "-m", "proxy", "serve", "--config", str(config)], tmp / f"{name}-w{workers}.log",
+              **baseline)
     wait_port(port, svc)
     admins = [admin + i for i in range(workers)]
     for a in admins:
@@ -310,6 +317,22 @@ def start_envelope(tmp: Path, upstream_url: str, workers: int, name: str = "enve
 
 def start_noflow(tmp: Path, upstream_url: str, workers: int) -> Route:
     return start_envelope(tmp, upstream_url, workers, "noflow")
+
+
+def start_baseline(tmp: Path, upstream_url: str, workers: int) -> Route:
+    return start_envelope(tmp, upstream_url, workers, "baseline")
+
+
+def checkout_baseline(tmp: Path, rev: str) -> None:
+    """A worktree of `rev` (removed with the run's temporary directory) for the baseline."""
+    tree = tmp / "baseline-tree"
+    done = subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], capture_output=True,
+                          text=True, cwd=ROOT, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"cannot check out baseline {rev}: {done.stderr.strip()}")
+    head = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True, cwd=ROOT,
+                          check=False).stdout.strip()
+    BASELINE.update(tree=str(tree), rev=head or rev)
 
 
 # ---- verification ------------------------------------------------------------------------
@@ -498,7 +521,7 @@ def run_matrix(args: argparse.Namespace, tmp: Path, upstream: Service, upstream_
                script: Path) -> list[Cell]:
     cells: list[Cell] = []
     starters = {"nginx": start_nginx, "passthrough": start_passthrough, "envelope": start_envelope,
-                "noflow": start_noflow}
+                "noflow": start_noflow, "baseline": start_baseline}
     if "direct" in args.configs:
         print("direct (workers: n/a)", flush=True)
         direct = Route("direct", 1, upstream_url, None)
@@ -606,7 +629,9 @@ def machine_info() -> dict[str, str]:
                            text=True, cwd=ROOT, check=False)
     if check.returncode != 0:
         raise BenchError(f"the bench policy does not load:\n{check.stdout}{check.stderr}")
-    engine = re.search(r"\(([^()]*)\)\s*$", check.stdout.strip())
+    # The first line ends with the engine: "ok: <dir>: revision ..., N files (cel-cpp)".
+    first = check.stdout.strip().splitlines()[0] if check.stdout.strip() else ""
+    engine = re.search(r"\(([^()]*)\)\s*$", first)
     nginx = subprocess.run(["nginx", "-v"], capture_output=True, text=True, check=False)
     wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True, check=False)
     return {
@@ -689,7 +714,8 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], pr
                 c = direct.get(conc) if config == "direct" else by.get((config, workers, conc))
                 if c is None:
                     continue
-                name = "direct (no proxy)" if config == "direct" else config
+                name = ("direct (no proxy)" if config == "direct"
+                        else f"baseline (git {BASELINE.get('rev', '?')})" if config == "baseline" else config)
                 lines.append(f"| {name} | {conc} | {fmt(c.rps, 0)} | {fmt(c.p50_ms, 3)} | {fmt(c.p99_ms, 3)} "
                              f"| {fmt(c.proxy_cpu_us)} | {fmt(c.upstream_cpu_us)} |")
         if "direct" in args.configs and workers != args.workers[0]:
@@ -723,6 +749,18 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], pr
                     lines.append(f"| {workers} | {conc} | {fmt(ng.proxy_cpu_us)} | "
                                  f"{fmt(base.proxy_cpu_us if base else None)} | {fmt(env.proxy_cpu_us)} | "
                                  f"{env.proxy_cpu_us / ng.proxy_cpu_us:.1f}x | {own} |")
+    if {"envelope", "baseline"} <= set(args.configs):
+        lines += ["", f"Against the baseline (the same envelope config served by git {BASELINE.get('rev', '?')}, "
+                  "in the same run):", "",
+                  "| workers | concurrency | envelope / baseline req/s | envelope - baseline CPU µs/call | CPU within 5% |",
+                  "|---:|---:|---:|---:|---|"]
+        for workers in args.workers:
+            for conc in args.concurrency:
+                env, old = by.get(("envelope", workers, conc)), by.get(("baseline", workers, conc))
+                if env and old and env.proxy_cpu_us and old.proxy_cpu_us:
+                    ok = env.proxy_cpu_us <= old.proxy_cpu_us * 1.05
+                    lines.append(f"| {workers} | {conc} | {env.rps / old.rps:.2f} | "
+                                 f"{env.proxy_cpu_us - old.proxy_cpu_us:+.1f} µs | {verdict(ok)} |")
     if {"envelope", "noflow"} <= set(args.configs):
         lines += ["", "Data-flow tracking (`envelope` is the default, shadow: every call's untrusted output "
                   "is fingerprinted into the run's ledger in the sqlite store before it is delivered; "
@@ -757,6 +795,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--envelope-transport", choices=["fast", "aiohttp"], default=None,
                    help="the envelope's upstream transport (default: the runtime config's default)")
     p.add_argument("--output", type=Path, default=BENCH / "RESULTS.md", help="report file (default bench/RESULTS.md)")
+    p.add_argument("--baseline", metavar="REV", default=None,
+                   help="also serve the envelope config from git revision REV (config `baseline`), in the same run")
     args = p.parse_args(argv)
     if args.quick:
         args.duration = 3.0
@@ -765,6 +805,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.workers = [int(x) for x in args.workers.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.configs = [x.strip() for x in args.configs.split(",")]
+    if args.baseline is None:
+        args.configs = [c for c in args.configs if c != "baseline"]
+    elif "baseline" not in args.configs:
+        args.configs.insert(args.configs.index("envelope") if "envelope" in args.configs else len(args.configs),
+                            "baseline")
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         p.error(f"unknown configs: {', '.join(sorted(unknown))}")
@@ -784,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         info = machine_info()
         with tempfile.TemporaryDirectory(prefix="envelope-bench-") as tmpdir:
             tmp = Path(tmpdir)
+            if args.baseline is not None:
+                checkout_baseline(tmp, args.baseline)
             script = write_wrk_script(tmp)
             upstream, upstream_url = start_upstream(tmp)
             try:
@@ -794,6 +841,9 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as exc:
         print(f"bench: FAILED: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if BASELINE:
+            subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=False, capture_output=True)
     text = report(cells, args, info, profile)
     if code_fingerprint() != info["envelope code"]:
         warning = ("proxy/ changed on disk while the benchmark ran: the envelope rows may mix code versions; "

@@ -78,7 +78,8 @@ class Runtime:
         # shares it, so a state handed to a client before a reload still opens after it.
         self.signer = RequestStateSigner.from_config(config.approvals)
         self.services = Services(store=self.store, settings=config, metrics=self.metrics,
-                                 notifier=self.approval_notifier, signer=self.signer)
+                                 notifier=self.approval_notifier, signer=self.signer,
+                                 approvals=self.approvals)
         self.envelope = Envelope(self.audit, self.metrics, self.registry, self.services)
         self.envelope.recorder = open_recorder(config, worker, self.metrics.registry)
         self.identity = Identity(config.identity)

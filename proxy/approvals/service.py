@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -29,14 +30,16 @@ from proxy.store.base import Store
 log = logging.getLogger("envelope.approvals")
 
 _CAS_ATTEMPTS = 8
+NS_STATE_NONCE = "approval_state_nonce"  # spent in-band states (replay protection)
 
 
 @dataclass
 class ApprovalService:
     """Create, find, decide and consume approvals and grants on the store.
 
-    Stateless besides the store and the notifier: the check builds one per policy revision and
-    the admin API its own; they agree through the store.
+    Stateless besides the store and the notifier: the runtime builds one per process, which the
+    approval check (through `Services.approvals`) and the admin API share; replicas agree
+    through the store.
     """
 
     store: Store
@@ -203,6 +206,35 @@ class ApprovalService:
         ok = await self.store.cas(NS_APPROVAL, approval.id, approval.encode(), consumed.encode(),
                                   ttl=self._store_ttl(consumed))
         return ok
+
+    async def spend(self, nonce: str, expires_at: float) -> bool:
+        """Spend an in-band approval state's nonce: True the first time, False for a replay
+        (kept until the state would have expired anyway). Raises StoreError."""
+        ttl = max(1.0, expires_at - self.clock())
+        return await self.store.add(NS_STATE_NONCE, nonce, b"1", ttl=ttl)
+
+    async def wait_for_decision(self, approval: Approval, wait: float,
+                                asking: asyncio.Task[None] | None = None) -> Approval | None:
+        """The approval once it is no longer pending, or still pending after `wait` seconds
+        (never past its expiry); None when the store dropped it. Woken at once by a decision
+        of this process (the notifier) or when `asking` (an in-band question) ends; otherwise
+        the store is polled every `poll_interval`. Raises StoreError."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait, max(0.0, approval.expires_at - self.clock()))
+        while True:
+            current = await self.get(approval.id)
+            if current is None or current.effective_state(self.clock()) != "pending":
+                return current
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return current
+            step = min(self.config.poll_interval, remaining)
+            if asking is not None and not asking.done():
+                await asyncio.wait({asking}, timeout=step)
+            elif self.notifier is not None:
+                await self.notifier.wait(approval.id, step)
+            else:
+                await asyncio.sleep(step)
 
     async def refresh_gauge(self) -> None:
         """`refresh_pending`, never raising (a gauge never fails a decision)."""

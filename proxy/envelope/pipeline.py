@@ -291,6 +291,7 @@ class Envelope(Completion):
         the offending values escaped)."""
         call, chain = pending.call, pending.chain
         log_args, mask = _logging(chain, call)
+        record: dict[str, Any] | None = None
         try:
             record = build_record(
                 decision_id=call.decision_id,
@@ -311,8 +312,7 @@ class Envelope(Completion):
             pending.decision = Decision(
                 Verdict.ERROR, Code.INTERNAL_ERROR, "audit",
                 "the call's audit record cannot be written (a value the log cannot hold); the "
-                "call was refused")
-            record = None
+                "call was refused")  # its record is written with such values escaped
         pending.record = record
 
 

@@ -16,6 +16,7 @@ from proxy.policy.vocab import Effect
 
 if TYPE_CHECKING:
     from proxy.approvals.notifier import ApprovalNotifier
+    from proxy.approvals.service import ApprovalService
     from proxy.approvals.signer import RequestStateSigner
     from proxy.config import Config
     from proxy.envelope.dataflow.ledger import RecentWrites
@@ -372,7 +373,8 @@ class Services:
     `hold_calls` False says nobody waits at the other end (policy tests, replay): a check that
     would hold a call for a person (approval) decides at once. `signer` signs in-band approval
     state: one per process, so a state minted under one policy revision still opens under the
-    next (None: the approval check builds its own).
+    next (None: the approval check builds its own). `approvals` the process's approval
+    service, shared with the admin API (None: the approval check builds its own on `store`).
     """
 
     store: Store | None = None
@@ -382,6 +384,7 @@ class Services:
     recent: RecentWrites = field(default_factory=_recent_writes)
     hold_calls: bool = True
     signer: RequestStateSigner | None = None
+    approvals: ApprovalService | None = None
 
 
 @runtime_checkable

@@ -181,8 +181,8 @@ class _Forwarded:
         self.target = request.target
         self.started = 0.0
         self.status: int | None = None
-        self.attempts = 1  # tries of `_open`, for the backoff
-        self.writes = 0  # times the request was written upstream (the record's `attempts`)
+        self.attempts = 1  # tries of `_open` (the backoff grows with them)
+        self.writes = 0  # times the request was written upstream
         self.last_event_id: str | None = None  # the upstream's events carry ids: resumable
 
     def _seconds(self) -> float:
@@ -211,11 +211,13 @@ class _Forwarded:
         return await x.envelope.complete(self.pending, ending, upstream_seconds=self._seconds())
 
     def _sent(self, writes: int | None) -> None:
-        """Count how often the request was written upstream (a refused connection: never); the
-        record says `attempts` whenever it was more than once."""
+        """Count one try and how often it wrote the request upstream (a refused connection:
+        never; a resend on a stale pooled connection: twice). The record says `attempts` (tries,
+        or writes when a try wrote twice) whenever there was more than one."""
         self.writes += 1 if writes is None else writes
-        if self.writes > 1:
-            self.pending.call.audit_extra["attempts"] = self.writes
+        attempts = max(self.attempts, self.writes)
+        if attempts > 1:
+            self.pending.call.audit_extra["attempts"] = attempts
 
     def _failure(self, kind: Any, reason: str) -> Failure:
         return Failure(kind, reason, self.status)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -35,14 +36,15 @@ from hostile_upstream import HostileUpstream, hostile_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.policy.vocab import BUILTIN_PATTERNS
 from proxy.envelope.dataflow.ledger import load
 from proxy.envelope.dataflow.match import Probe, match_argument
+from proxy.policy.vocab import BUILTIN_PATTERNS
 from proxy.store.sqlite import SqliteStore
 from tests.harness import proxy_process, token
 
 EXAMPLES = int(os.environ.get("ENVELOPE_PROPERTY_EXAMPLES", "12"))
 MIN_MATCH = 32
+REFUSED = frozenset({400, 404, 405, 409, 413})  # the hostile upstream's answers before any tool runs
 SECRETS = ["AKIAIOSFODNN7EXAMPLE", "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8",
            "xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOpQrStUvWx"]
 DETECTORS = [re2.compile(p) for p in BUILTIN_PATTERNS.values()]
@@ -112,7 +114,28 @@ class Client:
         ]
         if self.session:
             headers.append((b"Mcp-Session-Id", self.session.encode()))
-        return self.http.post(self.url, content=json.dumps(body).encode(), headers=headers)
+        content = json.dumps(body).encode()
+        if extra is not None and any((b < 0x20 and b != 0x09) or b == 0x7F for b in extra):
+            return raw_post(self.url, headers, content)  # bytes an HTTP client library refuses to send
+        return self.http.post(self.url, content=content, headers=headers)
+
+
+def raw_post(url: str, headers: list[tuple[bytes, bytes]], content: bytes) -> httpx.Response:
+    """One POST over a plain socket (header bytes as given), read to the end of the answer."""
+    parts = httpx.URL(url)
+    head = [f"POST {parts.raw_path.decode()} HTTP/1.1".encode(), f"Host: {parts.host}:{parts.port}".encode(),
+            f"Content-Length: {len(content)}".encode(), b"Connection: close"]
+    head += [name + b": " + value for name, value in headers]
+    with socket.create_connection((parts.host, parts.port), timeout=20) as s:
+        s.sendall(b"\r\n".join(head) + b"\r\n\r\n" + content)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    raw_headers, _, body = rest.partition(b"\r\n\r\n")
+    fields = [line.split(b":", 1) for line in raw_headers.split(b"\r\n") if b":" in line]
+    return httpx.Response(int(status_line.split()[1]), headers=[(k.strip(), v.strip()) for k, v in fields],
+                          content=body)
 
 
 def messages(response: httpx.Response) -> list[Any]:
@@ -158,7 +181,7 @@ def test_the_envelope_keeps_its_promises_under_a_hostile_upstream(
     run = f"prop-{uuid.uuid4().hex[:12]}"
     clients: dict[str, Client] = {}
     sent: dict[str, dict[str, Any]] = {}  # nonce -> the call
-    delivered_untrusted: list[str] = []
+    delivered_untrusted: list[tuple[str, str]] = []  # (text, the run it reached)
     for n, spec in enumerate(sequence):
         route, mode = spec["route"], spec["mode"]
         if mode == "drop_resumable" and route != "legacy":
@@ -180,11 +203,14 @@ def test_the_envelope_keeps_its_promises_under_a_hostile_upstream(
                 for detector in DETECTORS:  # promise 2: no secret reaches the client
                     assert detector.search(text) is None, (spec, text)
                 if len(text) >= MIN_MATCH and text in spec["text"] and not sent[nonce]["refused_at_ingress"]:
-                    delivered_untrusted.append(text)
+                    # A fuzzed X-Envelope-Run that is a valid field value names the call's run.
+                    delivered_untrusted.append((text, header.decode("ascii") if header is not None else run))
     # Promise 1: every call that reached the upstream has exactly one record; writers once.
     reached: dict[str, int] = {}
     for entry in up.control.log()[log_before:]:
-        if entry["method"] == "tools/call":
+        # A request the upstream refused before running it (404: it no longer knows the
+        # session, which the aggregate then reopens and sends again) did not reach the tool.
+        if entry["method"] == "tools/call" and entry.get("status") not in REFUSED:
             key = ((entry.get("params") or {}).get("arguments") or {}).get("key")
             reached[key] = reached.get(key, 0) + 1
     lines = audit_path.read_text().splitlines()[audit_before:]
@@ -212,9 +238,9 @@ def test_the_envelope_keeps_its_promises_under_a_hostile_upstream(
         async def check() -> None:
             store = SqliteStore(pp.state_dir / "state.db", timeout=5)
             try:
-                for text in delivered_untrusted:
+                for text, text_run in delivered_untrusted:
                     probe = Probe.of(text, MIN_MATCH)
-                    ledger = await load(store, run, MIN_MATCH, probe.fields())
+                    ledger = await load(store, text_run, MIN_MATCH, probe.fields())
                     assert ledger is not None and ledger.untrusted, text
                     verbatim, _ = match_argument(ledger, probe, MIN_MATCH)
                     assert verbatim or ledger.coarse(0, MIN_MATCH) is not None, text

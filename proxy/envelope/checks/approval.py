@@ -72,7 +72,6 @@ from proxy.policy.model import Approval as ApprovalPolicy
 from proxy.policy.vocab import Effect
 
 DEFAULT_WAIT = 30.0
-NS_STATE_NONCE = "approval_state_nonce"  # spent in-band states (replay protection)
 
 log = logging.getLogger("envelope.approval")
 
@@ -96,11 +95,13 @@ class ApprovalCheck:
             pid for pid, p in revision.principals.items() if p.policy.gated_effects is not None
         )
         self._config: ApprovalsConfig = services.settings.approvals if services is not None else ApprovalsConfig()
+        # The process's approval service (shared with the admin API); a check built without
+        # one (tests, offline tools) builds its own on the store.
         self._service: ApprovalService | None = None
         self._store_kind = "none"
         if services is not None and services.store is not None and self._config.enabled:
-            self._service = ApprovalService(services.store, self._config, services.notifier,
-                                            services.metrics)
+            self._service = services.approvals or ApprovalService(
+                services.store, self._config, services.notifier, services.metrics)
             self._store_kind = services.store.kind
         # The process's signer, so states minted before a policy reload open after it; only a
         # check built without one (tests, offline tools) signs with its own.
@@ -236,8 +237,7 @@ class ApprovalCheck:
             sealed = self._signer.open(channel.state, binding)
         except InvalidRequestState as exc:
             return refused(str(exc))
-        ttl = max(1.0, sealed.expires_at - service.clock())
-        if not await service.store.add(NS_STATE_NONCE, sealed.nonce, b"1", ttl=ttl):
+        if not await service.spend(sealed.nonce, sealed.expires_at):
             return refused("replayed")
         approval = await service.get(sealed.approval_id)
         if approval is None or approval.binding != binding:
@@ -263,33 +263,20 @@ class ApprovalCheck:
                 audit={"approval_id": approval.id, "approval_state": "pending",
                        "in_band": "input_required"},
             )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(wait, max(0.0, approval.expires_at - service.clock()))
         asking: asyncio.Task[None] | None = None
         if channel is not None:
-            asking = loop.create_task(self._ask(service, call, approval, channel))
-        notifier = service.notifier
+            asking = asyncio.get_running_loop().create_task(self._ask(service, call, approval, channel))
         try:
-            while True:
-                current = await service.get(approval.id)
-                if current is None:  # the store dropped it: as good as expired
-                    return self._settled(call, approval, "expired")
-                state = current.effective_state(service.clock())
-                if state != "pending":
-                    if state == "expired":
-                        await service.forget(current)
-                        return self._settled(call, current, state)
-                    return await self._release(service, call, current)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return self._settled(call, current, "pending", wait)
-                step = min(self._config.poll_interval, remaining)
-                if asking is not None and not asking.done():
-                    await asyncio.wait({asking}, timeout=step)
-                elif notifier is not None:
-                    await notifier.wait(approval.id, step)
-                else:
-                    await asyncio.sleep(step)
+            current = await service.wait_for_decision(approval, wait, asking)
+            if current is None:  # the store dropped it: as good as expired
+                return self._settled(call, approval, "expired")
+            state = current.effective_state(service.clock())
+            if state == "pending":
+                return self._settled(call, current, "pending", wait)
+            if state == "expired":
+                await service.forget(current)
+                return self._settled(call, current, state)
+            return await self._release(service, call, current)
         finally:
             if asking is not None:
                 if asking.done() and not asking.cancelled() and asking.exception() is not None:

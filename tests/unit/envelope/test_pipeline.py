@@ -116,3 +116,18 @@ async def test_allowed_call_then_reload_keeps_in_flight_chain(envelope: Envelope
     old = pending.chain
     envelope.install(load_policy(POLICIES))
     assert envelope.chain is not old and pending.chain is old
+
+
+async def test_a_call_whose_record_cannot_be_serialised_is_refused_never_forwarded(
+        envelope: Envelope, tmp_path: Path) -> None:
+    """A value the audit log cannot hold (a string decoded from an undecodable byte) refuses
+    the call before anything is forwarded; its refusal is still recorded, the value escaped."""
+    call = _call("echo", {"text": "hi"})
+    call.run = RunContext("run-\udcff", session="sess-\udcff")
+    pending = await envelope.begin(call)
+    assert pending.decision.refused and not pending.forwardable
+    assert pending.decision.check == "audit" and pending.decision.code is Code.INTERNAL_ERROR
+    outcome = await envelope.complete(pending)
+    assert outcome.kind == "refuse"
+    [rec] = _records(tmp_path)
+    assert rec["sanitized"] is True and rec["session"] == "sess-\\udcff" and rec["code"] == "internal_error"
