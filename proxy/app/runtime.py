@@ -31,7 +31,7 @@ from proxy.errors import PolicyError, StoreError
 from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.context import FrontContext, FrontSettings
 from proxy.fronts.forwarded import UpstreamTarget
-from proxy.fronts.guard import LOOPBACK_HOSTS, GuardSettings, guard_middleware
+from proxy.fronts.guard import LOOPBACK_HOSTS, Guard, GuardSettings
 from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
 from proxy.observability.metrics import Metrics
@@ -256,17 +256,17 @@ class Runtime:
                           request_headers=self.request_headers),
             retry=self.config.retry, on_upstream=self.health.record,
         )
-        guard = guard_middleware(
+        guard = Guard(
             GuardSettings(max_body_bytes=limits.max_body_bytes, allowed_hosts=self._allowed_hosts(),
                           allowed_origins=frozenset(self.config.allowed_origins)),
             self.envelope, self.metrics)
         # aiohttp's own body cap is bypassed by the front's streaming reader, which enforces ours.
-        app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[guard])
-        app.add_routes(McpFront(context).routes())
+        app = web.Application(client_max_size=limits.max_body_bytes)
+        app.add_routes(McpFront(context).routes(guard))
         if self.config.aggregate.enabled:
             aggregate = AggregateFront(context, self.aggregate_upstreams,
                                        max_sessions=self.config.aggregate.max_sessions)
-            app.add_routes(aggregate.routes())
+            app.add_routes(aggregate.routes(guard))
             app.on_shutdown.append(aggregate.shutdown)
         return app
 

@@ -64,6 +64,12 @@ def strip_envelope_meta(message: Any) -> bool:
     return changed
 
 
+def may_name_envelope(raw: bytes) -> bool:
+    """Whether JSON bytes may hold a key in the `envelope/` namespace: they spell it, or hold
+    an escape (`\\uXXXX`, `\\/`) that could spell it."""
+    return b"envelope/" in raw or b"\\u" in raw or b"\\/" in raw
+
+
 def payload_of(message: Mapping[str, Any]) -> Any:
     """The part of a JSON-RPC message that carries the upstream's content: `result`, `error`
     or `params` (None when it has none)."""
@@ -227,12 +233,14 @@ class Inspector:
 
     # -- the synchronous steps -------------------------------------------------------------
 
-    def scan(self, subject: Subject, message: dict[str, Any]) -> Scan:
+    def scan(self, subject: Subject, message: dict[str, Any], raw: bytes | None = None) -> Scan:
         """Strip forged `envelope/*` meta and run the subject's guardrails on `message` (in
-        place). Never raises: a guardrail failure is `Scan.error` (the caller withholds)."""
+        place). `raw`, the bytes it was parsed from, lets a message that cannot hold such a key
+        skip the walk. Never raises: a guardrail failure is `Scan.error` (the caller withholds)."""
         scan = Scan()
         try:
-            scan.changed = scan.stripped = strip_envelope_meta(message)
+            if raw is None or may_name_envelope(raw):
+                scan.changed = scan.stripped = strip_envelope_meta(message)
             payload = payload_of(message)
             if subject.rules and isinstance(payload, dict | list):
                 scan.guarded = scan_payload(payload, subject.rules)

@@ -12,9 +12,11 @@ the call was refused or answered from the envelope's own state) and, in this ord
 3. writes the audit record built before forwarding, adding the result fields;
 4. counts the decision.
 
-It runs in a task of its own, shielded: neither the client going away nor the caller's timeout
-can interrupt it between the upstream's answer and the audit record (tracked in
-`Envelope.completing`; shutdown waits for them). A call ends exactly once. If the audit record
+Neither the client going away nor the caller's timeout can interrupt it between the upstream's
+answer and the audit record: it starts eagerly, and most completions end without waiting for
+anything (no store write is due, no hook), so they run to the record synchronously; one that
+must wait (for the store, a worker thread) goes on in a task of its own, shielded from the
+caller's cancellation (tracked in `Envelope.completing`; shutdown waits for them). A call ends exactly once. If the audit record
 cannot be written, the answer is withheld (`audit_unavailable`), the failure is logged at ERROR
 with the decision id and counted in `envelope_audit_write_failures_total`, `/readyz` turns false
 and every later call is refused until the log is writable again.
@@ -28,10 +30,11 @@ record when the inspection acted (a guardrail fired, the ledger could not record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +108,27 @@ _FAILURES: dict[str, tuple[Verdict, Code]] = {
 }
 
 
+async def _resume(coro: Coroutine[Any, Any, Outcome], waiting: Any) -> Outcome:
+    """Drive a coroutine that was started eagerly and suspended on `waiting` (what it awaits: a
+    future, or None for a bare yield) to its end, in the task running this (what Python 3.12's
+    eager tasks do). The awaited future's result or exception reaches the coroutine when it is
+    sent on, exactly as a task would deliver it."""
+    while True:
+        if waiting is None:
+            await asyncio.sleep(0)
+        else:
+            # What a task does with a future its coroutine yields: clear the flag the future's
+            # `__await__` set, then wait for it (its result or error reaches the coroutine).
+            waiting._asyncio_future_blocking = False
+            with contextlib.suppress(Exception):
+                await waiting
+        try:
+            waiting = coro.send(None)
+        except StopIteration as done:
+            outcome: Outcome = done.value
+            return outcome
+
+
 def failure_decision(failure: Failure) -> Decision:
     verdict, code = _FAILURES[failure.kind]
     return Decision(verdict, code, "forward", failure.reason)
@@ -144,20 +168,28 @@ class Completion:
             return pending.outcome
         task = pending.completion
         if task is None:
-            task = pending.completion = asyncio.get_running_loop().create_task(
-                self._complete(pending, ending, upstream_seconds))
-            self.completing.add(task)
-            task.add_done_callback(self.completing.discard)
+            coro = self._complete(pending, ending, upstream_seconds)
+            try:
+                # Eagerly: most completions never wait (no store write is due, no hook), and
+                # then end here, synchronously: nothing can interrupt them, no task is made.
+                waiting = coro.send(None)
+            except StopIteration as done:
+                outcome: Outcome = done.value
+                return outcome
+            task = pending.completion = self._track(_resume(coro, waiting))
         return await asyncio.shield(task)
 
     def complete_soon(self, pending: Pending, ending: Ending, *,
                       upstream_seconds: float | None = None) -> None:
         """`complete` from code that is being cancelled (the client left): tracked, not awaited."""
         if pending.outcome is None and pending.completion is None:
-            task = pending.completion = asyncio.get_running_loop().create_task(
-                self._complete(pending, ending, upstream_seconds))
-            self.completing.add(task)
-            task.add_done_callback(self.completing.discard)
+            pending.completion = self._track(self._complete(pending, ending, upstream_seconds))
+
+    def _track(self, coro: Coroutine[Any, Any, Outcome]) -> asyncio.Task[Outcome]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.completing.add(task)
+        task.add_done_callback(self.completing.discard)
+        return task
 
     async def drain(self, grace: float) -> None:
         """Wait up to `grace` seconds for completions still running: their audit records
@@ -241,7 +273,7 @@ class Completion:
         subject = pending.subject
         if subject is None:  # no policy: nothing can inspect it
             return "refuse", NOT_FORWARDED, None, None
-        scan = self._scan(pending, subject, reply.message)
+        scan = self._scan(pending, subject, reply.message, reply.raw)
         refusal = failed(scan.error) if scan.error is not None else scan.guarded.refusal()
         if refusal is not None:
             await self._clear_pending(pending)
@@ -253,11 +285,13 @@ class Completion:
             return "refuse", refusal, None, None
         return "deliver", pending.decision, reply.message, (None if scan.changed else reply.raw)
 
-    def _scan(self, pending: Pending, subject: Subject, message: dict[str, Any]) -> Scan:
+    def _scan(self, pending: Pending, subject: Subject, message: dict[str, Any],
+              raw: bytes | None = None) -> Scan:
         chain = pending.chain
         assert chain is not None
-        scan = chain.inspector.scan(subject, message)
-        pending.notes.add_guarded(scan.guarded)
+        scan = chain.inspector.scan(subject, message, raw)
+        if scan.guarded.fired:
+            pending.notes.add_guarded(scan.guarded)
         if scan.stripped:
             pending.notes.meta_stripped += 1
         if scan.guarded.fired:
@@ -338,7 +372,9 @@ class Completion:
                 verdict=decision.verdict, code=decision.code, check=decision.check,
                 rule=decision.rule, reason=decision.reason, arguments={}, log_args=False,
                 latency={}, upstream_status=None, method=call.request.method, canonical=b"{}")
-        merged = {**extra, **call.audit_extra, **pending.notes.audit()}
+        merged = {**extra, **call.audit_extra}
+        if pending.noted is not None:
+            merged.update(pending.noted.audit())
         if decision.audit:
             merged.update(decision.audit)
         record.update(ts=utc_timestamp(), verdict=decision.verdict.value, code=decision.code.value,

@@ -14,7 +14,7 @@ import asyncio
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -189,10 +189,17 @@ class Pending:
     started: float
     envelope_seconds: float
     record: dict[str, Any] | None = None
-    notes: Notes = field(default_factory=Notes)
+    noted: Notes | None = None
     outcome: Outcome | None = None
     completion: asyncio.Task[Outcome] | None = None
     _subject: Subject | None = None
+
+    @property
+    def notes(self) -> Notes:
+        """What the inspection did so far (made on first use: most calls note nothing)."""
+        if self.noted is None:
+            self.noted = Notes()
+        return self.noted
 
     @property
     def subject(self) -> Subject | None:

@@ -229,11 +229,15 @@ class ToolCall:
     ledger_pending: str | None = None
     # The canonical JSON of `arguments`, computed once (`args_json`).
     _args_json: bytes | None = field(default=None, repr=False)
+    _key: str | None = field(default=None, repr=False)
 
     @property
     def qualified_name(self) -> str:
-        """The policy key of the tool: `<upstream>.<tool>`."""
-        return f"{self.upstream}.{self.tool}"
+        """The policy key of the tool: `<upstream>.<tool>` (built once: read a dozen times)."""
+        key = self._key
+        if key is None or not key.endswith(self.tool):
+            key = self._key = f"{self.upstream}.{self.tool}"
+        return key
 
     def args_json(self) -> bytes:
         """The canonical JSON of the arguments (sorted keys): what the digest hashes and the

@@ -43,7 +43,7 @@ from proxy.fronts import calls, jsonrpc, render
 from proxy.fronts.calls import STATELESS_REVISION, Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
-from proxy.fronts.guard import read_body
+from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sse import SSEParser, format_event
 
@@ -98,8 +98,9 @@ class AggregateFront:
         self._ids = 0
         self._warned: set[str] = set()
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.route("*", "/mcp", self.handle)]
+    def routes(self, guard: Guard) -> list[web.RouteDef]:
+        """The route, every request through `guard` first."""
+        return [web.route("*", "/mcp", guard.wrap(self.handle))]
 
     async def shutdown(self, app: web.Application | None = None) -> None:
         """End every open GET stream (called before the listener drains)."""

@@ -1,6 +1,8 @@
 """The MCP listener's guard: what a request must satisfy before any front reads it.
 
-An aiohttp middleware on the MCP listener, in this order:
+`Guard.wrap(handler)` wraps every MCP route's handler (a plain wrapper rather than an aiohttp
+middleware: aiohttp's middleware plumbing alone cost ~40k instructions per call, measured
+with callgrind), checking, in this order:
 
 - **Header values** are RFC 9110 field values made of visible ASCII, space and tab (no
   control characters, and no obs-text: MCP clients send non-ASCII values base64-encoded as
@@ -16,6 +18,7 @@ An aiohttp middleware on the MCP listener, in this order:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -63,27 +66,29 @@ def _host_allowed(request: web.Request, allowed: frozenset[str]) -> str | None:
     return host
 
 
-def guard_middleware(settings: GuardSettings, envelope: Envelope, metrics: Metrics) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The middleware (see the module docstring)."""
+class Guard:
+    """The checks above, for one listener (see the module docstring)."""
 
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        bad = invalid_header(request)
-        if bad is not None:
-            name, value = bad
-            position = next(i for i, b in enumerate(value) if bytes([b]).translate(None, _FIELD_VALUE))
-            shown = value.decode("latin-1").encode("ascii", "backslashreplace").decode("ascii")
-            reason = (f"header {name} holds a byte that is not allowed in a field value "
-                      f"(0x{value[position]:02x} at position {position}); the request was refused")
-            metrics.rejected("invalid_header")
-            decision_id = envelope.reject(
-                upstream=request.match_info.get("upstream"), method=request.method,
-                path=request.rel_url.raw_path, reason=reason,
-                extra={"header": name[:100], "value": shown[:200]})
-            return rpc_error(400, None, jsonrpc.INVALID_REQUEST, f"Bad Request: {reason}",
-                             {"envelope/decision": {"code": "invalid_request", "check": "guard",
-                                                    "rule": None, "reason": reason,
-                                                    "decision_id": decision_id}})
+    def __init__(self, settings: GuardSettings, envelope: Envelope, metrics: Metrics):
+        self.settings = settings
+        self.envelope = envelope
+        self.metrics = metrics
+
+    def wrap(self, handler: Handler) -> Handler:
+        """`handler`, run only for requests that pass the guard."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            refused = self.check(request)
+            return refused if refused is not None else await handler(request)
+
+        return guarded
+
+    def check(self, request: web.Request) -> web.Response | None:
+        """None when the request may be read; else the refusal to send."""
+        settings, metrics = self.settings, self.metrics
+        values = b"\t".join(value for _, value in request.raw_headers)
+        if values.translate(None, _FIELD_VALUE):  # one pass over every value; then find which
+            return self._invalid_header(request)
         host = _host_allowed(request, settings.allowed_hosts)
         if host is not None:
             metrics.rejected("bad_host")
@@ -101,13 +106,37 @@ def guard_middleware(settings: GuardSettings, envelope: Envelope, metrics: Metri
                                  f"Request body larger than {settings.max_body_bytes} bytes")
             response.headers["Connection"] = "close"
             return response
-        return await handler(request)
+        return None
 
-    return guard
+    def _invalid_header(self, request: web.Request) -> web.Response:
+        """Refuse (400) and audit a request carrying a header value that is not a field value."""
+        bad = invalid_header(request)
+        assert bad is not None
+        name, value = bad
+        position = next(i for i, b in enumerate(value) if bytes([b]).translate(None, _FIELD_VALUE))
+        shown = value.decode("latin-1").encode("ascii", "backslashreplace").decode("ascii")
+        reason = (f"header {name} holds a byte that is not allowed in a field value "
+                  f"(0x{value[position]:02x} at position {position}); the request was refused")
+        self.metrics.rejected("invalid_header")
+        decision_id = self.envelope.reject(
+            upstream=request.match_info.get("upstream"), method=request.method,
+            path=request.rel_url.raw_path, reason=reason,
+            extra={"header": name[:100], "value": shown[:200]})
+        return rpc_error(400, None, jsonrpc.INVALID_REQUEST, f"Bad Request: {reason}",
+                         {"envelope/decision": {"code": "invalid_request", "check": "guard",
+                                                "rule": None, "reason": reason,
+                                                "decision_id": decision_id}})
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The request body, refused (BadMessage, 413) as soon as more than `limit` bytes arrive."""
+    length = request.content_length
+    if length is not None and length <= limit:  # framed by Content-Length: read it in one go
+        try:
+            return await request.content.readexactly(length)
+        except asyncio.IncompleteReadError as exc:
+            raise BadMessage(jsonrpc.PARSE_ERROR, "Parse error: the body ended before its "
+                             "Content-Length", "parse_error") from exc
     buf = bytearray()
     async for chunk in request.content.iter_any():
         buf += chunk

@@ -39,7 +39,7 @@ from proxy.fronts import calls, jsonrpc, render
 from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
-from proxy.fronts.guard import read_body
+from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.inband import (
     ID_PREFIX,
     DeferChannel,
@@ -126,8 +126,9 @@ class McpFront:
         # Task-augmented calls by task id: `tasks/result` is inspected as that tool's result.
         self.tasks = _Remembered()
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.route("*", "/mcp/{upstream}", self.handle)]
+    def routes(self, guard: Guard) -> list[web.RouteDef]:
+        """The route, every request through `guard` first."""
+        return [web.route("*", "/mcp/{upstream}", guard.wrap(self.handle))]
 
     # ---- entry -------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from proxy.envelope.dataflow.fingerprint import (
+    MIN_TOKEN,
+    gram_length,
     normalise,
     token_hash,
     tokens,
@@ -61,6 +63,7 @@ class LedgerDelta:
         hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
         budget = max_chars
+        shortest = min(MIN_TOKEN, gram_length(n, window))
         for piece in parts:
             label = "untrusted" if piece.label.untrusted else "secret"
             delta.untrusted |= piece.label.untrusted
@@ -76,6 +79,8 @@ class LedgerDelta:
                 budget -= len(text)
                 if not text:
                     continue
+            if len(text) < shortest and text.isascii():
+                continue  # shorter than any gram or token (ASCII stays as long when normalised)
             norm = normalise(text)
             # Winnowing keeps at least one gram of every `window`: past this length the output
             # would overflow the cap anyway, so no more of it is hashed (bounded work).

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -131,3 +132,41 @@ async def test_a_call_whose_record_cannot_be_serialised_is_refused_never_forward
     assert outcome.kind == "refuse"
     [rec] = _records(tmp_path)
     assert rec["sanitized"] is True and rec["session"] == "sess-\\udcff" and rec["code"] == "internal_error"
+
+
+async def test_a_completion_with_nothing_to_wait_for_ends_at_once(envelope: Envelope, tmp_path: Path) -> None:
+    """Most completions write no store and run no hook: they end synchronously, in the
+    caller, with no task (nothing can interrupt them)."""
+    pending = await envelope.begin(_call("write_note", {"title": "t", "body": "b", "folder": "trash"}))
+    outcome = await envelope.complete(pending)
+    assert outcome.kind == "refuse" and pending.completion is None and not envelope.completing
+    assert len(_records(tmp_path)) == 1
+
+
+async def test_a_completion_that_waits_survives_the_callers_cancellation(tmp_path: Path) -> None:
+    """The store is slow when the result is recorded and the caller is cancelled meanwhile (the
+    client left, a timeout): the completion goes on in its own task and the record is written."""
+    from proxy.envelope.types import Reply, Services
+    from proxy.store.memory import MemoryStore
+
+    class SlowStore(MemoryStore):
+        async def hash_put(self, *args: Any, **kw: Any) -> Any:
+            await asyncio.sleep(0.3)
+            return await super().hash_put(*args, **kw)
+
+    metrics = Metrics()
+    env = Envelope(AuditLog(tmp_path / "audit"), metrics, ToolRegistry(),
+                   Services(store=SlowStore(), metrics=metrics))
+    env.install(load_policy(POLICIES))
+    pending = await env.begin(_call("echo", {"text": "hi"}))
+    reply = {"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": "a page " * 20}]}}
+    caller = asyncio.create_task(env.complete(pending, Reply(reply)))
+    await asyncio.sleep(0.05)
+    assert pending.completion is not None and not pending.completion.done()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await env.drain(5)
+    [rec] = _records(tmp_path)
+    assert rec["code"] == "ok" and rec["extra"]["dataflow_recorded"]["untrusted"] is True
+    assert pending.outcome is not None and pending.outcome.kind == "deliver"
