@@ -275,7 +275,7 @@ class Decision:
 
     def as_meta(self, decision_id: str) -> dict[str, Any]:
         """The machine-readable decision carried in `_meta["envelope/decision"]`."""
-        meta = {
+        meta: dict[str, Any] = {
             "code": self.code.value,
             "check": self.check,
             "rule": self.rule,

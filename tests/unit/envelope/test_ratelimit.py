@@ -17,7 +17,16 @@ from proxy.envelope.checks.ratelimit import RATE_NS, RUN_NS, RateLimitCheck, pri
 from proxy.envelope.outcome import refusal_result
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, Reply, RunContext, Services, ToolCall, Verdict, deny
+from proxy.envelope.types import (
+    Code,
+    Decision,
+    Reply,
+    RunContext,
+    Services,
+    ToolCall,
+    Verdict,
+    deny,
+)
 from proxy.errors import StoreError
 from proxy.observability.metrics import Metrics
 from proxy.store.memory import MemoryStore
