@@ -11,7 +11,8 @@ is not looked at: `applies` is false and the store is never touched):
 - **budget** (`principals.<id>.max_calls_per_run`, else `defaults.max_calls_per_run`): a
   bucket that never refills, one per run: the calls a run may make in all. It lives
   `dataflow.ledger_ttl` after the run's last counted call (a run the proxy forgets, like its
-  ledger), so a runaway loop stays refused while it keeps trying.
+  ledger); refused calls write nothing, so they do not extend it: a run that keeps looping
+  past its budget gets a new one after that long (24 h by default).
 - **concurrency** (`max_concurrent_per_run`, principal else defaults): a call takes one of the
   run's numbered slots in the store (namespace `run`, keys `<run id>/slot/<n>`, n < bound) with
   an atomic `add`, released when the call's decision is final (a result hook, before its audit
