@@ -66,7 +66,8 @@ class Code(enum.StrEnum):
     DEPTH_EXCEEDED = "depth_exceeded"
     # delegation: the child agent (X-Envelope-Agent) is not on its parent holder's roster.
     NOT_ON_ROSTER = "not_on_roster"
-    # rate limit: the run already has max_concurrent_per_run calls in flight (all replicas).
+    # rate limit: a token bucket (principal, tool) is empty, the run spent its call budget or
+    # it has max_concurrent_per_run calls in flight (all replicas together).
     RATE_LIMITED = "rate_limited"
     # guard: the request was refused before any check (a header value that is not a valid
     # HTTP field value); the request is audited, never forwarded.
@@ -264,6 +265,9 @@ class Decision:
     result: Mapping[str, Any] | None = None
     # Extra audit fields (approval id, grant id, replayed...), merged under the record's extra.
     audit: Mapping[str, Any] | None = None
+    # rate_limited by a token bucket: seconds until the call would pass (on the wire as
+    # `retry_after`). None for every other decision, whose wire shape it leaves unchanged.
+    retry_after: float | None = None
 
     @property
     def refused(self) -> bool:
@@ -271,13 +275,16 @@ class Decision:
 
     def as_meta(self, decision_id: str) -> dict[str, Any]:
         """The machine-readable decision carried in `_meta["envelope/decision"]`."""
-        return {
+        meta: dict[str, Any] = {
             "code": self.code.value,
             "check": self.check,
             "rule": self.rule,
             "reason": self.reason,
             "decision_id": decision_id,
         }
+        if self.retry_after is not None:
+            meta["retry_after"] = self.retry_after
+        return meta
 
 
 ALLOWED = Decision(Verdict.ALLOW, Code.OK, "envelope", "allowed by policy")

@@ -34,6 +34,56 @@ CelExpr = Annotated[str, Field(min_length=1)]
 MaskPath = Annotated[str, Field(min_length=1, pattern=r"^(?:[^/].*|(?:/(?:[^~/]|~[01])*)+)$")]
 
 
+# `<count>/<period>`: 100/min, 5/s, 1000/h (the long names too: 5/second, 100/minute, 1/hour).
+RATE = re.compile(r"^\s*([1-9][0-9]{0,8})\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
+_RATE_PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
+                 "h": 3600.0, "hour": 3600.0}
+
+
+def parse_rate(value: object) -> tuple[int, float]:
+    """(count, period in seconds) of a rate like `100/min`; ValueError naming the shape otherwise."""
+    m = RATE.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"not a rate: {value!r} (use <count>/<s|min|h>, a whole count from 1, e.g. 100/min)")
+    return int(m.group(1)), _RATE_PERIODS[m.group(2)]
+
+
+class RateLimit(_Model):
+    """A token bucket of the `rate_limit` check: calls at `limit` on average, at most `burst` in a
+    row after a quiet spell. Written `rate: 100/min`, or `rate: {limit: 100/min, burst: 20}`."""
+
+    # `<count>/<s|min|h>`: the bucket refills at `count` tokens per period; a call takes one.
+    limit: str
+    # The bucket's size: the most calls let through at once. Absent: the limit's count.
+    burst: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: object) -> object:
+        if isinstance(v, dict):
+            return v
+        parse_rate(v)  # the error names `rate` itself, not a `limit` the file does not have
+        return {"limit": v}
+
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, v: str) -> str:
+        parse_rate(v)
+        return v
+
+    @property
+    def capacity(self) -> int:
+        return self.burst if self.burst is not None else parse_rate(self.limit)[0]
+
+    @property
+    def per_second(self) -> float:
+        count, period = parse_rate(self.limit)
+        return count / period
+
+    def __str__(self) -> str:
+        return self.limit.strip() + (f" (burst {self.burst})" if self.burst is not None else "")
+
+
 class Upstream(_Model):
     """A tool backend. Absent `timeout`: 30 s per call."""
 
@@ -196,6 +246,9 @@ class ToolPolicy(_Model):
     shadow_result: str | None = None
     # Output guardrails run on this tool's results after defaults.guardrails. Absent: none.
     guardrails: list[Guardrail] = Field(default_factory=list)
+    # Calls of this tool per principal (each principal has its own bucket, shared by all
+    # replicas through the store); a call beyond it is refused rate_limited. Absent: none.
+    rate: RateLimit | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -265,6 +318,13 @@ class PrincipalPolicy(_Model):
     # Most calls of one run in flight at once (shared by all replicas through the store); a call
     # beyond it is refused rate_limited. Absent: defaults.max_concurrent_per_run.
     max_concurrent_per_run: int | None = Field(default=None, ge=1)
+    # All calls of this principal, whatever the tool (one bucket shared by all replicas); a
+    # call beyond it is refused rate_limited. Absent: defaults.rate.
+    rate: RateLimit | None = None
+    # Most calls one run may make in all (its budget: it stops a runaway agent loop). A run is
+    # forgotten, and its count with it, after dataflow.ledger_ttl without a call. Absent:
+    # defaults.max_calls_per_run.
+    max_calls_per_run: int | None = Field(default=None, ge=1)
 
     @field_validator("allow", mode="before")
     @classmethod
@@ -297,6 +357,11 @@ class Defaults(_Model):
     # Most calls of one run in flight at once for principals that do not set their own.
     # Absent: no bound.
     max_concurrent_per_run: int | None = Field(default=None, ge=1)
+    # The rate of each principal that does not set its own (each has its own bucket). Absent:
+    # no rate.
+    rate: RateLimit | None = None
+    # The call budget of each run of principals that do not set their own. Absent: no budget.
+    max_calls_per_run: int | None = Field(default=None, ge=1)
 
 
 OnFlag = Literal["block", "approve"]

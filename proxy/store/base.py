@@ -11,8 +11,13 @@ an optional cap on its number of fields. They exist for the data-flow ledgers, w
 follow the size of a call, never the size of what a run has read (Redis HSET/HMGET, SQLite rows
 keyed by field). Hash keys live apart from plain keys: `delete` and `items` do not see them.
 
-Namespaces in use: `approval`, `approval_by_call`, `grant`, `idem`, `shadow`, `run`; hashes:
-`ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints).
+Beside them, **token buckets** (`take`): one atomic operation that takes a token from each of
+a few buckets, or from none, on the backend's own clock (`proxy.store.buckets` has the
+arithmetic; Redis runs the same steps in one Lua script, SQLite in one transaction). A bucket's
+state is a plain value of its namespace.
+
+Namespaces in use: `approval`, `approval_by_call`, `grant`, `idem`, `shadow`, `run`, `rate`
+(buckets); hashes: `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints).
 """
 
 from __future__ import annotations
@@ -27,6 +32,27 @@ class HashPut(NamedTuple):
 
     added: int
     refused: int
+
+
+class Bucket(NamedTuple):
+    """One token bucket of a `take`: at most `capacity` tokens (the burst), refilled at `rate`
+    tokens a second (0: never refilled, a budget that only counts down). Its state lives `ttl`
+    seconds after a take that changed it; an absent (or expired) bucket is full."""
+
+    key: str
+    capacity: float
+    rate: float
+    ttl: float
+
+
+class Taken(NamedTuple):
+    """What `take` did: `granted` (every bucket gave a token), or refused: `bucket`, the index of
+    the bucket that needs the longest to hold a token again, and `wait`, those seconds (inf:
+    never, a spent budget). Granted: `wait` 0 and `bucket` -1."""
+
+    granted: bool
+    wait: float = 0.0
+    bucket: int = -1
 
 
 class Store(ABC):
@@ -81,6 +107,14 @@ class Store(ABC):
     @abstractmethod
     async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
         """Remove fields (no error when absent); expiry unchanged."""
+
+    # -- token buckets -----------------------------------------------------------------------
+
+    @abstractmethod
+    async def take(self, ns: str, buckets: Sequence[Bucket]) -> Taken:
+        """Take one token from every bucket (distinct keys), atomically across processes and
+        replicas: from all of them, or, when one holds less than a token, from none (nothing is
+        written). Time is the backend's clock (Redis: the server's), so replicas share it."""
 
     @abstractmethod
     async def ping(self) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from proxy.store.base import HashPut, Store
+from proxy.store import buckets as arithmetic
+from proxy.store.base import Bucket, HashPut, Store, Taken
 
 
 class MemoryStore(Store):
@@ -121,6 +122,15 @@ class MemoryStore(Store):
         if entry is not None:
             for f in fields:
                 entry[0].pop(f, None)
+
+    async def take(self, ns: str, buckets: Sequence[Bucket]) -> Taken:
+        self._check()
+        now = self._now()
+        states = [self._live(ns, b.key) for b in buckets]
+        taken, writes = arithmetic.take(states, buckets, now)
+        for bucket, state in zip(buckets, writes, strict=False):  # none when refused
+            self._data.setdefault(ns, {})[bucket.key] = (state, now + bucket.ttl)
+        return taken
 
     async def ping(self) -> None:
         self._check()

@@ -13,6 +13,10 @@ Redis keeps no empty hash: one emptied by `hash_delete`, or given a ttl but no f
 and has no expiry, so a later put without a ttl makes a hash that does not expire (memory and
 SQLite keep the earlier expiry there).
 
+`take` (token buckets) is one Lua script over the buckets' plain keys, on the server's clock
+(`TIME`), so every replica sees one bucket; its keys are several, so a Redis Cluster would need
+them in one slot (the proxy targets one server or a replicated primary).
+
 Failure: every operation is bounded by `timeout` seconds (socket timeouts and an overall
 deadline), and any Redis error, connection error or timeout raises StoreError naming the server
 URL without its password. A dropped connection is retried once, immediately, so the first call
@@ -34,7 +38,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.errors import StoreError
-from proxy.store.base import HashPut, Store
+from proxy.store.base import Bucket, HashPut, Store, Taken
 
 T = TypeVar("T")
 
@@ -80,6 +84,53 @@ if ARGV[3] ~= '' then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 return {added, refused}
+"""
+
+# KEYS: the buckets; ARGV: capacity, rate (tokens a second), expiry in ms of each bucket, in
+# order. The steps of `proxy.store.buckets.take`, on the server's clock (TIME), so replicas share
+# one. {1} when granted; {0, bucket (1-based), wait in seconds as text ("inf": never)} when not,
+# and then nothing is written. A state that is not a bucket's is an error (refused upstream).
+_TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local levels = {}
+local wait, which = 0, 0
+for i = 1, #KEYS do
+  local cap, rate = tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1])
+  local tokens = cap
+  local state = redis.call('GET', KEYS[i])
+  if state then
+    local space = string.find(state, ' ', 1, true)
+    local level, stamp
+    if space then
+      level, stamp = tonumber(string.sub(state, 1, space - 1)), tonumber(string.sub(state, space + 1))
+    end
+    if not level or not stamp then
+      return redis.error_reply('unreadable token bucket state at ' .. KEYS[i])
+    end
+    tokens = math.min(cap, level + math.max(0, now - stamp) * rate)
+  end
+  levels[i] = tokens
+  if tokens < 1 - 1e-6 then
+    local needed = math.huge
+    if rate > 0 then
+      needed = (1 - tokens) / rate
+    end
+    if needed > wait then
+      wait, which = needed, i
+    end
+  end
+end
+if which > 0 then
+  if wait == math.huge then
+    return {0, which, 'inf'}
+  end
+  return {0, which, string.format('%.17g', wait)}
+end
+for i = 1, #KEYS do
+  redis.call('SET', KEYS[i], string.format('%.17g %.6f', math.max(0, levels[i] - 1), now), 'PX', ARGV[3 * i])
+end
+return {1}
 """
 
 # Keys asked for per SCAN round trip (and fields per HSCAN round trip).
@@ -138,6 +189,7 @@ class RedisStore(Store):
             raise StoreError(f"redis store {self.url}: invalid url: {exc}") from exc
         self._cas = self._client.register_script(_CAS)
         self._hash_put = self._client.register_script(_HASH_PUT)
+        self._take = self._client.register_script(_TAKE)
 
     def _key(self, ns: str, key: str) -> str:
         return f"{self.prefix}{ns}:{key}"
@@ -258,6 +310,18 @@ class RedisStore(Store):
             return
         name = self._hash_key(ns, key)
         await self._call("hash_delete", lambda: self._client.hdel(name, *fields))
+
+    # ---- token buckets ------------------------------------------------------------------------
+
+    async def take(self, ns: str, buckets: Sequence[Bucket]) -> Taken:
+        keys = [self._key(ns, b.key) for b in buckets]
+        args: list[bytes] = []
+        for b in buckets:
+            args += (repr(float(b.capacity)).encode(), repr(float(b.rate)).encode(), str(_px(b.ttl)).encode())
+        done = await self._call("take", lambda: self._take(keys=keys, args=args))
+        if int(done[0]) == 1:
+            return Taken(True)
+        return Taken(False, float(_bytes(done[2])), int(done[1]) - 1)
 
     async def ping(self) -> None:
         await self._call("ping", self._client.ping)

@@ -6,6 +6,9 @@ statement in autocommit mode, which makes `add` and `cas` atomic across threads 
 Expiry is wall-clock (`time.time()`), because several processes read the same rows; expired rows
 are invisible to reads and removed by an occasional purge.
 
+Token buckets (`take`) are `kv` rows; a take is one `BEGIN IMMEDIATE` transaction that reads
+and rewrites its few rows, on the wall clock of the process that takes (one host's clock).
+
 Hashes live apart from `kv`: a `hash` row per field and a `hash_meta` row per hash holding its
 expiry and its number of fields, kept exact so that a cap check never counts rows. A write to a
 hash is one `BEGIN IMMEDIATE` transaction (the write lock is taken up front, so two processes
@@ -32,7 +35,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from proxy.errors import StoreError
-from proxy.store.base import HashPut, Store
+from proxy.store import buckets as arithmetic
+from proxy.store.base import Bucket, HashPut, Store, Taken
 
 T = TypeVar("T")
 
@@ -357,6 +361,28 @@ class SqliteStore(Store):
                 conn.execute(_HASH_SET_SIZE, (max(0, size), ns, key))
 
         await self._run("hash_delete", lambda conn: _transaction(conn, "BEGIN IMMEDIATE", lambda: remove(conn)))
+
+    # ---- token buckets ------------------------------------------------------------------------
+
+    async def take(self, ns: str, buckets: Sequence[Bucket]) -> Taken:
+        def decide(conn: sqlite3.Connection) -> Taken:
+            now = time.time()  # read under the lock: stamps only move forward
+            states: list[bytes | None] = []
+            for bucket in buckets:
+                row = conn.execute(_GET, (ns, bucket.key, now)).fetchone()
+                states.append(None if row is None else bytes(row[0]))
+            taken, writes = arithmetic.take(states, buckets, now)
+            conn.executemany(_PUT, [(ns, bucket.key, state, now + bucket.ttl)
+                                    for bucket, state in zip(buckets, writes, strict=False)])
+            return taken
+
+        def op(conn: sqlite3.Connection) -> Taken:
+            # The write lock up front: two processes cannot both read the same last token.
+            taken = _transaction(conn, "BEGIN IMMEDIATE", lambda: decide(conn))
+            self._maybe_purge(conn, time.time())
+            return taken
+
+        return await self._run("take", op)
 
     async def ping(self) -> None:
         def op(conn: sqlite3.Connection) -> None:

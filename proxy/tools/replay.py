@@ -16,7 +16,8 @@ approval gate is "needs approval" (`approval_pending`) at once, without waiting;
 shadow run against the empty store (a run's sticky shadow flag, which is client state, is
 carried over from the recording). Recorded outcomes that only the state decided (an approved,
 denied or expired approval; an idempotent replay or in-flight duplicate) are compared as "needs
-approval" and "allowed" respectively.
+approval" and "allowed" respectively; so are rate-limit refusals (replay runs
+faster than the recorded traffic, so its buckets run dry where the recording's did not).
 """
 
 from __future__ import annotations
@@ -384,6 +385,8 @@ def outcome(decision: Mapping[str, Any], extra: Mapping[str, Any] | None = None)
       through by an approval or grant, is "needs approval" (`approval_pending`, check approval).
     - Idempotency outcomes (a replayed result, a duplicate in flight, a key conflict, store
       down) were decided by state after every policy check passed: "allowed" (`ok`).
+    - Rate-limit outcomes (an empty bucket, a spent run budget, a run's calls in flight) were
+      decided by time and state, and replay runs faster than the traffic did: "allowed" (`ok`).
     """
     verdict, code = str(decision.get("verdict")), str(decision.get("code"))
     check, rule = str(decision.get("check")), decision.get("rule")
@@ -392,7 +395,7 @@ def outcome(decision: Mapping[str, Any], extra: Mapping[str, Any] | None = None)
             verdict == Verdict.ALLOW.value and ("approval_id" in extra or "grant_id" in extra)):
         return Outcome(Verdict.DENY.value, Code.APPROVAL_PENDING.value, "approval",
                        rule if check == "approval" else None)
-    if check == "idempotency" or code == Code.REPLAYED.value:
+    if check in ("idempotency", "rate_limit") or code == Code.REPLAYED.value:
         return Outcome(Verdict.ALLOW.value, Code.OK.value, "envelope", None)
     return Outcome(verdict, code, check, rule)
 

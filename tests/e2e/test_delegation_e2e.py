@@ -7,7 +7,9 @@ real proxy process, the official SDK client and the demo notes server.
   hidden); one denying sensitive data refuses a tool whose output is secret;
 - session -> child -> grandchild run; the great-grandchild is refused `depth_exceeded`, from the
   proxy's own lineage records (the client never sends a depth);
-- a child agent not on the holder's roster is refused `not_on_roster`.
+- a child agent not on the holder's roster is refused `not_on_roster`;
+- a principal limited to `3/min` gets three calls through and the fourth refused
+  `rate_limited` with the time to wait (reply, audit record, metric); another is unaffected.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from typing import Any
 import pytest
 from e2e_helpers import cli, fixture_policy, write_policy
 
-from tests.harness import ProxyProcess, mcp_client, proxy_process, token
+from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, token
 
 OPS = token("ops", tenant="acme")
 READER = token("reader")
 NOEXT = token("noext", groups=["writers"])
 NOSECRET = token("nosecret")
 BOSS = token("boss", groups=["writers"])
+LIMITED = token("limited")
 
 NOTE = {"title": "t", "body": "b", "folder": "inbox"}
 
@@ -40,6 +43,7 @@ def pp(tmp_path_factory: pytest.TempPathFactory, sse_upstream: Any) -> Iterator[
         "noext": {"capability": "read-write", "rule_of_two": {"external_side_effects": False}},
         "nosecret": {"rule_of_two": {"sensitive_data": False}},
         "boss": {"roster": ["researcher", "summarizer"]},
+        "limited": {"rate": "3/min"},
     }
     policies = write_policy(tmp / "policies", {"notes": {}}, tools=tools, principals=principals)
     with proxy_process(tmp, {"notes": sse_upstream.url}, policies=policies) as proxy:
@@ -160,3 +164,28 @@ async def test_roster(pp: ProxyProcess) -> None:
     assert "shell-runner" in d["reason"]
     unnamed = await _echo(pp, "boss-child-3", "boss-root", bearer=BOSS)
     assert decision(unnamed)["code"] == "not_on_roster"
+
+
+# ---- rate limits ----------------------------------------------------------------------------
+
+async def test_a_principal_limited_to_three_a_minute(pp: ProxyProcess) -> None:
+    async with mcp_client(pp.url("notes"), "auto", bearer=LIMITED) as c:
+        passed = [await c.call_tool("echo", {"text": f"call {n}"}) for n in range(3)]
+        refused = await c.call_tool("echo", {"text": "call 3"})
+    async with mcp_client(pp.url("notes"), "auto", bearer=OPS) as c:
+        others = [await c.call_tool("echo", {"text": f"ops {n}"}) for n in range(5)]
+    assert [r.content[0].text for r in passed] == ["call 0", "call 1", "call 2"]
+    assert [r.is_error for r in others] == [False] * 5  # another principal: its own (no) limit
+    assert refused.is_error is True
+    d = decision(refused)
+    assert (d["code"], d["check"], d["rule"]) == ("rate_limited", "rate_limit", "principals.limited.rate")
+    # A third of a minute per token, less the time the three calls took.
+    assert 15.0 < d["retry_after"] <= 20.0, d
+    text = refused.content[0].text
+    assert text == (f"Blocked by policy (rate_limited): principal 'limited' is over its rate of 3/min "
+                    f"(principals.limited.rate); retry in {d['retry_after']:.1f}s")
+    rec = [r for r in pp.audit_records() if r["decision_id"] == d["decision_id"]]
+    assert len(rec) == 1 and rec[0]["extra"]["retry_after"] == d["retry_after"]
+    assert (rec[0]["principal"], rec[0]["upstream_status"]) == ("limited", None)  # never forwarded
+    assert metric_value(pp.metrics(), "envelope_decisions_total", upstream="notes", tool="echo",
+                        verdict="deny", code="rate_limited") == 1.0

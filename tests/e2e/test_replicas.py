@@ -4,8 +4,10 @@
 
 - an approval granted through A's admin API releases the call retried on B, performed once;
 - a call performed on A and retried on B is replayed by B, never performed twice;
-- a replica that loses Redis fails closed for gated calls (`store_unavailable`), keeps serving
-  read-only calls, says so on /readyz, and recovers by itself when Redis comes back.
+- a tool limited to `3/min` has one bucket for both replicas: three calls pass (on A, B, A), the
+  fourth is refused `rate_limited` on either, with the time to wait;
+- a replica that loses Redis fails closed for gated and rate-limited calls (`store_unavailable`),
+  keeps serving read-only calls, says so on /readyz, and recovers by itself when Redis comes back.
 
 Redis tests skip (naming what is missing) without a `redis-server` binary, and fail instead
 under ENVELOPE_REQUIRE_REDIS=1 (see tests/redis_server.py).
@@ -37,6 +39,7 @@ TOOLS = {
     "notes.echo": {"effect": "read"},
     "notes.write_note": {"effect": "write"},
     "notes.delete_note": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
+    "notes.lookup": {"effect": "read", "rate": "3/min"},
 }
 APPROVAL_ID = re.compile(r"\b(apr-[0-9a-zA-Z]+)\b")
 
@@ -247,6 +250,25 @@ def test_concurrent_duplicates_on_both_replicas_perform_once(cluster: Cluster) -
     assert without_meta(results["a"]) == without_meta(results["b"])
 
 
+# ---- 3. one token bucket for both replicas ------------------------------------------------------
+
+def test_a_rate_limit_is_one_bucket_across_replicas(cluster: Cluster) -> None:
+    a, b, fake = cluster.a, cluster.b, cluster.upstream
+    results = [call(pp, "lookup", {"n": n}, f"run-rate-{n}") for n, pp in enumerate((a, b, a))]
+    assert [r["isError"] for r in results] == [False, False, False]
+    assert fake.calls["lookup"] == 3
+    on_b, on_a = call(b, "lookup", {"n": 3}, "run-rate-3"), call(a, "lookup", {"n": 4}, "run-rate-4")
+    assert fake.calls["lookup"] == 3  # neither was forwarded
+    for refused in (on_b, on_a):
+        d = refused["_meta"]["envelope/decision"]
+        assert (d["code"], d["rule"]) == ("rate_limited", "tools.counted.lookup.rate"), d
+        assert 15.0 < d["retry_after"] <= 20.0, d  # one token a third of a minute, on Redis's clock
+        assert d["reason"].endswith(f"retry in {d['retry_after']:.1f}s")
+    rec = record(b, decision_id(on_b))
+    assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("deny", "rate_limited", None)
+    assert rec["extra"]["retry_after"] == on_b["_meta"]["envelope/decision"]["retry_after"]
+
+
 # ---- 4. losing Redis: fail closed, recover without a restart ----------------------------------
 
 def _readyz(pp: ProxyProcess) -> httpx.Response:
@@ -294,6 +316,12 @@ def test_replica_losing_redis_fails_closed_and_recovers(tmp_path: Path) -> None:
                          headers={"Idempotency-Key": "lost-1"})
             assert code_of(keyed) == "store_unavailable", keyed
             assert fake.calls["write_note"] == 0
+
+            # A rate-limited call cannot take its token: refused, never performed.
+            limited = call(pp, "lookup", {}, "run-lost")
+            decision = limited["_meta"]["envelope/decision"]
+            assert (decision["code"], decision["check"]) == ("store_unavailable", "rate_limit"), decision
+            assert fake.calls["lookup"] == 0
 
             # Read-only calls need no state: still served.
             read = call(pp, "echo", {"text": "still here"}, "run-lost")

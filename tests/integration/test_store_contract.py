@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from proxy.errors import StoreError
-from proxy.store.base import HashPut, Store
+from proxy.store.base import Bucket, HashPut, Store, Taken
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
 from proxy.store.sqlite import SqliteStore
@@ -28,7 +28,7 @@ from tests.redis_server import RedisServer, running_redis
 ROOT = Path(__file__).resolve().parents[2]
 TTL = 0.2
 # Every namespace in use, plain and hash: none may see another's keys.
-NAMESPACES = ["approval", "approval_by_call", "grant", "idem", "shadow", "run", "ledger", "ledger_fp"]
+NAMESPACES = ["approval", "approval_by_call", "grant", "idem", "shadow", "run", "rate", "ledger", "ledger_fp"]
 
 Opener = Callable[[], Store]
 
@@ -395,6 +395,90 @@ async def test_hash_large_put_and_get(store: Store) -> None:
     assert len(await store.hash_all("ledger_fp", "big", limit=100_000)) == 25_000
 
 
+# ---- the contract: token buckets -------------------------------------------------------------
+
+
+async def test_take_burst_then_refused_with_the_wait(store: Store) -> None:
+    bucket = Bucket("principal/p", capacity=3, rate=0.5, ttl=60)  # 30/min, burst 3
+    for _ in range(3):
+        assert await store.take("rate", [bucket]) == Taken(True)
+    refused = await store.take("rate", [bucket])
+    assert (refused.granted, refused.bucket) == (False, 0)
+    assert 1.5 < refused.wait <= 2.0  # one token at 0.5/s, less what refilled meanwhile
+    # Another key, another namespace: other buckets, full.
+    assert (await store.take("rate", [bucket._replace(key="principal/q")])).granted
+    assert (await store.take("other", [bucket])).granted
+
+
+async def test_take_refills_at_the_rate_up_to_the_capacity(store: Store) -> None:
+    bucket = Bucket("tool/demo.echo/p", capacity=2, rate=10.0, ttl=60)
+    assert (await store.take("rate", [bucket])).granted
+    assert (await store.take("rate", [bucket])).granted
+    refused = await store.take("rate", [bucket])
+    assert not refused.granted and 0 < refused.wait <= 0.1
+    await asyncio.sleep(refused.wait + 0.05)
+    assert (await store.take("rate", [bucket])).granted
+    # A long quiet spell refills to the capacity, never beyond it.
+    await asyncio.sleep(0.5)
+    assert [(await store.take("rate", [bucket])).granted for _ in range(3)] == [True, True, False]
+
+
+async def test_take_is_all_or_nothing(store: Store) -> None:
+    small = Bucket("principal/p", capacity=1, rate=0.001, ttl=60)
+    large = Bucket("tool/demo.echo/p", capacity=2, rate=0.001, ttl=60)
+    assert await store.take("rate", [small, large]) == Taken(True)
+    refused = await store.take("rate", [large, small])
+    assert (refused.granted, refused.bucket) == (False, 1)  # the index in this take's order
+    assert 990 < refused.wait <= 1000
+    # The refused take charged nothing: `large` still holds the one token the first take left.
+    assert (await store.take("rate", [large])).granted
+    assert not (await store.take("rate", [large])).granted
+
+
+async def test_take_reports_the_longest_wait(store: Store) -> None:
+    slow = Bucket("slow", capacity=1, rate=0.01, ttl=600)
+    fast = Bucket("fast", capacity=1, rate=1.0, ttl=60)
+    budget = Bucket("run/r", capacity=1, rate=0.0, ttl=60)
+    assert (await store.take("rate", [fast, slow, budget])).granted
+    refused = await store.take("rate", [fast, slow])
+    assert (refused.granted, refused.bucket) == (False, 1) and 90 < refused.wait <= 100
+    # A spent budget never refills: it waits forever, longer than any bucket.
+    refused = await store.take("rate", [fast, budget, slow])
+    assert (refused.granted, refused.bucket, refused.wait) == (False, 1, float("inf"))
+
+
+async def test_take_state_expires_into_a_full_bucket(store: Store) -> None:
+    budget = Bucket("run/short", capacity=1, rate=0.0, ttl=TTL)
+    assert (await store.take("rate", [budget])).granted
+    assert not (await store.take("rate", [budget])).granted
+
+    async def full() -> bool:
+        return (await store.take("rate", [budget])).granted
+
+    await eventually(full)  # the run's budget is new again once its state expired
+    assert not (await store.take("rate", [budget])).granted
+
+
+async def test_take_refuses_a_state_that_is_not_a_bucket(store: Store) -> None:
+    await store.put("rate", "principal/garbled", b"not a bucket")
+    with pytest.raises(StoreError):
+        await store.take("rate", [Bucket("principal/garbled", capacity=5, rate=1.0, ttl=60)])
+    assert await store.get("rate", "principal/garbled") == b"not a bucket"
+
+
+async def test_concurrent_takes_never_overdraw(opener: Opener, stores: list[Store]) -> None:
+    stores.extend([opener(), opener()])  # two handles: two connections/threads where it matters
+    a, b = stores
+    shared = Bucket("principal/p", capacity=20, rate=0.0, ttl=60)
+    own = Bucket("tool/demo.echo/p", capacity=30, rate=0.0, ttl=60)
+    taken = await asyncio.gather(*((a if i % 2 else b).take("rate", [own, shared]) for i in range(60)))
+    assert sum(t.granted for t in taken) == 20
+    assert all(t.bucket == 1 and t.wait == float("inf") for t in taken if not t.granted)
+    # The 40 refused takes charged `own` nothing: 10 of its 30 tokens are left.
+    rest = await asyncio.gather(*((a if i % 2 else b).take("rate", [own]) for i in range(15)))
+    assert sum(t.granted for t in rest) == 10
+
+
 # ---- SQLite: one file, several instances and processes ----------------------------------------
 
 CHILD = textwrap.dedent("""
@@ -506,6 +590,41 @@ async def test_sqlite_hash_cap_holds_across_processes(tmp_path: Path) -> None:
         await store.close()
 
 
+TAKE_CHILD = textwrap.dedent("""
+    import asyncio, json, sys, time
+    from pathlib import Path
+    from proxy.store.base import Bucket
+    from proxy.store.sqlite import SqliteStore
+
+    async def main(path, n, start_at):
+        store = SqliteStore(Path(path), timeout=10.0)
+        await store.ping()
+        time.sleep(max(0.0, start_at - time.time()))
+        bucket = Bucket("run/shared", capacity=50, rate=0.0, ttl=60)
+        granted = [(await store.take("rate", [bucket])).granted for _ in range(40)]
+        await store.close()
+        print(json.dumps({"granted": granted.count(True)}))
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+""")
+
+
+async def test_sqlite_take_never_overdraws_across_processes(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = SqliteStore(path, timeout=10.0)
+    try:
+        await store.ping()
+        start_at = time.time() + 1.5
+        children = await _children(TAKE_CHILD, path, start_at, count=2)
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        bucket = Bucket("run/shared", capacity=50, rate=0.0, ttl=60)
+        ours = [(await store.take("rate", [bucket])).granted for _ in range(40)].count(True)
+        reports = await _reports(children)
+        assert ours + sum(r["granted"] for r in reports) == 50  # 120 takes, 50 tokens
+    finally:
+        await store.close()
+
+
 async def test_sqlite_purge_drops_expired_hashes(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteStore(path, timeout=5.0)
@@ -571,6 +690,7 @@ OPS: list[tuple[str, Callable[[Store], Awaitable[object]]]] = [
     ("hash_get", lambda s: s.hash_get("ledger", "k", [b"f"])),
     ("hash_all", lambda s: s.hash_all("ledger", "k")),
     ("hash_delete", lambda s: s.hash_delete("ledger", "k", [b"f"])),
+    ("take", lambda s: s.take("rate", [Bucket("principal/p", 5, 1.0, 60)])),
     ("ping", lambda s: s.ping()),
 ]
 
@@ -604,6 +724,7 @@ async def test_redis_killed_then_restarted(own_redis: RedisServer) -> None:
         assert await store.cas("run", "k", b"again", b"cas-ok") is True  # script reloaded
         assert await store.items("run") == [("k", b"cas-ok")]
         assert await store.hash_put("ledger", "k", {b"f": b"v"}, cap=10) == HashPut(1, 0)  # script reloaded
+        assert await store.take("rate", [Bucket("principal/p", 1, 1.0, 60)]) == Taken(True)  # script reloaded
     finally:
         await store.close()
 

@@ -178,9 +178,27 @@ def test_stateful_outcomes_are_folded() -> None:
     assert outcome({"verdict": "allow", "code": "replayed", "check": "idempotency"}).code == "ok"
     assert outcome({"verdict": "error", "code": "idempotency_in_flight", "check": "idempotency"}).allowed
     assert outcome({"verdict": "deny", "code": "approval_expired", "check": "approval"}).code == "approval_pending"
+    assert outcome({"verdict": "deny", "code": "rate_limited", "check": "rate_limit"}).allowed
     same = Decision(Verdict.DENY, Code.UNAUTHORIZED, "authz", "no")
     rec = _rec(1, "echo", {}, {"verdict": "deny", "code": "unauthorized", "check": "authz"})
     assert compare(rec, same) is None
+
+
+def test_rate_limits_are_no_change_however_fast_replay_runs(tmp_path: Path) -> None:
+    # Recorded a minute apart, replayed back to back: the new policy's bucket runs dry, and
+    # that is not a change (the recording's timing decided it).
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    doc = (FIXTURES / "tools.yaml").read_text() + "\nprincipals:\n  writer: {rate: 1/min}\n"
+    (policy / "policy.yaml").write_text(doc)
+    replayer = Replayer(load_policy(policy))
+
+    async def both() -> list[Decision]:
+        return [await replayer.decide(_rec(n, "echo", {"text": "x"}, OK)) for n in (1, 2)]
+
+    first, second = asyncio.run(asyncio.wait_for(both(), 5))
+    assert (first.code, second.code) == (Code.OK, Code.RATE_LIMITED)
+    assert compare(_rec(2, "echo", {"text": "x"}, OK), second) is None
 
 
 def test_identical_duplicates_do_not_wait_on_idempotency(revision: Any) -> None:

@@ -169,7 +169,7 @@ def test_unknown_field(write: Write) -> None:
     assert problems(path.parent) == [
         f"{path}:8:5: unknown field 'efect' in tools.demo.echo (allowed: effect, output, "
         "sensitivity, labels, schema, allow, rules, fallback, fallback_reason, log_args, mask, "
-        "approval, idempotent, mode, shadow_result, guardrails)"
+        "approval, idempotent, mode, shadow_result, guardrails, rate)"
     ]
 
 
@@ -326,3 +326,45 @@ def test_skip_formats_must_be_validated_formats(write: Write) -> None:
     (problem,) = problems(path.parent)
     assert problem.startswith(f"{path}:7:17: dataflow.skip_formats: ")
     assert "'int32': the schema check does not validate this format" in problem
+
+
+def test_rates_and_budgets_load(write: Write) -> None:
+    defaults = "defaults: {unknown_tools: deny, rate: 100/min, max_calls_per_run: 500}\n"
+    path = write("a.yaml", UPSTREAMS.replace("defaults: {unknown_tools: deny}\n", defaults) + (
+        "tools:\n"
+        "  demo.echo: {rate: {limit: 5/s, burst: 20}}\n"
+        "principals:\n"
+        "  alice: {rate: 1000 / hour, max_calls_per_run: 50}\n"
+    ))
+    doc = load_policy(path.parent).document
+    assert (doc.defaults.rate.capacity, doc.defaults.rate.per_second) == (100, 100 / 60)
+    assert doc.defaults.max_calls_per_run == 500
+    echo = doc.tools["demo.echo"].rate
+    assert (echo.capacity, echo.per_second, str(echo)) == (20, 5.0, "5/s (burst 20)")
+    alice = doc.principals["alice"]
+    assert (alice.rate.capacity, alice.rate.per_second, alice.max_calls_per_run) == (1000, 1000 / 3600, 50)
+
+
+def test_malformed_rates_are_load_errors_with_their_place(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS + (
+        "tools:\n"
+        "  demo.echo: {rate: 100/minute}\n"  # fine
+        "  demo.a: {rate: 100/mn}\n"
+        "  demo.b: {rate: {limit: 0/s}}\n"
+        "  demo.c: {rate: {limit: 5/s, burst: 0}}\n"
+        "  demo.d: {rate: {limit: 5/s, brust: 9}}\n"
+        "principals:\n"
+        "  alice: {rate: 100, max_calls_per_run: 0}\n"
+    ))
+    assert problems(path.parent) == [
+        f"{path}:8:18: tools.demo.a.rate: not a rate: '100/mn' (use <count>/<s|min|h>, a whole "
+        "count from 1, e.g. 100/min)",
+        f"{path}:9:26: tools.demo.b.rate.limit: not a rate: '0/s' (use <count>/<s|min|h>, a "
+        "whole count from 1, e.g. 100/min)",
+        f"{path}:10:38: tools.demo.c.rate.burst: Input should be greater than or equal to 1",
+        f"{path}:11:31: unknown field 'brust' in tools.demo.d.rate (allowed: limit, burst)",
+        f"{path}:13:17: principals.alice.rate: not a rate: 100 (use <count>/<s|min|h>, a whole "
+        "count from 1, e.g. 100/min)",
+        f"{path}:13:41: principals.alice.max_calls_per_run: Input should be greater than or "
+        "equal to 1",
+    ]
