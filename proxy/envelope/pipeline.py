@@ -140,6 +140,12 @@ class Chain:
                 return self._failed(check, call, exc)
             if decision is not None:
                 return decision
+        if call.spend_approval is not None:
+            # Released by the approval check but never spent (the idempotency check spends it
+            # under the call's claim): performed now, the approval would stay reusable.
+            return Decision(Verdict.ERROR, Code.INTERNAL_ERROR, "approval",
+                            "the call's approval was not spent before forwarding; the call was "
+                            "refused")
         return ALLOWED
 
     def visible(self, principal: Principal, upstream: str, tool: str) -> bool:

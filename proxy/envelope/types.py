@@ -211,6 +211,11 @@ class ToolCall:
     # Awaited by the envelope with the final decision and the upstream's JSON-RPC reply (None
     # when nothing was forwarded or it failed), before the audit record is written.
     on_result: list[ResultHook] = field(default_factory=list)
+    # Set by the approval check when an approved approval releases the call: spends it
+    # (approved -> consumed) and returns None, or the refusal when it can no longer be spent.
+    # The idempotency check calls it only once it holds the call's claim, so a duplicate that
+    # finds the approval consumed also finds that claim (and waits for its result).
+    spend_approval: Callable[[], Awaitable[Decision | None]] | None = None
     # Fields checks add to the call's audit record (approval id, grant id, idempotency key...).
     audit_extra: dict[str, Any] = field(default_factory=dict)
     # Set by the catalogue check: the tool's effective effect (policy, trusted annotations, default).

@@ -14,6 +14,13 @@ with callgrind), checking, in this order:
 - **Origin**, when present, must be configured or loopback (403).
 - A declared body larger than the cap is refused at once (413); `read_body` enforces the cap
   on what actually arrives.
+
+Request bodies in a content coding: aiohttp decodes `gzip` and `deflate` (and `br`, `zstd` when
+their libraries are installed) as the body is read, in bounded steps. The proxy inspects and
+forwards the decoded bytes, so the cap applies to the decoded size (a small gzip bomb is refused
+413 before it inflates into memory) and the client's `Content-Encoding` is not passed upstream
+(`body_decoded`). A body in any other coding is refused 415: the proxy never forwards bytes it
+could not read.
 """
 
 from __future__ import annotations
@@ -128,19 +135,43 @@ class Guard:
                                                 "decision_id": decision_id}})
 
 
+def body_decoded(request: web.Request) -> bool:
+    """Whether aiohttp decodes the request body from its Content-Encoding as it is read: the
+    bytes the proxy reads (and forwards) are then no longer in that coding."""
+    # Set on the body's stream by aiohttp's decoder (`DeflateBuffer`) and only by it.
+    return getattr(request.content, "total_compressed_bytes", None) is not None
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused (BadMessage, 413) as soon as more than `limit` bytes arrive."""
+    """The request body (decoded from its Content-Encoding, see the module docstring), refused
+    (BadMessage) with 413 as soon as more than `limit` bytes arrive (decoded bytes), 415 in a
+    coding the proxy cannot decode, 400 when it cannot be decoded."""
+    decoded = body_decoded(request)
+    if not decoded:
+        coding = request.headers.get("Content-Encoding", "").strip().lower()
+        if coding not in ("", "identity"):
+            raise BadMessage(jsonrpc.INVALID_REQUEST, "Unsupported Media Type: the proxy cannot "
+                             f"read a body in content coding {coding[:40]!r}", "invalid_request",
+                             status=415)
     length = request.content_length
-    if length is not None and length <= limit:  # framed by Content-Length: read it in one go
-        try:
-            return await request.content.readexactly(length)
-        except asyncio.IncompleteReadError as exc:
-            raise BadMessage(jsonrpc.PARSE_ERROR, "Parse error: the body ended before its "
-                             "Content-Length", "parse_error") from exc
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request body larger than {limit} bytes",
-                             "too_large", status=413)
+    try:
+        # Framed by Content-Length and not decoded (a decoded body's length is not the length of
+        # what it inflates to): read it in one go.
+        if length is not None and length <= limit and not decoded:
+            try:
+                return await request.content.readexactly(length)
+            except asyncio.IncompleteReadError as exc:
+                raise BadMessage(jsonrpc.PARSE_ERROR, "Parse error: the body ended before its "
+                                 "Content-Length", "parse_error") from exc
+        buf = bytearray()
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                raise BadMessage(jsonrpc.INVALID_REQUEST,
+                                 f"Request body larger than {limit} bytes", "too_large",
+                                 status=413)
+    except web.RequestPayloadError as exc:  # invalid in its Content-Encoding or its framing
+        what = "decoded from its Content-Encoding" if decoded else "read"
+        raise BadMessage(jsonrpc.PARSE_ERROR, f"Parse error: the body cannot be {what}",
+                         "parse_error") from exc
     return bytes(buf)

@@ -39,7 +39,7 @@ from proxy.fronts import calls, jsonrpc, render
 from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
-from proxy.fronts.guard import Guard, read_body
+from proxy.fronts.guard import Guard, body_decoded, read_body
 from proxy.fronts.inband import (
     ID_PREFIX,
     DeferChannel,
@@ -190,9 +190,12 @@ class McpFront:
 
     def _upstream_headers(self, request: web.Request, target: UpstreamTarget) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict()
+        decoded = body_decoded(request)
         for name, value in request.headers.items():
             lname = name.lower()
             if lname in NOT_UPSTREAM and not (lname == "authorization" and target.forward_authorization):
+                continue
+            if lname == "content-encoding" and decoded:  # the body forwarded is the decoded one
                 continue
             headers.add(name, value)
         for name, value in target.headers.items():

@@ -5,6 +5,9 @@ the `envelope-proxy approvals` CLI and a webhook receiver.
 Several policy upstreams point at the same demo server, each with its own approval settings:
 `notes` (refused as pending at once), `held` (holds calls for 10 s), `short` (1 s TTL), `gated`
 (an external writer, for grants) and `flaky` (its webhook deliveries fail twice).
+
+Concurrent duplicates of one approved call go to two replicas sharing one SQLite store in front of
+a counting upstream (`fake_upstream`): exactly one performs it, the others replay its result.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -23,8 +27,16 @@ from typing import Any
 import httpx
 import pytest
 from e2e_helpers import cli, upstream_server, write_doc
+from fake_upstream import FakeUpstream, fake_upstream
 
-from tests.harness import ProxyProcess, free_port, mcp_client, metric_value, proxy_process, token
+from tests.harness import (
+    ProxyProcess,
+    free_port,
+    mcp_client,
+    metric_value,
+    proxy_process,
+    token,
+)
 
 OPS = token("ops", tenant="acme")
 ALICE_TOKEN = "alice-approver-token"
@@ -334,3 +346,172 @@ async def test_webhook_notified_and_failures_retried_and_counted(world: World) -
     after = metric_value(world.proxy.metrics(), "envelope_approval_webhook_failures_total")
     assert after - before == 2
     assert metric_value(world.proxy.metrics(), "envelope_approvals_pending") >= 1
+
+
+# -- concurrent duplicates of one approved call --------------------------------------------------
+
+COUNTED_WAIT = 1.0  # idempotency.wait: how long a duplicate waits for the first call
+FILLER = 300  # pending approvals already stored: the pending gauge scans them after a consume
+
+
+@dataclass
+class Replicas:
+    """Two proxy processes sharing one SQLite store, in front of one counting upstream."""
+
+    a: ProxyProcess
+    b: ProxyProcess
+    fake: FakeUpstream
+
+    def record(self, decision_id: str) -> dict[str, Any]:
+        found = [r for pp in (self.a, self.b) for r in pp.audit_records()
+                 if r["decision_id"] == decision_id]
+        assert len(found) == 1, found
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
+    tmp = tmp_path_factory.mktemp("approvals-replicas")
+    doc = {
+        "version": 1,
+        "upstreams": {"counted": {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {
+            "counted.delete_note": {"effect": "destructive",
+                                    "approval": {"required": True, "wait": "0s"}},
+            "counted.purge": {"effect": "destructive", "approval": {"required": True, "wait": "10s"}},
+        },
+    }
+    config = {
+        "store": {"kind": "sqlite", "path": str(tmp / "shared.db")},
+        "approvals": {"poll_interval": "50ms", "approvers": {
+            "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}},
+        "idempotency": {"wait": COUNTED_WAIT},
+    }
+    policies = write_doc(tmp / "policies", doc)
+    static = {"mode": "static", "principal": "agent"}
+    for replica in ("a", "b"):
+        (tmp / replica).mkdir()
+    with fake_upstream() as fake, \
+            proxy_process(tmp / "a", {"counted": fake.url}, policies=policies, identity=static,
+                          config=config) as a, \
+            proxy_process(tmp / "b", {"counted": fake.url}, policies=policies, identity=static,
+                          config=config) as b:
+        world = Replicas(a, b, fake)
+        asyncio.run(_fill(world))
+        yield world
+
+
+async def _fill(world: Replicas) -> None:
+    """A busy deployment: many approvals waiting for a decision."""
+    for start in range(0, FILLER, 50):
+        results = await asyncio.gather(*(_together(world, "delete_note", f"filler-{i}", 1)
+                                         for i in range(start, start + 50)))
+        assert {code(r) for [r] in results} == {"approval_pending"}
+
+
+def code(result: dict[str, Any]) -> str:
+    """The envelope's decision code of a result: "ok" for one the upstream gave (no decision)."""
+    return str(result.get("_meta", {}).get("envelope/decision", {}).get("code", "ok"))
+
+
+async def _together(world: Replicas, tool: str, title: str, n: int) -> list[dict[str, Any]]:
+    """`n` identical calls (one run) sent at once, alternately to each replica; their tool
+    results, in order."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                       "params": {"name": tool, "arguments": {"title": title}}})
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "MCP-Protocol-Version": "2026-07-28", "X-Envelope-Run": f"run-{title}"}
+    urls = [(world.a, world.b)[i % 2].url("counted") for i in range(n)]
+    async with httpx.AsyncClient(timeout=20) as client:
+        replies = await asyncio.gather(*(client.post(url, content=body, headers=headers)
+                                         for url in urls))
+    results = []
+    for r in replies:
+        assert r.status_code == 200, r.text
+        results.append(r.json()["result"])
+    return results
+
+
+async def _approve(world: Replicas, title: str) -> str:
+    async with httpx.AsyncClient(base_url=world.a.admin, timeout=10) as http:
+        for _ in range(200):
+            listed = (await http.get("/v1/approvals?state=pending", headers=ALICE)).json()
+            found = [a for a in listed["approvals"] if a["arguments"] == {"title": title}]
+            if found:
+                r = await http.post(f"/v1/approvals/{found[0]['id']}/approve", headers=ALICE,
+                                    json={"reason": "go"})
+                assert r.status_code == 200, r.text
+                return str(found[0]["id"])
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"no pending approval for {title}")
+
+
+def _performed_once(world: Replicas, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result performed, every other one its replay, never `approval_expired`; the
+    performing call's audit record."""
+    codes = sorted(map(code, results))
+    assert codes == ["ok"] + ["replayed"] * (len(results) - 1), [r.get("_meta") for r in results]
+    [first] = [r for r in results if code(r) == "ok"]
+    sources = set()
+    for r in results:
+        assert (r["content"], r["structuredContent"], r["isError"]) == (
+            first["content"], first["structuredContent"], False)
+        if r is not first:
+            rec = world.record(r["_meta"]["envelope/decision"]["decision_id"])
+            assert rec["code"] == "replayed"
+            sources.add(rec["extra"]["replayed_from"])
+    [first_id] = sources
+    performed = world.record(first_id)
+    assert (performed["code"], performed["upstream_status"]) == ("ok", 200)
+    return performed
+
+
+async def test_duplicates_after_one_approval_reach_the_upstream_once(replicas: Replicas) -> None:
+    fake = replicas.fake
+    for n in range(3):  # a few rounds: each is one chance for the race
+        title = f"d1-{n}"
+        [first] = await _together(replicas, "delete_note", title, 1)
+        assert code(first) == "approval_pending"
+        approval = await _approve(replicas, title)
+        before = fake.calls["delete_note"]
+        fake.delay = 0.3  # the first is still in flight while the others arrive
+        try:
+            results = await _together(replicas, "delete_note", title, 6)
+        finally:
+            fake.delay = 0.0
+        assert fake.calls["delete_note"] == before + 1  # performed once: by the call that spent it
+        performed = _performed_once(replicas, results)
+        assert (performed["extra"]["approval_id"], performed["extra"]["approver"]) == (approval, "alice")
+
+
+async def test_duplicates_held_for_one_approval_reach_the_upstream_once(replicas: Replicas) -> None:
+    fake = replicas.fake
+    fake.delay = 0.3
+    try:
+        held = asyncio.create_task(_together(replicas, "purge", "p1", 6))
+        await _approve(replicas, "p1")  # the held calls wake at once (on the other replica: polled)
+        results = await asyncio.wait_for(held, 15)
+    finally:
+        fake.delay = 0.0
+    assert fake.calls["purge"] == 1
+    _performed_once(replicas, results)
+
+
+async def test_duplicates_outlasted_by_the_first_are_refused_in_flight(replicas: Replicas) -> None:
+    fake = replicas.fake
+    await _together(replicas, "delete_note", "d2", 1)
+    await _approve(replicas, "d2")
+    before = fake.calls["delete_note"]
+    fake.delay = COUNTED_WAIT + 1.0  # the first outlasts the duplicates' wait
+    try:
+        results = await _together(replicas, "delete_note", "d2", 4)
+    finally:
+        fake.delay = 0.0
+    assert fake.calls["delete_note"] == before + 1
+    codes = sorted(map(code, results))
+    assert codes == ["idempotency_in_flight"] * 3 + ["ok"], codes
+    # Once it is done, the same call again is answered with its result, not performed again.
+    [again] = await _together(replicas, "delete_note", "d2", 1)
+    assert code(again) == "replayed"
+    assert fake.calls["delete_note"] == before + 1

@@ -12,18 +12,21 @@ tool, argument digest) and:
   tool's `approval.wait`, polling the store (woken at once when this process decides);
 - pending after the wait: `approval_pending`, naming the approval id; the client retries the
   same call after approval;
-- approved: consumed atomically (store cas approved -> consumed) and the call continues,
-  audited with `approval_id` and `approver`;
+- approved: the call continues, audited with `approval_id` and `approver`, carrying
+  `call.spend_approval`: the idempotency check spends the approval (store cas approved ->
+  consumed) once it holds the call's claim;
 - denied: `approval_denied` with the approver's reason (until the approval's TTL ends; then the
   same call may ask again);
 - expired: `approval_expired`; the binding is dropped, so calling again asks anew.
 
-Exactly-once contract with the idempotency check (next in the chain): only the caller that wins
-the approved -> consumed cas is released as "approved". A call that finds its approval already
-consumed (a concurrent duplicate that lost the cas, or a retry of a call already performed) is
-let through with `audit_extra["approval_state"] = "consumed"`; the idempotency check replays the
-stored first result of that call (or holds it while the first is in flight) and must never
-forward it again.
+Exactly-once contract with the idempotency check (next in the chain): an approved approval is
+spent only by the call that holds the idempotency claim, after it took the claim; only the
+caller that wins the approved -> consumed cas goes on (any other gets `approval_expired`). So
+whoever finds the approval consumed also finds the claim of the call that spent it, or that
+call's stored result, or neither because it ended without a result. Such a call (a concurrent
+duplicate, or a retry of a call already performed) is let through with
+`audit_extra["approval_state"] = "consumed"`; the idempotency check holds it while the first is
+in flight and replays the first's stored result, and never forwards it again.
 
 In-band (the tool's `approval.in_band`, when the front set `call.in_band`: the client can be
 asked): the person at the client is asked too, and their answer is recorded through the same
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any, ClassVar
 
@@ -288,25 +292,38 @@ class ApprovalCheck:
 
     async def _release(self, service: ApprovalService, call: ToolCall,
                        approval: Approval) -> Decision | None:
-        """Approved: consume once and continue. Consumed: continue to the idempotency check
-        (see the module's contract). Denied or expired: refuse."""
+        """Approved: continue, to be spent once the call holds its idempotency claim. Consumed:
+        continue to the idempotency check (see the module's contract). Denied or expired:
+        refuse."""
+        state = approval.effective_state(service.clock())
+        if state == "approved":
+            call.audit_extra.update(approval_id=approval.id, approver=approval.approver)
+            call.spend_approval = functools.partial(self._spend, service, call, approval)
+            return None
+        if state == "consumed":
+            call.audit_extra.update(approval_id=approval.id, approver=approval.approver,
+                                    approval_state="consumed")
+            return None
+        return self._settled(call, approval, state)
+
+    async def _spend(self, service: ApprovalService, call: ToolCall,
+                     approval: Approval) -> Decision | None:
+        """`call.spend_approval`: consume the approval (approved -> consumed, exactly once). None
+        for the one caller that wins; otherwise the refusal (consumed by a call with another
+        idempotency key, expired meanwhile). Raises StoreError."""
         for _ in range(3):
-            state = approval.effective_state(service.clock())
-            if state == "approved":
-                if await service.consume(approval):
-                    call.audit_extra.update(approval_id=approval.id, approver=approval.approver)
-                    await service.refresh_gauge()
-                    return None
-                reread = await service.get(approval.id)
-                if reread is None:
-                    return self._settled(call, approval, "expired")
-                approval = reread
-                continue
-            if state == "consumed":
-                call.audit_extra.update(approval_id=approval.id, approver=approval.approver,
-                                        approval_state="consumed")
+            if await service.consume(approval):
+                await service.refresh_gauge()
                 return None
-            return self._settled(call, approval, state)
+            current = await service.get(approval.id)
+            if current is None:  # the store dropped it: as good as expired
+                return self._settled(call, approval, "expired")
+            state = current.effective_state(service.clock())
+            if state == "expired":
+                await service.forget(current)  # as in `_decide`: calling again asks anew
+            if state != "approved":
+                return self._settled(call, current, state)
+            approval = current  # still approved, re-stored meanwhile: try again
         return self._settled(call, approval, approval.effective_state(service.clock()))
 
     def _settled(self, call: ToolCall, approval: Approval, state: str,
@@ -327,6 +344,13 @@ class ApprovalCheck:
                 Verdict.DENY, Code.APPROVAL_DENIED, self.id,
                 f"approval {approval.id} was denied by {approval.approver}: "
                 f"{approval.decision_reason or 'no reason given'}",
+                rule, audit=audit,
+            )
+        if state == "consumed":
+            return Decision(
+                Verdict.DENY, Code.APPROVAL_EXPIRED, self.id,
+                f"approval {approval.id} was already used by another call; ask for a new "
+                "approval to perform it again",
                 rule, audit=audit,
             )
         return Decision(

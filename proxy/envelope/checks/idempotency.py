@@ -1,8 +1,12 @@
 """Idempotency check: a retry of a call already performed returns the stored first result.
 
-Applies to gated effects (`proxy.envelope.effects.gated`), to tools with `idempotent: true` and
-to every call carrying a client idempotency key. The first call claims its key in the store
-(`add`: atomic, also across replicas sharing Redis) and registers a result hook: an upstream
+Applies to gated effects (`proxy.envelope.effects.gated`), to tools with `idempotent: true`, to
+every call carrying a client idempotency key and to every call with an approval still to spend.
+The first call claims its key in the store (`add`: atomic, also across replicas sharing Redis),
+then spends its approval when the approval check released it as approved (`call.spend_approval`:
+after the claim, so a duplicate that finds the approval consumed finds the claim too and waits
+for the first call instead of being told its approval is used up; see
+`proxy.envelope.checks.approval`), and registers a result hook: an upstream
 JSON-RPC `result` is stored for replay for `idempotency.ttl`; any other outcome deletes the claim
 so a retry can perform the call. A duplicate that finds the claim still in flight polls the store
 for up to `idempotency.wait` and answers with the same result, or refuses
@@ -21,9 +25,10 @@ performed without a record that keeps it from being performed twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -97,7 +102,8 @@ class IdempotencyCheck:
 
     def applies(self, call: ToolCall) -> bool:
         return (
-            call.idempotency_key is not None
+            call.spend_approval is not None  # never forwarded with an approval left unspent
+            or call.idempotency_key is not None
             or call.qualified_name in self._idempotent
             or gated(self._revision, call)
         )
@@ -133,14 +139,22 @@ class IdempotencyCheck:
         while True:
             if await store.add(NS, key.store, claim, ttl=self._claim_ttl(call)):
                 if call.audit_extra.get("approval_state") == "consumed":
-                    # Its one approval was already used by a call that performed it, and no
-                    # result is stored to replay (expired): never perform it a second time.
+                    # Its one approval was already spent, and only a call holding its claim
+                    # spends one: with this key free, that call has ended and no result of it
+                    # is stored to replay (it failed, or the record expired; or it had another
+                    # client key). Never perform it a second time.
                     await store.delete(NS, key.store)
                     return Decision(
                         Verdict.DENY, Code.APPROVAL_EXPIRED, self.id,
-                        "the approval for this call was already used and its result is no longer "
+                        "the approval for this call was already used and no result of it is "
                         "stored; ask for a new approval to perform it again",
                     )
+                # Spent only now, under the claim: see the module docstring.
+                spend, call.spend_approval = call.spend_approval, None
+                if spend is not None:
+                    refused = await self._spend(store, key, spend)
+                    if refused is not None:
+                        return refused
                 call.on_result.append(self._recorder(store, key, digest))
                 call.audit_extra["idempotency_key"] = key.shown
                 return None
@@ -163,6 +177,23 @@ class IdempotencyCheck:
                 )
             await asyncio.sleep(min(poll, remaining))
             poll = min(poll * 2, POLL_MAX)
+
+    @staticmethod
+    async def _spend(store: Store, key: IdempotencyKey,
+                     spend: Callable[[], Awaitable[Decision | None]]) -> Decision | None:
+        """Spend the call's approval while holding its claim: None when spent; the approval
+        check's refusal otherwise, the claim then released (nothing was performed)."""
+        try:
+            refused = await spend()
+        except BaseException:
+            # A store failure or a cancellation: the call is not performed; free the key for a
+            # retry (the claim would expire anyway) when the store still answers.
+            with contextlib.suppress(StoreError, TimeoutError):
+                await store.delete(NS, key.store)
+            raise
+        if refused is not None:
+            await store.delete(NS, key.store)
+        return refused
 
     def _replay(self, key: IdempotencyKey, record: Mapping[str, Any]) -> Decision:
         first = str(record.get("decision_id", ""))

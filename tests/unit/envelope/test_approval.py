@@ -88,6 +88,12 @@ async def pending_soon(w: World) -> None:
     raise AssertionError("no pending approval appeared")
 
 
+async def spend(call: ToolCall) -> Decision | None:
+    """What the idempotency check does once it holds the call's claim: spend its approval."""
+    assert call.spend_approval is not None, "the call was not released as approved"
+    return await call.spend_approval()
+
+
 def assert_refusal(d: Decision | None, code: Code) -> Decision:
     assert d is not None and d.code is code, d
     assert d.check == "approval"
@@ -146,6 +152,9 @@ async def test_pending_then_retried_after_approval_released_exactly_once() -> No
     retried = w.call()
     assert await w.decide(retried) is None
     assert retried.audit_extra == {"approval_id": approval.id, "approver": "alice"}
+    # Released, not yet spent: the idempotency check spends it once it holds the call's claim.
+    assert (await w.only_approval()).state == "approved"
+    assert await spend(retried) is None
     assert (await w.only_approval()).state == "consumed"
     # Once consumed, the same call goes on to the idempotency check (which replays), flagged.
     again = w.call()
@@ -192,16 +201,25 @@ async def test_held_call_polls_the_store_for_decisions_of_other_replicas() -> No
     assert "denied by alice: not today" in d.reason
 
 
-async def test_concurrent_duplicates_release_exactly_one() -> None:
+async def test_concurrent_spends_release_exactly_one() -> None:
     w = World()
     await w.decide(w.call())
-    await w.service.decide((await w.only_approval()).id, approver="alice", approve=True, reason="ok")
+    approval = await w.only_approval()
+    await w.service.decide(approval.id, approver="alice", approve=True, reason="ok")
     calls = [w.call() for _ in range(5)]
-    results = await asyncio.gather(*(w.decide(c) for c in calls))
-    assert results == [None] * 5
-    released = [c for c in calls if "approval_state" not in c.audit_extra]
-    assert len(released) == 1  # the others carry approval_state=consumed for idempotency
-    assert all(c.audit_extra["approval_state"] == "consumed" for c in calls if c not in released)
+    assert await asyncio.gather(*(w.decide(c) for c in calls)) == [None] * 5
+    spent = await asyncio.gather(*(spend(c) for c in calls))
+    assert spent.count(None) == 1
+    for d in spent:
+        if d is not None:  # only calls with other idempotency keys can reach this
+            assert_refusal(d, Code.APPROVAL_EXPIRED)
+            assert d.reason == (f"approval {approval.id} was already used by another call; "
+                                "ask for a new approval to perform it again")
+            assert d.audit == {"approval_id": approval.id, "approval_state": "consumed"}
+    # Once consumed, the same call goes on flagged: the idempotency check replays or refuses.
+    later = w.call()
+    assert await w.decide(later) is None
+    assert later.spend_approval is None and later.audit_extra["approval_state"] == "consumed"
 
 
 async def test_denied_is_refused_with_the_approvers_reason() -> None:
@@ -326,7 +344,11 @@ async def test_store_failure_when_consuming_refuses() -> None:
     failing = FailingCas()
     failing._data = w.store._data
     w2 = World(store=failing)
-    assert_refusal(await w2.decide(w2.call()), Code.STORE_UNAVAILABLE)
+    call = w2.call()
+    assert await w2.decide(call) is None
+    # The idempotency check turns this into `store_unavailable` (test_idempotency.py).
+    with pytest.raises(StoreError, match="cas failed"):
+        await spend(call)
 
 
 # -- approvers and the admin API -----------------------------------------------------------------

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
+from proxy.approvals.notifier import ApprovalNotifier
+from proxy.approvals.service import ApprovalService
+from proxy.audit.log import AuditLog
 from proxy.audit.record import args_digest
-from proxy.config import Config, IdempotencyConfig
+from proxy.config import ApprovalsConfig, Config, IdempotencyConfig
 from proxy.envelope.checks.idempotency import NS, IdempotencyCheck, call_key
+from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import ALLOWED, Code, Decision, Services, ToolCall, Verdict
+from proxy.envelope.types import ALLOWED, Code, Decision, Reply, Services, ToolCall, Verdict
 from proxy.errors import StoreError
 from proxy.observability.metrics import Metrics
 from proxy.policy.vocab import Effect
@@ -239,3 +245,175 @@ async def test_a_consumed_approval_without_a_stored_result_is_never_performed_ag
     assert decision.code is Code.APPROVAL_EXPIRED and "already used" in decision.reason
     assert call.on_result == []
     assert await store.items("idem") == []  # the claim was released again
+
+
+# -- the approval is spent under the claim (exactly once with the approval check) ---------------
+
+
+def _spender(store: MemoryStore, call: ToolCall, refusal: Decision | None = None,
+              error: Exception | None = None) -> list[list[tuple[str, bytes]]]:
+    """Give `call` an approval to spend that records the claims held when it is spent."""
+    seen: list[list[tuple[str, bytes]]] = []
+
+    async def spend() -> Decision | None:
+        seen.append(await store.items(NS))
+        if error is not None:
+            raise error
+        return refusal
+
+    call.spend_approval = spend
+    return seen
+
+
+async def test_the_approval_is_spent_only_once_the_claim_is_held() -> None:
+    store = MemoryStore()
+    check, _ = _check(store)
+    call = _call("delete_note", {"title": "t"}, decision_id="d-first")
+    seen = _spender(store, call)
+    assert await check.decide(call) is None
+    [[(_, claim)]] = seen  # spent once, with this call's claim already in the store
+    assert orjson.loads(claim)["decision_id"] == "d-first"
+    assert call.spend_approval is None and len(call.on_result) == 1
+
+
+async def test_an_approval_that_cannot_be_spent_refuses_and_frees_the_claim() -> None:
+    store = MemoryStore()
+    check, _ = _check(store)
+    used = Decision(Verdict.DENY, Code.APPROVAL_EXPIRED, "approval", "already used by another call")
+    call = _call("delete_note", {"title": "t"})
+    _spender(store, call, refusal=used)
+    assert await check.decide(call) is used
+    assert call.on_result == [] and await store.items(NS) == []
+
+
+async def test_a_store_failure_while_spending_refuses_store_unavailable() -> None:
+    store = MemoryStore()
+    check, _ = _check(store)
+    call = _call("delete_note", {"title": "t"})
+    _spender(store, call, error=StoreError("cas failed"))
+    decision = await check.decide(call)
+    assert decision is not None and decision.code is Code.STORE_UNAVAILABLE
+    assert "cas failed" in decision.reason
+    assert call.on_result == [] and await store.items(NS) == []  # a retry is not kept waiting
+
+
+def test_applies_to_any_call_with_an_approval_to_spend() -> None:
+    check, _ = _check(MemoryStore())
+    call = _call("write_note")  # neither gated, idempotent nor keyed
+    assert not check.applies(call)
+    _spender(MemoryStore(), call)
+    assert check.applies(call)  # never forwarded with its approval left unspent
+
+
+# -- concurrent duplicates of one approved call, through the envelope ----------------------------
+
+
+class RealisticStore(MemoryStore):
+    """A MemoryStore that yields like SQLite or Redis: every operation takes a moment, so
+    concurrent calls interleave between store operations; the scan behind the pending-approvals
+    gauge takes longest (it reads every approval)."""
+
+    async def get(self, ns: str, key: str) -> bytes | None:
+        await asyncio.sleep(0.001)
+        return await super().get(ns, key)
+
+    async def put(self, ns: str, key: str, value: bytes, ttl: float | None = None) -> None:
+        await asyncio.sleep(0.001)
+        await super().put(ns, key, value, ttl)
+
+    async def add(self, ns: str, key: str, value: bytes, ttl: float | None = None) -> bool:
+        await asyncio.sleep(0.001)
+        return await super().add(ns, key, value, ttl)
+
+    async def cas(self, ns: str, key: str, expected: bytes, value: bytes,
+                  ttl: float | None = None) -> bool:
+        await asyncio.sleep(0.001)
+        return await super().cas(ns, key, expected, value, ttl)
+
+    async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:
+        await asyncio.sleep(0.02)
+        return await super().items(ns, limit)
+
+
+class Gated:
+    """An envelope whose `demo.delete_note` needs approval, on a RealisticStore."""
+
+    def __init__(self, audit: Path, *, approval_wait: str = "0s", idempotency_wait: float = 5.0):
+        self.store = RealisticStore()
+        self.notifier = ApprovalNotifier()
+        approvals = ApprovalsConfig(poll_interval=0.01)
+        self.services = Services(
+            store=self.store, metrics=Metrics(), notifier=self.notifier,
+            settings=Config(approvals=approvals,
+                            idempotency=IdempotencyConfig(ttl=60, wait=idempotency_wait)))
+        self.envelope = Envelope(AuditLog(audit), Metrics(), ToolRegistry(), self.services)
+        self.envelope.install(build_revision({"upstreams": UPSTREAMS, "tools": {"demo.delete_note": {
+            "effect": "destructive", "approval": {"required": True, "wait": approval_wait}}}}))
+        self.approvals = ApprovalService(self.store, approvals, self.notifier)
+        self.audit = audit
+
+    def call(self, decision_id: str) -> ToolCall:
+        return _call("delete_note", {"title": "t"}, decision_id=decision_id)
+
+    async def approve(self) -> str:
+        for _ in range(400):  # until the approval exists
+            pending = await self.approvals.approvals("pending")
+            if pending:
+                await self.approvals.decide(pending[0].id, approver="alice", approve=True,
+                                            reason="ok")
+                return pending[0].id
+            await asyncio.sleep(0.005)
+        raise AssertionError("no pending approval appeared")
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        lines = (self.audit / "audit.jsonl").read_text().splitlines()
+        return {r["decision_id"]: r for r in map(json.loads, lines)}
+
+
+async def _performed_then_replayed(w: Gated, calls: list[asyncio.Task[Pending]]) -> None:
+    """Exactly one of `calls` goes upstream; its result answers the other, not performed again."""
+    done, waiting = await asyncio.wait(calls, timeout=3, return_when=asyncio.FIRST_COMPLETED)
+    [first] = [t.result() for t in done]
+    assert first.forwardable, first.decision  # never `approval_expired` while it is in flight
+    await asyncio.sleep(0.2)
+    assert len(waiting) == 1 and not next(iter(waiting)).done()  # held behind the first
+    outcome = await w.envelope.complete(first, Reply(_reply()))
+    assert outcome.kind == "deliver"
+    second = await asyncio.wait_for(next(iter(waiting)), 3)
+    assert not second.forwardable
+    assert (second.decision.code, second.decision.result) == (Code.REPLAYED, RESULT)
+    await w.envelope.complete(second)
+    records = w.records()
+    assert records[first.call.decision_id]["code"] == "ok"
+    replay = records[second.call.decision_id]
+    assert (replay["code"], replay["extra"]["replayed_from"]) == ("replayed", first.call.decision_id)
+    assert (await w.approvals.approvals())[0].state == "consumed"
+
+
+async def test_duplicates_after_one_approval_perform_once_and_replay(tmp_path: Path) -> None:
+    w = Gated(tmp_path / "audit")
+    assert (await w.envelope.begin(w.call("d-ask"))).decision.code is Code.APPROVAL_PENDING
+    await w.approve()
+    calls = [asyncio.create_task(w.envelope.begin(w.call(f"d-{i}"))) for i in range(2)]
+    await _performed_then_replayed(w, calls)
+
+
+async def test_duplicates_held_for_one_approval_perform_once_and_replay(tmp_path: Path) -> None:
+    w = Gated(tmp_path / "audit", approval_wait="5s")
+    calls = [asyncio.create_task(w.envelope.begin(w.call(f"d-{i}"))) for i in range(2)]
+    await w.approve()
+    await _performed_then_replayed(w, calls)
+
+
+async def test_a_duplicate_outlasted_by_the_first_is_refused_in_flight(tmp_path: Path) -> None:
+    w = Gated(tmp_path / "audit", idempotency_wait=0.3)
+    assert (await w.envelope.begin(w.call("d-ask"))).decision.code is Code.APPROVAL_PENDING
+    await w.approve()
+    first, second = await asyncio.gather(*(w.envelope.begin(w.call(f"d-{i}")) for i in range(2)))
+    performed = [p for p in (first, second) if p.forwardable]
+    refused = [p for p in (first, second) if not p.forwardable]
+    assert len(performed) == 1 and len(refused) == 1
+    decision = refused[0].decision
+    assert (decision.verdict, decision.code) == (Verdict.ERROR, Code.IDEMPOTENCY_IN_FLIGHT)
+    # The first one's answer later is still its own, delivered once.
+    assert (await w.envelope.complete(performed[0], Reply(_reply()))).kind == "deliver"

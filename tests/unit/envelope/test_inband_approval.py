@@ -151,6 +151,7 @@ async def test_hold_accept_records_user_approver_and_releases() -> None:
     assert await w.check.decide(call) is None
     assert channel.asked[0].tool == "delete" and channel.asked[0].arguments == {"title": "x"}
     assert call.audit_extra["approver"] == "user:agent" and call.audit_extra["in_band"] is True
+    assert call.spend_approval is not None and await call.spend_approval() is None
     (approval,) = await w.service.approvals()
     assert approval.state == "consumed" and approval.approver == "user:agent"
 
@@ -221,6 +222,7 @@ async def test_defer_state_minted_before_a_reload_opens_after_it() -> None:
     call = w.call(DeferChannel(answer=InBandAnswer(True, "ok"), state=first.minted))
     assert await reloaded.decide(call) is None
     assert call.audit_extra["approver"] == "user:agent" and call.audit_extra["in_band"] is True
+    assert call.spend_approval is not None and await call.spend_approval() is None
     (approval,) = await w.service.approvals()
     assert approval.state == "consumed"
 

@@ -102,6 +102,30 @@ async def test_a_check_that_raises_refuses_with_internal_error(envelope: Envelop
     assert 'envelope_check_errors_total{check="authz"} 1.0' in envelope.metrics.render()[0].decode()
 
 
+class _Releasing:
+    """An approval check that releases every call with an approval still to spend."""
+
+    id: ClassVar[str] = "approval"
+
+    def decide(self, call: ToolCall) -> Decision | None:
+        async def spend() -> Decision | None:
+            return None
+
+        call.spend_approval = spend
+        return None
+
+
+async def test_an_approval_left_unspent_refuses_the_call(envelope: Envelope) -> None:
+    # Without the idempotency check nothing spends the approval: never forwarded so.
+    chain = envelope.chain
+    assert chain is not None
+    chain.checks = (*chain.checks[:-2], _Releasing())  # type: ignore[assignment]
+    pending = await envelope.begin(_call("echo", {"text": "hi"}))
+    assert not pending.forwardable
+    d = pending.decision
+    assert (d.verdict, d.code, d.check) == (Verdict.ERROR, Code.INTERNAL_ERROR, "approval")
+
+
 async def test_unwritable_audit_log_refuses_before_forwarding(tmp_path: Path) -> None:
     (tmp_path / "audit").mkdir()
     (tmp_path / "audit" / "audit.jsonl").symlink_to("/dev/full")
