@@ -179,13 +179,13 @@ class Limits(_Model):
     # Deepest JSON nesting accepted in a request (400 beyond).
     max_json_depth: int = 64
     # Largest SSE event an upstream may send (a call is refused `upstream_error`, "reply exceeds
-    # N bytes", and cancelled; a relayed stream is ended). Absent: 16 MiB: four times the
-    # request cap, room for a large tool result, and with the parse's copies still well under
-    # 100 MB per oversized reply in flight.
-    max_upstream_event_bytes: int = Field(default=16 * 2**20, ge=1024)
+    # N bytes", and cancelled; a relayed stream is ended). Absent: 32 MiB: a 10 MB tool result
+    # arrives as ~21 MB (SDK servers send its text twice, in `content` and
+    # `structuredContent`), and an oversized reply in flight costs at most the cap plus a read.
+    max_upstream_event_bytes: int = Field(default=32 * 2**20, ge=1024)
     # Largest JSON reply body an upstream may send (refused like an oversized event; a relayed
-    # reply answers 502). Absent: 16 MiB, like events.
-    max_upstream_reply_bytes: int = Field(default=16 * 2**20, ge=1024)
+    # reply answers 502). Absent: 32 MiB, like events.
+    max_upstream_reply_bytes: int = Field(default=32 * 2**20, ge=1024)
     # Pooled connections per upstream host:port for calls (waiting for one is bounded by the
     # upstream's connect_timeout). Absent: 256.
     max_upstream_connections: int = Field(default=256, ge=1)

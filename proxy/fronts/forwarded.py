@@ -37,7 +37,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.config import RetryConfig
+from proxy.config import Limits, RetryConfig
 from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
 from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
@@ -135,8 +135,8 @@ class Executor:
     on_detached: Callable[[Pending, UpstreamRequest], None] | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     # Caps on what an upstream sends (`limits.max_upstream_event_bytes` / `_reply_bytes`).
-    max_event_bytes: int = 16 * 2**20
-    max_reply_bytes: int = 16 * 2**20
+    max_event_bytes: int = Limits().max_upstream_event_bytes
+    max_reply_bytes: int = Limits().max_upstream_reply_bytes
 
     async def run(self, pending: Pending, request: UpstreamRequest | None,
                   downstream: Downstream) -> Outcome:

@@ -112,7 +112,7 @@ def test_cel_engine_setting_has_the_precedence_of_load_config() -> None:
 
 def test_limits_default_and_refuse_nonsense(tmp_path: Path) -> None:
     limits = load_config(None, environ={}).limits
-    assert (limits.max_upstream_event_bytes, limits.max_upstream_reply_bytes) == (16 * 2**20, 16 * 2**20)
+    assert (limits.max_upstream_event_bytes, limits.max_upstream_reply_bytes) == (32 * 2**20, 32 * 2**20)
     assert (limits.max_upstream_connections, limits.max_upstream_streams) == (256, 128)
     assert (limits.max_streams_per_principal, limits.max_streams_per_upstream) == (32, 128)
     file = _config_file(tmp_path, ("limits", "max_streams_per_principal"), 0)
