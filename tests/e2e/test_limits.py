@@ -133,6 +133,44 @@ def test_a_json_reply_past_its_cap_is_refused_and_audited(tmp_path: Path, hostil
         assert f"reply exceeds {REPLY_CAP} bytes" in record["reason"]
 
 
+
+async def test_past_the_cap_a_session_call_is_cancelled_and_a_relayed_stream_ends(
+        tmp_path: Path, hostile: HostileUpstream) -> None:
+    with limited_proxy(tmp_path, hostile, limits={"max_upstream_event_bytes": MiB}) as pp:
+        url = pp.url("h")
+        async with httpx.AsyncClient(timeout=httpx.Timeout(20, read=None)) as client:
+            session = await open_session(client, url, "alice")
+            body = {"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {
+                "name": "read_page", "arguments": {"mode": "huge_event", "size": 4 * MiB}}}
+            [reply] = messages(await client.post(url, json=body, headers=headers("alice", session)))
+            assert reply["result"]["isError"] is True
+            assert f"reply exceeds {MiB} bytes" in reply["result"]["content"][0]["text"]
+            # The session upstream is told the call is abandoned.
+            await asyncio.to_thread(hostile.control.wait, lambda log: any(
+                e["method"] == "notifications/cancelled" and e["params"]["requestId"] == 5 for e in log))
+
+            # A relayed GET stream: a small event passes, one past the cap ends the stream.
+            get = {**headers("alice", session), "Accept": "text/event-stream"}
+            async with client.stream("GET", url, headers=get) as stream:
+                assert stream.status_code == 200
+                lines = stream.aiter_lines()
+
+                async def next_data() -> str:
+                    async for line in lines:
+                        if line.startswith("data:") and line[5:].strip():
+                            return line
+                    return ""
+
+                note = {"jsonrpc": "2.0", "method": "notifications/message",
+                        "params": {"level": "info", "data": "small"}}
+                await asyncio.to_thread(hostile.control.push, note, session, 5)
+                async with asyncio.timeout(5):
+                    assert "small" in await next_data()
+                huge = {**note, "params": {"level": "info", "data": "y" * (2 * MiB)}}
+                await asyncio.to_thread(hostile.control.push, huge, session, 5)
+                async with asyncio.timeout(5):
+                    assert await next_data() == ""  # ended, nothing of the huge event relayed
+
 # ---- finding 5: long-lived streams cannot starve calls ---------------------------------------
 
 
