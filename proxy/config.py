@@ -178,6 +178,36 @@ class Limits(_Model):
     max_body_bytes: int = 4 * 2**20
     # Deepest JSON nesting accepted in a request (400 beyond).
     max_json_depth: int = 64
+    # Largest SSE event an upstream may send (a call is refused `upstream_error`, "reply exceeds
+    # N bytes", and cancelled; a relayed stream is ended). Absent: 32 MiB: a 10 MB tool result
+    # arrives as ~21 MB (SDK servers send its text twice, in `content` and
+    # `structuredContent`), and an oversized reply in flight costs at most the cap plus a read.
+    max_upstream_event_bytes: int = Field(default=32 * 2**20, ge=1024)
+    # Largest JSON reply body an upstream may send (refused like an oversized event; a relayed
+    # reply answers 502). Absent: 32 MiB, like events.
+    max_upstream_reply_bytes: int = Field(default=32 * 2**20, ge=1024)
+    # Pooled connections per upstream host:port for calls (waiting for one is bounded by the
+    # upstream's connect_timeout). Absent: 256.
+    max_upstream_connections: int = Field(default=256, ge=1)
+    # Connections per upstream host:port for long-lived GET streams, a budget of their own so
+    # streams never take a call's connection; past it a GET is refused at once (503). Absent: 128.
+    max_upstream_streams: int = Field(default=128, ge=1)
+    # Concurrent GET streams one principal may hold, over every upstream (an aggregated `/mcp`
+    # GET holds one per upstream); past it 503. Absent: 32.
+    max_streams_per_principal: int = Field(default=32, ge=1)
+    # Concurrent GET streams to one upstream, over every principal; past it 503. Absent: 128.
+    max_streams_per_upstream: int = Field(default=128, ge=1)
+
+
+class ListenerConfig(_Model):
+    """Connection timeouts of the MCP and admin listeners."""
+
+    # A connection that has not sent a whole request head (request line and headers) this long
+    # after it opened, or after the first byte of a later request, is closed. Absent: 10 s.
+    header_timeout: Duration = Field(default=10.0, gt=0)
+    # An idle keep-alive connection (no request in progress) is closed after this long.
+    # Absent: 75 s.
+    keepalive_timeout: Duration = Field(default=75.0, gt=0)
 
 
 class AggregateConfig(_Model):
@@ -227,6 +257,7 @@ class Config(_Model):
     store: StoreConfig = Field(default_factory=StoreConfig)
     approvals: ApprovalsConfig = Field(default_factory=ApprovalsConfig)
     limits: Limits = Field(default_factory=Limits)
+    listener: ListenerConfig = Field(default_factory=ListenerConfig)
     idempotency: IdempotencyConfig = Field(default_factory=IdempotencyConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     cel_engine: Literal["auto", "cel-cpp", "cel-python"] = "auto"

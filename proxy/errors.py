@@ -64,6 +64,23 @@ class UpstreamTimeout(UpstreamError):
     """The upstream did not answer within its timeout."""
 
 
+class ReplyTooLarge(UpstreamError):
+    """The upstream sent more than a configured cap (an SSE event or a JSON reply): not read on."""
+
+    def __init__(self, limit: int, setting: str):
+        self.limit = limit
+        self.setting = setting
+        super().__init__(f"reply exceeds {limit} bytes ({setting})")
+
+
+class UpstreamBusy(UpstreamError):
+    """The upstream's budget of long-lived stream connections is spent: refused, never queued."""
+
+
+class LimitExceeded(EnvelopeError):
+    """A configured cap on what a client may hold (concurrent streams) is reached: refused."""
+
+
 class IdentityError(EnvelopeError):
     """The caller's identity could not be verified (missing, expired, wrong audience...)."""
 

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.admin.app import build_admin_app
+from proxy.app.listener import ListenerRunner
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.service import ApprovalService
@@ -83,7 +84,12 @@ class Runtime:
         self.envelope = Envelope(self.audit, self.metrics, self.registry, self.services)
         self.envelope.recorder = open_recorder(config, worker, self.metrics.registry)
         self.identity = Identity(config.identity)
-        self.forwarder: Forwarder = FastForwarder() if config.transport == "fast" else Forwarder()
+        limits = config.limits
+        self.forwarder: Forwarder = (
+            FastForwarder(limits.max_upstream_connections,
+                          stream_limit_per_host=limits.max_upstream_streams)
+            if config.transport == "fast" else
+            Forwarder(limits.max_upstream_connections, limits.max_upstream_streams))
         self.revision: PolicyRevision | None = None
         # The CEL engine, resolved from `config.cel_engine` by the first load and kept: every
         # later revision is compiled with the same engine object.
@@ -253,7 +259,11 @@ class Runtime:
         self.fronts = context = FrontContext(
             self.envelope, self.forwarder, self.identity, self.target,
             FrontSettings(max_body_bytes=limits.max_body_bytes, max_json_depth=limits.max_json_depth,
-                          request_headers=self.request_headers),
+                          request_headers=self.request_headers,
+                          max_upstream_event_bytes=limits.max_upstream_event_bytes,
+                          max_upstream_reply_bytes=limits.max_upstream_reply_bytes,
+                          max_streams_per_principal=limits.max_streams_per_principal,
+                          max_streams_per_upstream=limits.max_streams_per_upstream),
             retry=self.config.retry, on_upstream=self.health.record,
         )
         guard = Guard(
@@ -284,17 +294,23 @@ class Runtime:
         self._prober.start()
         reuse = self.config.workers > 1
         host, port = self.config.listen_addr
-        mcp_runner = web.AppRunner(self.build_mcp_app(), access_log=None, handler_cancellation=True,
-                                   # aiohttp waits this long twice (for the handler, then
-                                   # again after cancelling its body): half makes the whole grace.
-                                   shutdown_timeout=self.config.shutdown_grace / 2)
+        listener = self.config.listener
+        mcp_runner = ListenerRunner(self.build_mcp_app(), access_log=None, handler_cancellation=True,
+                                    header_timeout=listener.header_timeout,
+                                    keepalive_timeout=listener.keepalive_timeout,
+                                    on_header_timeout=lambda: self.metrics.rejected("header_timeout"),
+                                    # aiohttp waits this long twice (for the handler, then
+                                    # again after cancelling its body): half makes the whole grace.
+                                    shutdown_timeout=self.config.shutdown_grace / 2)
         await mcp_runner.setup()
         site = web.TCPSite(mcp_runner, host, port, reuse_port=reuse or None, backlog=1024)
         await site.start()
         self._runners.append(mcp_runner)
         port = _bound_port(mcp_runner, port)
         ahost, aport = self.config.admin_addr
-        admin_runner = web.AppRunner(build_admin_app(self, self.metrics), access_log=None)
+        admin_runner = ListenerRunner(build_admin_app(self, self.metrics), access_log=None,
+                                      header_timeout=listener.header_timeout,
+                                      keepalive_timeout=listener.keepalive_timeout)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, ahost, aport + self.worker if aport else 0).start()
         self._runners.append(admin_runner)

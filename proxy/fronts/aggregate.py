@@ -15,7 +15,8 @@ by `render`, so refusals, audit records and metrics are those of the per-upstrea
 
 Served: `initialize`, `server/discover`, `ping`, `tools/list` (all upstreams merged, no
 pagination), `tools/call`, notifications, GET (legacy sessions: the upstreams'
-`notifications/tools/list_changed` fanned out) and DELETE. Everything else (resources/*,
+`notifications/tools/list_changed` fanned out, one upstream stream per upstream per client
+session, within the streams' budget; a second GET on a session replaces the first) and DELETE. Everything else (resources/*,
 prompts/*, completion, logging) is answered with JSON-RPC -32601: those have no unambiguous
 merge across servers; use `/mcp/<upstream>` for them. Upstream progress notifications and
 server-to-client requests (sampling, elicitation) are not relayed (the client gets JSON only),
@@ -46,6 +47,7 @@ from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sse import SSEParser, format_event
+from proxy.fronts.streams import StreamSlot
 
 log = logging.getLogger("envelope.aggregate")
 
@@ -69,6 +71,20 @@ class _UpstreamSession:
 
 
 @dataclass(slots=True)
+class _Fanout:
+    """A client session's upstream GET streams (one per upstream), and the GET reading them.
+
+    They belong to the session, not to one GET: a second GET on the session takes them over
+    (`out` and `request` switch to it; the first GET ends), so a session never holds more than
+    one upstream stream per upstream, and its slots of the streams' budget are held once."""
+
+    slot: StreamSlot
+    out: asyncio.Queue[bytes | None]
+    request: web.Request  # the current GET's (its credentials reach the upstreams on a reopen)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _ClientSession:
     """A legacy client's session on `/mcp`: bound to its principal, one upstream session each."""
 
@@ -76,7 +92,12 @@ class _ClientSession:
     principal: str
     protocol: str
     upstreams: dict[str, _UpstreamSession] = field(default_factory=dict)
-    streams: set[asyncio.Queue[bytes | None]] = field(default_factory=set)
+    fanout: _Fanout | None = None
+
+    def end_stream(self) -> None:
+        """End the session's GET stream, if one is open (its upstream streams end with it)."""
+        if self.fanout is not None:
+            _end(self.fanout.out)
 
 
 class _Reply(Exception):
@@ -105,8 +126,7 @@ class AggregateFront:
     async def shutdown(self, app: web.Application | None = None) -> None:
         """End every open GET stream (called before the listener drains)."""
         for sess in self._sessions.values():
-            for q in sess.streams:
-                q.put_nowait(None)
+            sess.end_stream()
 
     # ---- entry -------------------------------------------------------------------------
 
@@ -175,8 +195,7 @@ class AggregateFront:
         self._sessions[sess.id] = sess
         while len(self._sessions) > self.max_sessions:
             _, old = self._sessions.popitem(last=False)
-            for q in old.streams:
-                q.put_nowait(None)
+            old.end_stream()
         result = {
             "protocolVersion": version,
             "capabilities": {"tools": {"listChanged": True}},
@@ -188,8 +207,7 @@ class AggregateFront:
     async def _delete(self, request: web.Request, principal: Principal) -> web.Response:
         sess = self._client_session(request, principal)
         del self._sessions[sess.id]
-        for q in sess.streams:
-            q.put_nowait(None)
+        sess.end_stream()
         for name, us in sess.upstreams.items():
             target = self.ctx.targets(name)
             if target is not None and us.session_id:
@@ -254,14 +272,14 @@ class AggregateFront:
             sid = resp.headers.get("Mcp-Session-Id")
             ctype = resp.headers.get("Content-Type", "")
             if rid is not None and resp.status == 200 and ctype.startswith("text/event-stream"):
-                parser = SSEParser()
+                parser = SSEParser(self.ctx.settings.max_upstream_event_bytes)
                 async for chunk in resp.chunks():
                     for ev in parser.feed(chunk):
                         reply = _reply_to(ev.data if ev.has_data else "", rid)
                         if reply is not None:
                             return resp.status, sid, reply
                 raise UpstreamError("closed the stream without a reply")
-            data = await resp.read()
+            data = await resp.read(self.ctx.settings.max_upstream_reply_bytes)
             if rid is not None and ctype.startswith("application/json"):
                 return resp.status, sid, _reply_to(data, rid)
             return resp.status, sid, None
@@ -414,13 +432,27 @@ class AggregateFront:
     # ---- GET: list_changed fan-out ----------------------------------------------------
 
     async def _get(self, request: web.Request, principal: Principal) -> web.StreamResponse:
+        """The session's GET stream: one upstream stream per upstream per client session, each
+        holding a slot of the streams' budget (503 past it). A second GET on the session
+        replaces the first rather than being refused (409): a client whose connection died
+        unnoticed (a NAT or a load balancer dropped it) reconnects at once, and nothing more is
+        held either way; only the session's own principal can reach it."""
         if calls.is_stateless(request.headers, None):
             return web.Response(status=405, headers={"Allow": "POST"})
         sess = self._client_session(request, principal)
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
-        tasks = [asyncio.create_task(self._listen(sess, t, request, queue), name=f"aggregate-listen-{t.name}")
-                 for t in self._targets()]
-        sess.streams.add(queue)
+        fanout = sess.fanout
+        if fanout is None:
+            targets = self._targets()
+            slot = self.ctx.take_streams(principal, [t.name for t in targets])
+            if isinstance(slot, web.Response):
+                return slot
+            fanout = sess.fanout = _Fanout(slot, queue, request)
+            fanout.tasks = [asyncio.create_task(self._listen(sess, t, fanout), name=f"aggregate-listen-{t.name}")
+                            for t in targets]
+        else:
+            _end(fanout.out)  # the earlier GET ends; its upstream streams carry on for this one
+            fanout.out, fanout.request = queue, request
         out = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -434,32 +466,41 @@ class AggregateFront:
         except ConnectionResetError:
             pass
         finally:
-            sess.streams.discard(queue)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if fanout.out is queue:  # not taken over: the upstream streams end with this GET
+                if sess.fanout is fanout:
+                    sess.fanout = None
+                for task in fanout.tasks:
+                    task.cancel()
+                try:
+                    await asyncio.gather(*fanout.tasks, return_exceptions=True)
+                finally:
+                    fanout.slot.release()  # once their upstream connections are closed
         return out
 
-    async def _listen(self, sess: _ClientSession, target: UpstreamTarget, request: web.Request,
-                      queue: asyncio.Queue[bytes | None]) -> None:
+    async def _listen(self, sess: _ClientSession, target: UpstreamTarget, fanout: _Fanout) -> None:
         """Follow one upstream's GET stream; pass its `tools/list_changed` on, reopen when it ends."""
         us = self._upstream_session(sess, target.name)
+        max_event = self.ctx.settings.max_upstream_event_bytes
         while True:
             try:
                 async with asyncio.timeout(target.timeout):
-                    await self._ensure(us, target, request)
+                    await self._ensure(us, target, fanout.request)
                     resp = await self.ctx.forwarder.open(
-                        "GET", target.url, self._headers(target, us, request, accept="text/event-stream"), None,
-                        connect_timeout=target.connect_timeout, read_timeout=None)
+                        "GET", target.url,
+                        self._headers(target, us, fanout.request, accept="text/event-stream"), None,
+                        connect_timeout=target.connect_timeout, read_timeout=None, long_lived=True)
                 async with resp:
                     if resp.status == 404:
                         us.ready = False
+                    elif resp.status == 409:
+                        pass  # an earlier stream of this session is still closing upstream: again
                     elif resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                         return  # the upstream offers no stream (405): nothing to follow
                     else:
-                        parser = SSEParser()
+                        parser = SSEParser(max_event)
                         async for chunk in resp.chunks():
                             for ev in parser.feed(chunk):
+                                queue = fanout.out
                                 if ev.has_data and "tools/list_changed" in ev.data and not queue.full():
                                     note = _json_or_none(ev.data)
                                     if isinstance(note, dict) and note.get("method") == "notifications/tools/list_changed":
@@ -467,6 +508,16 @@ class AggregateFront:
             except (UpstreamError, TimeoutError) as exc:
                 log.debug("aggregate: GET stream of %s: %s", target.name, exc)
             await asyncio.sleep(LISTEN_RETRY)
+
+
+def _end(queue: asyncio.Queue[bytes | None]) -> None:
+    """Tell the GET reading `queue` to end (dropping its oldest pending event when full)."""
+    while True:
+        try:
+            queue.put_nowait(None)
+            return
+        except asyncio.QueueFull:
+            queue.get_nowait()
 
 
 def _json_or_none(data: str | bytes) -> Any:

@@ -7,23 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.config import RetryConfig
+from proxy.config import Limits, RetryConfig
 from proxy.envelope.inspect import strip_envelope_meta
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.types import Principal
-from proxy.errors import IdentityError
+from proxy.errors import IdentityError, LimitExceeded
 from proxy.fronts import jsonrpc
 from proxy.fronts.forwarded import Executor, UpstreamTarget
+from proxy.fronts.streams import StreamBudget, StreamSlot
 from proxy.observability.metrics import Metrics, UpstreamOutcome
 from proxy.upstream.forwarder import Forwarder
 
 log = logging.getLogger("envelope.mcp")
+
+# Seconds a client refused a GET stream is asked to wait (`Retry-After`) before it tries again.
+STREAM_RETRY_AFTER = 5
 
 
 class Identity(Protocol):
@@ -37,6 +41,11 @@ class FrontSettings:
     max_body_bytes: int
     max_json_depth: int
     request_headers: Callable[[], tuple[str, ...]]  # policy-selected headers visible to CEL
+    # What an upstream may send, and the GET streams a client may hold (see `config.Limits`).
+    max_upstream_event_bytes: int = Limits().max_upstream_event_bytes
+    max_upstream_reply_bytes: int = Limits().max_upstream_reply_bytes
+    max_streams_per_principal: int = Limits().max_streams_per_principal
+    max_streams_per_upstream: int = Limits().max_streams_per_upstream
 
 
 @dataclass(slots=True)
@@ -55,10 +64,17 @@ class FrontContext:
     background: set[asyncio.Task[None]] = field(default_factory=set)
     shutting_down: bool = False
     executor: Executor = field(init=False)
+    # The GET streams open on every route, per principal and upstream.
+    streams: StreamBudget = field(init=False)
 
     def __post_init__(self) -> None:
+        settings = self.settings
         self.executor = Executor(self.envelope, self.forwarder, self.observe, self.retry,
-                                 self.spawn, lambda: self.shutting_down)
+                                 self.spawn, lambda: self.shutting_down,
+                                 max_event_bytes=settings.max_upstream_event_bytes,
+                                 max_reply_bytes=settings.max_upstream_reply_bytes)
+        self.streams = StreamBudget(settings.max_streams_per_principal,
+                                    settings.max_streams_per_upstream)
 
     @property
     def metrics(self) -> Metrics:
@@ -95,6 +111,22 @@ class FrontContext:
                 status=401, body=jsonrpc.error_body(None, jsonrpc.INVALID_REQUEST, f"Unauthorized: {exc}"),
                 content_type="application/json", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
             )
+
+    def take_streams(self, principal: Principal, upstreams: Sequence[str]) -> StreamSlot | web.Response:
+        """Slots for a GET stream to each of `upstreams`, or the 503 to send (the limit named);
+        the caller releases the slot in a `finally`."""
+        try:
+            return self.streams.take(principal.id, upstreams)
+        except LimitExceeded as exc:
+            return self.busy(str(exc))
+
+    def busy(self, reason: str) -> web.Response:
+        """The answer to a GET stream refused by a streams' budget (front or transport)."""
+        self.metrics.rejected("too_many_streams")
+        return web.Response(
+            status=503, body=jsonrpc.error_body(None, jsonrpc.INTERNAL_ERROR, f"Service Unavailable: {reason}"),
+            content_type="application/json", headers={"Retry-After": str(STREAM_RETRY_AFTER)},
+        )
 
     def filter_tools(self, result: Any, upstream: str, principal: Principal) -> Any:
         """A `tools/list` result as this principal sees it: learned into the registry (schemas

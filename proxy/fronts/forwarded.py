@@ -18,7 +18,9 @@ same way on every route (`/mcp/<upstream>` and the aggregated `/mcp`).
   it itself (GET + `Last-Event-ID`); the per-upstream route leaves the resumption to its client
   (the call is `detached`, and the result, when fetched, is inspected by the GET relay);
 - the client going away cancels the upstream call (`notifications/cancelled` for session
-  upstreams; closing the stream cancels a stateless one), unless its stream is resumable.
+  upstreams; closing the stream cancels a stateless one), unless its stream is resumable;
+- an answer past the caps (`max_event_bytes` for one SSE event, `max_reply_bytes` for a JSON
+  body) is not read on: the call fails ("reply exceeds N bytes") and is cancelled.
 
 It never builds a decision: failures are `Failure`s, the envelope decides what they mean.
 """
@@ -35,10 +37,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.config import RetryConfig
+from proxy.config import Limits, RetryConfig
 from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
-from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
 from proxy.observability.metrics import UpstreamOutcome
 from proxy.upstream.forwarder import Forwarder, UpstreamResponse
@@ -132,6 +134,9 @@ class Executor:
     # Told of a call whose client left a resumable stream (its result may be fetched later).
     on_detached: Callable[[Pending, UpstreamRequest], None] | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # Caps on what an upstream sends (`limits.max_upstream_event_bytes` / `_reply_bytes`).
+    max_event_bytes: int = Limits().max_upstream_event_bytes
+    max_reply_bytes: int = Limits().max_upstream_reply_bytes
 
     async def run(self, pending: Pending, request: UpstreamRequest | None,
                   downstream: Downstream) -> Outcome:
@@ -198,6 +203,12 @@ class _Forwarded:
             x.observe(target.name, self._seconds(), "timeout", None)
             ending = self._failure("timeout", f"upstream {target.name!r} did not answer within "
                                    f"{target.timeout:g}s")
+        except ReplyTooLarge as exc:
+            # Nothing past the cap was read (or kept): the call is refused and cancelled (closing
+            # the response aborted its connection; a session upstream is told too).
+            x.observe(target.name, self._seconds(), "error", str(exc))
+            ending = self._failure("error", f"upstream {target.name!r} {exc}")
+            x.cancel(self.request, "the reply exceeded the proxy's size limit")
         except UpstreamError as exc:
             x.observe(target.name, self._seconds(), "error", str(exc))
             ending = self._failure("error", f"upstream {target.name!r} failed: {exc}")
@@ -322,7 +333,7 @@ class _Forwarded:
                 x.observe(target.name, self._seconds(), "ok", None)
                 await self.downstream.open(resp)
                 return await self._stream(resp)
-            data = await resp.read()
+            data = await resp.read(x.max_reply_bytes)
             x.observe(target.name, self._seconds(), "ok" if resp.status < 500 else "error",
                       f"answered HTTP {resp.status}")
             if ctype.startswith("application/json"):
@@ -343,7 +354,7 @@ class _Forwarded:
         a stream closed early when this front resumes streams itself."""
         resumes = 0
         while True:
-            parser = SSEParser()
+            parser = SSEParser(self.x.max_event_bytes)
             async for chunk in resp.chunks():
                 for ev in parser.feed(chunk):
                     found = await self._event(ev)

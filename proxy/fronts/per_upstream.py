@@ -34,7 +34,7 @@ from multidict import CIMultiDict
 
 from proxy.envelope.pipeline import Pending
 from proxy.envelope.types import Principal, Reply, ToolCall
-from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
 from proxy.fronts import calls, jsonrpc, render
 from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
@@ -143,7 +143,7 @@ class McpFront:
         if request.method == "POST":
             return await self._post(request, target, principal)
         if request.method == "GET":
-            return await self._relay(request, target, principal, None, None)
+            return await self._get(request, target, principal)
         if request.method == "DELETE":
             session = request.headers.get("Mcp-Session-Id")
             if session:
@@ -314,13 +314,27 @@ class McpFront:
 
     # ---- everything else: relayed, every message inspected ----------------------------------
 
+    async def _get(self, request: web.Request, target: UpstreamTarget, principal: Principal) -> web.StreamResponse:
+        """A GET stream (standalone or resumed): relayed while it holds a slot of the streams'
+        budget (503 past it), freed however the stream ends."""
+        slot = self.ctx.take_streams(principal, (target.name,))
+        if isinstance(slot, web.Response):
+            return slot
+        try:
+            return await self._relay(request, target, principal, None, None)
+        finally:
+            slot.release()
+
     async def _relay(self, request: web.Request, target: UpstreamTarget, principal: Principal,
                      msg: Message | None, body: bytes | None, *, tools_list: bool = False,
                      on_response: Callable[[UpstreamResponse], None] | None = None) -> web.StreamResponse:
         """Relay a request the envelope does not decide; inspect every JSON-RPC message of the
         answer (JSON or SSE) before it is delivered. A GET (standalone or resumed stream) has
-        no read timeout; any other request's answer must start within the upstream's timeout."""
+        no read timeout and a connection of the streams' budget; any other request's answer
+        must start within the upstream's timeout. An SSE event or a JSON body past its cap is
+        not read on: the stream ends there (a JSON answer is a 502)."""
         ctx = self.ctx
+        settings = ctx.settings
         started = time.perf_counter()
         stream = request.method == "GET"
         try:
@@ -328,7 +342,10 @@ class McpFront:
                 resp = await ctx.forwarder.open(
                     request.method, target.url, self._upstream_headers(request, target), body,
                     connect_timeout=target.connect_timeout, read_timeout=None if stream else target.timeout,
-                    resend=request.method in ("GET", "DELETE") or (msg is not None and msg.method in REPEATABLE))
+                    resend=request.method in ("GET", "DELETE") or (msg is not None and msg.method in REPEATABLE),
+                    long_lived=stream)
+        except UpstreamBusy as exc:  # the proxy's budget, not the upstream's health
+            return ctx.busy(str(exc))
         except (UpstreamError, TimeoutError) as exc:
             timeout = isinstance(exc, TimeoutError | UpstreamTimeout)
             ctx.observe(target.name, time.perf_counter() - started, "timeout" if timeout else "error", str(exc))
@@ -342,11 +359,12 @@ class McpFront:
         async with resp:
             ctype = resp.headers.get("Content-Type", "")
             headers = self._downstream_headers(resp)
+            out: web.StreamResponse | None = None
             try:
                 if ctype.startswith("text/event-stream"):
                     out = web.StreamResponse(status=resp.status, headers=headers)
                     await out.prepare(request)
-                    parser = SSEParser()
+                    parser = SSEParser(settings.max_upstream_event_bytes)
                     async for chunk in resp.chunks():
                         for ev in parser.feed(chunk):
                             await out.write(await scope.event(ev))
@@ -354,9 +372,19 @@ class McpFront:
                         await out.write(await scope.event(ev))
                     await out.write_eof()
                     return out
-                data = await resp.read()
+                data = await resp.read(settings.max_upstream_reply_bytes)
+            except ReplyTooLarge as exc:
+                log.warning("relay from %s refused: %s", target.name, exc)
+                if out is not None:  # the stream ends here; its client may resume or reopen it
+                    await render.end_stream(out, None)
+                    return out
+                return render.rpc_error(502, msg.id if msg else None, jsonrpc.INTERNAL_ERROR,
+                                        f"upstream {target.name!r} {exc}")
             except (UpstreamError, ConnectionResetError) as exc:
                 log.info("relay from %s ended early: %s", target.name, exc)
+                if out is not None:
+                    await render.end_stream(out, None)
+                    return out
                 return web.Response(status=502)
             if ctype.startswith("application/json"):
                 data = await scope.json(data)

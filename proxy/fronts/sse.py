@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from proxy.errors import ReplyTooLarge
+
 # An event ends at the first blank line: two line terminators in a row.
 _EVENT_END = re.compile(rb"(\r\n|\r(?!\n)|\n)(\r\n|\r(?!\n)|\n)")
 _LINE = re.compile(rb"\r\n|\r|\n")
@@ -52,11 +54,17 @@ def parse_event(raw: bytes) -> SSEEvent:
 
 
 class SSEParser:
-    """Feed bytes as they arrive; get complete events back in order."""
+    """Feed bytes as they arrive; get complete events back in order.
 
-    def __init__(self, max_event_bytes: int = 256 * 2**20):
+    An event larger than `max_event_bytes` (complete, or still arriving) raises `ReplyTooLarge`
+    naming `setting`: the parser never holds more than the cap plus one chunk.
+    """
+
+    def __init__(self, max_event_bytes: int = 256 * 2**20,
+                 setting: str = "limits.max_upstream_event_bytes"):
         self._buf = bytearray()
         self._max = max_event_bytes
+        self._setting = setting
         # Where the next search for an event end starts: bytes before it were already searched
         # (minus a 3-byte overlap for a terminator split across chunks), so a large event
         # arriving in many chunks is scanned once, not once per chunk.
@@ -75,6 +83,8 @@ class SSEParser:
             if m.end() == len(self._buf) and self._buf.endswith(b"\r"):
                 self._scan = max(start, m.start())
                 break
+            if m.end() - start > self._max:
+                raise ReplyTooLarge(self._max, self._setting)
             events.append(parse_event(bytes(self._buf[start : m.end()])))
             start = m.end()
             self._scan = start
@@ -82,7 +92,7 @@ class SSEParser:
             del self._buf[:start]
             self._scan -= start
         if len(self._buf) > self._max:
-            raise ValueError(f"SSE event larger than {self._max} bytes")
+            raise ReplyTooLarge(self._max, self._setting)
         return events
 
     def flush(self) -> list[SSEEvent]:

@@ -58,6 +58,8 @@ RejectReason = Literal[
     "unauthenticated",
     "header_mismatch",
     "invalid_header",
+    "too_many_streams",
+    "header_timeout",
 ]
 # The fixed label sets, from the types above (one source for mypy and the runtime check).
 STAGES: tuple[Stage, ...] = get_args(Stage)

@@ -20,17 +20,28 @@ Resending
     breaks before the response (`ClientSession._request`, "retry_persistent_connection"); a
     per-request client middleware refuses that second send, so the resend decision is the
     caller's alone, on both transports.
+
+Long-lived streams and caps
+    A standalone GET stream may stay open for hours. `open(..., long_lived=True)` gives it a
+    connection from a budget of its own per host:port (`stream_limit_per_host`), so streams
+    never hold the connections calls need, however many a client opens; past the budget it
+    raises `UpstreamBusy` at once. `read(limit)` refuses a body larger than `limit`
+    (`ReplyTooLarge`) as soon as that is known, holding no more than `limit` bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDictProxy
 
-from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
+
+# The setting a capped `read` names when the body is larger (callers pass theirs).
+REPLY_SETTING = "limits.max_upstream_reply_bytes"
 
 
 def counted(exc: UpstreamError, attempts: int) -> UpstreamError:
@@ -45,17 +56,33 @@ class UpstreamResponse:
     `attempts`: how many times the request was written to the upstream (2 after a resend).
     """
 
-    __slots__ = ("_resp", "attempts", "headers", "status")
+    __slots__ = ("_release", "_resp", "attempts", "headers", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, attempts: int = 1):
+    def __init__(self, resp: aiohttp.ClientResponse, attempts: int = 1,
+                 release: Callable[[], None] | None = None):
         self._resp = resp
+        self._release = release  # frees a long-lived stream's slot, once, on close
         self.status: int = resp.status
         self.headers: CIMultiDictProxy[str] = resp.headers
         self.attempts = attempts
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None, setting: str = REPLY_SETTING) -> bytes:
+        """The whole body; `ReplyTooLarge` (naming `setting`) as soon as it is known to be larger
+        than `limit` bytes: from Content-Length before reading, else once that much arrived."""
         try:
-            return await self._resp.read()
+            if limit is None:
+                return await self._resp.read()
+            length = self._resp.content_length
+            if length is not None and length > limit:
+                raise ReplyTooLarge(limit, setting)
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in self._resp.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise ReplyTooLarge(limit, setting)
+                parts.append(chunk)
+            return b"".join(parts)
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream timed out while sending its response") from exc
         except aiohttp.ClientError as exc:
@@ -73,6 +100,9 @@ class UpstreamResponse:
 
     def close(self) -> None:
         self._resp.close()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     async def __aenter__(self) -> UpstreamResponse:
         return self
@@ -80,29 +110,75 @@ class UpstreamResponse:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        release = getattr(self, "_release", None)
+        if release is not None:  # never closed: its stream slot must not be lost
+            self._release = None
+            release()
+
 
 class Forwarder:
-    """A keep-alive connection pool shared by all upstreams of one process."""
+    """A keep-alive connection pool shared by all upstreams of one process.
 
-    def __init__(self, limit_per_host: int = 256):
+    Long-lived streams (`open(..., long_lived=True)`: standalone GET streams) never take a
+    call's connection: they go through a session of their own, at most `stream_limit_per_host`
+    at once per host:port, and past that are refused at once (`UpstreamBusy`), never queued.
+    """
+
+    def __init__(self, limit_per_host: int = 256, stream_limit_per_host: int = 128):
         self._limit = limit_per_host
+        self._stream_limit = stream_limit_per_host
         self._session: aiohttp.ClientSession | None = None
+        self._stream_session: aiohttp.ClientSession | None = None
+        self._streams: dict[tuple[str, int], int] = {}  # open long-lived streams per host:port
 
-    async def start(self) -> None:
+    @staticmethod
+    def _new_session(limit_per_host: int) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=self._limit, keepalive_timeout=30, ttl_dns_cache=60
+            limit=0, limit_per_host=limit_per_host, keepalive_timeout=30, ttl_dns_cache=60
         )
-        self._session = aiohttp.ClientSession(
+        return aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # relay bytes as they are; we never ask for compression
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None),
         )
 
+    async def start(self) -> None:
+        self._session = self._new_session(self._limit)
+        self._stream_session = self._new_session(self._stream_limit)
+
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._stream_session):
+            if session is not None:
+                await session.close()
+        self._session = self._stream_session = None
+        self._streams.clear()
+
+    def _take_stream(self, url: str) -> Callable[[], None]:
+        """A long-lived stream's slot on its host (UpstreamBusy past the budget); returns what
+        frees it."""
+        parts = urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+        except ValueError as exc:
+            raise counted(UpstreamError(f"invalid upstream URL {url!r}: {exc}"), 0) from exc
+        key = (parts.hostname or "", port)
+        if self._streams.get(key, 0) >= self._stream_limit:
+            raise counted(UpstreamBusy(
+                f"upstream {key[0]}:{port} already has {self._stream_limit} long-lived streams "
+                "open (limits.max_upstream_streams)"), 0)
+        self._streams[key] = self._streams.get(key, 0) + 1
+        streams = self._streams
+
+        def release() -> None:
+            left = streams.get(key, 0) - 1
+            if left > 0:
+                streams[key] = left
+            else:
+                streams.pop(key, None)
+
+        return release
 
     async def open(
         self,
@@ -114,18 +190,38 @@ class Forwarder:
         connect_timeout: float,
         read_timeout: float | None,
         resend: bool = False,
+        long_lived: bool = False,
     ) -> UpstreamResponse:
         """Send a request and return once the status line and headers arrived.
 
         `read_timeout` bounds each wait for bytes (None for long-lived streams). `resend`: the
         request may be written a second time when the connection breaks before any response
         (see the module docstring); otherwise it is written at most once. The response's
-        `attempts` says how many times it was written.
+        `attempts` says how many times it was written. `long_lived`: a stream that may stay
+        open indefinitely (a standalone GET): it takes a slot of the streams' budget, not a
+        call's connection, until the response is closed.
         Raises UpstreamError / UpstreamTimeout, with `attempts` set: 0 (and a message starting
-        with `cannot connect to upstream`) when the request was never written.
+        with `cannot connect to upstream`) when the request was never written; UpstreamBusy
+        (attempts 0) when `long_lived` and the host's streams' budget is spent.
         """
-        if self._session is None:
+        if self._session is None or self._stream_session is None:
             raise counted(UpstreamError("forwarder is not started"), 0)
+        if not long_lived:
+            return await self._open(self._session, method, url, headers, body, connect_timeout,
+                                    read_timeout, resend)
+        release = self._take_stream(url)
+        try:
+            resp = await self._open(self._stream_session, method, url, headers, body,
+                                    connect_timeout, read_timeout, resend)
+        except BaseException:
+            release()
+            raise
+        resp._release = release
+        return resp
+
+    async def _open(self, session: aiohttp.ClientSession, method: str, url: str,
+                    headers: Mapping[str, str], body: bytes | None, connect_timeout: float,
+                    read_timeout: float | None, resend: bool) -> UpstreamResponse:
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout, sock_read=read_timeout
         )
@@ -134,7 +230,7 @@ class Forwarder:
         while True:
             sends = _OneSend()
             try:
-                resp = await self._session.request(
+                resp = await session.request(
                     method, url, headers=headers, data=body, timeout=timeout,
                     allow_redirects=False, compress=None, middlewares=(sends,),
                 )

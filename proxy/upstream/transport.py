@@ -15,6 +15,12 @@ Connection pool
     connection. Idle connections are dropped when the server closes them (EOF / transport lost
     is noticed at once) and after `keepalive_timeout` seconds unused.
 
+Long-lived streams
+    `open(..., long_lived=True)` (standalone GET streams) never uses the pool: it opens a fresh
+    connection counted against the host's `stream_limit_per_host`, refused at once with
+    `UpstreamBusy` past it, and closed (never pooled) when the response is closed, which frees
+    its slot. However many streams are open, calls keep their `limit_per_host` connections.
+
 The stale keep-alive race
     A server may close an idle keep-alive connection at the very moment we send a new request
     on it. We cannot tell whether such a request was processed: an upstream that read a
@@ -44,8 +50,8 @@ from urllib.parse import quote, urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.errors import UpstreamError, UpstreamTimeout
-from proxy.upstream.forwarder import Forwarder, UpstreamResponse, counted
+from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
+from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse, counted
 
 __all__ = ["FastForwarder", "FastResponse"]
 
@@ -95,8 +101,8 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = (
         "_loop", "buf", "buf_size", "busy", "closed", "complete", "exc", "got_bytes", "head_only",
-        "headers", "headers_done", "idle_since", "informational", "keep_alive", "parser", "paused",
-        "pool", "reused", "status", "transport", "until_close", "waiter",
+        "headers", "headers_done", "idle_since", "informational", "keep_alive", "long_lived",
+        "parser", "paused", "pool", "reused", "status", "transport", "until_close", "waiter",
     )
 
     def __init__(self, pool: _Host, loop: asyncio.AbstractEventLoop):
@@ -106,6 +112,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
+        self.long_lived = False  # counted in the host's streams, never pooled
         self.busy = False
         self.idle_since = 0.0
         self.waiter: asyncio.Future[bool] | None = None
@@ -292,15 +299,17 @@ def _expire(fut: asyncio.Future[bool]) -> None:
 
 
 class _Host:
-    """The pool of one (host, port)."""
+    """The pool of one (host, port), and the count of its long-lived streams."""
 
-    __slots__ = ("conns", "count", "idle", "label", "limit", "waiters")
+    __slots__ = ("conns", "count", "idle", "label", "limit", "stream_limit", "streams", "waiters")
 
-    def __init__(self, label: str, limit: int, conns: set[_Conn]):
+    def __init__(self, label: str, limit: int, stream_limit: int, conns: set[_Conn]):
         self.label = label
         self.limit = limit
+        self.stream_limit = stream_limit
         self.conns = conns  # every open connection of the forwarder
-        self.count = 0  # open or opening connections, idle or busy
+        self.count = 0  # open or opening connections, idle or busy (streams not included)
+        self.streams = 0  # open or opening long-lived stream connections
         self.idle: list[_Conn] = []
         self.waiters: list[asyncio.Future[None]] = []
 
@@ -368,17 +377,27 @@ class FastResponse(UpstreamResponse):
                     f"upstream {conn.pool.label} sent nothing for {self._read_timeout}s "
                     "while sending its response")
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None, setting: str = REPLY_SETTING) -> bytes:
         conn = self._conn
         if conn is not None and conn.complete and not conn.exc:
             data = conn.take() if conn.buf else b""  # the usual case: it all came in already
             self._finish()
+            if limit is not None and len(data) > limit:
+                raise ReplyTooLarge(limit, setting)
             return data
+        if limit is not None:
+            length = self.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                raise ReplyTooLarge(limit, setting)
         parts: list[bytes] = []
+        size = 0
         while True:
             data = await self._next()
             if not data:
                 return b"".join(parts)
+            size += len(data)
+            if limit is not None and size > limit:
+                raise ReplyTooLarge(limit, setting)
             parts.append(data)
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -429,8 +448,9 @@ class FastForwarder(Forwarder):
     https:// (and URLs with credentials) are served by the inherited aiohttp forwarder.
     """
 
-    def __init__(self, limit_per_host: int = 256, keepalive_timeout: float = 30.0):
-        super().__init__(limit_per_host)
+    def __init__(self, limit_per_host: int = 256, keepalive_timeout: float = 30.0,
+                 stream_limit_per_host: int = 128):
+        super().__init__(limit_per_host, stream_limit_per_host)
         self._keepalive = keepalive_timeout
         self._hosts: dict[tuple[str, int], _Host] = {}
         self._urls: dict[str, _Target | None] = {}
@@ -456,6 +476,7 @@ class FastForwarder(Forwarder):
         for host in self._hosts.values():
             host.idle.clear()
             host.count = 0
+            host.streams = 0
             for fut in host.waiters:
                 if not fut.done():
                     fut.set_result(None)
@@ -472,14 +493,18 @@ class FastForwarder(Forwarder):
         connect_timeout: float,
         read_timeout: float | None,
         resend: bool = False,
+        long_lived: bool = False,
     ) -> UpstreamResponse:
         """Send a request and return once the status line and headers arrived.
 
         `read_timeout` bounds each wait for bytes (None for long-lived streams). `resend`: the
         request may be sent a second time after the stale keep-alive race (module docstring);
         otherwise it is written at most once. The response's `attempts` says how many times.
+        `long_lived`: a stream that may stay open indefinitely, on a connection of the host's
+        streams' budget (module docstring), never the pool's.
         Raises UpstreamError / UpstreamTimeout, with `attempts` set: 0 (and a message starting
-        with `cannot connect to upstream`) when the request was never written.
+        with `cannot connect to upstream`) when the request was never written; UpstreamBusy
+        (attempts 0) when `long_lived` and the streams' budget is spent.
         """
         if not self._started:
             raise counted(UpstreamError("forwarder is not started"), 0)
@@ -496,7 +521,8 @@ class FastForwarder(Forwarder):
             self._urls[url] = target
         if target is None:
             return await super().open(method, url, headers, body, connect_timeout=connect_timeout,
-                                      read_timeout=read_timeout, resend=resend)
+                                      read_timeout=read_timeout, resend=resend,
+                                      long_lived=long_lived)
 
         lines = [f"{method} {target.target} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
         for name, value in headers.items():
@@ -521,7 +547,10 @@ class FastForwarder(Forwarder):
         first: UpstreamError | None = None  # the first send's failure, once resending
         while True:
             try:
-                conn = await self._acquire(target, connect_timeout, fresh=first is not None)
+                if long_lived:
+                    conn = await self._acquire_stream(target, connect_timeout)
+                else:
+                    conn = await self._acquire(target, connect_timeout, fresh=first is not None)
             except UpstreamError as exc:
                 if first is not None:  # the first send was written: not a connect failure
                     raise counted(type(exc)(f"{first}; resending it failed: {exc}"),
@@ -557,10 +586,36 @@ class FastForwarder(Forwarder):
 
     # ---- the pool ------------------------------------------------------------------------
 
-    async def _acquire(self, target: _Target, connect_timeout: float, fresh: bool) -> _Conn:
+    def _host(self, target: _Target) -> _Host:
         host = self._hosts.get(target.key)
         if host is None:
-            host = self._hosts[target.key] = _Host(target.label, self._limit, self._conns)
+            host = self._hosts[target.key] = _Host(target.label, self._limit, self._stream_limit,
+                                                   self._conns)
+        return host
+
+    async def _acquire_stream(self, target: _Target, connect_timeout: float) -> _Conn:
+        """A fresh connection for a long-lived stream, from the host's streams' budget."""
+        host = self._host(target)
+        if host.streams >= host.stream_limit:
+            raise UpstreamBusy(f"upstream {target.label} already has {host.stream_limit} "
+                               "long-lived streams open (limits.max_upstream_streams)")
+        host.streams += 1
+        try:
+            async with asyncio.timeout(connect_timeout):
+                conn = await self._connect(target, host)
+        except TimeoutError as exc:
+            host.streams -= 1
+            raise UpstreamTimeout(
+                f"cannot connect to upstream {target.label}: no connection within "
+                f"{connect_timeout}s") from exc
+        except BaseException:
+            host.streams -= 1
+            raise
+        conn.long_lived = True
+        return conn
+
+    async def _acquire(self, target: _Target, connect_timeout: float, fresh: bool) -> _Conn:
+        host = self._host(target)
         if not fresh:
             idle = host.idle
             while idle:
@@ -623,6 +678,13 @@ class FastForwarder(Forwarder):
         """Back to the pool when clean, else closed; either way its slot is free again."""
         conn.busy = False
         host = conn.pool
+        if conn.long_lived:  # a stream's connection is never pooled: closed, its slot freed
+            if not conn.closed:
+                conn.abort()
+            if conn in self._conns:
+                self._conns.discard(conn)
+                host.streams -= 1
+            return
         if (conn.keep_alive and conn.complete and not conn.closed and self._started
                 and conn.transport is not None and not conn.transport.is_closing()):
             conn.idle_since = conn._loop.time()

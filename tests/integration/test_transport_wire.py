@@ -14,11 +14,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.errors import UpstreamError
+from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError
 from proxy.upstream.forwarder import Forwarder, UpstreamResponse
 from proxy.upstream.transport import FastForwarder
 from tests.harness import ROOT, free_port, stop, wait_port
-from tests.unit.test_transport import Server, answer_once_then_hang_up, read_request
+from tests.unit.test_transport import Handler, Server, answer_once_then_hang_up, read_request
 
 MCP_HEADERS = {
     "Accept": "application/json, text/event-stream",
@@ -83,6 +83,16 @@ async def _big(request: web.Request) -> web.Response:
     return web.Response(body=b"x" * 3_000_000, content_type="application/octet-stream")
 
 
+async def _big_chunked(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    for _ in range(30):
+        await resp.write(b"x" * 100_000)
+    await resp.write_eof()
+    return resp
+
+
 async def _empty(request: web.Request) -> web.Response:
     return web.Response(status=202)
 
@@ -93,6 +103,7 @@ async def aiohttp_upstream() -> AsyncIterator[str]:
     app.router.add_route("*", "/json", _json)
     app.router.add_post("/sse", _sse)
     app.router.add_get("/big", _big)
+    app.router.add_get("/big-chunked", _big_chunked)
     app.router.add_route("*", "/empty", _empty)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -313,3 +324,82 @@ async def test_a_resend_that_cannot_connect_is_not_a_connect_failure(
         assert err.value.attempts == 1, name
         assert not str(err.value).startswith("cannot connect to upstream"), name
         assert "resending it failed: cannot connect to upstream" in str(err.value), name
+
+
+# ---- bounds: the streams' own budget, capped reads (both forwarders) -----------------------
+
+def streams_and_calls(closed: list[int]) -> Handler:
+    """GET: an SSE stream held open until the client closes it (its connection number is then
+    in `closed`); anything else: `ok`, keep-alive."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            if head.startswith(b"GET"):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n6\r\ndata:\n\r\n")
+                await writer.drain()
+                try:
+                    await reader.read(1)
+                finally:
+                    closed.append(n)
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+    return handler
+
+
+async def _stream(fwd: Forwarder, url: str) -> UpstreamResponse:
+    resp = await fwd.open("GET", url, {"Accept": "text/event-stream"}, None, connect_timeout=2,
+                          read_timeout=None, long_lived=True)
+    assert resp.status == 200 and await anext(resp.chunks()) == b"data:\n"
+    return resp
+
+
+@pytest.mark.parametrize("kind", ["aiohttp", "fast"])
+async def test_long_lived_streams_never_take_a_calls_connection(kind: str) -> None:
+    # One connection for calls, two for streams: the third stream is refused at once, and
+    # calls keep their connection however many streams are open.
+    fwd = (Forwarder if kind == "aiohttp" else FastForwarder)(1, stream_limit_per_host=2)
+    await fwd.start()
+    closed: list[int] = []
+    try:
+        async with Server(streams_and_calls(closed)) as srv:
+            streams = [await _stream(fwd, srv.url) for _ in range(2)]
+            with pytest.raises(UpstreamBusy, match=r"already has 2 long-lived streams open "
+                                                   r"\(limits\.max_upstream_streams\)") as busy:
+                await asyncio.wait_for(fwd.open("GET", srv.url, {}, None, connect_timeout=2,
+                                                read_timeout=None, long_lived=True), 1)
+            assert busy.value.attempts == 0
+            for _ in range(3):  # calls: the pool's one connection, never waiting on the streams
+                async with await fwd.open("POST", srv.url, {}, b"{}", connect_timeout=0.5,
+                                          read_timeout=2) as resp:
+                    assert await resp.read() == b"ok"
+            streams[0].close()  # a stream that ends frees its slot (and its connection)
+            for _ in range(100):
+                if closed:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(closed) == 1
+            streams[0] = await _stream(fwd, srv.url)
+            for resp in streams:
+                resp.close()
+            assert srv.connections == 4  # three streams and one call connection
+    finally:
+        await fwd.close()
+
+
+@pytest.mark.parametrize("kind", ["aiohttp", "fast"])
+async def test_a_capped_read_refuses_a_larger_body(kind: str, aiohttp_upstream: str) -> None:
+    fwd = Forwarder() if kind == "aiohttp" else FastForwarder()
+    await fwd.start()
+    try:
+        for path in ("/big", "/big-chunked"):  # 3 MB, with and without Content-Length
+            async with await fwd.open("GET", aiohttp_upstream + path, {}, None, connect_timeout=2,
+                                      read_timeout=5) as resp:
+                with pytest.raises(ReplyTooLarge, match=r"^reply exceeds 1000000 bytes \(x\.cap\)$"):
+                    await resp.read(1_000_000, "x.cap")
+            async with await fwd.open("GET", aiohttp_upstream + path, {}, None, connect_timeout=2,
+                                      read_timeout=5) as resp:
+                assert len(await resp.read(3_000_000)) == 3_000_000  # at the cap: whole
+    finally:
+        await fwd.close()

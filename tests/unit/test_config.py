@@ -28,6 +28,8 @@ CONFIG_DURATIONS = [
     ("idempotency", "wait"),
     ("retry", "backoff"),
     ("retry", "max_backoff"),
+    ("listener", "header_timeout"),
+    ("listener", "keepalive_timeout"),
 ]
 
 
@@ -85,6 +87,7 @@ def test_absent_durations_keep_their_defaults() -> None:
         3600.0, 0.2, 86400.0, 86400.0, 600.0)
     assert (config.idempotency.ttl, config.idempotency.wait) == (86400.0, 30.0)
     assert (config.retry.backoff, config.retry.max_backoff) == (0.2, 5.0)
+    assert (config.listener.header_timeout, config.listener.keepalive_timeout) == (10.0, 75.0)
     webhook = load_config(None, {"approvals": {"webhook": {"url": "http://h/x"}}}, environ={})
     assert webhook.approvals.webhook is not None
     assert (webhook.approvals.webhook.timeout, webhook.approvals.webhook.backoff) == (5.0, 0.5)
@@ -105,3 +108,17 @@ def test_cel_engine_setting_has_the_precedence_of_load_config() -> None:
     assert cel_engine_setting(None, {}) == "auto"
     assert cel_engine_setting(None, env) == load_config(None, environ=env).cel_engine
     assert load_config(None, {"cel_engine": "cel-cpp"}, environ=env).cel_engine == "cel-cpp"
+
+
+def test_limits_default_and_refuse_nonsense(tmp_path: Path) -> None:
+    limits = load_config(None, environ={}).limits
+    assert (limits.max_upstream_event_bytes, limits.max_upstream_reply_bytes) == (32 * 2**20, 32 * 2**20)
+    assert (limits.max_upstream_connections, limits.max_upstream_streams) == (256, 128)
+    assert (limits.max_streams_per_principal, limits.max_streams_per_upstream) == (32, 128)
+    file = _config_file(tmp_path, ("limits", "max_streams_per_principal"), 0)
+    with pytest.raises(ConfigError, match=r"limits\.max_streams_per_principal: Input should be "
+                                          r"greater than or equal to 1"):
+        load_config(file, environ={})
+    file = _config_file(tmp_path, ("listener", "header_timeout"), "0s")
+    with pytest.raises(ConfigError, match=r"listener\.header_timeout: Input should be greater than 0"):
+        load_config(file, environ={})

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
 from proxy.upstream.transport import HIGH_WATER, FastForwarder, FastResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -598,3 +598,52 @@ async def test_close_aborts_streams_in_flight() -> None:
         await fwd.close()
         with pytest.raises(UpstreamError, match="was closed"):
             await asyncio.wait_for(pending, 2)
+
+
+async def test_a_long_lived_stream_is_counted_apart_and_never_pooled() -> None:
+    fwd = FastForwarder(limit_per_host=1, stream_limit_per_host=1)
+    await fwd.start()
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        _head, _ = await read_request(reader)
+        # A stream that ends on its own, complete and keep-alive: still not pooled.
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 6\r\n\r\ndata:\n")
+        await writer.drain()
+        if await reader.read(1) == b"":
+            gone.set()
+
+    try:
+        async with Server(handler) as srv:
+            resp = await fwd.open("GET", srv.url, {}, None, connect_timeout=1, read_timeout=None,
+                                  long_lived=True)
+            host = fwd._hosts[("127.0.0.1", srv.port)]
+            assert (host.streams, host.count) == (1, 0)
+            with pytest.raises(UpstreamBusy, match=r"limits\.max_upstream_streams"):
+                await fwd.open("GET", srv.url, {}, None, connect_timeout=1, read_timeout=None,
+                               long_lived=True)
+            assert await resp.read() == b"data:\n"
+            resp.close()
+            await asyncio.wait_for(gone.wait(), 2)  # closed, not kept for a call
+            assert (host.streams, host.count, host.idle) == (0, 0, [])
+    finally:
+        await fwd.close()
+
+
+async def test_a_capped_read_stops_before_the_body_arrives(fwd: FastForwarder) -> None:
+    sent = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        # Announces 100 MB, sends 1 KB and waits: the cap is known from the head alone.
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000000\r\n\r\n" + b"x" * 1024)
+        await writer.drain()
+        sent.set()
+        await reader.read(1)
+
+    async with Server(handler) as srv:
+        async with await post(fwd, srv.url) as resp:
+            await sent.wait()
+            with pytest.raises(ReplyTooLarge, match=r"reply exceeds 65536 bytes"):
+                await asyncio.wait_for(resp.read(65536), 1)
+        assert fwd._hosts[("127.0.0.1", srv.port)].count == 0  # aborted, not pooled

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from proxy.errors import ReplyTooLarge
 from proxy.fronts import sse
 from proxy.fronts.sse import SSEParser, format_event, parse_event
 
@@ -66,3 +67,22 @@ def test_format_event_round_trips() -> None:
     raw = format_event(b'{"x":1}', "message", "7")
     ev = parse_event(raw)
     assert (ev.event, ev.data, ev.id) == ("message", '{"x":1}', "7")
+
+
+def test_an_event_past_the_cap_raises_naming_the_setting() -> None:
+    event = b"data: " + b"x" * 94 + b"\n\n"  # 102 bytes
+    assert [e.data for e in SSEParser(max_event_bytes=102).feed(event)] == ["x" * 94]  # at the cap
+    with pytest.raises(ReplyTooLarge, match=r"^reply exceeds 101 bytes \(limits\.max_upstream_event_bytes\)$"):
+        SSEParser(max_event_bytes=101).feed(event)  # complete, in one chunk
+
+
+def test_a_growing_event_is_refused_before_it_ends_and_never_held_past_the_cap() -> None:
+    parser = SSEParser(max_event_bytes=1000, setting="x.cap")
+    parser.feed(b"data: small\n\n")
+    fed = 0
+    with pytest.raises(ReplyTooLarge, match=r"x\.cap"):
+        while True:
+            parser.feed(b"data: " + b"y" * 94)  # one unterminated event, 100 bytes a chunk
+            fed += 100
+            assert parser.pending <= 1000
+    assert fed == 1000  # refused at the first chunk past the cap

@@ -1,0 +1,108 @@
+"""The listeners' connection timeouts: a header-read timeout on top of aiohttp's keep-alive one.
+
+aiohttp closes a keep-alive connection that stays idle past `keepalive_timeout`, but nothing
+bounds how long a client may take to send a request head: a connection that sends half a
+request line and waits holds a socket and a task until that timer fires (aiohttp's default is
+an hour), so a few thousand such connections exhaust the process's descriptors.
+
+`ListenerRunner` is `web.AppRunner` with its connections' protocol (`RequestHandler`) extended
+by one timer: armed when the connection opens, and again when the first byte of a later
+request arrives on an idle keep-alive connection; cleared as soon as a whole head has been
+parsed. When it fires first, the connection is closed (nothing is sent: the client is not
+reading a reply to a request it never finished). A connection in the middle of a request or a
+response (a body being read, a stream being written) is never touched by it.
+
+Cost: one timer per connection (set on open, cancelled at the first head); on a keep-alive
+connection whose head arrives in one read (every client's usual case), nothing but two
+attribute reads per `data_received`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+__all__ = ["ListenerRunner"]
+
+
+class _HeadTimedHandler(RequestHandler):
+    """aiohttp's connection protocol, closing a connection whose request head is late."""
+
+    __slots__ = ("_head_timeout", "_head_timer", "_on_head_timeout")
+
+    def __init__(self, manager: web.Server, *, head_timeout: float,
+                 on_head_timeout: Callable[[], None] | None, **kwargs: Any):
+        super().__init__(manager, **kwargs)
+        self._head_timeout = head_timeout
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._on_head_timeout = on_head_timeout
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self._loop.call_later(self._head_timeout, self._head_expired)
+
+    def data_received(self, data: bytes) -> None:
+        # Idle between requests: the protocol's task waits for the next head.
+        idle = self._waiter is not None and not self._waiter.done()
+        super().data_received(data)
+        timer = self._head_timer
+        if timer is not None:
+            if self._messages:  # a whole head was parsed (or a malformed one, answered 400)
+                timer.cancel()
+                self._head_timer = None
+        elif idle and data and not self._messages:  # the first bytes of a later request's head
+            self._head_timer = self._loop.call_later(self._head_timeout, self._head_expired)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._messages or self._request_in_progress or self.transport is None:
+            return
+        if self._on_head_timeout is not None:
+            self._on_head_timeout()
+        self.force_close()
+
+
+class _HeadTimedServer(web.Server):
+    """`web.Server` whose connections are `_HeadTimedHandler`s."""
+
+    def __init__(self, base: web.Server, head_timeout: float,
+                 on_head_timeout: Callable[[], None] | None):
+        super().__init__(base.request_handler, request_factory=base.request_factory,
+                         handler_cancellation=base.handler_cancellation, **base._kwargs)
+        self.head_timeout = head_timeout
+        self.on_head_timeout = on_head_timeout
+
+    def __call__(self) -> RequestHandler:
+        return _HeadTimedHandler(self, head_timeout=self.head_timeout,
+                                 on_head_timeout=self.on_head_timeout, loop=self._loop,
+                                 **self._kwargs)
+
+
+class ListenerRunner(web.AppRunner):
+    """`web.AppRunner` whose connections must send each request head within `header_timeout`
+    seconds and are closed when idle for `keepalive_timeout` seconds (see the module
+    docstring). `on_header_timeout` is told of every connection closed for a late head."""
+
+    __slots__ = ("_header_timeout", "_on_header_timeout")
+
+    def __init__(self, app: web.Application, *, header_timeout: float, keepalive_timeout: float,
+                 on_header_timeout: Callable[[], None] | None = None, **kwargs: Any):
+        super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
+        self._header_timeout = header_timeout
+        self._on_header_timeout = on_header_timeout
+
+    async def _make_server(self) -> web.Server:
+        # The server aiohttp builds (startup hooks run, the app frozen, its handler arguments
+        # applied), rebuilt with the same arguments as one whose connections time heads.
+        base = await super()._make_server()
+        return _HeadTimedServer(base, self._header_timeout, self._on_header_timeout)
