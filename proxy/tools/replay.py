@@ -296,7 +296,7 @@ def call_from_record(rec: Mapping[str, Any]) -> ToolCall:
         principal=Principal(id=p["id"], groups=tuple(p.get("groups") or ()),
                             claims=dict(p.get("claims") or {}), source=p.get("source", "static")),
         # `shadow` is set by the shadow check during the decision: the front starts without it.
-        run=RunContext(id=r["id"], parent=r.get("parent"), depth=int(r.get("depth") or 0),
+        run=RunContext(id=r["id"], principal=p["id"], parent=r.get("parent"), depth=int(r.get("depth") or 0),
                        tainted=bool(r.get("tainted")), secret=bool(r.get("secret")),
                        session=r.get("session")),
         request=RequestInfo(method=q.get("method", "tools/call"),

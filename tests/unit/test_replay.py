@@ -51,7 +51,7 @@ def _call(tool: str, args: dict[str, Any], principal: str = "writer", groups: tu
     return ToolCall(
         decision_id=f"d-{tool}-{len(args)}", upstream="notes", tool=tool, arguments=args,
         principal=Principal(principal, groups, claims, "jwt"),
-        run=RunContext(id="run-1", parent="parent-0", depth=1, session="s-1"),
+        run=RunContext(id="run-1", principal=principal, parent="parent-0", depth=1, session="s-1"),
         request=RequestInfo("tools/call", "2026-07-28", {"x-tenant": "acme"}),
         upstream_tool=ToolInfo(tool, {"type": "object"}, {"readOnlyHint": True}),
     )

@@ -2,7 +2,8 @@
 
 The bound is the principal's `max_concurrent_per_run`, else `defaults.max_concurrent_per_run`
 (absent: no bound, and the check never touches the store). A call takes one of the run's
-numbered slots in the store (namespace `run`, keys `<run id>/slot/<n>`, n < bound) with an
+numbered slots in the store (namespace `run`, keys `<run key>/slot/<n>`, n < bound; the run key
+is principal-scoped, `RunContext.key`) with an
 atomic `add`; a call that finds every slot taken is refused `rate_limited` (it is not queued:
 the client retries). The slot is released when the call's decision is final (a result hook
 that runs before its audit record is written), whatever the outcome; a slot of a replica that
@@ -28,8 +29,9 @@ RUN_NS = "run"
 LEASE_MARGIN = 60.0
 
 
-def slot_key(run_id: str, n: int) -> str:
-    return f"{run_id}/slot/{n}"
+def slot_key(run_key: str, n: int) -> str:
+    """The store key of a run's slot `n` (`run_key`: `RunContext.key`)."""
+    return f"{run_key}/slot/{n}"
 
 
 class RateLimitCheck:
@@ -71,7 +73,7 @@ class RateLimitCheck:
         lease = self._lease.get(call.upstream, self._default_lease)
         try:
             for n in range(bound):
-                key = slot_key(call.run.id, n)
+                key = slot_key(call.run.key, n)
                 if await store.add(RUN_NS, key, token, ttl=lease):
                     call.on_result.append(_releaser(store, key, token))
                     call.audit_extra["run_slot"] = n
