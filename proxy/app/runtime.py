@@ -265,7 +265,8 @@ class Runtime:
         app.add_routes(McpFront(context).routes(guard))
         if self.config.aggregate.enabled:
             aggregate = AggregateFront(context, self.aggregate_upstreams,
-                                       max_sessions=self.config.aggregate.max_sessions)
+                                       max_sessions=self.config.aggregate.max_sessions,
+                                       max_sessions_per_principal=self.config.aggregate.max_sessions_per_principal)
             app.add_routes(aggregate.routes(guard))
             app.on_shutdown.append(aggregate.shutdown)
         return app

@@ -58,6 +58,7 @@ RejectReason = Literal[
     "unauthenticated",
     "header_mismatch",
     "invalid_header",
+    "foreign_session",
 ]
 # The fixed label sets, from the types above (one source for mypy and the runtime check).
 STAGES: tuple[Stage, ...] = get_args(Stage)
