@@ -225,6 +225,9 @@ class Config(_Model):
     # Host header values accepted besides loopback names and the listen address (DNS
     # rebinding protection). "*" accepts any (only behind a trusted ingress).
     allowed_hosts: list[str] = Field(default_factory=list)
+    # Host header values the admin listener accepts besides loopback names and its listen
+    # address (DNS rebinding protection; 421 otherwise). "*" accepts any.
+    admin_allowed_hosts: list[str] = Field(default_factory=list)
     # Origin values accepted besides loopback origins. Requests without Origin are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
     audit: AuditConfig = Field(default_factory=AuditConfig)

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.admin.app import build_admin_app
+from proxy.admin.protect import admin_hosts, strip_credentials
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.service import ApprovalService
@@ -212,7 +213,7 @@ class Runtime:
 
     def upstream_status(self) -> dict[str, dict[str, Any]]:
         """Per-upstream health in full, for `/v1/upstreams`."""
-        return {name: {**state, "url": self._targets[name].url if name in self._targets else None}
+        return {name: {**state, "url": strip_credentials(self._targets[name].url) if name in self._targets else None}
                 for name, state in self.health.snapshot().items()}
 
     def aggregate_upstreams(self) -> list[str]:
@@ -230,7 +231,7 @@ class Runtime:
             "engine": rev.engine,
             "loaded_at": rev.loaded_at,
             "tools": sorted(rev.tools),
-            "upstreams": {n: t.url for n, t in self._targets.items()},
+            "upstreams": {n: strip_credentials(t.url) for n, t in self._targets.items()},
             "misconfigured": self.envelope.misconfig.as_json(),
             "last_reload": self.last_reload,
         }
@@ -295,7 +296,9 @@ class Runtime:
         self._runners.append(mcp_runner)
         port = _bound_port(mcp_runner, port)
         ahost, aport = self.config.admin_addr
-        admin_runner = web.AppRunner(build_admin_app(self, self.metrics), access_log=None)
+        admin_runner = web.AppRunner(
+            build_admin_app(self, self.metrics, admin_hosts(ahost, self.config.admin_allowed_hosts)),
+            access_log=None)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, ahost, aport + self.worker if aport else 0).start()
         self._runners.append(admin_runner)
