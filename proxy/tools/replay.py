@@ -338,7 +338,7 @@ class Replayer:
         if run.get("shadow_sticky"):
             from proxy.envelope.checks.shadow import RUN_FLAG_TTL, RUN_NS, run_flag_key
 
-            await self.store.put(RUN_NS, run_flag_key(call.run.id), orjson.dumps({"shadow": True}),
+            await self.store.put(RUN_NS, run_flag_key(call.run.key), orjson.dumps({"shadow": True}),
                                  ttl=RUN_FLAG_TTL)
         decision = await self.chain.run(call)
         # Nothing is performed: let result hooks release what the checks claimed (idempotency).

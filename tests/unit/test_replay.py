@@ -174,6 +174,17 @@ def test_gated_calls_are_decided_statically_as_needing_approval(revision: Any) -
     assert change is not None and change.kind == "newly_refused"
 
 
+def test_a_sticky_shadow_run_is_replayed_as_shadow(revision: Any) -> None:
+    # The run was shadow from an earlier call: replay seeds the flag where the shadow check reads
+    # it (the run of the record's principal), so the writer is shadowed again.
+    rec = _rec(1, "write_note", {"title": "t", "folder": "inbox"},
+               {"verdict": "allow", "code": "shadowed", "check": "shadow", "rule": "run"})
+    rec["run"]["shadow_sticky"] = True
+    decision = asyncio.run(asyncio.wait_for(Replayer(revision).decide(rec), 5))
+    assert (decision.code, decision.check) == (Code.SHADOWED, "shadow")
+    assert compare(rec, decision) is None
+
+
 def test_stateful_outcomes_are_folded() -> None:
     assert outcome({"verdict": "allow", "code": "replayed", "check": "idempotency"}).code == "ok"
     assert outcome({"verdict": "error", "code": "idempotency_in_flight", "check": "idempotency"}).allowed
