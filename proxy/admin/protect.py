@@ -1,9 +1,11 @@
 """What the admin listener trusts less than a caller would like: its Host, and upstream URLs.
 
 - `host_guard`: a middleware for the whole admin application refusing (421) a request whose Host
-  is not a loopback name, the admin listen address or one of `admin_allowed_hosts`. A page on
-  any web site can make a browser send requests to loopback through a DNS name of its own that
-  resolves there (DNS rebinding); the Host header still carries that name, so it is refused.
+  is not a loopback name, the admin listen address, one of `admin_allowed_hosts` or an IP
+  address. A page on any web site can make a browser send requests to loopback through a DNS
+  name of its own that resolves there (DNS rebinding); the Host header still carries that name,
+  so it is refused. An IP literal cannot be rebound (the browser sends the name it resolved),
+  and is what kubelet probes and Prometheus send when they address a pod by its IP.
 - `strip_credentials`: an upstream URL as the admin API shows it, without the secrets operators
   put in URLs (userinfo, query parameters named like a token, key, secret or password, and the
   fragment).
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -37,6 +40,14 @@ def admin_hosts(listen_host: str, configured: Iterable[str]) -> frozenset[str]:
     return frozenset(names)
 
 
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _host_name(host: str) -> str:
     """The name part of a Host header value (no port, no IPv6 brackets), lower-case."""
     host = host.strip().lower()
@@ -52,7 +63,8 @@ def host_guard(allowed: frozenset[str]) -> Middleware:
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if "*" not in allowed:
             # An absent Host (HTTP/1.0) is refused too: the check cannot be made.
-            if _host_name(request.headers.get("Host", "")) not in allowed:
+            name = _host_name(request.headers.get("Host", ""))
+            if name not in allowed and not _is_ip(name):
                 return web.Response(
                     body=orjson.dumps({"error": f"misdirected request: host "
                                                 f"{request.headers.get('Host', '')!r} is not allowed"}),

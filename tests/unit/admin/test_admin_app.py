@@ -131,7 +131,8 @@ async def test_loopback_listen_and_configured_hosts_are_served(status: FakeStatu
                                                                metrics: Metrics) -> None:
     allowed = admin_hosts("10.0.0.5", ["Admin.Internal"])
     async with TestClient(TestServer(build_admin_app(status, metrics, allowed))) as c:
+        # IP literals cannot be rebound: a kubelet probe or a scraper addressing the pod by IP.
         for host in ("localhost:9090", "127.0.0.1", "[::1]:9090", "10.0.0.5:9090",
-                     "admin.internal", "ADMIN.INTERNAL:9090"):
+                     "admin.internal", "ADMIN.INTERNAL:9090", "10.244.1.7:9090", "[fd00::7]:9090"):
             assert (await c.get("/healthz", headers={"Host": host})).status == 200, host
         assert (await c.get("/healthz", headers={"Host": "other.internal"})).status == 421
