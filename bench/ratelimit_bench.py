@@ -55,7 +55,7 @@ principals:
 
 def call(principal: str, tool: str) -> ToolCall:
     return ToolCall(decision_id="d-1", upstream="demo", tool=tool, arguments={},
-                    principal=Principal(principal), run=RunContext("run-1"),
+                    principal=Principal(principal), run=RunContext("run-1", principal),
                     request=RequestInfo("tools/call"))
 
 

@@ -218,9 +218,13 @@ class AggregateConfig(_Model):
     # Upstreams merged, in this order. Absent or empty: every upstream of the policy. Names the
     # policy does not declare are skipped with a warning.
     upstreams: list[str] = Field(default_factory=list)
-    # Client sessions kept at once (legacy revisions); the least recently used one beyond is
-    # dropped (its client gets 404 and re-initializes).
+    # Client sessions kept at once (legacy revisions); beyond it the least recently used session
+    # of the principal holding the most is dropped (its client gets 404 and re-initializes; its
+    # upstream sessions are closed).
     max_sessions: int = Field(default=1000, ge=1)
+    # Client sessions one principal may hold; beyond it that principal's own least recently used
+    # session is dropped (so one principal cannot push out another's).
+    max_sessions_per_principal: int = Field(default=100, ge=1)
 
 
 class RecordConfig(_Model):
@@ -251,6 +255,9 @@ class Config(_Model):
     # Host header values accepted besides loopback names and the listen address (DNS
     # rebinding protection). "*" accepts any (only behind a trusted ingress).
     allowed_hosts: list[str] = Field(default_factory=list)
+    # Host header values the admin listener accepts besides loopback names and its listen
+    # address (DNS rebinding protection; 421 otherwise). "*" accepts any.
+    admin_allowed_hosts: list[str] = Field(default_factory=list)
     # Origin values accepted besides loopback origins. Requests without Origin are accepted.
     allowed_origins: list[str] = Field(default_factory=list)
     audit: AuditConfig = Field(default_factory=AuditConfig)

@@ -4,6 +4,7 @@ MCP SDK clients. Everything binds to free loopback ports and is stopped by the c
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -22,6 +23,9 @@ import jwt
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_POLICIES = ROOT / "tests" / "fixtures" / "policies"
 JWT_SECRET = "envelope-test-secret-0123456789abcdef"
+# The approver token `proxy_process` configures (unless the test brings its own `approvals`):
+# what reads the admin listener's token-guarded routes (`ProxyProcess.admin_get`).
+ADMIN_TOKEN = "envelope-test-operator-token"
 
 
 def free_port() -> int:
@@ -111,6 +115,11 @@ class ProxyProcess:
     def metrics(self) -> str:
         return httpx.get(f"{self.admin}/metrics", timeout=5).text
 
+    def admin_get(self, path: str, token: str = ADMIN_TOKEN) -> httpx.Response:
+        """GET `path` on the admin listener with an approver token (`/v1/policy`, ...)."""
+        return httpx.get(f"{self.admin}{path}", headers={"Authorization": f"Bearer {token}"},
+                         timeout=5)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -159,8 +168,13 @@ def proxy_process(
         "identity": identity or {"mode": "jwt", "algorithms": ["HS256"], "key": JWT_SECRET},
         "reload_interval": 0.2,
         "shutdown_grace": 3,
+        "approvals": {"approvers": {
+            "operator": {"token_sha256": hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest()}}},
     }
-    cfg.update(config or {})
+    config = dict(config or {})
+    if "approvals" in config and "approvers" not in config["approvals"]:
+        config["approvals"] = {**config["approvals"], "approvers": cfg["approvals"]["approvers"]}
+    cfg.update(config)
     config_path = tmp / f"config-{port}.yaml"
     config_path.write_text(json.dumps(cfg))  # JSON is YAML
     log_path = tmp / f"proxy-{port}.log"

@@ -1,7 +1,12 @@
 """The admin listener: health, readiness, metrics and policy status.
 
 Served on its own port, never on the proxy listener. Readiness fails closed: a provider
-that raises makes the proxy unready, with the error as the reason.
+that raises makes the proxy unready, with the error as the reason. Every route sits behind
+one Host check (`proxy.admin.protect.host_guard`: 421 for a name that is not loopback, the
+listen address or configured); `/healthz`, `/readyz`, `/metrics` and the review page's files
+are open, every `/v1/` route but `/v1/misconfigurations` needs an approver token (see
+`proxy.admin.review`), and upstream URLs are shown without credentials (the provider strips
+them with `proxy.admin.protect.strip_credentials`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from proxy.admin.protect import LOOPBACK_HOSTS, host_guard
 from proxy.observability.metrics import Metrics
 
 _JSON = "application/json"
@@ -36,9 +42,11 @@ def _json(data: Any, status: int = 200) -> web.Response:
     )
 
 
-def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application:
+def build_admin_app(status: StatusProvider, metrics: Metrics,
+                    allowed_hosts: frozenset[str] = LOOPBACK_HOSTS) -> web.Application:
     """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy (+ /v1/upstreams,
-    /v1/misconfigurations when the provider has them)."""
+    /v1/misconfigurations when the provider has them), answering only requests whose Host is in
+    `allowed_hosts` (see `proxy.admin.protect.admin_hosts`)."""
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -73,7 +81,8 @@ def build_admin_app(status: StatusProvider, metrics: Metrics) -> web.Application
             return _json({"error": f"{type(e).__name__}: {e}"}, status=500)
         return _json(data)
 
-    app = web.Application()
+    # The Host check runs first, for every route (the review page's token guard comes after).
+    app = web.Application(middlewares=[host_guard(allowed_hosts)])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.admin.app import build_admin_app
+from proxy.admin.protect import admin_hosts, strip_credentials
 from proxy.app.listener import ListenerRunner
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
@@ -218,7 +219,7 @@ class Runtime:
 
     def upstream_status(self) -> dict[str, dict[str, Any]]:
         """Per-upstream health in full, for `/v1/upstreams`."""
-        return {name: {**state, "url": self._targets[name].url if name in self._targets else None}
+        return {name: {**state, "url": strip_credentials(self._targets[name].url) if name in self._targets else None}
                 for name, state in self.health.snapshot().items()}
 
     def aggregate_upstreams(self) -> list[str]:
@@ -236,7 +237,7 @@ class Runtime:
             "engine": rev.engine,
             "loaded_at": rev.loaded_at,
             "tools": sorted(rev.tools),
-            "upstreams": {n: t.url for n, t in self._targets.items()},
+            "upstreams": {n: strip_credentials(t.url) for n, t in self._targets.items()},
             "misconfigured": self.envelope.misconfig.as_json(),
             "last_reload": self.last_reload,
         }
@@ -275,7 +276,8 @@ class Runtime:
         app.add_routes(McpFront(context).routes(guard))
         if self.config.aggregate.enabled:
             aggregate = AggregateFront(context, self.aggregate_upstreams,
-                                       max_sessions=self.config.aggregate.max_sessions)
+                                       max_sessions=self.config.aggregate.max_sessions,
+                                       max_sessions_per_principal=self.config.aggregate.max_sessions_per_principal)
             app.add_routes(aggregate.routes(guard))
             app.on_shutdown.append(aggregate.shutdown)
         return app
@@ -308,7 +310,9 @@ class Runtime:
         self._runners.append(mcp_runner)
         port = _bound_port(mcp_runner, port)
         ahost, aport = self.config.admin_addr
-        admin_runner = ListenerRunner(build_admin_app(self, self.metrics), access_log=None,
+        admin_app = build_admin_app(self, self.metrics,
+                                    admin_hosts(ahost, self.config.admin_allowed_hosts))
+        admin_runner = ListenerRunner(admin_app, access_log=None,
                                       header_timeout=listener.header_timeout,
                                       keepalive_timeout=listener.keepalive_timeout)
         await admin_runner.setup()

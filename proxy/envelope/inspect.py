@@ -30,7 +30,7 @@ from proxy.envelope.checks.guardrails import UNCHANGED, Guarded, Rule, compiled,
 from proxy.envelope.dataflow.ledger import LedgerDelta, RecentWrites, record, widen_parent
 from proxy.envelope.dataflow.offload import delta_of
 from proxy.envelope.labels import Label, OutputLabels, Piece, ToolLabels, pieces
-from proxy.envelope.types import RunContext, ToolCall
+from proxy.envelope.types import RunContext, ToolCall, run_key
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import ContentPolicy, DataflowPolicy
 from proxy.store.base import Store
@@ -274,15 +274,16 @@ class Inspector:
                               "ttl": policy.ledger_ttl, "window": policy.winnow, "recent": recent}
         if delta.empty and done is None:
             return
-        await record(store, run.id, delta, done=done, **kw)
+        await record(store, run.key, delta, done=done, **kw)
         if not delta.empty:
             for ancestor in ancestors(run):
                 await widen_parent(store, ancestor, delta, **kw)
 
 
 def ancestors(run: RunContext) -> tuple[str, ...]:
-    """Runs whose ledgers a run's output widens besides its own: `run.taint_targets` when the
-    delegation check set it (already cut at `propagate_taint: false`), else the direct parent."""
+    """The store keys of the runs whose ledgers a run's output widens besides its own:
+    `run.taint_targets` when the delegation check set it (already cut at `propagate_taint:
+    false`), else the direct parent as a run of the same principal (never another's)."""
     if run.taint_targets is not None:
         return tuple(run.taint_targets)
-    return (run.parent,) if run.parent else ()
+    return (run_key(run.principal, run.parent),) if run.parent else ()

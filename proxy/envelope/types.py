@@ -7,9 +7,11 @@ return `Decision`s, the pipeline runs `Check`s. Nothing here imports a front or 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from urllib.parse import quote
 
 from proxy.audit.record import canonical_args, digest_of
 from proxy.policy.vocab import Effect
@@ -88,11 +90,30 @@ class Principal:
         return {"id": self.id, "groups": list(self.groups), "claims": dict(self.claims)}
 
 
+@functools.lru_cache(maxsize=8192)
+def run_key(principal: str, run_id: str) -> str:
+    """The store key of a principal's run: `<principal, percent-encoded>/<run id>`.
+
+    Runs are named by clients (`X-Envelope-Run`, a session id), so a name alone is no
+    ownership: every store key that reads or writes run state is scoped to the principal, and
+    another principal naming the same run id gets a run of its own. The principal is encoded
+    without `/` (surrogates kept), so the key is injective: no two (principal, run) pairs share
+    one, whatever either contains.
+    """
+    return f"{quote(principal, safe='', errors='surrogatepass')}/{run_id}"
+
+
 @dataclass(frozen=True, slots=True)
 class RunContext:
-    """The run (unit of agent work) a call belongs to. Later issues fill lineage and taint."""
+    """The run (unit of agent work) a call belongs to, and the principal it belongs to.
+
+    `id` is the run as the client named it (what audit records and CEL show); `key` is where its
+    state lives (see `run_key`): checks and stores use `key`, never `id`.
+    """
 
     id: str
+    # The id of the principal whose run this is (the call's verified principal).
+    principal: str
     parent: str | None = None
     depth: int = 0
     shadow: bool = False
@@ -104,10 +125,16 @@ class RunContext:
     # Filled by the delegation check from the proxy's own lineage records (never the client's).
     # Until then `parent` is what the client named (X-Envelope-Parent-Run) and `depth` is 0.
     lineage_known: bool = False
-    # Set by the delegation check for child runs: the ancestor runs whose ledgers this run's
-    # untrusted or secret output widens (nearest first, already cut at `propagate_taint: false`).
-    # None: not computed (the data-flow check then widens the direct parent only).
+    # Set by the delegation check for child runs: the store keys (`run_key`) of the ancestor
+    # runs whose ledgers this run's untrusted or secret output widens (nearest first, already
+    # cut at `propagate_taint: false`). None: not computed (the inspection then widens the
+    # direct parent only, as a run of the same principal).
     taint_targets: tuple[str, ...] | None = None
+
+    @property
+    def key(self) -> str:
+        """Where this run's state lives in the store: principal-scoped (see `run_key`)."""
+        return run_key(self.principal, self.id)
 
     def as_cel(self) -> dict[str, Any]:
         return {

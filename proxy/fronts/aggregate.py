@@ -13,6 +13,12 @@ decided by `Envelope.begin`, forwarded and ended by the same executor (retries, 
 with `notifications/cancelled`, resumption of a stream the upstream closes early) and answered
 by `render`, so refusals, audit records and metrics are those of the per-upstream route.
 
+Client sessions are bound to the principal that initialized them (another principal's session
+id is answered 404 "Session not found") and bounded per principal (`max_sessions_per_principal`:
+past it the principal's own least recently used session is dropped, never another's) and in all
+(`max_sessions`: then the biggest holder's least recently used goes); a dropped or deleted
+session's upstream sessions are closed (DELETE; for a dropped one in a tracked background task).
+
 Served: `initialize`, `server/discover`, `ping`, `tools/list` (all upstreams merged, no
 pagination), `tools/call`, notifications, GET (legacy sessions: the upstreams'
 `notifications/tools/list_changed` fanned out, one upstream stream per upstream per client
@@ -30,7 +36,6 @@ import logging
 import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +51,7 @@ from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.jsonrpc import BadMessage, Message
+from proxy.fronts.sessions import OwnedLRU
 from proxy.fronts.sse import SSEParser, format_event
 from proxy.fronts.streams import StreamSlot
 
@@ -68,6 +74,10 @@ class _UpstreamSession:
     protocol: str = ""
     ready: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The client's Authorization the session was opened with (only for `forward_authorization`
+    # upstreams, which may bind the session to it): what ends it if its client session is pushed
+    # out, with no request of that client at hand.
+    auth: str | None = None
 
 
 @dataclass(slots=True)
@@ -110,11 +120,13 @@ class _Reply(Exception):
 class AggregateFront:
     """aiohttp handlers for `/mcp`, on the same `FrontContext` as `/mcp/<upstream>`."""
 
-    def __init__(self, context: FrontContext, upstreams: Callable[[], Sequence[str]], max_sessions: int = 1000):
+    def __init__(self, context: FrontContext, upstreams: Callable[[], Sequence[str]], max_sessions: int = 1000,
+                 max_sessions_per_principal: int = 100):
         self.ctx = context
         self.upstreams = upstreams  # the aggregated upstream names, in order (config or policy)
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, _ClientSession] = OrderedDict()
+        # Client sessions by id, bound to their principal; a principal past its own bound loses
+        # its own least recently used session, never another's (see proxy.fronts.sessions).
+        self._sessions: OwnedLRU[str, _ClientSession] = OwnedLRU(max_sessions, max_sessions_per_principal)
         self._shared: dict[str, _UpstreamSession] = {}  # stateless clients
         self._ids = 0
         self._warned: set[str] = set()
@@ -127,6 +139,10 @@ class AggregateFront:
         """End every open GET stream (called before the listener drains)."""
         for sess in self._sessions.values():
             sess.end_stream()
+
+    def sessions_of(self, principal: str) -> int:
+        """How many client sessions `principal` holds."""
+        return self._sessions.owned(principal)
 
     # ---- entry -------------------------------------------------------------------------
 
@@ -150,11 +166,13 @@ class AggregateFront:
         sid = request.headers.get("Mcp-Session-Id")
         if not sid:
             raise _Reply(_error(400, id, jsonrpc.INVALID_REQUEST, "Bad Request: Mcp-Session-Id header is required"))
-        sess = self._sessions.get(sid)
-        if sess is None or sess.principal != principal.id:  # a session id is never identity
+        found = self._sessions.get(sid, touch=False)
+        if found is None or found[0] != principal.id:  # a session id is never identity
+            if found is not None:
+                self.ctx.metrics.rejected("foreign_session")
             raise _Reply(_error(404, id, jsonrpc.INVALID_REQUEST, "Session not found"))
-        self._sessions.move_to_end(sid)
-        return sess
+        self._sessions.get(sid)  # its owner's most recently used
+        return found[1]
 
     async def _post(self, request: web.Request, principal: Principal) -> web.StreamResponse:
         ctx = self.ctx
@@ -192,10 +210,12 @@ class AggregateFront:
         requested = msg.params.get("protocolVersion")
         version = requested if requested in LEGACY_REVISIONS else LEGACY_REVISIONS[0]
         sess = _ClientSession(id=uuid.uuid4().hex, principal=principal.id, protocol=version)
-        self._sessions[sess.id] = sess
-        while len(self._sessions) > self.max_sessions:
-            _, old = self._sessions.popitem(last=False)
+        for _, _, old in self._sessions.put(sess.id, principal.id, sess):
+            # Pushed out (its client gets 404 and initializes again): its streams end and its
+            # upstream sessions are closed, in the background (tracked for shutdown).
+            log.info("aggregate: session of %s dropped (least recently used)", old.principal)
             old.end_stream()
+            self.ctx.spawn(self._close_upstreams(old, None))
         result = {
             "protocolVersion": version,
             "capabilities": {"tools": {"listChanged": True}},
@@ -206,20 +226,26 @@ class AggregateFront:
 
     async def _delete(self, request: web.Request, principal: Principal) -> web.Response:
         sess = self._client_session(request, principal)
-        del self._sessions[sess.id]
+        self._sessions.pop(sess.id)
         sess.end_stream()
-        for name, us in sess.upstreams.items():
-            target = self.ctx.targets(name)
-            if target is not None and us.session_id:
-                try:
-                    async with asyncio.timeout(target.connect_timeout):
-                        resp = await self.ctx.forwarder.open(
-                            "DELETE", target.url, self._headers(target, us, request), None,
-                            connect_timeout=target.connect_timeout, read_timeout=target.connect_timeout)
-                    resp.close()
-                except (UpstreamError, TimeoutError):
-                    pass  # the upstream expires it on its own
+        await self._close_upstreams(sess, request.headers.get("Authorization"))
         return web.Response(status=200)
+
+    async def _close_upstreams(self, sess: _ClientSession, auth: str | None) -> None:
+        """End `sess`'s upstream sessions (DELETE), with the client's `auth` when there is a
+        request of it, else the one each was opened with. Never raises."""
+        for name, us in list(sess.upstreams.items()):
+            target = self.ctx.targets(name)
+            if target is None or not us.session_id:
+                continue
+            try:
+                async with asyncio.timeout(target.connect_timeout):
+                    resp = await self.ctx.forwarder.open(
+                        "DELETE", target.url, self._headers(target, us, auth or us.auth), None,
+                        connect_timeout=target.connect_timeout, read_timeout=target.connect_timeout)
+                resp.close()
+            except (UpstreamError, TimeoutError):
+                pass  # the upstream expires it on its own
 
     # ---- talking to upstreams ------------------------------------------------------------
 
@@ -244,14 +270,16 @@ class AggregateFront:
                     best = target
         return None if best is None else (best, name[len(best.name) + 1:])
 
-    def _headers(self, target: UpstreamTarget, us: _UpstreamSession, request: web.Request,
+    def _headers(self, target: UpstreamTarget, us: _UpstreamSession, request: web.Request | str | None,
                  accept: str = "application/json, text/event-stream") -> dict[str, str]:
+        """What an upstream request in `us` carries; `request` is the client's request (or its
+        Authorization value), passed upstream only for `forward_authorization` upstreams."""
         headers = {"Accept": accept, "Content-Type": "application/json"}
         if us.session_id:
             headers["Mcp-Session-Id"] = us.session_id
         if us.protocol:
             headers["MCP-Protocol-Version"] = us.protocol
-        auth = request.headers.get("Authorization")
+        auth = request.headers.get("Authorization") if isinstance(request, web.Request) else request
         if auth and target.forward_authorization:
             headers["Authorization"] = auth
         headers.update(target.headers)
@@ -289,6 +317,7 @@ class AggregateFront:
             if us.ready:
                 return
             us.session_id, us.protocol = None, ""
+            us.auth = request.headers.get("Authorization") if target.forward_authorization else None
             init = {"jsonrpc": "2.0", "id": self._next_id(), "method": "initialize",
                     "params": {"protocolVersion": UPSTREAM_REVISION, "capabilities": {},
                                "clientInfo": SERVER_INFO}}

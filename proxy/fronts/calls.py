@@ -110,8 +110,8 @@ def _run(headers: Mapping[str, str], route: Route, principal: Principal,
          params: Mapping[str, Any]) -> RunContext:
     # The parent run and agent are claims the delegation check resolves against the proxy's own
     # lineage records; the depth is never taken from the client.
-    return RunContext(id=run_id(headers, route.session, principal.id, params), session=route.session,
-                      parent=headers.get("X-Envelope-Parent-Run") or None,
+    return RunContext(id=run_id(headers, route.session, principal.id, params), principal=principal.id,
+                      session=route.session, parent=headers.get("X-Envelope-Parent-Run") or None,
                       agent=headers.get("X-Envelope-Agent") or None)
 
 
@@ -149,7 +149,7 @@ def read_from(headers: Mapping[str, str], method: str, params: Mapping[str, Any]
         tool=tool or method,
         arguments=arguments,
         principal=principal,
-        run=RunContext(id=run_id(headers, route.session, principal.id, params), session=route.session,
-                       taint_targets=()),
+        run=RunContext(id=run_id(headers, route.session, principal.id, params), principal=principal.id,
+                       session=route.session, taint_targets=()),
         request=RequestInfo(method=method, protocol_version=route.protocol_version),
     )

@@ -4,9 +4,9 @@ The approval check (`proxy.envelope.checks.approval`) decides *whether* the pers
 approve (the tool's `approval.in_band`) and records their answer; this module only speaks the
 wire:
 
-- Sessions (2025-06-18 / 2025-11-25): the front remembers each session's client capabilities
-  from the `initialize` it relays (`SessionCapabilities`, a bounded in-memory LRU keyed by
-  upstream and the `Mcp-Session-Id` the upstream returned). For a client that declared
+- Sessions (2025-06-18 / 2025-11-25): the front remembers each session's principal and client
+  capabilities from the `initialize` it relays (`SessionCapabilities`, bounded in memory, keyed
+  by upstream and the `Mcp-Session-Id` the upstream returned). For a client that declared
   `elicitation`, `SessionChannel.ask` turns the held `tools/call` into an SSE stream and sends an
   `elicitation/create` request with a proxy-minted id (`envelope-<uuid>`); the client's answering
   POST (a JSON-RPC response with that id) is intercepted by the front (`Elicitations.resolve`),
@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,6 +32,7 @@ from aiohttp import web
 
 from proxy.approvals.signer import STATE_PREFIX
 from proxy.envelope.types import ApprovalPrompt, InBandAnswer
+from proxy.fronts.sessions import OwnedLRU
 from proxy.fronts.sse import format_event
 
 log = logging.getLogger("envelope.mcp.inband")
@@ -58,31 +58,34 @@ class SessionInfo:
 
 
 class SessionCapabilities:
-    """Client capabilities per (upstream, session id), from the relayed `initialize`.
+    """Per (upstream, session id): the principal that created the session and its client's
+    capabilities, from the relayed `initialize`.
 
-    In memory and bounded (least recently used dropped first): a session this replica never
-    saw (another replica, a restart, evicted) simply gets out-of-band approval.
+    In memory and bounded (`proxy.fronts.sessions.OwnedLRU`: in all, and per principal, so no
+    principal can push another's sessions out): a session this replica never saw (another
+    replica, a restart, pushed out) simply gets out-of-band approval, and its principal is not
+    known here.
     """
 
-    def __init__(self, max_sessions: int = 10000):
-        self._max = max_sessions
-        self._sessions: OrderedDict[tuple[str, str], SessionInfo] = OrderedDict()
+    def __init__(self, max_sessions: int = 10000, max_per_principal: int = 1000):
+        self._sessions: OwnedLRU[tuple[str, str], SessionInfo] = OwnedLRU(
+            max_sessions, min(max_per_principal, max_sessions))
 
     def remember(self, upstream: str, session: str, principal: str, capabilities: Any) -> None:
-        key = (upstream, session)
-        self._sessions[key] = SessionInfo(principal, capabilities if isinstance(capabilities, dict) else {})
-        self._sessions.move_to_end(key)
-        while len(self._sessions) > self._max:
-            self._sessions.popitem(last=False)
+        info = SessionInfo(principal, capabilities if isinstance(capabilities, dict) else {})
+        self._sessions.put((upstream, session), principal, info)
 
     def get(self, upstream: str, session: str) -> SessionInfo | None:
-        info = self._sessions.get((upstream, session))
-        if info is not None:
-            self._sessions.move_to_end((upstream, session))
-        return info
+        found = self._sessions.get((upstream, session))
+        return found[1] if found is not None else None
+
+    def foreign(self, upstream: str, session: str, principal: str) -> bool:
+        """Whether another principal created this session (False when it is unknown here)."""
+        owner = self._sessions.owner((upstream, session))
+        return owner is not None and owner != principal
 
     def forget(self, upstream: str, session: str) -> None:
-        self._sessions.pop((upstream, session), None)
+        self._sessions.pop((upstream, session))
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -9,6 +9,10 @@ goes back). By method:
   executor, their answer inspected (labels and guardrails of the resource, prompt, or the task's
   tool) and audited.
 - `tools/list`: the answer teaches the tool registry and is filtered per principal.
+- Sessions are bound to the principal that created them (learned from the relayed `initialize`
+  answer): a request, of any method, carrying a session id another principal created is answered
+  404 "Session not found"; a session this replica does not know (another replica, a restart) is
+  relayed, and the upstream decides.
 - Everything else (initialize, ping, lists, tasks/get, completion, notifications, the client's
   answers to server requests) is relayed; every JSON-RPC message the upstream sends back, as
   JSON or SSE, on POST and on the standalone GET stream (resumed or not), is inspected by the
@@ -140,12 +144,19 @@ class McpFront:
         principal = self.ctx.authenticate(request)
         if isinstance(principal, web.Response):
             return principal
+        session = request.headers.get("Mcp-Session-Id")
+        if session and self.sessions.foreign(target.name, session, principal.id):
+            # A session id is a bearer string, not identity: another principal's session answers
+            # as one that does not exist, whatever the method (POST, GET, DELETE).
+            self.metrics.rejected("foreign_session")
+            log.warning("refused a %s on upstream %s: the session was created by another principal",
+                        request.method, target.name)
+            return render.rpc_error(404, None, jsonrpc.INVALID_REQUEST, "Session not found")
         if request.method == "POST":
             return await self._post(request, target, principal)
         if request.method == "GET":
             return await self._get(request, target, principal)
         if request.method == "DELETE":
-            session = request.headers.get("Mcp-Session-Id")
             if session:
                 self.sessions.forget(target.name, session)
             return await self._relay(request, target, principal, None, None)

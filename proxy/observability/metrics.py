@@ -60,6 +60,7 @@ RejectReason = Literal[
     "invalid_header",
     "too_many_streams",
     "header_timeout",
+    "foreign_session",
 ]
 # The fixed label sets, from the types above (one source for mypy and the runtime check).
 STAGES: tuple[Stage, ...] = get_args(Stage)

@@ -315,6 +315,10 @@ class PrincipalPolicy(_Model):
     # Whether untrusted or secret content seen by a child run widens this principal's (parent)
     # run's ledger. false: children are trusted not to carry taint upwards. Absent: true.
     propagate_taint: bool = True
+    # Other principals whose runs may be child runs of this principal's runs (name one of them
+    # in X-Envelope-Parent-Run, and widen it with their taint). Runs are the principal's own: a
+    # parent run id is otherwise looked up among the calling principal's runs only. Absent: none.
+    delegates: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list)
     # Most calls of one run in flight at once (shared by all replicas through the store); a call
     # beyond it is refused rate_limited. Absent: defaults.max_concurrent_per_run.
     max_concurrent_per_run: int | None = Field(default=None, ge=1)

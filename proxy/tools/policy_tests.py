@@ -451,6 +451,7 @@ def _call(case: Case, revision: PolicyRevision) -> ToolCall:
                             dict(case.principal.claims)),
         run=RunContext(
             id=headers.get("x-envelope-run") or run.id or f"test:{case.name}",
+            principal=case.principal.id,
             parent=run.parent,
             depth=1 if run.parent else 0,
         ),
@@ -474,7 +475,7 @@ def _chain(revision: PolicyRevision, case: Case) -> pipeline.Chain:
     return pipeline.Chain(revision, registry, None, services)
 
 
-async def _seed_history(chain: pipeline.Chain, run_id: str, history: list[ResultLabel]) -> None:
+async def _seed_history(chain: pipeline.Chain, run_key: str, history: list[ResultLabel]) -> None:
     """Write the case's run history into the run's ledger, as the proxy would have after those
     results: untrusted and secret flags, so `run.tainted` / `run.secret`, the trifecta and a
     coarse-free ledger behave as on the wire (a history has labels, not texts: no fingerprints)."""
@@ -484,7 +485,7 @@ async def _seed_history(chain: pipeline.Chain, run_id: str, history: list[Result
         delta = ledger.LedgerDelta(item.tool, untrusted=item.output == "untrusted",
                                      secret=item.sensitivity == "secret")
         if store is not None and not delta.empty:
-            await ledger.record(store, run_id, delta, n=policy.min_match,
+            await ledger.record(store, run_key, delta, n=policy.min_match,
                                   cap=policy.ledger_cap, ttl=policy.ledger_ttl, window=policy.winnow)
 
 
@@ -505,7 +506,7 @@ async def _run_cases(revision: PolicyRevision, cases: list[LoadedCase],
         case = loaded.case
         call = _call(case, revision)
         chain = _chain(revision, case)
-        await _seed_history(chain, call.run.id, case.run.history)
+        await _seed_history(chain, call.run.key, case.run.history)
         decision = await chain.run(call)
         hits |= _exercised(revision, call, decision)
         results.append(CaseResult(loaded, decision.verdict.value, decision.code.value,

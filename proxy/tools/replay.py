@@ -297,7 +297,7 @@ def call_from_record(rec: Mapping[str, Any]) -> ToolCall:
         principal=Principal(id=p["id"], groups=tuple(p.get("groups") or ()),
                             claims=dict(p.get("claims") or {}), source=p.get("source", "static")),
         # `shadow` is set by the shadow check during the decision: the front starts without it.
-        run=RunContext(id=r["id"], parent=r.get("parent"), depth=int(r.get("depth") or 0),
+        run=RunContext(id=r["id"], principal=p["id"], parent=r.get("parent"), depth=int(r.get("depth") or 0),
                        tainted=bool(r.get("tainted")), secret=bool(r.get("secret")),
                        session=r.get("session")),
         request=RequestInfo(method=q.get("method", "tools/call"),
@@ -339,7 +339,7 @@ class Replayer:
         if run.get("shadow_sticky"):
             from proxy.envelope.checks.shadow import RUN_FLAG_TTL, RUN_NS, run_flag_key
 
-            await self.store.put(RUN_NS, run_flag_key(call.run.id), orjson.dumps({"shadow": True}),
+            await self.store.put(RUN_NS, run_flag_key(call.run.key), orjson.dumps({"shadow": True}),
                                  ttl=RUN_FLAG_TTL)
         decision = await self.chain.run(call)
         # Nothing is performed: let result hooks release what the checks claimed (idempotency).

@@ -75,7 +75,7 @@ def report(pp: ProxyProcess) -> list[dict[str, Any]]:
 
 
 def policy_misconfigured(pp: ProxyProcess) -> list[dict[str, Any]]:
-    return httpx.get(f"{pp.admin}/v1/policy", timeout=5).json()["misconfigured"]
+    return pp.admin_get("/v1/policy").json()["misconfigured"]
 
 
 def kinds(items: list[dict[str, Any]]) -> set[tuple[str, str, str]]:

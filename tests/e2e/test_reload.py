@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.harness import (
@@ -40,7 +39,7 @@ def revision_label(metrics: str) -> str:
 
 
 def policy_status(pp: ProxyProcess) -> dict[str, Any]:
-    return httpx.get(f"{pp.admin}/v1/policy", timeout=5).json()
+    return pp.admin_get("/v1/policy").json()
 
 
 def edit(path: Path, old: str, new: str) -> None:

@@ -218,12 +218,14 @@ def test_page_headers_and_token_required(pp: ProxyProcess) -> None:
     assert httpx.get(f"{pp.admin}/review/static/review.css", timeout=5).status_code == 200
     for bad in ("../app.py", "..%2Fapp.py", "nothing.js", ".hidden.js"):
         assert httpx.get(f"{pp.admin}/review/static/{bad}", timeout=5).status_code == 404, bad
-    # Argument-bearing endpoints need an approver token; policy status does not carry arguments.
-    for path in ("/v1/decisions", "/v1/decisions/nope", "/v1/shadow", "/v1/approvals"):
+    # Argument-bearing endpoints need an approver token, and so do those that describe upstreams.
+    for path in ("/v1/decisions", "/v1/decisions/nope", "/v1/shadow", "/v1/approvals",
+                 "/v1/policy", "/v1/upstreams"):
         assert httpx.get(f"{pp.admin}{path}", timeout=5).status_code == 401, path
         wrong = {"Authorization": "Bearer not-a-token"}
         assert httpx.get(f"{pp.admin}{path}", headers=wrong, timeout=5).status_code == 401, path
-    assert httpx.get(f"{pp.admin}/v1/policy", timeout=5).status_code == 200
+    assert httpx.get(f"{pp.admin}/v1/policy", headers=ALICE, timeout=5).status_code == 200
+    assert httpx.get(f"{pp.admin}/v1/misconfigurations", timeout=5).status_code == 200
     r = httpx.get(f"{pp.admin}/v1/decisions", headers=ALICE, params={"limit": 5}, timeout=5)
     assert r.status_code == 200 and isinstance(r.json()["decisions"], list)
     assert httpx.get(f"{pp.admin}/v1/decisions/nope", headers=ALICE, timeout=5).status_code == 404
@@ -314,7 +316,7 @@ async def test_refused_call_listed_with_its_detail(pp: ProxyProcess, browser: An
     assert json.loads(browser.find_element("id", "detail-args").text)["folder"] == "secret"
     # Policy status is shown too.
     async with httpx.AsyncClient(timeout=5) as http:
-        revision = (await http.get(f"{pp.admin}/v1/policy")).json()["revision"]
+        revision = (await http.get(f"{pp.admin}/v1/policy", headers=ALICE)).json()["revision"]
     assert wait_for(browser, '#policy-info dd[data-field="revision"]').text == revision
 
 

@@ -3,7 +3,8 @@ and the mail fixture upstream (`mail_server.py`: `fetch_page` returns a page car
 attacker's address, `send_email` is the sink), data flow in enforce mode.
 
 Runs form a tree with `X-Envelope-Run` / `X-Envelope-Parent-Run` / `X-Envelope-Agent`:
-A (root) -> B (child, agent `researcher`) -> C (grandchild, agent `browser`). C reads the
+A (root) -> B (child, agent `researcher`) -> C (grandchild, agent `browser`), each of another
+principal (each parent's principal lists the child's under `delegates`). C reads the
 page; the data-flow result hook widens every run in `call.run.taint_targets`, which the
 delegation check fills with C's ancestors (`delegation.taint_ancestors`), cut at a parent whose
 principal sets `propagate_taint: false`.
@@ -56,11 +57,14 @@ def _policy(directory: Path) -> Path:
                     "body": {"type": "string"}, "priority": {"enum": ["low", "normal", "high"]}}},
             },
         },
+        # Runs belong to their principal: a parent run of another principal is found only
+        # when that principal lists the child's principal under `delegates`.
         "principals": {
-            ORCH: {"roster": ["researcher"]},
-            ORCH_TRUSTING: {"roster": ["researcher"], "propagate_taint": False},
-            MID: {"roster": ["browser"]},
-            MID_TRUSTING: {"roster": ["browser"], "propagate_taint": False},
+            ORCH: {"roster": ["researcher"], "delegates": [MID, MID_TRUSTING]},
+            ORCH_TRUSTING: {"roster": ["researcher"], "propagate_taint": False,
+                            "delegates": [MID, MID_TRUSTING]},
+            MID: {"roster": ["browser"], "delegates": [LEAF]},
+            MID_TRUSTING: {"roster": ["browser"], "propagate_taint": False, "delegates": [LEAF]},
             LEAF: {},
         },
         "dataflow": {"mode": "enforce", "declassify": {"mail.send_email": ["body"]},

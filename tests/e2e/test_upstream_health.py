@@ -78,7 +78,7 @@ def test_probe_marks_down_and_back_up(tmp_path: Path, sse_upstream: Any) -> None
         text = pp.metrics()
         assert metric_value(text, "envelope_upstream_up", upstream="a") == 0
         assert metric_value(text, "envelope_upstream_up", upstream="b") == 1
-        detail = httpx.get(f"{pp.admin}/v1/upstreams", timeout=5).json()["upstreams"]
+        detail = pp.admin_get("/v1/upstreams").json()["upstreams"]
         assert detail["a"]["consecutive_failures"] >= 1 and detail["a"]["url"] == urls["a"]
         assert detail["a"]["last_success_at"] is None and detail["b"]["last_success_at"] is not None
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy.app.runtime import Runtime
 from proxy.config import Config
 from proxy.envelope.dataflow.ledger import run_flags
+from proxy.envelope.types import run_key
 from proxy.store.memory import MemoryStore
 
 SECRET = "AKIAIOSFODNN7EXAMPLE"
@@ -172,8 +173,9 @@ class Stack:
         status, messages = await self.post(route, "tools/call", {"name": tool, "arguments": arguments or {}}, **kw)
         return status, messages[-1]
 
-    async def tainted(self, run: str) -> bool:
-        return (await run_flags(self.store, run))[0]
+    async def tainted(self, run: str, principal: str = "agent") -> bool:
+        """Whether `principal`'s run `run` is tainted (its ledger: the run's principal-scoped key)."""
+        return (await run_flags(self.store, run_key(principal, run)))[0]
 
 
 @pytest.fixture

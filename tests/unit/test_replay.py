@@ -51,7 +51,7 @@ def _call(tool: str, args: dict[str, Any], principal: str = "writer", groups: tu
     return ToolCall(
         decision_id=f"d-{tool}-{len(args)}", upstream="notes", tool=tool, arguments=args,
         principal=Principal(principal, groups, claims, "jwt"),
-        run=RunContext(id="run-1", parent="parent-0", depth=1, session="s-1"),
+        run=RunContext(id="run-1", principal=principal, parent="parent-0", depth=1, session="s-1"),
         request=RequestInfo("tools/call", "2026-07-28", {"x-tenant": "acme"}),
         upstream_tool=ToolInfo(tool, {"type": "object"}, {"readOnlyHint": True}),
     )
@@ -172,6 +172,17 @@ def test_gated_calls_are_decided_statically_as_needing_approval(revision: Any) -
     # Recorded without the gate (allowed, no approval): now it needs approval.
     change = compare(_rec(3, "delete_note", {"title": "t"}, OK), decision)
     assert change is not None and change.kind == "newly_refused"
+
+
+def test_a_sticky_shadow_run_is_replayed_as_shadow(revision: Any) -> None:
+    # The run was shadow from an earlier call: replay seeds the flag where the shadow check reads
+    # it (the run of the record's principal), so the writer is shadowed again.
+    rec = _rec(1, "write_note", {"title": "t", "folder": "inbox"},
+               {"verdict": "allow", "code": "shadowed", "check": "shadow", "rule": "run"})
+    rec["run"]["shadow_sticky"] = True
+    decision = asyncio.run(asyncio.wait_for(Replayer(revision).decide(rec), 5))
+    assert (decision.code, decision.check) == (Code.SHADOWED, "shadow")
+    assert compare(rec, decision) is None
 
 
 def test_stateful_outcomes_are_folded() -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+from proxy.approvals.approvers import Approvers
+from proxy.config import ApprovalsConfig, ApproverConfig
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.observability.metrics import Metrics
 from proxy.upstream.health import PROBE_SESSION, HealthProber, ProbeTarget, UpstreamHealth
@@ -155,6 +158,8 @@ async def test_prober_loop_runs_and_stops() -> None:
 class StatusWithUpstreams:
     def __init__(self, health: UpstreamHealth) -> None:
         self.health = health
+        self.approvers = Approvers(ApprovalsConfig(approvers={
+            "op": ApproverConfig(token_sha256=hashlib.sha256(b"op-token").hexdigest())}))
 
     def readiness(self) -> list[str]:
         return []
@@ -184,6 +189,7 @@ async def test_admin_shows_upstreams_without_affecting_readiness() -> None:
         assert await resp.json() == {"ready": True, "upstreams": {
             "a": {"state": "up", "last_error": None},
             "b": {"state": "down", "last_error": "cannot connect to upstream: refused"}}}
-        resp = await c.get("/v1/upstreams")
+        assert (await c.get("/v1/upstreams")).status == 401  # upstream details need a token
+        resp = await c.get("/v1/upstreams", headers={"Authorization": "Bearer op-token"})
         body = await resp.json()
         assert body["upstreams"]["b"]["consecutive_failures"] == 1

@@ -125,7 +125,7 @@ class DataflowCheck:
                 # say beforehand that an output is on its way. Recording the output clears the
                 # marker; a marker left past its deadline makes the run coarse (fail closed).
                 deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
-                await mark_pending(store, call.run.id, call.decision_id, deadline, ttl=self._ttl,
+                await mark_pending(store, call.run.key, call.decision_id, deadline, ttl=self._ttl,
                                    recent=self._recent)
                 call.ledger_pending = call.decision_id
             return decision
@@ -174,7 +174,7 @@ class DataflowCheck:
         # Large arguments are hashed in a worker thread: the event loop keeps serving.
         probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
                                  window=self._window, max_chars=self._max_argument)
-        ledger = await load(store, call.run.id, self._n,
+        ledger = await load(store, call.run.key, self._n,
                             (f for _, probe in probes for f in probe.fields()), self._window)
         if ledger is None:
             return None

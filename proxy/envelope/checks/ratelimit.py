@@ -2,7 +2,9 @@
 on the calls of one run in flight at once; all shared by every replica through the store.
 
 Limits, each absent unless the policy sets it (a principal with none, calling a tool with none,
-is not looked at: `applies` is false and the store is never touched):
+is not looked at: `applies` is false and the store is never touched). Every key of run state is
+the principal-scoped run key (`RunContext.key`), so one principal cannot spend another's run
+budget or slots by naming its run id:
 
 - **rate** (`principals.<id>.rate`, else `defaults.rate`): one token bucket per principal for
   all its calls. `rate: 100/min` refills 100 tokens a minute; `burst` (absent: the count) is
@@ -14,7 +16,7 @@ is not looked at: `applies` is false and the store is never touched):
   ledger); refused calls write nothing, so they do not extend it: a run that keeps looping
   past its budget gets a new one after that long (24 h by default).
 - **concurrency** (`max_concurrent_per_run`, principal else defaults): a call takes one of the
-  run's numbered slots in the store (namespace `run`, keys `<run id>/slot/<n>`, n < bound) with
+  run's numbered slots in the store (namespace `run`, keys `<run key>/slot/<n>`, n < bound) with
   an atomic `add`, released when the call's decision is final (a result hook, before its audit
   record); a slot of a replica that died mid-call expires after a lease (the upstream timeout
   plus the longest approval wait plus a margin).
@@ -51,8 +53,9 @@ LEASE_MARGIN = 60.0
 BUCKET_TTL_MARGIN = 1.0
 
 
-def slot_key(run_id: str, n: int) -> str:
-    return f"{run_id}/slot/{n}"
+def slot_key(run_key: str, n: int) -> str:
+    """The store key of a run's slot `n` (`run_key`: `RunContext.key`)."""
+    return f"{run_key}/slot/{n}"
 
 
 def principal_key(principal: str) -> str:
@@ -64,8 +67,9 @@ def tool_key(tool: str, principal: str) -> str:
     return f"tool/{tool}/{principal}"
 
 
-def budget_key(run_id: str) -> str:
-    return f"calls/{run_id}"
+def budget_key(run_key: str) -> str:
+    """The store key of a run's call budget (`run_key`: `RunContext.key`)."""
+    return f"calls/{run_key}"
 
 
 def retry_after(wait: float) -> float:
@@ -175,7 +179,7 @@ class RateLimitCheck:
         token = call.decision_id.encode()
         lease = self._lease.get(call.upstream, self._default_lease)
         for n in range(bound):
-            key = slot_key(call.run.id, n)
+            key = slot_key(call.run.key, n)
             if await store.add(RUN_NS, key, token, ttl=lease):
                 call.on_result.append(_releaser(store, key, token))
                 call.audit_extra["run_slot"] = n
@@ -202,7 +206,7 @@ class RateLimitCheck:
                             f"{tool_rate.text} per principal", tool_rate.rule))
         if limits.budget is not None:
             calls, rule = limits.budget
-            limited.append((Bucket(budget_key(call.run.id), float(calls), 0.0, self._run_ttl),
+            limited.append((Bucket(budget_key(call.run.key), float(calls), 0.0, self._run_ttl),
                             f"run {call.run.id!r} has made the {calls} call{'s' if calls != 1 else ''} "
                             "its budget allows", rule))
         if not limited:

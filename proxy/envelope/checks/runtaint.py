@@ -44,7 +44,7 @@ class RunTaintCheck:
                             f"{self._rule} reads run.tainted / run.secret but no state store keeps "
                             "the run ledgers; the call was refused", self._rule)
         try:
-            tainted, secret = await run_flags(self._store, call.run.id)
+            tainted, secret = await run_flags(self._store, call.run.key)
         except (StoreError, TimeoutError) as exc:
             return Decision(Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id,
                             f"cannot read whether run {call.run.id!r} is tainted: the state store "

@@ -1,8 +1,9 @@
 """Shadow check: in a shadow run, writer calls are recorded, not performed.
 
 A run is shadow when the client sends `X-Envelope-Shadow: 1` (sticky: the run's flag is kept in
-the store, namespace `run`, key `<run id>/shadow`; later calls of the run without the header
-stay shadow, and nothing switches it off), or when the policy sets `mode: shadow` for the
+the store, namespace `run`, key `<run key>/shadow` (`RunContext.key`: the run of this principal;
+another principal naming the same run id has a flag of its own); later calls of the run without
+the header stay shadow, and nothing switches it off), or when the policy sets `mode: shadow` for the
 principal or the tool. In a shadow run a call whose effect is not `read` is written to the
 store namespace `shadow` (full arguments, upstream, tool, principal, run, decision id, time,
 whether it would have needed approval) and the client receives a synthetic result (the tool's
@@ -43,8 +44,9 @@ DEFAULT_RESULT = "Shadow run: this call was recorded, not performed."
 SCAN_LIMIT = 100_000
 
 
-def run_flag_key(run_id: str) -> str:
-    return f"{run_id}/shadow"
+def run_flag_key(run_key: str) -> str:
+    """The store key of a run's sticky shadow flag (`run_key`: `RunContext.key`)."""
+    return f"{run_key}/shadow"
 
 
 class ShadowCheck:
@@ -106,7 +108,7 @@ class ShadowCheck:
             return Decision(Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id, reason, rule)
 
     async def _decide(self, store: Store, call: ToolCall, rule: str | None) -> Decision | None:
-        flag_key = run_flag_key(call.run.id)
+        flag_key = run_flag_key(call.run.key)
         flag = orjson.dumps({"shadow": True, "since": utc_timestamp(), "decision_id": call.decision_id})
         if call.shadow_requested:
             await store.put(RUN_NS, flag_key, flag, ttl=RUN_FLAG_TTL)

@@ -218,26 +218,28 @@ class Ledger:
                     self.fingerprints[key] = sid
 
 
-# Store layout, per run: the hash `ledger`/<run> holds the flags (`u`, `s`, `o`), one `n:<N>`
-# per min_match used, `src:<id>` -> "<label>|<source>" and the pending markers `p:<decision>`
-# -> deadline; the hash `ledger_fp`/<run> holds fingerprint -> source id. Both expire
+# Store layout, per run (keyed by `RunContext.key`: principal-scoped, so another principal
+# naming the same run id has a ledger of its own): the hash `ledger`/<run key> holds the flags
+# (`u`, `s`, `o`), one `n:<N>` per min_match used, `src:<id>` -> "<label>|<source>" and the
+# pending markers `p:<decision>` -> deadline; the hash `ledger_fp`/<run key> holds fingerprint
+# -> source id. Both expire
 # `ledger_ttl` after the run's last recorded output. Flags only ever get set, fingerprints only
 # ever get added: concurrent writers never conflict, so no compare-and-set is needed.
 META_NS = NS
 FP_NS = "ledger_fp"
 
 
-async def load(store: Store, run_id: str, n: int, probes: Iterable[bytes] = (),
+async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
                window: int = DEFAULT_WINNOW) -> Ledger | None:
     """The run's flags and the fingerprints among `probes` it holds, or None when the run has
     no ledger. Two store round trips at most; cost follows the probes, not the ledger."""
-    meta = await store.hash_all(META_NS, run_id)
+    meta = await store.hash_all(META_NS, run_key)
     if not meta:
         return None
     ledger = Ledger.from_meta(n, meta, window)
     wanted = list(dict.fromkeys(probes))
     if wanted and (ledger.untrusted or ledger.secret):
-        values = await store.hash_get(FP_NS, run_id, wanted)
+        values = await store.hash_get(FP_NS, run_key, wanted)
         ledger.fingerprints = {k: v for k, v in zip(wanted, values, strict=True) if v is not None}
     return ledger
 
@@ -262,33 +264,33 @@ class RecentWrites:
             runs = self._stores[store] = OrderedDict()
         return runs
 
-    def _entry(self, store: Store, run_id: str, ttl: float) -> set[bytes] | None:
-        entry = self._runs(store).get(run_id)
+    def _entry(self, store: Store, run_key: str, ttl: float) -> set[bytes] | None:
+        entry = self._runs(store).get(run_key)
         if entry is None or time.monotonic() - entry[0] > min(self.window, ttl / 10):
             return None
         return entry[1]
 
-    def fresh(self, store: Store, run_id: str, ttl: float) -> bool:
-        return self._entry(store, run_id, ttl) is not None
+    def fresh(self, store: Store, run_key: str, ttl: float) -> bool:
+        return self._entry(store, run_key, ttl) is not None
 
-    def covers(self, store: Store, run_id: str, digests: Iterable[bytes], ttl: float) -> bool:
-        seen = self._entry(store, run_id, ttl)
+    def covers(self, store: Store, run_key: str, digests: Iterable[bytes], ttl: float) -> bool:
+        seen = self._entry(store, run_key, ttl)
         return seen is not None and all(d in seen for d in digests)
 
-    def refreshed(self, store: Store, run_id: str, digests: Iterable[bytes], ttl: float) -> None:
+    def refreshed(self, store: Store, run_key: str, digests: Iterable[bytes], ttl: float) -> None:
         """Both hashes of the run were just written with expiry `ttl`, holding `digests`."""
-        seen = self._entry(store, run_id, ttl)
+        seen = self._entry(store, run_key, ttl)
         if seen is None:
             seen = set()
         seen.update(digests)
         runs = self._runs(store)
-        runs[run_id] = (time.monotonic(), seen)
-        runs.move_to_end(run_id)
+        runs[run_key] = (time.monotonic(), seen)
+        runs.move_to_end(run_key)
         while len(runs) > self.size:
             runs.popitem(last=False)
 
-    def forget(self, store: Store, run_id: str) -> None:
-        self._runs(store).pop(run_id, None)
+    def forget(self, store: Store, run_key: str) -> None:
+        self._runs(store).pop(run_key, None)
 
 
 def _digest(kind: bytes, fields: Mapping[bytes, bytes]) -> bytes:
@@ -299,30 +301,30 @@ def _digest(kind: bytes, fields: Mapping[bytes, bytes]) -> bytes:
     return h.digest()
 
 
-async def run_flags(store: Store, run_id: str) -> tuple[bool, bool]:
+async def run_flags(store: Store, run_key: str) -> tuple[bool, bool]:
     """(tainted, secret) of a run: whether it has read untrusted content (or an output may have
     reached it unrecorded) and whether it has read secret content. One store read. Raises
     StoreError when the store cannot answer."""
-    meta = await store.hash_all(META_NS, run_id)
+    meta = await store.hash_all(META_NS, run_key)
     return (b"u" in meta or b"l" in meta), b"s" in meta
 
 
-async def mark_pending(store: Store, run_id: str, decision_id: str, deadline: float, *,
+async def mark_pending(store: Store, run_key: str, decision_id: str, deadline: float, *,
                        ttl: float, recent: RecentWrites | None = None) -> None:
     """Say that an output of the run is on its way (cleared by `record`). Both hashes get the
     same expiry, unless this process refreshed them moments ago (`recent`: then the expiry
     stays)."""
     marker = {b"p:" + decision_id.encode(): repr(deadline).encode()}
-    if recent is not None and recent.fresh(store, run_id, ttl):
-        await store.hash_put(META_NS, run_id, marker)
+    if recent is not None and recent.fresh(store, run_key, ttl):
+        await store.hash_put(META_NS, run_key, marker)
         return
-    await store.hash_put(META_NS, run_id, marker, ttl=ttl)
-    await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
+    await store.hash_put(META_NS, run_key, marker, ttl=ttl)
+    await store.hash_put(FP_NS, run_key, {}, ttl=ttl)
     if recent is not None:
-        recent.forget(store, run_id)
+        recent.forget(store, run_key)
 
 
-async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
+async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
                  done: str | None = None, window: int = DEFAULT_WINNOW,
                  recent: RecentWrites | None = None) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
@@ -336,23 +338,23 @@ async def record(store: Store, run_id: str, delta: LedgerDelta, *, n: int, cap: 
     digests = [_digest(label.encode(), fields) for label, _, fields in parts]
     if meta or parts:
         digests.append(_digest(b"meta", meta))
-        if recent is None or not recent.covers(store, run_id, digests, ttl):
+        if recent is None or not recent.covers(store, run_key, digests, ttl):
             if recent is not None:
-                recent.forget(store, run_id)
+                recent.forget(store, run_key)
             for _, replace, fields in parts:
-                put = await store.hash_put(FP_NS, run_id, fields, ttl=ttl, replace=replace, cap=cap)
+                put = await store.hash_put(FP_NS, run_key, fields, ttl=ttl, replace=replace, cap=cap)
                 if put.refused:
                     meta[b"o"] = b"1"
             if not parts:
-                await store.hash_put(FP_NS, run_id, {}, ttl=ttl)
-            await store.hash_put(META_NS, run_id, meta, ttl=ttl)
+                await store.hash_put(FP_NS, run_key, {}, ttl=ttl)
+            await store.hash_put(META_NS, run_key, meta, ttl=ttl)
             if recent is not None and b"o" not in meta:  # an overflow is written again next time
-                recent.refreshed(store, run_id, digests, ttl)
+                recent.refreshed(store, run_key, digests, ttl)
     if done is not None:
-        await store.hash_delete(META_NS, run_id, [b"p:" + done.encode()])
+        await store.hash_delete(META_NS, run_key, [b"p:" + done.encode()])
 
 
-async def widen_parent(store: Store, parent_run_id: str, delta: LedgerDelta, *,
+async def widen_parent(store: Store, parent_key: str, delta: LedgerDelta, *,
                        n: int, cap: int = 65536, ttl: float = 24 * 3600.0,
                        window: int = DEFAULT_WINNOW, recent: RecentWrites | None = None) -> None:
     """Widen (never narrow) a parent run's ledger with a child's delta.
@@ -360,5 +362,5 @@ async def widen_parent(store: Store, parent_run_id: str, delta: LedgerDelta, *,
     For run lineage: call it for each ancestor that should inherit a child's taint. Raises
     StoreError when the store cannot answer (the caller fails closed).
     """
-    await record(store, parent_run_id, delta, n=n, cap=cap, ttl=ttl, window=window, recent=recent)
+    await record(store, parent_key, delta, n=n, cap=cap, ttl=ttl, window=window, recent=recent)
 

@@ -1,7 +1,9 @@
-"""Admin API: health, readiness (fail closed), metrics exposition, policy status."""
+"""Admin API: health, readiness (fail closed), metrics exposition, policy status (approver
+token), the Host check of the whole listener."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,7 +11,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.admin.app import build_admin_app
+from proxy.admin.protect import admin_hosts
+from proxy.approvals.approvers import Approvers
+from proxy.config import ApprovalsConfig, ApproverConfig
 from proxy.observability.metrics import Metrics
+
+TOKEN = "operator-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class FakeStatus:
@@ -17,6 +25,8 @@ class FakeStatus:
         self.reasons: list[str] = []
         self.policy: dict[str, Any] = {"revision": "rev-a", "misconfigured": []}
         self.fail = False
+        self.approvers = Approvers(ApprovalsConfig(approvers={
+            "op": ApproverConfig(token_sha256=hashlib.sha256(TOKEN.encode()).hexdigest())}))
 
     def readiness(self) -> list[str]:
         if self.fail:
@@ -85,13 +95,44 @@ async def test_metrics(client: TestClient[Any, Any], metrics: Metrics) -> None:
 
 
 async def test_policy_status(client: TestClient[Any, Any], status: FakeStatus) -> None:
-    resp = await client.get("/v1/policy")
+    resp = await client.get("/v1/policy", headers=AUTH)
     assert resp.status == 200 and await resp.json() == status.policy
     status.fail = True
-    resp = await client.get("/v1/policy")
+    resp = await client.get("/v1/policy", headers=AUTH)
     assert resp.status == 500 and "no policy" in (await resp.json())["error"]
 
 
 async def test_unknown_route_and_method(client: TestClient[Any, Any]) -> None:
     assert (await client.get("/nope")).status == 404
     assert (await client.post("/healthz")).status == 405
+
+
+async def test_policy_status_needs_an_approver_token(client: TestClient[Any, Any]) -> None:
+    resp = await client.get("/v1/policy")
+    assert resp.status == 401 and "approver token" in (await resp.json())["error"]
+    resp = await client.get("/v1/policy", headers={"Authorization": "Bearer wrong"})
+    assert resp.status == 401
+    # Health, readiness and metrics stay open (probes and scrapers carry no token).
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert (await client.get(path)).status == 200, path
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:9090", "127.0.0.1.nip.io"])
+async def test_a_foreign_host_is_misdirected(client: TestClient[Any, Any], host: str) -> None:
+    # A DNS-rebinding page reaches the listener under its own name: refused before any route,
+    # open ones included.
+    for path in ("/healthz", "/v1/policy", "/review"):
+        resp = await client.get(path, headers={"Host": host, **AUTH})
+        assert resp.status == 421, (host, path)
+        assert "not allowed" in (await resp.json())["error"]
+
+
+async def test_loopback_listen_and_configured_hosts_are_served(status: FakeStatus,
+                                                               metrics: Metrics) -> None:
+    allowed = admin_hosts("10.0.0.5", ["Admin.Internal"])
+    async with TestClient(TestServer(build_admin_app(status, metrics, allowed))) as c:
+        # IP literals cannot be rebound: a kubelet probe or a scraper addressing the pod by IP.
+        for host in ("localhost:9090", "127.0.0.1", "[::1]:9090", "10.0.0.5:9090",
+                     "admin.internal", "ADMIN.INTERNAL:9090", "10.244.1.7:9090", "[fd00::7]:9090"):
+            assert (await c.get("/healthz", headers={"Host": host})).status == 200, host
+        assert (await c.get("/healthz", headers={"Host": "other.internal"})).status == 421

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, ToolInfo
+from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, ToolInfo, run_key
 from proxy.policy.cel import Engine, available_engines, get_engine
 from proxy.policy.compiled import CompiledPrincipal, CompiledRule, CompiledTool, PolicyRevision
 from proxy.policy.model import PolicyDocument
@@ -69,6 +69,8 @@ def build_revision(doc: dict[str, Any], engine: str = "cel-cpp") -> PolicyRevisi
 
 
 UPSTREAMS = {"demo": {"url": "http://127.0.0.1:9/mcp"}}
+# Where the state of `make_call`'s default run lives (principal "agent", run "run-1").
+RUN_KEY = run_key("agent", "run-1")
 
 
 def make_call(
@@ -85,7 +87,7 @@ def make_call(
         tool=tool,
         arguments=args if args is not None else {},
         principal=principal if isinstance(principal, Principal) else Principal(principal),
-        run=RunContext("run-1"),
+        run=RunContext("run-1", principal.id if isinstance(principal, Principal) else principal),
         request=RequestInfo("tools/call"),
         upstream_tool=info,
     )

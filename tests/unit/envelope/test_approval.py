@@ -65,7 +65,7 @@ class World:
     def call(self, tool: str = "delete", args: dict[str, Any] | None = None, *,
              principal: str = "agent", run: str = "run-1") -> ToolCall:
         c = make_call(tool, {"title": "x"} if args is None else args, principal=principal)
-        c.run = RunContext(run)
+        c.run = RunContext(run, principal)
         c.effect = {"read": Effect.READ, "send": Effect.EXTERNAL}.get(tool, Effect.DESTRUCTIVE)
         return c
 

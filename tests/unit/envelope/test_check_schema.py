@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import pytest
-from envelope_helpers import UPSTREAMS, build_revision, make_call
+from envelope_helpers import RUN_KEY, UPSTREAMS, build_revision, make_call
 
 from proxy.config import Config
 from proxy.envelope.checks.schema import SchemaCheck, pointer
@@ -165,7 +165,7 @@ async def test_untrusted_text_in_a_date_time_argument_is_refused_on_the_chain(wh
         registry.learn("web", [{"name": "send", "inputSchema": WHEN_SCHEMA}])
     store = MemoryStore()
     page = LedgerDelta.of("web.fetch", [Piece(ATTACK + " now", Label(True, False), "t")], 32)
-    await widen_parent(store, "run-1", page, n=32)
+    await widen_parent(store, RUN_KEY, page, n=32)
     chain = Chain(revision, registry, None, Services(store=store, settings=Config(), hold_calls=False))
 
     d = await chain.run(make_call("send", {"when": ATTACK}, upstream="web"))

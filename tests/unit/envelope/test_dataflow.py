@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from envelope_helpers import build_revision, make_call
+from envelope_helpers import RUN_KEY, build_revision, make_call
 
 from proxy.audit.log import AuditLog
 from proxy.envelope.checks.dataflow import DataflowCheck
@@ -204,7 +204,7 @@ async def test_check_refuses_in_enforce_and_flags_in_shadow() -> None:
     for mode, refused in (("enforce", True), ("shadow", False)):
         store = MemoryStore()
         check = DataflowCheck(_revision(mode), None, Services(store=store))  # type: ignore[arg-type]
-        await widen_parent(store, "run-1", _delta(PAGE), n=32)
+        await widen_parent(store, RUN_KEY, _delta(PAGE), n=32)
         call = make_call("send", {"to": "x@corp.example", "body": "pay 44129981220713"}, upstream="web")
         call.effect = Effect.EXTERNAL
         decision = await check.decide(call)
@@ -257,7 +257,7 @@ async def test_an_output_recorded_moments_ago_is_not_written_again() -> None:
 
 def _read(session: str | None = None) -> Any:
     call = make_call("fetch", {"url": "https://news.example"}, upstream="web")
-    call.run = RunContext("run-1", session=session)
+    call.run = RunContext("run-1", call.principal.id, session=session)
     return call
 
 
@@ -283,7 +283,7 @@ async def test_a_stateless_read_costs_no_store_write_before_it_is_forwarded(tmp_
         assert set(store._hashes) == before
         outcome = await envelope.complete(pending, Reply(dict(PAGE_REPLY)))
         assert outcome.kind == "deliver"
-        ledger = await load(store, "run-1", 32)
+        ledger = await load(store, RUN_KEY, 32)
         assert ledger is not None and ledger.untrusted and not ledger.pending
 
 
@@ -296,7 +296,7 @@ async def test_a_detached_call_keeps_its_marker_until_its_result_is_recorded(tmp
     call = _read("s-1")
     pending = await envelope.begin(call)
     await envelope.complete(pending, Failure("detached", "the client disconnected; resumable"))
-    ledger = await load(store, "run-1", 32)
+    ledger = await load(store, RUN_KEY, 32)
     assert ledger is not None and not ledger.lost and list(ledger.pending) == [call.decision_id]
     assert ledger.coarse(time.time(), 32) is None
     assert "not fingerprinted" in (ledger.coarse(time.time() + 3600, 32) or "")
@@ -305,7 +305,7 @@ async def test_a_detached_call_keeps_its_marker_until_its_result_is_recorded(tmp
     delivery.run, delivery.ledger_pending = call.run, call.ledger_pending
     outcome = await envelope.complete(envelope.begin_read(delivery), Reply(dict(PAGE_REPLY)))
     assert outcome.kind == "deliver"
-    ledger = await load(store, "run-1", 32)
+    ledger = await load(store, RUN_KEY, 32)
     assert ledger is not None and ledger.untrusted and not ledger.pending
     send = make_call("send", {"to": "boss@corp.example", "body": PAGE}, upstream="web")
     send.effect = Effect.EXTERNAL

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from envelope_helpers import build_revision, make_call
+from envelope_helpers import RUN_KEY, build_revision, make_call
 from pydantic import ValidationError
 
 from proxy.envelope.checks.dataflow import DataflowCheck
@@ -155,7 +155,7 @@ async def test_a_sink_argument_past_its_cap_counts_as_matching() -> None:
     secret content, or nothing, sends it."""
     store = MemoryStore()
     check = DataflowCheck(_revision(max_argument_chars=4096), None, Services(store=store))  # type: ignore[arg-type]
-    await widen_parent(store, "run-1", LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+    await widen_parent(store, RUN_KEY, LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
     refused = await check.decide(_send("quarterly numbers attached. " * 200))
     assert refused is not None and refused.code is Code.DATAFLOW_POLICY_BLOCKED
     assert refused.rule == "dataflow.coarse"
@@ -168,7 +168,7 @@ async def test_a_sink_argument_past_its_cap_counts_as_matching() -> None:
 
     secret_only = MemoryStore()
     check = DataflowCheck(_revision(max_argument_chars=4096), None, Services(store=secret_only))  # type: ignore[arg-type]
-    await widen_parent(secret_only, "run-1", LedgerDelta.of(
+    await widen_parent(secret_only, RUN_KEY, LedgerDelta.of(
         "vault.read", [Piece("s3cr3t", Label(False, True), "t")], 32), n=32)
     assert await check.decide(_send("quarterly numbers attached. " * 200)) is None
 
@@ -176,7 +176,7 @@ async def test_a_sink_argument_past_its_cap_counts_as_matching() -> None:
 async def test_an_oversized_argument_is_flagged_coarse_in_shadow() -> None:
     store = MemoryStore()
     check = DataflowCheck(_revision("shadow"), None, Services(store=store))  # type: ignore[arg-type]
-    await widen_parent(store, "run-1", LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+    await widen_parent(store, RUN_KEY, LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
     call = _send("a" * 70_000)
     assert await check.decide(call) is None
     flow = call.audit_extra["dataflow"]
@@ -251,7 +251,7 @@ async def test_large_arguments_are_hashed_off_the_loop_and_small_ones_inline(
 async def test_a_60_kb_sink_argument_is_decided_while_the_loop_keeps_running() -> None:
     store = MemoryStore()
     check = DataflowCheck(_revision("shadow"), None, Services(store=store))  # type: ignore[arg-type]
-    await widen_parent(store, "run-1", LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+    await widen_parent(store, RUN_KEY, LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
     call = _send("a" * 60_000 + " " + PAGE)
     decision, ticks = await _ticks_while(lambda: check.decide(call))
     assert decision is None and call.audit_extra["dataflow"]["flagged"]  # the copied page

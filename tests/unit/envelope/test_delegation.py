@@ -13,7 +13,7 @@ from proxy.envelope.checks import delegation
 from proxy.envelope.checks.delegation import DelegationCheck, lineage_key, taint_ancestors
 from proxy.envelope.checks.ratelimit import RateLimitCheck, slot_key
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, Decision, RunContext, Services, ToolCall, Verdict
+from proxy.envelope.types import Code, Decision, RunContext, Services, ToolCall, Verdict, run_key
 from proxy.errors import StoreError
 from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
@@ -33,7 +33,7 @@ def _doc(**principals: Any) -> dict[str, Any]:
 def _call(run: str, parent: str | None = None, agent: str | None = None, principal: str = "agent",
           tool: str = "echo") -> ToolCall:
     call = make_call(tool, principal=principal)
-    call.run = RunContext(run, parent=parent, agent=agent)
+    call.run = RunContext(run, principal, parent=parent, agent=agent)
     call.effect = Effect.READ if tool == "echo" else Effect.WRITE
     return call
 
@@ -57,7 +57,7 @@ async def test_session_child_grandchild_pass_great_grandchild_refused() -> None:
     assert d is not None and (d.verdict, d.code, d.check, d.rule) == (
         Verdict.DENY, Code.DEPTH_EXCEEDED, "delegation", "defaults.max_depth")
     assert "depth 3" in d.reason and "bound is 2" in d.reason
-    rec = orjson.loads(await store.get("run", lineage_key("gg")))  # type: ignore[arg-type]
+    rec = orjson.loads(await store.get("run", lineage_key(run_key("agent", "gg"))))  # type: ignore[arg-type]
     assert (rec["parent"], rec["depth"], rec["principal"]) == ("g", 3, "agent")
 
 
@@ -84,7 +84,7 @@ async def test_unknown_parent_is_recorded_as_a_root() -> None:
     check = _check(store)
     child = _call("c", parent="never-seen")
     assert await check.decide(child) is None and child.run.depth == 1
-    rec = orjson.loads(await store.get("run", lineage_key("never-seen")))  # type: ignore[arg-type]
+    rec = orjson.loads(await store.get("run", lineage_key(run_key("agent", "never-seen"))))  # type: ignore[arg-type]
     assert (rec["parent"], rec["depth"], rec["implied"]) == (None, 0, True)
 
 
@@ -110,7 +110,7 @@ async def test_roster() -> None:
 
 
 async def test_roster_is_the_parent_holders() -> None:
-    check = _check(MemoryStore(), boss={"roster": ["helper"]}, agent={})
+    check = _check(MemoryStore(), boss={"roster": ["helper"], "delegates": ["agent"]}, agent={})
     assert await check.decide(_call("s", principal="boss")) is None
     assert await check.decide(_call("c", parent="s", agent="helper", principal="agent")) is None
     d = await check.decide(_call("c2", parent="s", agent="rogue", principal="agent"))
@@ -139,21 +139,26 @@ async def test_fail_closed() -> None:
 
 async def test_taint_ancestors_stop_at_propagate_taint_false() -> None:
     store = MemoryStore()
-    rev_doc = _doc(boss={}, mid={"propagate_taint": False}, agent={})
+    boss, mid = {"delegates": ["mid"]}, {"delegates": ["agent"]}
+    rev_doc = _doc(boss=boss, mid={**mid, "propagate_taint": False}, agent={})
     check = DelegationCheck(build_revision(rev_doc), ToolRegistry(), Services(store=store))
     await check.decide(_call("s", principal="boss"))
     await check.decide(_call("c", parent="s", principal="mid"))
     await check.decide(_call("g", parent="c", principal="agent"))
+    s, c, g = run_key("boss", "s"), run_key("mid", "c"), run_key("agent", "g")
     revision = build_revision(rev_doc)
     # c's principal (mid) trusts its children: g's taint does not widen c (nor above it).
-    assert await taint_ancestors(store, revision, "g") == []
-    assert await taint_ancestors(store, revision, "c") == ["s"]
-    assert await taint_ancestors(store, revision, "s") == []
+    assert await taint_ancestors(store, revision, g) == []
+    assert await taint_ancestors(store, revision, c) == [s]
+    assert await taint_ancestors(store, revision, s) == []
     # boss trusts its children: g widens c, and stops below s.
-    rev_boss = build_revision(_doc(boss={"propagate_taint": False}, mid={}, agent={}))
-    assert await taint_ancestors(store, rev_boss, "g") == ["c"]
-    rev_all = build_revision(_doc(boss={}, mid={}, agent={}))
-    assert await taint_ancestors(store, rev_all, "g") == ["c", "s"]
+    rev_boss = build_revision(_doc(boss={**boss, "propagate_taint": False}, mid=mid, agent={}))
+    assert await taint_ancestors(store, rev_boss, g) == [c]
+    rev_all = build_revision(_doc(boss=boss, mid=mid, agent={}))
+    assert await taint_ancestors(store, rev_all, g) == [c, s]
+    # A principal that no longer lists the child's principal under `delegates` is not widened.
+    rev_revoked = build_revision(_doc(boss={}, mid=mid, agent={}))
+    assert await taint_ancestors(store, rev_revoked, g) == [c]
 
 
 async def test_child_runs_carry_their_taint_targets() -> None:
@@ -162,8 +167,9 @@ async def test_child_runs_carry_their_taint_targets() -> None:
     child, grand = _call("c", parent="s"), _call("g", parent="c")
     await check.decide(child)
     await check.decide(grand)
-    assert child.run.taint_targets == ("s",)
-    assert grand.run.taint_targets == ("c", "s")  # the grandparent is widened too
+    assert child.run.taint_targets == (run_key("agent", "s"),)
+    # The grandparent is widened too.
+    assert grand.run.taint_targets == (run_key("agent", "c"), run_key("agent", "s"))
     root = _call("s")
     await check.decide(root)
     assert root.run.taint_targets == ()
@@ -196,7 +202,7 @@ async def test_concurrency_bound_per_run() -> None:
     # Another run is not affected.
     assert await check.decide(dataclasses.replace(_call("other"), decision_id="o1")) is None
     await _finish(first)
-    assert await store.get("run", slot_key("r", 0)) is None
+    assert await store.get("run", slot_key(run_key("agent", "r"), 0)) is None
     assert await check.decide(third) is None
 
 
@@ -207,3 +213,45 @@ async def test_no_bound_no_store_touch_and_fail_closed() -> None:
     assert d is not None and d.code is Code.MISCONFIGURED
     d = await _limit(_Broken(), 1).decide(_call("r"))
     assert d is not None and d.code is Code.STORE_UNAVAILABLE
+
+
+# ---- runs belong to their principal ------------------------------------------------------------
+
+async def test_another_principals_run_id_is_a_run_of_ones_own() -> None:
+    store = MemoryStore()
+    check = _check(store, alice={}, mallory={})
+    # alice's run r is a child of her run s (depth 1).
+    assert await check.decide(_call("s", principal="alice")) is None
+    alice_child = _call("r", parent="s", principal="alice")
+    assert await check.decide(alice_child) is None and alice_child.run.depth == 1
+    # mallory names the same run id: her own root run, alice's record untouched.
+    mallory = _call("r", principal="mallory")
+    assert await check.decide(mallory) is None
+    assert (mallory.run.depth, mallory.run.parent, mallory.run.taint_targets) == (0, None, ())
+    # mallory names alice's run s as her parent: an implied root of her own, never alice's run,
+    # so her reads can never widen alice's ledger.
+    child = _call("m-child", parent="s", principal="mallory")
+    assert await check.decide(child) is None
+    assert child.run.taint_targets == (run_key("mallory", "s"),)
+    assert "run_parent_principal" not in child.audit_extra
+    rec = orjson.loads(await store.get("run", lineage_key(run_key("alice", "r"))))  # type: ignore[arg-type]
+    assert (rec["parent"], rec["depth"], rec["principal"]) == ("s", 1, "alice")
+
+
+async def test_delegates_let_another_principals_runs_be_children() -> None:
+    store = MemoryStore()
+    check = _check(store, orch={"delegates": ["worker"]}, worker={}, other={})
+    assert await check.decide(_call("root", principal="orch")) is None
+    child = _call("w1", parent="root", principal="worker")
+    assert await check.decide(child) is None
+    assert (child.run.depth, child.run.taint_targets) == (1, (run_key("orch", "root"),))
+    assert child.audit_extra["run_parent_principal"] == "orch"
+    # A principal orch does not list gets a root of its own by that id.
+    stranger = _call("o1", parent="root", principal="other")
+    assert await check.decide(stranger) is None
+    assert stranger.run.taint_targets == (run_key("other", "root"),)
+    # The delegate's own run by that id comes first.
+    assert await check.decide(_call("mine", principal="worker")) is None
+    own = _call("w2", parent="mine", principal="worker")
+    assert await check.decide(own) is None
+    assert own.run.taint_targets == (run_key("worker", "mine"),)

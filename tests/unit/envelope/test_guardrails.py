@@ -69,7 +69,7 @@ class _Pending:
         self.chain = self.envelope.install(build_revision(doc))
         self.call = ToolCall(
             decision_id="d1", upstream="docs", tool="fetch", arguments={},
-            principal=Principal("p"), run=RunContext("r"), request=RequestInfo("tools/call"),
+            principal=Principal("p"), run=RunContext("r", "p"), request=RequestInfo("tools/call"),
         )
 
     def record(self) -> dict[str, Any]:

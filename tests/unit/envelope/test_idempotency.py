@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ async def test_other_arguments_or_another_run_is_another_call() -> None:
     await _finish(first, ALLOWED, _reply())
     assert await check.decide(_call(args={"n": 2})) is None
     other_run = _call()
-    other_run.run = other_run.run.__class__("run-2")
+    other_run.run = dataclasses.replace(other_run.run, id="run-2")
     assert await check.decide(other_run) is None
 
 

@@ -138,7 +138,7 @@ class World:
 
     def call(self, channel: Any = None, args: dict[str, Any] | None = None) -> ToolCall:
         c = make_call("delete", args or {"title": "x"}, principal="agent")
-        c.run = RunContext("run-1")
+        c.run = RunContext("run-1", "agent")
         c.effect = Effect.DESTRUCTIVE
         c.in_band = channel
         return c

@@ -34,7 +34,7 @@ def _call(tool: str, args: dict, principal: str = "ops", groups: tuple[str, ...]
         tool=tool,
         arguments=args,
         principal=Principal(principal, groups, {"tenant": "acme"}),
-        run=RunContext(id="run-1", session="s-1"),
+        run=RunContext(id="run-1", principal=principal, session="s-1"),
         request=RequestInfo(method="tools/call"),
     )
 
@@ -148,7 +148,7 @@ async def test_a_call_whose_record_cannot_be_serialised_is_refused_never_forward
     """A value the audit log cannot hold (a string decoded from an undecodable byte) refuses
     the call before anything is forwarded; its refusal is still recorded, the value escaped."""
     call = _call("echo", {"text": "hi"})
-    call.run = RunContext("run-\udcff", session="sess-\udcff")
+    call.run = RunContext("run-\udcff", "ops", session="sess-\udcff")
     pending = await envelope.begin(call)
     assert pending.decision.refused and not pending.forwardable
     assert pending.decision.check == "audit" and pending.decision.code is Code.INTERNAL_ERROR

@@ -26,6 +26,7 @@ from proxy.envelope.types import (
     ToolCall,
     Verdict,
     deny,
+    run_key,
 )
 from proxy.errors import StoreError
 from proxy.observability.metrics import Metrics
@@ -71,7 +72,7 @@ _ids = iter(range(1_000_000))
 
 def _call(principal: str = "agent", tool: str = "echo", run: str = "run-1") -> ToolCall:
     call = make_call(tool, principal=principal)
-    call.run = RunContext(run)
+    call.run = RunContext(run, principal)
     call.decision_id = f"d-{next(_ids)}"
     return call
 
@@ -170,6 +171,13 @@ async def test_run_budget(store: MemoryStore, clock: Clock) -> None:
     assert await _passed(check, 6, principal="other", run="o") == [True] * 5 + [False]
 
 
+async def test_another_principal_naming_the_run_has_a_budget_of_its_own(store: MemoryStore) -> None:
+    """Runs are keyed by principal + run id: naming a victim's run id spends nothing of it."""
+    check = _check(store, {"max_calls_per_run": 2})
+    assert await _passed(check, 3, principal="mallory", run="victim-run") == [True, True, False]
+    assert await _passed(check, 3, principal="agent", run="victim-run") == [True, True, False]
+
+
 async def test_run_budget_lives_the_ledger_ttl_after_the_last_call(clock: Clock, store: MemoryStore) -> None:
     doc = _doc(agent={"max_calls_per_run": 1})
     doc["dataflow"] = {"ledger_ttl": "1h"}
@@ -190,10 +198,10 @@ async def test_a_bucket_refusal_releases_the_concurrency_slot(store: MemoryStore
     second = _call()
     refused = await _decide(check, second)
     assert refused is not None and refused.rule == "principals.agent.rate"
-    assert await store.get(RUN_NS, slot_key("run-1", 0)) == second.decision_id.encode()
+    assert await store.get(RUN_NS, slot_key(run_key("agent", "run-1"), 0)) == second.decision_id.encode()
     for hook in second.on_result:  # the envelope runs them for refusals too
         await hook(second, refused, None)
-    assert await store.get(RUN_NS, slot_key("run-1", 0)) is None
+    assert await store.get(RUN_NS, slot_key(run_key("agent", "run-1"), 0)) is None
 
 
 async def test_fail_closed(store: MemoryStore) -> None:

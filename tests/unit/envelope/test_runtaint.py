@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from envelope_helpers import build_revision, make_call
+from envelope_helpers import RUN_KEY, build_revision, make_call
 
 from proxy.envelope.checks.runtaint import RunTaintCheck
 from proxy.envelope.dataflow import ledger
@@ -33,11 +33,11 @@ async def test_flags_come_from_the_ledger_and_only_widen() -> None:
     call = make_call("post", {}, upstream="up")
     assert check.applies(call)
     assert await check.decide(call) is None and not call.run.tainted and not call.run.secret
-    await ledger.record(store, "run-1", ledger.LedgerDelta("up.fetch", untrusted=True), n=32,
+    await ledger.record(store, RUN_KEY, ledger.LedgerDelta("up.fetch", untrusted=True), n=32,
                           cap=1024, ttl=60)
     assert await check.decide(call) is None and call.run.tainted and not call.run.secret
     replayed = make_call("post", {}, upstream="up")
-    replayed.run = RunContext("run-2", secret=True)  # a recorded call's flags are kept
+    replayed.run = RunContext("run-2", replayed.principal.id, secret=True)  # a recorded call's flags are kept
     assert await check.decide(replayed) is None and replayed.run.secret
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from envelope_helpers import UPSTREAMS, build_revision, make_call
+from envelope_helpers import RUN_KEY, UPSTREAMS, build_revision, make_call
 
 from proxy.envelope.checks.shadow import (
     DEFAULT_RESULT,
@@ -43,7 +43,7 @@ def _check(store: MemoryStore | None) -> tuple[ShadowCheck, Metrics]:
 def _call(tool: str = "write_note", args: dict[str, Any] | None = None, *, shadow: bool = False,
           run: str = "run-1", principal: str = "agent", decision_id: str = "d-1") -> ToolCall:
     call = make_call(tool, args if args is not None else {"title": "t", "body": "b"}, principal=principal)
-    call.run = RunContext(run)
+    call.run = RunContext(run, principal)
     call.decision_id = decision_id
     call.shadow_requested = shadow
     call.effect = EFFECTS.get(tool, Effect.WRITE)
@@ -80,7 +80,7 @@ async def test_header_shadows_a_writer_and_records_the_would_be_call() -> None:
         "tool": "write_note", "effect": "write"}
     assert record["would_need_approval"] is False
     assert record["time"].endswith("Z")
-    assert await store.get(RUN_NS, run_flag_key("run-1")) is not None
+    assert await store.get(RUN_NS, run_flag_key(RUN_KEY)) is not None
     assert _records(metrics) == 1
 
 
@@ -111,7 +111,7 @@ async def test_policy_mode_shadow_for_a_principal_and_a_tool() -> None:
     assert by_tool.result is not None
     assert by_tool.result["content"][0]["text"] == "Draft noted (shadow)."
     # Policy shadow does not make the run sticky.
-    assert await store.get(RUN_NS, run_flag_key("run-1")) is None
+    assert await store.get(RUN_NS, run_flag_key(RUN_KEY)) is None
     assert await check.decide(_call()) is None
 
 
