@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 
 from proxy.envelope.dataflow.ledger import load
 from proxy.envelope.dataflow.match import Probe, match_argument
+from proxy.envelope.types import run_key
 from proxy.policy.vocab import BUILTIN_PATTERNS
 from proxy.store.sqlite import SqliteStore
 from tests.harness import proxy_process, token
@@ -181,7 +182,7 @@ def test_the_envelope_keeps_its_promises_under_a_hostile_upstream(
     run = f"prop-{uuid.uuid4().hex[:12]}"
     clients: dict[str, Client] = {}
     sent: dict[str, dict[str, Any]] = {}  # nonce -> the call
-    delivered_untrusted: list[tuple[str, str]] = []  # (text, the run it reached)
+    delivered_untrusted: list[tuple[str, str]] = []  # (text, the run of principal "prop" it reached)
     for n, spec in enumerate(sequence):
         route, mode = spec["route"], spec["mode"]
         if mode == "drop_resumable" and route != "legacy":
@@ -240,7 +241,7 @@ def test_the_envelope_keeps_its_promises_under_a_hostile_upstream(
             try:
                 for text, text_run in delivered_untrusted:
                     probe = Probe.of(text, MIN_MATCH)
-                    ledger = await load(store, text_run, MIN_MATCH, probe.fields())
+                    ledger = await load(store, run_key("prop", text_run), MIN_MATCH, probe.fields())
                     assert ledger is not None and ledger.untrusted, text
                     verbatim, _ = match_argument(ledger, probe, MIN_MATCH)
                     assert verbatim or ledger.coarse(0, MIN_MATCH) is not None, text

@@ -275,7 +275,7 @@ def test_slow_heads_and_idle_connections_are_closed_and_calls_still_pass(
                 s.close()
         # An idle keep-alive connection is closed after its own timeout, not the head's.
         with socket.create_connection(("127.0.0.1", pp.admin_port), timeout=5) as idle:
-            idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert idle.recv(4096).startswith(b"HTTP/1.1 200")
             started = time.monotonic()
             waited = closed_within(idle, 6)
