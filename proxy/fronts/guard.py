@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.envelope.pipeline import Envelope
 from proxy.fronts import jsonrpc
@@ -129,18 +130,27 @@ class Guard:
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused (BadMessage, 413) as soon as more than `limit` bytes arrive."""
+    """The request body, refused (BadMessage, 413) as soon as more than `limit` bytes arrive;
+    a body that cannot be decoded by its `Content-Encoding` is a parse error (400)."""
     length = request.content_length
-    if length is not None and length <= limit:  # framed by Content-Length: read it in one go
-        try:
-            return await request.content.readexactly(length)
-        except asyncio.IncompleteReadError as exc:
-            raise BadMessage(jsonrpc.PARSE_ERROR, "Parse error: the body ended before its "
-                             "Content-Length", "parse_error") from exc
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request body larger than {limit} bytes",
-                             "too_large", status=413)
-    return bytes(buf)
+    # aiohttp decodes a `Content-Encoding` body as it arrives, so `Content-Length` (the encoded
+    # size) says nothing about how many bytes there are to read: only a plain body is read in
+    # one go.
+    encoded = request.headers.get("Content-Encoding", "identity").strip().lower() != "identity"
+    try:
+        if length is not None and length <= limit and not encoded:
+            try:
+                return await request.content.readexactly(length)
+            except asyncio.IncompleteReadError as exc:
+                raise BadMessage(jsonrpc.PARSE_ERROR, "Parse error: the body ended before its "
+                                 "Content-Length", "parse_error") from exc
+        buf = bytearray()
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request body larger than {limit} bytes",
+                                 "too_large", status=413)
+        return bytes(buf)
+    except RequestPayloadError as exc:  # e.g. `gzip` declared, something else sent
+        raise BadMessage(jsonrpc.PARSE_ERROR, "Parse error: the body does not decode as its "
+                         "Content-Encoding says", "parse_error") from exc
