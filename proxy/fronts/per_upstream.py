@@ -63,8 +63,10 @@ HOP_BY_HOP = frozenset(
         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "content-length", "host",
     }
 )
-# Request headers the proxy consumes itself and does not pass upstream.
-NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run",
+# Request headers the proxy consumes itself and does not pass upstream (`content-encoding`:
+# the body was decoded on arrival and is sent on as read).
+NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "content-encoding", "authorization", "origin",
+                             "cookie", "x-envelope-run",
                              "x-envelope-shadow", "x-envelope-parent-run", "x-envelope-capability",
                              "x-envelope-agent"}
 # Response headers the proxy's own server sets.
