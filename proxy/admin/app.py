@@ -6,7 +6,7 @@ one Host check (`proxy.admin.protect.host_guard`: 421 for a name that is not loo
 listen address or configured); `/healthz`, `/readyz`, `/metrics` and the review page's files
 are open, every `/v1/` route but `/v1/misconfigurations` needs an approver token (see
 `proxy.admin.review`), and upstream URLs are shown without credentials (the provider strips
-them with `proxy.admin.protect.strip_credentials`).
+them with `proxy.upstream.urls.strip_credentials`).
 """
 
 from __future__ import annotations

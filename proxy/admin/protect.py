@@ -6,27 +6,20 @@
   name of its own that resolves there (DNS rebinding); the Host header still carries that name,
   so it is refused. An IP literal cannot be rebound (the browser sends the name it resolved),
   and is what kubelet probes and Prometheus send when they address a pod by its IP.
-- `strip_credentials`: an upstream URL as the admin API shows it, without the secrets operators
-  put in URLs (userinfo, query parameters named like a token, key, secret or password, and the
-  fragment).
+
+Upstream URLs are shown without their credentials (`proxy.upstream.urls.strip_credentials`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Awaitable, Callable, Iterable
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-REDACTED = "REDACTED"
-# Query parameter names whose values are credentials (case-insensitive, anywhere in the name:
-# `api_key`, `access_token`, `X-Amz-Signature` (sig), `client_secret`, `passwd`...).
-_SECRET_PARAM = re.compile(r"token|key|secret|passw|pwd|auth|sig|credential", re.IGNORECASE)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -73,27 +66,3 @@ def host_guard(allowed: frozenset[str]) -> Middleware:
         return await handler(request)
 
     return guard
-
-
-def strip_credentials(url: str | None) -> str | None:
-    """`url` without userinfo and with credential-named query values replaced by `REDACTED`;
-    a URL that cannot be parsed is shown as `REDACTED` whole (it may hold anything)."""
-    if url is None:
-        return None
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return REDACTED
-    netloc = parts.hostname or ""
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if port is not None:
-        netloc = f"{netloc}:{port}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, REDACTED if _SECRET_PARAM.search(k) else v) for k, v in pairs],
-                          safe=REDACTED)
-    # The fragment is never sent to the upstream; it can only hold what should not be shown.
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))

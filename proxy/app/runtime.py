@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.admin.app import build_admin_app
-from proxy.admin.protect import admin_hosts, strip_credentials
+from proxy.admin.protect import admin_hosts
 from proxy.app.listener import ListenerRunner
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
@@ -47,6 +47,7 @@ from proxy.tools.replay import open_recorder
 from proxy.upstream.forwarder import Forwarder
 from proxy.upstream.health import HealthProber, ProbeTarget, UpstreamHealth
 from proxy.upstream.transport import FastForwarder
+from proxy.upstream.urls import strip_credentials
 
 log = logging.getLogger("envelope")
 

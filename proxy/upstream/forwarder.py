@@ -39,6 +39,7 @@ import aiohttp
 from multidict import CIMultiDictProxy
 
 from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
+from proxy.upstream.urls import scrub, strip_credentials
 
 # The setting a capped `read` names when the body is larger (callers pass theirs).
 REPLY_SETTING = "limits.max_upstream_reply_bytes"
@@ -162,7 +163,7 @@ class Forwarder:
         try:
             port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
         except ValueError as exc:
-            raise counted(UpstreamError(f"invalid upstream URL {url!r}: {exc}"), 0) from exc
+            raise counted(UpstreamError(f"invalid upstream URL {strip_credentials(url)!r}: {exc}"), 0) from exc
         key = (parts.hostname or "", port)
         if self._streams.get(key, 0) >= self._stream_limit:
             raise counted(UpstreamBusy(
@@ -206,15 +207,20 @@ class Forwarder:
         """
         if self._session is None or self._stream_session is None:
             raise counted(UpstreamError("forwarder is not started"), 0)
-        if not long_lived:
-            return await self._open(self._session, method, url, headers, body, connect_timeout,
-                                    read_timeout, resend)
-        release = self._take_stream(url)
         try:
-            resp = await self._open(self._stream_session, method, url, headers, body,
-                                    connect_timeout, read_timeout, resend)
-        except BaseException:
-            release()
+            if not long_lived:
+                return await self._open(self._session, method, url, headers, body,
+                                        connect_timeout, read_timeout, resend)
+            release = self._take_stream(url)
+            try:
+                resp = await self._open(self._stream_session, method, url, headers, body,
+                                        connect_timeout, read_timeout, resend)
+            except BaseException:
+                release()
+                raise
+        except UpstreamError as exc:
+            # aiohttp's messages quote the URL; these reach refusal reasons, audit and /readyz.
+            exc.args = (scrub(str(exc), url),)
             raise
         resp._release = release
         return resp
@@ -245,7 +251,7 @@ class Forwarder:
                     first, attempts) from exc
             except TimeoutError as exc:
                 raise counted(UpstreamTimeout(
-                    f"upstream did not answer in time ({url})"), attempts + 1) from exc
+                    f"upstream did not answer in time ({strip_credentials(url)})"), attempts + 1) from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 # Written, then the connection broke before any response: resent only when
                 # the caller said it may be, and only once.

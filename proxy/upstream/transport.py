@@ -52,6 +52,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
 from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse, counted
+from proxy.upstream.urls import strip_credentials
 
 __all__ = ["FastForwarder", "FastResponse"]
 
@@ -82,12 +83,12 @@ def _parse_url(url: str) -> _Target | None:
         parts = urlsplit(url)
         port = parts.port or 80
     except ValueError as exc:
-        raise UpstreamError(f"invalid upstream URL {url!r}: {exc}") from exc
+        raise UpstreamError(f"invalid upstream URL {strip_credentials(url)!r}: {exc}") from exc
     if parts.scheme.lower() != "http" or parts.username is not None or parts.password is not None:
         return None
     host = parts.hostname
     if not host:
-        raise UpstreamError(f"invalid upstream URL {url!r}: no host")
+        raise UpstreamError(f"invalid upstream URL {strip_credentials(url)!r}: no host")
     shown = f"[{host}]" if ":" in host else host
     host_header = shown if port == 80 else f"{shown}:{port}"
     path = quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
@@ -579,7 +580,7 @@ class FastForwarder(Forwarder):
                     conn.abort()
                     self._release(conn)
                     raise counted(UpstreamTimeout(
-                        f"upstream {target.label} did not answer within {read_timeout}s ({url})"),
+                        f"upstream {target.label} did not answer within {read_timeout}s ({strip_credentials(url)})"),
                         attempts)
             else:
                 return FastResponse(self, conn, read_timeout, attempts)

@@ -403,3 +403,36 @@ async def test_a_capped_read_refuses_a_larger_body(kind: str, aiohttp_upstream: 
                 assert len(await resp.read(3_000_000)) == 3_000_000  # at the cap: whole
     finally:
         await fwd.close()
+
+
+# ---- credentials in upstream URLs never reach an error message ------------------------------
+
+async def test_an_upstream_error_does_not_quote_the_credentials_of_its_url(
+        forwarders: tuple[Forwarder, FastForwarder]) -> None:
+    """Refusal reasons, audit records and /readyz carry these messages: a URL's userinfo and
+    credential query values are removed (the aiohttp path for userinfo URLs, the fast path for
+    plain ones), whatever the library quoted."""
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        await asyncio.sleep(5)
+        writer.close()
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        for fwd, url in [(forwarders[0], f"http://agent:hunter2pass@127.0.0.1:{port}/mcp?api_key=k3yk3y"),
+                         (forwarders[1], f"http://127.0.0.1:{port}/mcp?api_key=k3yk3y&region=eu"),
+                         (forwarders[1], f"http://agent:hunter2pass@127.0.0.1:{port}/mcp")]:
+            with pytest.raises(UpstreamError) as err:
+                await fwd.open("POST", url, {}, b"{}", connect_timeout=2, read_timeout=0.3)
+            message = str(err.value)
+            assert "hunter2pass" not in message and "k3yk3y" not in message, message
+            assert "did not answer" in message, message
+        with pytest.raises(UpstreamError) as err:
+            await forwarders[1].open("POST", "http://u:hunter2pass@127.0.0.1:notaport/mcp", {}, b"{}",
+                                     connect_timeout=2, read_timeout=0.3)
+        assert "hunter2pass" not in str(err.value)
+    finally:
+        server.close()
+        await server.wait_closed()
