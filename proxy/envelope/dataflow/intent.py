@@ -35,6 +35,8 @@ from proxy.store.base import Store
 
 NS = "intent"
 HEADER = "X-Envelope-Intent"
+# Most distinct texts a run's intent holds (one store field each): `load` reads them in one go.
+MAX_TEXTS = 1000
 
 # A percent-encoded value: any visible character but "%", or "%" and two hex digits.
 _PERCENT_ENCODED = re.compile(r"(?:[^%]|%[0-9A-Fa-f]{2})*")
@@ -84,8 +86,9 @@ async def load(store: Store, run_key: str) -> list[str]:
 async def append(store: Store, run_key: str, text: str, *, max_chars: int, ttl: float) -> bool:
     """Add `text` to the run's intent (stripped; empty text adds nothing). False when the run
     already holds it (its expiry slides all the same), True when it was added. IntentError when
-    the run's intent would hold more than `max_chars` characters; StoreError when the store
-    cannot answer."""
+    the run's intent would hold more than `max_chars` characters or `MAX_TEXTS` texts;
+    StoreError when the store cannot answer. The bound is checked against what the run held
+    when it was read: appends racing on several replicas may pass it by one text each."""
     text = text.strip()
     if not text:
         return False
@@ -93,6 +96,8 @@ async def append(store: Store, run_key: str, text: str, *, max_chars: int, ttl: 
     if text in held:
         await store.hash_put(NS, run_key, {}, ttl=ttl)
         return False
+    if len(held) >= MAX_TEXTS:
+        raise IntentError(f"the run's intent already holds {MAX_TEXTS} distinct texts")
     total = sum(len(t) for t in held) + len(text)
     if total > max_chars:
         raise IntentError(f"the run's intent would hold {total:,} characters, more than the "
