@@ -113,6 +113,10 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
     from proxy.admin.shadow_api import add_shadow_routes
 
     add_shadow_routes(app, status)
+    # A run's intent (POST /v1/runs/{run}/intent), for the data-flow check's endorsement.
+    from proxy.admin.intent_api import add_intent_routes
+
+    add_intent_routes(app, status)
     # The review page, the decisions API and the approver-token guard of /v1/shadow (review).
     from proxy.admin.review import add_review_routes
 

@@ -477,3 +477,25 @@ class Completion:
         self.metrics.decision(upstream or "-", UNKNOWN_TOOL_LABEL, Verdict.DENY.value,
                               Code.INVALID_REQUEST.value)
         return decision_id
+
+    def note_intent(self, *, principal: str, run: str, approver: str, verdict: Verdict, code: Code,
+                    reason: str, extra: Mapping[str, Any]) -> str:
+        """Audit an intent set for a run through the admin API (`proxy.envelope.dataflow.intent`):
+        one record of method and tool `<intent>`, check `intent`, before the intent is stored.
+        Returns its decision id; raises AuditError when the audit log cannot take it (the
+        caller then stores nothing: an intent narrows verdicts, so it is never set unaudited)."""
+        chain = self.chain
+        decision_id = uuid.uuid4().hex
+        record = build_record(
+            decision_id=decision_id, revision=chain.revision.revision if chain is not None else "none",
+            principal=principal, session=None, run=run, upstream="-", tool="<intent>",
+            verdict=verdict, code=code, check="intent", rule=None, reason=reason, arguments={},
+            log_args=False, latency={}, upstream_status=None,
+            extra={"approver": approver, **extra}, method="<intent>", canonical=b"{}")
+        try:
+            self.audit.write(record)
+        except AuditError:
+            self.metrics.audit_write_failure()
+            raise
+        self.metrics.audit_record()
+        return decision_id

@@ -72,7 +72,8 @@ class Code(enum.StrEnum):
     # it has max_concurrent_per_run calls in flight (all replicas together).
     RATE_LIMITED = "rate_limited"
     # guard: the request was refused before any check (a header value that is not a valid
-    # HTTP field value); the request is audited, never forwarded.
+    # HTTP field value); the request is audited, never forwarded. dataflow: an
+    # X-Envelope-Intent that is malformed or over `max_intent_chars`.
     INVALID_REQUEST = "invalid_request"
 
 
@@ -257,6 +258,9 @@ class ToolCall:
     # X-Envelope-Capability: the capability the caller asks for this call; it can only narrow
     # the principal's ("read-only" narrows read-write; anything else changes nothing).
     capability_requested: str | None = None
+    # X-Envelope-Intent as sent (percent-encoded): the user's words, decoded and appended to the
+    # run's intent by the data-flow check (`proxy.envelope.dataflow.intent`).
+    intent: str | None = None
     # The decision id of a pending marker in the run's ledger (an output is on its way), set
     # by the data-flow check: whoever ends the call records the output, or clears the marker.
     ledger_pending: str | None = None

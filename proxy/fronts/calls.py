@@ -133,6 +133,7 @@ def tool_call_from(headers: Mapping[str, str], msg: Message, route: Route, tool:
         idempotency_key=idempotency_key(headers, params),
         shadow_requested=headers.get("X-Envelope-Shadow", "").strip().lower() in TRUE,
         capability_requested=headers.get("X-Envelope-Capability"),
+        intent=headers.get("X-Envelope-Intent"),
     )
 
 

@@ -70,7 +70,7 @@ HOP_BY_HOP = frozenset(
 # Request headers the proxy consumes itself and does not pass upstream.
 NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run",
                              "x-envelope-shadow", "x-envelope-parent-run", "x-envelope-capability",
-                             "x-envelope-agent"}
+                             "x-envelope-agent", "x-envelope-intent"}
 # Response headers the proxy's own server sets.
 NOT_DOWNSTREAM = HOP_BY_HOP | {"server", "date"}
 # Requests whose answer is content the agent reads: forwarded by the executor and audited.

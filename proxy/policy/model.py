@@ -377,6 +377,7 @@ DEFAULT_WINNOW = 4
 # DataflowPolicy.max_output_chars and max_argument_chars).
 DEFAULT_MAX_OUTPUT_CHARS = 1 << 20
 DEFAULT_MAX_ARGUMENT_CHARS = 1 << 16
+DEFAULT_MAX_INTENT_CHARS = 1 << 14
 
 
 class DataflowPolicy(_Model):
@@ -422,6 +423,9 @@ class DataflowPolicy(_Model):
     # declassified or not, is not hashed and counts as matching when the run has read
     # untrusted content (finding `coarse`, saying it exceeded this cap). Absent: 64 KiB (65536).
     max_argument_chars: int = Field(default=DEFAULT_MAX_ARGUMENT_CHARS, ge=1024, le=1 << 24)
+    # Most characters of intent (`X-Envelope-Intent` and the admin API, all texts together) a
+    # run holds; an intent that would take it past them is refused. Absent: 16 KiB (16384).
+    max_intent_chars: int = Field(default=DEFAULT_MAX_INTENT_CHARS, ge=256, le=1 << 20)
 
     @model_validator(mode="after")
     def _gram_length(self) -> DataflowPolicy:

@@ -9,6 +9,8 @@ import logging
 import time
 from typing import Any, ClassVar
 
+from proxy.envelope.dataflow import intent as intents
+from proxy.envelope.dataflow.intent import Endorsement, IntentError
 from proxy.envelope.dataflow.ledger import (
     Ledger,
     load,
@@ -81,7 +83,7 @@ class DataflowCheck:
     def applies(self, call: ToolCall) -> bool:
         if self.mode == "off":
             return False
-        return call.effect is not Effect.READ or self.labels(call).tracked
+        return call.effect is not Effect.READ or self.labels(call).tracked or call.intent is not None
 
     def _declassified(self, call: ToolCall) -> bool | frozenset[str]:
         entry = self.policy.declassify.get(call.qualified_name)
@@ -110,6 +112,15 @@ class DataflowCheck:
         sink = call.effect is not Effect.READ
         labels = self.labels(call)
         store = self._store
+        intent: str | None = None
+        if call.intent is not None:
+            try:
+                intent = intents.decode(call.intent, self.policy.max_intent_chars)
+            except IntentError as exc:
+                # The framework's header is broken: refused in any mode, so the user's words
+                # are never silently dropped (the framework sees the refusal and the audit).
+                return Decision(Verdict.DENY, Code.INVALID_REQUEST, self.id, f"{exc}; the call was refused",
+                                intents.HEADER)
         if store is None:
             if self.mode == "enforce" and sink:
                 return Decision(Verdict.ERROR, Code.MISCONFIGURED, self.id,
@@ -118,6 +129,14 @@ class DataflowCheck:
             call.audit_extra["dataflow_error"] = "no state store: flows are not tracked"
             return None
         try:
+            if intent is not None:
+                try:
+                    added = await intents.append(store, call.run.key, intent,
+                                                 max_chars=self.policy.max_intent_chars, ttl=self._ttl)
+                except IntentError as exc:
+                    return Decision(Verdict.DENY, Code.INVALID_REQUEST, self.id,
+                                    f"{exc}; the call was refused", intents.HEADER)
+                call.audit_extra["intent"] = {"by": "header", "chars": len(intent), "appended": added}
             decision = await self._check_sink(store, call) if sink else None
             if decision is None and labels.tracked and call.run.session:
                 # A session's stream may be resumed with GET + Last-Event-ID after the client
@@ -142,11 +161,15 @@ class DataflowCheck:
         return [(ptr, Probe.of(text, self._n, self._window, self._max_argument))
                 for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
 
-    def findings(self, call: ToolCall, ledger: Ledger,
-                 probes: list[tuple[str, Probe]] | None = None) -> tuple[list[Finding], list[Finding]]:
-        """(flagging findings, declassified flows) of a sink call against a run's ledger."""
+    def findings(self, call: ToolCall, ledger: Ledger, probes: list[tuple[str, Probe]] | None = None,
+                 endorsement: Endorsement | None = None,
+                 ) -> tuple[list[Finding], list[Finding], list[dict[str, Any]]]:
+        """(flagging findings, declassified flows, endorsed pieces) of a sink call against a
+        run's ledger. What `endorsement` (the run's intent) endorses neither flags nor counts as
+        declassified: a whole argument value it holds, its tokens, the grams it shares."""
         flagged: list[Finding] = []
         declassified: list[Finding] = []
+        endorsed: list[dict[str, Any]] = []
         decl = self._declassified(call)
         coarse = ledger.coarse(time.time(), self._n, self._window)
         for ptr, probe in self.probes(call) if probes is None else probes:
@@ -158,6 +181,15 @@ class DataflowCheck:
                 continue
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
+            if endorsement:
+                if endorsement.whole(probe.norm):
+                    # The user named this very value: whatever untrusted content also holds it.
+                    verbatim, toks = match_argument(ledger, probe, self._n, self._window)
+                    if verbatim or toks or (coarse and len(probe.norm) >= self._n):
+                        endorsed.append({"arg": ptr, "by": "intent", "kind": "value"})
+                    continue
+                probe, pieces = endorsement.narrow(ptr, probe, ledger)
+                endorsed += pieces
             verbatim, toks = match_argument(ledger, probe, self._n, self._window)
             flagged += [dataclasses.replace(f, argument=ptr) for f in toks]
             if is_decl:
@@ -168,7 +200,7 @@ class DataflowCheck:
                     flagged.append(Finding("coarse", ptr, "this run", coarse))
         if ledger.untrusted and ledger.secret:
             flagged.append(Finding("trifecta", None, ledger.first_source("secret") or "a secret tool", ""))
-        return flagged, declassified
+        return flagged, declassified, endorsed
 
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
         # Large arguments are hashed in a worker thread: the event loop keeps serving.
@@ -178,7 +210,15 @@ class DataflowCheck:
                             (f for _, probe in probes for f in probe.fields()), self._window)
         if ledger is None:
             return None
-        flagged, declassified = self.findings(call, ledger, probes)
+        flagged, declassified, _ = self.findings(call, ledger, probes)
+        if flagged or declassified:
+            # Only a call that would flag or declassify reads the run's intent (one store read).
+            texts = await intents.load(store, call.run.key)
+            if texts:
+                endorsement = Endorsement.of(texts, self._n, self._window)
+                flagged, declassified, endorsed = self.findings(call, ledger, probes, endorsement)
+                if endorsed:
+                    call.audit_extra["endorsed"] = endorsed
         if declassified:
             call.audit_extra["dataflow_declassified"] = [f.as_dict() for f in declassified]
         if not flagged:

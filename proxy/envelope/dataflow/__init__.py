@@ -2,7 +2,8 @@
 
 `fingerprint` (normalising, grams, winnowing, distinctive tokens), `ledger` (the store layout,
 recording and loading), `match` (which arguments can carry text, and what they copy) and
-`offload` (fingerprinting large inputs in a worker thread). The check itself is
+`offload` (fingerprinting large inputs in a worker thread), `intent` (the user's words the
+framework sends in `X-Envelope-Intent`, and the values they endorse). The check itself is
 `proxy.envelope.checks.dataflow`.
 
 Per run, a **ledger** in the store holds fingerprints of the untrusted and secret content the

@@ -1,0 +1,96 @@
+"""Admin API for a run's intent: what the user asked, set by a person instead of the framework.
+
+    POST /v1/runs/{run}/intent   {"principal": "<principal id>", "text": "<the user's words>"}
+
+Needs `Authorization: Bearer <approver token>` (401 otherwise): an intent endorses values for
+the data-flow check, so setting one is an approver's act. The text is appended to the run's
+intent (`proxy.envelope.dataflow.intent`; the run of that principal, as `X-Envelope-Intent`
+would), after an audit record of method `<intent>` (check `intent`, the approver, the text's
+length and digest, never the text) is written: an intent is never set unaudited. Answers 200
+`{"run", "principal", "appended", "decision_id"}`; 400 bad body, control characters or over
+`dataflow.max_intent_chars`; 413 body too large; 503 no store, no policy, the store or the
+audit log cannot answer (fail closed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.admin.review import authenticate
+from proxy.envelope.dataflow import intent as intents
+from proxy.envelope.types import Code, Verdict, run_key
+from proxy.errors import AuditError, StoreError
+from proxy.policy.model import DataflowPolicy
+
+_MAX_BODY = 256 * 1024
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers={"Cache-Control": "no-store", **(headers or {})})
+
+
+def add_intent_routes(app: web.Application, status: Any) -> None:
+    """Mount `POST /v1/runs/{run}/intent`; the store is `status.store`, the audit and the policy
+    `status.envelope`, the approvers `status.approvers`."""
+
+    async def set_intent(request: web.Request) -> web.Response:
+        approver = authenticate(status, request)
+        if approver is None:
+            return _json({"error": "an approver token is required (Authorization: Bearer <token>)"}, 401,
+                         {"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
+        raw = await request.content.read(_MAX_BODY + 1)
+        if len(raw) > _MAX_BODY:
+            return _json({"error": "body too large"}, 413)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if (not isinstance(body, dict) or set(body) != {"principal", "text"}
+                or not isinstance(body["principal"], str) or not body["principal"]
+                or not isinstance(body["text"], str) or not body["text"].strip()):
+            return _json({"error": 'body must be {"principal": "<id>", "text": "<the user\'s words>"}'}, 400)
+        principal, text = body["principal"], body["text"].strip()
+        run = request.match_info["run"]
+        store = getattr(status, "store", None)
+        envelope: Any = getattr(status, "envelope", None)
+        chain = envelope.chain if envelope is not None else None
+        if store is None or envelope is None or chain is None:
+            return _json({"error": "no state store or no policy: a run's intent cannot be kept"}, 503)
+        policy = chain.revision.document.dataflow or DataflowPolicy(mode="shadow")
+        try:
+            intents.checked(text, policy.max_intent_chars)
+        except intents.IntentError as exc:
+            return _json({"error": str(exc)}, 400)
+        extra = {"intent": {"by": f"admin:{approver}", "chars": len(text),
+                            "sha256": hashlib.sha256(text.encode()).hexdigest()}}
+        try:
+            decision_id = envelope.note_intent(
+                principal=principal, run=run, approver=approver, verdict=Verdict.ALLOW, code=Code.OK,
+                reason=f"intent set for run {run!r} by approver {approver!r}", extra=extra)
+        except AuditError as exc:
+            return _json({"error": f"the audit log cannot take the record ({exc}); nothing was set"}, 503)
+        try:
+            appended = await intents.append(store, run_key(principal, run), text,
+                                            max_chars=policy.max_intent_chars, ttl=policy.ledger_ttl)
+        except (intents.IntentError, StoreError, TimeoutError) as exc:
+            failed = isinstance(exc, intents.IntentError)
+            try:  # best effort: the record above said it was asked for; say it was not set
+                envelope.note_intent(
+                    principal=principal, run=run, approver=approver,
+                    verdict=Verdict.DENY if failed else Verdict.ERROR,
+                    code=Code.INVALID_REQUEST if failed else Code.STORE_UNAVAILABLE,
+                    reason=f"intent for run {run!r} not set: {exc or 'timed out'}",
+                    extra={**extra, "request": decision_id})
+            except AuditError:
+                pass
+            if failed:
+                return _json({"error": str(exc)}, 400)
+            return _json({"error": f"the state store cannot answer: {exc or 'timed out'}"}, 503)
+        return _json({"run": run, "principal": principal, "appended": appended, "decision_id": decision_id})
+
+    app.router.add_post("/v1/runs/{run}/intent", set_intent)
