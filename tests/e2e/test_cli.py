@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -170,3 +171,38 @@ def test_demo(tmp_path: Path) -> None:
     finally:
         rc = stop(proc, signal.SIGINT)
     assert rc == 0, log.read_text()
+
+
+def _occupied() -> tuple[socket.socket, int]:
+    """A loopback port some other program is listening on."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder, int(holder.getsockname()[1])
+
+
+def _assert_one_line_refusal(done: subprocess.CompletedProcess[str], port: int, setting: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "http://" not in done.stdout, done.stdout  # no URL of a proxy that never listened
+    assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "address already in use" in lines[0]
+    assert setting in lines[0]
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line(tmp_path: Path) -> None:
+    holder, port = _occupied()
+    with holder:
+        done = cli("serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{port}",
+                   "--admin", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "state"),
+                   cwd=tmp_path, timeout=30)
+    _assert_one_line_refusal(done, port, "--listen")
+
+
+def test_demo_on_a_busy_admin_port_says_so_in_one_line(tmp_path: Path) -> None:
+    holder, port = _occupied()
+    with holder:
+        done = cli("demo", "--listen", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{port}",
+                   "--state-dir", str(tmp_path / "state"), timeout=60)
+    _assert_one_line_refusal(done, port, "--admin")
