@@ -118,3 +118,16 @@ def test_readme_yaml_block_loads(block: Block, tmp_path: Path) -> None:
             declared = "".join(f"  {n}: {{url: 'http://127.0.0.1:1/mcp'}}\n" for n in sorted(missing))
             (policies / "upstreams.yaml").write_text(f"upstreams:\n{declared}", encoding="utf-8")
         load_policy(policies)
+
+
+def test_readme_audit_examples_read_where_the_demo_writes() -> None:
+    # A newcomer copies these after running the demo: they must name its audit directory.
+    demo_audit = f"{Config().state_dir}/audit"
+    text = README.read_text(encoding="utf-8")
+    commands = re.findall(r"envelope-proxy audit (?:query|tail|verify)[^\n`]*", text)
+    assert len(commands) >= 5
+    for command in commands:
+        words = command.split("#")[0].split()[3:]  # after `envelope-proxy audit <verb>`
+        paths = [w for w in words if not w.startswith("-") and ("/" in w or w.startswith("<"))]
+        assert paths, command
+        assert all(p == demo_audit or p.startswith("<") for p in paths), command
