@@ -109,10 +109,13 @@ class Runtime:
                                      on_change=self.metrics.set_upstreams_up)
         self._prober = HealthProber(
             self.health, self.forwarder,
-            lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items()],
+            lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items() if self._probed(n)],
             interval=config.health_interval, timeout=config.health_timeout,
         )
         self.fronts: FrontContext | None = None
+
+    def _probed(self, upstream: str) -> bool:
+        return self.config.health_upstreams is None or upstream in self.config.health_upstreams
 
     # ---- policy ------------------------------------------------------------------------
 
@@ -438,7 +441,12 @@ async def serve(config: Config, worker: int = 0, announce: bool = True,
         return 2
     if announce and worker == 0:
         print(f"envelope-proxy {revision.revision} ({revision.engine}) ready", flush=True)
-        print(f"  MCP      {runtime.urls['mcp']}  (upstreams: {', '.join(sorted(runtime._targets)) or 'none'})", flush=True)
+        probed = sorted(n for n in runtime._targets if runtime._probed(n))
+        unprobed = sorted(n for n in runtime._targets if not runtime._probed(n))
+        shown = ", ".join(probed) or "none"
+        if unprobed:
+            shown += f"; placeholders, not probed: {', '.join(unprobed)}"
+        print(f"  MCP      {runtime.urls['mcp']}  (upstreams: {shown})", flush=True)
         print(f"  admin    {runtime.urls['admin']}", flush=True)
         print(f"  metrics  {runtime.urls['metrics']}", flush=True)
         for line in banner:

@@ -166,6 +166,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         config = config.model_copy(update={
             "upstreams": {"demo": UpstreamOverride(url=f"http://127.0.0.1:{port}/mcp")},
             "workers": 1,
+            # The pack's other upstreams are placeholders nobody runs here: probing them would
+            # only log that they are down.
+            "health_upstreams": ["demo"],
             # The demo's agent is one static workload identity, as in a one-agent sidecar.
             "identity": IdentityConfig(mode="static", principal="demo-agent"),
             # One approver with a token minted for this run, so gated calls can be approved.

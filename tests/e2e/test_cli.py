@@ -206,3 +206,38 @@ def test_demo_on_a_busy_admin_port_says_so_in_one_line(tmp_path: Path) -> None:
         done = cli("demo", "--listen", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{port}",
                    "--state-dir", str(tmp_path / "state"), timeout=60)
     _assert_one_line_refusal(done, port, "--admin")
+
+
+def test_demo_probes_only_what_it_runs(tmp_path: Path) -> None:
+    # The pack's placeholder upstreams (github, slack, ...) run nowhere: the demo must not warn
+    # that they are down, while the server it does run is probed and up.
+    port, admin = free_port(), free_port()
+    log = tmp_path / "demo.log"
+    env = {**os.environ, "ENVELOPE_HEALTH_INTERVAL": "0.2"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*CLI, "demo", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+             "--state-dir", str(tmp_path / "state")],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+        )
+    try:
+        wait_port(admin, proc)
+        deadline = time.monotonic() + 10
+        upstreams: dict[str, dict[str, object]] = {}
+        while time.monotonic() < deadline:
+            upstreams = httpx.get(f"http://127.0.0.1:{admin}/readyz", timeout=5).json()["upstreams"]
+            if upstreams.get("demo", {}).get("state") == "up":  # no traffic: only a probe says so
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)  # several more probe rounds: a placeholder probed would be down by now
+        upstreams = httpx.get(f"http://127.0.0.1:{admin}/readyz", timeout=5).json()["upstreams"]
+    finally:
+        rc = stop(proc, signal.SIGINT)
+    text = log.read_text()
+    assert rc == 0, text
+    assert upstreams["demo"]["state"] == "up", upstreams
+    placeholders = sorted(set(upstreams) - {"demo"})
+    assert placeholders, upstreams  # the whole pack is loaded
+    assert all(upstreams[name]["state"] == "unknown" for name in placeholders), upstreams
+    assert "is down" not in text, text
+    assert f"placeholders, not probed: {', '.join(placeholders)}" in text
