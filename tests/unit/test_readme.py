@@ -131,3 +131,38 @@ def test_readme_audit_examples_read_where_the_demo_writes() -> None:
         paths = [w for w in words if not w.startswith("-") and ("/" in w or w.startswith("<"))]
         assert paths, command
         assert all(p == demo_audit or p.startswith("<") for p in paths), command
+
+
+def _commands() -> set[str]:
+    """Every command `envelope-proxy --help` offers, with the audit subcommands spelled out."""
+    import argparse
+
+    from proxy.cli import build_parser
+
+    def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    found: set[str] = set()
+    for name, parser in subcommands(build_parser()).items():
+        nested = subcommands(parser) if name == "audit" else {}
+        found |= {f"{name} {sub}" for sub in nested} or {name}
+    return found
+
+
+def test_readme_layout_lists_every_cli_command() -> None:
+    text = README.read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| `proxy/cli/` |"))
+    listed = set(re.findall(r"`([a-z]+(?: [a-z]+)?)`", row))
+    commands = _commands()
+    assert {"serve", "demo", "check", "test", "replay", "approvals", "shadow", "audit verify"} <= commands
+    assert commands - listed == set(), f"the Layout row for proxy/cli/ omits {commands - listed}"
+
+
+def test_cli_help_examples_read_where_the_demo_writes() -> None:
+    from proxy.cli import EPILOG
+
+    assert "state/audit" in EPILOG
+    assert re.findall(r"(?<![\w.-])state/audit", EPILOG) == []
