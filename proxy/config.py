@@ -287,6 +287,9 @@ class Config(_Model):
     health_timeout: float = Field(default=2.0, gt=0)
     # Consecutive failures (traffic or probe) after which an upstream is reported down.
     health_down_after: int = Field(default=1, ge=1)
+    # Upstreams the probe visits. Absent: every one. The demo lists only the server it runs, so
+    # the pack's placeholder upstreams are neither probed nor reported down.
+    health_upstreams: list[str] | None = None
     aggregate: AggregateConfig = Field(default_factory=AggregateConfig)
     # Record every decision for `envelope-proxy replay`. Absent: not recorded.
     record: RecordConfig | None = None

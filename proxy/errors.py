@@ -13,6 +13,10 @@ class ConfigError(EnvelopeError):
     """The runtime configuration (file, flags, environment) is invalid."""
 
 
+class ListenError(ConfigError):
+    """A listener's address cannot be bound (in use, not permitted); the message names the setting."""
+
+
 @dataclass(frozen=True)
 class PolicyProblem:
     """One problem found while loading a policy directory, with its place."""

@@ -43,15 +43,23 @@ def _bearer(request: web.Request) -> str | None:
     return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
+def unauthorized(request: web.Request) -> web.Response:
+    """401 for a request no approver's token authenticates. A missing token and a wrong one get
+    different texts, so the caller knows which mistake to fix (it knows what it sent: nothing
+    is revealed)."""
+    if _bearer(request) is None:
+        message = "an approver token is required (Authorization: Bearer <token>)"
+    else:
+        message = "the bearer token is not an approver's token (wrong, or not configured here)"
+    return _error(401, message, **{"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
+
+
 def add_routes(app: web.Application, service: ApprovalService, approvers: Approvers) -> None:
     """Mount the approvals routes on the admin application."""
 
     def approver_of(request: web.Request) -> str | web.Response:
         name = approvers.authenticate(_bearer(request))
-        if name is None:
-            return _error(401, "an approver token is required (Authorization: Bearer <token>)",
-                          **{"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
-        return name
+        return unauthorized(request) if name is None else name
 
     def unavailable(exc: StoreError) -> web.Response:
         return _error(503, f"the state store ({service.store.kind}) is unavailable: {exc}")

@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.admin.approvals_api import unauthorized
 from proxy.audit.query import parse_time, query_records
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -73,11 +74,6 @@ def authenticate(status: Any, request: web.Request) -> str | None:
     return name
 
 
-def _unauthorized() -> web.Response:
-    return _json({"error": "an approver token is required (Authorization: Bearer <token>)"}, 401,
-                 {"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
-
-
 def _parse_time(name: str, value: str | None) -> _dt.datetime | None:
     """RFC 3339 (naive: UTC) or a relative time back from now (`15m`, `2d`); None when absent."""
     if not value:
@@ -102,7 +98,7 @@ def add_review_routes(app: web.Application, status: Any) -> None:
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
         if request.path.startswith(PROTECTED_PREFIXES) and authenticate(status, request) is None:
-            return _unauthorized()
+            return unauthorized(request)
         return await handler(request)
 
     app.middlewares.append(guard)
@@ -134,7 +130,7 @@ def add_review_routes(app: web.Application, status: Any) -> None:
 
     async def decisions(request: web.Request) -> web.Response:
         if authenticate(status, request) is None:
-            return _unauthorized()
+            return unauthorized(request)
         q = request.query
         try:
             limit = int(q.get("limit", "100"))
@@ -159,7 +155,7 @@ def add_review_routes(app: web.Application, status: Any) -> None:
 
     async def decision(request: web.Request) -> web.Response:
         if authenticate(status, request) is None:
-            return _unauthorized()
+            return unauthorized(request)
         decision_id = request.match_info["id"]
         found = await query(decision_id=decision_id, limit=1)
         if isinstance(found, web.Response):

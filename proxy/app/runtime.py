@@ -12,7 +12,9 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -29,7 +31,7 @@ from proxy.config import Config
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Services
-from proxy.errors import PolicyError, StoreError
+from proxy.errors import ListenError, PolicyError, StoreError
 from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.context import FrontContext, FrontSettings
 from proxy.fronts.forwarded import UpstreamTarget
@@ -107,10 +109,13 @@ class Runtime:
                                      on_change=self.metrics.set_upstreams_up)
         self._prober = HealthProber(
             self.health, self.forwarder,
-            lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items()],
+            lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items() if self._probed(n)],
             interval=config.health_interval, timeout=config.health_timeout,
         )
         self.fronts: FrontContext | None = None
+
+    def _probed(self, upstream: str) -> bool:
+        return self.config.health_upstreams is None or upstream in self.config.health_upstreams
 
     # ---- policy ------------------------------------------------------------------------
 
@@ -306,9 +311,10 @@ class Runtime:
                                     # again after cancelling its body): half makes the whole grace.
                                     shutdown_timeout=self.config.shutdown_grace / 2)
         await mcp_runner.setup()
-        site = web.TCPSite(mcp_runner, host, port, reuse_port=reuse or None, backlog=1024)
-        await site.start()
-        self._runners.append(mcp_runner)
+        self._runners.append(mcp_runner)  # before binding: a failed start still cleans it up
+        await _bind(web.TCPSite(mcp_runner, host, port, reuse_port=reuse or None, backlog=1024),
+                    f"the MCP listener cannot listen on {host}:{port}",
+                    "--listen, ENVELOPE_LISTEN or `listen:` in the config file")
         port = _bound_port(mcp_runner, port)
         ahost, aport = self.config.admin_addr
         admin_app = build_admin_app(self, self.metrics,
@@ -317,8 +323,11 @@ class Runtime:
                                       header_timeout=listener.header_timeout,
                                       keepalive_timeout=listener.keepalive_timeout)
         await admin_runner.setup()
-        await web.TCPSite(admin_runner, ahost, aport + self.worker if aport else 0).start()
         self._runners.append(admin_runner)
+        aport = aport + self.worker if aport else 0
+        await _bind(web.TCPSite(admin_runner, ahost, aport),
+                    f"the admin listener cannot listen on {ahost}:{aport}",
+                    "--admin, ENVELOPE_ADMIN or `admin:` in the config file")
         aport = _bound_port(admin_runner, aport)
         if not self.approval_notifier.review_url:
             shown_admin = "127.0.0.1" if ahost in ("0.0.0.0", "::") else ahost
@@ -338,10 +347,13 @@ class Runtime:
                                           interval=self.config.reload_interval)
             self._watcher.start()
 
-    async def stop(self) -> None:
-        """Ordered shutdown: stop accepting, drain, close upstream pool, close the audit log."""
-        log.info("shutting down: no new connections; draining in-flight calls (up to %gs)",
-                 self.config.shutdown_grace)
+    async def stop(self, quiet: bool = False) -> None:
+        """Ordered shutdown: stop accepting, drain, close upstream pool, close the audit log.
+
+        `quiet`: after a failed start, where the one-line reason is all the operator needs."""
+        if not quiet:
+            log.info("shutting down: no new connections; draining in-flight calls (up to %gs)",
+                     self.config.shutdown_grace)
         if self._watcher is not None:
             await self._watcher.stop()
         await self._prober.stop()
@@ -363,7 +375,8 @@ class Runtime:
         self.audit.close()
         if self.envelope.recorder is not None:
             self.envelope.recorder.close()
-        log.info("shutdown complete: store closed, audit log flushed and closed")
+        if not quiet:
+            log.info("shutdown complete: store closed, audit log flushed and closed")
 
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()
@@ -389,6 +402,15 @@ class Runtime:
         self._stop.set()
 
 
+async def _bind(site: web.TCPSite, what: str, setting: str) -> None:
+    """Start `site`; ListenError naming the address and the setting that changes it."""
+    try:
+        await site.start()
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise ListenError(f"{what}: {reason}; choose another address with {setting}") from exc
+
+
 def _bound_port(runner: web.AppRunner, fallback: int) -> int:
     for address in runner.addresses:
         if isinstance(address, tuple) and len(address) >= 2:
@@ -396,8 +418,11 @@ def _bound_port(runner: web.AppRunner, fallback: int) -> int:
     return fallback
 
 
-async def serve(config: Config, worker: int = 0, announce: bool = True) -> int:
-    """Run one proxy process until signalled. Returns the exit status."""
+async def serve(config: Config, worker: int = 0, announce: bool = True,
+                banner: Sequence[str] = ()) -> int:
+    """Run one proxy process until signalled. Returns the exit status: 2 when the policy is
+    invalid or a listener cannot bind (one line on stderr), 0 after a graceful shutdown.
+    `banner`: lines printed after the URLs, once every listener is up."""
     runtime = Runtime(config, worker)
     try:
         revision = runtime.load_policy()
@@ -406,11 +431,25 @@ async def serve(config: Config, worker: int = 0, announce: bool = True) -> int:
             log.error("%s", problem)
         log.error("policy directory %s is invalid: not starting", config.policies)
         return 2
-    await runtime.start()
+    try:
+        await runtime.start()
+    except ListenError as exc:
+        # Close what start() opened (upstream sessions, store, audit) without a traceback:
+        # a busy port is an operator's everyday mistake, not a crash.
+        await runtime.stop(quiet=True)
+        print(f"envelope-proxy: {exc}", file=sys.stderr, flush=True)
+        return 2
     if announce and worker == 0:
         print(f"envelope-proxy {revision.revision} ({revision.engine}) ready", flush=True)
-        print(f"  MCP      {runtime.urls['mcp']}  (upstreams: {', '.join(sorted(runtime._targets)) or 'none'})", flush=True)
+        probed = sorted(n for n in runtime._targets if runtime._probed(n))
+        unprobed = sorted(n for n in runtime._targets if not runtime._probed(n))
+        shown = ", ".join(probed) or "none"
+        if unprobed:
+            shown += f"; placeholders, not probed: {', '.join(unprobed)}"
+        print(f"  MCP      {runtime.urls['mcp']}  (upstreams: {shown})", flush=True)
         print(f"  admin    {runtime.urls['admin']}", flush=True)
         print(f"  metrics  {runtime.urls['metrics']}", flush=True)
+        for line in banner:
+            print(line, flush=True)
     await runtime.run_until_signalled()
     return 0

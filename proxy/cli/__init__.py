@@ -33,9 +33,9 @@ examples:
   envelope-proxy serve --config config.yaml    run for real
   envelope-proxy check policies/               validate a policy directory (file:line:column errors)
   envelope-proxy test policies/ --coverage     run the policy tests kept beside the policies
-  envelope-proxy audit verify state/audit      prove the audit log untouched
-  envelope-proxy audit query state/audit --since 1h --verdict deny    recent refusals
-  envelope-proxy audit tail -f state/audit     follow decisions as they are made
+  envelope-proxy audit verify .envelope-state/audit   prove the audit log untouched
+  envelope-proxy audit query .envelope-state/audit --since 1h --verdict deny    recent refusals
+  envelope-proxy audit tail -f .envelope-state/audit  follow decisions as they are made
   envelope-proxy approvals list                pending approvals (token: ENVELOPE_APPROVER_TOKEN)"""
 
 

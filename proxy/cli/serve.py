@@ -114,6 +114,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -137,6 +146,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
               "or pass --policies)", file=sys.stderr)
         return 2
     port = args.upstream_port or _free_port()
+    if args.upstream_port and not _port_free(port):
+        print(f"envelope-proxy demo: the demo server cannot listen on 127.0.0.1:{port}: address already "
+              "in use; choose another port with --upstream-port", file=sys.stderr)
+        return 2
     server = subprocess.Popen([sys.executable, "-m", "proxy.examples.demo_server", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -153,6 +166,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         config = config.model_copy(update={
             "upstreams": {"demo": UpstreamOverride(url=f"http://127.0.0.1:{port}/mcp")},
             "workers": 1,
+            # The pack's other upstreams are placeholders nobody runs here: probing them would
+            # only log that they are down.
+            "health_upstreams": ["demo"],
             # The demo's agent is one static workload identity, as in a one-agent sidecar.
             "identity": IdentityConfig(mode="static", principal="demo-agent"),
             # One approver with a token minted for this run, so gated calls can be approved.
@@ -161,10 +177,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             }}),
         })
         _setup_logging(config.log_level)
-        print(f"demo notes server (MCP) on http://127.0.0.1:{port}/mcp; the agent is principal 'demo-agent'. Ctrl-C stops.",
-              flush=True)
-        print(f"approver 'demo-approver' token (for the approvals API and CLI): {approver_token}", flush=True)
-        return int(_run(serve(config)))
+        # Printed by serve() once the proxy listens, so a failed start shows no URL at all.
+        banner = [
+            f"demo notes server (MCP) on http://127.0.0.1:{port}/mcp; the agent is principal 'demo-agent'. Ctrl-C stops.",
+            f"approver 'demo-approver' token (for the approvals API and CLI): {approver_token}",
+        ]
+        return int(_run(serve(config, banner=banner)))
     finally:
         server.terminate()
         try:

@@ -232,6 +232,23 @@ async def test_pending_then_retried_after_approval_forwarded_exactly_once(world:
     assert performed[0]["extra"]["approver"] == "alice"
 
 
+async def test_legacy_retry_from_a_new_session_is_a_new_run(world: World) -> None:
+    # The README's tour, step 5, in legacy mode: the run is the MCP session, so an approval
+    # covers retries in the same session only; a new process (session) asks anew.
+    await write(world, "notes", "legacy-run")
+    async with mcp_client(world.proxy.url("notes"), "legacy", bearer=OPS) as first_session:
+        assert_refused(await first_session.call_tool("delete_note", {"title": "legacy-run"}), "approval_pending")
+        approval = await pending_for(world, "notes", "legacy-run")
+        r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/approve", json={"reason": "ok"})
+        assert r.status_code == 200
+        async with mcp_client(world.proxy.url("notes"), "legacy", bearer=OPS) as new_session:
+            elsewhere = await new_session.call_tool("delete_note", {"title": "legacy-run"})
+        meta = assert_refused(elsewhere, "approval_pending")
+        assert approval["id"] not in meta["reason"]  # its own approval, not the one granted
+        retried = await first_session.call_tool("delete_note", {"title": "legacy-run"})
+        assert retried.structured_content == {"deleted": "legacy-run", "existed": True}
+
+
 async def test_denied_call_shows_the_approvers_reason(world: World) -> None:
     first = await call(world, "notes", "delete_note", {"title": "welcome"})
     assert_refused(first, "approval_pending")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -170,3 +171,73 @@ def test_demo(tmp_path: Path) -> None:
     finally:
         rc = stop(proc, signal.SIGINT)
     assert rc == 0, log.read_text()
+
+
+def _occupied() -> tuple[socket.socket, int]:
+    """A loopback port some other program is listening on."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder, int(holder.getsockname()[1])
+
+
+def _assert_one_line_refusal(done: subprocess.CompletedProcess[str], port: int, setting: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "http://" not in done.stdout, done.stdout  # no URL of a proxy that never listened
+    assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "address already in use" in lines[0]
+    assert setting in lines[0]
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line(tmp_path: Path) -> None:
+    holder, port = _occupied()
+    with holder:
+        done = cli("serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{port}",
+                   "--admin", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "state"),
+                   cwd=tmp_path, timeout=30)
+    _assert_one_line_refusal(done, port, "--listen")
+
+
+def test_demo_on_a_busy_admin_port_says_so_in_one_line(tmp_path: Path) -> None:
+    holder, port = _occupied()
+    with holder:
+        done = cli("demo", "--listen", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{port}",
+                   "--state-dir", str(tmp_path / "state"), timeout=60)
+    _assert_one_line_refusal(done, port, "--admin")
+
+
+def test_demo_probes_only_what_it_runs(tmp_path: Path) -> None:
+    # The pack's placeholder upstreams (github, slack, ...) run nowhere: the demo must not warn
+    # that they are down, while the server it does run is probed and up.
+    port, admin = free_port(), free_port()
+    log = tmp_path / "demo.log"
+    env = {**os.environ, "ENVELOPE_HEALTH_INTERVAL": "0.2"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*CLI, "demo", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+             "--state-dir", str(tmp_path / "state")],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+        )
+    try:
+        wait_port(admin, proc)
+        deadline = time.monotonic() + 10
+        upstreams: dict[str, dict[str, object]] = {}
+        while time.monotonic() < deadline:
+            upstreams = httpx.get(f"http://127.0.0.1:{admin}/readyz", timeout=5).json()["upstreams"]
+            if upstreams.get("demo", {}).get("state") == "up":  # no traffic: only a probe says so
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)  # several more probe rounds: a placeholder probed would be down by now
+        upstreams = httpx.get(f"http://127.0.0.1:{admin}/readyz", timeout=5).json()["upstreams"]
+    finally:
+        rc = stop(proc, signal.SIGINT)
+    text = log.read_text()
+    assert rc == 0, text
+    assert upstreams["demo"]["state"] == "up", upstreams
+    placeholders = sorted(set(upstreams) - {"demo"})
+    assert placeholders, upstreams  # the whole pack is loaded
+    assert all(upstreams[name]["state"] == "unknown" for name in placeholders), upstreams
+    assert "is down" not in text, text
+    assert f"placeholders, not probed: {', '.join(placeholders)}" in text

@@ -112,6 +112,8 @@ async def test_policy_status_needs_an_approver_token(client: TestClient[Any, Any
     assert resp.status == 401 and "approver token" in (await resp.json())["error"]
     resp = await client.get("/v1/policy", headers={"Authorization": "Bearer wrong"})
     assert resp.status == 401
+    # A wrong token is told apart from a missing one.
+    assert "not an approver's token" in (await resp.json())["error"]
     # Health, readiness and metrics stay open (probes and scrapers carry no token).
     for path in ("/healthz", "/readyz", "/metrics"):
         assert (await client.get(path)).status == 200, path

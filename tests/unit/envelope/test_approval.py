@@ -418,6 +418,11 @@ async def test_api_refuses(api: tuple[TestClient, World]) -> None:
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic alice-token"}):
         r = await client.get("/v1/approvals", headers=headers)
         assert r.status == 401
+    # Missing and wrong tokens say which mistake it is.
+    missing = await (await client.get("/v1/approvals")).json()
+    wrong = await (await client.get("/v1/approvals", headers={"Authorization": "Bearer nope"})).json()
+    assert missing["error"] == "an approver token is required (Authorization: Bearer <token>)"
+    assert wrong["error"] == "the bearer token is not an approver's token (wrong, or not configured here)"
     r = await client.post(f"/v1/approvals/{approval_id}/approve",
                           headers={"Authorization": "Bearer agent-token"}, json={"reason": "me"})
     assert r.status == 403
