@@ -47,6 +47,7 @@ from proxy.policy.schemas import compile_schema
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
+    child,
     duplicate_keys,
     locate,
     mapping_items,
@@ -514,10 +515,9 @@ def _is_null(node: Node) -> bool:
 
 
 def _child(node: Node, key: str) -> tuple[Node | None, Node | None]:
-    for k, v in mapping_items(node):
-        if k.value == key:
-            return k, v
-    return None, None
+    if not isinstance(node, MappingNode):
+        return None, None
+    return child(node, key)
 
 
 def _dotted(base: str, loc: tuple[Any, ...]) -> str:
