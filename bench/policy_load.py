@@ -8,6 +8,7 @@ then times, in one process with one engine (as the runtime keeps it):
 - reload: `load_policy` again after one tool's rules changed, plus the chain (what a hot reload pays).
 
     python bench/policy_load.py --tools 10,100,1000 --rules 15
+    python bench/policy_load.py --tools 1000 --files 1,20         # one file, or one per 50 tools
     python bench/policy_load.py --tools 1000 --profile 25        # cProfile top functions
 
 It prints a Markdown table; bench/RESULTS.md ("Policy load at scale") quotes it.
@@ -75,13 +76,23 @@ def tool_yaml(i: int, rules: int, variant: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_policy(directory: Path, tools: int, rules: int, changed: int | None = None) -> None:
+def write_policy(
+    directory: Path, tools: int, rules: int, changed: int | None = None, files: int = 1
+) -> None:
+    """The policy in `files` files (the tools dealt out in order; the first file holds the rest),
+    each rewritten only when its text changes (as a git pull leaves untouched files alone)."""
     head = (
         "version: 1\nupstreams:\n  bench:\n    url: \"http://127.0.0.1:9100/mcp\"\n"
         "defaults:\n  unknown_tools: deny\nprincipals:\n  bench-agent:\n    capability: read-write\n"
     )
-    body = "".join(tool_yaml(i, rules, 1 if i == changed else 0) for i in range(tools))
-    (directory / "policy.yaml").write_text(head + "tools:\n" + body, encoding="utf-8")
+    per = -(-tools // files)
+    for f in range(files):
+        body = "".join(tool_yaml(i, rules, 1 if i == changed else 0)
+                       for i in range(f * per, min(tools, (f + 1) * per)))
+        text = (head if f == 0 else "") + ("tools:\n" + body if body else "")
+        path = directory / f"policy-{f:03d}.yaml"
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
 
 
 def build_chain(revision: Any) -> None:
@@ -106,18 +117,23 @@ def timed(directory: Path, engine: Any) -> tuple[float, float, Any]:
 
 
 def measure(tools: int, rules: int, engine_name: str, profile: int,
-            sort: str = "cumulative") -> dict[str, float]:
-    from proxy.policy import cel
+            sort: str = "cumulative", files: int = 1) -> dict[str, float]:
+    from proxy.policy import cel, loader, schemas
 
+    # Cold means cold: nothing compiled by an earlier row of this run is reused.
+    for cache in (cel._lint, cel._parse, cel._re2_compile):
+        cache.cache_clear()
+    schemas._VALIDATORS.clear()
+    loader._PARSED.clear()
     engine = cel.get_engine(engine_name)
     tmp = Path(tempfile.mkdtemp(prefix="policy-load-"))
     try:
-        write_policy(tmp, tools, rules)
+        write_policy(tmp, tools, rules, files=files)
         prof = cProfile.Profile() if profile else None
         if prof:
             prof.enable()
         cold_load, cold_chain, _ = timed(tmp, engine)
-        write_policy(tmp, tools, rules, changed=tools // 2)
+        write_policy(tmp, tools, rules, changed=tools // 2, files=files)
         reload_load, reload_chain, _ = timed(tmp, engine)
         if prof:
             prof.disable()
@@ -136,16 +152,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tools", default="10,100,1000", help="comma-separated tool counts")
     parser.add_argument("--rules", type=int, default=15, help="rules per tool")
+    parser.add_argument("--files", default="1",
+                        help="comma-separated file counts to spread the tools over")
     parser.add_argument("--engine", default="auto", help="CEL engine: auto, cel-cpp, cel-python")
     parser.add_argument("--profile", type=int, default=0, help="print the top N functions (cProfile)")
     args = parser.parse_args()
     counts = [int(n) for n in args.tools.split(",")]
-    print("| tools x rules | cold load | cold chain | reload (1 tool changed) | reload chain |")
-    print("|---|---|---|---|---|")
+    print("| tools x rules | files | cold load | cold chain | reload (1 tool changed) | reload chain |")
+    print("|---|---|---|---|---|---|")
     for n in counts:
-        r = measure(n, args.rules, args.engine, args.profile)
-        print(f"| {n} x {args.rules} | {r['cold_load']:.2f} s | {r['cold_chain']:.2f} s | "
-              f"{r['reload_load']:.2f} s | {r['reload_chain']:.2f} s |", flush=True)
+        for files in [int(f) for f in args.files.split(",")]:
+            r = measure(n, args.rules, args.engine, args.profile, files=files)
+            print(f"| {n} x {args.rules} | {files} | {r['cold_load']:.2f} s | "
+                  f"{r['cold_chain']:.2f} s | {r['reload_load']:.2f} s | "
+                  f"{r['reload_chain']:.2f} s |", flush=True)
 
 
 if __name__ == "__main__":

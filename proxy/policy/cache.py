@@ -20,8 +20,12 @@ class LruCache(Generic[K, V]):
     on every load, so its problems are always reported).
     """
 
-    def __init__(self, maxsize: int):
+    def __init__(self, maxsize: int, weigh: Callable[[K, V], int] | None = None):
+        """`maxsize` bounds the entries' total weight: `weigh(key, value)`, 1 each by default."""
         self.maxsize = maxsize
+        self._weigh = weigh
+        self._weights: dict[K, int] = {}
+        self._total = 0
         self._data: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -29,6 +33,12 @@ class LruCache(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._weights.clear()
+            self._total = 0
 
     def get_or_build(self, key: K, build: Callable[[], V]) -> V:
         with self._lock:
@@ -38,9 +48,13 @@ class LruCache(Generic[K, V]):
                 return self._data[key]
             self.misses += 1
         value = build()
+        weight = self._weigh(key, value) if self._weigh is not None else 1
         with self._lock:
+            self._total += weight - self._weights.get(key, 0)
+            self._weights[key] = weight
             self._data[key] = value
             self._data.move_to_end(key)
-            while len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
+            while self._total > self.maxsize and len(self._data) > 1:
+                old, _ = self._data.popitem(last=False)
+                self._total -= self._weights.pop(old)
         return value

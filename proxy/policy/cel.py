@@ -358,6 +358,7 @@ class PyEngine:
         self._celpy = celpy
         self._env = celpy.Environment()
         self._programs: LruCache[str, _PyProgram] = LruCache(PROGRAM_CACHE_SIZE)
+        self._joined: LruCache[tuple[str, ...], Program] = LruCache(PROGRAM_CACHE_SIZE)
 
     def compile(self, expr: str) -> _PyProgram:
         """The program for `expr`, compiled once per engine (cached by text)."""
@@ -372,6 +373,10 @@ class PyEngine:
         return _PyProgram(expr, prog)
 
     def compile_any(self, sources: Sequence[str]) -> Program:
+        key = tuple(sources)
+        return self._joined.get_or_build(key, lambda: self._compile_any(key))
+
+    def _compile_any(self, sources: tuple[str, ...]) -> Program:
         programs = [self.compile(src) for src in sources]
         return programs[0] if len(programs) == 1 else _AnyProgram(programs)
 

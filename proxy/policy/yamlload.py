@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -46,6 +46,9 @@ class YamlFile:
     name: str
     text: str
     root: Node | None
+    # What the loader derived from this file's nodes (validated entries, compiled tools), by
+    # node: a file unchanged since the last load is parsed, validated and compiled once.
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def position(node: Node) -> tuple[int, int]:
@@ -112,7 +115,10 @@ def _compose_fast(text: str) -> list[Node | None] | None:
         parser.dispose()
     converted: dict[int, Node] = {}
     nodes = [_ruamel_node(d, converted) if d is not None else None for d in docs]
-    empties = [n for n in converted.values() if _empty_scalar(n)]
+    mappings = [n for n in converted.values() if isinstance(n, MappingNode)]
+    if any(_empty_scalar(v) for n in mappings if n.flow_style for _, v in n.value):
+        return None  # `{a: , b: 1}`: libyaml and ruamel place the empty value differently
+    empties = [v for n in mappings for _, v in n.value if _empty_scalar(v)]
     if empties:
         _place_empty(text, empties)
     return nodes
@@ -124,9 +130,10 @@ def _empty_scalar(node: Node) -> bool:
 
 
 def _place_empty(text: str, nodes: list[Node]) -> None:
-    """Give empty scalars (`key:` with no value) ruamel's marks: the start of the next token,
-    where libyaml puts them right after the indicator (problems about an empty value point at
-    the same place with either parser)."""
+    """Give the empty values of block mappings (`key:` and nothing) ruamel's marks: the end of
+    the next token (a key or a block end, both zero-width; or a `:`), where libyaml puts them
+    right after the indicator. Problems about an empty value then point at the same place with
+    either parser. (Elsewhere both parsers put an empty scalar after its indicator.)"""
     starts = [0]
     starts += [i + 1 for i, c in enumerate(text) if c == "\n"]
     for node in nodes:
@@ -140,6 +147,8 @@ def _place_empty(text: str, nodes: list[Node]) -> None:
                 index = len(text) if newline < 0 else newline
             else:
                 break
+        if text.startswith(":", index) and text[index + 1:index + 2] in ("", " ", "\t", "\r", "\n"):
+            index += 1  # a value indicator (an empty key follows): its end
         line = bisect.bisect_right(starts, index) - 1
         mark = _pyyaml.error.Mark(node.start_mark.name, index, line, index - starts[line],
                                   None, None)
