@@ -10,6 +10,8 @@ then times, in one process with one engine (as the runtime keeps it):
     python bench/policy_load.py --tools 10,100,1000 --rules 15
     python bench/policy_load.py --tools 1000 --files 1,20         # one file, or one per 50 tools
     python bench/policy_load.py --tools 1000 --profile 25        # cProfile top functions
+    python bench/policy_load.py --tools 1000 --files 20 --traffic 20   # calls through the real proxy:
+                                     # latency steady vs while the policy hot-reloads back to back
 
 It prints a Markdown table; bench/RESULTS.md ("Policy load at scale") quotes it.
 """
@@ -17,14 +19,26 @@ It prints a Markdown table; bench/RESULTS.md ("Policy load at scale") quotes it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import http.client
 import io
+import json
+import os
 import pstats
+import re
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+BENCH = Path(__file__).resolve().parent
 
 RULES = [
     ('forbid', 'args.repo.startsWith("corp/secret-{i}")'),
@@ -77,19 +91,21 @@ def tool_yaml(i: int, rules: int, variant: int = 0) -> str:
 
 
 def write_policy(
-    directory: Path, tools: int, rules: int, changed: int | None = None, files: int = 1
+    directory: Path, tools: int, rules: int, changed: int | None = None, files: int = 1,
+    head: bool = True,
 ) -> None:
-    """The policy in `files` files (the tools dealt out in order; the first file holds the rest),
-    each rewritten only when its text changes (as a git pull leaves untouched files alone)."""
-    head = (
+    """The policy in `files` files (the tools dealt out in order), each rewritten only when its
+    text changes (as a git pull leaves untouched files alone). Without `head`, tools only (the
+    traffic run adds them to bench/policy/bench.yaml, which declares the rest)."""
+    head_text = (
         "version: 1\nupstreams:\n  bench:\n    url: \"http://127.0.0.1:9100/mcp\"\n"
         "defaults:\n  unknown_tools: deny\nprincipals:\n  bench-agent:\n    capability: read-write\n"
-    )
+    ) if head else ""
     per = -(-tools // files)
     for f in range(files):
         body = "".join(tool_yaml(i, rules, 1 if i == changed else 0)
                        for i in range(f * per, min(tools, (f + 1) * per)))
-        text = (head if f == 0 else "") + ("tools:\n" + body if body else "")
+        text = (head_text if f == 0 else "") + ("tools:\n" + body if body else "")
         path = directory / f"policy-{f:03d}.yaml"
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
@@ -148,12 +164,140 @@ def measure(tools: int, rules: int, engine_name: str, profile: int,
     }
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"process exited with {proc.returncode} before listening on {port}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise SystemExit(f"nothing listening on {port}")
+
+
+def reloads(admin: int) -> float:
+    """The proxy's count of successful reloads (its /metrics)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10).read().decode()
+    m = re.search(r'^envelope_policy_reloads_total\{result="success"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def call_loop(port: int, stop: threading.Event, out: list[tuple[float, float]]) -> None:
+    """Sequential `tools/call`s of the bench tool on one keep-alive connection: (start, latency)."""
+    sys.path.insert(0, str(BENCH))
+    from run import BODY, HEADERS  # the same call bench/run.py measures
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        conn.request("POST", "/mcp/bench", BODY, HEADERS)
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200 or b'"isError":false' not in body:
+            raise SystemExit(f"call refused or failed: {resp.status} {body[:200]!r}")
+        out.append((t0, time.perf_counter() - t0))
+    conn.close()
+
+
+def p(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] * 1000 if len(values) > 1 else 0.0
+
+
+def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
+    """p50/p99 of calls through the real proxy, steady and while it reloads a `tools`-tool policy
+    (one tool edited, the next edit as soon as the last reload is in)."""
+    tmp = Path(tempfile.mkdtemp(prefix="policy-traffic-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    stack = contextlib.ExitStack()
+    try:
+        policy = tmp / "policy"
+        policy.mkdir()
+        shutil.copy(BENCH / "policy" / "bench.yaml", policy / "bench.yaml")
+        write_policy(policy, tools, rules, files=files, head=False)
+        up_port, port, admin = free_port(), free_port(), free_port()
+        config = {
+            "listen": f"127.0.0.1:{port}", "admin": f"127.0.0.1:{admin}",
+            "policies": str(policy), "state_dir": str(tmp / "state"),
+            "identity": {"mode": "static", "principal": "bench-agent", "groups": ["engineering"]},
+            "upstreams": {"bench": {"url": f"http://127.0.0.1:{up_port}/mcp"}},
+            "reload_interval": 0.2, "workers": 1, "log_level": "warning",
+        }
+        (tmp / "config.json").write_text(json.dumps(config))
+        env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
+        log = stack.enter_context((tmp / "proxy.log").open("wb"))
+        procs.append(subprocess.Popen([sys.executable, str(BENCH / "upstream.py"), "--port",
+                                       str(up_port)], stdout=log, stderr=log))
+        started = time.perf_counter()
+        procs.append(subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config",
+                                       str(tmp / "config.json")], stdout=log, stderr=log, env=env))
+        wait_port(up_port, procs[0])
+        wait_port(admin, procs[1])
+        print(f"\nproxy up with {tools} tools in {files} file(s) after "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
+        results = {}
+        for phase in ("steady", "reloading"):
+            out: list[tuple[float, float]] = []
+            stop = threading.Event()
+            client = threading.Thread(target=call_loop, args=(port, stop, out))
+            client.start()
+            done, durations = 0, []
+            t_end = time.perf_counter() + seconds
+            variant = 0
+            while time.perf_counter() < t_end:
+                if phase == "steady":
+                    time.sleep(0.2)
+                    continue
+                variant += 1
+                before = reloads(admin)
+                t0 = time.perf_counter()
+                write_policy(policy, tools, rules, changed=variant % tools, files=files, head=False)
+                while reloads(admin) == before:
+                    time.sleep(0.05)
+                durations.append(time.perf_counter() - t0)
+                done += 1
+            stop.set()
+            client.join()
+            lat = [x for _, x in out]
+            results[phase] = lat
+            extra = ""
+            if durations:
+                extra = (f", {done} reloads, edit to reload done: median "
+                         f"{statistics.median(durations):.2f} s (includes the 0.2 s poll)")
+            print(f"{phase}: {len(lat)} calls, p50 {p(lat, 0.5):.2f} ms, p99 {p(lat, 0.99):.2f} ms, "
+                  f"max {max(lat) * 1000:.1f} ms{extra}", flush=True)
+        ratio = p(results["reloading"], 0.99) / max(p(results["steady"], 0.99), 1e-9)
+        print(f"p99 during reloads / steady p99: {ratio:.2f}x", flush=True)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        stack.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tools", default="10,100,1000", help="comma-separated tool counts")
     parser.add_argument("--rules", type=int, default=15, help="rules per tool")
     parser.add_argument("--files", default="1",
                         help="comma-separated file counts to spread the tools over")
+    parser.add_argument("--traffic", type=float, default=0.0,
+                        help="seconds of calls through the real proxy per phase (steady, reloading)")
     parser.add_argument("--engine", default="auto", help="CEL engine: auto, cel-cpp, cel-python")
     parser.add_argument("--profile", type=int, default=0, help="print the top N functions (cProfile)")
     args = parser.parse_args()
@@ -166,6 +310,8 @@ def main() -> None:
             print(f"| {n} x {args.rules} | {files} | {r['cold_load']:.2f} s | "
                   f"{r['cold_chain']:.2f} s | {r['reload_load']:.2f} s | "
                   f"{r['reload_chain']:.2f} s |", flush=True)
+    if args.traffic:
+        run_traffic(max(counts), args.rules, int(args.files.split(",")[-1]), args.traffic)
 
 
 if __name__ == "__main__":
