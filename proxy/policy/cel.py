@@ -121,6 +121,7 @@ class CppEngine:
         self._env = cel.NewEnv(variables=variables)
         self._programs: LruCache[str, _CppProgram] = LruCache(PROGRAM_CACHE_SIZE)
         self._joined: LruCache[tuple[str, ...], Program] = LruCache(PROGRAM_CACHE_SIZE)
+        self._rewrites: LruCache[str, str | None] = LruCache(PROGRAM_CACHE_SIZE)
         self._re2: Any = None
         self._fast_env: Any = None
         try:
@@ -156,10 +157,14 @@ class CppEngine:
         """`expr` with literal-pattern `matches` calls rewritten to the precompiled search.
 
         None when there is nothing to rewrite. Raises CelCompileError for a pattern that RE2
-        rejects (caught at load instead of failing every call).
+        rejects (caught at load instead of failing every call). Cached by text: the checks
+        rewrite every rule again when they join a tool's rules (`compile_any`).
         """
         if self._fast_env is None or "matches" not in expr:
             return None
+        return self._rewrites.get_or_build(expr, lambda: self._rewrite(expr))
+
+    def _rewrite(self, expr: str) -> str | None:
         sites = _matches_sites(expr)
         if not sites:
             return None
