@@ -9,6 +9,7 @@ upstream pool, flush and close the audit log. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ from proxy.observability.metrics import Metrics
 from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
-from proxy.policy.reload import PolicyWatcher
+from proxy.policy.reload import PolicyWatcher, responsive_loop
 from proxy.store.base import Store
 from proxy.store.factory import open_store
 from proxy.tools.replay import open_recorder
@@ -150,9 +151,10 @@ class Runtime:
         async with self._reload_lock:
             started = time.time()
             try:
-                revision = await asyncio.to_thread(
-                    load_policy, self.config.policies, engine=self._engine()
-                )
+                with responsive_loop():
+                    revision = await asyncio.to_thread(
+                        load_policy, self.config.policies, engine=self._engine()
+                    )
             except PolicyError as exc:
                 errors = [str(p) for p in exc.problems]
                 self.metrics.reload("failure")
@@ -431,6 +433,11 @@ async def serve(config: Config, worker: int = 0, announce: bool = True,
             log.error("%s", problem)
         log.error("policy directory %s is invalid: not starting", config.policies)
         return 2
+    # Everything alive now (the compiled policy, its caches: ~700,000 objects for 1,000 tools)
+    # lives for the process: out of the collector's sight, a full collection (which a reload's
+    # allocations trigger, holding the GIL) takes milliseconds instead of ~0.5 s of stalled calls.
+    gc.collect()
+    gc.freeze()
     try:
         await runtime.start()
     except ListenError as exc:

@@ -11,16 +11,26 @@ Contract: `Engine.compile(expr)` raises `CelCompileError` (with a 0-based offset
 `Engine.activation(vars)` converts the per-call variables once; `Program.evaluate(act)` returns a
 bool or raises `CelEvalError` (runtime error or a non-bool result). Callers decide what an error
 means (a forbid rule that errors counts as matched, an allow rule as not matched).
+
+Compiling is the cost of loading a policy (a 1,000-tool policy holds ~17,000 expressions), and a
+hot reload usually changes a few of them. So each engine keeps the programs it compiled, keyed by
+the expression text (an engine's declared variables and functions are fixed when it is built, so
+the text is the whole key), and `lint` and the parse it runs are cached by text too: a reload
+compiles only what changed. Every cache is a bounded LRU, so a long-lived process that sees many
+revisions does not grow without end. A compiled program is immutable and already shared by
+concurrent calls, so sharing it across revisions changes nothing about how it evaluates.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from proxy.errors import CelCompileError, CelEvalError
+from proxy.policy.cache import LruCache
 
 # Variables visible to CEL, all maps of string to dyn except `now`.
 VARIABLES = ("principal", "tool", "args", "run", "request", "now")
@@ -43,6 +53,11 @@ class Engine(Protocol):
 
 
 _LOCATION = re.compile(r"<input>:(\d+):(\d+):")
+
+# Programs kept per engine: ~17,000 is one 1,000-tool policy with 15 rules a tool; twice that
+# holds a revision and the next one while everything changes.
+PROGRAM_CACHE_SIZE = 40_000
+
 
 
 def _offset(expr: str, message: str) -> int:
@@ -104,7 +119,9 @@ class CppEngine:
         variables = {v: dyn_map for v in VARIABLES if v != "now"}
         variables["now"] = cel.Type.TIMESTAMP
         self._env = cel.NewEnv(variables=variables)
-        self._regex: dict[str, Any] = {}
+        self._programs: LruCache[str, _CppProgram] = LruCache(PROGRAM_CACHE_SIZE)
+        self._joined: LruCache[tuple[str, ...], Program] = LruCache(PROGRAM_CACHE_SIZE)
+        self._rewrites: LruCache[str, str | None] = LruCache(PROGRAM_CACHE_SIZE)
         self._re2: Any = None
         self._fast_env: Any = None
         try:
@@ -123,10 +140,7 @@ class CppEngine:
             pass
 
     def _re_search(self, text: str, pattern: str) -> bool:
-        compiled = self._regex.get(pattern)
-        if compiled is None:
-            compiled = self._regex[pattern] = self._re2.compile(pattern)
-        return compiled.search(text) is not None
+        return _re2_compile(self._re2, pattern).search(text) is not None
 
     def _check(self, expr: str) -> Any:
         try:
@@ -143,10 +157,14 @@ class CppEngine:
         """`expr` with literal-pattern `matches` calls rewritten to the precompiled search.
 
         None when there is nothing to rewrite. Raises CelCompileError for a pattern that RE2
-        rejects (caught at load instead of failing every call).
+        rejects (caught at load instead of failing every call). Cached by text: the checks
+        rewrite every rule again when they join a tool's rules (`compile_any`).
         """
         if self._fast_env is None or "matches" not in expr:
             return None
+        return self._rewrites.get_or_build(expr, lambda: self._rewrite(expr))
+
+    def _rewrite(self, expr: str) -> str | None:
         sites = _matches_sites(expr)
         if not sites:
             return None
@@ -154,12 +172,16 @@ class CppEngine:
             literal = expr[literal_start:literal_end]
             pattern = self._env.compile(literal).eval().value()
             try:
-                self._regex[pattern] = self._re2.compile(pattern)
+                _re2_compile(self._re2, pattern)
             except Exception as exc:
                 raise CelCompileError(f"invalid regular expression {literal}: {exc}", literal_start) from exc
         return _apply_sites(expr, sites)
 
     def compile(self, expr: str) -> _CppProgram:
+        """The program for `expr`, compiled once per engine (cached by text)."""
+        return self._programs.get_or_build(expr, lambda: self._compile(expr))
+
+    def _compile(self, expr: str) -> _CppProgram:
         compiled = self._check(expr)
         rtype = compiled.return_type().name()
         if rtype not in ("BOOL", "DYN", "bool", "dyn"):
@@ -181,6 +203,10 @@ class CppEngine:
         """
         if len(sources) == 1:
             return self.compile(sources[0])
+        key = tuple(sources)
+        return self._joined.get_or_build(key, lambda: self._compile_any(key))
+
+    def _compile_any(self, sources: tuple[str, ...]) -> Program:
         parts = [self._fast(src) or src for src in sources]
         env = self._fast_env if self._fast_env is not None else self._env
         joined = join_any(parts)
@@ -193,13 +219,29 @@ class CppEngine:
         return self._env.Activation(dict(variables))
 
 
-def _matches_sites(expr: str) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
-    """`recv.matches("lit")` and `matches(s, "lit")` calls: (call span, receiver span, literal span)."""
+@functools.lru_cache(maxsize=4096)
+def _re2_compile(re2: Any, pattern: str) -> Any:
+    """The RE2 program for a `matches` literal (bounded: evicted patterns recompile on use)."""
+    return re2.compile(pattern)
+
+
+# A few recent parses: `lint` and the `matches` rewrite parse the same text one after the other.
+@functools.lru_cache(maxsize=256)
+def _parse(expr: str) -> Any:
+    """cel-python's parse tree of `expr` (never mutated by its readers); None when it does not
+    parse."""
     from celpy.celparser import CELParser
 
     try:
-        tree = CELParser().parse(expr)
+        return CELParser().parse(expr)
     except Exception:
+        return None
+
+
+def _matches_sites(expr: str) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+    """`recv.matches("lit")` and `matches(s, "lit")` calls: (call span, receiver span, literal span)."""
+    tree = _parse(expr)
+    if tree is None:
         return []
     sites = []
     for node in tree.iter_subtrees():
@@ -320,8 +362,14 @@ class PyEngine:
 
         self._celpy = celpy
         self._env = celpy.Environment()
+        self._programs: LruCache[str, _PyProgram] = LruCache(PROGRAM_CACHE_SIZE)
+        self._joined: LruCache[tuple[str, ...], Program] = LruCache(PROGRAM_CACHE_SIZE)
 
     def compile(self, expr: str) -> _PyProgram:
+        """The program for `expr`, compiled once per engine (cached by text)."""
+        return self._programs.get_or_build(expr, lambda: self._compile(expr))
+
+    def _compile(self, expr: str) -> _PyProgram:
         try:
             ast = self._env.compile(expr)
             prog = self._env.program(ast)
@@ -330,6 +378,10 @@ class PyEngine:
         return _PyProgram(expr, prog)
 
     def compile_any(self, sources: Sequence[str]) -> Program:
+        key = tuple(sources)
+        return self._joined.get_or_build(key, lambda: self._compile_any(key))
+
+    def _compile_any(self, sources: tuple[str, ...]) -> Program:
         programs = [self.compile(src) for src in sources]
         return programs[0] if len(programs) == 1 else _AnyProgram(programs)
 
@@ -429,18 +481,23 @@ _LITERAL_TYPES = {
 def lint(expr: str, *, identifiers: bool = True, result_type: bool = True) -> list[tuple[int, str]]:
     """Problems the engines miss, as (0-based offset, message), in source order.
 
+    Cached by its arguments (the result depends on nothing else); the caller gets its own list.
+
     Unknown fields on the fixed-shape variables always; with `identifiers`, references to
     undeclared variables (macro variables are bound, not undeclared); with `result_type`, a
     result that is obviously not a bool (a literal, arithmetic, a list or map). An expression
     that does not parse yields nothing here: the engine reports the syntax error.
     """
-    from celpy.celparser import CELParser
+    return list(_lint(expr, identifiers, result_type))
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _lint(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple[int, str], ...]:
     from lark import Token, Tree
 
-    try:
-        tree = CELParser().parse(expr)
-    except Exception:
-        return []
+    tree = _parse(expr)
+    if tree is None:
+        return ()
     problems: list[tuple[int, str]] = []
 
     def bare_ident(node: Any) -> Token | None:
@@ -501,7 +558,7 @@ def lint(expr: str, *, identifiers: bool = True, result_type: bool = True) -> li
         if kind is not None:
             problems.append((0, f"expression must be a bool, it is {kind}"))
     problems.sort(key=lambda p: p[0])
-    return problems
+    return tuple(problems)
 
 
 def _obvious_type(tree: Any) -> str | None:

@@ -20,6 +20,7 @@ from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from proxy.errors import CelCompileError, PolicyError, PolicyProblem
 from proxy.policy import cel
+from proxy.policy.cache import LruCache
 from proxy.policy.compiled import (
     CompiledPrincipal,
     CompiledRule,
@@ -47,6 +48,7 @@ from proxy.policy.schemas import compile_schema
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
+    child,
     duplicate_keys,
     locate,
     mapping_items,
@@ -70,6 +72,23 @@ _UPSTREAM_KEYED = {
     "prompts": (PROMPT_KEY, "a prompt key '<upstream>.<prompt name>'"),
 }
 _TOP_KEYS = tuple(PolicyDocument.model_fields)
+
+# Parsed files by (name, text), so a reload re-parses only the files that changed (a 1,000-tool
+# policy is ~1.9 MB of YAML, ~2 s to compose). Bounded by source size: a parsed file holds ~27
+# bytes of nodes per character, so 4 M characters is ~110 MB at most.
+_PARSED: LruCache[tuple[str, str], tuple[YamlFile | None, tuple[PolicyProblem, ...]]] = LruCache(
+    4_000_000, weigh=lambda key, _: len(key[1])
+)
+
+
+def _parse_cached(name: str, text: str) -> tuple[YamlFile | None, tuple[PolicyProblem, ...]]:
+    def build() -> tuple[YamlFile | None, tuple[PolicyProblem, ...]]:
+        parsed, problems = parse_file(name, text)
+        if parsed is not None and parsed.root is not None:
+            problems += duplicate_keys(name, parsed.root)
+        return parsed, tuple(problems)
+
+    return _PARSED.get_or_build((name, text), build)
 
 
 def policy_files(directory: Path) -> list[Path]:
@@ -135,12 +154,10 @@ class _Loader:
             except (OSError, UnicodeDecodeError) as exc:
                 self.problems.append(PolicyProblem(name, 1, 1, f"cannot read: {exc}"))
                 continue
-            parsed, problems = parse_file(name, text)
+            parsed, problems = _parse_cached(name, text)
             self.problems += problems
             if parsed is None:
                 continue
-            if parsed.root is not None:
-                self.problems += duplicate_keys(name, parsed.root)
             self.files.append(parsed)
 
     # -- stage: merge ---------------------------------------------------------------------
@@ -213,12 +230,18 @@ class _Loader:
     # -- stage: validate ------------------------------------------------------------------
 
     def validate(self, entry: _Entry, model: type[BaseModel]) -> Any:
-        """The entry as `model`, or None after adding a problem per pydantic error."""
+        """The entry as `model`, or None after adding a problem per pydantic error.
+
+        A valid entry is kept with its file (a model depends on nothing but the node's data).
+        """
+        memo_key = ("validated", id(entry.value), model)
+        if entry.value is not None and memo_key in entry.file.memo:
+            return entry.file.memo[memo_key]
         data = self.convert.value(entry.value) if entry.value is not None else {}
         if data is None:
             data = {}
         try:
-            return model.model_validate(data)
+            valid = model.model_validate(data)
         except ValidationError as exc:
             anchor = entry.value if entry.value is not None else entry.key
             for err in exc.errors():
@@ -241,6 +264,9 @@ class _Loader:
                     message = f"{where}: {msg}"
                 self.add(entry.file, node, message)
             return None
+        if entry.value is not None:
+            entry.file.memo[memo_key] = valid
+        return valid
 
     # -- stage: CEL -------------------------------------------------------------------------
 
@@ -304,6 +330,21 @@ class _Loader:
     # -- stage: tools -----------------------------------------------------------------------
 
     def tool(self, entry: _Entry, policy: ToolPolicy) -> CompiledTool | None:
+        """The compiled tool, or None after adding its problems. One compiled without problems is
+        kept with its file: it depends on the node, the key, the engine and whether the upstream
+        is declared, all in the key."""
+        declared = entry.name.partition(".")[0] in self.entries["upstreams"]
+        memo_key = ("tool", id(entry.value), entry.name, self.engine, declared)
+        if memo_key in entry.file.memo:
+            compiled: CompiledTool = entry.file.memo[memo_key]
+            return compiled
+        before = len(self.problems)
+        result = self._tool(entry, policy)
+        if result is not None and len(self.problems) == before:
+            entry.file.memo[memo_key] = result
+        return result
+
+    def _tool(self, entry: _Entry, policy: ToolPolicy) -> CompiledTool | None:
         ok = True
         upstream, _, name = entry.name.partition(".")
         if upstream not in self.entries["upstreams"]:
@@ -514,10 +555,9 @@ def _is_null(node: Node) -> bool:
 
 
 def _child(node: Node, key: str) -> tuple[Node | None, Node | None]:
-    for k, v in mapping_items(node):
-        if k.value == key:
-            return k, v
-    return None, None
+    if not isinstance(node, MappingNode):
+        return None, None
+    return child(node, key)
 
 
 def _dotted(base: str, loc: tuple[Any, ...]) -> str:

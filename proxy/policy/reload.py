@@ -10,10 +10,29 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+# The GIL switch interval while a reload compiles in a worker thread. By default a thread that
+# holds the GIL is asked to drop it only after 5 ms, and the event loop needs it back after
+# every socket wait (four or more per call): with a reload running, calls' p99 rose from 1.8 to
+# 24 ms (bench/policy_load.py --traffic). At 0.5 ms the loop gets it back ten times sooner.
+RELOAD_SWITCH_INTERVAL = 0.0005
+
+
+@contextlib.contextmanager
+def responsive_loop(interval: float = RELOAD_SWITCH_INTERVAL) -> Iterator[None]:
+    """Shorten the GIL switch interval for the duration (a reload in a worker thread), then put
+    back what it was. Process-wide: the caller runs one reload at a time."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, interval))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 Fingerprint = tuple[tuple[str, int, int], ...]
 

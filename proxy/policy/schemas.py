@@ -9,10 +9,13 @@ check) is compiled here, and only the formats listed in `VALIDATED_FORMATS` may 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import jsonschema_rs
+
+from proxy.policy.cache import LruCache
 
 # The formats jsonschema-rs (0.61) rejects malformed strings for when `validate_formats` is on;
 # tests/unit/policy/test_schemas.py holds a malformed value for each, so a jsonschema-rs that stops
@@ -33,6 +36,22 @@ def compile_schema(schema: Mapping[str, Any]) -> Any:
     ValueError), a remote `$ref` included; callers map it to their own error. Unknown formats
     are ignored, not errors: upstream schemas use OpenAPI's `int32`, `byte` and the like.
     """
+    try:
+        # The JSON text in the schema's own key order: the same schema in every revision and
+        # from every upstream is one key, and a reordered one a new key (key order can decide
+        # which error a validator reports first, so it is part of what was compiled).
+        key = json.dumps(schema, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError):  # not JSON (a YAML date, say): compile it, uncached
+        return _compile(schema)
+    return _VALIDATORS.get_or_build(key, lambda: _compile(schema))
+
+
+# Validators by schema text: a reload and every upstream's `tools/list` refresh compile only
+# schemas they have not seen (a validator is immutable and safe to share between threads).
+_VALIDATORS: LruCache[str, Any] = LruCache(8192)
+
+
+def _compile(schema: Mapping[str, Any]) -> Any:
     # offline: by default jsonschema-rs fetches a remote `$ref` while compiling, a blocking
     # request to wherever an upstream's `tools/list` answer points, made from the event loop.
     return jsonschema_rs.validator_for(

@@ -4,21 +4,39 @@ The loader needs a 1-based line and column for every problem, including problems
 after parsing (pydantic errors, CEL errors inside a scalar). So a file is *composed* (ruamel's
 node graph: every key, value and item carries its start mark) and converted to plain Python
 values separately; the node tree is kept to map a path back to a place.
+
+Composing with ruamel's pure-Python parser costs ~14 s for a 1,000-tool policy (1.9 MB), so a
+file is composed by libyaml (PyYAML's C parser, ~10x faster) into the same ruamel nodes, with
+ruamel's YAML 1.2 tag resolution: the loader sees exactly what the pure parser gives. Anything
+libyaml rejects, and any file with a `%YAML` directive or a byte-order mark, is composed by the pure parser, which
+words every syntax error as before.
 """
 
 from __future__ import annotations
 
+import bisect
+import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from ruamel.yaml.resolver import VersionedResolver
+from ruamel.yaml.tag import Tag
+
+try:
+    import yaml as _pyyaml
+    from yaml.cyaml import CParser as _CParser
+except ImportError:  # pragma: no cover - PyYAML without libyaml: the pure parser does it all
+    _CParser = None
 
 from proxy.errors import PolicyProblem
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_STR_TAG = "tag:yaml.org,2002:str"
+_IMMUTABLE = (str, int, float, bytes, type(None), datetime.date)  # bool is an int
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +46,9 @@ class YamlFile:
     name: str
     text: str
     root: Node | None
+    # What the loader derived from this file's nodes (validated entries, compiled tools), by
+    # node: a file unchanged since the last load is parsed, validated and compiled once.
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def position(node: Node) -> tuple[int, int]:
@@ -43,6 +64,9 @@ def problem(file: str, node: Node | None, message: str) -> PolicyProblem:
 
 def parse_file(name: str, text: str) -> tuple[YamlFile | None, list[PolicyProblem]]:
     """Compose `text`; a syntax error or more than one document is a problem, not an exception."""
+    fast = _compose_fast(text)
+    if fast is not None:
+        return _one_document(name, text, fast)
     yaml = YAML(typ="safe", pure=True)
     try:
         docs = list(yaml.compose_all(text))
@@ -53,10 +77,148 @@ def parse_file(name: str, text: str) -> tuple[YamlFile | None, list[PolicyProble
         return None, [PolicyProblem(name, line, col, f"YAML syntax error: {what}")]
     except YAMLError as exc:
         return None, [PolicyProblem(name, 1, 1, f"YAML error: {exc}")]
+    return _one_document(name, text, docs)
+
+
+def _one_document(
+    name: str, text: str, docs: list[Node | None]
+) -> tuple[YamlFile | None, list[PolicyProblem]]:
     docs = [d for d in docs if d is not None]
     if len(docs) > 1:
         return None, [problem(name, docs[1], "a policy file holds one YAML document, found more")]
     return YamlFile(name, text, docs[0] if docs else None), []
+
+
+_KINDS: dict[Any, type[Node]] = {}
+if _CParser is not None:
+    _KINDS = {
+        _pyyaml.ScalarNode: ScalarNode,
+        _pyyaml.SequenceNode: SequenceNode,
+        _pyyaml.MappingNode: MappingNode,
+    }
+
+
+def _compose_fast(text: str) -> list[Node | None] | None:
+    """Every document of `text` composed by libyaml as ruamel nodes; None to use the pure parser
+    (no libyaml, a `%YAML` directive, a byte-order mark (libyaml counts marks from after it),
+    or anything libyaml rejects)."""
+    if _CParser is None or "%YAML" in text or text.startswith("\ufeff"):
+        return None
+    parser = _FastParser(text)
+    try:
+        docs = []
+        while parser.check_node():
+            docs.append(parser.get_node())
+    except Exception:  # the pure parser reports it, in its own words and place
+        return None
+    finally:
+        parser.dispose()
+    converted: dict[int, Node] = {}
+    nodes = [_ruamel_node(d, converted) if d is not None else None for d in docs]
+    mappings = [n for n in converted.values() if isinstance(n, MappingNode)]
+    if any(_empty_scalar(v) for n in mappings if n.flow_style for _, v in n.value):
+        return None  # `{a: , b: 1}`: libyaml and ruamel place the empty value differently
+    empties = [v for n in mappings for _, v in n.value if _empty_scalar(v)]
+    if empties:
+        _place_empty(text, empties)
+    return nodes
+
+
+def _empty_scalar(node: Node) -> bool:
+    return (isinstance(node, ScalarNode) and node.value == "" and node.style is None
+            and node.start_mark.index == node.end_mark.index)
+
+
+def _place_empty(text: str, nodes: list[Node]) -> None:
+    """Give the empty values of block mappings (`key:` and nothing) ruamel's marks: the end of
+    the next token (a key or a block end, both zero-width; or a `:`), where libyaml puts them
+    right after the indicator. Problems about an empty value then point at the same place with
+    either parser. (Elsewhere both parsers put an empty scalar after its indicator.)"""
+    starts = [0]
+    starts += [i + 1 for i, c in enumerate(text) if c == "\n"]
+    for node in nodes:
+        index = node.start_mark.index
+        while index < len(text):
+            c = text[index]
+            if c in " \t\r\n":
+                index += 1
+            elif c == "#":
+                newline = text.find("\n", index)
+                index = len(text) if newline < 0 else newline
+            else:
+                break
+        if text.startswith(":", index) and text[index + 1:index + 2] in ("", " ", "\t", "\r", "\n"):
+            index += 1  # a value indicator (an empty key follows): its end
+        line = bisect.bisect_right(starts, index) - 1
+        mark = _pyyaml.error.Mark(node.start_mark.name, index, line, index - starts[line],
+                                  None, None)
+        node.start_mark = node.end_mark = mark
+
+
+if _CParser is not None:
+
+    class _FastParser(_CParser):
+        """libyaml's composer resolving implicit tags as ruamel's pure parser does (YAML 1.2:
+        `yes`/`on` stay strings, `0o17` is octal), memoised per file: values repeat a lot."""
+
+        def __init__(self, text: str) -> None:
+            super().__init__(text)
+            self._resolver = VersionedResolver()
+            self._tags: dict[tuple[Any, str, Any], Tag] = {}
+
+        def descend_resolver(self, *args: Any) -> None:
+            """Path-based resolvers: ruamel's safe loader registers none."""
+
+        def ascend_resolver(self, *args: Any) -> None:
+            """Path-based resolvers: ruamel's safe loader registers none."""
+
+        def resolve(self, kind: Any, value: Any, implicit: Any) -> Tag:
+            key = (kind, value if kind is _pyyaml.ScalarNode else "", implicit)
+            tag = self._tags.get(key)
+            if tag is None:
+                tag = self._tags[key] = self._resolver.resolve(_KINDS[kind], value, implicit)
+            return tag
+
+
+_TAGS: dict[str, Tag] = {}
+
+
+def _tag(tag: Tag | str) -> Tag:
+    """One shared ruamel `Tag` per tag: it computes its string once (`node.tag` is hot).
+    Resolved tags come as the resolver's (memoised, so shared) `Tag`s; explicit ones as text."""
+    if isinstance(tag, Tag):
+        return tag
+    found = _TAGS.get(tag)
+    if found is None:
+        found = Tag(suffix=tag)
+        if len(_TAGS) < 1024:  # explicit tags are the policy author's: do not grow for them
+            _TAGS[tag] = found
+    return found
+
+
+def _ruamel_node(node: Any, converted: dict[int, Node]) -> Node:
+    """`node` (PyYAML's) as the ruamel node the pure parser builds; an alias stays one shared
+    node. The marks are libyaml's: `line`, `column` and `index` (in characters) as ruamel's."""
+    done = converted.get(id(node))
+    if done is not None:
+        return done
+    out: Node
+    if isinstance(node, _pyyaml.ScalarNode):
+        out = ScalarNode(_tag(node.tag), node.value, node.start_mark, node.end_mark,
+                         style=node.style or None)  # libyaml says "" for plain, ruamel None
+    elif isinstance(node, _pyyaml.SequenceNode):
+        out = SequenceNode(_tag(node.tag), [], node.start_mark, node.end_mark,
+                           flow_style=node.flow_style)
+        converted[id(node)] = out
+        out.value = [_ruamel_node(item, converted) for item in node.value]
+    else:
+        out = MappingNode(_tag(node.tag), [], node.start_mark, node.end_mark,
+                          flow_style=node.flow_style)
+        converted[id(node)] = out
+        out.value = [(_ruamel_node(k, converted), _ruamel_node(v, converted))
+                     for k, v in node.value]
+    converted[id(node)] = out
+    return out
 
 
 def duplicate_keys(file: str, node: Node, _seen: set[int] | None = None) -> list[PolicyProblem]:
@@ -90,6 +252,9 @@ class Converter:
 
     def __init__(self) -> None:
         self._yaml = YAML(typ="safe", pure=True)
+        # Scalars by (tag, text): a policy repeats `string`, `read`, `100` thousands of times
+        # and ruamel's constructor costs ~20 us a scalar. Only immutable results are kept.
+        self._scalars: dict[tuple[str | None, str], Any] = {}
 
     def value(self, node: Node) -> Any:
         if isinstance(node, MappingNode):
@@ -109,10 +274,19 @@ class Converter:
             return out
         if isinstance(node, SequenceNode):
             return [self.value(item) for item in node.value]
-        try:
-            return self._yaml.constructor.construct_object(node, deep=True)
-        except Exception:
+        tag = node.tag
+        if tag == _STR_TAG:
             return node.value
+        key = (tag, node.value)
+        if key in self._scalars:
+            return self._scalars[key]
+        try:
+            value = self._yaml.constructor.construct_object(node, deep=True)
+        except Exception:
+            value = node.value
+        if isinstance(value, _IMMUTABLE):
+            self._scalars[key] = value
+        return value
 
 
 def mapping_items(node: Node) -> list[tuple[ScalarNode, Node]]:
@@ -131,8 +305,11 @@ def mapping_items(node: Node) -> list[tuple[ScalarNode, Node]]:
 def child(node: Node, part: str | int) -> tuple[Node | None, Node | None]:
     """(key node, value node) of `part` in a mapping, or (None, item) of a list index."""
     if isinstance(node, MappingNode):
-        for key, value in mapping_items(node):
-            if key.value == str(part):
+        # The first non-merge scalar key spelled `part`: what `mapping_items` keeps, found
+        # without building its list (`locate` runs this for every rule of every tool).
+        want = str(part)
+        for key, value in node.value:
+            if isinstance(key, ScalarNode) and key.value == want and key.tag != _MERGE_TAG:
                 return key, value
     elif isinstance(node, SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
         return None, node.value[part]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from pathlib import Path
 
-from proxy.policy.reload import PolicyWatcher
+import pytest
+
+from proxy.policy.reload import RELOAD_SWITCH_INTERVAL, PolicyWatcher, responsive_loop
 
 
 async def _wait(event: asyncio.Event) -> None:
@@ -63,3 +66,12 @@ async def test_watcher_sees_a_symlink_swap(tmp_path: Path) -> None:
         await _wait(changed)
     finally:
         await watcher.stop()
+
+
+def test_responsive_loop_shortens_the_switch_interval_and_puts_it_back() -> None:
+    before = sys.getswitchinterval()
+    assert before > RELOAD_SWITCH_INTERVAL  # the interpreter's default, 5 ms
+    with pytest.raises(RuntimeError), responsive_loop():
+        assert sys.getswitchinterval() == pytest.approx(RELOAD_SWITCH_INTERVAL)
+        raise RuntimeError("a failed reload")
+    assert sys.getswitchinterval() == before

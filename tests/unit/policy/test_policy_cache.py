@@ -1,0 +1,220 @@
+"""Compiled artefacts are kept across revisions: same text, same object; changed text, recompiled;
+and a revision built from the caches decides exactly as a cold one."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.envelope.checks.arg_rules import ArgRulesCheck
+from proxy.envelope.checks.authz import AuthzCheck
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall
+from proxy.errors import CelCompileError, PolicyError
+from proxy.policy import cel, loader, schemas
+from proxy.policy.cache import LruCache
+from proxy.policy.compiled import PolicyRevision
+from proxy.policy.loader import load_policy
+from proxy.policy.schemas import compile_schema
+
+
+def test_lru_returns_the_built_value_until_evicted() -> None:
+    cache: LruCache[str, object] = LruCache(2)
+    a = cache.get_or_build("a", object)
+    assert cache.get_or_build("a", object) is a
+    cache.get_or_build("b", object)
+    cache.get_or_build("a", object)  # a is now the most recent
+    cache.get_or_build("c", object)  # evicts b, the least recent
+    assert len(cache) == 2
+    assert cache.get_or_build("a", object) is a
+    assert (cache.hits, cache.misses) == (3, 3)
+    cache.get_or_build("b", object)
+    assert cache.misses == 4
+
+
+def test_lru_weighs_entries_and_caches_no_failure() -> None:
+    cache: LruCache[str, str] = LruCache(10, weigh=lambda key, value: len(value))
+    cache.get_or_build("a", lambda: "x" * 6)
+    cache.get_or_build("b", lambda: "y" * 6)  # 12 > 10: a goes
+    assert cache.get_or_build("a", lambda: "new") == "new"
+
+    def fail() -> str:
+        raise ValueError("bad")
+
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            cache.get_or_build("f", fail)
+    assert cache.misses == 5
+
+
+def test_engine_compiles_a_text_once(engine: str) -> None:
+    eng = cel.get_engine(engine)
+    first = eng.compile('args.repo.startsWith("corp/")')
+    assert eng.compile('args.repo.startsWith("corp/")') is first
+    changed = eng.compile('args.repo.startsWith("corp/x")')
+    assert changed is not first and changed.source == 'args.repo.startsWith("corp/x")'
+    group = eng.compile_any(["args.a == 1", "args.b == 2"])
+    assert eng.compile_any(["args.a == 1", "args.b == 2"]) is group
+    assert eng.compile_any(["args.b == 2", "args.a == 1"]) is not group
+    # A text that does not compile is reported every time, never remembered as a program.
+    for _ in range(2):
+        with pytest.raises(CelCompileError):
+            eng.compile("args.a ==")
+
+
+def test_engines_keep_their_own_programs() -> None:
+    if "cel-cpp" not in cel.available_engines():
+        pytest.skip("cel-cpp is not installed")
+    one, two = cel.get_engine("cel-cpp"), cel.get_engine("cel-cpp")
+    assert one.compile("args.a == 1") is not two.compile("args.a == 1")
+
+
+def test_lint_results_are_the_callers_own() -> None:
+    found = cel.lint("principal.grups == 1")
+    assert found == cel.lint("principal.grups == 1")
+    found.clear()
+    assert cel.lint("principal.grups == 1") != []
+
+
+def test_schema_validator_is_reused_for_the_same_json() -> None:
+    schema: dict[str, Any] = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    first = compile_schema(schema)
+    assert compile_schema({"type": "object", "properties": {"n": {"type": "integer"}}}) is first
+    changed = compile_schema({"type": "object", "properties": {"n": {"type": "string"}}})
+    assert changed is not first
+    assert changed.is_valid({"n": "x"}) and not first.is_valid({"n": "x"})
+    # Same content, another key order: compiled on its own (order can decide the first error).
+    assert compile_schema({"properties": {"n": {"type": "integer"}}, "type": "object"}) is not first
+
+
+POLICY = """
+version: 1
+upstreams:
+  demo: {url: "http://127.0.0.1:9/mcp"}
+principals:
+  agent: {capability: read-write}
+tools:
+  demo.search:
+    effect: read
+    schema:
+      type: object
+      properties: {repo: {type: string, maxLength: 40}, n: {type: integer}}
+    allow: ['principal.id == "agent"']
+    rules:
+      - {id: no-vault, forbid: 'args.repo.contains("vault")'}
+      - {id: no-secret, forbid: 'args.repo.matches("^corp/secret-[a-z]+$")'}
+      - {id: corp, allow: 'args.repo.startsWith("corp/")'}
+    fallback: deny
+  demo.write:
+    effect: write
+    rules:
+      - {id: small, forbid: 'has(args.n) && args.n > LIMIT'}
+"""
+
+
+def write_policy(directory: Path, limit: int = 10) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    text = textwrap.dedent(POLICY).replace("LIMIT", str(limit))
+    (directory / "demo.yaml").write_text(text, encoding="utf-8")
+
+
+def decisions(revision: PolicyRevision) -> list[str]:
+    """What the authz and argument-rules checks decide for a fixed set of calls."""
+    registry = ToolRegistry()
+    checks: list[Any] = [AuthzCheck(revision, registry), ArgRulesCheck(revision, registry)]
+    calls = [
+        ("search", "agent", {"repo": "corp/docs"}),
+        ("search", "agent", {"repo": "corp/vault"}),
+        ("search", "agent", {"repo": "corp/secret-plans"}),
+        ("search", "agent", {"repo": "oss/x"}),
+        ("search", "mallory", {"repo": "corp/docs"}),
+        ("write", "agent", {"n": 5}),
+        ("write", "agent", {"n": 50}),
+    ]
+    out = []
+    for tool, principal, args in calls:
+        call = ToolCall(
+            decision_id="d-1", upstream="demo", tool=tool, arguments=args,
+            principal=Principal(principal), run=RunContext("run-1", principal),
+            request=RequestInfo("tools/call"),
+        )
+        verdict = "allow"
+        for check in checks:
+            decision = check.decide(call)
+            if decision is not None:
+                verdict = f"{decision.code} {decision.rule}"
+                break
+        out.append(verdict)
+    return out
+
+
+def cold_load(directory: Path, engine: str) -> PolicyRevision:
+    for cache in (cel._lint, cel._parse, cel._re2_compile):
+        cache.cache_clear()
+    schemas._VALIDATORS.clear()
+    loader._PARSED.clear()
+    return load_policy(directory, engine=cel.get_engine(engine))
+
+
+def test_a_reload_reuses_what_did_not_change(tmp_path: Path, engine: str) -> None:
+    directory = tmp_path / "policy"
+    write_policy(directory)
+    eng = cel.get_engine(engine)
+    first = load_policy(directory, engine=eng)
+    again = load_policy(directory, engine=eng)
+    assert again.tools["demo.search"] is first.tools["demo.search"]
+    write_policy(directory, limit=20)
+    changed = load_policy(directory, engine=eng)
+    # One file changed: every tool is rebuilt from the new nodes, but unchanged text compiles
+    # to the very same programs and validator; the changed rule is a new program.
+    search, old_search = changed.tools["demo.search"], first.tools["demo.search"]
+    assert search is not old_search
+    assert all(new.program is old.program
+               for new, old in zip(search.rules, old_search.rules, strict=True))
+    assert search.schema_validator is old_search.schema_validator
+    new_rule, old_rule = changed.tools["demo.write"].rules[0], first.tools["demo.write"].rules[0]
+    assert new_rule.program is not old_rule.program
+    assert new_rule.program.source == "has(args.n) && args.n > 20"
+
+
+def test_a_cached_revision_decides_as_a_cold_one(tmp_path: Path, engine: str) -> None:
+    directory = tmp_path / "policy"
+    write_policy(directory, limit=20)
+    cold = decisions(cold_load(directory, engine))
+    eng = cel.get_engine(engine)
+    write_policy(directory, limit=10)
+    load_policy(directory, engine=eng)  # fills the caches with another revision
+    write_policy(directory, limit=20)
+    warm = decisions(load_policy(directory, engine=eng))
+    assert warm == cold
+    assert cold == [
+        "allow", "capability_blocked no-vault", "capability_blocked no-secret",
+        "capability_blocked demo.search#fallback", "unauthorized tools.demo.search.allow",
+        "allow", "capability_blocked small",
+    ]
+
+
+def test_problems_are_reported_on_every_load(
+    tmp_path: Path, engine: str, write: Callable[[str, str], Path]
+) -> None:
+    write("a.yaml", """
+        version: 1
+        upstreams:
+          demo: {url: "http://127.0.0.1:9/mcp"}
+        tools:
+          demo.t:
+            rules:
+              - {forbid: 'args.a =='}
+        """)
+    eng = cel.get_engine(engine)
+    with pytest.raises(PolicyError) as exc:
+        load_policy(tmp_path / "policy", engine=eng)
+    first = [str(p) for p in exc.value.problems]
+    with pytest.raises(PolicyError) as exc:
+        load_policy(tmp_path / "policy", engine=eng)
+    second = [str(p) for p in exc.value.problems]
+    assert first == second and first

@@ -1,0 +1,78 @@
+"""libyaml composes policy files into exactly the nodes ruamel's pure parser gives: same tags
+(YAML 1.2), values, styles and marks, so every problem points at the same file:line:col."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ruamel.yaml import YAML
+from ruamel.yaml.nodes import Node, ScalarNode, SequenceNode
+
+from proxy.policy import yamlload
+from proxy.policy.yamlload import parse_file
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def shape(node: Node | None) -> Any:
+    """Everything the loader reads from a node: tag, value, style and marks."""
+    if node is None:
+        return None
+    marks = (node.start_mark.line, node.start_mark.column, node.start_mark.index,
+             node.end_mark.index)
+    if isinstance(node, ScalarNode):
+        return (node.tag, node.value, node.style, marks)
+    if isinstance(node, SequenceNode):
+        return (node.tag, node.flow_style, marks, [shape(x) for x in node.value])
+    return (node.tag, node.flow_style, marks, [(shape(k), shape(v)) for k, v in node.value])
+
+
+def pure(text: str) -> list[Any]:
+    return [shape(d) for d in YAML(typ="safe", pure=True).compose_all(text)]
+
+
+CASES = {
+    "empty values": "a:\n  b:\nc: 1\nd:   # comment\n\n  # more\ne:\n",
+    "empty at the end": "a:\n  # c\n  \n  b: 1\nz:",
+    "sequences": "a:\n- \n-\n- x\nb: {p: 1, q: [ ]}\nc: [x, {}]\n",
+    "YAML 1.2 scalars": "a: yes\nb: on\nc: 0o17\nd: 017\ne: ~\nf: 1_000\ng: 1.5e3\nh: .inf\ni: 2026-01-01\n",
+    "anchors and merges": "x: &a\n  k: 1\ny: *a\nm:\n  <<: *a\n  n: 2\n",
+    "quoting and unicode": "a: \"é€\\u00e9x\"\nb: 'it''s'\nc: plain é\nd:\n",
+    "block scalars": "a: |\n  x\n  y\nb: >-\n  z\n  w\nc: |+\n  k\n\n",
+    "CRLF": "a: 1\r\nb:\r\nc: 2\r\n",
+    "explicit document": "---\na:\n...\n",
+    "tags": "a: !!str 1\nb: !custom x\nc: !!int '7'\n",
+}
+
+
+@pytest.mark.parametrize("text", CASES.values(), ids=CASES.keys())
+def test_fast_composer_matches_the_pure_parser(text: str) -> None:
+    fast = yamlload._compose_fast(text)
+    assert fast is not None
+    assert [shape(d) for d in fast] == pure(text)
+
+
+def test_every_policy_file_in_the_repository_composes_the_same() -> None:
+    files = sorted((ROOT / "policies").rglob("*.yaml")) + sorted((ROOT / "bench").rglob("*.yaml"))
+    assert files
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        fast = yamlload._compose_fast(text)
+        assert fast is not None, path
+        assert [shape(d) for d in fast] == pure(text), path
+
+
+@pytest.mark.parametrize("text", ["\ufeffa: 1\n", "%YAML 1.1\n---\na: yes\n", "a: [ , ]\n",
+                                  "b: {p: , q: 1}\n",
+                                  "a: 'open\n", "a: 1\n b: 2\n"])
+def test_what_libyaml_does_not_compose_like_ruamel_goes_to_the_pure_parser(text: str) -> None:
+    assert yamlload._compose_fast(text) is None
+
+
+def test_syntax_errors_keep_the_pure_parsers_words_and_place() -> None:
+    parsed, problems = parse_file("p.yaml", "a: 1\nb: [x, y\nc: 2\n")
+    assert parsed is None
+    assert [(p.line, p.column) for p in problems] == [(3, 2)]
+    assert problems[0].message.startswith("YAML syntax error: while parsing a flow sequence")
