@@ -45,6 +45,11 @@ FORMAT_EXAMPLES = {
     "uri": "https://example.com/",
     "iri": "https://example.com/",
     "uri-reference": "https://example.com/",
+    "iri-reference": "https://example.com/",
+    "uri-template": "https://example.com/{id}",
+    "json-pointer": "/x",
+    "relative-json-pointer": "0",
+    "regex": "x",
     "uuid": "00000000-0000-0000-0000-000000000000",
     "duration": "P1D",
 }
