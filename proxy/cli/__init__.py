@@ -1,6 +1,6 @@
 """The `envelope-proxy` command: the parser and the dispatch to one module per command group.
 
-`serve.py` (serve, demo), `policy.py` (check, test, replay), `audit.py` (audit verify, query,
+`serve.py` (serve, demo), `policy.py` (check, test, replay), `scaffold.py` (scaffold), `audit.py` (audit verify, query,
 tail), `admin.py` (approvals, shadow, through the one admin API client in `admin_client.py`).
 Each command's parser names its handler (`handler`), which returns the exit status.
 """
@@ -8,11 +8,13 @@ Each command's parser names its handler (`handler`), which returns the exit stat
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from proxy.cli.admin import add_approvals_parser, add_shadow_parser
 from proxy.cli.audit import add_audit_parser
 from proxy.cli.policy import add_check_parser, add_replay_parser, add_test_parser
+from proxy.cli.scaffold import add_scaffold_parser
 from proxy.cli.serve import add_demo_parser, add_serve_parser
 
 __all__ = ["build_parser", "main"]
@@ -33,6 +35,7 @@ examples:
   envelope-proxy serve --config config.yaml    run for real
   envelope-proxy check policies/               validate a policy directory (file:line:column errors)
   envelope-proxy test policies/ --coverage     run the policy tests kept beside the policies
+  envelope-proxy scaffold github --url http://127.0.0.1:9001/mcp   draft a policy from a live server
   envelope-proxy audit verify .envelope-state/audit   prove the audit log untouched
   envelope-proxy audit query .envelope-state/audit --since 1h --verdict deny    recent refusals
   envelope-proxy audit tail -f .envelope-state/audit  follow decisions as they are made
@@ -52,9 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_shadow_parser(sub)
     add_replay_parser(sub)
     add_test_parser(sub)
+    add_scaffold_parser(sub)
     return parser
 
 
+# Commands that take a server command line after `--` (`scaffold NAME -- python server.py -v`).
+# argparse cannot give a positional list after another positional once options sit between them,
+# so the tail is cut off here and handed over as `args.command`.
+TRAILING_COMMANDS = frozenset({"scaffold"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    tail: list[str] | None = None
+    if words and words[0] in TRAILING_COMMANDS and "--" in words:
+        cut = words.index("--")
+        words, tail = words[:cut], words[cut + 1:]
+    args = build_parser().parse_args(words)
+    if tail is not None:
+        args.command = tail
     return int(args.handler(args))
