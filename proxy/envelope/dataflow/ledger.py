@@ -15,12 +15,14 @@ from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     gram_length,
     normalise,
+    phrase_hash,
+    phrases,
     token_hash,
     tokens,
     winnowed,
 )
 from proxy.envelope.labels import Piece
-from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
+from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW, MIN_PHRASE_CHARS
 from proxy.store.base import Store
 
 NS = "ledger"
@@ -38,7 +40,9 @@ def source_id(label: str, source: str) -> bytes:
 
 def _scheme(n: int, window: int) -> str:
     """How a ledger's fingerprints were made; a ledger made another way cannot be matched."""
-    return f"{n}w{window}"
+    # "p": outputs also record whole-value phrases (a ledger from before them cannot be
+    # matched for short values, so it counts as coarse like one of another min_match).
+    return f"{n}w{window}p"
 
 
 @dataclass(slots=True)
@@ -51,6 +55,8 @@ class LedgerDelta:
     # fingerprint -> "untrusted" | "secret" (untrusted wins when both)
     grams: dict[bytes, str] = field(default_factory=dict)
     tokens: dict[bytes, str] = field(default_factory=dict)
+    # whole-value phrase fingerprints (untrusted pieces only: secret-only matches never flag)
+    values: dict[bytes, str] = field(default_factory=dict)
     overflow: bool = False
     lost: bool = False  # the output may reach the agent without passing the proxy
 
@@ -63,12 +69,12 @@ class LedgerDelta:
         hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
         budget = max_chars
-        shortest = min(MIN_TOKEN, gram_length(n, window))
+        shortest = min(MIN_TOKEN, MIN_PHRASE_CHARS, gram_length(n, window))
         for piece in parts:
             label = "untrusted" if piece.label.untrusted else "secret"
             delta.untrusted |= piece.label.untrusted
             delta.secret |= piece.label.secret
-            if limit is not None and len(delta.grams) + len(delta.tokens) >= limit:
+            if limit is not None and len(delta.grams) + len(delta.tokens) + len(delta.values) >= limit:
                 delta.overflow = True
                 continue
             text = piece.text
@@ -90,6 +96,12 @@ class LedgerDelta:
                 delta.overflow = True
             grams = winnowed(norm, n, window)
             toks = [token_hash(kind, value) for kind, value in tokens(text)]
+            if label == "untrusted":
+                room = None if limit is None else max(0, limit - len(delta.grams) - len(delta.tokens) - len(delta.values))
+                found_phrases = phrases(norm, n, room)
+                if room is not None and len(found_phrases) >= room:
+                    delta.overflow = True
+                delta.values.update(dict.fromkeys(map(phrase_hash, found_phrases), label))
             for into, found in ((delta.grams, grams), (delta.tokens, toks)):
                 if label == "untrusted":
                     into.update(dict.fromkeys(found, label))
@@ -105,17 +117,19 @@ class LedgerDelta:
     def labels(self) -> set[str]:
         """The labels its fingerprints carry."""
         if self.untrusted and not self.secret:
-            return {"untrusted"} if self.grams or self.tokens else set()
-        return set(self.grams.values()) | set(self.tokens.values())
+            return {"untrusted"} if self.grams or self.tokens or self.values else set()
+        return set(self.grams.values()) | set(self.tokens.values()) | set(self.values.values())
 
     def fields(self, label: str) -> dict[bytes, bytes]:
         """The fingerprint fields of one label, each pointing at this delta's source id."""
         sid = source_id(label, self.source)
         if self.labels() == {label}:
             out = dict.fromkeys(self.tokens, sid)
+            out.update(dict.fromkeys(self.values, sid))
             out.update(dict.fromkeys(self.grams, sid))
             return out
         out = {h: sid for h, lab in self.tokens.items() if lab == label}
+        out.update((h, sid) for h, lab in self.values.items() if lab == label)
         out.update((h, sid) for h, lab in self.grams.items() if lab == label)
         return out
 

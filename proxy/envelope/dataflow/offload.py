@@ -53,7 +53,7 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
 
 
 async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int = DEFAULT_WINNOW,
-                    max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS,
+                    max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS, min_value: int = 0,
                     executor: Executor | None = None) -> list[tuple[str, Probe]]:
     """(JSON pointer, `Probe.of(text)`) of each (pointer, text) argument value, in order, in a
     worker thread when the values to hash (those not longer than `max_chars`: an oversized one
@@ -62,7 +62,7 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
     size = sum(len(text) for _, text in values if max_chars is None or len(text) <= max_chars)
 
     def work() -> list[tuple[str, Probe]]:
-        return [(ptr, Probe.of(text, n, window, max_chars)) for ptr, text in values]
+        return [(ptr, Probe.of(text, n, window, max_chars, min_value)) for ptr, text in values]
 
     if size <= INLINE_CHARS:
         return work()
