@@ -394,9 +394,9 @@ class DataflowPolicy(_Model):
     # Shortest whole argument value (normalised, at most 4 words, shorter than min_match) that
     # flags when an untrusted output holds it as a whole word-bounded phrase: a password, a
     # venue or product name, a short code copied from a page. 0 turns whole-value matching
-    # off; below 6 is refused (outputs record phrases of 6 characters and more). Absent: 8
+    # off; below 6 is refused (outputs record phrases of 6 characters and more). Absent: 10
     # (measured on tests/dataflow/short_values*.yaml: bench/RESULTS.md, "Short copied values").
-    min_value: int = 8
+    min_value: int = 10
     # Winnowing window: an output keeps about 2/(winnow+1) of its gram fingerprints (the
     # smallest of every `winnow` consecutive grams of min_match - winnow + 1 characters), so
     # every copied run of min_match characters is still caught, and shorter runs down to

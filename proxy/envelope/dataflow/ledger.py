@@ -97,7 +97,8 @@ class LedgerDelta:
             grams = winnowed(norm, n, window)
             toks = [token_hash(kind, value) for kind, value in tokens(text)]
             if label == "untrusted":
-                room = None if limit is None else max(0, limit - len(delta.grams) - len(delta.tokens) - len(delta.values))
+                held = len(delta.grams) + len(delta.tokens) + len(delta.values) + len(grams) + len(toks)
+                room = None if limit is None else max(0, limit - held)
                 found_phrases = phrases(norm, n, room)
                 if room is not None and len(found_phrases) >= room:
                     delta.overflow = True
