@@ -151,7 +151,7 @@ class Notes:
             r = self.recorded = {"untrusted": False, "secret": False, "fingerprints": 0}
         r["untrusted"] |= delta.untrusted
         r["secret"] |= delta.secret
-        r["fingerprints"] += len(delta.grams) + len(delta.tokens)
+        r["fingerprints"] += len(delta.grams) + len(delta.tokens) + len(delta.values)
         if delta.overflow:
             r["overflow"] = True
 

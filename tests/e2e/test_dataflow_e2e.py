@@ -13,11 +13,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
 from e2e_helpers import mail_server, write_doc
-from mail_server import ATTACKER, PAGE, PHISH
+from mail_server import ATTACKER, PAGE, PASSWORD, PHISH
 
 from tests.harness import (
     ProxyProcess,
@@ -42,6 +43,8 @@ def _policy(directory: Path, mode: str) -> Path:
                 "to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"},
                 "priority": {"enum": ["low", "normal", "high"]}}},
         }
+        tools[f"{up}.fetch_notice"] = {"effect": "read"}
+        tools[f"{up}.set_password"] = {"effect": "write"}
     doc = {
         "version": 1,
         "upstreams": {u: {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"} for u in ("mail", "escalate")},
@@ -195,6 +198,27 @@ async def test_benign_flow_passes(enforcing: ProxyProcess) -> None:
                            subject="Quarter summary"))
     assert not r.is_error, r.content
     assert r.structured_content["sent"] is True
+
+
+async def test_a_short_value_copied_whole_is_refused_unless_the_user_named_it(enforcing: ProxyProcess) -> None:
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_notice", {"url": "https://intranet.example/it"})
+    r = await _call(url, run, "set_password", {"account": "me", "password": PASSWORD})
+    d = _decision(r)
+    assert r.is_error and d["code"] == "dataflow_policy_blocked", d
+    assert "argument '/password'" in d["reason"] and "mail.fetch_notice" in d["reason"]
+    rec = _record(enforcing, d["decision_id"])
+    assert rec["rule"] == "dataflow.value"
+    assert rec["extra"]["dataflow"]["evidence"][0]["kind"] == "value"
+    # The same value in the user's words (X-Envelope-Intent, sent by the framework): allowed.
+    said = {**run, "X-Envelope-Intent": quote(f"Change my password to {PASSWORD} please")}
+    r = await _call(url, said, "set_password", {"account": "me", "password": PASSWORD})
+    assert not r.is_error, r.content
+    assert r.structured_content["set"] is True
+    rec = [x for x in enforcing.audit_records() if x["run"] == run["X-Envelope-Run"]][-1]
+    assert rec["tool"] == "set_password" and rec["verdict"] == "allow", rec
+    assert rec["extra"]["endorsed"] == [{"arg": "/password", "by": "intent", "kind": "value"}]
 
 
 async def test_trifecta_fires(enforcing: ProxyProcess) -> None:
