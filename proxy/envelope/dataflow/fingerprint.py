@@ -273,8 +273,9 @@ def phrase_key(norm: str, n: int) -> str | None:
 
 
 def phrase_hash(key: str) -> bytes:
-    """The 8-byte fingerprint of a whole-value key (its own namespace among token hashes)."""
-    return token_hash("value", key)
+    """The 8-byte fingerprint of a whole-value key (its own namespace: `person` differs from
+    every token hash's, whose kind is part of the hashed text)."""
+    return hashlib.blake2b(key.encode(), digest_size=8, person=b"value").digest()
 
 
 def phrases(norm: str, n: int, limit: int | None = None) -> set[str]:
@@ -283,13 +284,18 @@ def phrases(norm: str, n: int, limit: int | None = None) -> set[str]:
     At most `limit` of them (bounded work; the caller marks the rest as overflow)."""
     words = norm.split(" ")
     found: set[str] = set()
-    for i in range(len(words)):
-        for j in range(i + 1, min(i + MAX_PHRASE_WORDS, len(words)) + 1):
-            key = " ".join(words[i:j]).strip(_EDGE).strip()
+    add = found.add
+    count = len(words)
+    for i, phrase in enumerate(words):
+        # Grown one word at a time (no slicing and joining per phrase: this loop is the cost).
+        for j in range(i + 1, min(i + MAX_PHRASE_WORDS, count) + 1):
+            if j > i + 1:
+                phrase = f"{phrase} {words[j - 1]}"
+            key = phrase.strip(_EDGE).strip()
             if len(key) >= n:
                 break  # longer phrases from i only grow
             if len(key) >= MIN_PHRASE_CHARS:
-                found.add(key)
+                add(key)
         if limit is not None and len(found) >= limit:
             break
     return found
