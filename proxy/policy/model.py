@@ -393,10 +393,13 @@ class DataflowPolicy(_Model):
     min_match: int = Field(default=32, ge=8, le=1024)
     # Shortest whole argument value (normalised, at most 4 words, shorter than min_match) that
     # flags when an untrusted output holds it as a whole word-bounded phrase: a password, a
-    # venue or product name, a short code copied from a page. 0 turns whole-value matching
-    # off; below 6 is refused (outputs record phrases of 6 characters and more). Absent: 10
-    # (measured on tests/dataflow/short_values*.yaml: bench/RESULTS.md, "Short copied values").
-    min_value: int = 10
+    # venue or product name, a short code copied from a page. Absent or 0: off, and nothing of
+    # it runs (no phrases recorded, none looked up, the ledger scheme tag unchanged): recording
+    # an output costs 3-4x more with it on, and it flags 3 of the 12 benign flows of
+    # tests/dataflow/corpus.yaml (bench/RESULTS.md, "Short copied values"). When on, at least 6
+    # (outputs record phrases of 6 characters and more); 10 is the value measured on
+    # tests/dataflow/short_values*.yaml.
+    min_value: int = 0
     # Winnowing window: an output keeps about 2/(winnow+1) of its gram fingerprints (the
     # smallest of every `winnow` consecutive grams of min_match - winnow + 1 characters), so
     # every copied run of min_match characters is still caught, and shorter runs down to

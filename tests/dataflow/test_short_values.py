@@ -1,6 +1,8 @@
 """Short copied values (issue 13, class 1): whole-value matching (`dataflow.min_value`) on the
 labelled scenarios of short_values.yaml (the split min_value was chosen on) and
 short_values_heldout.yaml (held out), with the run's intent endorsing what the user named.
+Whole-value matching is off by default; RECOMMENDED is the value the docs advise when it is
+switched on, chosen on the tuning split by the rule the first test asserts.
 
 `python tests/dataflow/test_short_values.py` prints precision and recall per min_value for both
 splits and for corpus.yaml (bench/RESULTS.md, "Short copied values").
@@ -26,15 +28,16 @@ HELD_OUT = yaml.safe_load((HERE / "short_values_heldout.yaml").read_text())["cas
 CORPUS = yaml.safe_load((HERE / "corpus.yaml").read_text())["cases"]
 POLICY = DataflowPolicy()
 CANDIDATES = (6, 8, 10, 12)
+RECOMMENDED = 10  # README and bench/RESULTS.md, "Short copied values"
 
 
 def flagged(case: dict[str, Any], min_value: int, n: int = POLICY.min_match,
             window: int = POLICY.winnow) -> bool:
     """Whether the data-flow check flags the case's sink (as `DataflowCheck.findings` decides:
     an endorsed whole value is skipped, endorsed tokens and grams are narrowed away)."""
-    ledger = Ledger(n, window=window)
+    ledger = Ledger(n, window=window, min_value=min_value)
     ledger.merge(LedgerDelta.of("web.fetch_page", [Piece(case["source"], Label(True, False), "t")], n,
-                                window=window), 65536)
+                                window=window, min_value=min_value), 65536)
     endorsement = Endorsement.of([case["intent"]] if case.get("intent") else [], n, window)
     declassified = set(case.get("declassify", case.get("declassified", [])))
     for ptr, text in free_text(case["args"], None, frozenset()):
@@ -69,16 +72,16 @@ if __name__ == "__main__":
             print(f"{name:<9} {mv:<9} {p:.2f}      {r:.2f}   {tp} {fp} {fn}")
 
 
-def test_the_default_is_the_most_precise_candidate_that_keeps_recall() -> None:
-    """The rule min_value was chosen by, on the tuning split only: the best precision among the
-    candidates that still catch at least three attacks in four."""
+def test_the_recommended_value_is_the_most_precise_candidate_that_keeps_recall() -> None:
+    """The rule the recommended min_value was chosen by, on the tuning split only: the best
+    precision among the candidates that still catch at least three attacks in four."""
     scored = {mv: rates(TUNING, mv) for mv in CANDIDATES}
     eligible = [mv for mv in CANDIDATES if scored[mv][1] >= 0.75]
-    assert POLICY.min_value == max(eligible, key=lambda mv: (scored[mv][0], -mv))
+    assert RECOMMENDED == max(eligible, key=lambda mv: (scored[mv][0], -mv))
 
 
-def test_held_out_precision_at_the_default() -> None:
-    precision, recall, *_ = rates(HELD_OUT, POLICY.min_value)
+def test_held_out_precision_at_the_recommended_value() -> None:
+    precision, recall, *_ = rates(HELD_OUT, RECOMMENDED)
     assert precision == 1.0
     assert recall >= 0.5
 
@@ -97,3 +100,11 @@ def test_user_named_values_pass_at_every_candidate() -> None:
     assert len(endorsed) == 8
     for case in endorsed:
         assert not any(flagged(case, mv) for mv in CANDIDATES), case["name"]
+
+
+def test_off_by_default_the_verbatim_corpus_flags_no_benign_flow() -> None:
+    """Why it is off by default: on corpus.yaml the default flags no benign flow and catches
+    every attack; the recommended value flags three benign flows (bench/RESULTS.md)."""
+    assert POLICY.min_value == 0
+    assert rates(CORPUS, POLICY.min_value)[2:] == (12, 0, 0)
+    assert rates(CORPUS, RECOMMENDED)[2:] == (12, 3, 0)

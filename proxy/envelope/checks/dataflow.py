@@ -172,7 +172,7 @@ class DataflowCheck:
         declassified: list[Finding] = []
         endorsed: list[dict[str, Any]] = []
         decl = self._declassified(call)
-        coarse = ledger.coarse(time.time(), self._n, self._window)
+        coarse = ledger.coarse(time.time(), self._n, self._window, self._min_value)
         for ptr, probe in self.probes(call) if probes is None else probes:
             if probe.oversized:
                 # Too long to be matched (bounded work): it counts as matching whatever the run
@@ -211,7 +211,7 @@ class DataflowCheck:
                                  window=self._window, max_chars=self._max_argument,
                                  min_value=self._min_value)
         ledger = await load(store, call.run.key, self._n,
-                            (f for _, probe in probes for f in probe.fields()), self._window)
+                            (f for _, probe in probes for f in probe.fields()), self._window, self._min_value)
         if ledger is None:
             return None
         flagged, declassified, _ = self.findings(call, ledger, probes)
