@@ -151,7 +151,7 @@ class Notes:
             r = self.recorded = {"untrusted": False, "secret": False, "fingerprints": 0}
         r["untrusted"] |= delta.untrusted
         r["secret"] |= delta.secret
-        r["fingerprints"] += len(delta.grams) + len(delta.tokens)
+        r["fingerprints"] += len(delta.grams) + len(delta.tokens) + len(delta.values)
         if delta.overflow:
             r["overflow"] = True
 
@@ -263,7 +263,8 @@ class Inspector:
         else:
             found = all_pieces(payload, subject.labels.base, subject.source)
         return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,
-                              window=policy.winnow, max_chars=policy.max_output_chars)
+                              window=policy.winnow, max_chars=policy.max_output_chars,
+                              min_value=policy.min_value)
 
     async def record(self, store: Store, recent: RecentWrites, run: RunContext, delta: LedgerDelta,
                      done: str | None = None) -> None:
@@ -271,7 +272,8 @@ class Inspector:
         marker `done`. Raises StoreError (or TimeoutError) when the store cannot take it."""
         policy = self.dataflow
         kw: dict[str, Any] = {"n": policy.min_match, "cap": policy.ledger_cap,
-                              "ttl": policy.ledger_ttl, "window": policy.winnow, "recent": recent}
+                              "ttl": policy.ledger_ttl, "window": policy.winnow,
+                              "min_value": policy.min_value, "recent": recent}
         if delta.empty and done is None:
             return
         await record(store, run.key, delta, done=done, **kw)

@@ -378,6 +378,7 @@ DEFAULT_WINNOW = 4
 DEFAULT_MAX_OUTPUT_CHARS = 1 << 20
 DEFAULT_MAX_ARGUMENT_CHARS = 1 << 16
 DEFAULT_MAX_INTENT_CHARS = 1 << 14
+MIN_PHRASE_CHARS = 6  # shortest phrase of an untrusted output recorded for whole-value matching
 
 
 class DataflowPolicy(_Model):
@@ -390,6 +391,15 @@ class DataflowPolicy(_Model):
     # Shortest verbatim run of untrusted characters (after normalising case and whitespace)
     # that flags an argument. Absent: 32 (measured: bench/RESULTS.md, "Data flow").
     min_match: int = Field(default=32, ge=8, le=1024)
+    # Shortest whole argument value (normalised, at most 4 words, shorter than min_match) that
+    # flags when an untrusted output holds it as a whole word-bounded phrase: a password, a
+    # venue or product name, a short code copied from a page. Absent or 0: off, and nothing of
+    # it runs (no phrases recorded, none looked up, the ledger scheme tag unchanged): recording
+    # an output costs 3-4x more with it on, and it flags 3 of the 12 benign flows of
+    # tests/dataflow/corpus.yaml (bench/RESULTS.md, "Short copied values"). When on, at least 6
+    # (outputs record phrases of 6 characters and more); 10 is the value measured on
+    # tests/dataflow/short_values*.yaml.
+    min_value: int = 0
     # Winnowing window: an output keeps about 2/(winnow+1) of its gram fingerprints (the
     # smallest of every `winnow` consecutive grams of min_match - winnow + 1 characters), so
     # every copied run of min_match characters is still caught, and shorter runs down to
@@ -433,6 +443,14 @@ class DataflowPolicy(_Model):
             raise ValueError(f"min_match - winnow + 1 must be at least 8 (grams shorter than 8 "
                              f"characters match common words); got {self.min_match} and {self.winnow}")
         return self
+
+    @field_validator("min_value")
+    @classmethod
+    def _min_value(cls, v: int) -> int:
+        if v != 0 and not MIN_PHRASE_CHARS <= v <= 1024:
+            raise ValueError(f"min_value is 0 (off) or from {MIN_PHRASE_CHARS} to 1024 (outputs record "
+                             f"phrases of {MIN_PHRASE_CHARS} characters and more); got {v}")
+        return v
 
     @field_validator("skip_formats")
     @classmethod

@@ -486,7 +486,8 @@ async def _seed_history(chain: pipeline.Chain, run_key: str, history: list[Resul
                                      secret=item.sensitivity == "secret")
         if store is not None and not delta.empty:
             await ledger.record(store, run_key, delta, n=policy.min_match,
-                                  cap=policy.ledger_cap, ttl=policy.ledger_ttl, window=policy.winnow)
+                                  cap=policy.ledger_cap, ttl=policy.ledger_ttl, window=policy.winnow,
+                                  min_value=policy.min_value)
 
 
 def _compare(expect: Expect, d: Decision) -> tuple[str, ...]:

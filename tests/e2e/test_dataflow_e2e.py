@@ -13,12 +13,15 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
 from e2e_helpers import mail_server, write_doc
-from mail_server import ATTACKER, PAGE, PHISH
+from mail_server import ATTACKER, NOTICE, PAGE, PASSWORD, PHISH
 
+from proxy.envelope.dataflow.ledger import LedgerDelta
+from proxy.envelope.labels import Label, Piece
 from tests.harness import (
     ProxyProcess,
     mcp_client,
@@ -31,7 +34,7 @@ AGENT = token("agent")
 ALICE_TOKEN = "alice-approver-token"
 
 
-def _policy(directory: Path, mode: str) -> Path:
+def _policy(directory: Path, mode: str, **dataflow: Any) -> Path:
     tools: dict[str, Any] = {}
     for up in ("mail", "escalate"):
         tools[f"{up}.fetch_page"] = {"effect": "read"}
@@ -42,6 +45,8 @@ def _policy(directory: Path, mode: str) -> Path:
                 "to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"},
                 "priority": {"enum": ["low", "normal", "high"]}}},
         }
+        tools[f"{up}.fetch_notice"] = {"effect": "read"}
+        tools[f"{up}.set_password"] = {"effect": "write"}
     doc = {
         "version": 1,
         "upstreams": {u: {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"} for u in ("mail", "escalate")},
@@ -50,6 +55,7 @@ def _policy(directory: Path, mode: str) -> Path:
             "mode": mode,
             "declassify": {"mail.send_email": ["body"], "escalate.send_email": ["body"]},
             "on_flag": {"default": "block", "escalate.send_email": "approve"},
+            **dataflow,
         },
     }
     return write_doc(directory, doc)
@@ -71,6 +77,15 @@ def enforcing(tmp_path_factory: pytest.TempPathFactory, upstream_url: str) -> It
     tmp = tmp_path_factory.mktemp("dataflow-enforce")
     with proxy_process(tmp, {"mail": upstream_url, "escalate": upstream_url},
                        policies=_policy(tmp / "policies", "enforce"), config=_config()) as pp:
+        yield pp
+
+
+@pytest.fixture(scope="module")
+def valued(tmp_path_factory: pytest.TempPathFactory, upstream_url: str) -> Iterator[ProxyProcess]:
+    """Enforcing, with whole-value matching switched on at the recommended min_value."""
+    tmp = tmp_path_factory.mktemp("dataflow-values")
+    with proxy_process(tmp, {"mail": upstream_url}, policies=_policy(tmp / "policies", "enforce", min_value=10),
+                       config=_config()) as pp:
         yield pp
 
 
@@ -195,6 +210,60 @@ async def test_benign_flow_passes(enforcing: ProxyProcess) -> None:
                            subject="Quarter summary"))
     assert not r.is_error, r.content
     assert r.structured_content["sent"] is True
+
+
+async def test_by_default_a_short_value_copied_whole_passes(enforcing: ProxyProcess) -> None:
+    """min_value is off by default: the planted password reaches its sink, and the notice's
+    recorded fingerprints are grams and tokens only (no phrase)."""
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_notice", {"url": "https://intranet.example/it"})
+    r = await _call(url, run, "set_password", {"account": "me", "password": PASSWORD})
+    assert not r.is_error, r.content
+    assert r.structured_content["set"] is True
+    rec = [x for x in enforcing.audit_records() if x["run"] == run["X-Envelope-Run"]][-1]
+    assert rec["tool"] == "set_password" and rec["verdict"] == "allow", rec
+
+
+async def test_phrases_are_recorded_only_when_min_value_is_on(enforcing: ProxyProcess,
+                                                               valued: ProxyProcess) -> None:
+    """The notice's recorded fingerprints (audit `dataflow_recorded`): off, exactly its grams
+    and tokens, as before whole values existed; on, its phrases besides."""
+    counts = []
+    for pp in (enforcing, valued):
+        run = _run()
+        await _call(pp.url("mail"), run, "fetch_notice", {"url": "https://intranet.example/it"})
+        rec = [x for x in pp.audit_records() if x["run"] == run["X-Envelope-Run"]][-1]
+        assert rec["tool"] == "fetch_notice", rec
+        counts.append(rec["extra"]["dataflow_recorded"]["fingerprints"])
+    piece = [Piece(NOTICE, Label(True, False), "t")]
+    grams_and_tokens = LedgerDelta.of("mail.fetch_notice", piece, 32)
+    phrases = LedgerDelta.of("mail.fetch_notice", piece, 32, min_value=10).values
+    assert counts == [len(grams_and_tokens.grams) + len(grams_and_tokens.tokens),
+                      len(grams_and_tokens.grams) + len(grams_and_tokens.tokens) + len(phrases)]
+    assert phrases and not grams_and_tokens.values
+
+
+async def test_a_short_value_copied_whole_is_refused_unless_the_user_named_it(valued: ProxyProcess) -> None:
+    """With `min_value: 10`: the planted password is refused, in the user's words allowed."""
+    run = _run()
+    url = valued.url("mail")
+    await _call(url, run, "fetch_notice", {"url": "https://intranet.example/it"})
+    r = await _call(url, run, "set_password", {"account": "me", "password": PASSWORD})
+    d = _decision(r)
+    assert r.is_error and d["code"] == "dataflow_policy_blocked", d
+    assert "argument '/password'" in d["reason"] and "mail.fetch_notice" in d["reason"]
+    rec = _record(valued, d["decision_id"])
+    assert rec["rule"] == "dataflow.value"
+    assert rec["extra"]["dataflow"]["evidence"][0]["kind"] == "value"
+    # The same value in the user's words (X-Envelope-Intent, sent by the framework): allowed.
+    said = {**run, "X-Envelope-Intent": quote(f"Change my password to {PASSWORD} please")}
+    r = await _call(url, said, "set_password", {"account": "me", "password": PASSWORD})
+    assert not r.is_error, r.content
+    assert r.structured_content["set"] is True
+    rec = [x for x in valued.audit_records() if x["run"] == run["X-Envelope-Run"]][-1]
+    assert rec["tool"] == "set_password" and rec["verdict"] == "allow", rec
+    assert rec["extra"]["endorsed"] == [{"arg": "/password", "by": "intent", "kind": "value"}]
 
 
 async def test_trifecta_fires(enforcing: ProxyProcess) -> None:

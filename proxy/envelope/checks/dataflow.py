@@ -68,6 +68,7 @@ class DataflowCheck:
         self._ttl = self.policy.ledger_ttl
         self._cap = self.policy.ledger_cap
         self._max_argument = self.policy.max_argument_chars
+        self._min_value = self.policy.min_value
         self._labels = ToolLabels(revision)
         self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
         self._store: Store | None = services.store if services is not None else None
@@ -158,7 +159,7 @@ class DataflowCheck:
 
     def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
         """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
-        return [(ptr, Probe.of(text, self._n, self._window, self._max_argument))
+        return [(ptr, Probe.of(text, self._n, self._window, self._max_argument, self._min_value))
                 for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
 
     def findings(self, call: ToolCall, ledger: Ledger, probes: list[tuple[str, Probe]] | None = None,
@@ -171,7 +172,7 @@ class DataflowCheck:
         declassified: list[Finding] = []
         endorsed: list[dict[str, Any]] = []
         decl = self._declassified(call)
-        coarse = ledger.coarse(time.time(), self._n, self._window)
+        coarse = ledger.coarse(time.time(), self._n, self._window, self._min_value)
         for ptr, probe in self.probes(call) if probes is None else probes:
             if probe.oversized:
                 # Too long to be matched (bounded work): it counts as matching whatever the run
@@ -185,7 +186,7 @@ class DataflowCheck:
                 if endorsement.whole(probe.norm):
                     # The user named this very value: whatever untrusted content also holds it.
                     verbatim, toks = match_argument(ledger, probe, self._n, self._window)
-                    if verbatim or toks or (coarse and len(probe.norm) >= self._n):
+                    if verbatim or toks or (coarse and (len(probe.norm) >= self._n or probe.value)):
                         endorsed.append({"arg": ptr, "by": "intent", "kind": "value"})
                     continue
                 probe, pieces = endorsement.narrow(ptr, probe, ledger)
@@ -196,7 +197,9 @@ class DataflowCheck:
                 declassified += [dataclasses.replace(f, argument=ptr) for f in verbatim]
             else:
                 flagged += [dataclasses.replace(f, argument=ptr) for f in verbatim]
-                if coarse and not verbatim and len(probe.norm) >= self._n:
+                # A coarse ledger may lack the phrases of what the run read: a value long
+                # enough to be looked up whole counts as matching too (widens, never narrows).
+                if coarse and not verbatim and (len(probe.norm) >= self._n or probe.value):
                     flagged.append(Finding("coarse", ptr, "this run", coarse))
         if ledger.untrusted and ledger.secret:
             flagged.append(Finding("trifecta", None, ledger.first_source("secret") or "a secret tool", ""))
@@ -205,9 +208,10 @@ class DataflowCheck:
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
         # Large arguments are hashed in a worker thread: the event loop keeps serving.
         probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
-                                 window=self._window, max_chars=self._max_argument)
+                                 window=self._window, max_chars=self._max_argument,
+                                 min_value=self._min_value)
         ledger = await load(store, call.run.key, self._n,
-                            (f for _, probe in probes for f in probe.fields()), self._window)
+                            (f for _, probe in probes for f in probe.fields()), self._window, self._min_value)
         if ledger is None:
             return None
         flagged, declassified, _ = self.findings(call, ledger, probes)

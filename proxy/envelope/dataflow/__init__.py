@@ -10,7 +10,10 @@ Per run, a **ledger** in the store holds fingerprints of the untrusted and secre
 run has read: hashes of normalised character grams, winnowed (of every `winnow` consecutive
 grams of N - winnow + 1 characters the smallest hash is kept, so every copied run of N =
 `min_match` characters shares a kept one), and hashes of distinctive tokens (e-mail addresses, URLs and domains, account-number-like digit runs, IBANs;
-normalised, at least 8 characters). It is two store hashes (`Store.hash_put` / `hash_get`): the
+normalised, at least 8 characters), and, only when `min_value` is on (off by default: it
+makes recording 3-4x costlier and flags benign copies), hashes of the word-bounded phrases of 1 to 4
+words (6 characters up to N) of untrusted content, which a short sink argument (at least
+`min_value` characters) is looked up by as a whole (finding `value`). It is two store hashes (`Store.hash_put` / `hash_get`): the
 fingerprints, each pointing at its source tool, and a small one of flags (untrusted, secret,
 overflowed), sources and pending markers. Checking a sink fetches the flags and asks for exactly
 the fingerprints of its arguments (two round trips, cost proportional to the arguments, never to

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from proxy.policy.model import DEFAULT_WINNOW
+from proxy.policy.model import DEFAULT_WINNOW, MIN_PHRASE_CHARS
 
 MIN_TOKEN = 8  # shortest distinctive token
 
@@ -246,3 +246,56 @@ def token_hash(kind: str, value: str) -> bytes:
     """The 8-byte fingerprint of a distinctive token."""
     return hashlib.blake2b(f"{kind}:{value}".encode(), digest_size=8).digest()
 
+
+
+# -- whole values: short word-bounded phrases ----------------------------------------------------
+#
+# A short value copied whole (a password, a venue or product name, a short code) is shorter than
+# a gram. Outputs record the hash of every phrase of 1 to MAX_PHRASE_WORDS words (split on
+# whitespace, edge punctuation stripped) of MIN_PHRASE_CHARS characters or more and shorter than
+# min_match (a longer whole value is caught by its grams); a sink argument is looked up by the
+# hash of its whole value, stripped the same way. Only whole words take part, so "cat" never
+# matches inside "catalog".
+
+MAX_PHRASE_WORDS = 4
+# Stripped from both ends of a phrase and of a value: "pay Acme Ltd." holds "acme ltd".
+_EDGE = "\"'`.,;:!?()[]{}<>*_~-\u2010\u2011\u2012\u2013\u2014\u2026\u00ab\u00bb\u2018\u2019\u201c\u201d"
+
+
+def phrase_key(norm: str, n: int) -> str | None:
+    """The whole-value key of a normalised text (edge punctuation stripped), or None when it
+    cannot be a recorded phrase: more than MAX_PHRASE_WORDS words, shorter than
+    MIN_PHRASE_CHARS or not shorter than `n` (min_match) characters."""
+    key = norm.strip(_EDGE).strip()
+    if not MIN_PHRASE_CHARS <= len(key) < n or key.count(" ") >= MAX_PHRASE_WORDS:
+        return None
+    return key
+
+
+def phrase_hash(key: str) -> bytes:
+    """The 8-byte fingerprint of a whole-value key (its own namespace: `person` differs from
+    every token hash's, whose kind is part of the hashed text)."""
+    return hashlib.blake2b(key.encode(), digest_size=8, person=b"value").digest()
+
+
+def phrases(norm: str, n: int, limit: int | None = None) -> set[str]:
+    """Every whole-value key of a normalised text: its phrases of 1 to MAX_PHRASE_WORDS
+    consecutive words, edge punctuation stripped, of MIN_PHRASE_CHARS to n - 1 characters.
+    At most `limit` of them (bounded work; the caller marks the rest as overflow)."""
+    words = norm.split(" ")
+    found: set[str] = set()
+    add = found.add
+    count = len(words)
+    for i, phrase in enumerate(words):
+        # Grown one word at a time (no slicing and joining per phrase: this loop is the cost).
+        for j in range(i + 1, min(i + MAX_PHRASE_WORDS, count) + 1):
+            if j > i + 1:
+                phrase = f"{phrase} {words[j - 1]}"
+            key = phrase.strip(_EDGE).strip()
+            if len(key) >= n:
+                break  # longer phrases from i only grow
+            if len(key) >= MIN_PHRASE_CHARS:
+                add(key)
+        if limit is not None and len(found) >= limit:
+            break
+    return found

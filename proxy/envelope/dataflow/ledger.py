@@ -15,12 +15,14 @@ from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     gram_length,
     normalise,
+    phrase_hash,
+    phrases,
     token_hash,
     tokens,
     winnowed,
 )
 from proxy.envelope.labels import Piece
-from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
+from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW, MIN_PHRASE_CHARS
 from proxy.store.base import Store
 
 NS = "ledger"
@@ -36,9 +38,12 @@ def source_id(label: str, source: str) -> bytes:
     return hashlib.blake2b(f"{label}|{source}".encode(), digest_size=4).digest()
 
 
-def _scheme(n: int, window: int) -> str:
+def _scheme(n: int, window: int, min_value: int = 0) -> str:
     """How a ledger's fingerprints were made; a ledger made another way cannot be matched."""
-    return f"{n}w{window}"
+    # "p": outputs also record whole-value phrases (min_value on). A ledger without them cannot
+    # be matched for short values, so switching min_value on makes it coarse (fail closed);
+    # with min_value off the tag is the one ledgers had before phrases existed.
+    return f"{n}w{window}p" if min_value else f"{n}w{window}"
 
 
 @dataclass(slots=True)
@@ -51,24 +56,29 @@ class LedgerDelta:
     # fingerprint -> "untrusted" | "secret" (untrusted wins when both)
     grams: dict[bytes, str] = field(default_factory=dict)
     tokens: dict[bytes, str] = field(default_factory=dict)
+    # whole-value phrase fingerprints (untrusted pieces only: secret-only matches never flag)
+    values: dict[bytes, str] = field(default_factory=dict)
     overflow: bool = False
     lost: bool = False  # the output may reach the agent without passing the proxy
 
     @classmethod
     def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None,
            window: int = DEFAULT_WINNOW,
-           max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS) -> LedgerDelta:
-        """The fingerprints of labelled pieces (grams winnowed with `window`). Beyond `limit`
+           max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS, min_value: int = 0) -> LedgerDelta:
+        """The fingerprints of labelled pieces (grams winnowed with `window`; with `min_value`,
+        0: off, also the whole-value phrases of untrusted pieces). Beyond `limit`
         fingerprints, or `max_chars` characters of its pieces, the rest of the output is not
         hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
         budget = max_chars
         shortest = min(MIN_TOKEN, gram_length(n, window))
+        if min_value:
+            shortest = min(shortest, MIN_PHRASE_CHARS)
         for piece in parts:
             label = "untrusted" if piece.label.untrusted else "secret"
             delta.untrusted |= piece.label.untrusted
             delta.secret |= piece.label.secret
-            if limit is not None and len(delta.grams) + len(delta.tokens) >= limit:
+            if limit is not None and len(delta.grams) + len(delta.tokens) + len(delta.values) >= limit:
                 delta.overflow = True
                 continue
             text = piece.text
@@ -90,6 +100,13 @@ class LedgerDelta:
                 delta.overflow = True
             grams = winnowed(norm, n, window)
             toks = [token_hash(kind, value) for kind, value in tokens(text)]
+            if min_value and label == "untrusted":
+                held = len(delta.grams) + len(delta.tokens) + len(delta.values) + len(grams) + len(toks)
+                room = None if limit is None else max(0, limit - held)
+                found_phrases = phrases(norm, n, room)
+                if room is not None and len(found_phrases) >= room:
+                    delta.overflow = True
+                delta.values.update(dict.fromkeys(map(phrase_hash, found_phrases), label))
             for into, found in ((delta.grams, grams), (delta.tokens, toks)):
                 if label == "untrusted":
                     into.update(dict.fromkeys(found, label))
@@ -105,21 +122,23 @@ class LedgerDelta:
     def labels(self) -> set[str]:
         """The labels its fingerprints carry."""
         if self.untrusted and not self.secret:
-            return {"untrusted"} if self.grams or self.tokens else set()
-        return set(self.grams.values()) | set(self.tokens.values())
+            return {"untrusted"} if self.grams or self.tokens or self.values else set()
+        return set(self.grams.values()) | set(self.tokens.values()) | set(self.values.values())
 
     def fields(self, label: str) -> dict[bytes, bytes]:
         """The fingerprint fields of one label, each pointing at this delta's source id."""
         sid = source_id(label, self.source)
         if self.labels() == {label}:
             out = dict.fromkeys(self.tokens, sid)
+            out.update(dict.fromkeys(self.values, sid))
             out.update(dict.fromkeys(self.grams, sid))
             return out
         out = {h: sid for h, lab in self.tokens.items() if lab == label}
+        out.update((h, sid) for h, lab in self.values.items() if lab == label)
         out.update((h, sid) for h, lab in self.grams.items() if lab == label)
         return out
 
-    def meta(self, n: int, window: int = DEFAULT_WINNOW) -> dict[bytes, bytes]:
+    def meta(self, n: int, window: int = DEFAULT_WINNOW, min_value: int = 0) -> dict[bytes, bytes]:
         """The flag and source fields this delta sets in the run's meta hash."""
         out: dict[bytes, bytes] = {}
         present = self.labels()
@@ -128,7 +147,7 @@ class LedgerDelta:
                 out[label[0].encode()] = b"1"
                 out[b"src:" + source_id(label, self.source)] = f"{label}|{self.source}".encode()
         if out:
-            out[b"n:" + _scheme(n, window).encode()] = b"1"
+            out[b"n:" + _scheme(n, window, min_value).encode()] = b"1"
         if self.overflow:
             out[b"o"] = b"1"
         if self.lost:
@@ -149,14 +168,16 @@ class Ledger:
     lost: bool = False  # an output reached the agent (or may have) without being fingerprinted
     pending: dict[str, float] = field(default_factory=dict)  # decision id -> deadline (epoch)
     sources: dict[bytes, str] = field(default_factory=dict)  # source id -> "<label>|<source>"
-    schemes: set[str] = field(default_factory=set)  # every (min_match, winnow) it was built with
+    schemes: set[str] = field(default_factory=set)  # every (min_match, winnow, phrases) it was built with
     window: int = DEFAULT_WINNOW
+    min_value: int = 0  # whole-value matching (0: off): whether outputs record phrases
     fingerprints: dict[bytes, bytes] = field(default_factory=dict)
 
     @classmethod
-    def from_meta(cls, n: int, meta: Mapping[bytes, bytes], window: int = DEFAULT_WINNOW) -> Ledger:
+    def from_meta(cls, n: int, meta: Mapping[bytes, bytes], window: int = DEFAULT_WINNOW,
+                  min_value: int = 0) -> Ledger:
         ledger = cls(n, untrusted=b"u" in meta, secret=b"s" in meta, overflow=b"o" in meta,
-                     lost=b"l" in meta, window=window)
+                     lost=b"l" in meta, window=window, min_value=min_value)
         for key, value in meta.items():
             if key.startswith(b"src:"):
                 ledger.sources[key[4:]] = value.decode(errors="replace")
@@ -171,13 +192,16 @@ class Ledger:
 
     # -- reading -------------------------------------------------------------------------
 
-    def coarse(self, now: float, n: int, window: int | None = None) -> str | None:
+    def coarse(self, now: float, n: int, window: int | None = None,
+               min_value: int | None = None) -> str | None:
         """Why every free-text argument counts as matching, or None."""
         if self.overflow:
             return "the run's ledger reached its size cap"
-        if self.schemes - {_scheme(n, self.window if window is None else window)}:
-            return (f"the run's ledger was built with another min_match or winnow than the policy's "
-                    f"({n}, {self.window if window is None else window})")
+        window = self.window if window is None else window
+        min_value = self.min_value if min_value is None else min_value
+        if self.schemes - {_scheme(n, window, min_value)}:
+            return (f"the run's ledger was built with another min_match, winnow or whole-value "
+                    f"setting than the policy's ({n}, {window}, min_value {min_value})")
         if self.lost:
             return ("an output of the run may have reached the agent without passing the proxy "
                     "(a dropped stream the client can resume)")
@@ -201,7 +225,7 @@ class Ledger:
     def merge(self, delta: LedgerDelta, cap: int) -> None:
         """Add a delta as the store would (untrusted fingerprints replace, secret ones do not;
         new fingerprints beyond `cap` are left out and the ledger overflows)."""
-        for key, value in delta.meta(self.n, self.window).items():
+        for key, value in delta.meta(self.n, self.window, self.min_value).items():
             if key.startswith(b"src:"):
                 self.sources[key[4:]] = value.decode()
         self.untrusted |= delta.untrusted
@@ -230,13 +254,13 @@ FP_NS = "ledger_fp"
 
 
 async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
-               window: int = DEFAULT_WINNOW) -> Ledger | None:
+               window: int = DEFAULT_WINNOW, min_value: int = 0) -> Ledger | None:
     """The run's flags and the fingerprints among `probes` it holds, or None when the run has
     no ledger. Two store round trips at most; cost follows the probes, not the ledger."""
     meta = await store.hash_all(META_NS, run_key)
     if not meta:
         return None
-    ledger = Ledger.from_meta(n, meta, window)
+    ledger = Ledger.from_meta(n, meta, window, min_value)
     wanted = list(dict.fromkeys(probes))
     if wanted and (ledger.untrusted or ledger.secret):
         values = await store.hash_get(FP_NS, run_key, wanted)
@@ -325,14 +349,14 @@ async def mark_pending(store: Store, run_key: str, decision_id: str, deadline: f
 
 
 async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
-                 done: str | None = None, window: int = DEFAULT_WINNOW,
+                 done: str | None = None, window: int = DEFAULT_WINNOW, min_value: int = 0,
                  recent: RecentWrites | None = None) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
     go in first and the marker goes last, so an interruption leaves the run coarse (fail
     closed). Both hashes get the same expiry: flags that outlived their fingerprints would
     narrow verdicts. What this process wrote moments ago (`recent`, the process's
     `RecentWrites`) is not written again. Raises StoreError when the store cannot answer."""
-    meta = delta.meta(n, window)
+    meta = delta.meta(n, window, min_value)
     parts = [(label, replace, delta.fields(label)) for label, replace in (("untrusted", True), ("secret", False))]
     parts = [part for part in parts if part[2]]
     digests = [_digest(label.encode(), fields) for label, _, fields in parts]
@@ -356,11 +380,13 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
 
 async def widen_parent(store: Store, parent_key: str, delta: LedgerDelta, *,
                        n: int, cap: int = 65536, ttl: float = 24 * 3600.0,
-                       window: int = DEFAULT_WINNOW, recent: RecentWrites | None = None) -> None:
+                       window: int = DEFAULT_WINNOW, min_value: int = 0,
+                       recent: RecentWrites | None = None) -> None:
     """Widen (never narrow) a parent run's ledger with a child's delta.
 
     For run lineage: call it for each ancestor that should inherit a child's taint. Raises
     StoreError when the store cannot answer (the caller fails closed).
     """
-    await record(store, parent_key, delta, n=n, cap=cap, ttl=ttl, window=window, recent=recent)
+    await record(store, parent_key, delta, n=n, cap=cap, ttl=ttl, window=window, min_value=min_value,
+                 recent=recent)
 

@@ -11,6 +11,8 @@ from proxy.envelope.dataflow.fingerprint import (
     gram_hashes,
     gram_length,
     normalise,
+    phrase_hash,
+    phrase_key,
     token_hash,
     tokens,
 )
@@ -99,7 +101,7 @@ def _snippet(text: str) -> str:
 class Finding:
     """One piece of evidence: which argument, what matched, from which tool."""
 
-    kind: str  # verbatim | token | trifecta | coarse
+    kind: str  # verbatim | value | token | trifecta | coarse
     argument: str | None
     source: str
     snippet: str
@@ -112,6 +114,9 @@ class Finding:
         arg = f"argument '{self.argument}'" if self.argument else "the call"
         if self.kind == "verbatim":
             return f"{arg} copies untrusted text from {self.source} verbatim: {self.snippet!r}"
+        if self.kind == "value":
+            return (f"{arg} is {self.snippet!r}, a value found whole in untrusted output of "
+                    f"{self.source}")
         if self.kind == "token":
             return f"{arg} carries {self.snippet!r}, lifted from untrusted output of {self.source}"
         if self.kind == "coarse":
@@ -129,19 +134,30 @@ class Probe:
     tokens: list[tuple[str, str, bytes]]  # (kind, value, fingerprint)
     k: int = 0  # gram length
     oversized: int = 0  # the value's length when it is longer than the cap (then not hashed)
+    # The whole value's phrase key and fingerprint, when it is short enough to be looked up
+    # whole (at least `min_value` characters, at most 4 words, shorter than min_match).
+    value: str | None = None
+    value_hash: bytes | None = None
 
     @classmethod
     def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW,
-           max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS) -> Probe:
+           max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS, min_value: int = 0) -> Probe:
         """The fingerprints of one argument value; none for a value longer than `max_chars`
-        (`oversized`: the caller counts it as matching, bounded work per argument)."""
+        (`oversized`: the caller counts it as matching, bounded work per argument). With
+        `min_value` (0: off), a short value is also looked up whole."""
         if max_chars is not None and len(text) > max_chars:
             return cls("", [], [], gram_length(n, window), oversized=len(text))
         norm = normalise(text)
+        key = phrase_key(norm, n) if min_value else None
+        if key is not None and len(key) < min_value:
+            key = None
         return cls(norm, gram_hashes(norm, n, window),
-                   [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))], gram_length(n, window))
+                   [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))], gram_length(n, window),
+                   value=key, value_hash=None if key is None else phrase_hash(key))
 
     def fields(self) -> Iterator[bytes]:
+        if self.value_hash is not None:
+            yield self.value_hash
         for _, _, h in self.tokens:
             yield h
         yield from self.grams
@@ -155,12 +171,14 @@ def oversized(probe: Probe, max_chars: int) -> Finding:
                    "matched (dataflow.max_argument_chars), so it counts as matching")
 
 
-def match_argument(ledger: Ledger, text: str | Probe, n: int,
-                   window: int = DEFAULT_WINNOW) -> tuple[list[Finding], list[Finding]]:
+def match_argument(ledger: Ledger, text: str | Probe, n: int, window: int = DEFAULT_WINNOW,
+                   min_value: int = 0) -> tuple[list[Finding], list[Finding]]:
     """(untrusted verbatim findings, untrusted token findings) of one argument value (its
     pointer is filled in by the caller). Secret-only matches are not findings. Kept grams of a
-    copied run lie at most `window` grams apart: hits that close are one run of evidence."""
-    probe = text if isinstance(text, Probe) else Probe.of(text, n, window)
+    copied run lie at most `window` grams apart: hits that close are one run of evidence. A
+    short value an untrusted output holds whole (a `value` finding) counts with the verbatim
+    ones: a declassified argument may carry it."""
+    probe = text if isinstance(text, Probe) else Probe.of(text, n, window, min_value=min_value)
     k = probe.k or gram_length(n, window)
     verbatim: list[Finding] = []
     hits = [(i, found) for i, h in enumerate(probe.grams) if (found := ledger.find(h)) is not None]
@@ -175,6 +193,10 @@ def match_argument(ledger: Ledger, text: str | Probe, n: int,
             verbatim.append(Finding("verbatim", None, source.partition("|")[2],
                                     _snippet(probe.norm[first: last + k])))
         start = end + 1
+    if not verbatim and probe.value_hash is not None:
+        found = ledger.find(probe.value_hash)
+        if found is not None and found.startswith("untrusted|"):
+            verbatim.append(Finding("value", None, found.partition("|")[2], _snippet(probe.value or "")))
     toks: list[Finding] = []
     for _, value, h in probe.tokens:
         found = ledger.find(h)

@@ -39,21 +39,21 @@ async def _off_loop(work: Callable[[], T], executor: Executor | None) -> T:
 
 async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | None = None,
                    window: int = DEFAULT_WINNOW, max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
-                   executor: Executor | None = None) -> LedgerDelta:
+                   min_value: int = 0, executor: Executor | None = None) -> LedgerDelta:
     """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
     default executor, or `executor`) when its pieces hold more than INLINE_CHARS characters.
     Raises what `LedgerDelta.of` raises; cancelling the caller does not stop a thread already
     running (its work is bounded by the caps)."""
     pieces = list(parts)
     size = sum(len(piece.text) for piece in pieces)
-    work = functools.partial(LedgerDelta.of, source, pieces, n, limit, window, max_chars)
+    work = functools.partial(LedgerDelta.of, source, pieces, n, limit, window, max_chars, min_value)
     if min(size, size if max_chars is None else max_chars) <= INLINE_CHARS:
         return work()
     return await _off_loop(work, executor)
 
 
 async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int = DEFAULT_WINNOW,
-                    max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS,
+                    max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS, min_value: int = 0,
                     executor: Executor | None = None) -> list[tuple[str, Probe]]:
     """(JSON pointer, `Probe.of(text)`) of each (pointer, text) argument value, in order, in a
     worker thread when the values to hash (those not longer than `max_chars`: an oversized one
@@ -62,7 +62,7 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
     size = sum(len(text) for _, text in values if max_chars is None or len(text) <= max_chars)
 
     def work() -> list[tuple[str, Probe]]:
-        return [(ptr, Probe.of(text, n, window, max_chars)) for ptr, text in values]
+        return [(ptr, Probe.of(text, n, window, max_chars, min_value)) for ptr, text in values]
 
     if size <= INLINE_CHARS:
         return work()
