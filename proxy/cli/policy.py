@@ -17,7 +17,9 @@ def add_check_parser(sub: Any) -> None:
                                        "file:line:column: message and exits 1 if there is any. Then lists the "
                                        "tools that can never run (misconfigured) and why: the registry layer "
                                        "from the policy alone, the envelope layer assuming the default runtime "
-                                       "(sqlite store, approvals enabled); --strict makes them fail the check.")
+                                       "(sqlite store, approvals enabled); --strict makes them fail the check. Last, "
+                                       "the weak spots: destructive effects no person confirms and sinks "
+                                       "whose every argument is declassified (reported, never failing).")
     check.add_argument("directory", type=Path)
     check.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None)
     check.add_argument("--strict", action="store_true",
@@ -28,7 +30,7 @@ def add_check_parser(sub: Any) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from proxy.config import cel_engine_setting
-    from proxy.envelope.checks.catalogue import misconfigurations
+    from proxy.envelope.checks.catalogue import misconfigurations, weak_spots
     from proxy.envelope.misconfig import Dependencies
     from proxy.envelope.tools import ToolRegistry
     from proxy.policy.loader import load_policy
@@ -65,6 +67,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     for pid in dangerous:
         print(f"{level}: principal '{pid}': rule_of_two holds all three of untrusted_input, sensitive_data "
               "and external_side_effects (the lethal trifecta); set one of them to false")
+    # Weak spots: allowed choices that let a class of attack through unasked; reported, never
+    # failing the check (an operator may mean them).
+    spots = weak_spots(revision, ToolRegistry())
+    for spot in spots:
+        print(f"weak spot: {spot.subject} [{spot.kind}]: {spot.reason}")
     return 1 if (problems or dangerous) and args.strict else 0
 
 

@@ -241,3 +241,29 @@ def test_demo_probes_only_what_it_runs(tmp_path: Path) -> None:
     assert all(upstreams[name]["state"] == "unknown" for name in placeholders), upstreams
     assert "is down" not in text, text
     assert f"placeholders, not probed: {', '.join(placeholders)}" in text
+
+
+def test_check_reports_weak_spots_without_failing(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text("""\
+version: 1
+upstreams:
+  notes: {url: "http://127.0.0.1:1/mcp"}
+defaults:
+  gated_effects: [external]
+tools:
+  notes.delete_note: {effect: destructive}
+  notes.write_note: {effect: write}
+dataflow:
+  declassify: {notes.write_note: true}
+""")
+    done = cli("check", "--strict", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr  # a weak spot is a choice, not an error
+    spots = [line for line in done.stdout.splitlines() if line.startswith("weak spot: ")]
+    assert spots == [
+        "weak spot: defaults.gated_effects [ungated_destructive]: destructive is not in "
+        "defaults.gated_effects: destructive tools without an approval block run without a "
+        "person's approval",
+        "weak spot: dataflow.declassify.notes.write_note [all_declassified]: every argument of "
+        "sink 'notes.write_note' is declassified: untrusted text reaches it unflagged (only "
+        "distinctive tokens still flag)",
+    ]

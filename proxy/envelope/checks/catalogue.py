@@ -327,3 +327,59 @@ class CatalogueCheck:
         if problem is not None:
             return deny(Code.MISCONFIGURED, self.id, problem.reason, problem.rule)
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class WeakSpot:
+    """A policy choice that lets a class of attack through unasked (not an error: a tool with a
+    weak spot still runs). `subject` is the policy path to change."""
+
+    subject: str
+    kind: str
+    reason: str
+
+
+def weak_spots(revision: PolicyRevision, registry: ToolRegistry) -> list[WeakSpot]:
+    """What `check` reports beside misconfigurations: destructive effects no person confirms
+    (the only stop for an injected "delete item 12": no text of it is copied from anywhere), and
+    sinks whose every argument accepts untrusted text (the flow check sees only tokens there)."""
+    doc = revision.document
+    spots: list[WeakSpot] = []
+    if Effect.DESTRUCTIVE not in doc.defaults.gated_effects:
+        spots.append(WeakSpot(
+            "defaults.gated_effects", "ungated_destructive",
+            "destructive is not in defaults.gated_effects: destructive tools without an approval "
+            "block run without a person's approval"))
+    for pid, principal in sorted(revision.principals.items()):
+        effects = principal.policy.gated_effects
+        if effects is not None and Effect.DESTRUCTIVE not in effects:
+            spots.append(WeakSpot(
+                f"principals.{pid}.gated_effects", "ungated_destructive",
+                f"principal '{pid}' sets gated_effects without destructive: its calls of "
+                "destructive tools without an approval block run without a person's approval"))
+    for key, compiled in sorted(revision.tools.items()):
+        approval = compiled.policy.approval
+        if approval is not None and not approval.required and \
+                _effect_of(revision, registry, *key.split(".", 1)) is Effect.DESTRUCTIVE:
+            spots.append(WeakSpot(
+                f"tools.{key}.approval", "ungated_destructive",
+                f"tool '{key}' is destructive and its approval block sets required: false: "
+                "no person confirms its calls"))
+    declassified = doc.dataflow.declassify if doc.dataflow is not None else {}
+    for key, arguments in sorted(declassified.items()):
+        if arguments is True:
+            spots.append(WeakSpot(
+                f"dataflow.declassify.{key}", "all_declassified",
+                f"every argument of sink '{key}' is declassified: untrusted text reaches it "
+                "unflagged (only distinctive tokens still flag)"))
+            continue
+        sink = revision.tools.get(key)
+        schema = sink.policy.input_schema if sink is not None else None
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        if isinstance(arguments, list) and isinstance(properties, dict) and properties and \
+                set(properties) <= set(arguments):
+            spots.append(WeakSpot(
+                f"dataflow.declassify.{key}", "all_declassified",
+                f"every argument of sink '{key}' in its policy schema is declassified: untrusted "
+                "text reaches it unflagged (only distinctive tokens still flag)"))
+    return spots
