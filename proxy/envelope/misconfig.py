@@ -49,6 +49,8 @@ class Misconfiguration:
     @property
     def rule(self) -> str:
         """The policy path the refusal names (the `rule` of the decision)."""
+        if self.principal == "*":  # every principal the policy does not list
+            return "defaults"
         if self.principal is not None:
             return f"principals.{self.principal}"
         if self.kind == "unknown_tool":

@@ -63,6 +63,10 @@ class ToolFacts:
         return self.effect in self.revision.document.defaults.gated_effects
 
 
+# The `principal` of a report entry about every principal the policy does not list.
+UNLISTED_PRINCIPALS = "*"
+
+
 # -- the rules: each returns why the tool can never run, or None ------------------------------
 
 
@@ -116,6 +120,13 @@ def _no_shadow_recorder(t: ToolFacts) -> str | None:
             "but no state store is configured to record them")
 
 
+def _no_rate_store(t: ToolFacts) -> str | None:
+    if t.compiled is None or t.compiled.policy.rate is None or t.deps.store is not None:
+        return None
+    return (f"tool '{t.key}' has a rate limit ({t.compiled.policy.rate}), which needs a state store "
+            "to count its calls, but no state store is configured")
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
     """One way a tool can never run: a stable id (the report's `kind`), its layer, its test."""
@@ -134,6 +145,7 @@ TOOL_RULES: tuple[Rule, ...] = (
     Rule("no_approval_gate", "envelope", _no_approval_gate),
     Rule("no_idempotency_store", "envelope", _no_idempotency_store),
     Rule("no_shadow_recorder", "envelope", _no_shadow_recorder),
+    Rule("no_rate_store", "envelope", _no_rate_store),
 )
 
 
@@ -161,6 +173,38 @@ def principal_problem(revision: PolicyRevision, principal_id: str, deps: Depende
         "but no state store is configured to record them",
         principal=principal_id,
     )
+
+
+def _limits(policy: Any) -> list[str]:
+    """The names of the rate limits `policy` (a principal's or the defaults) sets."""
+    return [name for name in ("rate", "max_calls_per_run", "max_concurrent_per_run")
+            if getattr(policy, name, None) is not None]
+
+
+def _rate_limits_without_store(revision: PolicyRevision, deps: Dependencies) -> list[Misconfiguration]:
+    """Principals (listed, or every other one through `defaults`) whose calls are rate-limited
+    while no state store counts them: the rate-limit check refuses every such call
+    `misconfigured`. Report only (the refusal is the rate-limit check's)."""
+    if deps.store is not None:
+        return []
+    report = []
+    defaults = _limits(revision.document.defaults)
+    for pid, principal in sorted(revision.principals.items()):
+        own = _limits(principal.policy)
+        if own or defaults:
+            where = f"principals.{pid}" if own else "defaults"
+            report.append(Misconfiguration(
+                EVERY_TOOL, "envelope", "no_rate_store",
+                f"principal '{pid}' is rate-limited ({', '.join(own or defaults)} in {where}), which "
+                "needs a state store to count its calls, but no state store is configured",
+                principal=pid))
+    if defaults:
+        report.append(Misconfiguration(
+            EVERY_TOOL, "envelope", "no_rate_store",
+            f"defaults set {', '.join(defaults)} for every principal not listed, which needs a "
+            "state store to count their calls, but no state store is configured",
+            principal=UNLISTED_PRINCIPALS))
+    return report
 
 
 def _offered(registry: ToolRegistry, upstream: str, tool: str) -> bool | None:
@@ -228,6 +272,7 @@ def misconfigurations(
         problem = principal_problem(revision, principal_id, deps)
         if problem is not None:
             report.append(problem)
+    report.extend(_rate_limits_without_store(revision, deps))
     return sorted(report, key=lambda p: (p.tool, p.principal or "", _RULE_ORDER.get(p.kind, -1)))
 
 

@@ -130,9 +130,29 @@ def test_dependencies_of_services() -> None:
 def test_rules_are_one_ordered_table() -> None:
     assert [r.id for r in TOOL_RULES] == [
         "undeclared_upstream", "not_offered", "fallback_deny",
-        "no_approval_gate", "no_idempotency_store", "no_shadow_recorder",
+        "no_approval_gate", "no_idempotency_store", "no_shadow_recorder", "no_rate_store",
     ]
-    assert [r.layer for r in TOOL_RULES] == ["registry"] * 3 + ["envelope"] * 3
+    assert [r.layer for r in TOOL_RULES] == ["registry"] * 3 + ["envelope"] * 4
+
+
+def test_rate_limits_without_a_store_are_reported_where_they_are_set() -> None:
+    revision = build_revision({
+        "upstreams": {"demo": {"url": "http://127.0.0.1:9/mcp"}},
+        "defaults": {"max_calls_per_run": 500},
+        "principals": {"bot": {"rate": "10/min"}, "plain": {}},
+        "tools": {"demo.search": {"effect": "read", "rate": "5/min"}, "demo.echo": {"effect": "read"}},
+    })
+    found = {(p.tool, p.principal, p.kind, p.rule) for p in misconfigurations(revision, ToolRegistry(), NO_STORE)}
+    assert found == {
+        ("demo.search", None, "no_rate_store", "tools.demo.search"),
+        ("*", "bot", "no_rate_store", "principals.bot"),
+        ("*", "plain", "no_rate_store", "principals.plain"),  # through defaults
+        ("*", "*", "no_rate_store", "defaults"),
+    }
+    reasons = {p.principal: p.reason for p in misconfigurations(revision, ToolRegistry(), NO_STORE)}
+    assert "rate in principals.bot" in reasons["bot"] and "max_calls_per_run in defaults" in reasons["plain"]
+    assert misconfigurations(revision, ToolRegistry(), FULL) == []
+    assert misconfiguration(revision, "demo.search", Effect.READ) is not None  # the call is refused
 
 
 @pytest.mark.parametrize("services", [None, Services(), Services(store=MemoryStore())])
