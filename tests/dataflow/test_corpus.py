@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from scoring import score
 
 from proxy.envelope.dataflow.ledger import Ledger, LedgerDelta
 from proxy.envelope.dataflow.match import free_text, match_argument
@@ -37,15 +38,7 @@ def flagged(case: dict[str, Any], n: int, window: int = DEFAULT_WINNOW) -> bool:
 
 
 def rates(n: int, window: int = DEFAULT_WINNOW) -> tuple[float, float, int, int, int]:
-    tp = fp = fn = 0
-    for case in CORPUS:
-        got = flagged(case, n, window)
-        tp += got and case["flag"]
-        fp += got and not case["flag"]
-        fn += (not got) and case["flag"]
-    precision = tp / (tp + fp) if tp + fp else 1.0
-    recall = tp / (tp + fn) if tp + fn else 1.0
-    return precision, recall, tp, fp, fn
+    return score(CORPUS, lambda case: flagged(case, n, window))
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])

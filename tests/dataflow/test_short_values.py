@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from scoring import score
 
 from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import Ledger, LedgerDelta
@@ -53,15 +54,7 @@ def flagged(case: dict[str, Any], min_value: int, n: int = POLICY.min_match,
 
 
 def rates(cases: list[dict[str, Any]], min_value: int) -> tuple[float, float, int, int, int]:
-    tp = fp = fn = 0
-    for case in cases:
-        got = flagged(case, min_value)
-        tp += got and case["flag"]
-        fp += got and not case["flag"]
-        fn += (not got) and case["flag"]
-    precision = tp / (tp + fp) if tp + fp else 1.0
-    recall = tp / (tp + fn) if tp + fn else 1.0
-    return precision, recall, tp, fp, fn
+    return score(cases, lambda case: flagged(case, min_value))
 
 
 if __name__ == "__main__":

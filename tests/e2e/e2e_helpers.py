@@ -60,6 +60,20 @@ def write_doc(directory: Path, doc: dict[str, Any]) -> Path:
     return directory
 
 
+def mail_policy(directory: Path, dataflow: dict[str, Any]) -> Path:
+    """A policy for `mail_server`: its page reader and an ungated `send_email` sink (so a flagged
+    send is refused by the flow check, not held for approval), with `dataflow` as given."""
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {"mail": {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"}},
+        "tools": {
+            "mail.fetch_page": {"effect": "read"},
+            "mail.send_email": {"effect": "external", "approval": {"required": False, "wait": "0s"}},
+        },
+        "dataflow": dataflow,
+    })
+
+
 @contextlib.contextmanager
 def mail_server() -> Iterator[str]:
     """The mail fixture upstream (`mail_server.py`: a page with an injected instruction,

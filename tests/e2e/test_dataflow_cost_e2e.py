@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import mail_server, write_doc
+from e2e_helpers import mail_policy, mail_server
 
 from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, token
 
@@ -24,15 +24,7 @@ AGENT = token("agent")
 
 
 def _policy(directory: Path) -> Path:
-    return write_doc(directory, {
-        "version": 1,
-        "upstreams": {"mail": {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"}},
-        "tools": {
-            "mail.fetch_page": {"effect": "read"},
-            "mail.send_email": {"effect": "external", "approval": {"required": False, "wait": "0s"}},
-        },
-        "dataflow": {"mode": "shadow"},  # default caps: 1 MiB per output, 64 KiB per argument
-    })
+    return mail_policy(directory, {"mode": "shadow"})  # default caps: 1 MiB per output, 64 KiB per argument
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from proxy.config import ApprovalsConfig, ApproverConfig
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.observability.metrics import Metrics
 from proxy.upstream.health import PROBE_SESSION, HealthProber, ProbeTarget, UpstreamHealth
+from tests.unit.fakes import Clock
 
 
 def metric_value(text: str, name: str, upstream: str) -> float:
@@ -22,14 +23,6 @@ def metric_value(text: str, name: str, upstream: str) -> float:
         if line.startswith(prefix):
             return float(line[len(prefix):])
     raise AssertionError(f"no {prefix!r} in exposition")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_starts_unknown_and_follows_outcomes() -> None:

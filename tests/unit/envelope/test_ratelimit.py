@@ -31,20 +31,13 @@ from proxy.envelope.types import (
 from proxy.errors import StoreError
 from proxy.observability.metrics import Metrics
 from proxy.store.memory import MemoryStore
+from tests.unit.fakes import Clock, clocked_store
 
 TOOLS: dict[str, Any] = {
     "demo.echo": {"effect": "read"},
     "demo.search": {"effect": "read", "rate": "1/min"},
     "demo.write_note": {"effect": "write"},
 }
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -54,9 +47,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def store(clock: Clock) -> MemoryStore:
-    store = MemoryStore()
-    store._now = clock
-    return store
+    return clocked_store(clock)
 
 
 def _doc(defaults: dict[str, Any] | None = None, **principals: Any) -> dict[str, Any]:

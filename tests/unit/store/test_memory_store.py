@@ -6,14 +6,7 @@ import pytest
 
 from proxy.errors import StoreError
 from proxy.store.memory import MemoryStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.fakes import Clock, clocked_store
 
 
 @pytest.fixture
@@ -23,9 +16,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def store(clock: Clock) -> MemoryStore:
-    store = MemoryStore()
-    store._now = clock
-    return store
+    return clocked_store(clock)
 
 
 async def test_put_get_replace_and_namespaces(store: MemoryStore) -> None:
