@@ -134,6 +134,29 @@ def test_a_json_reply_past_its_cap_is_refused_and_audited(tmp_path: Path, hostil
 
 
 
+def test_a_relayed_json_answer_past_the_cap_is_a_502_not_a_buffer(
+        tmp_path: Path, hostile: HostileUpstream) -> None:
+    """A listing is relayed, not a call: past the reply cap the client gets 502 with a JSON-RPC
+    error naming the cap, and the proxy does not hold the whole answer."""
+    cap = 64 * 1024
+    with limited_proxy(tmp_path, hostile, limits={"max_upstream_reply_bytes": cap}) as pp:
+        def listing() -> httpx.Response:
+            body = {"jsonrpc": "2.0", "id": 3, "method": "resources/list", "params": {
+                "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS,
+                          "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"}}}}
+            return httpx.post(pp.url("h"), json=body, headers=headers("alice", stateless=True),
+                              timeout=20)
+
+        assert listing().status_code == 200  # within the cap: relayed as it came
+        hostile.control.texts(resources={"note://inbox/" + "x" * (2 * cap): "big"})
+        too_big = listing()
+        assert too_big.status_code == 502, too_big.text
+        error = too_big.json()["error"]
+        assert f"{cap}" in error["message"] and "max_upstream_reply_bytes" in error["message"], error
+        assert too_big.json()["id"] == 3
+        assert call(pp.url("h"), "alice", {"mode": "json", "text": "still"})["result"]["isError"] is False
+
+
 async def test_past_the_cap_a_session_call_is_cancelled_and_a_relayed_stream_ends(
         tmp_path: Path, hostile: HostileUpstream) -> None:
     with limited_proxy(tmp_path, hostile, limits={"max_upstream_event_bytes": MiB}) as pp:
