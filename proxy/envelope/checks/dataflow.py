@@ -23,7 +23,7 @@ from proxy.envelope.dataflow.match import (
     match_argument,
     oversized,
 )
-from proxy.envelope.dataflow.offload import probes_of
+from proxy.envelope.dataflow.offload import endorsement_of, probes_of
 from proxy.envelope.labels import OutputLabels, ToolLabels
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
@@ -219,7 +219,7 @@ class DataflowCheck:
             # Only a call that would flag or declassify reads the run's intent (one store read).
             texts = await intents.load(store, call.run.key)
             if texts:
-                endorsement = Endorsement.of(texts, self._n, self._window)
+                endorsement = await endorsement_of(texts, self._n, window=self._window)
                 flagged, declassified, endorsed = self.findings(call, ledger, probes, endorsement)
                 if endorsed:
                     call.audit_extra["endorsed"] = endorsed

@@ -1,5 +1,6 @@
-"""Fingerprinting off the event loop: what one output adds to a ledger (`delta_of`) and what
-one sink call's arguments ask of it (`probes_of`).
+"""Fingerprinting off the event loop: what one output adds to a ledger (`delta_of`), what
+one sink call's arguments ask of it (`probes_of`) and what the run's intent endorses
+(`endorsement_of`).
 
 Normalising, token scanning and gram hashing cost time linear in the text, up to the policy's
 caps (`max_output_chars`, `max_argument_chars`): up to about 0.7 s of CPU for the largest output
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import TypeVar
 
+from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import LedgerDelta
 from proxy.envelope.dataflow.match import Probe
 from proxy.envelope.labels import Piece
@@ -65,5 +67,15 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
         return [(ptr, Probe.of(text, n, window, max_chars, min_value)) for ptr, text in values]
 
     if size <= INLINE_CHARS:
+        return work()
+    return await _off_loop(work, executor)
+
+
+async def endorsement_of(texts: list[str], n: int, *, window: int = DEFAULT_WINNOW,
+                         executor: Executor | None = None) -> Endorsement:
+    """`Endorsement.of` the run's intent texts, in a worker thread when they hold more than
+    INLINE_CHARS characters together (`dataflow.max_intent_chars` may allow up to 1 MiB)."""
+    work = functools.partial(Endorsement.of, texts, n, window)
+    if sum(map(len, texts)) <= INLINE_CHARS:
         return work()
     return await _off_loop(work, executor)

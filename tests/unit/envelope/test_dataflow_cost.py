@@ -20,9 +20,10 @@ from pydantic import ValidationError
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import fingerprint
 from proxy.envelope.dataflow.fingerprint import gram_hashes, normalise, tokens
+from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import Ledger, LedgerDelta, load, widen_parent
 from proxy.envelope.dataflow.match import Probe
-from proxy.envelope.dataflow.offload import delta_of, probes_of
+from proxy.envelope.dataflow.offload import delta_of, endorsement_of, probes_of
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.types import Code, Effect, Services
 from proxy.policy.model import DataflowPolicy
@@ -246,6 +247,25 @@ async def test_large_arguments_are_hashed_off_the_loop_and_small_ones_inline(
     # An oversized value is not hashed, so it does not count towards the thread hop either.
     await probes_of([("/body", "a" * 70_000)], 32)
     assert set(threads) == {threading.get_ident()}
+
+
+async def test_a_large_intent_is_fingerprinted_off_the_loop_and_a_small_one_inline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[int] = []
+    real = Endorsement.of
+
+    def spying(texts: Any, *args: Any) -> Endorsement:
+        threads.append(threading.get_ident())
+        return real(texts, *args)
+
+    monkeypatch.setattr(Endorsement, "of", spying)
+    small = await endorsement_of(["pay billing@acme.example the 40 EUR invoice"], 32)
+    assert threads == [threading.get_ident()] and small.whole("billing@acme.example")
+    threads.clear()
+    page = _page(60_000)
+    large = await endorsement_of([page], 32)
+    assert threads and threading.get_ident() not in threads
+    assert large.grams == Endorsement.of([page], 32).grams
 
 
 async def test_a_60_kb_sink_argument_is_decided_while_the_loop_keeps_running() -> None:
