@@ -39,6 +39,7 @@ from proxy.fronts.forwarded import UpstreamTarget
 from proxy.fronts.guard import LOOPBACK_HOSTS, Guard, GuardSettings
 from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
+from proxy.observability import tracing
 from proxy.observability.metrics import Metrics
 from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
@@ -292,6 +293,7 @@ class Runtime:
 
     async def start(self) -> None:
         """Start listeners (policy must be loaded)."""
+        tracing.configure()  # per process: a worker's exporter thread is its own
         if self.store is not None:
             self._store_pinger = asyncio.get_running_loop().create_task(self._ping_store())
         if self.approvals is not None:
@@ -377,6 +379,7 @@ class Runtime:
         self.audit.close()
         if self.envelope.recorder is not None:
             self.envelope.recorder.close()
+        await asyncio.to_thread(tracing.shutdown)  # the last spans out (a bounded wait)
         if not quiet:
             log.info("shutdown complete: store closed, audit log flushed and closed")
 

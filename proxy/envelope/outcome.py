@@ -55,6 +55,7 @@ from proxy.envelope.types import (
     Verdict,
 )
 from proxy.errors import AuditError, StoreError
+from proxy.observability import tracing
 from proxy.observability.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -383,6 +384,8 @@ class Completion:
                       upstream_status=upstream_status)
         if merged:
             record["extra"] = merged
+        if tracing.TRACER is not None:
+            tracing.recorded(record)
         t_audit = time.perf_counter()
         m = self.metrics
         try:

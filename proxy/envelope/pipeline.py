@@ -51,6 +51,7 @@ from proxy.envelope.types import (
     ToolCall,
     Verdict,
 )
+from proxy.observability import tracing
 from proxy.observability.metrics import Metrics
 from proxy.policy.compiled import PolicyRevision
 
@@ -284,7 +285,7 @@ class Envelope(Completion):
         decision = self._unavailable()
         if decision is None:
             assert chain is not None
-            decision = await chain.run(call)
+            decision = await (chain.run(call) if tracing.TRACER is None else tracing.checks(chain, call))
         pending = Pending(call, chain, decision, started, time.perf_counter() - started)
         self._prepare(pending)
         return pending

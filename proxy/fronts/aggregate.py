@@ -36,7 +36,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sessions import OwnedLRU
 from proxy.fronts.sse import SSEParser, format_event
 from proxy.fronts.streams import StreamSlot
+from proxy.observability import tracing
 
 log = logging.getLogger("envelope.aggregate")
 
@@ -184,6 +185,8 @@ class AggregateFront:
             return _error(exc.status, exc.id, exc.code, exc.message)
         if not msg.is_request:
             return web.Response(status=202)  # notifications and responses: nothing to do
+        if tracing.TRACER is not None:
+            tracing.request(msg.method, msg.id, msg.params, request.headers)
         stateless = calls.is_stateless(request.headers, msg)
         if msg.method == "initialize":
             return self._initialize(msg, principal)
@@ -452,9 +455,12 @@ class AggregateFront:
             await self._ensure(us, target, request)
             return self._headers(target, us, request)
 
-        upstream = UpstreamRequest(
-            target, orjson.dumps({"jsonrpc": "2.0", "id": reply_id, "method": "tools/call", "params": params}),
-            {}, reply_id, resume=True, setup=setup)
+        def body(meta: Mapping[str, str] | None = None) -> bytes:
+            return orjson.dumps({"jsonrpc": "2.0", "id": reply_id, "method": "tools/call",
+                                 "params": params if not meta else {**params, "_meta": meta}})
+
+        upstream = UpstreamRequest(target, body(), {}, reply_id, resume=True, setup=setup,
+                                   with_meta=body)
         outcome = await ctx.executor.run(pending, upstream, Downstream())
         return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False)
 

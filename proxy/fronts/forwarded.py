@@ -42,6 +42,7 @@ from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
 from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
+from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
 from proxy.upstream.forwarder import Forwarder, UpstreamResponse
 
@@ -89,6 +90,9 @@ class UpstreamRequest:
     session: Mapping[str, str] | None = None
     resume: bool = False
     setup: Callable[[bool], Awaitable[Mapping[str, str]]] | None = None
+    # The body again with these entries in `params._meta` (the trace context), when the front
+    # writes the body itself anyway; None: the client's bytes go upstream as they came.
+    with_meta: Callable[[Mapping[str, str]], bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -198,7 +202,9 @@ class _Forwarded:
         self.started = time.perf_counter()
         try:
             async with asyncio.timeout(target.timeout):
-                ending = await self._exchange()
+                ending = await (self._exchange() if tracing.TRACER is None else tracing.client(
+                    target.name, target.url, self.pending.call.request.method, self,
+                    self._exchange, self._with_meta))
         except (TimeoutError, UpstreamTimeout):
             x.observe(target.name, self._seconds(), "timeout", None)
             ending = self._failure("timeout", f"upstream {target.name!r} did not answer within "
@@ -220,6 +226,10 @@ class _Forwarded:
         if isinstance(ending, Failure) and ending.kind == "timeout":
             x.cancel(self.request, "the proxy's upstream timeout expired")
         return await x.envelope.complete(self.pending, ending, upstream_seconds=self._seconds())
+
+    def _with_meta(self, meta: Mapping[str, str]) -> None:
+        if self.request.with_meta is not None:
+            self.request.body = self.request.with_meta(meta)
 
     def _sent(self, writes: int | None) -> None:
         """Count one try and how often it wrote the request upstream (a refused connection:
@@ -289,7 +299,8 @@ class _Forwarded:
             delay: float | None = None
             try:
                 resp = await x.forwarder.open(
-                    "POST", target.url, request.headers, request.body,
+                    "POST", target.url, request.headers if tracing.TRACER is None else
+                    tracing.inject(request.headers), request.body,
                     connect_timeout=target.connect_timeout, read_timeout=target.timeout,
                     resend=retry is not None)  # a written request is sent again only if repeatable
             except UpstreamError as exc:

@@ -36,6 +36,7 @@ from proxy.envelope.pipeline import Envelope
 from proxy.fronts import jsonrpc
 from proxy.fronts.jsonrpc import BadMessage
 from proxy.fronts.render import rpc_error
+from proxy.observability import tracing
 from proxy.observability.metrics import Metrics
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
@@ -86,7 +87,11 @@ class Guard:
 
         async def guarded(request: web.Request) -> web.StreamResponse:
             refused = self.check(request)
-            return refused if refused is not None else await handler(request)
+            if refused is not None:
+                return refused
+            if tracing.TRACER is None or request.method != "POST":  # a GET stream is no request
+                return await handler(request)
+            return await tracing.server(request, handler)
 
         return guarded
 

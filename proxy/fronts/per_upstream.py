@@ -55,6 +55,7 @@ from proxy.fronts.inband import (
 )
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sse import KEEP_ALIVE, SSEEvent, SSEParser, format_event, format_fields
+from proxy.observability import tracing
 from proxy.policy.vocab import Effect
 from proxy.upstream.forwarder import UpstreamResponse
 
@@ -173,6 +174,8 @@ class McpFront:
             if exc.status == 413:
                 response.headers["Connection"] = "close"
             return response
+        if tracing.TRACER is not None:
+            tracing.request(msg.method, msg.id, msg.params, request.headers)
         method = msg.method if msg.is_request else None
         if method == "tools/call":
             return await self._tools_call(request, target, principal, msg, body)
@@ -211,7 +214,8 @@ class McpFront:
             headers.add(name, value)
         for name, value in target.headers.items():
             headers[name] = value
-        return headers
+        # The client's traceparent continues in the proxy's trace: the upstream joins it there.
+        return headers if tracing.TRACER is None else tracing.inject(headers)
 
     def _session_headers(self, request: web.Request, target: UpstreamTarget) -> dict[str, str] | None:
         """What reaches the client's upstream session (None: stateless, no session)."""
