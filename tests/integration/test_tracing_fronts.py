@@ -14,13 +14,16 @@ from aiohttp import web
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed "
                     "(pip install 'envelope-proxy[otel]')")
 
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
-from opentelemetry.trace import SpanKind  # noqa: E402
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
-from proxy.observability import tracing  # noqa: E402
-from tests.integration.test_fronts import ROUTES, Stack, result, stack  # noqa: E402, F401
+from proxy.observability import tracing
+from tests.integration import test_fronts
+from tests.integration.test_fronts import ROUTES, Stack, result
+
+stack = test_fronts.stack  # the fixture: both routes in-process against a scripted upstream
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -111,7 +114,7 @@ async def test_an_allowed_call_is_one_tree_continuing_the_clients_trace(
 @pytest.mark.parametrize(("route", "prefix"), ROUTES)
 async def test_a_refused_call_has_no_client_span_and_says_why(
         stack: Stack, spans: InMemorySpanExporter, route: str, prefix: str) -> None:
-    status, reply = await stack.call(route, f"{prefix}denied")
+    _, reply = await stack.call(route, f"{prefix}denied")
     assert reply["result"]["isError"] is True
 
     exported = spans.get_finished_spans()
