@@ -11,6 +11,7 @@ included). With `--baseline REV` the same is measured for git revision REV, in t
     python bench/instructions.py                      # this tree, 300 calls
     python bench/instructions.py --baseline c1950ec   # and the tree at c1950ec
     python bench/instructions.py --config noflow      # the bench policy with dataflow: {mode: off}
+    python bench/instructions.py --otel               # traces on (OTLP/HTTP to a local sink)
 
 Needs valgrind (apt-get install valgrind); slow (about a minute per tree).
 """
@@ -18,12 +19,16 @@ Needs valgrind (apt-get install valgrind); slow (about a minute per tree).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -80,17 +85,48 @@ def count(tree: Path, tmp: Path, config: str, calls: int) -> float:
         upstream.stop()
 
 
+@contextlib.contextmanager
+def otlp_sink() -> Iterator[dict[str, str]]:
+    """An OTLP/HTTP endpoint on loopback that takes every export (200, empty body): the
+    environment that turns the envelope's traces on, every span exported (the cost of
+    building and serialising them is in the count; the sink's is not: it is this process)."""
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+               "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    finally:
+        server.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=300, help="calls counted per tree (default 300)")
     p.add_argument("--baseline", metavar="REV", help="also count git revision REV (a temporary worktree)")
     p.add_argument("--config", choices=["envelope", "noflow"], default="envelope")
+    p.add_argument("--otel", action="store_true", help="traces on: every call's spans exported "
+                   "over OTLP/HTTP to a local sink (needs the otel extra)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: valgrind not found; apt-get install valgrind", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="envelope-instr-") as tmpdir:
+    with tempfile.TemporaryDirectory(prefix="envelope-instr-") as tmpdir, contextlib.ExitStack() as stack:
         tmp = Path(tmpdir)
+        if args.otel:
+            os.environ.update(stack.enter_context(otlp_sink()))
         trees = [("this tree", ROOT)]
         if args.baseline:
             base = tmp / "baseline"
@@ -103,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")], cwd=ROOT,
                                capture_output=True, check=False)
-    print(f"| tree | k instructions per call ({args.config}, {args.calls} calls) |")
+    traces = ", traces on" if args.otel else ""
+    print(f"| tree | k instructions per call ({args.config}{traces}, {args.calls} calls) |")
     print("|---|---:|")
     for name, k in results:
         print(f"| {name} | {k:,.1f} |")
