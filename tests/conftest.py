@@ -19,6 +19,7 @@ TIERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("browser", ("chromium", "chromedriver", "selenium"),
      "apt-get install chromium chromium-driver"),
     ("node", ("node", "npm"), "npm ci --prefix tests/node (brings Node 22 too)"),
+    ("otel", ("otel extra",), "pip install -e '.[otel]' (the dev extra has it)"),
 )
 
 

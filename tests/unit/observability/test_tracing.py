@@ -78,7 +78,8 @@ def spans() -> Iterator[Any]:
 
 
 def test_configure_starts_an_otlp_exporter_and_shutdown_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the otel extra is not installed")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the otel extra is not installed "
+                        "(pip install 'envelope-proxy[otel]')")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-proxy")
     try:
         assert tracing.configure({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}) is True
