@@ -106,8 +106,8 @@ def otlp_sink() -> Iterator[dict[str, str]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
-               "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        # Batching as deployed (OTEL_BSP_* unset: a batch every 5 s, up to 512 spans).
+        yield {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"}
     finally:
         server.shutdown()
 
