@@ -89,7 +89,7 @@ class Guard:
             refused = self.check(request)
             if refused is not None:
                 return refused
-            if tracing.TRACER is None or request.method != "POST":  # a GET stream is no request
+            if tracing.TRACER is None or request.method != "POST":  # GET streams, DELETE: no MCP request
                 return await handler(request)
             return await tracing.server(request, handler)
 
