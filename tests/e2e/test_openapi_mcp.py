@@ -218,7 +218,7 @@ async def test_health_probes_the_service_with_head_and_nothing_of_mcp(pp: ProxyP
     # Nothing MCP reached it on any route: no session header, no JSON-RPC body.
     assert not [r for r in service.stats()["requests"]
                 if "Mcp-Session-Id" in r["headers"] or "jsonrpc" in (r["body"] or "")]
-    ready = httpx.get(f"{pp.admin}/readyz", timeout=5)
+    ready = pp.admin_get("/readyz")
     assert ready.status_code == 200
 
 
