@@ -95,6 +95,7 @@ def _policy(directory: Path) -> Path:
                 {"id": "no-blocked-corp", "forbid": 'args.customer == "blocked-corp"',
                  "reason": "no invoices for blocked-corp"}]},
         },
+        "principals": {"reader": {"capability": "read-only"}},
         "dataflow": {"mode": "enforce"},
     })
 
@@ -147,6 +148,18 @@ async def test_tools_list_is_the_spec_with_its_input_schemas(pp: ProxyProcess, m
     assert tools["createInvoice"].input_schema["required"] == ["customer", "amount"]
     assert tools["deleteInvoice"].annotations.destructive_hint is True
     assert tools["getInvoice"].annotations.read_only_hint is True
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_read_only_principal_sees_and_calls_only_reads(pp: ProxyProcess, service: Service, mode: str) -> None:
+    async with mcp_client(pp.url("billing"), mode, bearer=token("reader"), headers=_run()) as c:
+        names = {t.name for t in (await c.list_tools()).tools}
+        before = service.runs("createInvoice")
+        r = await c.call_tool("createInvoice", {"customer": "acme", "amount": 1})
+    assert names == {"listInvoices", "getInvoice", "getInvoiceText", "getNote", "slowReport", "brokenReport",
+                     "get_health"}
+    assert _decision(r)["code"] == "capability_blocked"
+    assert service.runs("createInvoice") == before
 
 
 # -- calls that reach the service -------------------------------------------------------------
