@@ -143,6 +143,9 @@ class Runtime:
             )
         self.envelope.install(revision)
         self._targets = targets  # swapped together with the chain
+        for name, spec in revision.specs.items():  # operations an HTTP upstream cannot offer
+            for skipped in spec.problems:
+                log.warning("upstream %s: %s", name, skipped)
         self.health.sync(targets)
         self.revision = revision
         self.metrics.set_revision(revision.revision)
