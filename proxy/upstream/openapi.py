@@ -125,9 +125,14 @@ class Spec:
     source: str
     operations: Mapping[str, Operation]
     problems: tuple[str, ...] = ()
+    # (literal segments, pattern, operation, path parameter names), most literal first.
     _routes: tuple[tuple[int, re.Pattern[str], Operation, tuple[str, ...]], ...] = field(
-        default=(), repr=False, compare=False
+        init=False, repr=False, compare=False
     )
+
+    def __post_init__(self) -> None:
+        routes = sorted((_route(op) for op in self.operations.values()), key=lambda r: r[0], reverse=True)
+        object.__setattr__(self, "_routes", tuple(routes))
 
     def match(self, method: str, path: str) -> tuple[Operation, dict[str, str]] | None:
         """The operation serving `method path` and its decoded path parameters, or None.
@@ -303,10 +308,7 @@ class _Builder:
                     self.problems.append(self.doc.at(oloc, f"duplicate tool name {op.tool!r}: operation skipped"))
                     continue
                 ops[op.tool] = op
-        routes = sorted(
-            (_route(op) for op in ops.values()), key=lambda r: r[0], reverse=True
-        )
-        return Spec(self.source, ops, tuple(self.problems), tuple(routes))
+        return Spec(self.source, ops, tuple(self.problems))
 
     # -- one operation ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import pytest
 from proxy.policy.schemas import compile_schema
 from proxy.policy.vocab import Effect
 from proxy.upstream.openapi import (
+    Spec,
     SpecError,
     arguments_from,
     load_spec,
@@ -166,6 +167,10 @@ def test_match_prefers_literal_segments_and_decodes_path_parameters():
     assert spec.match("POST", "/pets/mine") is None
     assert spec.match("GET", "/pets/a/b") is None
     assert spec.match("GET", "/pets") is None
+    # A Spec built from operations alone (a test's, another loader's) routes the same way.
+    rebuilt = Spec("p.yaml", dict(reversed(list(spec.operations.items()))))
+    again = rebuilt.match("GET", "/pets/mine")
+    assert again is not None and again[0].tool == "minePets"
 
 
 def test_request_for_encodes_path_query_header_and_body():
