@@ -111,7 +111,8 @@ class Runtime:
                                      on_change=self.metrics.set_upstreams_up)
         self._prober = HealthProber(
             self.health, self.forwarder,
-            lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items() if self._probed(n)],
+            lambda: [ProbeTarget(n, t.url, http=self.revision is not None and n in self.revision.specs)
+                     for n, t in self._targets.items() if self._probed(n)],
             interval=config.health_interval, timeout=config.health_timeout,
         )
         self.fronts: FrontContext | None = None
@@ -143,6 +144,9 @@ class Runtime:
             )
         self.envelope.install(revision)
         self._targets = targets  # swapped together with the chain
+        for name, spec in revision.specs.items():  # operations an HTTP upstream cannot offer
+            for skipped in spec.problems:
+                log.warning("upstream %s: %s", name, skipped)
         self.health.sync(targets)
         self.revision = revision
         self.metrics.set_revision(revision.revision)
