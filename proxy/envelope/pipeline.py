@@ -49,6 +49,7 @@ from proxy.envelope.types import (
     Principal,
     Services,
     ToolCall,
+    ToolInfo,
     Verdict,
 )
 from proxy.observability.metrics import Metrics
@@ -235,6 +236,8 @@ class Envelope(Completion):
         self.registry = registry
         self.services = services if services is not None else Services(metrics=metrics)
         self._chain: Chain | None = None
+        # The upstreams whose catalogue came from an OpenAPI spec at the last install.
+        self._specs: frozenset[str] = frozenset()
         # Decision recorder for replay (`serve --record`; `proxy.tools.replay.Recorder`), or None.
         self.recorder: Any = None
         # Misconfigurations: logged once per revision, counted by layer, listed by the admin API.
@@ -251,11 +254,25 @@ class Envelope(Completion):
 
     def install(self, revision: PolicyRevision) -> Chain:
         """Build a whole new chain for `revision` and swap it in."""
+        self._learn_specs(revision)
         chain = Chain(revision, self.registry, self.metrics, self.services)
         self._chain = chain
         self.misconfig.loaded()
         self.refresh_catalogue_metrics()
         return chain
+
+    def _learn_specs(self, revision: PolicyRevision) -> None:
+        # An HTTP upstream's catalogue is its spec, not a tools/list: each revision replaces it
+        # whole (an operation removed from the spec is gone), with the operator's effect.
+        previous = self._specs
+        self._specs = frozenset(revision.specs)
+        for upstream in previous - self._specs:
+            self.registry.forget(upstream)
+        for upstream, spec in revision.specs.items():
+            self.registry.replace(upstream, [
+                ToolInfo(op.tool, op.input_schema, op.tool_definition()["annotations"], op.effect)
+                for op in spec.operations.values()
+            ])
 
     def refresh_catalogue_metrics(self) -> None:
         """Recompute the misconfiguration report and the catalogue gauges: at every install and

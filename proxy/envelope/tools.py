@@ -47,6 +47,14 @@ class ToolRegistry:
             learned.append(info)
         return learned
 
+    def replace(self, upstream: str, tools: Iterable[ToolInfo]) -> None:
+        """Make `tools` the whole catalogue of `upstream` (an HTTP upstream's spec, per revision)."""
+        self._tools[upstream] = {t.name: t for t in tools}
+
+    def forget(self, upstream: str) -> None:
+        """Drop what is known of `upstream` (it is no longer an HTTP upstream)."""
+        self._tools.pop(upstream, None)
+
     def get(self, upstream: str, tool: str) -> ToolInfo | None:
         return self._tools.get(upstream, {}).get(tool)
 
@@ -69,9 +77,12 @@ def annotation(info: ToolInfo | None, name: str) -> bool:
 def effective_effect(
     policy_effect: Effect | None, info: ToolInfo | None, trust_annotations: bool
 ) -> Effect:
-    """The tool's effect: policy, else trusted annotations, else destructive."""
+    """The tool's effect: policy, else the operator's spec, else trusted annotations, else
+    destructive."""
     if policy_effect is not None:
         return policy_effect
+    if info is not None and info.effect is not None:
+        return info.effect
     if trust_annotations and info is not None:
         if annotation(info, "readOnlyHint"):
             return Effect.READ

@@ -171,6 +171,9 @@ class ToolInfo:
     name: str
     input_schema: Mapping[str, Any] | None = None
     annotations: Mapping[str, Any] = field(default_factory=dict)
+    # The effect the operator's own description declares (an OpenAPI operation's method), not
+    # an upstream's hint: it applies when the policy says nothing, trusted or not.
+    effect: Effect | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from proxy.policy.cel import Engine
+    from proxy.upstream.openapi import Spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,8 @@ class PolicyRevision:
     loaded_at: float = 0.0
     # Where each tool key / principal id / upstream was declared, for error messages.
     locations: Mapping[str, Location] = field(default_factory=dict)
+    # The OpenAPI document of each HTTP upstream (`openapi:`), loaded with this revision.
+    specs: Mapping[str, Spec] = field(default_factory=dict)
 
     def run_taint_readers(self) -> list[tuple[str, Location | None]]:
         """(what, where) of every CEL expression that reads `run.tainted` / `run.secret`."""

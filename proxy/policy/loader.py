@@ -57,6 +57,7 @@ from proxy.policy.yamlload import (
     problem,
     scalar_position,
 )
+from proxy.upstream.openapi import Spec, SpecError, SpecUnreadable, load_spec, placed
 
 _SECTIONS: dict[str, type[BaseModel]] = {
     "upstreams": Upstream,
@@ -168,6 +169,10 @@ class _Loader:
                 continue
             if not isinstance(f.root, MappingNode):
                 self.add(f, f.root, "a policy file must be a mapping of sections")
+                continue
+            if _child(f.root, "openapi")[1] is not None:
+                # An HTTP upstream's OpenAPI document kept beside the policy (`openapi:
+                # specs/billing.yaml`): read by `load_specs`, not a policy file.
                 continue
             for key, value in mapping_items(f.root):
                 k = key.value
@@ -316,6 +321,26 @@ class _Loader:
         for node in nodes:
             if isinstance(node, ScalarNode) and isinstance(self.convert.value(node), str):
                 self.compile_cel(entry.file, node)
+
+    def load_specs(self, upstreams: dict[str, tuple[_Entry, Upstream]]) -> dict[str, Spec]:
+        """The OpenAPI document of every HTTP upstream, read now (a URL is fetched at every
+        load). A document that cannot be read is a problem at `openapi:`; one that is not
+        usable OpenAPI, a problem at its own file, line and column."""
+        specs: dict[str, Spec] = {}
+        for name, (entry, upstream) in upstreams.items():
+            if upstream.openapi is None:
+                continue
+            try:
+                specs[name] = load_spec(upstream.openapi, Path(entry.file.name).parent)
+            except SpecUnreadable as exc:
+                node = _child(entry.value, "openapi")[1] if entry.value is not None else None
+                self.add(entry.file, node or entry.key, f"upstream '{name}': {placed(exc)[3]}")
+            except SpecError as exc:
+                file, line, column, message = placed(exc)
+                self.problems.append(PolicyProblem(
+                    file or entry.file.name, line, column,
+                    f"OpenAPI document of upstream '{name}': {message}"))
+        return specs
 
     def _upstream_declared(self, entry: _Entry) -> bool:
         """Whether the upstream an `<upstream>.<...>` key names is declared (else a problem)."""
@@ -489,6 +514,7 @@ class _Loader:
             if ok:
                 principals[name] = CompiledPrincipal(name, ppolicy, allow, entry.location())
 
+        specs = self.load_specs(validated["upstreams"])
         if dataflow is not None and dataflow.mode == "off":
             # No ledger is kept, so run.tainted / run.secret could never be true.
             for what, where in taint_readers(tools.values(), principals.values()):
@@ -530,6 +556,7 @@ class _Loader:
             cel=self.engine,
             loaded_at=time.time(),
             locations=types.MappingProxyType(locations),
+            specs=types.MappingProxyType(specs),
         )
 
 

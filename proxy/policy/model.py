@@ -99,6 +99,10 @@ class Upstream(_Model):
     headers: dict[str, str] = Field(default_factory=dict)
     # Pass the client's Authorization header upstream. Absent: false (never leak agent tokens).
     forward_authorization: bool = False
+    # An HTTP (REST) upstream: its OpenAPI document, a path relative to this policy file's
+    # directory or an http(s) URL, loaded with every revision; each operation is a tool and the
+    # proxy itself answers MCP for it (proxy/upstream/openapi.py). Absent: an MCP server.
+    openapi: str | None = Field(default=None, min_length=1)
 
     @field_validator("url")
     @classmethod

@@ -57,6 +57,22 @@ class SpecError(EnvelopeError, ValueError):
     """An OpenAPI document cannot be read or used; the message starts `file:line:column: `."""
 
 
+class SpecUnreadable(SpecError):
+    """The document could not be read at all (no file, fetch failed): the fault is where it is
+    named (the policy's `openapi:`), not inside it."""
+
+
+_PLACED = re.compile(r"^(.+?):(\d+):(\d+): (.*)$", re.DOTALL)
+
+
+def placed(error: SpecError) -> tuple[str, int, int, str]:
+    """(file, line, column, message) of a `SpecError`'s text (file "" when it names none)."""
+    m = _PLACED.match(str(error))
+    if m is None:
+        return "", 1, 1, str(error)
+    return m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+
+
 @dataclass(frozen=True, slots=True)
 class Param:
     """One path, query or header parameter of an operation."""
@@ -166,9 +182,9 @@ def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
             with urllib.request.urlopen(source, timeout=FETCH_TIMEOUT) as resp:
                 data = resp.read(MAX_SPEC_BYTES + 1)
         except (OSError, ValueError) as exc:
-            raise SpecError(f"{source}:1:1: cannot fetch the OpenAPI document: {exc}") from exc
+            raise SpecUnreadable(f"{source}:1:1: cannot fetch the OpenAPI document: {exc}") from exc
         if len(data) > MAX_SPEC_BYTES:
-            raise SpecError(f"{source}:1:1: OpenAPI document exceeds {MAX_SPEC_BYTES} bytes")
+            raise SpecUnreadable(f"{source}:1:1: OpenAPI document exceeds {MAX_SPEC_BYTES} bytes")
         return _decode(data, source), source
     path = Path(source)
     if not path.is_absolute() and base_dir is not None:
@@ -176,7 +192,7 @@ def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise SpecError(f"{path}:1:1: cannot read the OpenAPI document: {exc.strerror or exc}") from exc
+        raise SpecUnreadable(f"{path}:1:1: cannot read the OpenAPI document: {exc.strerror or exc}") from exc
     return _decode(data, str(path)), str(path)
 
 
