@@ -51,8 +51,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     # that name no operation, are errors like the policy's own.
     spec_errors = spec_problems(revision)
     if spec_errors:
-        for problem in spec_errors:
-            print(problem)
+        for error in spec_errors:
+            print(error)
         n = len(spec_errors)
         print(f"{n} problem{'s' if n != 1 else ''} in {args.directory}", file=sys.stderr)
         return 1
