@@ -110,7 +110,8 @@ class Runtime:
                                      on_change=self.metrics.set_upstreams_up)
         self._prober = HealthProber(
             self.health, self.forwarder,
-            lambda: [ProbeTarget(n, t.url) for n, t in self._targets.items() if self._probed(n)],
+            lambda: [ProbeTarget(n, t.url, http=self.revision is not None and n in self.revision.specs)
+                     for n, t in self._targets.items() if self._probed(n)],
             interval=config.health_interval, timeout=config.health_timeout,
         )
         self.fronts: FrontContext | None = None

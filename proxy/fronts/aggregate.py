@@ -27,11 +27,20 @@ prompts/*, completion, logging) is answered with JSON-RPC -32601: those have no 
 merge across servers; use `/mcp/<upstream>` for them. Upstream progress notifications and
 server-to-client requests (sampling, elicitation) are not relayed (the client gets JSON only),
 so nothing of them reaches the client; the answer is inspected like on every route.
+
+HTTP upstreams (`openapi:` in the policy, `proxy.upstream.openapi`) are served here too: their
+`tools/list` is the spec's operations (`Operation.tool_definition`, filtered per principal like
+any list, not learned: the registry has them from the revision), a `tools/call` is the HTTP
+request `openapi.request_for` builds from the decided call, sent by the same executor
+(`UpstreamRequest.http`); no MCP session is opened with them and no GET stream is followed.
+With `single=True` the same server answers `/mcp/<upstream>` for one HTTP upstream (the
+per-upstream front hands those routes over): the route's upstream only, tool names unprefixed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -43,6 +52,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.envelope.pipeline import Pending
 from proxy.envelope.types import Principal
 from proxy.errors import UpstreamError, UpstreamTimeout
 from proxy.fronts import calls, jsonrpc, render
@@ -54,6 +64,7 @@ from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sessions import OwnedLRU
 from proxy.fronts.sse import SSEParser, format_event
 from proxy.fronts.streams import StreamSlot
+from proxy.upstream import openapi
 
 log = logging.getLogger("envelope.aggregate")
 
@@ -121,9 +132,11 @@ class AggregateFront:
     """aiohttp handlers for `/mcp`, on the same `FrontContext` as `/mcp/<upstream>`."""
 
     def __init__(self, context: FrontContext, upstreams: Callable[[], Sequence[str]], max_sessions: int = 1000,
-                 max_sessions_per_principal: int = 100):
+                 max_sessions_per_principal: int = 100, single: bool = False):
         self.ctx = context
         self.upstreams = upstreams  # the aggregated upstream names, in order (config or policy)
+        # `/mcp/<upstream>` of one HTTP upstream: the route names the upstream, tools unprefixed.
+        self.single = single
         # Client sessions by id, bound to their principal; a principal past its own bound loses
         # its own least recently used session, never another's (see proxy.fronts.sessions).
         self._sessions: OwnedLRU[str, _ClientSession] = OwnedLRU(max_sessions, max_sessions_per_principal)
@@ -186,12 +199,12 @@ class AggregateFront:
             return web.Response(status=202)  # notifications and responses: nothing to do
         stateless = calls.is_stateless(request.headers, msg)
         if msg.method == "initialize":
-            return self._initialize(msg, principal)
+            return self._initialize(msg, principal, request)
         if msg.method == "server/discover":
             return _result(msg.id, {
                 "supportedVersions": [STATELESS_REVISION],
                 "capabilities": {"tools": {"listChanged": False}},
-                "instructions": "Tools of several MCP servers behind envelope-proxy, named <upstream>.<tool>.",
+                "instructions": self._instructions(request),
                 "resultType": "complete", "ttlMs": 0, "cacheScope": "private",
                 "_meta": {"io.modelcontextprotocol/serverInfo": SERVER_INFO},
             })
@@ -202,11 +215,20 @@ class AggregateFront:
             return await self._tools_list(request, sess, principal, msg, stateless)
         if msg.method == "tools/call":
             return await self._tools_call(request, sess, principal, msg, stateless)
+        if self.single:
+            return _error(404 if stateless else 200, msg.id, jsonrpc.METHOD_NOT_FOUND,
+                          f"Method not found: {msg.method} (an HTTP upstream serves tools only)")
         return _error(404 if stateless else 200, msg.id, jsonrpc.METHOD_NOT_FOUND,
                       f"Method not found: {msg.method} is not served by the aggregated endpoint /mcp "
                       "(it serves tools only; use /mcp/<upstream> for resources and prompts)")
 
-    def _initialize(self, msg: Message, principal: Principal) -> web.Response:
+    def _instructions(self, request: web.Request) -> str:
+        if self.single:
+            return (f"Operations of the HTTP API {request.match_info['upstream']!r} behind "
+                    "envelope-proxy, one tool each.")
+        return "Tools of several MCP servers behind envelope-proxy, named <upstream>.<tool>."
+
+    def _initialize(self, msg: Message, principal: Principal, request: web.Request) -> web.Response:
         requested = msg.params.get("protocolVersion")
         version = requested if requested in LEGACY_REVISIONS else LEGACY_REVISIONS[0]
         sess = _ClientSession(id=uuid.uuid4().hex, principal=principal.id, protocol=version)
@@ -220,7 +242,7 @@ class AggregateFront:
             "protocolVersion": version,
             "capabilities": {"tools": {"listChanged": True}},
             "serverInfo": SERVER_INFO,
-            "instructions": "Tools of several MCP servers behind envelope-proxy, named <upstream>.<tool>.",
+            "instructions": self._instructions(request),
         }
         return _result(msg.id, result, {"Mcp-Session-Id": sess.id})
 
@@ -249,7 +271,10 @@ class AggregateFront:
 
     # ---- talking to upstreams ------------------------------------------------------------
 
-    def _targets(self) -> list[UpstreamTarget]:
+    def _targets(self, request: web.Request) -> list[UpstreamTarget]:
+        if self.single:
+            target = self.ctx.targets(request.match_info["upstream"])
+            return [target] if target is not None else []
         out = []
         for name in self.upstreams():
             target = self.ctx.targets(name)
@@ -261,10 +286,14 @@ class AggregateFront:
             out.append(target)
         return out
 
-    def _split(self, name: str) -> tuple[UpstreamTarget, str] | None:
-        """`<upstream>.<tool>` -> (target, tool); the longest matching upstream name wins."""
+    def _split(self, name: str, request: web.Request) -> tuple[UpstreamTarget, str] | None:
+        """`<upstream>.<tool>` -> (target, tool); the longest matching upstream name wins.
+        (Single-upstream mode: the route's upstream and `name` as it is.)"""
+        if self.single:
+            targets = self._targets(request)
+            return (targets[0], name) if targets else None
         best: UpstreamTarget | None = None
-        for target in self._targets():
+        for target in self._targets(request):
             if name.startswith(target.name + ".") and len(name) > len(target.name) + 1:
                 if best is None or len(target.name) > len(best.name):
                     best = target
@@ -379,6 +408,10 @@ class AggregateFront:
 
     async def _list_one(self, sess: _ClientSession | None, target: UpstreamTarget, request: web.Request,
                         principal: Principal) -> list[dict[str, Any]]:
+        spec = self.ctx.spec(target.name)
+        if spec is not None:
+            listed = {"tools": [op.tool_definition() for op in spec.operations.values()]}
+            return self._named(target, self.ctx.filter_tools(listed, target.name, principal, learn=False)["tools"])
         tools: list[dict[str, Any]] = []
         cursor: Any = None
         for _ in range(MAX_PAGES):
@@ -390,23 +423,31 @@ class AggregateFront:
                 raise UpstreamError(f"tools/list failed: {err.get('message') if isinstance(err, dict) else reply}")
             # The per-upstream route's own path: learn into the registry, filter per principal.
             visible = self.ctx.filter_tools(result, target.name, principal).get("tools", [])
-            for tool in visible:
-                name = f"{target.name}.{tool['name']}"
-                if not TOOL_NAME.fullmatch(name):
-                    if name not in self._warned:
-                        self._warned.add(name)
-                        log.warning("aggregate: tool %r is not a valid MCP tool name (1-128 of "
-                                    "[A-Za-z0-9_.-]); not listed", name[:200])
-                    continue
-                tools.append({**tool, "name": name})
+            tools.extend(self._named(target, visible))
             cursor = result.get("nextCursor")
             if not cursor:
                 break
         return tools
 
+    def _named(self, target: UpstreamTarget, visible: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The tools as this endpoint names them (`<upstream>.<tool>`; unprefixed when single)."""
+        if self.single:
+            return visible
+        tools = []
+        for tool in visible:
+            name = f"{target.name}.{tool['name']}"
+            if not TOOL_NAME.fullmatch(name):
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.warning("aggregate: tool %r is not a valid MCP tool name (1-128 of "
+                                "[A-Za-z0-9_.-]); not listed", name[:200])
+                continue
+            tools.append({**tool, "name": name})
+        return tools
+
     async def _tools_list(self, request: web.Request, sess: _ClientSession | None, principal: Principal,
                           msg: Message, stateless: bool) -> web.Response:
-        targets = self._targets()
+        targets = self._targets(request)
         lists = await asyncio.gather(*(self._list_one(sess, t, request, principal) for t in targets),
                                      return_exceptions=True)
         merged: list[dict[str, Any]] = []
@@ -433,7 +474,7 @@ class AggregateFront:
         except BadMessage as exc:
             ctx.metrics.rejected(exc.reason)
             return _error(400, exc.id, exc.code, exc.message)
-        split = self._split(name)
+        split = self._split(name, request)
         if split is None:
             return _error(400 if stateless else 200, msg.id, jsonrpc.INVALID_PARAMS, f"Unknown tool: {name}")
         target, tool = split
@@ -443,6 +484,14 @@ class AggregateFront:
                                     ctx.settings.request_headers())
         pending = await ctx.envelope.begin(call)
         reply_id = self._next_id()
+        specs = pending.chain.revision.specs if pending.chain is not None else {}
+        if target.name in specs:
+            outcome = await ctx.executor.run(
+                pending, self._http_request(pending, specs[target.name], target, request, reply_id),
+                Downstream())
+            if outcome.kind == "deliver":  # the HTTP status is the record's, not the MCP answer's
+                outcome = dataclasses.replace(outcome, status=200)
+            return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False)
         params: dict[str, Any] = {"name": tool, "arguments": arguments}
         us = self._upstream_session(sess, target.name)
 
@@ -458,6 +507,26 @@ class AggregateFront:
         outcome = await ctx.executor.run(pending, upstream, Downstream())
         return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False)
 
+    @staticmethod
+    def _http_request(pending: Pending, spec: openapi.Spec, target: UpstreamTarget, request: web.Request,
+                      reply_id: str) -> UpstreamRequest | None:
+        """The HTTP request of a decided call to an HTTP upstream; None when there is nothing to
+        send (refused: the catalogue refuses a tool the spec lacks; or arguments the request
+        cannot be built from, which the executor then ends as not forwarded)."""
+        call = pending.call
+        op = spec.operations.get(call.tool)
+        if op is None or not pending.forwardable:
+            return None
+        try:
+            http = openapi.request_for(op, call.arguments)
+        except ValueError as exc:
+            log.warning("decision %s: cannot build the HTTP request of %s: %s",
+                        call.decision_id, call.qualified_name, exc)
+            return None
+        auth = request.headers.get("Authorization")
+        headers = {"Authorization": auth} if auth and target.forward_authorization else {}
+        return UpstreamRequest(target, b"", headers, reply_id, http=http)
+
     # ---- GET: list_changed fan-out ----------------------------------------------------
 
     async def _get(self, request: web.Request, principal: Principal) -> web.StreamResponse:
@@ -468,11 +537,14 @@ class AggregateFront:
         held either way; only the session's own principal can reach it."""
         if calls.is_stateless(request.headers, None):
             return web.Response(status=405, headers={"Allow": "POST"})
+        if self.single:  # an HTTP upstream sends nothing of its own accord
+            return web.Response(status=405, headers={"Allow": "POST, DELETE"})
         sess = self._client_session(request, principal)
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
         fanout = sess.fanout
         if fanout is None:
-            targets = self._targets()
+            # HTTP upstreams have no stream to follow (nor an MCP session to open).
+            targets = [t for t in self._targets(request) if self.ctx.spec(t.name) is None]
             slot = self.ctx.take_streams(principal, [t.name for t in targets])
             if isinstance(slot, web.Response):
                 return slot

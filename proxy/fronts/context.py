@@ -23,6 +23,7 @@ from proxy.fronts.forwarded import Executor, UpstreamTarget
 from proxy.fronts.streams import StreamBudget, StreamSlot
 from proxy.observability.metrics import Metrics, UpstreamOutcome
 from proxy.upstream.forwarder import Forwarder
+from proxy.upstream.openapi import Spec
 
 log = logging.getLogger("envelope.mcp")
 
@@ -128,15 +129,24 @@ class FrontContext:
             content_type="application/json", headers={"Retry-After": str(STREAM_RETRY_AFTER)},
         )
 
-    def filter_tools(self, result: Any, upstream: str, principal: Principal) -> Any:
+    def spec(self, upstream: str) -> Spec | None:
+        """The OpenAPI document of an HTTP upstream in the current revision (None: MCP)."""
+        chain = self.envelope.chain
+        return chain.revision.specs.get(upstream) if chain is not None else None
+
+    def filter_tools(self, result: Any, upstream: str, principal: Principal,
+                     learn: bool = True) -> Any:
         """A `tools/list` result as this principal sees it: learned into the registry (schemas
-        and annotations), forged `envelope/*` meta removed, tools it may never call hidden."""
+        and annotations; not with `learn=False`, for a list the proxy built from the registry's
+        own source, an OpenAPI document), forged `envelope/*` meta removed, tools it may never
+        call hidden."""
         if not isinstance(result, dict) or not isinstance(result.get("tools"), list):
             return result
         strip_envelope_meta(result)
         envelope = self.envelope
-        envelope.registry.learn(upstream, result["tools"])
-        envelope.refresh_catalogue_metrics()
+        if learn:
+            envelope.registry.learn(upstream, result["tools"])
+            envelope.refresh_catalogue_metrics()
         chain = envelope.chain
         if chain is None:
             visible: list[Any] = []

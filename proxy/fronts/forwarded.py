@@ -20,7 +20,11 @@ same way on every route (`/mcp/<upstream>` and the aggregated `/mcp`).
 - the client going away cancels the upstream call (`notifications/cancelled` for session
   upstreams; closing the stream cancels a stateless one), unless its stream is resumable;
 - an answer past the caps (`max_event_bytes` for one SSE event, `max_reply_bytes` for a JSON
-  body) is not read on: the call fails ("reply exceeds N bytes") and is cancelled.
+  body) is not read on: the call fails ("reply exceeds N bytes") and is cancelled;
+- an HTTP (OpenAPI) upstream's call (`UpstreamRequest.http`) is sent as that HTTP request to
+  the upstream's url joined with its path, with the same retries, timeout, cap and failure
+  handling; its response (never parsed as SSE) becomes a tool result (`openapi.result_from`)
+  answering `reply_id`, so the envelope inspects it like any MCP answer.
 
 It never builds a decision: failures are `Failure`s, the envelope decides what they mean.
 """
@@ -44,6 +48,7 @@ from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
 from proxy.observability.metrics import UpstreamOutcome
 from proxy.upstream.forwarder import Forwarder, UpstreamResponse
+from proxy.upstream.openapi import HttpCall, result_from
 
 log = logging.getLogger("envelope.forward")
 
@@ -80,6 +85,11 @@ class UpstreamRequest:
     before the first attempt (`setup(False)`) and again when the upstream answers 404 because
     it lost it (`setup(True)`), returning the headers that reach it (then both the request's
     headers and `session`); it raises UpstreamError when it cannot.
+
+    `http` makes it an HTTP upstream's call: `http.method` to the target's url joined with
+    `http.path`, carrying `http.body` (`body` is unused) and `headers` (what the front passes
+    on: the agent's Authorization for a `forward_authorization` upstream), then `http.headers`,
+    then the upstream's configured `headers` (last: the proxy's credential is never overridden).
     """
 
     target: UpstreamTarget
@@ -89,6 +99,7 @@ class UpstreamRequest:
     session: Mapping[str, str] | None = None
     resume: bool = False
     setup: Callable[[bool], Awaitable[Mapping[str, str]]] | None = None
+    http: HttpCall | None = None
 
 
 @dataclass(slots=True)
@@ -284,12 +295,19 @@ class _Forwarded:
         reopened = False
         if request.setup is not None:
             request.headers = request.session = await request.setup(False)
+        method, url = "POST", target.url
+        body: bytes | None = request.body
+        http = request.http
+        if http is not None:
+            method, url, body = http.method, target.url.rstrip("/") + http.path, http.body
         while True:
             attempt_started = time.perf_counter()
             delay: float | None = None
+            headers = (request.headers if http is None
+                       else {**request.headers, **http.headers, **target.headers})
             try:
                 resp = await x.forwarder.open(
-                    "POST", target.url, request.headers, request.body,
+                    method, url, headers, body,
                     connect_timeout=target.connect_timeout, read_timeout=target.timeout,
                     resend=retry is not None)  # a written request is sent again only if repeatable
             except UpstreamError as exc:
@@ -329,6 +347,8 @@ class _Forwarded:
             if self.downstream.headers is not None:
                 self.downstream.response_headers = self.downstream.headers(resp)
             ctype = resp.headers.get("Content-Type", "")
+            if self.request.http is not None:
+                return await self._http_answer(resp, ctype)
             if ctype.startswith("text/event-stream") and resp.status == 200:
                 x.observe(target.name, self._seconds(), "ok", None)
                 await self.downstream.open(resp)
@@ -348,6 +368,18 @@ class _Forwarded:
             reason = f"upstream {target.name!r} answered HTTP {resp.status}" + (
                 "" if resp.status != 200 else " without a JSON-RPC reply")
             return self._failure("error", reason)
+
+    async def _http_answer(self, resp: UpstreamResponse, ctype: str) -> Reply:
+        """An HTTP upstream's response as the tool result answering the call (an HTTP error
+        status is an `isError` result, a 5xx also counted as an upstream error)."""
+        x, http = self.x, self.request.http
+        assert http is not None
+        data = await resp.read(x.max_reply_bytes)
+        x.observe(self.target.name, self._seconds(), "ok" if resp.status < 500 else "error",
+                  f"answered HTTP {resp.status}")
+        message = {"jsonrpc": "2.0", "id": self.request.reply_id,
+                   "result": result_from(resp.status, ctype, data)}
+        return Reply(message, data if http.relay else None, resp.status)
 
     async def _stream(self, resp: UpstreamResponse) -> Reply | Failure | Decision:
         """Read the call's SSE stream: relay (inspected) events until the answer arrives; resume

@@ -19,6 +19,8 @@ goes back). By method:
   envelope before it is delivered (`Envelope.relay`: forged meta removed, guardrails, ledger).
 - A result that reaches the client on a resumed GET stream (`Last-Event-ID`) after it left the
   call's stream is inspected as that call's result and audited as its delivery.
+- An HTTP upstream (`openapi:`) speaks no MCP: its route is answered by the proxy itself, by
+  the aggregate's MCP server in single-upstream mode (`AggregateFront(single=True)`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from proxy.envelope.pipeline import Pending
 from proxy.envelope.types import Principal, Reply, ToolCall
 from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
 from proxy.fronts import calls, jsonrpc, render
+from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
@@ -129,6 +132,8 @@ class McpFront:
         self.detached = _Remembered()
         # Task-augmented calls by task id: `tasks/result` is inspected as that tool's result.
         self.tasks = _Remembered()
+        # HTTP upstreams' routes: an MCP server the proxy answers itself.
+        self.http_tools = AggregateFront(context, tuple, single=True)
 
     def routes(self, guard: Guard) -> list[web.RouteDef]:
         """The route, every request through `guard` first."""
@@ -141,6 +146,8 @@ class McpFront:
         if target is None:
             return render.rpc_error(404, None, jsonrpc.METHOD_NOT_FOUND,
                                     f"no upstream named {request.match_info['upstream']!r} is configured")
+        if self.ctx.spec(target.name) is not None:
+            return await self.http_tools.handle(request)
         principal = self.ctx.authenticate(request)
         if isinstance(principal, web.Response):
             return principal

@@ -3,7 +3,8 @@
 `UpstreamHealth` is fed every upstream request outcome by the MCP fronts (ok / error /
 timeout, with the error message) and by `HealthProber`, a periodic lightweight HTTP request to
 each upstream URL that counts *any* HTTP status as alive (the probe sends a session id no
-server knows, so MCP servers answer 404 at once and create no session). State per upstream:
+server knows, so MCP servers answer 404 at once and create no session; an HTTP upstream, one
+described by OpenAPI, gets a plain `HEAD` of its URL with nothing of MCP). State per upstream:
 consecutive failures, last error and when, last success. An upstream is `down` after
 `down_after` consecutive failures and `up` again after one success.
 
@@ -137,6 +138,7 @@ class UpstreamHealth:
 class ProbeTarget:
     name: str
     url: str
+    http: bool = False  # an HTTP (OpenAPI) upstream: probed with HEAD, not as an MCP server
 
 
 class HealthProber:
@@ -182,8 +184,9 @@ class HealthProber:
         try:
             async with asyncio.timeout(self.timeout):
                 resp = await self.forwarder.open(
-                    "GET", target.url,
-                    {"Accept": "application/json", "Mcp-Session-Id": PROBE_SESSION},
+                    "HEAD" if target.http else "GET", target.url,
+                    {"Accept": "*/*"} if target.http
+                    else {"Accept": "application/json", "Mcp-Session-Id": PROBE_SESSION},
                     None, connect_timeout=self.timeout, read_timeout=self.timeout,
                     # A probe changes nothing upstream; resending it after the stale keep-alive
                     # race keeps that race from marking a healthy upstream down.

@@ -186,3 +186,18 @@ async def test_admin_shows_upstreams_without_affecting_readiness() -> None:
         resp = await c.get("/v1/upstreams", headers={"Authorization": "Bearer op-token"})
         body = await resp.json()
         assert body["upstreams"]["b"]["consecutive_failures"] == 1
+
+
+async def test_an_http_upstream_is_probed_with_head_and_nothing_of_mcp() -> None:
+    ok = FakeResponse()
+    fwd = FakeForwarder({"http://api/v1": ok, "http://mcp/mcp": ok})
+    h = UpstreamHealth()
+    h.sync(["api", "mcp"])
+    prober = HealthProber(h, fwd, lambda: [ProbeTarget("api", "http://api/v1", http=True),  # type: ignore[arg-type]
+                                           ProbeTarget("mcp", "http://mcp/mcp")],
+                          interval=0, timeout=0.05)
+    await prober.probe_all()
+    assert h.snapshot()["api"]["state"] == "up"
+    seen = {url: (method, dict(headers)) for method, url, headers in fwd.seen}
+    assert seen["http://api/v1"] == ("HEAD", {"Accept": "*/*"})
+    assert seen["http://mcp/mcp"][0] == "GET" and seen["http://mcp/mcp"][1]["Mcp-Session-Id"] == PROBE_SESSION

@@ -323,8 +323,8 @@ class CatalogueCheck:
         self._deps = Dependencies.of(services)
         self._tools = revision.tools
         self._deny_unknown = revision.document.defaults.unknown_tools == "deny"
-        # An HTTP upstream's catalogue is its OpenAPI document, whole: what is not an operation
-        # there cannot be sent (there is no request to build), whatever `unknown_tools` says.
+        # HTTP upstreams: their OpenAPI document is the whole catalogue, so a tool it does not
+        # describe can never run, whatever `unknown_tools` says (there is no request to send).
         self._specs = revision.specs
         self._trusted = frozenset(
             name for name, up in revision.document.upstreams.items() if up.trust_annotations
@@ -355,16 +355,15 @@ class CatalogueCheck:
     def decide(self, call: ToolCall) -> Decision | None:
         """Refuse unknown or misconfigured tools; otherwise set `call.effect` and continue."""
         key = call.qualified_name
-        compiled = self._tools.get(key)
-        spec = self._specs.get(call.upstream) if compiled is None else None
+        spec = self._specs.get(call.upstream)
         if spec is not None and call.tool not in spec.operations:
             return deny(
                 Code.UNKNOWN_TOOL,
                 self.id,
-                f"'{call.tool}' is no operation of upstream '{call.upstream}' (OpenAPI document "
-                f"{spec.source})",
+                f"tool '{key}' is not an operation of upstream '{call.upstream}' (its OpenAPI document)",
                 f"upstreams.{call.upstream}.openapi",
             )
+        compiled = self._tools.get(key)
         if compiled is None and self._deny_unknown:
             return deny(
                 Code.UNKNOWN_TOOL,
