@@ -27,7 +27,7 @@ def test_no_operation_is_unknown_even_when_unknown_tools_are_allowed(tmp_path: P
     decision = check.decide(make_call("DELETE /pets/7", upstream="pets"))
     assert decision is not None and decision.code is Code.UNKNOWN_TOOL
     assert decision.rule == "upstreams.pets.openapi"
-    assert "'DELETE /pets/7' is no operation of upstream 'pets'" in decision.reason
+    assert "tool 'pets.DELETE /pets/7' is not an operation of upstream 'pets'" in decision.reason
     assert check.decide(make_call("listPets", upstream="pets", info=registry.get("pets", "listPets"))) is None
     # An MCP upstream's unknown tools still follow unknown_tools (allow: not unknown; with no
     # store here, the undeclared destructive default cannot run).
