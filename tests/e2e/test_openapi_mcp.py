@@ -57,6 +57,10 @@ class Service:
     def stats(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/_stats", timeout=5).json()
 
+    def requests(self) -> list[dict[str, Any]]:
+        """What reached the service, but the proxy's health probes (HEAD)."""
+        return [r for r in self.stats()["requests"] if r["method"] != "HEAD"]
+
     def runs(self, operation: str) -> int:
         return int(self.stats()["runs"].get(operation, 0))
 
@@ -99,7 +103,8 @@ def _policy(directory: Path) -> Path:
 def pp(tmp_path_factory: pytest.TempPathFactory, service: Service) -> Iterator[ProxyProcess]:
     tmp = tmp_path_factory.mktemp("openapi-mcp")
     with proxy_process(tmp, {"billing": service.url}, policies=_policy(tmp / "policies"),
-                       config={"aggregate": {"enabled": True}, "retry": {"attempts": 1}}) as proxy:
+                       config={"aggregate": {"enabled": True}, "retry": {"attempts": 1},
+                               "health_interval": 0.5}) as proxy:
         yield proxy
 
 
@@ -154,7 +159,7 @@ async def test_get_with_path_and_query_returns_structured_content(pp: ProxyProce
     assert r.is_error is False
     assert r.structured_content == {"id": 1, "customer": "acme", "amount": 120, "status": "open",
                                     "expand": "true", "fields": ["amount", "due date"]}
-    seen = service.stats()["requests"][-1]
+    seen = service.requests()[-1]
     assert (seen["method"], seen["path"]) == ("GET", "/invoices/1")
     assert seen["query"] == {"expand": ["true"], "fields": ["amount", "due date"]}
     # The proxy's credential from the upstream's `headers`; never the agent's token.
@@ -185,14 +190,14 @@ async def test_http_500_is_an_error_result_naming_the_status(pp: ProxyProcess, m
 
 
 async def test_one_audit_record_per_call_that_reached_the_service(pp: ProxyProcess, service: Service) -> None:
-    before_requests = len(service.stats()["requests"])
+    before_requests = len(service.requests())
     before = {r["decision_id"] for r in pp.audit_records()}
     async with mcp_client(pp.url("billing"), "legacy", bearer=OPS, headers=_run()) as c:
         for tool, args in [("listInvoices", {"limit": 1}), ("getInvoice", {"invoiceId": 2}),
                            ("getInvoiceText", {"invoiceId": 1}), ("brokenReport", {}), ("get_health", {})]:
             await c.call_tool(tool, args)
         await c.list_tools()  # answered by the proxy: reaches nothing, audits nothing
-    reached = service.stats()["requests"][before_requests:]
+    reached = service.requests()[before_requests:]
     new = [r for r in pp.audit_records() if r["decision_id"] not in before]
     assert [r["path"] for r in reached] == ["/invoices", "/invoices/2", "/invoices/1/text",
                                             "/reports/broken", "/health"]
@@ -201,19 +206,35 @@ async def test_one_audit_record_per_call_that_reached_the_service(pp: ProxyProce
     assert all(r["upstream_status"] is not None for r in new)
 
 
+async def test_health_probes_the_service_with_head_and_nothing_of_mcp(pp: ProxyProcess, service: Service) -> None:
+    for _ in range(100):
+        probes = [r for r in service.stats()["requests"] if r["method"] == "HEAD"]
+        if probes and metric_value(pp.metrics(), "envelope_upstream_up", upstream="billing") == 1:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the service was never probed")
+    assert {r["path"] for r in probes} == {"/"}
+    # Nothing MCP reached it on any route: no session header, no JSON-RPC body.
+    assert not [r for r in service.stats()["requests"]
+                if "Mcp-Session-Id" in r["headers"] or "jsonrpc" in (r["body"] or "")]
+    ready = pp.admin_get("/readyz")
+    assert ready.status_code == 200
+
+
 # -- refusals --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_schema_violation_is_refused_and_never_reaches_the_service(pp: ProxyProcess, service: Service,
                                                                          mode: str) -> None:
-    before = len(service.stats()["requests"])
+    before = len(service.requests())
     for args in ({"invoiceId": 0}, {"invoiceId": "1"}, {"invoiceId": 1, "verbose": True}):
         r = await _call(pp, mode, "getInvoice", args)
         d = _decision(r)
         assert r.is_error and (d["code"], d["check"]) == ("schema_invalid", "schema"), (args, d)
         assert _record(pp, d["decision_id"])["upstream_status"] is None
-    assert len(service.stats()["requests"]) == before
+    assert len(service.requests()) == before
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -228,7 +249,7 @@ async def test_forbid_rule_on_an_argument_refuses(pp: ProxyProcess, service: Ser
 
 @pytest.mark.parametrize("mode", MODES)
 def test_unknown_tool_is_a_json_rpc_error(pp: ProxyProcess, service: Service, mode: str) -> None:
-    before = len(service.stats()["requests"])
+    before = len(service.requests())
     body = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "dropTables", "arguments": {}}}
     if mode == "auto":
         answer = rpc(pp.url("billing"), body, bearer=OPS)
@@ -245,7 +266,7 @@ def test_unknown_tool_is_a_json_rpc_error(pp: ProxyProcess, service: Service, mo
     assert (error["code"], error["message"]) == (-32602, "Unknown tool: dropTables")
     rec = _record(pp, error["data"]["envelope/decision"]["decision_id"])
     assert (rec["code"], rec["check"], rec["upstream_status"]) == ("unknown_tool", "catalogue", None)
-    assert len(service.stats()["requests"]) == before
+    assert len(service.requests()) == before
 
 
 async def test_slow_endpoint_times_out(pp: ProxyProcess) -> None:
@@ -353,7 +374,45 @@ async def test_the_same_tools_on_the_aggregate(pp: ProxyProcess, service: Servic
         refused = await c.call_tool("billing.getInvoice", {"invoiceId": -1})
     assert {"billing.getInvoice", "billing.deleteInvoice", "billing.get_health"} <= names
     assert r.is_error is False and r.structured_content["customer"] == "globex"
-    assert service.stats()["requests"][-1]["path"] == "/invoices/2"
+    assert service.requests()[-1]["path"] == "/invoices/2"
     assert _decision(refused)["code"] == "schema_invalid"
     rec = _records(pp, "getInvoice")[-1]
     assert rec["decision_id"] == _decision(refused)["decision_id"]
+
+
+# -- reload -----------------------------------------------------------------------------------
+
+
+async def _tool_names(pp: ProxyProcess) -> set[str]:
+    async with mcp_client(pp.url("billing"), "auto", bearer=OPS) as c:
+        return {t.name for t in (await c.list_tools()).tools}
+
+
+async def _reloaded(pp: ProxyProcess, result: str, before: float) -> None:
+    for _ in range(100):
+        if metric_value(pp.metrics(), "envelope_policy_reloads_total", result=result) > before:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no {result} reload\n{pp.log()}")
+
+
+async def test_the_spec_is_reloaded_and_a_broken_one_is_rejected_with_its_place(
+        tmp_path: Path, service: Service) -> None:
+    policies = _policy(tmp_path / "policies")
+    spec = policies / "specs" / "billing.yaml"
+    with proxy_process(tmp_path, {"billing": service.url}, policies=policies) as proxy:
+        assert "getNote" in await _tool_names(proxy)
+        ok = metric_value(proxy.metrics(), "envelope_policy_reloads_total", result="success")
+        spec.write_text(spec.read_text().replace("operationId: getNote", "operationId: readNote"))
+        await _reloaded(proxy, "success", ok)
+        names = await _tool_names(proxy)
+        assert "readNote" in names and "getNote" not in names
+        failed = metric_value(proxy.metrics(), "envelope_policy_reloads_total", result="failure")
+        spec.write_text(spec.read_text().replace("openapi: 3.1.0", "openapi: 2.0.0"))
+        await _reloaded(proxy, "failure", failed)
+        errors = proxy.admin_get("/v1/policy").json()["last_reload"]["errors"]
+        assert errors == [f"{spec}:2:10: OpenAPI document of upstream 'billing': not an OpenAPI 3.0 or 3.1 "
+                          "document (openapi: '2.0.0')"]
+        assert "readNote" in await _tool_names(proxy)  # the last good revision keeps serving
+        r = await _call(proxy, "auto", "readNote", {"noteId": "welcome"})
+        assert r.structured_content["author"] == "support"
