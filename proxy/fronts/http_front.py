@@ -61,8 +61,13 @@ class HttpFront:
         self.metrics = context.metrics
 
     def routes(self, guard: Guard) -> list[web.RouteDef]:
-        """The route, every request through `guard` first."""
-        return [web.route("*", PREFIX + "/{upstream}/{path:.*}", guard.wrap(self.handle))]
+        """The route, every request through `guard` first (its refusals as problem details)."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            refused = guard.check(request)
+            return _as_problem(refused) if refused is not None else await self.handle(request)
+
+        return [web.route("*", PREFIX + "/{upstream}/{path:.*}", guarded)]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["upstream"]
@@ -73,8 +78,7 @@ class HttpFront:
                                   "document is configured")
         principal = self.ctx.authenticate(request)
         if isinstance(principal, web.Response):  # the MCP routes' 401, as problem details
-            return render.problem(principal.status, "unauthenticated", _rpc_message(principal),
-                                  {"WWW-Authenticate": principal.headers.get("WWW-Authenticate", "Bearer")})
+            return _as_problem(principal, "unauthenticated")
         try:
             # (A request without a body, e.g. `Content-Length: 0`, has nothing to read.)
             body = await read_body(request, self.ctx.settings.max_body_bytes) if request.can_read_body else b""
@@ -103,6 +107,9 @@ class HttpFront:
             tool = op.tool
         call = calls.tool_call_from(request.headers, _message(tool, arguments), Route(name, None, ""),
                                     tool, arguments, principal, self.ctx.settings.request_headers())
+        # Which HTTP request the call came as (its record's `extra.http`): the route is no
+        # JSON-RPC method, and an unmatched one is known by it alone.
+        call.audit_extra["http"] = f"{request.method} {path}"[:MAX_UNMATCHED]
         pending = await self.envelope.begin(call)
         upstream: UpstreamRequest | None = None
         if op is not None and pending.forwardable:
@@ -151,10 +158,24 @@ def _message(tool: str, arguments: dict[str, Any]) -> Message:
                     "params": {"name": tool, "arguments": arguments}})
 
 
-def _rpc_message(response: web.Response) -> str:
-    """The `error.message` of a JSON-RPC error response the shared context built."""
+# What the guard's and the shared context's refusals are called when they carry no decision.
+_WIRE_CODES = {400: "invalid_request", 401: "unauthenticated", 403: "forbidden_origin",
+               413: "too_large", 421: "misdirected_request"}
+# Their headers a client still needs (the rest describe the JSON-RPC body they replace).
+_KEPT = ("WWW-Authenticate", "Retry-After", "Connection")
+
+
+def _as_problem(response: web.Response, code: str | None = None) -> web.Response:
+    """A refusal the guard or the shared context built for the MCP routes (a JSON-RPC error
+    body), as problem details: its status, kept headers and message, and the decision's members
+    when it was audited (an invalid header)."""
     try:
-        message = orjson.loads(response.body)["error"]["message"]  # type: ignore[arg-type]
+        error = orjson.loads(response.body)["error"]  # type: ignore[arg-type]
+        message, data = str(error["message"]), error.get("data")
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return "Unauthorized"
-    return str(message)
+        message, data = response.reason or "refused", None
+    decision = data.get("envelope/decision") if isinstance(data, dict) else None
+    members = dict(decision) if isinstance(decision, dict) else {}
+    code = str(members.pop("code", None) or code or _WIRE_CODES.get(response.status, "refused"))
+    headers = {h: response.headers[h] for h in _KEPT if h in response.headers}
+    return render.problem(response.status, code, message, headers, **members)

@@ -202,12 +202,24 @@ def test_no_credential_is_401_problem_details(pp: ProxyProcess) -> None:
 
 
 
+def test_the_listeners_guard_answers_in_problem_details(pp: ProxyProcess, service: str) -> None:
+    requests = len(_stats(service)["requests"])
+    host = _call(pp, "GET", "/invoices", headers={"Host": "attacker.example"})
+    assert host.status_code == 421 and host.headers["Content-Type"].startswith(PROBLEM)
+    assert host.json()["code"] == "misdirected_request"
+    origin = _call(pp, "GET", "/invoices", headers={"Origin": "https://attacker.example"})
+    assert origin.status_code == 403 and origin.json()["code"] == "forbidden_origin"
+    assert "attacker.example" in origin.json()["detail"]
+    assert len(_stats(service)["requests"]) == requests
+
+
 def test_unknown_path_or_method_is_404_unknown_tool(pp: ProxyProcess, service: str) -> None:
     requests = len(_stats(service)["requests"])
     for method, path in (("GET", "/nowhere"), ("PATCH", "/invoices"), ("GET", "/invoices/1/2/3")):
         body = _problem(_call(pp, method, path), 404, "unknown_tool")
         assert body["check"] == "catalogue" and body["decision_id"]
-        assert _record(pp, body["decision_id"])["code"] == "unknown_tool"
+        rec = _record(pp, body["decision_id"])
+        assert rec["code"] == "unknown_tool" and rec["extra"]["http"] == f"{method} {path}"
     assert len(_stats(service)["requests"]) == requests
 
 
