@@ -37,6 +37,7 @@ from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.context import FrontContext, FrontSettings
 from proxy.fronts.forwarded import UpstreamTarget
 from proxy.fronts.guard import LOOPBACK_HOSTS, Guard, GuardSettings
+from proxy.fronts.http_front import HttpFront
 from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
 from proxy.observability import tracing
@@ -287,6 +288,8 @@ class Runtime:
         # aiohttp's own body cap is bypassed by the front's streaming reader, which enforces ours.
         app = web.Application(client_max_size=limits.max_body_bytes)
         app.add_routes(McpFront(context).routes(guard))
+        # Plain HTTP for upstreams with an OpenAPI document, through the same guard and envelope.
+        app.add_routes(HttpFront(context).routes(guard))
         if self.config.aggregate.enabled:
             aggregate = AggregateFront(context, self.aggregate_upstreams,
                                        max_sessions=self.config.aggregate.max_sessions,

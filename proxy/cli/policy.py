@@ -30,9 +30,13 @@ def add_check_parser(sub: Any) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from proxy.config import cel_engine_setting
-    from proxy.envelope.checks.catalogue import misconfigurations, weak_spots
+    from proxy.envelope.checks.catalogue import (
+        misconfigurations,
+        spec_problems,
+        spec_registry,
+        weak_spots,
+    )
     from proxy.envelope.misconfig import Dependencies
-    from proxy.envelope.tools import ToolRegistry
     from proxy.policy.loader import load_policy
 
     try:
@@ -43,13 +47,24 @@ def cmd_check(args: argparse.Namespace) -> int:
         n = len(exc.problems)
         print(f"{n} problem{'s' if n != 1 else ''} in {args.directory}", file=sys.stderr)
         return 1
+    # HTTP upstreams: what their OpenAPI documents hold that cannot be supported, and tool keys
+    # that name no operation, are errors like the policy's own.
+    spec_errors = spec_problems(revision)
+    if spec_errors:
+        for error in spec_errors:
+            print(error)
+        n = len(spec_errors)
+        print(f"{n} problem{'s' if n != 1 else ''} in {args.directory}", file=sys.stderr)
+        return 1
     print(f"ok: {args.directory}: revision {revision.revision}, {len(revision.tools)} tools, "
           f"{len(revision.principals)} principals, {len(revision.files)} files ({revision.engine})")
-    # No runtime here: the upstreams' tools/list are unknown (so tools an upstream does not offer
-    # and upstream tools with no policy are not reported), and the envelope layer is judged
-    # against the default runtime.
+    # No runtime here: the MCP upstreams' tools/list are unknown (so tools an upstream does not
+    # offer and upstream tools with no policy are not reported for them; an HTTP upstream's
+    # catalogue is its OpenAPI document, known), and the envelope layer is judged against the
+    # default runtime.
     deps = Dependencies.default_runtime()
-    problems = misconfigurations(revision, ToolRegistry(), deps)
+    registry = spec_registry(revision)
+    problems = misconfigurations(revision, registry, deps)
     n = len(problems)
     print(f"{n} misconfiguration{'s' if n != 1 else ''} (tools that can never run; calls are refused) — "
           f"registry layer from the "
@@ -69,7 +84,7 @@ def cmd_check(args: argparse.Namespace) -> int:
               "and external_side_effects (the lethal trifecta); set one of them to false")
     # Weak spots: allowed choices that let a class of attack through unasked; reported, never
     # failing the check (an operator may mean them).
-    spots = weak_spots(revision, ToolRegistry())
+    spots = weak_spots(revision, registry)
     for spot in spots:
         print(f"weak spot: {spot.subject} [{spot.kind}]: {spot.reason}")
     return 1 if (problems or dangerous) and args.strict else 0

@@ -4,16 +4,20 @@ One `render` for every way a call ends: the upstream's answer (its own bytes whe
 inspection changed nothing), a refusal (a tool result the model reads, with the decision in
 `_meta`; a JSON-RPC error for unknown tools and lost sessions), a result the envelope holds
 (replay, shadow), an in-band approval request (`input_required`), in JSON or as the last event
-of the call's SSE stream. Fronts never build a refusal themselves.
+of the call's SSE stream. The plain HTTP front's answers are here too (`http_response`): the
+upstream's own response, or problem details (RFC 9457) for a refusal. Fronts never build a
+refusal themselves.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.envelope.outcome import DECISION_META, refusal_result
 from proxy.envelope.types import Code, Outcome
@@ -111,3 +115,113 @@ def rpc_result(id: Any, result: dict[str, Any], stateless: bool,
     """A JSON-RPC result the front answers itself (the aggregate's initialize, lists, ping)."""
     return web.Response(status=200, body=jsonrpc.result_body(id, _complete(result, stateless)),
                         content_type="application/json", headers=headers)
+
+
+# ---- the plain HTTP front (`/http/<upstream>/...`): the same outcomes as HTTP answers ----------
+
+PROBLEM_JSON = "application/problem+json"
+# RFC 9457 `type` of a refusal: this prefix and its reason code (stable, like the code).
+PROBLEM_TYPE = "urn:envelope-proxy:problem:"
+# The HTTP status of a refusal by its code; every other refusal is 403 (policy said no).
+_PROBLEM_STATUS: dict[Code, int] = {
+    Code.UNKNOWN_TOOL: 404,  # no operation of the spec matches the method and path
+    Code.APPROVAL_PENDING: 428,  # retry the same request once a person approved it
+    Code.RATE_LIMITED: 429,
+    Code.INVALID_REQUEST: 400,
+    Code.UPSTREAM_ERROR: 502,
+    Code.UPSTREAM_TIMEOUT: 504,
+    Code.INTERNAL_ERROR: 500,
+    Code.AUDIT_UNAVAILABLE: 503,
+    Code.STORE_UNAVAILABLE: 503,
+    Code.SHUTDOWN: 503,
+}
+# Seconds a client whose call waits for approval is asked to wait before it retries.
+APPROVAL_RETRY_AFTER = 5
+# Upstream response headers that describe bytes the proxy re-renders (never passed as they are).
+_BODY_HEADERS = frozenset({"content-length", "content-encoding", "content-type", "etag",
+                           "content-md5", "digest", "content-digest", "repr-digest"})
+
+
+def problem(status: int, code: str, detail: str, headers: Mapping[str, str] | None = None,
+            **extensions: Any) -> web.Response:
+    """An RFC 9457 problem-details answer: `type` from the reason code, `title` the code in
+    words, `detail` the text, `code` and any other members (None values dropped)."""
+    body: dict[str, Any] = {"type": f"{PROBLEM_TYPE}{code}", "title": code.replace("_", " ").capitalize(),
+                            "status": status, "detail": detail, "code": code}
+    body.update({k: v for k, v in extensions.items() if v is not None})
+    return web.Response(status=status, body=orjson.dumps(body), content_type=PROBLEM_JSON,
+                        headers=headers)
+
+
+def refusal_problem(outcome: Outcome) -> web.Response:
+    """A refusal as problem details: the status for its code (`_PROBLEM_STATUS`, else 403),
+    `detail` the text an MCP client reads, the decision's members, `approval_id` when a person
+    is asked (with `Retry-After`), `retry_after` when the rate limit says when."""
+    decision = outcome.decision
+    meta = decision.as_meta(outcome.decision_id)
+    text = refusal_result(decision, outcome.decision_id)["content"][0]["text"]
+    status = _PROBLEM_STATUS.get(decision.code, 403)
+    headers: dict[str, str] = {}
+    approval_id = (decision.audit or {}).get("approval_id")
+    if decision.code is Code.APPROVAL_PENDING:
+        headers["Retry-After"] = str(APPROVAL_RETRY_AFTER)
+    elif decision.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after)))
+    return problem(status, decision.code.value, text, headers, check=meta["check"], rule=meta["rule"],
+                   reason=meta["reason"], decision_id=meta["decision_id"],
+                   approval_id=approval_id if isinstance(approval_id, str) else None,
+                   retry_after=meta.get("retry_after"))
+
+
+def result_body(result: Mapping[str, Any], content_type: str, status: int = 200) -> tuple[bytes, str]:
+    """(body, content type) an HTTP client gets for an MCP tool result the envelope rewrote
+    (redacted) or holds (a replay, a shadow result): the JSON of `structuredContent` for a JSON
+    answer (unwrapped from `{"result": ...}` when the answer was not an object), else the text
+    (an error answer's without the `HTTP <status>: ` the MCP result prefixes it with)."""
+    structured = result.get("structuredContent")
+    text = "".join(c.get("text", "") for c in result.get("content") or ()
+                   if isinstance(c, Mapping) and c.get("type") == "text" and isinstance(c.get("text"), str))
+    text = text.removeprefix(f"HTTP {status}: ") if status >= 400 else text
+    if isinstance(structured, Mapping) and (not content_type or "json" in content_type):
+        value: Any = structured
+        if set(structured) == {"result"} and not _text_is(text, structured):
+            value = structured["result"]
+        return orjson.dumps(value), content_type or "application/json"
+    return text.encode(), content_type or "text/plain; charset=utf-8"
+
+
+def _text_is(text: str, value: Any) -> bool:
+    """Whether a result's text content is `value` as JSON (an object answer carries both)."""
+    try:
+        return bool(orjson.loads(text) == value)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def http_response(outcome: Outcome, headers: Mapping[str, str] | None) -> web.Response:
+    """An outcome of the plain HTTP front as its answer. Delivered: the upstream's status,
+    `headers` (its response headers the client may see) and its body unchanged, or re-rendered
+    from the inspected result when a guardrail rewrote it (Content-Length recomputed). Held
+    (replay, shadow): 200 with the held result's body, `X-Envelope-Decision` saying which.
+    Refused: problem details (`refusal_problem`)."""
+    if outcome.kind == "none":
+        return web.Response(status=499)  # nobody to answer: the client is gone
+    if outcome.kind == "refuse":
+        return refusal_problem(outcome)
+    kept = CIMultiDict((k, v) for k, v in (headers or {}).items() if k.lower() != "content-length")
+    kept["X-Envelope-Decision-Id"] = outcome.decision_id
+    result = (outcome.message or {}).get("result") if outcome.kind == "deliver" else outcome.message
+    if outcome.kind == "deliver" and outcome.raw is not None:
+        return web.Response(status=outcome.status, body=outcome.raw, headers=kept)
+    content_type = kept.get("Content-Type", "") if outcome.kind == "deliver" else ""
+    for name in _BODY_HEADERS:
+        kept.popall(name, None)
+    status = outcome.status if outcome.kind == "deliver" else 200
+    body, content_type = result_body(result if isinstance(result, Mapping) else {}, content_type, status)
+    if outcome.kind == "held":
+        kept["X-Envelope-Decision"] = outcome.decision.code.value  # replayed / shadowed
+    response = web.Response(status=status, body=body, headers=kept)
+    response.content_type = content_type.split(";")[0].strip()
+    if "charset=" in content_type:
+        response.charset = content_type.split("charset=", 1)[1].split(";")[0].strip()
+    return response

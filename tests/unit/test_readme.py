@@ -6,6 +6,7 @@ policy test cases through `load_cases`). A block that is only a fragment is mark
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from proxy.policy.model import PolicyDocument
 from proxy.tools.policy_tests import load_cases
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+# The OpenAPI documents README examples name (`openapi: specs/billing.yaml`), by file name.
+OPENAPI_FIXTURES = README.parent / "tests" / "fixtures" / "openapi"
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 FRAGMENT = "<!-- fragment -->"
 
@@ -117,6 +120,12 @@ def test_readme_yaml_block_loads(block: Block, tmp_path: Path) -> None:
         if missing:
             declared = "".join(f"  {n}: {{url: 'http://127.0.0.1:1/mcp'}}\n" for n in sorted(missing))
             (policies / "upstreams.yaml").write_text(f"upstreams:\n{declared}", encoding="utf-8")
+        # A document an upstream's `openapi:` names beside the policy: the fixture of that name.
+        for entry in (data.get("upstreams") or {}).values():  # type: ignore[attr-defined]
+            spec = entry.get("openapi") if isinstance(entry, dict) else None
+            if isinstance(spec, str) and not spec.startswith(("http://", "https://")):
+                (policies / spec).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(OPENAPI_FIXTURES / Path(spec).name, policies / spec)
         load_policy(policies)
 
 

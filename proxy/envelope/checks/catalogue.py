@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from proxy.envelope.misconfig import EVERY_TOOL, Dependencies, Layer, Misconfiguration
 from proxy.envelope.tools import ToolRegistry, effective_effect
-from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
+from proxy.envelope.types import Code, Decision, Services, ToolCall, ToolInfo, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
 from proxy.policy.vocab import Effect
 
@@ -421,6 +421,7 @@ def weak_spots(revision: PolicyRevision, registry: ToolRegistry) -> list[WeakSpo
                 f"tools.{key}.approval", "ungated_destructive",
                 f"tool '{key}' is destructive and its approval block sets required: false: "
                 "no person confirms its calls"))
+    spots += _spec_weak_spots(revision, registry)
     declassified = doc.dataflow.declassify if doc.dataflow is not None else {}
     for key, arguments in sorted(declassified.items()):
         if arguments is True:
@@ -438,4 +439,66 @@ def weak_spots(revision: PolicyRevision, registry: ToolRegistry) -> list[WeakSpo
                 f"dataflow.declassify.{key}", "all_declassified",
                 f"every argument of sink '{key}' in its policy schema is declassified: untrusted "
                 "text reaches it unflagged (only distinctive tokens still flag)"))
+    return spots
+
+
+# -- HTTP upstreams (OpenAPI documents) ------------------------------------------------------
+
+
+def spec_registry(revision: PolicyRevision) -> ToolRegistry:
+    """A registry holding what each HTTP upstream's OpenAPI document offers, with the effects
+    its methods give (what the runtime learns when it installs the revision): the offline
+    `check` judges HTTP tools as the running proxy will."""
+    registry = ToolRegistry()
+    for upstream, spec in revision.specs.items():
+        registry.replace(upstream, [
+            ToolInfo(op.tool, op.input_schema, op.tool_definition()["annotations"], op.effect)
+            for op in spec.operations.values()
+        ])
+    return registry
+
+
+def spec_problems(revision: PolicyRevision) -> list[str]:
+    """What `check` reports as errors about HTTP upstreams: what each OpenAPI document holds that
+    the proxy cannot support (`file:line:column: ...`, skipped when loaded), and every `tools:`
+    key of such an upstream that names no operation of its document (at the policy file's
+    line: the tool could never be called)."""
+    problems: list[str] = []
+    for upstream, spec in sorted(revision.specs.items()):
+        problems.extend(spec.problems)
+        for key in revision.tools:
+            name, _, tool = key.partition(".")
+            if name != upstream or tool in spec.operations:
+                continue
+            where = revision.locations.get(f"tools.{key}")
+            problems.append(
+                f"{where if where is not None else revision.directory}: tool '{key}' names no "
+                f"operation of upstream '{upstream}' (OpenAPI document {spec.source}); its "
+                f"operations are: {', '.join(spec.operations) or 'none'}")
+    return problems
+
+
+def _spec_weak_spots(revision: PolicyRevision, registry: ToolRegistry) -> list[WeakSpot]:
+    """Weak spots only an HTTP upstream has: a DELETE whose policy effect takes it out of the
+    approval gate, and a writer operation the policy does not name under `unknown_tools: allow`
+    (it runs on the defaults alone: no allow expression, no rule)."""
+    spots: list[WeakSpot] = []
+    allow_unknown = revision.document.defaults.unknown_tools != "deny"
+    deps = Dependencies.default_runtime()
+    for upstream, spec in sorted(revision.specs.items()):
+        for op in spec.operations.values():
+            key = f"{upstream}.{op.tool}"
+            facts = _facts(revision, registry, deps, key)
+            if op.method == "DELETE" and facts.effect is not Effect.DESTRUCTIVE and not facts.gated:
+                spots.append(WeakSpot(
+                    f"tools.{key}.effect", "ungated_destructive",
+                    f"tool '{key}' is DELETE {op.path}, but its policy effect "
+                    f"{facts.effect.value} takes it out of the approval gate: no person confirms "
+                    "its calls"))
+            elif facts.compiled is None and allow_unknown and facts.effect is not Effect.READ:
+                spots.append(WeakSpot(
+                    f"tools.{key}", "writer_without_policy",
+                    f"tool '{key}' ({op.method} {op.path}, effect {facts.effect.value}) has no "
+                    "policy entry and defaults.unknown_tools is allow: it runs on the defaults "
+                    "alone, with no allow expression and no rule"))
     return spots

@@ -1,0 +1,181 @@
+"""The plain HTTP front: `/http/<upstream>/<path>`, a reverse proxy for agents that call a REST
+API directly, for upstreams described by an OpenAPI document (`openapi:` in the policy).
+
+Wire only, like the MCP routes: a request is matched to an operation of the upstream's spec
+(method + path template; none matches: the envelope refuses it `unknown_tool`), its arguments
+are read from the path, the query, the headers the spec declares and the JSON body
+(`openapi.arguments_from`), and the call goes the way every `tools/call` goes: `calls` builds
+the `ToolCall`, `Envelope.begin` decides it, the one `Executor` sends the operation's request
+(`openapi.request_for`, built from the checked arguments: what was checked is what is sent) and
+ends it through `Envelope.complete`, and `render.http_response` answers: the upstream's status,
+headers and body as they came (re-rendered only where a guardrail rewrote the result), or an
+RFC 9457 problem-details refusal. Run, principal, intent and shadow headers act as on the MCP
+routes; the idempotency key is the standard `Idempotency-Key` header.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.fronts import calls, render
+from proxy.fronts.calls import Route
+from proxy.fronts.context import FrontContext
+from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
+from proxy.fronts.guard import Guard, read_body
+from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds
+from proxy.fronts.per_upstream import NOT_DOWNSTREAM
+from proxy.upstream.forwarder import UpstreamResponse
+from proxy.upstream.openapi import HttpCall, arguments_from, request_for
+
+log = logging.getLogger("envelope.http")
+
+PREFIX = "/http"
+# The tool name of a request no operation matches (audited and refused as `unknown_tool`):
+# bounded, the method and path are the client's bytes.
+MAX_UNMATCHED = 200
+
+
+def _downstream_headers(resp: UpstreamResponse) -> CIMultiDict[str]:
+    """The upstream's response headers an HTTP client may see (hop-by-hop and the proxy's own
+    server headers removed)."""
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in resp.headers.items():
+        if name.lower() not in NOT_DOWNSTREAM:
+            headers.add(name, value)
+    return headers
+
+
+class HttpFront:
+    """aiohttp handlers for `/http/{upstream}/{path}`."""
+
+    def __init__(self, context: FrontContext):
+        self.ctx = context
+        self.envelope = context.envelope
+        self.metrics = context.metrics
+
+    def routes(self, guard: Guard) -> list[web.RouteDef]:
+        """The route, every request through `guard` first (its refusals as problem details)."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            refused = guard.check(request)
+            return _as_problem(refused) if refused is not None else await self.handle(request)
+
+        return [web.route("*", PREFIX + "/{upstream}/{path:.*}", guarded)]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["upstream"]
+        target = self.ctx.targets(name)
+        spec = self.ctx.spec(name) if target is not None else None
+        if target is None or spec is None:
+            return render.problem(404, "not_found", f"no upstream named {name!r} with an OpenAPI "
+                                  "document is configured")
+        principal = self.ctx.authenticate(request)
+        if isinstance(principal, web.Response):  # the MCP routes' 401, as problem details
+            return _as_problem(principal, "unauthenticated")
+        try:
+            # (A request without a body, e.g. `Content-Length: 0`, has nothing to read.)
+            body = await read_body(request, self.ctx.settings.max_body_bytes) if request.can_read_body else b""
+            payload = self._json(request, body)
+        except BadMessage as exc:
+            self.metrics.rejected(exc.reason)
+            return render.problem(exc.status, "invalid_request", exc.message,
+                                  {"Connection": "close"} if exc.status == 413 else None)
+        # The path as sent (still percent-encoded: `Spec.match` decodes each parameter, so an
+        # encoded "/" stays inside its segment), relative to `/http/<upstream>`.
+        path = "/" + request.rel_url.raw_path.split("/", 3)[3]
+        matched = spec.match(request.method, path)
+        if matched is None:
+            # No operation: the envelope refuses it (`unknown_tool`), audited like any call.
+            tool, arguments, op = f"{request.method} {path}"[:MAX_UNMATCHED], {}, None
+        else:
+            op, path_params = matched
+            query: dict[str, list[str]] = {}
+            for key, value in request.query.items():
+                query.setdefault(key, []).append(value)
+            try:
+                arguments = arguments_from(op, path_params, query, request.headers, payload)
+            except ValueError as exc:
+                self.metrics.rejected("invalid_request")
+                return render.problem(400, "invalid_request", f"Bad Request: {exc}")
+            tool = op.tool
+        call = calls.tool_call_from(request.headers, _message(tool, arguments), Route(name, None, ""),
+                                    tool, arguments, principal, self.ctx.settings.request_headers())
+        # Which HTTP request the call came as (its record's `extra.http`): the route is no
+        # JSON-RPC method, and an unmatched one is known by it alone.
+        call.audit_extra["http"] = f"{request.method} {path}"[:MAX_UNMATCHED]
+        pending = await self.envelope.begin(call)
+        upstream: UpstreamRequest | None = None
+        if op is not None and pending.forwardable:
+            try:
+                upstream = self._request(request, target, request_for(op, call.arguments))
+            except ValueError:
+                # Checked arguments that build no request: never sent; the envelope ends the
+                # call refused (allowed but not forwarded) and audits it.
+                log.exception("decision %s: no request for %s", call.decision_id, op.tool)
+        downstream = Downstream(None, None, _downstream_headers)
+        outcome = await self.ctx.executor.run(pending, upstream, downstream)
+        return render.http_response(outcome, downstream.response_headers)
+
+    def _json(self, request: web.Request, body: bytes) -> Any | None:
+        """The request's JSON body (None when empty); BadMessage (400) when it is not JSON or
+        nests deeper than the limit, 415 when it is in another media type."""
+        if not body:
+            return None
+        ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip().lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise BadMessage(0, f"Unsupported Media Type: a request body must be JSON, not {ctype[:60]!r}",
+                             "invalid_request", status=415)
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadMessage(0, f"Bad Request: the body is not JSON ({exc})", "parse_error") from exc
+        if _depth_exceeds(value, self.ctx.settings.max_json_depth):
+            raise BadMessage(0, f"Bad Request: the body nests deeper than "
+                             f"{self.ctx.settings.max_json_depth} levels", "too_deep")
+        return value
+
+    def _request(self, request: web.Request, target: UpstreamTarget, http: HttpCall) -> UpstreamRequest:
+        """The upstream request: the operation's own (path, query, declared headers, body; the
+        executor adds the upstream's configured headers), with the agent's Authorization only
+        when the upstream forwards it, and the upstream's bytes wanted back (`relay`)."""
+        auth = request.headers.get("Authorization")
+        headers = {"Authorization": auth} if auth and target.forward_authorization else {}
+        return UpstreamRequest(target, b"", headers, uuid.uuid4().hex,
+                               http=dataclasses.replace(http, relay=True))
+
+
+def _message(tool: str, arguments: dict[str, Any]) -> Message:
+    """The `tools/call` an HTTP request stands for: what `calls.tool_call_from` reads (no
+    `_meta`: run, intent and idempotency key come from the headers)."""
+    return Message({"jsonrpc": "2.0", "id": None, "method": "tools/call",
+                    "params": {"name": tool, "arguments": arguments}})
+
+
+# What the guard's and the shared context's refusals are called when they carry no decision.
+_WIRE_CODES = {400: "invalid_request", 401: "unauthenticated", 403: "forbidden_origin",
+               413: "too_large", 421: "misdirected_request"}
+# Their headers a client still needs (the rest describe the JSON-RPC body they replace).
+_KEPT = ("WWW-Authenticate", "Retry-After", "Connection")
+
+
+def _as_problem(response: web.Response, code: str | None = None) -> web.Response:
+    """A refusal the guard or the shared context built for the MCP routes (a JSON-RPC error
+    body), as problem details: its status, kept headers and message, and the decision's members
+    when it was audited (an invalid header)."""
+    try:
+        error = orjson.loads(response.body)["error"]  # type: ignore[arg-type]
+        message, data = str(error["message"]), error.get("data")
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message, data = response.reason or "refused", None
+    decision = data.get("envelope/decision") if isinstance(data, dict) else None
+    members = dict(decision) if isinstance(decision, dict) else {}
+    code = str(members.pop("code", None) or code or _WIRE_CODES.get(response.status, "refused"))
+    headers = {h: response.headers[h] for h in _KEPT if h in response.headers}
+    return render.problem(response.status, code, message, headers, **members)
