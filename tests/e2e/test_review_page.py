@@ -609,3 +609,36 @@ async def test_narrow_window_scrolls_the_table_not_the_page(pp: ProxyProcess, br
         snap(browser, shots, "narrow-400-detail", "#decision-detail")
     finally:
         browser.set_window_size(1400, 1000)
+
+
+async def test_record_marks_and_trace_id(pp: ProxyProcess, browser: Any, shots: Path) -> None:
+    """A record with a trace id, replayed and shadow marks (as a second worker's log writes
+    them; two hours old, so the one-hour counts above never include it) shows them all."""
+    decision_id = uuid.uuid4().hex
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    ts = (datetime.now(UTC) - timedelta(hours=2)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    record = {
+        "v": 1, "ts": ts, "decision_id": decision_id, "revision": "sha256:feedface", "principal": "ops",
+        "session": None, "run": "marks-run", "upstream": "demo", "tool": "write_note",
+        "verdict": "allow", "code": "replayed", "check": "idempotency", "rule": None,
+        "reason": "the stored first result of this call", "args_digest": "sha256:00",
+        "latency_ms": {"envelope": 1.0, "total": 1.0}, "upstream_status": None,
+        "trace_id": trace_id,
+        "extra": {"replayed": True, "replayed_from": "first-decision", "shadow": True,
+                  "idempotency_key": "k-1"},
+    }
+    (pp.audit_dir / "audit-w9.jsonl").write_text(json.dumps(record) + "\n")
+    await asyncio.to_thread(open_signed_in, browser, pp)
+    await asyncio.to_thread(show_detail, browser, decision_id, window="24h", run="marks-run",
+                            verdict="", tool="", principal="", code="")
+    assert detail(browser, "trace id") == trace_id
+    assert detail(browser, "replayed") == "yes, from first-decision"
+    assert detail(browser, "shadow") == "yes"
+    assert detail(browser, "idempotency key") == "k-1"
+    marks = {m.get_attribute("data-mark"): m.text
+             for m in browser.find_elements("css selector", "#detail-marks span")}
+    assert marks == {"replayed": "replayed from first-decision",
+                     "shadow": "shadow: not enforced, recorded only"}
+    assert detail(browser, "args digest") == "sha256:00"
+    assert "not recorded" in browser.find_element("id", "detail-args").text
+    snap(browser, shots, "decision-marks-and-trace", "#decision-detail")
