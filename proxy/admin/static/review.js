@@ -406,7 +406,9 @@
       : Array.from($("decisions-body").children).find((r) => r.dataset.decisionId === openedId);
     openedId = null;
     for (const r of $("decisions-body").children) r.classList.remove("selected");
-    if (row) row.focus(); else $("decisions-table").focus();
+    // Back to the row it was opened from; if the list changed meanwhile, to its first row.
+    const target = row || $("decisions-body").querySelector("tr.decision-row");
+    if (target) target.focus();
   }
 
   // -- shadow ---------------------------------------------------------------------------------
