@@ -472,6 +472,13 @@ async def test_overview_counts_what_the_audit_log_holds(pp: ProxyProcess, browse
     assert meta(refused)["code"] == "arg_rule_violation" or refused.is_error
     browser.set_window_size(1280, 800)
     try:
+        # Before the token: only the login form, and no data.
+        browser.get(f"{pp.admin}/review")
+        browser.execute_script("sessionStorage.clear()")
+        browser.get(f"{pp.admin}/review")
+        await asyncio.to_thread(wait_for, browser, "#token")
+        assert not browser.find_element("id", "app").is_displayed()
+        snap(browser, shots, "login")
         await asyncio.to_thread(open_signed_in, browser, pp)
         totals, tools, codes = expected_stats(pp)
         await asyncio.to_thread(wait_for, browser, "#stats-summary",
