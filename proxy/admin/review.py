@@ -7,6 +7,17 @@
                                    (order=oldest for oldest first); limit 1..1000, default 100;
                                    since/until: RFC 3339 or relative (15m, 2d)
     GET /v1/decisions/<decision id>  one audit record (404 when unknown)
+    GET /v1/decision-stats?window=1h&principal=&run=&upstream=&tool=&verdict=&code=
+                                   the picture above the table: decisions per minute by verdict
+                                   over the window (1m..24h, default 1h; wider than 3h: buckets
+                                   of whole minutes, at most 180) and the top refused (deny,
+                                   error) tools and codes; computed here, reading at most
+                                   `proxy.audit.stats.MAX_SCAN` records of the window (newest
+                                   first), `truncated` and `complete_from` when the bound is hit
+    GET /v1/approvals/<id>/recent?limit=
+                                   the last `limit` (1..100, default 10) decisions of the
+                                   approval's run and principal, newest first, reading at most
+                                   MAX_SCAN records (`truncated` when the bound is hit)
 
 Audit records and shadow records carry call arguments (`args` with `log_args`; shadow records
 always), so `/v1/decisions*` and `/v1/shadow` need `Authorization: Bearer <approver token>` like
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +40,18 @@ import orjson
 from aiohttp import web
 
 from proxy.admin.approvals_api import unauthorized
-from proxy.audit.query import parse_time, query_records
+from proxy.audit.query import iter_records, matcher, parse_time, query_records
+from proxy.audit.stats import MAX_SCAN, window_stats
+from proxy.errors import StoreError
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MAX_LIMIT = 1000
 FILTERS = ("principal", "run", "upstream", "tool", "verdict", "code")
+DEFAULT_WINDOW = "1h"
+MAX_WINDOW = _dt.timedelta(hours=24)
+MIN_WINDOW = _dt.timedelta(minutes=1)
+RECENT_DEFAULT, RECENT_MAX = 10, 100
+_DURATION = re.compile(r"\d+(?:\.\d+)?[smhdw]")
 
 # The page loads only its own script and stylesheet and talks only to this listener.
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -164,8 +183,97 @@ def add_review_routes(app: web.Application, status: Any) -> None:
             return _json({"error": f"no decision {decision_id}"}, 404)
         return _json(found[0])
 
+    async def stats(request: web.Request) -> web.Response:
+        if authenticate(status, request) is None:
+            return unauthorized(request)
+        directory = _audit_dir(status)
+        if directory is None:
+            return _json({"error": "this proxy has no audit log to query"}, 503)
+        q = request.query
+        now = _dt.datetime.now(_dt.UTC)
+        window = q.get("window") or DEFAULT_WINDOW
+        # A duration back from now only: the picture always ends at the present.
+        since = parse_time(window, now) if _DURATION.fullmatch(window) else None
+        if since is None or not MIN_WINDOW <= now - since <= MAX_WINDOW:
+            return _json({"error": "window must be a duration from 1m to 24h (15m, 1h, 6h, 24h)"},
+                         400)
+        start: _dt.datetime = since
+        filters: dict[str, Any] = {name: q[name] for name in FILTERS if q.get(name)}
+
+        def compute() -> dict[str, Any]:
+            if not directory.is_dir():
+                return window_stats((), since=start, until=now, match=matcher())
+            return window_stats(iter_records(directory, newest_first=True, since=start),
+                                since=start, until=now, match=matcher(**filters))
+
+        try:
+            data = await asyncio.to_thread(compute)
+        except OSError as exc:
+            return _json({"error": f"the audit log cannot be read: {exc}"}, 503)
+        return _json({**data, "window": window, "filters": filters})
+
     app.router.add_get("/review", page)
     app.router.add_get("/review/", page)
     app.router.add_get("/review/static/{name}", asset)
     app.router.add_get("/v1/decisions", decisions)
     app.router.add_get("/v1/decisions/{id}", decision)
+    app.router.add_get("/v1/decision-stats", stats)
+    approvals = getattr(status, "approvals", None)
+    if approvals is not None:
+        _add_recent_route(app, status, approvals)
+
+
+def _recent(directory: Path, principal: str, run: str, limit: int) -> dict[str, Any]:
+    """The last `limit` decisions of one principal's run, newest first, reading at most
+    MAX_SCAN records (a run that went quiet long ago is not searched for to the log's start)."""
+    if not directory.is_dir():
+        return {"decisions": [], "count": 0, "scanned": 0, "truncated": False}
+    match = matcher(principal=principal, run=run)
+    found: list[dict[str, Any]] = []
+    scanned = 0
+    truncated = False
+    for rec in iter_records(directory, newest_first=True):
+        if scanned >= MAX_SCAN:
+            truncated = True
+            break
+        scanned += 1
+        if match(rec):
+            found.append(rec)
+            if len(found) >= limit:
+                break
+    return {"decisions": found, "count": len(found), "scanned": scanned, "truncated": truncated}
+
+
+def _add_recent_route(app: web.Application, status: Any, approvals: Any) -> None:
+    """`GET /v1/approvals/{id}/recent`: the context an approver decides with. The run and the
+    principal come from the approval record, never from the request, so one approval shows
+    only its own run's calls."""
+
+    async def recent(request: web.Request) -> web.Response:
+        if authenticate(status, request) is None:
+            return unauthorized(request)
+        try:
+            limit = int(request.query.get("limit", str(RECENT_DEFAULT)))
+        except ValueError:
+            return _json({"error": "limit must be an integer"}, 400)
+        if not 1 <= limit <= RECENT_MAX:
+            return _json({"error": f"limit must be between 1 and {RECENT_MAX}"}, 400)
+        approval_id = request.match_info["id"]
+        try:
+            approval = await approvals.get(approval_id)
+        except StoreError as exc:
+            return _json({"error": f"the state store is unavailable: {exc}"}, 503)
+        if approval is None:
+            return _json({"error": f"no approval {approval_id}"}, 404)
+        directory = _audit_dir(status)
+        if directory is None:
+            return _json({"error": "this proxy has no audit log to query"}, 503)
+        try:
+            found = await asyncio.to_thread(_recent, directory, approval.principal, approval.run,
+                                            limit)
+        except OSError as exc:
+            return _json({"error": f"the audit log cannot be read: {exc}"}, 503)
+        return _json({"approval": approval.id, "principal": approval.principal,
+                      "run": approval.run, **found})
+
+    app.router.add_get("/v1/approvals/{id}/recent", recent)

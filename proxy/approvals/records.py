@@ -105,6 +105,10 @@ class Approval:
     decided_at: float | None = None
     consumed_at: float | None = None
     grant_id: str | None = None  # a grant the approver gave with the approval
+    # Data-flow evidence when the data-flow check sent the call here (`on_flag: approve`): each
+    # {kind, argument, source, snippet}, shown to the approver beside the arguments. None: gated
+    # by effect only (and records written before the field existed).
+    evidence: list[dict[str, Any]] | None = None
 
     @property
     def binding(self) -> CallBinding:

@@ -99,6 +99,7 @@ class ApprovalService:
     async def request(
         self, binding: CallBinding, *, arguments: dict[str, Any], effect: str, reason: str,
         ttl: float, decision_id: str | None = None,
+        evidence: list[dict[str, Any]] | None = None,
     ) -> tuple[Approval, bool]:
         """The approval for this call: the existing one, or a new pending one (then notified).
 
@@ -111,6 +112,7 @@ class ApprovalService:
             run=binding.run, upstream=binding.upstream, tool=binding.tool,
             args_digest=binding.args_digest, arguments=dict(arguments), effect=effect,
             reason=reason, created_at=now, expires_at=now + ttl, decision_id=decision_id,
+            evidence=evidence,
         )
         ttl_store = self._store_ttl(approval)
         await self.store.put(NS_APPROVAL, approval.id, approval.encode(), ttl=ttl_store)

@@ -26,9 +26,29 @@
     return node;
   }
 
+  // The same for SVG elements (the picture): attributes only, children as text nodes.
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  function svg(tag, attrs, ...children) {
+    const node = document.createElementNS(SVG_NS, tag);
+    for (const [key, value] of Object.entries(attrs || {})) {
+      if (key === "dataset") Object.assign(node.dataset, value);
+      else node.setAttribute(key, String(value));
+    }
+    for (const child of children) {
+      if (child === null || child === undefined) continue;
+      node.appendChild(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
   const json = (value) => JSON.stringify(value, null, 2);
   const epoch = (s) => (typeof s === "number" ? new Date(s * 1000).toISOString() : "");
   const show = (value) => (value === null || value === undefined || value === "" ? "—" : String(value));
+  // "2026-12-01T01:02:03.456789Z" -> "2026-12-01 01:02:03" (the full value stays in `title`).
+  const shortTs = (ts) => (typeof ts === "string" && ts.length >= 19 ? ts.slice(0, 10) + " " + ts.slice(11, 19) : show(ts));
+  // A decision id in a table cell: its first 12 characters (the whole id is in the row's record).
+  const shortId = (id) => (typeof id === "string" && id.length > 13 ? id.slice(0, 12) + "…" : show(id));
+  const hhmm = (ts) => (typeof ts === "string" && ts.length >= 16 ? ts.slice(11, 16) + " UTC" : "");
 
   function token() { return sessionStorage.getItem(TOKEN_KEY); }
 
@@ -132,10 +152,63 @@
       ["tool", a.upstream + "." + a.tool], ["effect", a.effect], ["why gated", a.reason],
       ["decision", a.decision_id], ["created", epoch(a.created_at)], ["expires", epoch(a.expires_at)],
     ]);
+    const recent = el("div", { className: "table-wrap", dataset: { role: "recent" } },
+      el("p", { className: "empty" }, "Loading…"));
     const card = el("div", { className: "approval", dataset: { approvalId: a.id } },
       info, el("h4", {}, "Arguments"), el("pre", { dataset: { role: "arguments" } }, json(a.arguments)),
+      el("h4", {}, "Data-flow evidence"), evidenceBlock(a.evidence, "approval"),
+      el("h4", {}, "Recent calls in this run"), recent,
       el("div", { className: "actions" }, reason, approve, deny), result);
+    loadRecent(a.id, recent);
     return card;
+  }
+
+  // Evidence rows ({kind, argument, source, snippet}): what the data-flow check matched.
+  function evidenceRows(items, outcome) {
+    return (items || []).map((e) => el("tr", { className: "evidence-row" },
+      el("td", { dataset: { col: "argument" } }, show(e.argument)),
+      el("td", { dataset: { col: "source" } }, show(e.source)),
+      el("td", { className: "snippet", dataset: { col: "snippet" } }, show(e.snippet)),
+      el("td", { dataset: { col: "kind" } }, show(e.kind)),
+      el("td", { dataset: { col: "outcome" } }, outcome)));
+  }
+
+  function evidenceBlock(items, role) {
+    if (!Array.isArray(items) || items.length === 0) {
+      return el("p", { className: "empty", dataset: { role: role + "-evidence" } },
+        "None: gated by its effect, not by a data flow.");
+    }
+    return el("div", { className: "table-wrap" }, el("table", { className: "evidence", dataset: { role: role + "-evidence" } },
+      el("thead", {}, el("tr", {}, el("th", {}, "argument"), el("th", {}, "source tool"),
+        el("th", {}, "matched snippet"), el("th", {}, "kind"), el("th", {}, "outcome"))),
+      el("tbody", {}, ...evidenceRows(items, "flagged"))));
+  }
+
+  async function loadRecent(approvalId, box) {
+    let data;
+    try { data = await api("/v1/approvals/" + encodeURIComponent(approvalId) + "/recent?limit=10"); }
+    catch (err) {
+      if (err instanceof Unauthorized) { signOut("The token was refused: " + err.message); return; }
+      box.replaceChildren(el("p", { className: "error" }, "Recent calls: " + err.message));
+      return;
+    }
+    if (data.decisions.length === 0) {
+      box.replaceChildren(el("p", { className: "empty" }, "No earlier call of this run in the audit log."));
+      return;
+    }
+    const rows = data.decisions.map((d) => el("tr", { dataset: { recentId: d.decision_id } },
+      el("td", { className: "ts", title: show(d.ts) }, shortTs(d.ts)),
+      el("td", {}, show(d.upstream) + "." + show(d.tool)),
+      el("td", { className: "verdict-" + String(d.verdict) }, show(d.verdict)),
+      el("td", {}, show(d.code)),
+      el("td", { className: "reason", title: show(d.reason) }, el("div", { className: "clamp" }, show(d.reason)))));
+    const table = el("table", { className: "recent" },
+      el("caption", { className: "hint" }, "The last " + data.count + " decisions of run " + show(data.run) +
+        (data.truncated ? " (search bounded: older calls not read)" : "")),
+      el("thead", {}, el("tr", {}, el("th", {}, "time"), el("th", {}, "tool"), el("th", {}, "verdict"),
+        el("th", {}, "code"), el("th", {}, "reason"))),
+      el("tbody", {}, ...rows));
+    box.replaceChildren(table);
   }
 
   function refreshEmpty() {
@@ -165,45 +238,177 @@
 
   // -- decisions ------------------------------------------------------------------------------
   let decisionsSeq = 0;  // only the newest request renders (an older answer may come later)
-  async function loadDecisions() {
-    const seq = ++decisionsSeq;
+  let openedId = null;  // the decision whose record is open (focus returns to its row on close)
+
+  // The filters of the form as query parameters; `window` becomes `since` for the table.
+  function filterParams(forStats) {
     const form = new FormData($("decision-filters"));
     const params = new URLSearchParams();
-    for (const [k, v] of form.entries()) if (String(v).trim()) params.set(k, String(v).trim());
+    for (const [k, v] of form.entries()) {
+      const value = String(v).trim();
+      if (!value) continue;
+      if (k === "window") params.set(forStats ? "window" : "since", value);
+      else if (k === "limit") { if (!forStats) params.set(k, value); }
+      else params.set(k, value);
+    }
+    return params;
+  }
+
+  function decisionRow(d) {
+    const open = () => loadDetail(d.decision_id);
+    return el("tr", {
+      className: "decision-row", tabindex: "0", dataset: { decisionId: d.decision_id },
+      "aria-label": show(d.verdict) + " " + show(d.code) + ": " + show(d.upstream) + "." + show(d.tool) + ", open the record",
+      onclick: open,
+      onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); open(); } },
+    },
+    el("td", { className: "ts", title: show(d.ts) }, shortTs(d.ts)), el("td", {}, show(d.principal)),
+    el("td", {}, show(d.upstream) + "." + show(d.tool)),
+    el("td", { className: "verdict-" + String(d.verdict) }, show(d.verdict)),
+    el("td", { dataset: { col: "code" } }, show(d.code)),
+    el("td", { dataset: { col: "rule" } }, show(d.rule)),
+    // Long reasons are cut to three lines here (CSS); the record shows them whole.
+    el("td", { className: "reason", dataset: { col: "reason" }, title: show(d.reason) },
+      el("div", { className: "clamp" }, show(d.reason))),
+    el("td", {}, el("div", { className: "run" }, show(d.run))),
+    el("td", { title: show(d.decision_id) }, el("code", {}, shortId(d.decision_id))));
+  }
+
+  async function loadDecisions() {
+    const seq = ++decisionsSeq;
+    loadStats(seq);
     let data;
-    try { data = await api("/v1/decisions?" + params.toString()); }
+    try { data = await api("/v1/decisions?" + filterParams(false).toString()); }
     catch (err) { if (seq === decisionsSeq) handle("decisions-error")(err); return; }
     if (seq !== decisionsSeq) return;
     $("decisions-error").textContent = "";
-    $("decisions-body").replaceChildren(...data.decisions.map((d) => el("tr", {
-      className: "decision-row", tabindex: "0", dataset: { decisionId: d.decision_id },
-      onclick: () => loadDetail(d.decision_id),
-      onkeydown: (e) => { if (e.key === "Enter") loadDetail(d.decision_id); },
-    },
-    el("td", {}, show(d.ts)), el("td", {}, show(d.principal)), el("td", {}, show(d.upstream) + "." + show(d.tool)),
-    el("td", { className: "verdict-" + String(d.verdict) }, show(d.verdict)), el("td", {}, show(d.code)),
-    el("td", {}, show(d.run)), el("td", {}, el("code", {}, show(d.decision_id))))));
+    $("decisions-body").replaceChildren(...data.decisions.map(decisionRow));
+    for (const row of $("decisions-body").children) row.classList.toggle("selected", row.dataset.decisionId === openedId);
+  }
+
+  // -- the picture: decisions per minute by verdict, top refused tools and codes ---------------
+  const VERDICTS = ["allow", "deny", "error"];
+
+  async function loadStats(seq) {
+    let s;
+    try { s = await api("/v1/decision-stats?" + filterParams(true).toString()); }
+    catch (err) { if (seq === decisionsSeq) handle("stats-error")(err); return; }
+    if (seq !== decisionsSeq) return;
+    $("stats-error").textContent = "";
+    drawRate(s);
+    drawTop($("top-tools"), $("top-tools-empty"), s.top_refused_tools, "tool");
+    drawTop($("top-codes"), $("top-codes-empty"), s.top_refused_codes, "code");
+  }
+
+  function drawRate(s) {
+    const minutes = s.bucket_seconds / 60;
+    $("rate-title").textContent = minutes === 1 ? "Decisions per minute by verdict"
+      : "Decisions per " + minutes + " minutes by verdict";
+    const t = s.totals;
+    $("stats-summary").textContent = s.count + " decisions in the window: " +
+      VERDICTS.map((v) => t[v] + " " + v).join(", ") + ".";
+    $("stats-truncated").textContent = s.truncated
+      ? "Counted in full from " + s.complete_from + " only: the newest " + s.scanned + " records of the window were read (bound)."
+      : "";
+    const buckets = s.buckets;
+    const peak = Math.max(1, ...buckets.map((b) => VERDICTS.reduce((n, v) => n + b[v], 0)));
+    const W = 10;  // one bucket's width in SVG units; bars leave a gap of 2
+    const H = 100;
+    const chart = svg("svg", {
+      id: "rate-svg", viewBox: "0 0 " + (buckets.length * W) + " " + H, preserveAspectRatio: "none",
+      role: "img", "aria-label": $("stats-summary").textContent,
+    });
+    buckets.forEach((b, i) => {
+      let y = H;
+      for (const v of VERDICTS) {
+        if (!b[v]) continue;
+        const h = (b[v] / peak) * (H - 4);
+        y -= h;
+        chart.appendChild(svg("rect", {
+          class: "bar bar-" + v, x: i * W + 1, y: y, width: W - 2, height: h,
+          dataset: { verdict: v, start: b.start, count: b[v] },
+        }, svg("title", {}, hhmm(b.start) + " " + v + ": " + b[v])));
+      }
+    });
+    chart.appendChild(svg("line", { class: "baseline", x1: 0, y1: H - 0.5, x2: buckets.length * W, y2: H - 0.5 }));
+    $("rate-chart").replaceChildren(chart);
+    $("rate-from").textContent = buckets.length ? hhmm(buckets[0].start) : "";
+    $("rate-max").textContent = "peak " + peak + " per bar";
+    $("rate-to").textContent = hhmm(s.until);
+  }
+
+  function drawTop(list, empty, items, key) {
+    const most = Math.max(1, ...items.map((it) => it.count));
+    list.replaceChildren(...items.map((it) => el("li", { dataset: { name: it[key], count: it.count } },
+      el("span", { className: "name" }, it[key]), el("span", { className: "count" }, it.count),
+      svg("svg", { viewBox: "0 0 100 4", preserveAspectRatio: "none", "aria-hidden": "true" },
+        svg("rect", { class: "top-track", x: 0, y: 0, width: 100, height: 4 }),
+        svg("rect", { class: "top-bar", x: 0, y: 0, width: (it.count / most) * 100, height: 4,
+          dataset: { count: it.count } }, svg("title", {}, it[key] + ": " + it.count))))));
+    empty.hidden = items.length !== 0;
+  }
+
+  // -- one record --------------------------------------------------------------------------------
+  function marks(d) {
+    const extra = d.extra || {};
+    const flow = extra.dataflow || {};
+    const out = [];
+    if (extra.replayed) out.push(["replayed", "replayed" + (extra.replayed_from ? " from " + extra.replayed_from : "")]);
+    if (extra.shadow) out.push(["shadow", "shadow: not enforced, recorded only"]);
+    if (flow.flagged && flow.mode === "shadow") out.push(["shadow", "data flow flagged in shadow mode (forwarded)"]);
+    if (extra.in_band) out.push(["in-band", "approved in band by the user"]);
+    return out;
   }
 
   async function loadDetail(id) {
     let d;
     try { d = await api("/v1/decisions/" + encodeURIComponent(id)); }
     catch (err) { handle("decisions-error")(err); return; }
+    openedId = id;
     for (const row of $("decisions-body").children) row.classList.toggle("selected", row.dataset.decisionId === id);
     const extra = d.extra || {};
     const lat = d.latency_ms || {};
+    const flow = extra.dataflow || {};
     $("detail-id").textContent = d.decision_id;
-    fields($("detail-fields"), [
+    $("detail-marks").replaceChildren(...marks(d).map(([kind, text]) =>
+      el("span", { className: "mark-" + kind, dataset: { mark: kind } }, text)));
+    const pairs = [
       ["time", d.ts], ["verdict", d.verdict], ["code", d.code], ["check", d.check], ["rule", d.rule],
       ["reason", d.reason], ["revision", d.revision], ["principal", d.principal], ["session", d.session],
       ["run", d.run], ["tool", show(d.upstream) + "." + show(d.tool)], ["args digest", d.args_digest],
       ["latency ms", "envelope " + show(lat.envelope) + ", upstream " + show(lat.upstream) + ", total " + show(lat.total)],
       ["upstream status", d.upstream_status], ["approval", extra.approval_id], ["grant", extra.grant_id],
       ["approver", extra.approver],
-    ]);
+      ["replayed", extra.replayed ? "yes" + (extra.replayed_from ? ", from " + extra.replayed_from : "") : "no"],
+      ["shadow", extra.shadow ? "yes" : "no"],
+    ];
+    if (d.method) pairs.splice(10, 0, ["method", d.method]);
+    if (extra.idempotency_key) pairs.push(["idempotency key", extra.idempotency_key]);
+    const traceId = d.trace_id || extra.trace_id;
+    if (traceId) pairs.push(["trace id", traceId]);
+    if (flow.flagged) pairs.push(["data flow", flow.rule + " (" + show(flow.mode) + (flow.on_flag ? ", on_flag " + flow.on_flag : "") + ")"]);
+    fields($("detail-fields"), pairs);
+    const outcome = flow.mode === "shadow" ? "flagged (shadow)" : (flow.on_flag === "approve" ? "sent to approval" : "flagged");
+    const rows = evidenceRows(flow.evidence, outcome).concat(evidenceRows(extra.dataflow_declassified, "declassified"));
+    $("detail-evidence-body").replaceChildren(...rows);
+    $("detail-evidence").hidden = rows.length === 0;
+    $("detail-evidence-none").hidden = rows.length !== 0;
     $("detail-args").textContent = "args" in d ? json(d.args) : "not recorded (the tool's policy has log_args off): digest only";
     $("detail-raw").textContent = json(d);
     $("decision-detail").hidden = false;
+    $("detail-title").focus();
+  }
+
+  function closeDetail() {
+    if ($("decision-detail").hidden) return;
+    $("decision-detail").hidden = true;
+    const row = openedId === null ? null
+      : Array.from($("decisions-body").children).find((r) => r.dataset.decisionId === openedId);
+    openedId = null;
+    for (const r of $("decisions-body").children) r.classList.remove("selected");
+    // Back to the row it was opened from; if the list changed meanwhile, to its first row.
+    const target = row || $("decisions-body").querySelector("tr.decision-row");
+    if (target) target.focus();
   }
 
   // -- shadow ---------------------------------------------------------------------------------
@@ -246,6 +451,7 @@
     $("decisions-body").replaceChildren();
     $("shadow-body").replaceChildren();
     $("decision-detail").hidden = true;
+    openedId = null;
     $("login-error").textContent = message || "";
   }
 
@@ -269,6 +475,11 @@
     $("policy-refresh").addEventListener("click", loadPolicy);
     $("approvals-refresh").addEventListener("click", loadApprovals);
     $("decision-filters").addEventListener("submit", (e) => { e.preventDefault(); loadDecisions(); });
+    $("f-window").addEventListener("change", loadDecisions);
+    $("detail-close").addEventListener("click", closeDetail);
+    document.addEventListener("keydown", (e) => {
+      if (e.key === "Escape" && !$("decision-detail").hidden) { e.preventDefault(); closeDetail(); }
+    });
     $("shadow-filters").addEventListener("submit", (e) => { e.preventDefault(); loadShadow(); });
     if (token()) signIn();
   });

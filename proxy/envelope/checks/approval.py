@@ -80,6 +80,16 @@ DEFAULT_WAIT = 30.0
 log = logging.getLogger("envelope.approval")
 
 
+def _evidence(call: ToolCall) -> list[dict[str, Any]] | None:
+    """The data-flow evidence that escalated the call (`on_flag: approve`), for the approver;
+    None when the call is gated by its effect only."""
+    if call.escalation is None:
+        return None
+    flow = call.audit_extra.get("dataflow")
+    found = flow.get("evidence") if isinstance(flow, dict) else None
+    return [dict(e) for e in found if isinstance(e, dict)] if isinstance(found, list) else None
+
+
 class ApprovalCheck:
     """Hold gated calls until a person approves this exact call (or a grant covers it)."""
 
@@ -185,7 +195,7 @@ class ApprovalCheck:
         approval, _ = await service.request(
             binding, arguments=call.arguments, effect=effect,
             reason=call.escalation or f"effect {effect} of {call.qualified_name} is gated ({self._rule(call)})",
-            ttl=ttl, decision_id=call.decision_id,
+            ttl=ttl, decision_id=call.decision_id, evidence=_evidence(call),
         )
         return await self._hold(service, call, approval, wait, channel)
 
