@@ -519,6 +519,11 @@ class DataflowPolicy(_Model):
         return v
 
 
+def escalates(policy: DataflowPolicy) -> bool:
+    """Whether some sink's `on_tainted` is not `allow` (and the data-flow check is on)."""
+    return policy.mode != "off" and any(v != "allow" for v in policy.on_tainted.values())
+
+
 class PolicyDocument(_Model):
     """The merged policy of one directory: one revision."""
 
