@@ -13,7 +13,8 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   ("$1,200.50" = "1200.50" = 1200.5; "twelve hundred" is not a number);
 - a **trusted output** read in the same run: a string equal, normalised, to a whole string of
   the output, to a phrase of 1 to `MAX_WORDS` words of it, or to one of its distinctive tokens;
-  a number equal to one the output writes.
+  a number equal to one the output writes with 3 digits or more or with decimals (a price,
+  an id; "2" of a numbered list endorses nothing: small integers only by the intent).
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
@@ -64,6 +65,13 @@ def numbers(norm: str) -> set[str]:
     return {canonical_number(m.group(1), m.group(2)) for m in _NUMBER.finditer(norm)}
 
 
+def distinctive(number: str) -> bool:
+    """Whether a trusted output writing this number endorses it: an amount with decimals or a
+    number of 3 digits or more. Small integers (list positions, counts, days) occur in every
+    listing: only the user's words endorse them."""
+    return "." in number or len(number.lstrip("-")) >= 3
+
+
 def _strip(norm: str) -> str:
     return norm.strip(_EDGE).strip()
 
@@ -80,7 +88,8 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     if len(whole) <= MAX_WHOLE_CHARS:
         found.add(_key("v", whole))
     for number in numbers(norm):
-        found.add(_key("n", number))
+        if distinctive(number):
+            found.add(_key("n", number))
     for kind, value in tokens(text):
         found.add(_key(f"t{kind}", value))
     words = norm.split(" ")
@@ -116,14 +125,20 @@ class Critical:
     def of(cls, pointer: str, value: str | int | float) -> Critical:
         if isinstance(value, int | float):
             number = _json_number(value)
-            return cls(pointer, value, "", number, (_key("n", number),) if number else ())
+            of_number = [_key("n", number)] if number is not None and distinctive(number) else []
+            return cls(pointer, value, "", number, tuple(of_number))
         norm = _strip(normalise(value))
-        keys = [_key("v", norm)] if norm else []
+        keys: list[bytes] = []
         number = None
         m = _WHOLE_NUMBER.match(norm)
         if m is not None:
+            # A number written as a string follows the rules of numbers (not of phrases: "2"
+            # of "2. Grand Palace" does not endorse two nights).
             number = canonical_number(m.group(1), m.group(2))
-            keys.append(_key("n", number))
+            if distinctive(number):
+                keys.append(_key("n", number))
+        elif norm:
+            keys.append(_key("v", norm))
         found = tokens(value)
         if len(found) == 1:
             # The value is (or wraps) one address, URL or account number: equal tokens endorse it.
