@@ -20,6 +20,7 @@ from proxy.envelope.dataflow.ledger import (
 from proxy.envelope.dataflow.match import (
     Finding,
     Probe,
+    declassified_findings,
     free_text,
     match_argument,
     oversized,
@@ -218,6 +219,11 @@ class DataflowCheck:
             flagged += [dataclasses.replace(f, argument=ptr) for f in toks]
             if is_decl:
                 declassified += [dataclasses.replace(f, argument=ptr) for f in verbatim]
+                if verbatim:
+                    # Declassified text may carry untrusted text, not the attacker's orders nor
+                    # wholesale copies (declassify_max_copy).
+                    flagged += [dataclasses.replace(f, argument=ptr) for f in declassified_findings(
+                        ledger, probe, self._n, self._window, self.policy.declassify_max_copy)]
             else:
                 flagged += [dataclasses.replace(f, argument=ptr) for f in verbatim]
                 # A coarse ledger may lack the phrases of what the run read: a value long
