@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from e2e_helpers import mail_server, write_doc
+from e2e_helpers import cli, mail_server, write_doc
 
 from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, token
 
@@ -158,3 +158,24 @@ async def test_a_declassified_body_repeating_the_injected_order_is_refused(proxy
     assert not refused, decision
     rec = _last(proxy, run, "send_email")
     assert rec["code"] == "ok" and rec["extra"]["dataflow_declassified"][0]["argument"] == "/body"
+
+
+def test_check_reports_short_critical_values_and_escalation_without_required_intent(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text("""\
+version: 1
+upstreams:
+  shop: {url: "http://127.0.0.1:1/mcp"}
+tools:
+  shop.redeem:
+    effect: write
+    schema: {type: object, properties: {coupon: {type: string, maxLength: 12}, note: {type: string}}}
+dataflow:
+  on_tainted: approve
+""")
+    done = cli("check", "--strict", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr  # weak spots are choices, not errors
+    spots = [line for line in done.stdout.splitlines() if line.startswith("weak spot: ")]
+    assert [s.split(":")[1].strip() for s in spots] == [
+        "dataflow.critical.shop.redeem.coupon [short_critical_values]",
+        "dataflow.intent [intent_not_required]"], spots
+    assert "may be 12 characters long (maxLength), shorter than min_match (32)" in spots[0]
