@@ -424,8 +424,8 @@ class DataflowPolicy(_Model):
     # A critical value is endorsed when the run's intent holds it whole (string: between word
     # boundaries after normalising case, width and whitespace, edge punctuation stripped;
     # number or amount: the same canonical decimal, "$1,200.50" = 1200.5) or when a trusted
-    # output read in the same run holds it (its whole value, a phrase of 1-4 words, a
-    # distinctive token, or a number it writes). Runs that never read untrusted content are
+    # output read in the same run holds it (its whole value, one of its fields between
+    # listing separators, a distinctive token, or a number of 3+ digits or with decimals). Runs that never read untrusted content are
     # untouched; a sink the data-flow check already flags is decided by on_flag, not this;
     # shadow mode audits and counts, never acts. `default` applies to sinks not listed; a plain
     # string sets the default. Absent: allow (nothing escalates).

@@ -94,6 +94,12 @@ def test_what_a_trusted_output_endorses() -> None:
     # Small integers are in every listing ("2." of a numbered line): only the intent endorses them.
     assert not any(k in keys for k in Critical.of("/price", "$95.00").keys)
     assert not any(k in keys for k in Critical.of("/nights", 2).keys)
+    contact = trusted_keys("Contact: dave@corp.example (sales)")
+    assert any(k in contact for k in Critical.of("/to", "Dave@corp.example").keys)
+    assert not any(k in contact for k in Critical.of("/to", "eve@corp.example").keys)  # same host
+    # Fields, not every phrase: a name inside a sentence of prose endorses nothing.
+    prose = trusted_keys("We recommend the Grand Palace for your stay in town")
+    assert not any(k in prose for k in Critical.of("/hotel", "Grand Palace").keys)
     assert not any(k in keys for k in Critical.of("/hotel", "Grand Budapest").keys)
     assert not any(k in keys for k in Critical.of("/price", 1240).keys)
 
