@@ -16,7 +16,7 @@ from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import intent as intents
 from proxy.envelope.dataflow.endorse import Critical, IntentWords, critical_values, trusted_keys
-from proxy.envelope.dataflow.ledger import LedgerDelta, record
+from proxy.envelope.dataflow.ledger import LedgerDelta, load, record
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall
@@ -218,3 +218,13 @@ async def test_approvals_are_counted_and_audited_by_reason() -> None:
         assert counter.labels(reason)._value.get() == 1, reason
     await w.decide(w.call("delete"))  # the same call again: the same approval, not counted again
     assert counter.labels("policy")._value.get() == 1
+
+
+async def test_a_run_that_read_only_trusted_content_never_turns_coarse() -> None:
+    store = MemoryStore()
+    delta = LedgerDelta.of("web.hotels", [Piece(LISTING, TRUSTED, "t")], 32, trusted=True)
+    await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
+    ledger = await load(store, RUN_KEY, 40)  # the policy's min_match changed since
+    assert ledger is not None and not ledger.untrusted
+    assert ledger.coarse(0.0, 40) is None
+    assert ledger.sources and all(v.startswith("trusted|") for v in ledger.sources.values())
