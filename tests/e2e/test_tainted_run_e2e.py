@@ -23,7 +23,7 @@ from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process,
 AGENT = token("agent")
 
 
-def _policy(directory: Path) -> Path:
+def _policy(directory: Path, **dataflow: Any) -> Path:
     return write_doc(directory, {
         "version": 1,
         "upstreams": {"mail": {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"}},
@@ -38,6 +38,7 @@ def _policy(directory: Path) -> Path:
             "declassify": {"mail.send_email": ["body"]},
             "on_tainted": {"default": "allow", "mail.send_email": "approve", "mail.set_password": "block"},
             "critical": {"mail.send_email": ["to"]},
+            **dataflow,
         },
     })
 
@@ -47,6 +48,16 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     tmp = tmp_path_factory.mktemp("tainted")
     with mail_server() as url, proxy_process(tmp, {"mail": url}, policies=_policy(tmp / "policies")) as pp:
         yield pp
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ProxyProcess]]:
+    """The same policy in shadow mode, and enforcing with `intent: required`."""
+    tmp = tmp_path_factory.mktemp("tainted-variants")
+    with mail_server() as url, \
+            proxy_process(tmp / "s", {"mail": url}, policies=_policy(tmp / "s" / "p", mode="shadow")) as shadow, \
+            proxy_process(tmp / "r", {"mail": url}, policies=_policy(tmp / "r" / "p", intent="required")) as required:
+        yield {"shadow": shadow, "required": required}
 
 
 async def _call(pp: ProxyProcess, run: str, tool: str, args: dict[str, Any], *,
@@ -179,3 +190,30 @@ dataflow:
         "dataflow.critical.shop.redeem.coupon [short_critical_values]",
         "dataflow.intent [intent_not_required]"], spots
     assert "may be 12 characters long (maxLength), shorter than min_match (32)" in spots[0]
+
+
+async def test_shadow_mode_forwards_audits_and_counts(variants: dict[str, ProxyProcess]) -> None:
+    pp = variants["shadow"]
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(pp, run, "fetch_page", {"url": "https://news.example/q3"})
+    refused, _, decision = await _call(pp, run, "send_email", _email("carol@corp.example"))
+    assert not refused, decision  # forwarded: shadow never acts
+    rec = _last(pp, run, "send_email")
+    assert rec["code"] == "ok" and "approval_reason" not in rec["extra"]
+    assert rec["extra"]["tainted_run"]["mode"] == "shadow" and rec["extra"]["tainted_run"]["unendorsed"] == ["/to"]
+    metrics = pp.metrics()
+    assert metric_value(metrics, "envelope_dataflow_tainted_total", tool="send_email", mode="shadow",
+                        action="approve") == 1
+    assert metric_value(metrics, "envelope_approvals_requested_total", reason="tainted_run") == 0
+
+
+async def test_intent_required_refuses_a_sink_of_a_run_without_intent(variants: dict[str, ProxyProcess]) -> None:
+    pp = variants["required"]
+    run = f"run-{uuid.uuid4().hex}"
+    refused, text, decision = await _call(pp, run, "send_email", _email("carol@corp.example"))
+    assert refused and decision["code"] == "invalid_request", decision
+    assert "no intent on record" in text
+    assert _last(pp, run, "send_email")["rule"] == "dataflow.intent"
+    refused, _, decision = await _call(pp, run, "send_email", _email("carol@corp.example"),
+                                       intent="mail carol@corp.example the customer list")
+    assert not refused, decision
