@@ -11,6 +11,9 @@ Tools:
 - `slow(seconds)`: sleeps, then returns.
 - `shout(text)`: writes `text` to stderr, then returns it.
 
+A file `<STDIO_STATE>/start_delay` holding seconds makes the process sleep that long before it
+serves (a restart the test can watch happen).
+
 Run: `python tests/e2e/stdio_server.py` (state directory from `STDIO_STATE`, else none).
 """
 
@@ -68,7 +71,13 @@ def build_server() -> MCPServer:
     @server.tool(annotations=READ)
     def garbage() -> str:
         """Write a line that is not JSON on the protocol stream."""
-        os.write(1, b"this is not json\n")
+        # The SDK diverts fd 1 away from the wire (so prints cannot corrupt it) and writes the
+        # protocol on a private duplicate: write there, as a buggy server's stray output would.
+        from mcp.server import stdio
+
+        claim = stdio._claims.get(1)
+        os.write(claim.private_fd if claim is not None and claim.private_fd is not None else 1,
+                 b"this is not json\n")
         return "unreachable"
 
     @server.tool(annotations=READ)
@@ -92,4 +101,9 @@ def build_server() -> MCPServer:
 
 
 if __name__ == "__main__":
+    delay = Path(os.environ.get("STDIO_STATE", "/nonexistent")) / "start_delay"
+    if delay.exists():
+        import time
+
+        time.sleep(float(delay.read_text() or 0))
     build_server().run("stdio")
