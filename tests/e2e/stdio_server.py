@@ -8,7 +8,9 @@ Tools:
 - `crash(code)`: the process exits at once with `code`, mid-call (no reply is ever written).
 - `garbage()`: writes a line that is not JSON to stdout (a broken child).
 - `ask(question)`: asks the client (`elicitation/create`; `input_required` on 2026-07-28).
-- `slow(seconds)`: sleeps, then returns.
+- `slow(seconds, tag)`: sleeps, then returns; with a tag, its start and its cancellation are
+  recorded in `<STDIO_STATE>/started-<tag>` and `cancelled-<tag>`.
+- `progress(n)`: reports progress `n` times, then returns.
 - `shout(text)`: writes `text` to stderr, then returns it.
 
 A file `<STDIO_STATE>/start_delay` holding seconds makes the process sleep that long before it
@@ -25,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.resolve import Elicit, Resolve
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel
@@ -85,11 +87,31 @@ def build_server() -> MCPServer:
         """Ask the client for input and return it."""
         return f"answered: {answer.answer}"
 
+    def mark(name: str) -> None:
+        if state:
+            with open(Path(state) / name, "a") as f:
+                f.write("1\n")
+
     @server.tool(annotations=READ)
-    async def slow(seconds: float = 1.0) -> str:
-        """Sleep, then return."""
-        await asyncio.sleep(seconds)
+    async def slow(seconds: float = 1.0, tag: str = "") -> str:
+        """Sleep, then return; with a tag, `started-<tag>` and `cancelled-<tag>` are recorded."""
+        if tag:
+            mark(f"started-{tag}")
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            if tag:
+                mark(f"cancelled-{tag}")
+            raise
         return f"slept {seconds}"
+
+    @server.tool(annotations=READ)
+    async def progress(ctx: Context, n: int = 3) -> str:
+        """Report progress n times, then return."""
+        for i in range(n):
+            await ctx.report_progress(i + 1, n, f"step {i + 1}")
+            await asyncio.sleep(0.05)
+        return f"progressed {n}"
 
     @server.tool(annotations=READ)
     def shout(text: str) -> str:

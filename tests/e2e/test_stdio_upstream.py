@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from e2e_helpers import write_doc
@@ -38,7 +39,7 @@ SERVER = Path(__file__).resolve().parent / "stdio_server.py"
 EVERYTHING = MODULES / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
 FILESYSTEM = MODULES / "@modelcontextprotocol" / "server-filesystem" / "dist" / "index.js"
 STATIC = {"mode": "static", "principal": "agent"}
-READ_TOOLS = ("echo", "pid", "crash", "garbage", "ask", "slow", "shout")
+READ_TOOLS = ("echo", "pid", "crash", "garbage", "ask", "slow", "shout", "progress")
 
 
 def fixture_policy(directory: Path, state: Path, **upstream: Any) -> Path:
@@ -76,7 +77,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     state = tmp / "child"
     state.mkdir()
     policies = fixture_policy(tmp / "policies", state)
-    with proxy_process(tmp, {}, policies=policies, identity=STATIC) as pp:
+    with proxy_process(tmp, {}, policies=policies, identity=STATIC,
+                       config={"aggregate": {"enabled": True}}) as pp:
         yield World(pp, state)
 
 
@@ -157,6 +159,17 @@ async def test_tools_list_and_an_allowed_call(world: World, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_the_aggregate_serves_a_stdio_upstream(world: World, mode: str) -> None:
+    async with mcp_client(f"{world.proxy.base}/mcp", mode=mode) as c:
+        listed = await c.list_tools()
+        assert "fix.echo" in {t.name for t in listed.tools}
+        r = await c.call_tool("fix.echo", {"text": f"aggregated {mode}"})
+        assert (r.is_error, text(r)) == (False, f"aggregated {mode}")
+        r = await c.call_tool("fix.echo", {"text": "forbidden"})
+        assert (r.is_error, text(r)) == (True, "Blocked by policy (capability_blocked): not that")
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_refused_call_never_reaches_the_child(world: World, mode: str) -> None:
     before = len(world.proxy.audit_records())
     async with mcp_client(world.url, mode=mode) as c:
@@ -215,6 +228,40 @@ async def test_elicitation_from_the_child_reaches_the_calling_client(world: Worl
     got = await asyncio.gather(one("a"), one("b"))
     assert got == [f"answered: a says {mode}", f"answered: b says {mode}"]
     assert asked == {"a": ["question for a?"], "b": ["question for b?"]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_progress_reaches_the_calling_client(world: World, mode: str) -> None:
+    seen: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append((progress, total, message))
+
+    async with mcp_client(world.url, mode=mode) as c:
+        r = await c.call_tool("progress", {"n": 3}, progress_callback=on_progress)
+        assert (r.is_error, text(r)) == (False, "progressed 3")
+    assert seen == [(1, 3, "step 1"), (2, 3, "step 2"), (3, 3, "step 3")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_cancelling_a_call_cancels_it_in_the_child(world: World, mode: str) -> None:
+    """Legacy: the SDK sends notifications/cancelled (relayed as is). 2026-07-28: it closes the
+    response stream, and the proxy sends the child notifications/cancelled for its own id."""
+    tag = f"cancel-{mode}-{uuid.uuid4().hex[:8]}"
+    async with mcp_client(world.url, mode=mode) as c:
+        with anyio.move_on_after(30):
+            async with anyio.create_task_group() as tg:
+                async def call() -> None:
+                    await c.call_tool("slow", {"seconds": 60, "tag": tag})
+
+                tg.start_soon(call)
+                await wait_until(lambda: (world.state / f"started-{tag}").exists(), 20,
+                                 "the slow tool started")
+                tg.cancel_scope.cancel()
+        await wait_until(lambda: (world.state / f"cancelled-{tag}").exists(), 10,
+                         "the child cancelled the call")
+        r = await c.call_tool("echo", {"text": "still here"})  # the session goes on
+        assert text(r) == "still here"
 
 
 # ---- crashes, broken children, stderr -------------------------------------------------------
