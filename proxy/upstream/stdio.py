@@ -13,10 +13,15 @@ Behind the endpoint, newline-delimited JSON-RPC on the child's stdin/stdout, one
   (`max_processes` per upstream); past the bound `initialize` gets HTTP 503 with a JSON-RPC
   error at once (a clear answer, never a hang). A child no request touched for `idle_timeout`
   is stopped and its session forgotten (the client then gets 404 and initializes again).
-- Stateless clients (2026-07-28, no session id) share one child the proxy started (a modern
-  server needs no handshake); their JSON-RPC ids and progress tokens are remapped to string ids
-  with a proxy prefix, so replies, progress and server requests reach the right caller and
-  never collide. Closing the caller's stream sends `notifications/cancelled` to the child.
+- Stateless clients (2026-07-28, no session id) share one child the proxy started and
+  prepared: a server that answers `server/discover` gets their requests as they are; one that
+  speaks only the handshake revisions is initialised by the proxy (2025-11-25), which then
+  answers `server/discover` for it, adds `resultType` (and list results' `ttlMs: 0`,
+  `cacheScope: private`) to its results and answers its server
+  requests itself (`ping`) or refuses them (a stateless caller cannot be asked mid-call). Their
+  JSON-RPC ids and progress tokens are remapped to string ids with a proxy prefix, so replies,
+  progress and server requests reach the right caller and never collide. Closing the caller's
+  stream sends `notifications/cancelled` to the child.
 - A request is answered as an SSE stream: the child's server requests (sampling, elicitation,
   roots) and notifications (progress, logging) go to the stream of the call that caused them,
   then the reply ends it. Events carry no ids: a stream that ends without its reply is a failed
@@ -75,6 +80,14 @@ MAX_SESSION_RESTARTS = 5
 CLOSE_GRACE = 2.0
 # The most unsolicited messages held for a session nobody listens to (GET stream closed).
 BACKLOG = 256
+
+# The shared child: probed with `server/discover` at the modern revision; a server that does
+# not answer it is initialised by the proxy at the newest handshake revision instead.
+MODERN_VERSION = "2026-07-28"
+HANDSHAKE_VERSION = "2025-11-25"
+PROXY_INFO = {"name": "envelope-proxy", "version": "1"}
+HANDSHAKE_SECONDS = 30.0
+PROBE_SECONDS = 10.0
 
 HealthSink = Callable[[str, bool, str | None], None]
 
@@ -360,6 +373,9 @@ class Shared:
     # Server requests relayed to callers: proxy id -> the child's own id.
     server_requests: dict[str, Any] = field(default_factory=dict)
     progress: dict[str, Waiter] = field(default_factory=dict)
+    # The child's initialize result when it speaks only the handshake revisions (the proxy
+    # initialised it and speaks 2026-07-28 for it); None for a modern server.
+    handshake: dict[str, Any] | None = None
 
 
 class StdioUpstreams:
@@ -627,17 +643,61 @@ class StdioUpstreams:
             delay = shared.next_start - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            child: Child | None = None
             try:
-                shared.child = await self._start_child(shared.spec, shared)
-            except ChildGone as exc:
+                child = await self._start_child(shared.spec, shared)
+                shared.handshake = await self._prepare_shared(child)
+            except (ChildGone, TimeoutError) as exc:
+                if child is not None:
+                    await child.close(0.2)
                 self._free_slot(shared.spec.name)
                 shared.failures += 1
                 shared.next_start = time.monotonic() + _backoff(shared.failures)
-                self._health(shared.spec.name, False, str(exc))
-                raise
-            return shared.child
+                reason = str(exc) or "it did not answer in time"
+                self._health(shared.spec.name, False, f"stdio child: {reason}")
+                raise ChildGone(reason) from exc
+            shared.child = child
+            return child
         finally:
             shared.starting = None
+
+    async def _prepare_shared(self, child: Child) -> dict[str, Any] | None:
+        """Find out which revisions the shared child speaks: None when it answers
+        `server/discover` (a modern server: callers' requests go to it as they are), else its
+        `initialize` result after the proxy's own handshake. ChildGone when it takes neither."""
+        meta = {"io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+                "io.modelcontextprotocol/clientInfo": PROXY_INFO,
+                "io.modelcontextprotocol/clientCapabilities": {}}
+        try:
+            reply = await self._ask(child, "server/discover", {"_meta": meta}, PROBE_SECONDS)
+        except TimeoutError:
+            reply = None  # a server that ignores unknown methods: try the handshake
+        result = reply.get("result") if reply else None
+        if isinstance(result, dict) and MODERN_VERSION in (result.get("supportedVersions") or ()):
+            return None
+        reply = await self._ask(child, "initialize", {
+            "protocolVersion": HANDSHAKE_VERSION, "capabilities": {}, "clientInfo": PROXY_INFO})
+        result = reply.get("result") if reply else None
+        if not isinstance(result, dict):
+            raise ChildGone("it answered neither server/discover nor initialize")
+        await child.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        log.info("stdio upstream %s: shared child %s speaks %s: initialised by the proxy for "
+                 "stateless callers", child.spec.name, child.pid, result.get("protocolVersion"))
+        return result
+
+    async def _ask(self, child: Child, method: str, params: dict[str, Any],
+                   seconds: float = HANDSHAKE_SECONDS) -> dict[str, Any] | None:
+        """One request of the proxy's own to `child`: its reply, None when the child went away;
+        TimeoutError past `seconds`."""
+        proxy_id = f"{ID_PREFIX}{next(self._ids)}"
+        waiter = Waiter(proxy_id)
+        child.register(_key(proxy_id), waiter)
+        try:
+            await child.send({"jsonrpc": "2.0", "id": proxy_id, "method": method, "params": params})
+            async with asyncio.timeout(seconds):
+                return await waiter.queue.get()
+        finally:
+            child.forget(_key(proxy_id))
 
     async def _shared_post(self, request: web.Request, spec: StdioSpec,
                            message: dict[str, Any]) -> web.StreamResponse:
@@ -663,6 +723,8 @@ class StdioUpstreams:
         except ChildGone as exc:
             return _error(502, message.get("id"), -32603, f"stdio upstream {spec.name!r}: {exc}")
         shared = self._shared[spec.name]
+        if shared.handshake is not None and message.get("method") == "server/discover":
+            return _reply(message.get("id"), _discover(shared.handshake))
         proxy_id = f"{ID_PREFIX}{next(self._ids)}"
         waiter = Waiter(message.get("id"))
         params = message.get("params")
@@ -675,7 +737,7 @@ class StdioUpstreams:
             shared.progress[token] = waiter
         try:
             return await self._relay(request, child, outgoing, waiter, _key(proxy_id), {},
-                                     cancel_id=proxy_id,
+                                     cancel_id=proxy_id, complete=_completion(shared, message),
                                      on_reply=lambda _: self._shared_ok(shared))
         finally:
             for token in [t for t, w in shared.progress.items() if w is waiter]:
@@ -689,11 +751,13 @@ class StdioUpstreams:
 
     async def _relay(self, request: web.Request, child: Child, outgoing: dict[str, Any],
                      waiter: Waiter, key: str, headers: dict[str, str],
-                     cancel_id: str | None = None,
+                     cancel_id: str | None = None, complete: Mapping[str, Any] | None = None,
                      on_reply: Callable[[dict[str, Any]], None] | None = None) -> web.StreamResponse:
         """Send one request to `child` and answer with an SSE stream of what the child sends for
         it, ending with its reply (its id restored); the stream ends without a reply when the
-        child goes away. A caller gone before the reply cancels it (`cancel_id`: stateless)."""
+        child goes away. A caller gone before the reply cancels it (`cancel_id`: stateless).
+        `complete`: fields a 2026-07-28 caller needs on the result, added when the child (which
+        speaks a handshake revision) left them out."""
         child.register(key, waiter)
         try:
             await child.send(outgoing)
@@ -712,6 +776,9 @@ class StdioUpstreams:
                 if "method" not in message and message.get("id") is not None \
                         and _key(message.get("id")) == key:
                     message = {**message, "id": waiter.reply_id}
+                    result = message.get("result")
+                    if complete and isinstance(result, dict):
+                        message["result"] = {**complete, **result}
                     waiter.done = True
                     await response.write(_event(message))
                     if on_reply is not None:
@@ -740,6 +807,15 @@ class StdioUpstreams:
         self._unroutable(child, message)
 
     def _route_shared(self, shared: Shared, child: Child, message: dict[str, Any]) -> None:
+        if shared.handshake is not None and "id" in message and "method" in message:
+            # A handshake-revision server asks a 2026-07-28 caller, who cannot be asked
+            # mid-call: answered here (ping), or refused so the child does not wait.
+            answer: dict[str, Any] = (
+                {"result": {}} if message["method"] == "ping" else
+                {"error": {"code": -32601, "message": f"{message['method']} is not available: "
+                           "the client is stateless (2026-07-28)"}})
+            self._spawn_task(_send_quietly(child, {"jsonrpc": "2.0", "id": message["id"], **answer}))
+            return
         params = message.get("params")
         token = params.get("progressToken") if isinstance(params, dict) else None
         waiter = shared.progress.get(token) if isinstance(token, str) else None
@@ -916,6 +992,35 @@ async def _send_quietly(child: Child, message: Mapping[str, Any]) -> None:
 
 def _event(message: Mapping[str, Any]) -> bytes:
     return b"event: message\ndata: " + orjson.dumps(message) + b"\n\n"
+
+
+def _completion(shared: Shared, message: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a 2026-07-28 result carries that a handshake-revision server's lacks (None for a
+    modern server): `resultType`, and on list results their cache hints (`ttlMs` 0: no
+    caching the proxy cannot vouch for)."""
+    if shared.handshake is None:
+        return None
+    fields: dict[str, Any] = {"resultType": "complete"}
+    if str(message.get("method", "")).endswith("/list"):
+        fields.update(ttlMs=0, cacheScope="private")
+    return fields
+
+
+def _discover(handshake: Mapping[str, Any]) -> dict[str, Any]:
+    """The `server/discover` result of a handshake-revision server the proxy initialised."""
+    result: dict[str, Any] = {
+        "supportedVersions": [MODERN_VERSION], "capabilities": handshake.get("capabilities") or {},
+        "resultType": "complete", "ttlMs": 0, "cacheScope": "private"}
+    if isinstance(handshake.get("serverInfo"), dict):
+        result["_meta"] = {"io.modelcontextprotocol/serverInfo": handshake["serverInfo"]}
+    if isinstance(handshake.get("instructions"), str):
+        result["instructions"] = handshake["instructions"]
+    return result
+
+
+def _reply(rpc_id: Any, result: Mapping[str, Any]) -> web.Response:
+    body = {"jsonrpc": "2.0", "id": rpc_id, "result": result}
+    return web.Response(status=200, body=orjson.dumps(body), content_type="application/json")
 
 
 def _error(status: int, rpc_id: Any, code: int, message: str) -> web.Response:

@@ -455,6 +455,11 @@ async def test_server_everything_over_stdio(reference: tuple[ProxyProcess, Path]
         assert r.is_error is False and "5" in text(r)
         r = await c.call_tool("get-sum", {"a": 2000, "b": 3})
         assert (r.is_error, text(r)) == (True, "Blocked by policy (capability_blocked): no big sums")
+    if mode == "auto":
+        # server-everything speaks only the handshake revisions: the 2026-07-28 client was
+        # served statelessly by a child the proxy initialised, not by a session of its own.
+        assert re.search(r"stdio upstream everything: shared child \d+ speaks 2025-11-25: "
+                         r"initialised by the proxy for stateless callers", pp.log())
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -24,7 +24,8 @@ from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
 # A stdio "server" that needs no SDK: `initialize` answers, `echo` replies `text` after `delay`
 # seconds (requests run concurrently, so replies can cross), `big` writes one line of `size`
 # bytes, `pid` its process id; `ask` sends a server request and replies with the answer;
-# `noise` writes a 10,000-byte line and 300 short lines to stderr.
+# `noise` writes a 10,000-byte line and 300 short lines to stderr. It speaks the handshake
+# revisions only, unless MODERN is set: then it answers `server/discover` too.
 SCRIPT = r"""
 import asyncio, json, os, sys
 
@@ -40,7 +41,10 @@ async def main():
 
     async def handle(msg):
         m, p, i = msg.get("method"), msg.get("params") or {}, msg.get("id")
-        if m == "initialize":
+        if m == "server/discover" and os.environ.get("MODERN"):
+            send({"jsonrpc": "2.0", "id": i, "result": {"supportedVersions": ["2026-07-28"],
+                  "capabilities": {}, "resultType": "complete"}})
+        elif m == "initialize":
             send({"jsonrpc": "2.0", "id": i, "result": {"protocolVersion": "2025-11-25",
                   "capabilities": {}, "serverInfo": {"name": "script", "version": "1"}}})
         elif m == "echo":
@@ -52,6 +56,8 @@ async def main():
             sys.stderr.write("x" * 10000 + "\n" + "".join(f"line {n}\n" for n in range(300)))
             sys.stderr.flush()
             send({"jsonrpc": "2.0", "id": i, "result": {}})
+        elif m == "whoami":
+            send({"jsonrpc": "2.0", "id": i, "result": {"meta": p.get("_meta")}})
         elif m == "pid":
             send({"jsonrpc": "2.0", "id": i, "result": {"pid": os.getpid()}})
         elif m == "ask":
@@ -59,6 +65,8 @@ async def main():
             send({"jsonrpc": "2.0", "id": "q1", "method": "elicitation/create", "params": {"message": p["text"]}})
             answer = await fut
             send({"jsonrpc": "2.0", "id": i, "result": {"answer": answer}})
+        elif i is not None:
+            send({"jsonrpc": "2.0", "id": i, "error": {"code": -32601, "message": "Method not found"}})
 
     while True:
         line = await reader.readline()
@@ -74,15 +82,17 @@ asyncio.run(main())
 """
 
 
-def spec(max_processes: int = 4, idle_timeout: float = 300.0) -> StdioSpec:
-    return StdioSpec("script", (sys.executable, "-c", SCRIPT), max_processes=max_processes,
-                     idle_timeout=idle_timeout)
+def spec(max_processes: int = 4, idle_timeout: float = 300.0, name: str = "script",
+         modern: bool = False) -> StdioSpec:
+    return StdioSpec(name, (sys.executable, "-c", SCRIPT), max_processes=max_processes,
+                     idle_timeout=idle_timeout, env=(("MODERN", "1"),) if modern else ())
 
 
 @pytest.fixture
 async def stdio() -> AsyncIterator[StdioUpstreams]:
     upstreams = StdioUpstreams(max_line_bytes=64 * 1024)
-    upstreams.configure({"script": spec(max_processes=2)})
+    upstreams.configure({"script": spec(max_processes=2),
+                         "modern": spec(name="modern", modern=True)})
     await upstreams.start()
     try:
         yield upstreams
@@ -91,10 +101,10 @@ async def stdio() -> AsyncIterator[StdioUpstreams]:
 
 
 async def post(stdio: StdioUpstreams, body: Any, headers: dict[str, str] | None = None,
-               secret: bool = True) -> tuple[int, dict[str, str], list[dict[str, Any]]]:
+               secret: bool = True, name: str = "script") -> tuple[int, dict[str, str], list[dict[str, Any]]]:
     """POST one message; (status, headers, the JSON messages of the answer, SSE or JSON)."""
     hdrs = {"Content-Type": "application/json", **(stdio.headers if secret else {}), **(headers or {})}
-    async with aiohttp.ClientSession() as http, http.post(stdio.url("script"), data=orjson.dumps(body),
+    async with aiohttp.ClientSession() as http, http.post(stdio.url(name), data=orjson.dumps(body),
                                                           headers=hdrs) as resp:
         raw = await resp.read()
         if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -131,9 +141,24 @@ async def test_stateless_callers_with_the_same_id_get_their_own_replies(stdio: S
     slow = post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "echo", "params": {"text": "slow", "delay": 0.5}})
     fast = post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "echo", "params": {"text": "fast", "delay": 0}})
     (s1, _, m1), (s2, _, m2) = await asyncio.gather(slow, fast)
-    assert (s1, m1) == (200, [{"jsonrpc": "2.0", "id": 1, "result": {"text": "slow"}}])
-    assert (s2, m2) == (200, [{"jsonrpc": "2.0", "id": 1, "result": {"text": "fast"}}])
+    # The script speaks only the handshake revisions: the proxy initialised it and completes
+    # its results for 2026-07-28 callers.
+    assert (s1, m1) == (200, [{"jsonrpc": "2.0", "id": 1, "result": {"text": "slow", "resultType": "complete"}}])
+    assert (s2, m2) == (200, [{"jsonrpc": "2.0", "id": 1, "result": {"text": "fast", "resultType": "complete"}}])
     assert stdio.processes("script") == 1  # one shared child served both
+
+
+async def test_a_handshake_only_server_is_initialised_for_stateless_callers(
+        stdio: StdioUpstreams) -> None:
+    status, _, [discovered] = await post(stdio, {"jsonrpc": "2.0", "id": "d", "method": "server/discover",
+                                                 "params": {}})
+    assert (status, discovered["result"]) == (200, {
+        "supportedVersions": ["2026-07-28"], "capabilities": {}, "resultType": "complete",
+        "ttlMs": 0, "cacheScope": "private",
+        "_meta": {"io.modelcontextprotocol/serverInfo": {"name": "script", "version": "1"}}})
+    # The child's server request cannot reach a stateless caller: refused, the call goes on.
+    _, _, [reply] = await post(stdio, {"jsonrpc": "2.0", "id": 8, "method": "ask", "params": {"text": "?"}})
+    assert reply == {"jsonrpc": "2.0", "id": 8, "result": {"answer": None, "resultType": "complete"}}
 
 
 async def test_a_server_request_reaches_its_stateless_caller_and_the_answer_the_child(
@@ -141,7 +166,7 @@ async def test_a_server_request_reaches_its_stateless_caller_and_the_answer_the_
     async with aiohttp.ClientSession() as http:
         hdrs = {"Content-Type": "application/json", **stdio.headers}
         body = {"jsonrpc": "2.0", "id": 7, "method": "ask", "params": {"text": "name?"}}
-        async with http.post(stdio.url("script"), data=orjson.dumps(body), headers=hdrs) as resp:
+        async with http.post(stdio.url("modern"), data=orjson.dumps(body), headers=hdrs) as resp:
             line = b""
             while not line.startswith(b"data: "):
                 line = (await resp.content.readline()).strip()
@@ -149,7 +174,7 @@ async def test_a_server_request_reaches_its_stateless_caller_and_the_answer_the_
             assert request["method"] == "elicitation/create"
             assert str(request["id"]).startswith("envelope-stdio-")  # never the child's own id
             answer = {"jsonrpc": "2.0", "id": request["id"], "result": {"name": "ada"}}
-            async with http.post(stdio.url("script"), data=orjson.dumps(answer), headers=hdrs) as r2:
+            async with http.post(stdio.url("modern"), data=orjson.dumps(answer), headers=hdrs) as r2:
                 assert r2.status == 202
             rest = await resp.read()
     [reply] = [orjson.loads(x[6:]) for x in rest.split(b"\n") if x.startswith(b"data: ")]
@@ -210,7 +235,7 @@ async def test_stderr_is_logged_bounded(stdio: StdioUpstreams, caplog: pytest.Lo
     _, _, [first] = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"})
     pid = first["result"]["pid"]
     _, _, [reply] = await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "noise"})
-    assert reply["result"] == {}
+    assert reply["result"] == {"resultType": "complete"}
     await stdio.close()  # the child's stderr ends: every line read, the count logged
     lines = [r.getMessage() for r in caplog.records if "stderr" in r.getMessage()]
     tag = f"stdio upstream script [{pid}] stderr: "
