@@ -230,6 +230,10 @@ class Child:
                           self.pid, self.broken)
                 self._signal(signal.SIGKILL)
             code = await self._wait(CLOSE_GRACE)
+            if code is None:
+                # Its stdout is closed but it runs on: of no use, and it would outlive its slot.
+                self._signal(signal.SIGKILL)
+                await self._wait(CLOSE_GRACE)
             if self.broken is None:
                 reason = f"exited with code {code}" if code is not None else "closed its stdout"
             for waiter in list(self.pending.values()):
