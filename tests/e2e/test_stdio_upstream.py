@@ -410,6 +410,30 @@ async def test_shutdown_leaves_no_child(tmp_path: Path) -> None:
     assert "shutdown complete" in pp.log()
 
 
+async def test_reload_replaces_the_children_of_a_changed_command_only(tmp_path: Path) -> None:
+    state = tmp_path / "child"
+    state.mkdir()
+    policies = fixture_policy(tmp_path / "policies", state)
+    with proxy_process(tmp_path, {}, policies=policies, identity=STATIC) as pp:
+        async with mcp_client(pp.url("fix"), mode="auto") as c:
+            first = int(text(await c.call_tool("pid", {})))
+            # A change elsewhere in the policy keeps the child.
+            reloads = pp.log().count("loaded (change")
+            fixture_policy(tmp_path / "policies", state, timeout="25s")
+            await wait_until(lambda: pp.log().count("loaded (change") > reloads, 10, "a reload")
+            assert int(text(await c.call_tool("pid", {}))) == first
+            # A changed command (its environment) stops it; the next call starts the new one.
+            reloads = pp.log().count("loaded (change")
+            fixture_policy(tmp_path / "policies", state, timeout="25s", env={
+                "STDIO_STATE": str(state), "EXTRA": "1"})
+            await wait_until(lambda: pp.log().count("loaded (change") > reloads, 10, "a reload")
+            await wait_until(lambda: not alive(first), 10, "the old child stopped")
+            second = int(text(await c.call_tool("pid", {})))
+            assert second != first and alive(second)
+        shown = pp.admin_get("/v1/upstreams").json()
+        assert shown["upstreams"]["fix"]["url"] == f"stdio:{sys.executable}"
+
+
 # ---- the npm reference servers --------------------------------------------------------------
 
 
