@@ -167,7 +167,8 @@ class Runtime:
                                         source.cwd, source.max_processes, source.idle_timeout)
                 if self.stdio is None:
                     self.stdio = StdioUpstreams(self.config.limits.max_upstream_event_bytes,
-                                                on_health=self._stdio_health)
+                                                on_health=self._stdio_health,
+                                                on_processes=self.metrics.set_stdio_processes)
                 url, headers = self.stdio.url(name), self.stdio.headers
             assert url is not None  # exactly one of url / command (model validators)
             targets[name] = UpstreamTarget(

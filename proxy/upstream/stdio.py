@@ -389,9 +389,11 @@ class StdioUpstreams:
     `configure(specs)` after each policy load, `await start()` with the other listeners,
     `await close()` at shutdown (every child stopped)."""
 
-    def __init__(self, max_line_bytes: int = 32 * 2**20, on_health: HealthSink | None = None):
+    def __init__(self, max_line_bytes: int = 32 * 2**20, on_health: HealthSink | None = None,
+                 on_processes: Callable[[str, int], None] | None = None):
         self.max_line_bytes = max_line_bytes
         self.on_health = on_health
+        self.on_processes = on_processes  # (upstream, children now): the pool gauge
         self.secret = secrets.token_urlsafe(32)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
@@ -518,10 +520,16 @@ class StdioUpstreams:
         if used >= spec.max_processes:
             return False
         self._slots[spec.name] = used + 1
+        self._publish(spec.name)
         return True
 
     def _free_slot(self, name: str) -> None:
         self._slots[name] = max(0, self._slots.get(name, 0) - 1)
+        self._publish(name)
+
+    def _publish(self, name: str) -> None:
+        if self.on_processes is not None:
+            self.on_processes(name, self._slots[name])
 
     def _full(self, spec: StdioSpec, rpc_id: Any) -> web.Response:
         log.warning("stdio upstream %s runs as many processes as it may (max_processes: %d): "

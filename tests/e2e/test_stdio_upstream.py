@@ -372,6 +372,9 @@ async def test_fifty_concurrent_sessions_on_a_pool_of_eight(pool: World) -> None
     # Closed sessions give their processes back: a new session works at once.
     async with mcp_client(pool.url, mode="legacy") as c:
         assert text(await c.call_tool("echo", {"text": "again"})) == "again"
+        assert metric_value(pool.proxy.metrics(), "envelope_stdio_processes", upstream="fix") == 1
+    await wait_until(lambda: metric_value(pool.proxy.metrics(), "envelope_stdio_processes",
+                                          upstream="fix") == 0, 10, "every process given back")
 
 
 def _mcp_error(exc: BaseException, kind: type[Any]) -> Any:
