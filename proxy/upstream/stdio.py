@@ -533,7 +533,7 @@ class StdioUpstreams:
 
     def _full(self, spec: StdioSpec, rpc_id: Any) -> web.Response:
         log.warning("stdio upstream %s runs as many processes as it may (max_processes: %d): "
-                    "refused a new session", spec.name, spec.max_processes)
+                    "refused to start another", spec.name, spec.max_processes)
         response = _error(503, rpc_id, -32000,
                           f"stdio upstream {spec.name!r} runs as many processes as it may "
                           f"(max_processes: {spec.max_processes}); try again later")
