@@ -34,6 +34,8 @@ Behind the endpoint, newline-delimited JSON-RPC on the child's stdin/stdout, one
   tagged with the upstream name, each line capped.
 - Shutdown (`close`): stdin closed, a grace to exit, then SIGTERM, then SIGKILL, to the
   child's whole process group (`npx` and friends start grandchildren).
+
+One child process (start, line reader, stderr, stop) is `proxy/upstream/child.py`.
 """
 
 from __future__ import annotations
@@ -43,9 +45,7 @@ import contextlib
 import hmac
 import itertools
 import logging
-import os
 import secrets
-import signal
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +56,9 @@ import orjson
 from aiohttp import web
 
 from proxy.policy.model import Upstream
+from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of
+
+__all__ = ["SECRET_HEADER", "StdioSpec", "StdioUpstreams", "child_env", "command_upstream"]
 
 log = logging.getLogger("envelope.stdio")
 
@@ -63,21 +66,12 @@ SECRET_HEADER = "X-Envelope-Stdio-Secret"
 # Ids the proxy mints towards a shared child (and back towards a stateless caller): strings with
 # this prefix, so they never collide with a caller's numbers or strings.
 ID_PREFIX = "envelope-stdio-"
-# The environment a child inherits from the proxy; everything else comes from `env`.
-INHERITED_ENV = ("PATH", "HOME", "LANG")
-# One stderr line in the proxy log at most this long (the rest is cut, said so).
-STDERR_LINE_BYTES = 4096
-# At most this many stderr lines a second per child reach the log (a chatty or looping child
-# must not drown the proxy's own log); the rest are counted.
-STDERR_LINES_PER_SECOND = 100
 # After a crash: 0.25 s, 0.5 s, ... at most 30 s before the next start.
 BACKOFF_FIRST = 0.25
 BACKOFF_MAX = 30.0
 # A session child that crashes this often in a row without answering is given up: its session
 # ends (404) instead of restarting forever.
 MAX_SESSION_RESTARTS = 5
-# Close: how long a child has after its stdin closed, then after SIGTERM.
-CLOSE_GRACE = 2.0
 # The most unsolicited messages held for a session nobody listens to (GET stream closed).
 BACKLOG = 256
 
@@ -92,260 +86,10 @@ PROBE_SECONDS = 10.0
 HealthSink = Callable[[str, bool, str | None], None]
 
 
-@dataclass(frozen=True, slots=True)
-class StdioSpec:
-    """How to run one command upstream."""
-
-    name: str
-    command: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
-    cwd: str | None = None
-    max_processes: int = 16
-    idle_timeout: float = 300.0
-
-
 def command_upstream(command: Sequence[str], env: Mapping[str, str] | None = None,
                      cwd: str | None = None) -> Upstream:
     """A policy `Upstream` that launches `command` (what `envelope-proxy stdio -- cmd` serves)."""
     return Upstream(command=list(command), env=dict(env or {}), cwd=cwd)
-
-
-def child_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """The child's environment: PATH, HOME and LANG of the proxy plus `extra` (never the proxy's
-    other variables: they may hold its credentials)."""
-    env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
-    env.update(extra)
-    return env
-
-
-class ChildGone(Exception):
-    """The child process is not running (exited, broken, or being restarted)."""
-
-
-@dataclass(eq=False, slots=True)
-class Waiter:
-    """One caller's request in flight on a child: where its stream's messages go.
-
-    `None` on the queue: the child is gone, the stream ends without a reply."""
-
-    reply_id: Any  # the id the caller used (restored on the reply)
-    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
-    progress: Any = None  # the caller's progress token, when remapped
-    done: bool = False
-
-
-class Child:
-    """One stdio server process: a reader of its stdout and stderr, a writer to its stdin.
-
-    `on_message(child, msg)` receives every message that is not a reply to a pending request;
-    `on_exit(child, reason)` runs once when it ends, after every waiter got `None`."""
-
-    def __init__(self, spec: StdioSpec, max_line_bytes: int,
-                 on_message: Callable[[Child, dict[str, Any]], None],
-                 on_exit: Callable[[Child, str], None]):
-        self.spec = spec
-        self.max_line_bytes = max_line_bytes
-        self.on_message = on_message
-        self.on_exit = on_exit
-        self.proc: asyncio.subprocess.Process | None = None
-        self.pending: dict[str, Waiter] = {}
-        self.alive = False
-        self.broken: str | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._write_lock = asyncio.Lock()
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    async def start(self) -> None:
-        """Start the process; ChildGone with the reason when it cannot be started."""
-        spec = self.spec
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *spec.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=child_env(dict(spec.env)), cwd=spec.cwd,
-                # Its own process group: shutdown reaches the grandchildren too, and a ^C at the
-                # proxy's terminal does not kill children before the proxy closes them in order.
-                start_new_session=True,
-                limit=self.max_line_bytes + 1,
-            )
-        except OSError as exc:
-            raise ChildGone(f"cannot start {spec.command[0]!r}: {exc.strerror or exc}") from exc
-        self.alive = True
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read(), name=f"stdio-{spec.name}-out"),
-                       loop.create_task(self._stderr(), name=f"stdio-{spec.name}-err")]
-
-    async def send(self, message: Mapping[str, Any]) -> None:
-        """Write one message as one line; ChildGone when the child cannot take it."""
-        proc = self.proc
-        if not self.alive or proc is None or proc.stdin is None:
-            raise ChildGone(self.broken or "the process is not running")
-        line = orjson.dumps(message) + b"\n"
-        async with self._write_lock:
-            try:
-                proc.stdin.write(line)
-                await proc.stdin.drain()
-            except (ConnectionError, RuntimeError) as exc:
-                raise ChildGone(f"its stdin is closed: {exc}") from exc
-
-    def register(self, key: str, waiter: Waiter) -> None:
-        self.pending[key] = waiter
-
-    def forget(self, key: str) -> None:
-        self.pending.pop(key, None)
-
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        stdout = self.proc.stdout
-        reason = "exited"
-        try:
-            while True:
-                try:
-                    line = await stdout.readline()
-                except (ValueError, asyncio.LimitOverrunError):
-                    reason = f"wrote a line past {self.max_line_bytes} bytes"
-                    self.broken = reason
-                    break
-                if not line:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    message = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    reason = "wrote a line that is not JSON"
-                    self.broken = reason
-                    break
-                if not isinstance(message, dict):
-                    reason = "wrote a line that is not one JSON-RPC message"
-                    self.broken = reason
-                    break
-                self._dispatch(message)
-        finally:
-            self.alive = False
-            if self.broken is not None:
-                log.error("stdio upstream %s: child %s %s: stopping it", self.spec.name,
-                          self.pid, self.broken)
-                self._signal(signal.SIGKILL)
-            code = await self._wait(CLOSE_GRACE)
-            if code is None:
-                # Its stdout is closed but it runs on: of no use, and it would outlive its slot.
-                self._signal(signal.SIGKILL)
-                await self._wait(CLOSE_GRACE)
-            if self.broken is None:
-                reason = f"exited with code {code}" if code is not None else "closed its stdout"
-            for waiter in list(self.pending.values()):
-                waiter.queue.put_nowait(None)
-            self.pending.clear()
-            self.on_exit(self, reason)
-
-    def _dispatch(self, message: dict[str, Any]) -> None:
-        if "method" not in message and "id" in message:
-            waiter = self.pending.pop(_key(message.get("id")), None)
-            if waiter is not None:
-                waiter.queue.put_nowait(message)
-                return
-            log.info("stdio upstream %s: dropped a reply to no pending request", self.spec.name)
-            return
-        self.on_message(self, message)
-
-    async def _stderr(self) -> None:
-        """Log the child's stderr line by line: each line capped at STDERR_LINE_BYTES (the rest
-        of a longer line is skipped up to its newline), at most STDERR_LINES_PER_SECOND lines a
-        second (the lines past it are counted, and the count logged)."""
-        assert self.proc is not None and self.proc.stderr is not None
-        stderr = self.proc.stderr
-        buffer = b""
-        skipping = 0  # bytes of an over-long line skipped so far
-        window, logged, dropped = time.monotonic(), 0, 0
-        while True:
-            chunk = await stderr.read(65536)
-            if not chunk:
-                break
-            buffer += chunk
-            lines: list[tuple[bytes, int]] = []
-            while True:
-                end = buffer.find(b"\n")
-                if end < 0:
-                    break
-                line, buffer = buffer[:end], buffer[end + 1:]
-                if skipping:
-                    skipping = 0  # the end of a line already logged in part
-                    continue
-                lines.append((line[:STDERR_LINE_BYTES], max(0, len(line) - STDERR_LINE_BYTES)))
-            if not skipping and len(buffer) > STDERR_LINE_BYTES:
-                lines.append((buffer[:STDERR_LINE_BYTES], len(buffer) - STDERR_LINE_BYTES))
-                skipping, buffer = len(buffer), b""
-            elif skipping:
-                skipping += len(buffer)
-                buffer = b""
-            for line, cut in lines:
-                now = time.monotonic()
-                if now - window >= 1.0:
-                    if dropped:
-                        log.warning("stdio upstream %s [%s]: %d stderr lines not logged (more "
-                                    "than %d a second)", self.spec.name, self.pid, dropped,
-                                    STDERR_LINES_PER_SECOND)
-                    window, logged, dropped = now, 0, 0
-                if logged >= STDERR_LINES_PER_SECOND:
-                    dropped += 1
-                    continue
-                logged += 1
-                self._log_stderr(line, cut)
-        if buffer and not skipping:
-            self._log_stderr(buffer[:STDERR_LINE_BYTES], max(0, len(buffer) - STDERR_LINE_BYTES))
-        if dropped:
-            log.warning("stdio upstream %s [%s]: %d stderr lines not logged (more than %d a "
-                        "second)", self.spec.name, self.pid, dropped, STDERR_LINES_PER_SECOND)
-
-    def _log_stderr(self, line: bytes, cut: int) -> None:
-        text = line.decode("utf-8", "replace").rstrip()
-        if cut:
-            text += " [... the rest of the line not logged]"
-        if text:
-            log.info("stdio upstream %s [%s] stderr: %s", self.spec.name, self.pid, text)
-
-    def _signal(self, sig: int) -> None:
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-
-    async def _wait(self, seconds: float) -> int | None:
-        proc = self.proc
-        if proc is None:
-            return None
-        try:
-            async with asyncio.timeout(seconds):
-                return await proc.wait()
-        except TimeoutError:
-            return None
-
-    async def close(self, grace: float = CLOSE_GRACE) -> None:
-        """Close stdin, wait `grace`, then SIGTERM, wait, then SIGKILL (the process group)."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.stdin is not None and not proc.stdin.is_closing():
-            proc.stdin.close()
-        if proc.returncode is None and await self._wait(grace) is None:
-            self._signal(signal.SIGTERM)
-            if await self._wait(grace) is None:
-                self._signal(signal.SIGKILL)
-                await self._wait(grace)
-        # The group may outlive its leader (a grandchild that ignored stdin closing).
-        self._signal(signal.SIGKILL)
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(task, grace)
-
-
-def _key(rpc_id: Any) -> str:
-    """A pending-map key for a JSON-RPC id (1 and "1" are different ids)."""
-    return orjson.dumps(rpc_id).decode()
 
 
 @dataclass(eq=False, slots=True)
@@ -558,7 +302,7 @@ class StdioUpstreams:
         self._sessions[session.id] = session
         try:
             return await self._relay(request, child, message, Waiter(message.get("id")),
-                                     _key(message.get("id")), {"Mcp-Session-Id": session.id},
+                                     key_of(message.get("id")), {"Mcp-Session-Id": session.id},
                                      on_reply=lambda _: self._health(spec.name, True))
         finally:
             session.last_used = time.monotonic()  # idle counts from the last answer
@@ -592,7 +336,7 @@ class StdioUpstreams:
             return web.Response(status=202)
         waiter = Waiter(message.get("id"), progress=_progress_token(message))
         try:
-            return await self._relay(request, child, message, waiter, _key(message.get("id")),
+            return await self._relay(request, child, message, waiter, key_of(message.get("id")),
                                      {"Mcp-Session-Id": session.id})
         finally:
             session.last_used = time.monotonic()
@@ -703,13 +447,13 @@ class StdioUpstreams:
         TimeoutError past `seconds`."""
         proxy_id = f"{ID_PREFIX}{next(self._ids)}"
         waiter = Waiter(proxy_id)
-        child.register(_key(proxy_id), waiter)
+        child.register(key_of(proxy_id), waiter)
         try:
             await child.send({"jsonrpc": "2.0", "id": proxy_id, "method": method, "params": params})
             async with asyncio.timeout(seconds):
                 return await waiter.queue.get()
         finally:
-            child.forget(_key(proxy_id))
+            child.forget(key_of(proxy_id))
 
     async def _shared_post(self, request: web.Request, spec: StdioSpec,
                            message: dict[str, Any]) -> web.StreamResponse:
@@ -718,7 +462,7 @@ class StdioUpstreams:
         if "method" not in message:
             # A caller's answer to a server request relayed with a proxy id.
             shared = self._shared.get(spec.name)
-            own = shared.server_requests.pop(_key(message.get("id")), _MISSING) if shared else _MISSING
+            own = shared.server_requests.pop(key_of(message.get("id")), _MISSING) if shared else _MISSING
             if shared is None or own is _MISSING or shared.child is None:
                 return web.Response(status=202)  # nobody waits for it any more
             with contextlib.suppress(ChildGone):
@@ -748,7 +492,7 @@ class StdioUpstreams:
             outgoing["params"] = {**params, "_meta": {**params["_meta"], "progressToken": token}}
             shared.progress[token] = waiter
         try:
-            return await self._relay(request, child, outgoing, waiter, _key(proxy_id), {},
+            return await self._relay(request, child, outgoing, waiter, key_of(proxy_id), {},
                                      cancel_id=proxy_id, complete=_completion(shared, message),
                                      on_reply=lambda _: self._shared_ok(shared))
         finally:
@@ -786,7 +530,7 @@ class StdioUpstreams:
                 if message is None:
                     break  # the child went away: no reply, the call failed
                 if "method" not in message and message.get("id") is not None \
-                        and _key(message.get("id")) == key:
+                        and key_of(message.get("id")) == key:
                     message = {**message, "id": waiter.reply_id}
                     result = message.get("result")
                     if complete and isinstance(result, dict):
@@ -841,7 +585,7 @@ class StdioUpstreams:
             return
         if "id" in message and "method" in message:
             proxy_id = f"{ID_PREFIX}s{next(self._ids)}"
-            shared.server_requests[_key(proxy_id)] = message["id"]
+            shared.server_requests[key_of(proxy_id)] = message["id"]
             message = {**message, "id": proxy_id}
         waiter.queue.put_nowait(message)
 
@@ -912,7 +656,7 @@ class StdioUpstreams:
         assert session.initialize is not None
         proxy_id = f"{ID_PREFIX}init-{next(self._ids)}"
         waiter = Waiter(proxy_id)
-        child.register(_key(proxy_id), waiter)
+        child.register(key_of(proxy_id), waiter)
         try:
             await child.send({**session.initialize, "id": proxy_id})
             async with asyncio.timeout(30):

@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from proxy.config import UpstreamOverride
 from proxy.policy.model import Upstream
-from proxy.upstream.stdio import _backoff, child_env, command_upstream
+from proxy.upstream.child import child_env
+from proxy.upstream.stdio import _backoff, command_upstream
 
 
 @pytest.mark.parametrize("model", [Upstream, UpstreamOverride])
