@@ -112,6 +112,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Counter, "envelope_approvals_requested_total", "Approvals requested (a new pending approval for a call), by reason (policy, gated_effect, dataflow_flag, tainted_run).", ("reason",)),
     MetricSpec(Counter, "envelope_approval_webhook_failures_total", "Failed approval webhook delivery attempts (each retry counts)."),
     MetricSpec(Counter, "envelope_guardrail_actions_total", "Output guardrail rules that fired on a result, by tool and action (redact, block, warn).", ("tool", "action")),
+    MetricSpec(Gauge, "envelope_stdio_processes", "Child processes of each stdio upstream (running or starting), against its max_processes.", ("upstream",)),
 )  # fmt: skip
 
 
@@ -403,6 +404,9 @@ class Metrics:
         for upstream, up in states.items():
             gauge.labels(upstream).set(1 if up else 0)
         self._up_upstreams = set(states)
+
+    def set_stdio_processes(self, upstream: str, count: int) -> None:
+        cast(Gauge, self.collectors["envelope_stdio_processes"]).labels(upstream).set(count)
 
     # -- exposition -----------------------------------------------------------------------
 

@@ -1,0 +1,784 @@
+"""Stdio upstreams: MCP servers the proxy launches as child processes (`command:`).
+
+Each command upstream is made reachable exactly like an HTTP one: `StdioUpstreams` serves an
+internal Streamable HTTP endpoint on loopback (`http://127.0.0.1:<port>/<upstream>`, guarded by
+a random per-process secret header that only the proxy's own targets carry), and the
+upstream's `UpstreamTarget.url` points at it. The per-upstream route, the aggregate, the
+executor, the envelope and audit therefore stay untouched: a stdio upstream is one more URL.
+
+Behind the endpoint, newline-delimited JSON-RPC on the child's stdin/stdout, one message a line:
+
+- Session clients (2025-06-18 / 2025-11-25, `initialize` without `Mcp-Session-Id`) each get a
+  child of their own: a stdio server is one MCP session. Children come from a bounded pool
+  (`max_processes` per upstream); past the bound `initialize` gets HTTP 503 with a JSON-RPC
+  error at once (a clear answer, never a hang). A child no request touched for `idle_timeout`
+  is stopped and its session forgotten (the client then gets 404 and initializes again).
+- Stateless clients (2026-07-28, no session id) share one child the proxy started and
+  prepared: a server that answers `server/discover` gets their requests as they are; one that
+  speaks only the handshake revisions is initialised by the proxy (2025-11-25), which then
+  answers `server/discover` for it, adds `resultType` (and list results' `ttlMs: 0`,
+  `cacheScope: private`) to its results and answers its server
+  requests itself (`ping`) or refuses them (a stateless caller cannot be asked mid-call). Their
+  JSON-RPC ids and progress tokens are remapped to string ids with a proxy prefix, so replies,
+  progress and server requests reach the right caller and never collide. Closing the caller's
+  stream sends `notifications/cancelled` to the child.
+- A request is answered as an SSE stream: the child's server requests (sampling, elicitation,
+  roots) and notifications (progress, logging) go to the stream of the call that caused them,
+  then the reply ends it. Events carry no ids: a stream that ends without its reply is a failed
+  call (`upstream_error`), never one the client could resume.
+- A child that exits, or writes a line past `max_line_bytes` or one that is not JSON (then it is
+  killed: it is broken), fails the calls in flight on it (their streams end without a reply, so
+  the executor refuses them as `upstream_error` and audits them), reports the upstream down,
+  and is restarted with backoff; a session child is restarted with the session's own
+  `initialize` replayed, so the session goes on. Its stderr goes to the proxy log line by line,
+  tagged with the upstream name, each line capped.
+- Shutdown (`close`): stdin closed, a grace to exit, then SIGTERM, then SIGKILL, to the
+  child's whole process group (`npx` and friends start grandchildren).
+
+One child process (start, line reader, stderr, stop) is `proxy/upstream/child.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from proxy.policy.model import Upstream
+from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of
+
+__all__ = ["SECRET_HEADER", "StdioSpec", "StdioUpstreams", "child_env", "command_upstream"]
+
+log = logging.getLogger("envelope.stdio")
+
+SECRET_HEADER = "X-Envelope-Stdio-Secret"
+# Ids the proxy mints towards a shared child (and back towards a stateless caller): strings with
+# this prefix, so they never collide with a caller's numbers or strings.
+ID_PREFIX = "envelope-stdio-"
+# After a crash: 0.25 s, 0.5 s, ... at most 30 s before the next start.
+BACKOFF_FIRST = 0.25
+BACKOFF_MAX = 30.0
+# A session child that crashes this often in a row without answering is given up: its session
+# ends (404) instead of restarting forever.
+MAX_SESSION_RESTARTS = 5
+# The most unsolicited messages held for a session nobody listens to (GET stream closed).
+BACKLOG = 256
+
+# The shared child: probed with `server/discover` at the modern revision; a server that does
+# not answer it is initialised by the proxy at the newest handshake revision instead.
+MODERN_VERSION = "2026-07-28"
+HANDSHAKE_VERSION = "2025-11-25"
+PROXY_INFO = {"name": "envelope-proxy", "version": "1"}
+HANDSHAKE_SECONDS = 30.0
+PROBE_SECONDS = 10.0
+
+HealthSink = Callable[[str, bool, str | None], None]
+
+
+def command_upstream(command: Sequence[str], env: Mapping[str, str] | None = None,
+                     cwd: str | None = None) -> Upstream:
+    """A policy `Upstream` that launches `command` (what `envelope-proxy stdio -- cmd` serves)."""
+    return Upstream(command=list(command), env=dict(env or {}), cwd=cwd)
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """A session client's own child and what replays its handshake after a restart."""
+
+    id: str
+    spec: StdioSpec
+    child: Child | None = None
+    initialize: dict[str, Any] | None = None
+    initialized: dict[str, Any] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    last_used: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    closed: bool = False
+    listeners: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class Shared:
+    """The child stateless callers of one upstream share, and its id maps."""
+
+    spec: StdioSpec
+    child: Child | None = None
+    starting: asyncio.Task[Child] | None = None
+    failures: int = 0
+    next_start: float = 0.0
+    last_used: float = field(default_factory=time.monotonic)
+    # Server requests relayed to callers: proxy id -> the child's own id.
+    server_requests: dict[str, Any] = field(default_factory=dict)
+    progress: dict[str, Waiter] = field(default_factory=dict)
+    # The child's initialize result when it speaks only the handshake revisions (the proxy
+    # initialised it and speaks 2026-07-28 for it); None for a modern server.
+    handshake: dict[str, Any] | None = None
+
+
+class StdioUpstreams:
+    """Every command upstream of the process, served on one internal loopback endpoint.
+
+    Built before the policy is installed (its URL is known at once: the socket is bound here),
+    `configure(specs)` after each policy load, `await start()` with the other listeners,
+    `await close()` at shutdown (every child stopped)."""
+
+    def __init__(self, max_line_bytes: int = 32 * 2**20, on_health: HealthSink | None = None,
+                 on_processes: Callable[[str, int], None] | None = None):
+        self.max_line_bytes = max_line_bytes
+        self.on_health = on_health
+        self.on_processes = on_processes  # (upstream, children now): the pool gauge
+        self.secret = secrets.token_urlsafe(32)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = int(self._sock.getsockname()[1])
+        self._specs: dict[str, StdioSpec] = {}
+        self._sessions: dict[str, Session] = {}
+        self._shared: dict[str, Shared] = {}
+        self._slots: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ---- wiring -------------------------------------------------------------------------
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every proxy request to the endpoint carries (the endpoint refuses others)."""
+        return {SECRET_HEADER: self.secret}
+
+    def configure(self, specs: Mapping[str, StdioSpec]) -> None:
+        """Serve exactly `specs` from now on; the children of an upstream removed or changed
+        are stopped (their sessions end; the next call starts the new command)."""
+        for name, old in list(self._specs.items()):
+            if specs.get(name) != old:
+                self._drop_upstream(name)
+        self._specs = dict(specs)
+
+    def processes(self, name: str) -> int:
+        """Children (running or starting) of upstream `name` now."""
+        return self._slots.get(name, 0)
+
+    def pids(self) -> list[int]:
+        """Every running child's pid (tests, diagnostics)."""
+        children = [s.child for s in self._sessions.values()] + [s.child for s in self._shared.values()]
+        return [c.pid for c in children if c is not None and c.alive and c.pid is not None]
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=self.max_line_bytes)
+        app.router.add_route("*", "/{upstream}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.SockSite(self._runner, self._sock)
+        await site.start()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="stdio-reaper")
+
+    async def close(self) -> None:
+        """Stop every child (stdin closed, then SIGTERM, then SIGKILL) and the endpoint."""
+        self._closing = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        children = [s.child for s in self._sessions.values()] + [s.child for s in self._shared.values()]
+        for session in self._sessions.values():
+            session.closed = True
+        self._sessions.clear()
+        self._shared.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        running = [c for c in children if c is not None]
+        if running:
+            log.info("stopping %d stdio children (stdin closed, then SIGTERM, then SIGKILL)",
+                     len(running))
+        await asyncio.gather(*(c.close() for c in running), return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._sock.close()
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _health(self, name: str, ok: bool, error: str | None = None) -> None:
+        if self.on_health is not None:
+            self.on_health(name, ok, error)
+
+    # ---- the endpoint ---------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        given = request.headers.get(SECRET_HEADER, "")
+        if not hmac.compare_digest(given.encode(), self.secret.encode()):
+            return web.Response(status=403, text="forbidden")
+        spec = self._specs.get(request.match_info["upstream"])
+        if spec is None:
+            return web.Response(status=404, text="no such stdio upstream")
+        sid = request.headers.get("Mcp-Session-Id")
+        if request.method == "GET":
+            return await self._listen(request, sid)
+        if request.method == "DELETE":
+            session = self._sessions.get(sid or "")
+            if session is None:
+                return web.Response(status=404 if sid else 405)
+            await self._end_session(session)
+            return web.Response(status=200)
+        if request.method != "POST":
+            return web.Response(status=405)
+        try:
+            message = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return _error(400, None, -32700, "Parse error")
+        if not isinstance(message, dict):
+            return _error(400, None, -32600, "one JSON-RPC message per request")
+        if sid:
+            session = self._sessions.get(sid)
+            if session is None:
+                return _error(404, message.get("id"), -32001, "Session not found")
+            return await self._session_post(request, session, message)
+        if message.get("method") == "initialize" and "id" in message:
+            return await self._open_session(request, spec, message)
+        return await self._shared_post(request, spec, message)
+
+    # ---- session clients --------------------------------------------------------------------
+
+    def _take_slot(self, spec: StdioSpec) -> bool:
+        used = self._slots.get(spec.name, 0)
+        if used >= spec.max_processes:
+            return False
+        self._slots[spec.name] = used + 1
+        self._publish(spec.name)
+        return True
+
+    def _free_slot(self, name: str) -> None:
+        self._slots[name] = max(0, self._slots.get(name, 0) - 1)
+        self._publish(name)
+
+    def _publish(self, name: str) -> None:
+        if self.on_processes is not None:
+            self.on_processes(name, self._slots[name])
+
+    def _full(self, spec: StdioSpec, rpc_id: Any) -> web.Response:
+        log.warning("stdio upstream %s runs as many processes as it may (max_processes: %d): "
+                    "refused to start another", spec.name, spec.max_processes)
+        response = _error(503, rpc_id, -32000,
+                          f"stdio upstream {spec.name!r} runs as many processes as it may "
+                          f"(max_processes: {spec.max_processes}); try again later")
+        response.headers["Retry-After"] = "1"
+        return response
+
+    async def _open_session(self, request: web.Request, spec: StdioSpec,
+                            message: dict[str, Any]) -> web.StreamResponse:
+        if self._closing:
+            return _error(503, message.get("id"), -32000, "the proxy is shutting down")
+        if not self._take_slot(spec):
+            return self._full(spec, message.get("id"))
+        session = Session(id=secrets.token_hex(16), spec=spec, initialize=message)
+        try:
+            child = await self._start_child(spec, session)
+        except ChildGone as exc:
+            self._free_slot(spec.name)
+            self._health(spec.name, False, str(exc))
+            return _error(502, message.get("id"), -32603, f"stdio upstream {spec.name!r}: {exc}")
+        session.child = child
+        session.ready.set()
+        self._sessions[session.id] = session
+        try:
+            return await self._relay(request, child, message, Waiter(message.get("id")),
+                                     key_of(message.get("id")), {"Mcp-Session-Id": session.id},
+                                     on_reply=lambda _: self._health(spec.name, True))
+        finally:
+            session.last_used = time.monotonic()  # idle counts from the last answer
+
+    async def _start_child(self, spec: StdioSpec, owner: Session | Shared) -> Child:
+        child = Child(spec, self.max_line_bytes,
+                      on_message=lambda c, m: self._unsolicited(owner, c, m),
+                      on_exit=lambda c, why: self._exited(owner, c, why))
+        await child.start()
+        log.info("stdio upstream %s: started child %s", spec.name, child.pid)
+        return child
+
+    async def _session_post(self, request: web.Request, session: Session,
+                            message: dict[str, Any]) -> web.StreamResponse:
+        session.last_used = time.monotonic()
+        if not session.ready.is_set():
+            # The child is being restarted after a crash: the call waits for it (within the
+            # upstream's timeout, which the executor holds).
+            await session.ready.wait()
+        if session.closed or session.child is None:
+            return _error(404, message.get("id"), -32001, "Session not found")
+        child = session.child
+        if "method" not in message or "id" not in message:
+            if message.get("method") == "notifications/initialized":
+                session.initialized = message
+            try:
+                await child.send(message)
+            except ChildGone:
+                return _error(502, None, -32603, f"stdio upstream {session.spec.name!r}: the "
+                              "process is not running")
+            return web.Response(status=202)
+        waiter = Waiter(message.get("id"), progress=_progress_token(message))
+        try:
+            return await self._relay(request, child, message, waiter, key_of(message.get("id")),
+                                     {"Mcp-Session-Id": session.id})
+        finally:
+            session.last_used = time.monotonic()
+
+    async def _listen(self, request: web.Request, sid: str | None) -> web.StreamResponse:
+        """GET: the session's stream for server messages no call caused."""
+        if not sid:
+            return web.Response(status=405)
+        session = self._sessions.get(sid)
+        if session is None:
+            return web.Response(status=404)
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(BACKLOG)
+        session.listeners.append(queue)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        try:
+            await response.prepare(request)
+            while True:
+                message = await queue.get()
+                if message is None:
+                    break
+                await response.write(b"data: " + orjson.dumps(message) + b"\n\n")
+        finally:
+            with contextlib.suppress(ValueError):
+                session.listeners.remove(queue)
+        return response
+
+    async def _end_session(self, session: Session) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        session.ready.set()
+        self._sessions.pop(session.id, None)
+        for queue in session.listeners:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+        child, session.child = session.child, None
+        if child is not None:
+            self._free_slot(session.spec.name)
+            await child.close()
+
+    # ---- stateless clients ------------------------------------------------------------------
+
+    async def _shared_child(self, spec: StdioSpec) -> Child:
+        """The upstream's shared child, started (after the crash backoff) when there is none."""
+        shared = self._shared.get(spec.name)
+        if shared is None:
+            shared = self._shared[spec.name] = Shared(spec)
+        shared.last_used = time.monotonic()
+        if shared.child is not None and shared.child.alive:
+            return shared.child
+        if shared.starting is None:
+            if not self._take_slot(spec):
+                raise _Full()
+            shared.starting = asyncio.get_running_loop().create_task(self._start_shared(shared))
+        return await asyncio.shield(shared.starting)
+
+    async def _start_shared(self, shared: Shared) -> Child:
+        try:
+            delay = shared.next_start - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            child: Child | None = None
+            try:
+                child = await self._start_child(shared.spec, shared)
+                shared.handshake = await self._prepare_shared(child)
+            except (ChildGone, TimeoutError) as exc:
+                if child is not None:
+                    await child.close(0.2)
+                self._free_slot(shared.spec.name)
+                shared.failures += 1
+                shared.next_start = time.monotonic() + _backoff(shared.failures)
+                reason = str(exc) or "it did not answer in time"
+                self._health(shared.spec.name, False, f"stdio child: {reason}")
+                raise ChildGone(reason) from exc
+            shared.child = child
+            return child
+        finally:
+            shared.starting = None
+
+    async def _prepare_shared(self, child: Child) -> dict[str, Any] | None:
+        """Find out which revisions the shared child speaks: None when it answers
+        `server/discover` (a modern server: callers' requests go to it as they are), else its
+        `initialize` result after the proxy's own handshake. ChildGone when it takes neither."""
+        meta = {"io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+                "io.modelcontextprotocol/clientInfo": PROXY_INFO,
+                "io.modelcontextprotocol/clientCapabilities": {}}
+        try:
+            reply = await self._ask(child, "server/discover", {"_meta": meta}, PROBE_SECONDS)
+        except TimeoutError:
+            reply = None  # a server that ignores unknown methods: try the handshake
+        result = reply.get("result") if reply else None
+        if isinstance(result, dict) and MODERN_VERSION in (result.get("supportedVersions") or ()):
+            return None
+        reply = await self._ask(child, "initialize", {
+            "protocolVersion": HANDSHAKE_VERSION, "capabilities": {}, "clientInfo": PROXY_INFO})
+        result = reply.get("result") if reply else None
+        if not isinstance(result, dict):
+            raise ChildGone("it answered neither server/discover nor initialize")
+        await child.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        log.info("stdio upstream %s: shared child %s speaks %s: initialised by the proxy for "
+                 "stateless callers", child.spec.name, child.pid, result.get("protocolVersion"))
+        return result
+
+    async def _ask(self, child: Child, method: str, params: dict[str, Any],
+                   seconds: float = HANDSHAKE_SECONDS) -> dict[str, Any] | None:
+        """One request of the proxy's own to `child`: its reply, None when the child went away;
+        TimeoutError past `seconds`."""
+        proxy_id = f"{ID_PREFIX}{next(self._ids)}"
+        waiter = Waiter(proxy_id)
+        child.register(key_of(proxy_id), waiter)
+        try:
+            await child.send({"jsonrpc": "2.0", "id": proxy_id, "method": method, "params": params})
+            async with asyncio.timeout(seconds):
+                return await waiter.queue.get()
+        finally:
+            child.forget(key_of(proxy_id))
+
+    async def _shared_post(self, request: web.Request, spec: StdioSpec,
+                           message: dict[str, Any]) -> web.StreamResponse:
+        if self._closing:
+            return _error(503, message.get("id"), -32000, "the proxy is shutting down")
+        if "method" not in message:
+            # A caller's answer to a server request relayed with a proxy id.
+            shared = self._shared.get(spec.name)
+            own = shared.server_requests.pop(key_of(message.get("id")), _MISSING) if shared else _MISSING
+            if shared is None or own is _MISSING or shared.child is None:
+                return web.Response(status=202)  # nobody waits for it any more
+            with contextlib.suppress(ChildGone):
+                await shared.child.send({**message, "id": own})
+            return web.Response(status=202)
+        if "id" not in message:
+            # A stateless caller cancels by closing its stream; other notifications have no
+            # session to belong to.
+            return web.Response(status=202)
+        try:
+            child = await self._shared_child(spec)
+        except _Full:
+            return self._full(spec, message.get("id"))
+        except ChildGone as exc:
+            return _error(502, message.get("id"), -32603, f"stdio upstream {spec.name!r}: {exc}")
+        shared = self._shared[spec.name]
+        if shared.handshake is not None and message.get("method") == "server/discover":
+            return _reply(message.get("id"), _discover(shared.handshake))
+        proxy_id = f"{ID_PREFIX}{next(self._ids)}"
+        waiter = Waiter(message.get("id"))
+        params = message.get("params")
+        outgoing = {**message, "id": proxy_id}
+        if isinstance(params, dict) and isinstance(params.get("_meta"), dict) \
+                and "progressToken" in params["_meta"]:
+            waiter.progress = params["_meta"]["progressToken"]
+            token = f"{ID_PREFIX}p{next(self._ids)}"
+            outgoing["params"] = {**params, "_meta": {**params["_meta"], "progressToken": token}}
+            shared.progress[token] = waiter
+        try:
+            return await self._relay(request, child, outgoing, waiter, key_of(proxy_id), {},
+                                     cancel_id=proxy_id, complete=_completion(shared, message),
+                                     on_reply=lambda _: self._shared_ok(shared))
+        finally:
+            for token in [t for t, w in shared.progress.items() if w is waiter]:
+                del shared.progress[token]
+
+    def _shared_ok(self, shared: Shared) -> None:
+        shared.failures = 0
+        self._health(shared.spec.name, True)
+
+    # ---- one call's stream ------------------------------------------------------------------
+
+    async def _relay(self, request: web.Request, child: Child, outgoing: dict[str, Any],
+                     waiter: Waiter, key: str, headers: dict[str, str],
+                     cancel_id: str | None = None, complete: Mapping[str, Any] | None = None,
+                     on_reply: Callable[[dict[str, Any]], None] | None = None) -> web.StreamResponse:
+        """Send one request to `child` and answer with an SSE stream of what the child sends for
+        it, ending with its reply (its id restored); the stream ends without a reply when the
+        child goes away. A caller gone before the reply cancels it (`cancel_id`: stateless).
+        `complete`: fields a 2026-07-28 caller needs on the result, added when the child (which
+        speaks a handshake revision) left them out."""
+        child.register(key, waiter)
+        try:
+            await child.send(outgoing)
+        except ChildGone as exc:
+            child.forget(key)
+            return _error(502, waiter.reply_id, -32603,
+                          f"stdio upstream {child.spec.name!r}: {exc}")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache", **headers})
+        try:
+            await response.prepare(request)
+            while True:
+                message = await waiter.queue.get()
+                if message is None:
+                    break  # the child went away: no reply, the call failed
+                if "method" not in message and message.get("id") is not None \
+                        and key_of(message.get("id")) == key:
+                    message = {**message, "id": waiter.reply_id}
+                    result = message.get("result")
+                    if complete and isinstance(result, dict):
+                        message["result"] = {**complete, **result}
+                    waiter.done = True
+                    await response.write(_event(message))
+                    if on_reply is not None:
+                        on_reply(message)
+                    break
+                await response.write(_event(message))
+        finally:
+            child.forget(key)
+            if not waiter.done and cancel_id is not None and child.alive:
+                self._spawn_task(_cancel(child, cancel_id))
+        return response
+
+    def _unsolicited(self, owner: Session | Shared, child: Child, message: dict[str, Any]) -> None:
+        """A server request or notification: to the stream of the call it belongs to."""
+        if isinstance(owner, Shared):
+            self._route_shared(owner, child, message)
+            return
+        waiter = _by_progress(child, message) or _latest(child)
+        if waiter is not None:
+            waiter.queue.put_nowait(message)
+            return
+        for queue in owner.listeners:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(message)
+                return
+        self._unroutable(child, message)
+
+    def _route_shared(self, shared: Shared, child: Child, message: dict[str, Any]) -> None:
+        if shared.handshake is not None and "id" in message and "method" in message:
+            # A handshake-revision server asks a 2026-07-28 caller, who cannot be asked
+            # mid-call: answered here (ping), or refused so the child does not wait.
+            answer: dict[str, Any] = (
+                {"result": {}} if message["method"] == "ping" else
+                {"error": {"code": -32601, "message": f"{message['method']} is not available: "
+                           "the client is stateless (2026-07-28)"}})
+            self._spawn_task(_send_quietly(child, {"jsonrpc": "2.0", "id": message["id"], **answer}))
+            return
+        params = message.get("params")
+        token = params.get("progressToken") if isinstance(params, dict) else None
+        waiter = shared.progress.get(token) if isinstance(token, str) else None
+        if waiter is not None:
+            message = {**message, "params": {**params, "progressToken": waiter.progress}}  # type: ignore[dict-item]
+        elif len(child.pending) == 1:
+            # Only one caller can have caused it.
+            waiter = next(iter(child.pending.values()))
+        if waiter is None:
+            self._unroutable(child, message)
+            return
+        if "id" in message and "method" in message:
+            proxy_id = f"{ID_PREFIX}s{next(self._ids)}"
+            shared.server_requests[key_of(proxy_id)] = message["id"]
+            message = {**message, "id": proxy_id}
+        waiter.queue.put_nowait(message)
+
+    def _unroutable(self, child: Child, message: dict[str, Any]) -> None:
+        """Nobody can receive it: a server request is answered with an error so the child does
+        not wait forever; a notification is dropped."""
+        log.info("stdio upstream %s: no caller to receive %s", child.spec.name,
+                 message.get("method"))
+        if "id" in message and "method" in message:
+            self._spawn_task(_send_quietly(child, {
+                "jsonrpc": "2.0", "id": message["id"],
+                "error": {"code": -32603, "message": "no client is waiting for this request"}}))
+
+    # ---- crashes, restarts, reaping ---------------------------------------------------------
+
+    def _exited(self, owner: Session | Shared, child: Child, reason: str) -> None:
+        name = child.spec.name
+        if self._closing:
+            return
+        if isinstance(owner, Shared):
+            if owner.child is not child:
+                return
+            owner.child = None
+            self._free_slot(name)
+            owner.failures += 1
+            owner.next_start = time.monotonic() + _backoff(owner.failures)
+            log.error("stdio upstream %s: shared child %s %s; the next call starts another",
+                      name, child.pid, reason)
+            self._health(name, False, f"stdio child {reason}")
+            return
+        if owner.closed or owner.child is not child:
+            return
+        log.error("stdio upstream %s: child %s of session %s… %s; restarting it", name,
+                  child.pid, owner.id[:8], reason)
+        self._health(name, False, f"stdio child {reason}")
+        owner.ready.clear()
+        self._spawn_task(self._restart(owner))
+
+    async def _restart(self, session: Session) -> None:
+        """Start the session's child again (with backoff) and replay its handshake."""
+        name = session.spec.name
+        while not session.closed and not self._closing:
+            session.restarts += 1
+            if session.restarts > MAX_SESSION_RESTARTS:
+                log.error("stdio upstream %s: session %s… crashed %d times in a row: ended",
+                          name, session.id[:8], MAX_SESSION_RESTARTS)
+                await self._end_session(session)
+                return
+            await asyncio.sleep(_backoff(session.restarts))
+            if session.closed or self._closing:
+                return
+            try:
+                child = await self._start_child(session.spec, session)
+                if session.initialize is not None:
+                    await self._handshake(child, session)
+            except (ChildGone, TimeoutError) as exc:
+                self._health(name, False, f"stdio child restart failed: {exc}")
+                continue
+            session.child = child
+            session.restarts = 0
+            session.ready.set()
+            self._health(name, True)
+            log.info("stdio upstream %s: session %s… restarted as child %s", name,
+                     session.id[:8], child.pid)
+            return
+
+    async def _handshake(self, child: Child, session: Session) -> None:
+        assert session.initialize is not None
+        proxy_id = f"{ID_PREFIX}init-{next(self._ids)}"
+        waiter = Waiter(proxy_id)
+        child.register(key_of(proxy_id), waiter)
+        try:
+            await child.send({**session.initialize, "id": proxy_id})
+            async with asyncio.timeout(30):
+                reply = await waiter.queue.get()
+        except BaseException:
+            await child.close(0.2)
+            raise
+        if reply is None or "result" not in reply:
+            await child.close(0.2)
+            raise ChildGone("it did not accept the session's initialize again")
+        if session.initialized is not None:
+            await child.send(session.initialized)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                child = session.child
+                if child is not None and not child.pending \
+                        and now - session.last_used > session.spec.idle_timeout:
+                    log.info("stdio upstream %s: session %s… idle for %gs: stopping its child",
+                             session.spec.name, session.id[:8], session.spec.idle_timeout)
+                    await self._end_session(session)
+            for name, shared in list(self._shared.items()):
+                child = shared.child
+                if child is not None and not child.pending \
+                        and now - shared.last_used > shared.spec.idle_timeout:
+                    log.info("stdio upstream %s: shared child idle for %gs: stopping it", name,
+                             shared.spec.idle_timeout)
+                    shared.child = None
+                    self._free_slot(name)
+                    await child.close()
+
+    def _drop_upstream(self, name: str) -> None:
+        for session in [s for s in self._sessions.values() if s.spec.name == name]:
+            self._spawn_task(self._end_session(session))
+        shared = self._shared.pop(name, None)
+        if shared is not None and shared.child is not None:
+            child, shared.child = shared.child, None
+            self._free_slot(name)
+            self._spawn_task(child.close())
+
+
+class _Full(Exception):
+    """Every process slot of the upstream is taken."""
+
+
+_MISSING = object()
+
+
+def _backoff(failures: int) -> float:
+    return float(min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(0, failures - 1)))
+
+
+def _by_progress(child: Child, message: dict[str, Any]) -> Waiter | None:
+    params = message.get("params")
+    token = params.get("progressToken") if isinstance(params, dict) else None
+    if token is None:
+        return None
+    for waiter in child.pending.values():
+        if waiter.progress == token:
+            return waiter
+    return None
+
+
+def _progress_token(message: Mapping[str, Any]) -> Any:
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return meta.get("progressToken") if isinstance(meta, dict) else None
+
+
+def _latest(child: Child) -> Waiter | None:
+    """The call most recently sent: the one a server message of a session most likely serves
+    (the stdio wire says nothing more; a session client's calls are usually one at a time)."""
+    return next(reversed(child.pending.values()), None)
+
+
+async def _cancel(child: Child, proxy_id: str) -> None:
+    await _send_quietly(child, {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                "params": {"requestId": proxy_id,
+                                           "reason": "the client went away"}})
+
+
+async def _send_quietly(child: Child, message: Mapping[str, Any]) -> None:
+    with contextlib.suppress(ChildGone):
+        await child.send(message)
+
+
+def _event(message: Mapping[str, Any]) -> bytes:
+    return b"event: message\ndata: " + orjson.dumps(message) + b"\n\n"
+
+
+def _completion(shared: Shared, message: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a 2026-07-28 result carries that a handshake-revision server's lacks (None for a
+    modern server): `resultType`, and on list results their cache hints (`ttlMs` 0: no
+    caching the proxy cannot vouch for)."""
+    if shared.handshake is None:
+        return None
+    fields: dict[str, Any] = {"resultType": "complete"}
+    if str(message.get("method", "")).endswith("/list"):
+        fields.update(ttlMs=0, cacheScope="private")
+    return fields
+
+
+def _discover(handshake: Mapping[str, Any]) -> dict[str, Any]:
+    """The `server/discover` result of a handshake-revision server the proxy initialised."""
+    result: dict[str, Any] = {
+        "supportedVersions": [MODERN_VERSION], "capabilities": handshake.get("capabilities") or {},
+        "resultType": "complete", "ttlMs": 0, "cacheScope": "private"}
+    if isinstance(handshake.get("serverInfo"), dict):
+        result["_meta"] = {"io.modelcontextprotocol/serverInfo": handshake["serverInfo"]}
+    if isinstance(handshake.get("instructions"), str):
+        result["instructions"] = handshake["instructions"]
+    return result
+
+
+def _reply(rpc_id: Any, result: Mapping[str, Any]) -> web.Response:
+    body = {"jsonrpc": "2.0", "id": rpc_id, "result": result}
+    return web.Response(status=200, body=orjson.dumps(body), content_type="application/json")
+
+
+def _error(status: int, rpc_id: Any, code: int, message: str) -> web.Response:
+    body = {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
