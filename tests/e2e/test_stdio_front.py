@@ -1,0 +1,278 @@
+"""`envelope-proxy stdio`: the real command as the server an MCP client launches.
+
+The official Python SDK stdio client (`stdio_client` + `ClientSession`) starts
+`envelope-proxy stdio` in front of the demo notes server (over HTTP with `--url`); the tests
+assert what the client sees (tools, results, refusal texts, the in-band approval question),
+the audit records in the state directory, that stdout carries nothing but JSON-RPC for a whole
+session, and that the process exits 0 once stdin closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import write_doc
+
+from tests.harness import ADMIN_TOKEN, ROOT, Upstream, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def proxy_command() -> list[str]:
+    exe = Path(sys.executable).with_name("envelope-proxy")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "proxy"]
+
+
+def child_env() -> dict[str, str]:
+    """What the SDK adds to its minimal inherited environment: this checkout's `proxy`."""
+    return {"PYTHONPATH": str(ROOT)}
+
+
+def notes_policy(directory: Path, upstream: str = "notes") -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {upstream: {"url": "http://127.0.0.1:1/mcp", "timeout": "20s"}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {
+            f"{upstream}.search_notes": {"effect": "read"},
+            f"{upstream}.write_note": {
+                "effect": "write",
+                "rules": [{"id": "no-secret", "forbid": 'has(args.folder) && args.folder == "secret"',
+                           "reason": "secret folders are off limits"}],
+                "fallback": "allow",
+            },
+            f"{upstream}.delete_note": {
+                "effect": "destructive", "approval": {"required": True, "in_band": True, "wait": "1s"}},
+        },
+    })
+
+
+def audit_records(state: Path) -> list[dict[str, Any]]:
+    path = state / "audit" / "audit.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def answering(action: str, content: dict[str, Any] | None, asked: list[Any]) -> Any:
+    from mcp_types import ElicitResult
+
+    async def on_elicitation(ctx: Any, params: Any) -> Any:
+        asked.append(params)
+        return ElicitResult(action=action, content=content)  # type: ignore[arg-type]
+
+    return on_elicitation
+
+
+@contextlib.asynccontextmanager
+async def stdio_session(args: list[str], errlog: Any, **callbacks: Any) -> AsyncIterator[Any]:
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    command, *first = proxy_command()
+    params = StdioServerParameters(command=command, args=[*first, "stdio", *args], env=child_env())
+    async with stdio_client(params, errlog=errlog) as (read, write), \
+            ClientSession(read, write, **callbacks) as session:
+        await session.initialize()
+        yield session
+
+
+@pytest.fixture
+def errlog(tmp_path: Path) -> Iterator[Any]:
+    """The proxy's stderr (its log) as the SDK client passes it on."""
+    with open(tmp_path / "stderr.log", "w") as f:
+        yield f
+
+
+def text(result: Any) -> str:
+    return str(result.content[0].text)
+
+
+# ---- in front of an HTTP server (--url) ----------------------------------------------------
+
+
+async def test_sdk_client_lists_calls_is_refused_and_approves_in_band(
+        tmp_path: Path, sse_upstream: Upstream, errlog: Any) -> None:
+    policies = notes_policy(tmp_path / "policies")
+    state = tmp_path / "state"
+    asked: list[Any] = []
+    async with stdio_session(["--policies", str(policies), "--state-dir", str(state), "--name", "notes",
+                              "--url", sse_upstream.url], errlog,
+                             elicitation_callback=answering("accept", {"approve": True}, asked)) as s:
+        tools = {t.name for t in (await s.list_tools()).tools}
+        assert tools == {"search_notes", "write_note", "delete_note"}  # echo: not in the policy
+        r = await s.call_tool("write_note", {"title": "stdio-a", "body": "x"})
+        assert r.is_error is False and r.structured_content["saved"] == "stdio-a"
+        r = await s.call_tool("write_note", {"title": "stdio-b", "body": "x", "folder": "secret"})
+        assert r.is_error is True
+        assert text(r) == "Blocked by policy (capability_blocked): secret folders are off limits"
+        r = await s.call_tool("delete_note", {"title": "stdio-a"})
+        assert r.is_error is False, r
+        assert r.structured_content == {"deleted": "stdio-a", "existed": True}
+    errlog.flush()
+    assert len(asked) == 1 and "delete_note" in asked[0].message
+    recs = audit_records(state)
+    assert [(r["tool"], r["verdict"], r["code"]) for r in recs] == [
+        ("write_note", "allow", "ok"), ("write_note", "deny", "capability_blocked"),
+        ("delete_note", "allow", "ok")]
+    assert {r["principal"] for r in recs} == {"local"}
+    assert recs[2]["extra"]["in_band"] is True and recs[2]["extra"]["approver"] == "user:local"
+    log = (tmp_path / "stderr.log").read_text()
+    assert "stdio front for upstream 'notes' ready" in log
+
+
+async def test_held_approval_without_elicitation_is_a_refusal(tmp_path: Path, sse_upstream: Upstream,
+                                                             errlog: Any) -> None:
+    policies = notes_policy(tmp_path / "policies")
+    state = tmp_path / "state"
+    async with stdio_session(["--policies", str(policies), "--state-dir", str(state), "--name", "notes",
+                              "--url", sse_upstream.url, "--principal", "alice"], errlog) as s:
+        r = await s.call_tool("delete_note", {"title": "stdio-held"})
+    assert r.is_error is True
+    assert text(r).startswith("Blocked by policy (approval_pending): approval apr-")
+    [rec] = audit_records(state)
+    assert (rec["principal"], rec["code"]) == ("alice", "approval_pending")
+
+
+def _lines(proc: subprocess.Popen[bytes], want_id: int, seen: list[bytes], timeout: float = 30) -> dict[str, Any]:
+    """Read stdout lines (kept in `seen`) until the response with `want_id`."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        message = json.loads(line)
+        if message.get("id") == want_id and ("result" in message or "error" in message):
+            return dict(message)
+    raise AssertionError(f"no response {want_id}; stdout so far: {seen!r}")
+
+
+def test_stdout_carries_only_protocol_and_stdin_eof_exits_cleanly(tmp_path: Path, sse_upstream: Upstream) -> None:
+    policies = notes_policy(tmp_path / "policies")
+    state = tmp_path / "state"
+    errlog = open(tmp_path / "stderr.log", "wb")
+    proc = subprocess.Popen(
+        [*proxy_command(), "stdio", "--policies", str(policies), "--state-dir", str(state),
+         "--name", "notes", "--url", sse_upstream.url, "--log-level", "debug"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdin is not None
+    seen: list[bytes] = []
+
+    def send(message: dict[str, Any]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n")
+        proc.stdin.flush()
+
+    try:
+        send({"id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}})
+        init = _lines(proc, 1, seen)
+        assert init["result"]["serverInfo"]["name"]
+        send({"method": "notifications/initialized"})
+        send({"id": 2, "method": "tools/list"})
+        listed = _lines(proc, 2, seen)
+        assert {t["name"] for t in listed["result"]["tools"]} == {"search_notes", "write_note", "delete_note"}
+        send({"id": "three", "method": "tools/call",
+              "params": {"name": "write_note", "arguments": {"title": "t", "body": "b", "folder": "secret"}}})
+        refused = _lines(proc, "three", seen)
+        assert refused["result"]["isError"] is True
+        send({"id": 4, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "hi"}}})
+        unknown = _lines(proc, 4, seen)
+        assert unknown["error"]["code"] == -32602
+        proc.stdin.write(b"this is not json\n")
+        proc.stdin.flush()
+        assert _lines(proc, None, seen)["error"]["code"] == -32700
+        send({"id": 5, "method": "ping"})
+        assert _lines(proc, 5, seen)["result"] == {}
+        proc.stdin.close()
+        started = time.monotonic()
+        assert proc.wait(15) == 0
+        assert time.monotonic() - started < 5  # within the SDK client's 2 s grace plus slack
+        assert proc.stdout is not None
+        seen.extend(proc.stdout.read().splitlines(keepends=True))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        errlog.close()
+    assert seen and all(line.endswith(b"\n") for line in seen)
+    for line in seen:
+        message = json.loads(line)
+        assert isinstance(message, dict) and message["jsonrpc"] == "2.0", line
+    log = (tmp_path / "stderr.log").read_text()
+    assert "session ended" in log and "shutdown complete" in log
+    assert [r["code"] for r in audit_records(state)] == ["capability_blocked", "unknown_tool"]
+
+
+def test_admin_listener_from_config_approves_out_of_band(tmp_path: Path, sse_upstream: Upstream) -> None:
+    """With `admin:` in the config file, a held call is approved through the admin API while
+    the client waits; without it, no admin port is opened."""
+    import hashlib
+
+    policies = notes_policy(tmp_path / "policies")
+    doc = json.loads((policies / "policy.yaml").read_text())
+    doc["tools"]["notes.delete_note"]["approval"] = {"required": True, "wait": "20s"}
+    write_doc(policies, doc)
+    admin_port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({
+        "admin": f"127.0.0.1:{admin_port}", "state_dir": str(tmp_path / "state"),
+        "approvals": {"poll_interval": "100ms", "approvers": {
+            "operator": {"token_sha256": hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest()}}},
+    }))
+    errlog = open(tmp_path / "stderr.log", "wb")
+    proc = subprocess.Popen(
+        [*proxy_command(), "stdio", "--policies", str(policies), "--config", str(config),
+         "--name", "notes", "--url", sse_upstream.url],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdin is not None
+    seen: list[bytes] = []
+
+    def send(message: dict[str, Any]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n")
+        proc.stdin.flush()
+
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        send({"id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
+        _lines(proc, 1, seen)
+        send({"method": "notifications/initialized"})
+        send({"id": 2, "method": "tools/call", "params": {"name": "delete_note", "arguments": {"title": "oob"}}})
+        pending: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 15
+        while not pending and time.monotonic() < deadline:
+            time.sleep(0.2)
+            listed = httpx.get(f"http://127.0.0.1:{admin_port}/v1/approvals", headers=auth, timeout=5).json()
+            pending = [a for a in listed["approvals"] if a["state"] == "pending"]
+        assert pending, "no pending approval listed by the admin API"
+        assert pending[0]["principal"] == "local" and pending[0]["tool"] == "delete_note"
+        r = httpx.post(f"http://127.0.0.1:{admin_port}/v1/approvals/{pending[0]['id']}/approve",
+                       headers=auth, json={"reason": "ok"}, timeout=5)
+        assert r.status_code == 200, r.text
+        done = _lines(proc, 2, seen)
+        assert done["result"].get("isError") is not True, done
+        assert done["result"]["structuredContent"] == {"deleted": "oob", "existed": False}
+        proc.stdin.close()
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        errlog.close()

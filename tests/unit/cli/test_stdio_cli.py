@@ -1,0 +1,56 @@
+"""`envelope-proxy stdio` flags and config file -> the runtime config the stdio front runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import build_parser
+from proxy.cli.stdio import stdio_config
+from proxy.errors import ConfigError
+
+
+def parse(*words: str) -> argparse.Namespace:
+    return build_parser().parse_args(["stdio", *words])
+
+
+def test_defaults_local_principal_loopback_no_admin(tmp_path: Path) -> None:
+    config, admin = stdio_config(parse("--policies", str(tmp_path), "--name", "notes",
+                                       "--url", "http://127.0.0.1:9/mcp"), environ={})
+    assert config.listen == "127.0.0.1:0" and config.workers == 1
+    assert (config.identity.mode, config.identity.principal) == ("static", "local")
+    assert config.upstreams["notes"].url == "http://127.0.0.1:9/mcp"
+    assert config.aggregate.enabled is False
+    assert admin is False
+
+
+def test_config_file_admin_and_static_principal(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(json.dumps({"admin": "127.0.0.1:0", "identity": {"mode": "static", "principal": "dev",
+                                                                     "groups": ["writers"]}}))
+    config, admin = stdio_config(parse("--config", str(cfg)), environ={})
+    assert admin is True
+    assert (config.identity.principal, config.identity.groups) == ("dev", ["writers"])
+    config, _ = stdio_config(parse("--config", str(cfg), "--principal", "alice"), environ={})
+    assert (config.identity.principal, config.identity.groups) == ("alice", ["writers"])
+
+
+def test_jwt_identity_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(json.dumps({"identity": {"mode": "jwt", "algorithms": ["HS256"], "key": "k" * 32}}))
+    with pytest.raises(ConfigError, match="identity mode jwt cannot serve a stdio client"):
+        stdio_config(parse("--config", str(cfg)), environ={})
+
+
+def test_url_and_command_together_are_refused() -> None:
+    args = parse("--url", "http://127.0.0.1:9/mcp")
+    args.command = ["python", "server.py"]  # what `proxy.cli.main` cuts off after `--`
+    with pytest.raises(ConfigError, match="either --url URL or a server command"):
+        stdio_config(args, environ={})
+
+
+def test_name_defaults_to_server() -> None:
+    assert parse().name == "server"
