@@ -48,9 +48,28 @@ def parse_hostport(value: str, default_host: str = "127.0.0.1") -> tuple[str, in
 
 
 class UpstreamOverride(_Model):
-    """Runtime override of a policy upstream's URL (the policy decides, the platform routes)."""
+    """Runtime override of a policy upstream's location (the policy decides, the platform
+    routes): exactly one of `url` or `command`; the whole entry replaces the policy's `url`,
+    `command`, `env`, `cwd`, `max_processes` and `idle_timeout` (see policy `Upstream`)."""
 
-    url: str
+    url: str | None = None
+    command: list[str] | None = None
+    # stdio: added to the child's minimal environment (PATH, HOME, LANG). Absent: nothing.
+    env: dict[str, str] = Field(default_factory=dict)
+    # stdio: the child's working directory. Absent: the proxy's.
+    cwd: str | None = None
+    # stdio: most child processes at once. Absent: 16.
+    max_processes: int = Field(default=16, ge=1, le=1024)
+    # stdio: an idle child is stopped after this long. Absent: 5 minutes.
+    idle_timeout: Duration = 300.0
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> UpstreamOverride:
+        if (self.url is None) == (self.command is None):
+            raise ValueError("an upstream has exactly one of 'url' or 'command'")
+        if self.command is not None and (not self.command or not self.command[0]):
+            raise ValueError("upstream command must name a program: [program, arg, ...]")
+        return self
 
 
 class AuditConfig(_Model):

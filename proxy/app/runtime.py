@@ -49,6 +49,7 @@ from proxy.store.factory import open_store
 from proxy.tools.replay import open_recorder
 from proxy.upstream.forwarder import Forwarder
 from proxy.upstream.health import HealthProber, ProbeTarget, UpstreamHealth
+from proxy.upstream.stdio import StdioSpec, StdioUpstreams
 from proxy.upstream.transport import FastForwarder
 from proxy.upstream.urls import strip_credentials
 
@@ -115,9 +116,32 @@ class Runtime:
             interval=config.health_interval, timeout=config.health_timeout,
         )
         self.fronts: FrontContext | None = None
+        # Command upstreams: made once the policy names one (it binds a loopback socket).
+        self.stdio: StdioUpstreams | None = None
+        self._stdio_started = False
+        self._commands: dict[str, str] = {}  # stdio upstream -> its program, as shown
 
     def _probed(self, upstream: str) -> bool:
+        # A stdio upstream's health is its children's (StdioUpstreams reports it), not a probe's.
+        if upstream in self._commands:
+            return False
         return self.config.health_upstreams is None or upstream in self.config.health_upstreams
+
+    def _stdio_health(self, name: str, ok: bool, error: str | None) -> None:
+        if ok:
+            self.health.record(name, "ok", source="process")
+        else:
+            self.health.mark_down(name, error or "stdio child failed")
+
+    async def _start_stdio(self) -> None:
+        if self.stdio is not None and not self._stdio_started:
+            self._stdio_started = True
+            await self.stdio.start()
+
+    def _shown_url(self, name: str) -> str | None:
+        if name in self._commands:
+            return f"stdio:{self._commands[name]}"
+        return strip_credentials(self._targets[name].url) if name in self._targets else None
 
     # ---- policy ------------------------------------------------------------------------
 
@@ -134,14 +158,28 @@ class Runtime:
 
     def _install(self, revision: PolicyRevision) -> None:
         targets: dict[str, UpstreamTarget] = {}
+        specs: dict[str, StdioSpec] = {}
         for name, up in revision.document.upstreams.items():
-            override = self.config.upstreams.get(name)
+            source = self.config.upstreams.get(name) or up  # the runtime config's entry wins
+            url, headers = source.url, dict(up.headers)
+            if source.command is not None:
+                # Served by StdioUpstreams' loopback endpoint: an HTTP upstream like any other.
+                specs[name] = StdioSpec(name, tuple(source.command), tuple(sorted(source.env.items())),
+                                        source.cwd, source.max_processes, source.idle_timeout)
+                if self.stdio is None:
+                    self.stdio = StdioUpstreams(self.config.limits.max_upstream_event_bytes,
+                                                on_health=self._stdio_health)
+                url, headers = self.stdio.url(name), self.stdio.headers
+            assert url is not None  # exactly one of url / command (model validators)
             targets[name] = UpstreamTarget(
-                name=name, url=override.url if override else up.url, timeout=up.timeout,
-                connect_timeout=up.connect_timeout, headers=dict(up.headers),
+                name=name, url=url, timeout=up.timeout,
+                connect_timeout=up.connect_timeout, headers=headers,
                 forward_authorization=up.forward_authorization,
             )
         self.envelope.install(revision)
+        if self.stdio is not None:
+            self.stdio.configure(specs)
+        self._commands = {n: s.command[0] for n, s in specs.items()}
         self._targets = targets  # swapped together with the chain
         self.health.sync(targets)
         self.revision = revision
@@ -170,6 +208,8 @@ class Runtime:
                 return False
             self.cel = revision.cel
             self._install(revision)
+            if self._runners:  # started: a command upstream new in this revision is served now
+                await self._start_stdio()
             self.metrics.reload("success")
             self.last_reload = {"result": "success", "at": started, "trigger": trigger, "errors": []}
             log.info("policy revision %s loaded (%s, %d tools)", revision.revision, trigger, len(revision.tools))
@@ -228,7 +268,7 @@ class Runtime:
 
     def upstream_status(self) -> dict[str, dict[str, Any]]:
         """Per-upstream health in full, for `/v1/upstreams`."""
-        return {name: {**state, "url": strip_credentials(self._targets[name].url) if name in self._targets else None}
+        return {name: {**state, "url": self._shown_url(name)}
                 for name, state in self.health.snapshot().items()}
 
     def aggregate_upstreams(self) -> list[str]:
@@ -246,7 +286,7 @@ class Runtime:
             "engine": rev.engine,
             "loaded_at": rev.loaded_at,
             "tools": sorted(rev.tools),
-            "upstreams": {n: strip_credentials(t.url) for n, t in self._targets.items()},
+            "upstreams": {n: self._shown_url(n) for n in self._targets},
             "misconfigured": self.envelope.misconfig.as_json(),
             "last_reload": self.last_reload,
         }
@@ -304,6 +344,7 @@ class Runtime:
             log.error("audit log %s is not writable (%s): every call will be refused until it is",
                       self.audit.path, self.audit.last_error)
         await self.forwarder.start()
+        await self._start_stdio()
         self._prober.start()
         reuse = self.config.workers > 1
         host, port = self.config.listen_addr
@@ -375,6 +416,8 @@ class Runtime:
         self._runners.clear()
         if self.fronts is not None:
             await self.fronts.close()  # completions (their audit records), then notifications
+        if self.stdio is not None:
+            await self.stdio.close()  # every child: stdin closed, then SIGTERM, then SIGKILL
         await self.forwarder.close()
         if self._store_pinger is not None:
             self._store_pinger.cancel()
@@ -458,8 +501,9 @@ async def serve(config: Config, worker: int = 0, announce: bool = True,
     if announce and worker == 0:
         print(f"envelope-proxy {revision.revision} ({revision.engine}) ready", flush=True)
         probed = sorted(n for n in runtime._targets if runtime._probed(n))
-        unprobed = sorted(n for n in runtime._targets if not runtime._probed(n))
-        shown = ", ".join(probed) or "none"
+        stdio = sorted(runtime._commands)
+        unprobed = sorted(n for n in runtime._targets if not runtime._probed(n) and n not in stdio)
+        shown = ", ".join(probed + [f"{n} (stdio)" for n in stdio]) or "none"
         if unprobed:
             shown += f"; placeholders, not probed: {', '.join(unprobed)}"
         print(f"  MCP      {runtime.urls['mcp']}  (upstreams: {shown})", flush=True)

@@ -85,9 +85,24 @@ class RateLimit(_Model):
 
 
 class Upstream(_Model):
-    """A tool backend. Absent `timeout`: 30 s per call."""
+    """A tool backend: a Streamable HTTP server (`url`) or a stdio server the proxy launches
+    (`command`); exactly one of the two. Absent `timeout`: 30 s per call."""
 
-    url: str
+    url: str | None = None
+    # A stdio server: the program and its arguments (no shell). The proxy starts it, speaks
+    # newline-delimited JSON-RPC on its stdin/stdout and serves it at /mcp/<upstream> like an
+    # HTTP upstream (proxy/upstream/stdio.py).
+    command: list[str] | None = None
+    # stdio: variables added to the child's environment, which otherwise inherits only PATH,
+    # HOME and LANG from the proxy (never its credentials). Absent: nothing added.
+    env: dict[str, str] = Field(default_factory=dict)
+    # stdio: the child's working directory. Absent: the proxy's.
+    cwd: str | None = None
+    # stdio: most child processes at once for this upstream (one per session client, plus the
+    # one shared by stateless clients); past it a new session is refused with HTTP 503.
+    max_processes: int = Field(default=16, ge=1, le=1024)
+    # stdio: a child no request touched for this long is stopped (its session ends).
+    idle_timeout: Duration = 300.0
     # Whole-call timeout for inspected requests (tools/call, tools/list). Streams have no timeout.
     timeout: Duration = 30.0
     # Connect timeout.
@@ -102,10 +117,23 @@ class Upstream(_Model):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, v: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", v):
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+", v):
             raise ValueError(f"upstream url must be http(s)://host[:port]/path, got {v!r}")
         return v
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not v[0]):
+            raise ValueError("upstream command must name a program: [program, arg, ...]")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Upstream:
+        if (self.url is None) == (self.command is None):
+            raise ValueError("an upstream has exactly one of 'url' or 'command'")
+        return self
 
 
 class Rule(_Model):

@@ -114,6 +114,15 @@ class UpstreamHealth:
                 log.info("upstream %s is %s (%s)", upstream, st.state, source)
             self._publish()
 
+    def mark_down(self, upstream: str, error: str, source: str = "process") -> None:
+        """What the proxy itself saw fail for sure (a stdio child exited): down at once,
+        whatever `down_after` says (that threshold guards against one lost request)."""
+        st = self._states.get(upstream)
+        if st is None:
+            return
+        for _ in range(max(1, self.down_after - st.consecutive_failures)):
+            self.record(upstream, "error", error, source=source)
+
     def state(self, upstream: str) -> State:
         st = self._states.get(upstream)
         return st.state if st is not None else "unknown"

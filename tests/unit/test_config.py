@@ -30,7 +30,10 @@ CONFIG_DURATIONS = [
     ("retry", "max_backoff"),
     ("listener", "header_timeout"),
     ("listener", "keepalive_timeout"),
+    ("upstreams", "*", "idle_timeout"),
 ]
+# "*" in a path: this dict key, in a file whose entry is otherwise valid.
+KEYS = {"upstreams": ("demo", {"command": ["server"]})}
 
 
 def test_every_duration_field_is_listed() -> None:
@@ -40,8 +43,12 @@ def test_every_duration_field_is_listed() -> None:
 def _config_file(tmp_path: Path, path: tuple[str, ...], value: Any) -> Path:
     data: dict[str, Any] = {"approvals": {"webhook": {"url": "http://127.0.0.1:9/hook"}}}
     node = data
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
+    for i, key in enumerate(path[:-1]):
+        if key == "*":
+            name, entry = KEYS[path[i - 1]]
+            node = node.setdefault(name, dict(entry))
+        else:
+            node = node.setdefault(key, {})
     node[path[-1]] = value
     file = tmp_path / "config.yaml"
     file.write_text(json.dumps(data))  # JSON is YAML
@@ -50,8 +57,8 @@ def _config_file(tmp_path: Path, path: tuple[str, ...], value: Any) -> Path:
 
 def _read(config: Config, path: tuple[str, ...]) -> Any:
     node: Any = config
-    for key in path:
-        node = getattr(node, key)
+    for i, key in enumerate(path):
+        node = node[KEYS[path[i - 1]][0]] if key == "*" else getattr(node, key)
     return node
 
 
@@ -76,7 +83,8 @@ def test_duration_field_refuses_naming_the_field(tmp_path: Path, path: tuple[str
     file = _config_file(tmp_path, path, value)
     with pytest.raises(ConfigError) as info:
         load_config(file, environ={})
-    assert f"{file}: {'.'.join(path)}: Value error, {message}" in str(info.value)
+    shown = ".".join(KEYS[path[i - 1]][0] if k == "*" else k for i, k in enumerate(path))
+    assert f"{file}: {shown}: Value error, {message}" in str(info.value)
 
 
 def test_absent_durations_keep_their_defaults() -> None:

@@ -195,7 +195,7 @@ def test_wrong_type_and_missing_field(write: Write) -> None:
         f"{path}:7:23: tools.demo.echo.effect: Input should be 'read', 'write', 'external' "
         "or 'destructive'",
         f"{path}:8:22: tools.demo.two.rules[0]: a rule has exactly one of 'forbid' or 'allow'",
-        f"{extra}:2:10: missing required field 'url' in upstreams.extra",
+        f"{extra}:2:10: upstreams.extra: an upstream has exactly one of 'url' or 'command'",
     ]
 
 

@@ -81,6 +81,7 @@ def test_optional_duration_keeps_none_and_defaults_are_untouched() -> None:
 POLICY_DURATIONS = [
     ("upstreams", "*", "timeout"),
     ("upstreams", "*", "connect_timeout"),
+    ("upstreams", "*", "idle_timeout"),
     ("tools", "*", "approval", "wait"),
     ("tools", "*", "approval", "ttl"),
     ("dataflow", "ledger_ttl"),
