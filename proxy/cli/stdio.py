@@ -10,6 +10,9 @@ runs, the protocol's file descriptors are duplicated for the bridge, descriptor 
 stderr (a stray print, a library's warning, a child process inheriting it: all land in the log)
 and descriptor 0 at /dev/null. Logs go to stderr.
 
+The server command gets the environment this command was launched with (the MCP client's
+`env` for its server), minus `ENVELOPE_*` variables, and this command's working directory.
+
 Identity is the local user: a static principal, `identity.principal` of the config file when it
 sets a static identity, else `local`; `--principal` overrides both. A config file with a JWT
 identity is refused (a stdio client has no token to send). The admin listener (approvals API,
@@ -21,10 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from proxy.errors import ConfigError
+
+if TYPE_CHECKING:
+    from proxy.config import Config
 
 DESCRIPTION = """\
 Run as the server command of an MCP client that launches its servers (Claude Desktop, IDEs,
@@ -62,9 +69,11 @@ def add_stdio_parser(sub: Any) -> None:
     p.set_defaults(handler=cmd_stdio)
 
 
-def stdio_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, bool]:
+def stdio_config(args: argparse.Namespace,
+                 environ: Mapping[str, str] | None = None) -> tuple[Config, bool]:
     """The runtime config for `stdio` and whether the admin listener runs; ConfigError when the
     flags or the config file cannot serve a stdio client."""
+    # Imported here, as in the other commands: `envelope-proxy --help` stays quick.
     from proxy.config import AggregateConfig, UpstreamOverride, load_config
     from proxy.identity import IdentityConfig
 
@@ -76,22 +85,28 @@ def stdio_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, bo
     identity = config.identity
     if "identity" not in config.model_fields_set:
         identity = IdentityConfig(mode="static", principal=DEFAULT_PRINCIPAL)
+    if args.principal:
+        groups = identity.groups if identity.mode == "static" else []
+        identity = IdentityConfig(mode="static", principal=args.principal, groups=groups)
     if identity.mode != "static":
         raise ConfigError(f"identity mode {identity.mode} cannot serve a stdio client (it sends no "
                           "token): use a static identity, or --principal")
-    if args.principal:
-        identity = identity.model_copy(update={"principal": args.principal})
+    admin = "admin" in config.model_fields_set
     upstreams = dict(config.upstreams)
     if args.url:
         upstreams[args.name] = UpstreamOverride(url=args.url)
     elif command:
-        raise ConfigError("a server command after `--` needs stdio upstreams, not in this build: use --url")
+        # The server gets the environment the client launched this command with (an MCP
+        # client's `env` for its server lands here), minus the proxy's own settings.
+        environ = os.environ if environ is None else environ
+        env = {k: v for k, v in environ.items() if not k.startswith("ENVELOPE_")}
+        upstreams[args.name] = UpstreamOverride(command=command, env=env, cwd=os.getcwd())
     config = config.model_copy(update={
         # The bridge's own listener: loopback, an ephemeral port, one process.
         "listen": "127.0.0.1:0", "workers": 1, "identity": identity, "upstreams": upstreams,
         "aggregate": AggregateConfig(enabled=False),
     })
-    return config, "admin" in config.model_fields_set
+    return config, admin
 
 
 def _protocol_streams() -> tuple[BinaryIO, BinaryIO]:

@@ -334,6 +334,7 @@ class StdioBridge:
 
     async def _close(self) -> None:
         """Cancel what is in flight (the route audits calls cut off), end the session, close."""
+        log.info("stdin closed (or signalled): ending the session")
         pending = list(self._tasks)
         if self._listener is not None:
             pending.append(self._listener)

@@ -276,3 +276,93 @@ def test_admin_listener_from_config_approves_out_of_band(tmp_path: Path, sse_ups
             proc.kill()
             proc.wait(5)
         errlog.close()
+
+
+# ---- in front of a stdio server (-- command) -----------------------------------------------
+
+STDIO_SERVER = ROOT / "tests" / "e2e" / "stdio_server.py"
+
+
+def stdio_server_policy(directory: Path) -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        # The runtime entry `-- command` makes wins; the policy only names the upstream.
+        "upstreams": {"server": {"command": ["false"], "timeout": "20s"}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {
+            "server.echo": {"effect": "read"},
+            "server.pid": {"effect": "read"},
+            "server.ask": {"effect": "read"},
+            "server.write_note": {
+                "effect": "destructive",
+                "approval": {"required": True, "in_band": True, "wait": "1s"},
+                "rules": [{"id": "no-secrets", "forbid": 'args.text.contains("secret")',
+                           "reason": "no secrets in notes"}],
+                "fallback": "allow",
+            },
+        },
+    })
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def test_sdk_client_through_stdio_front_to_stdio_server(tmp_path: Path, errlog: Any) -> None:
+    """`envelope-proxy stdio -- python stdio_server.py`: the default upstream name `server`; the
+    server's own elicitation and the proxy's approval question both reach the client's callback;
+    the server's environment comes from the client's launch; the child is gone afterwards."""
+    from mcp_types import ElicitResult
+
+    policies = stdio_server_policy(tmp_path / "policies")
+    state = tmp_path / "state"
+    notes = tmp_path / "notes-dir"
+    notes.mkdir()
+    asked: list[Any] = []
+
+    async def on_elicitation(ctx: Any, params: Any) -> Any:
+        asked.append(params.message)
+        if "approve" in json.dumps(params.requested_schema):
+            return ElicitResult(action="accept", content={"approve": True})
+        return ElicitResult(action="accept", content={"answer": "forty-two"})
+
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    command, *first = proxy_command()
+    params = StdioServerParameters(
+        command=command, cwd=tmp_path,
+        args=[*first, "stdio", "--policies", str(policies), "--state-dir", str(state),
+              "--", sys.executable, str(STDIO_SERVER)],
+        env={**child_env(), "STDIO_STATE": str(notes)})
+    async with stdio_client(params, errlog=errlog) as (read, write), \
+            ClientSession(read, write, elicitation_callback=on_elicitation) as s:
+        await s.initialize()
+        tools = {t.name for t in (await s.list_tools()).tools}
+        assert tools == {"echo", "pid", "ask", "write_note"}  # crash, garbage, slow, shout: hidden
+        r = await s.call_tool("echo", {"text": "hello ü"})
+        assert r.is_error is False and text(r) == "hello ü"
+        child = int(text(await s.call_tool("pid", {})))
+        r = await s.call_tool("write_note", {"text": "my secret"})
+        assert r.is_error is True
+        assert text(r) == "Blocked by policy (capability_blocked): no secrets in notes"
+        r = await s.call_tool("write_note", {"text": "approved note"})
+        assert r.is_error is False, r
+        assert text(r) == "noted: approved note"
+        r = await s.call_tool("ask", {"question": "meaning?"})
+        assert r.is_error is False and text(r) == "answered: forty-two"
+    assert (notes / "notes").read_text() == "approved note\n"  # the refused note never arrived
+    assert len(asked) == 2 and "write_note" in asked[0]
+    assert _gone(child), f"the server child {child} outlived the proxy"
+    recs = audit_records(state)
+    assert [(r["upstream"], r["tool"], r["code"]) for r in recs] == [
+        ("server", "echo", "ok"), ("server", "pid", "ok"), ("server", "write_note", "capability_blocked"),
+        ("server", "write_note", "ok"), ("server", "ask", "ok")]
+    assert recs[3]["extra"]["approver"] == "user:local"

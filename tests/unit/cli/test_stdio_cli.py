@@ -54,3 +54,21 @@ def test_url_and_command_together_are_refused() -> None:
 
 def test_name_defaults_to_server() -> None:
     assert parse().name == "server"
+
+
+def test_principal_flag_replaces_a_jwt_identity(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(json.dumps({"identity": {"mode": "jwt", "algorithms": ["HS256"], "key": "k" * 32}}))
+    config, _ = stdio_config(parse("--config", str(cfg), "--principal", "bob"), environ={})
+    assert (config.identity.mode, config.identity.principal) == ("static", "bob")
+
+
+def test_server_command_gets_the_launch_environment_minus_envelope_settings(tmp_path: Path) -> None:
+    args = parse("--policies", str(tmp_path), "--name", "files")
+    args.command = ["npx", "-y", "server", "/data"]
+    environ = {"PATH": "/bin", "GITHUB_TOKEN": "t", "ENVELOPE_STATE_DIR": str(tmp_path / "s")}
+    config, _ = stdio_config(args, environ=environ)
+    entry = config.upstreams["files"]
+    assert entry.command == ["npx", "-y", "server", "/data"] and entry.url is None
+    assert entry.env == {"PATH": "/bin", "GITHUB_TOKEN": "t"}
+    assert config.state_dir == tmp_path / "s"  # the setting itself still applies to the proxy
