@@ -366,3 +366,40 @@ async def test_sdk_client_through_stdio_front_to_stdio_server(tmp_path: Path, er
         ("server", "echo", "ok"), ("server", "pid", "ok"), ("server", "write_note", "capability_blocked"),
         ("server", "write_note", "ok"), ("server", "ask", "ok")]
     assert recs[3]["extra"]["approver"] == "user:local"
+
+
+# ---- the TypeScript SDK client -------------------------------------------------------------
+
+
+def test_typescript_sdk_client_through_stdio_front(tmp_path: Path, sse_upstream: Upstream) -> None:
+    """The TypeScript SDK's `StdioClientTransport` launches `envelope-proxy stdio` in front of
+    the HTTP notes server: tools, an allowed call, a refusal, an in-band approval."""
+    from test_real_clients import NODE_DIR, TS_SDK, node22, require_package
+
+    node = node22()
+    require_package(TS_SDK, "@modelcontextprotocol/sdk")
+    policies = notes_policy(tmp_path / "policies")
+    state = tmp_path / "state"
+    command, *first = proxy_command()
+    server = {"command": command, "cwd": str(tmp_path), "env": child_env(),
+              "args": [*first, "stdio", "--policies", str(policies), "--state-dir", str(state),
+                       "--name", "notes", "--url", sse_upstream.url]}
+    calls = [["write_note", {"title": "ts-a", "body": "x"}],
+             ["write_note", {"title": "ts-b", "body": "x", "folder": "secret"}],
+             ["delete_note", {"title": "ts-a"}]]
+    done = subprocess.run([node, str(NODE_DIR / "stdio_client.mjs"), json.dumps(server), json.dumps(calls)],
+                          cwd=NODE_DIR, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out["tools"]) == {"search_notes", "write_note", "delete_note"}
+    assert out["calls"][0] == {"tool": "write_note", "isError": False, "text": out["calls"][0]["text"]}
+    assert '"saved":"ts-a"' in out["calls"][0]["text"].replace(" ", "")
+    assert out["calls"][1] == {"tool": "write_note", "isError": True,
+                               "text": "Blocked by policy (capability_blocked): secret folders are off limits"}
+    assert out["calls"][2]["isError"] is False and '"existed":true' in out["calls"][2]["text"].replace(" ", "")
+    assert len(out["elicitations"]) == 1 and "delete_note" in out["elicitations"][0]
+    assert "stdio front for upstream 'notes' ready" in out["stderr"]
+    recs = audit_records(state)
+    assert [(r["principal"], r["tool"], r["code"]) for r in recs] == [
+        ("local", "write_note", "ok"), ("local", "write_note", "capability_blocked"),
+        ("local", "delete_note", "ok")]
