@@ -49,6 +49,13 @@ examples:
   envelope-proxy stdio --policies ~/policies --name files -- npx -y @modelcontextprotocol/server-filesystem /data"""
 
 DEFAULT_PRINCIPAL = "local"
+# Appended to an `approval_pending` reason (ApprovalsConfig.pending_hint): what the person at the
+# client can do about a held call, with and without an admin listener.
+OUT_OF_BAND = ("an approver decides it through the admin API (`envelope-proxy approvals approve {id} "
+               "--admin URL --reason ...`)")
+NO_APPROVER = ("to approve it, answer the client's approval question (a client with elicitation, a tool "
+               "with approval.in_band: true), or set `admin:` and `approvals.approvers` in the "
+               "--config file and run `envelope-proxy approvals approve {id}` (no admin listener runs now)")
 
 
 def add_stdio_parser(sub: Any) -> None:
@@ -92,6 +99,9 @@ def stdio_config(args: argparse.Namespace,
         raise ConfigError(f"identity mode {identity.mode} cannot serve a stdio client (it sends no "
                           "token): use a static identity, or --principal")
     admin = "admin" in config.model_fields_set
+    approvals = config.approvals
+    if approvals.pending_hint is None:
+        approvals = approvals.model_copy(update={"pending_hint": OUT_OF_BAND if admin else NO_APPROVER})
     upstreams = dict(config.upstreams)
     if args.url:
         upstreams[args.name] = UpstreamOverride(url=args.url)
@@ -104,7 +114,7 @@ def stdio_config(args: argparse.Namespace,
     config = config.model_copy(update={
         # The bridge's own listener: loopback, an ephemeral port, one process.
         "listen": "127.0.0.1:0", "workers": 1, "identity": identity, "upstreams": upstreams,
-        "aggregate": AggregateConfig(enabled=False),
+        "aggregate": AggregateConfig(enabled=False), "approvals": approvals,
     })
     return config, admin
 

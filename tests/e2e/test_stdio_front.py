@@ -140,6 +140,11 @@ async def test_held_approval_without_elicitation_is_a_refusal(tmp_path: Path, ss
         r = await s.call_tool("delete_note", {"title": "stdio-held"})
     assert r.is_error is True
     assert text(r).startswith("Blocked by policy (approval_pending): approval apr-")
+    # No admin listener and no elicitation: the refusal says how to get it approved.
+    assert "answer the client's approval question" in text(r)
+    assert "set `admin:` and `approvals.approvers` in the --config file" in text(r)
+    approval_id = text(r).split("approval ", 1)[1].split(" ", 1)[0]
+    assert f"`envelope-proxy approvals approve {approval_id}`" in text(r)
     [rec] = audit_records(state)
     assert (rec["principal"], rec["code"]) == ("alice", "approval_pending")
 

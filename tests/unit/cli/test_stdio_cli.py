@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import build_parser
-from proxy.cli.stdio import stdio_config
+from proxy.cli.stdio import NO_APPROVER, OUT_OF_BAND, stdio_config
 from proxy.errors import ConfigError
 
 
@@ -72,3 +72,15 @@ def test_server_command_gets_the_launch_environment_minus_envelope_settings(tmp_
     assert entry.command == ["npx", "-y", "server", "/data"] and entry.url is None
     assert entry.env == {"PATH": "/bin", "GITHUB_TOKEN": "t"}
     assert config.state_dir == tmp_path / "s"  # the setting itself still applies to the proxy
+
+
+def test_pending_hint_names_what_this_process_offers(tmp_path: Path) -> None:
+    config, _ = stdio_config(parse("--policies", str(tmp_path)), environ={})
+    assert config.approvals.pending_hint == NO_APPROVER
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(json.dumps({"admin": "127.0.0.1:0"}))
+    config, _ = stdio_config(parse("--config", str(cfg)), environ={})
+    assert config.approvals.pending_hint == OUT_OF_BAND
+    cfg.write_text(json.dumps({"approvals": {"pending_hint": "ask Bob"}}))
+    config, _ = stdio_config(parse("--config", str(cfg)), environ={})
+    assert config.approvals.pending_hint == "ask Bob"
