@@ -13,6 +13,9 @@ the client's newline-delimited JSON-RPC to it as one legacy (session) client wou
   server requests, the response) is written to stdout as one line.
 - After `notifications/initialized` a GET stream carries unsolicited server messages (given up
   quietly when the route answers 405).
+- A stateless client (2026-07-28: `server/discover`, no `initialize`) never gets a session: its
+  requests, which carry their revision in `_meta`, are POSTed as they are and the route treats
+  them as stateless (in-band approval is then an `input_required` result the client retries).
 - End of stdin ends the session (DELETE) and returns.
 
 Nothing but protocol reaches stdout: every line written is a JSON object (or array) parsed and

@@ -408,3 +408,40 @@ def test_typescript_sdk_client_through_stdio_front(tmp_path: Path, sse_upstream:
     assert [(r["principal"], r["tool"], r["code"]) for r in recs] == [
         ("local", "write_note", "ok"), ("local", "write_note", "capability_blocked"),
         ("local", "delete_note", "ok")]
+
+
+async def test_sdk_auto_client_speaks_2026_07_28_through_the_stdio_front(tmp_path: Path, errlog: Any) -> None:
+    """The SDK's `Client(mode="auto")` over stdio negotiates 2026-07-28 (`server/discover`):
+    the bridge relays it without a session, and the in-band approval is an `input_required`
+    round the client answers with its elicitation callback; the server gets the call once."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+    from mcp_types import ElicitResult
+
+    policies = stdio_server_policy(tmp_path / "policies")
+    state = tmp_path / "state"
+    notes = tmp_path / "notes-dir"
+    notes.mkdir()
+    asked: list[str] = []
+
+    async def on_elicitation(ctx: Any, params: Any) -> Any:
+        asked.append(params.message)
+        return ElicitResult(action="accept", content={"approve": True})
+
+    command, *first = proxy_command()
+    params = StdioServerParameters(
+        command=command, cwd=tmp_path,
+        args=[*first, "stdio", "--policies", str(policies), "--state-dir", str(state),
+              "--", sys.executable, str(STDIO_SERVER)],
+        env={**child_env(), "STDIO_STATE": str(notes)})
+    async with Client(stdio_client(params, errlog=errlog), mode="auto", cache=None,
+                      elicitation_callback=on_elicitation) as c:
+        assert c.protocol_version == "2026-07-28"
+        assert {t.name for t in (await c.list_tools()).tools} == {"echo", "pid", "ask", "write_note"}
+        r = await c.call_tool("write_note", {"text": "stateless note"})
+        assert r.is_error is False and text(r) == "noted: stateless note"
+    assert len(asked) == 1 and "write_note" in asked[0]
+    assert (notes / "notes").read_text() == "stateless note\n"
+    recs = audit_records(state)
+    assert [(r["code"], r["extra"].get("in_band")) for r in recs] == [
+        ("approval_pending", "input_required"), ("ok", True)]

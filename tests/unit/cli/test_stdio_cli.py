@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,17 @@ def test_pending_hint_names_what_this_process_offers(tmp_path: Path) -> None:
     cfg.write_text(json.dumps({"approvals": {"pending_hint": "ask Bob"}}))
     config, _ = stdio_config(parse("--config", str(cfg)), environ={})
     assert config.approvals.pending_hint == "ask Bob"
+
+
+def test_readme_client_configuration_snippet_launches_stdio() -> None:
+    """The README's `mcpServers` JSON is valid and its args are a valid `stdio` command line."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```json\n(.*?)```", readme, flags=re.S)
+    [snippet] = [json.loads(b) for b in blocks if "mcpServers" in b]
+    [(name, server)] = snippet["mcpServers"].items()
+    assert server["command"].endswith("/envelope-proxy")
+    words = list(server["args"])
+    cut = words.index("--")
+    args = build_parser().parse_args(words[:cut])
+    assert args.handler.__name__ == "cmd_stdio" and args.name == name
+    assert words[cut + 1:] == ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/home/me/data"]
