@@ -445,3 +445,53 @@ async def test_sdk_auto_client_speaks_2026_07_28_through_the_stdio_front(tmp_pat
     recs = audit_records(state)
     assert [(r["code"], r["extra"].get("in_band")) for r in recs] == [
         ("approval_pending", "input_required"), ("ok", True)]
+
+
+def test_stdio_server_stderr_goes_to_the_log_and_sigterm_stops_cleanly(tmp_path: Path) -> None:
+    """In front of a stdio server: what the server writes to stderr lands in the proxy's stderr,
+    never on stdout; SIGTERM (how clients stop a server that ignores stdin) ends the session,
+    exits 0 and takes the child with it."""
+    import signal
+
+    policies = stdio_server_policy(tmp_path / "policies")
+    doc = json.loads((policies / "policy.yaml").read_text())
+    doc["tools"]["server.shout"] = {"effect": "read"}
+    write_doc(policies, doc)
+    errlog = open(tmp_path / "stderr.log", "wb")
+    proc = subprocess.Popen(
+        [*proxy_command(), "stdio", "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
+         "--", sys.executable, str(STDIO_SERVER)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdin is not None
+    seen: list[bytes] = []
+
+    def send(message: dict[str, Any]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n")
+        proc.stdin.flush()
+
+    try:
+        send({"id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
+        assert _lines(proc, 1, seen)["result"]["protocolVersion"] == "2025-06-18"
+        send({"method": "notifications/initialized"})
+        send({"id": 2, "method": "tools/call", "params": {"name": "shout", "arguments": {"text": "LOUD-7f3a"}}})
+        assert _lines(proc, 2, seen)["result"]["content"][0]["text"] == "LOUD-7f3a"
+        send({"id": 3, "method": "tools/call", "params": {"name": "pid", "arguments": {}}})
+        child = int(_lines(proc, 3, seen)["result"]["content"][0]["text"])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert proc.stdout is not None
+        seen.extend(proc.stdout.read().splitlines(keepends=True))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        errlog.close()
+    assert _gone(child), f"the server child {child} outlived the proxy"
+    for line in seen:
+        assert json.loads(line)["jsonrpc"] == "2.0", line
+    assert sum(b"LOUD-7f3a" in line for line in seen) == 1  # only in the tool's result
+    log = (tmp_path / "stderr.log").read_text()
+    assert "LOUD-7f3a" in log and "shutdown complete" in log
