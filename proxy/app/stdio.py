@@ -62,6 +62,8 @@ async def serve_stdio(config: Config, upstream: str, stdin: BinaryIO, stdout: Bi
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, bridge.stop)
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(runtime.reload("SIGHUP")))
+    log.debug("the bridge's listener: %s (requests without this process's credential get 403)",
+              url)
     revision = runtime.revision.revision if runtime.revision else "none"
     log.info("envelope-proxy %s: stdio front for upstream %r ready%s", revision, upstream,
              f"; admin {runtime.urls['admin']}" if "admin" in runtime.urls else "")

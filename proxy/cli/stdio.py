@@ -49,6 +49,8 @@ examples:
   envelope-proxy stdio --policies ~/policies --name files -- npx -y @modelcontextprotocol/server-filesystem /data"""
 
 DEFAULT_PRINCIPAL = "local"
+# The idle timeout of the server a command line names: longer than any client runs (ten years).
+CLIENT_LIFETIME = 10 * 365 * 86400.0
 # Appended to an `approval_pending` reason (ApprovalsConfig.pending_hint): what the person at the
 # client can do about a held call, with and without an admin listener.
 OUT_OF_BAND = ("an approver decides it through the admin API (`envelope-proxy approvals approve {id} "
@@ -110,7 +112,10 @@ def stdio_config(args: argparse.Namespace,
         # client's `env` for its server lands here), minus the proxy's own settings.
         environ = os.environ if environ is None else environ
         env = {k: v for k, v in environ.items() if not k.startswith("ENVELOPE_")}
-        upstreams[args.name] = UpstreamOverride(command=command, env=env, cwd=os.getcwd())
+        # One client, one session, one child for the client's lifetime (as when the client
+        # launched the server itself): never reaped for idleness.
+        upstreams[args.name] = UpstreamOverride(command=command, env=env, cwd=os.getcwd(),
+                                                idle_timeout=CLIENT_LIFETIME)
     config = config.model_copy(update={
         # The bridge's own listener: loopback, an ephemeral port, one process.
         "listen": "127.0.0.1:0", "workers": 1, "identity": identity, "upstreams": upstreams,

@@ -149,6 +149,11 @@ class StdioBridge:
         self._listener: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None
         self._stopped = asyncio.Event()
+        # The client's `initialize` (body, id) and `notifications/initialized`, sent again when
+        # the session has to be renewed.
+        self._init: tuple[bytes, Any] | None = None
+        self._initialized: bytes | None = None
+        self._renew_lock = asyncio.Lock()
 
     def stop(self) -> None:
         """End the session as if stdin had closed (SIGTERM / SIGINT)."""
@@ -182,7 +187,7 @@ class StdioBridge:
     # ---- client -> route -------------------------------------------------------------------
 
     async def _dispatch(self, line: bytes) -> None:
-        if line is _Lines.TOO_LONG:
+        if line == _Lines.TOO_LONG:
             await self._write(_error(None, jsonrpc.INVALID_REQUEST,
                                      f"message exceeds {self._max_message} bytes (limits.max_body_bytes)"))
             return
@@ -204,6 +209,7 @@ class StdioBridge:
             # next request, a cancellation after the request it cancels.
             await self._post(line, None)
             if isinstance(message, dict) and message.get("method") == "notifications/initialized":
+                self._initialized = line
                 self._start_listening()
 
     def _headers(self, accept: str) -> dict[str, str]:
@@ -216,33 +222,33 @@ class StdioBridge:
 
     async def _post(self, body: bytes, msg_id: Any, initialize: bool = False) -> None:
         """POST one message; write what the reply carries. `msg_id` (a request's): the client
-        gets an error with it when the reply carries no answer."""
+        gets an error with it when the reply carries no answer. A 404 on the session (the
+        upstream restarted, or reaped it idle) renews the session once, as a client would, and
+        the message is sent again."""
         assert self._http is not None
-        headers = self._headers(ACCEPT) | {"Content-Type": "application/json"}
         answered = msg_id is None
+        if initialize:
+            self._init = (body, msg_id)
         try:
-            async with self._http.post(self._url, data=body, headers=headers) as resp:
-                if resp.status == 202:
-                    return
-                if "text/event-stream" in resp.headers.get("Content-Type", ""):
-                    async for message in self._events(resp):
+            for attempt in (1, 2):
+                session = self._session
+                headers = self._headers(ACCEPT) | {"Content-Type": "application/json"}
+                async with self._http.post(self._url, data=body, headers=headers) as resp:
+                    if resp.status == 202:
+                        return
+                    if resp.status == 404 and session is not None and attempt == 1 and not initialize:
+                        await resp.read()
+                        if await self._renew(session):
+                            continue
+                    async for message in self._replies(resp):
+                        if isinstance(message, dict) and message.get("id") is None and msg_id is not None \
+                                and "error" in message:
+                            message = {**message, "id": msg_id}  # a transport-level refusal of it
                         if initialize and resp.status == 200 and _answers(message, msg_id):
                             self._begin_session(resp.headers.get(SESSION_HEADER), message)
                         answered = answered or _answers(message, msg_id)
                         await self._write(message)
                     return
-                reply = await resp.content.read(self._max_event + 1)
-                message = self._decode(reply)
-                if message is None:
-                    log.warning("the proxy answered HTTP %s without a JSON-RPC message", resp.status)
-                    return
-                if isinstance(message, dict) and message.get("id") is None and msg_id is not None \
-                        and "error" in message:
-                    message = {**message, "id": msg_id}  # a transport-level refusal of this request
-                if initialize and resp.status == 200:
-                    self._begin_session(resp.headers.get(SESSION_HEADER), message)
-                answered = answered or _answers(message, msg_id)
-                await self._write(message)
         except asyncio.CancelledError:
             answered = True  # the session is ending: nobody waits for the answer
             raise
@@ -252,6 +258,52 @@ class StdioBridge:
             if not answered:
                 await self._write(_error(msg_id, jsonrpc.INTERNAL_ERROR,
                                          "envelope-proxy: the request ended without a response"))
+
+    async def _renew(self, stale: str) -> bool:
+        """A new session in place of `stale` (the client's own `initialize` and `initialized`
+        sent again, their answers kept from the client); False when that fails."""
+        async with self._renew_lock:
+            if self._session != stale:  # another request renewed it meanwhile
+                return self._session is not None
+            if self._init is None:
+                return False
+            assert self._http is not None
+            log.warning("the session expired (HTTP 404): initializing a new one")
+            body, init_id = self._init
+            self._session = None
+            headers = self._headers(ACCEPT) | {"Content-Type": "application/json"}
+            async with self._http.post(self._url, data=body, headers=headers) as resp:
+                answer = [m async for m in self._replies(resp) if _answers(m, init_id)]
+                if resp.status != 200 or not answer or "result" not in answer[0]:
+                    log.error("a new session was refused (HTTP %s)", resp.status)
+                    return False
+                self._begin_session(resp.headers.get(SESSION_HEADER), answer[0])
+            if self._initialized is not None:
+                headers = self._headers(ACCEPT) | {"Content-Type": "application/json"}
+                async with self._http.post(self._url, data=self._initialized, headers=headers) as resp:
+                    await resp.read()
+            if self._listener is not None and self._listener.done():
+                self._listener = None
+                self._start_listening()
+            return True
+
+    async def _replies(self, resp: aiohttp.ClientResponse) -> Any:
+        """The messages of a reply: its SSE events' as they arrive, or its JSON body's."""
+        if "text/event-stream" in resp.headers.get("Content-Type", ""):
+            async for message in self._events(resp):
+                yield message
+            return
+        body = bytearray()
+        async for chunk in resp.content.iter_any():
+            body += chunk
+            if len(body) > self._max_event:
+                log.warning("the proxy's reply exceeds %d bytes: dropped", self._max_event)
+                return
+        message = self._decode(bytes(body))
+        if message is None:
+            log.warning("the proxy answered HTTP %s without a JSON-RPC message", resp.status)
+            return
+        yield message
 
     def _begin_session(self, session: str | None, message: Any) -> None:
         result = message.get("result") if isinstance(message, dict) else None

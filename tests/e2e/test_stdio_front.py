@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -203,6 +204,13 @@ def test_stdout_carries_only_protocol_and_stdin_eof_exits_cleanly(tmp_path: Path
         assert _lines(proc, None, seen)["error"]["code"] == -32700
         send({"id": 5, "method": "ping"})
         assert _lines(proc, 5, seen)["result"] == {}
+        # The loopback listener serves the bridge alone: without its credential, 403.
+        log = (tmp_path / "stderr.log").read_text()
+        listener = re.search(r"the bridge's listener: (http://127\.0\.0\.1:\d+/mcp/notes)", log)
+        assert listener is not None, log
+        other = httpx.post(listener.group(1), json={"jsonrpc": "2.0", "id": 9, "method": "tools/list"},
+                           headers={"Accept": "application/json, text/event-stream"}, timeout=5)
+        assert other.status_code == 403
         proc.stdin.close()
         started = time.monotonic()
         assert proc.wait(15) == 0
@@ -495,3 +503,60 @@ def test_stdio_server_stderr_goes_to_the_log_and_sigterm_stops_cleanly(tmp_path:
     assert sum(b"LOUD-7f3a" in line for line in seen) == 1  # only in the tool's result
     log = (tmp_path / "stderr.log").read_text()
     assert "LOUD-7f3a" in log and "shutdown complete" in log
+
+
+def test_session_lost_upstream_is_renewed_like_a_client_would(tmp_path: Path) -> None:
+    """The HTTP server restarts (its sessions gone: 404): the bridge initializes a new session
+    with the client's own `initialize`, and the client's next request is answered on it."""
+    from tests.harness import stop, wait_port
+
+    port = free_port()
+
+    def notes_server() -> subprocess.Popen[bytes]:
+        server = subprocess.Popen([sys.executable, "-m", "proxy.examples.demo_server", "--port", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        wait_port(port, server)
+        return server
+
+    server = notes_server()
+    policies = notes_policy(tmp_path / "policies")
+    errlog = open(tmp_path / "stderr.log", "wb")
+    proc = subprocess.Popen(
+        [*proxy_command(), "stdio", "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
+         "--name", "notes", "--url", f"http://127.0.0.1:{port}/mcp"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    seen: list[bytes] = []
+
+    def send(message: dict[str, Any]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n")
+        proc.stdin.flush()
+
+    try:
+        send({"id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
+        _lines(proc, 1, seen)
+        send({"method": "notifications/initialized"})
+        send({"id": 2, "method": "tools/call", "params": {"name": "write_note",
+                                                           "arguments": {"title": "before", "body": "x"}}})
+        before = _lines(proc, 2, seen)["result"]["structuredContent"]["count"]
+        stop(server)
+        server = notes_server()
+        send({"id": 3, "method": "tools/call", "params": {"name": "write_note",
+                                                           "arguments": {"title": "after", "body": "x"}}})
+        after = _lines(proc, 3, seen)
+        assert after["result"]["isError"] is False, after
+        # The new server knows nothing of the note written before the restart.
+        assert after["result"]["structuredContent"] == {"saved": "after", "folder": "inbox", "count": before}
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        errlog.close()
+        stop(server)
+    assert [json.loads(line)["id"] for line in seen] == [1, 2, 3]  # the renewal's answer stays inside
+    assert "the session expired (HTTP 404): initializing a new one" in (tmp_path / "stderr.log").read_text()

@@ -72,6 +72,7 @@ def test_server_command_gets_the_launch_environment_minus_envelope_settings(tmp_
     entry = config.upstreams["files"]
     assert entry.command == ["npx", "-y", "server", "/data"] and entry.url is None
     assert entry.env == {"PATH": "/bin", "GITHUB_TOKEN": "t"}
+    assert entry.idle_timeout >= 365 * 86400  # the client's session is never reaped for idleness
     assert config.state_dir == tmp_path / "s"  # the setting itself still applies to the proxy
 
 
