@@ -44,6 +44,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.errors import UpstreamError
 from proxy.fronts import jsonrpc
 from proxy.fronts.sse import SSEParser
 
@@ -236,10 +237,9 @@ class StdioBridge:
                 async with self._http.post(self._url, data=body, headers=headers) as resp:
                     if resp.status == 202:
                         return
-                    if resp.status == 404 and session is not None and attempt == 1 and not initialize:
-                        await resp.read()
-                        if await self._renew(session):
-                            continue
+                    if resp.status == 404 and session is not None and attempt == 1 and not initialize \
+                            and await self._renew(session):
+                        continue  # this (unread) 404 is dropped; the message goes again
                     async for message in self._replies(resp):
                         if isinstance(message, dict) and message.get("id") is None and msg_id is not None \
                                 and "error" in message:
@@ -252,7 +252,7 @@ class StdioBridge:
         except asyncio.CancelledError:
             answered = True  # the session is ending: nobody waits for the answer
             raise
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError, UpstreamError) as exc:
             log.warning("relaying a message to the proxy failed: %s", exc)
         finally:
             if not answered:
@@ -364,7 +364,7 @@ class StdioBridge:
                     async for message in self._events(resp, on_id=lambda i: last_id.append(i)):
                         del last_id[:-1]
                         await self._write(message)
-            except (aiohttp.ClientError, OSError, ValueError) as exc:
+            except (aiohttp.ClientError, OSError, ValueError, UpstreamError) as exc:
                 log.info("the stream for unsolicited messages ended: %s", exc)
             failures += 1
             await asyncio.sleep(min(0.25 * 2**failures, LISTEN_MAX_BACKOFF))
