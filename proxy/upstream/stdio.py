@@ -255,7 +255,7 @@ class Child:
         if len(line) > STDERR_LINE_BYTES:
             text += f" [... {len(line) - STDERR_LINE_BYTES} bytes cut]"
         if text:
-            log.warning("stdio upstream %s [%s] stderr: %s", self.spec.name, self.pid, text)
+            log.info("stdio upstream %s [%s] stderr: %s", self.spec.name, self.pid, text)
 
     def _signal(self, sig: int) -> None:
         proc = self.proc
@@ -404,7 +404,11 @@ class StdioUpstreams:
         self._shared.clear()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*(c.close() for c in children if c is not None), return_exceptions=True)
+        running = [c for c in children if c is not None]
+        if running:
+            log.info("stopping %d stdio children (stdin closed, then SIGTERM, then SIGKILL)",
+                     len(running))
+        await asyncio.gather(*(c.close() for c in running), return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -467,11 +471,11 @@ class StdioUpstreams:
         self._slots[name] = max(0, self._slots.get(name, 0) - 1)
 
     def _full(self, spec: StdioSpec, rpc_id: Any) -> web.Response:
-        log.warning("stdio upstream %s: all %d processes in use (max_processes): refused a new "
-                    "session", spec.name, spec.max_processes)
+        log.warning("stdio upstream %s runs as many processes as it may (max_processes: %d): "
+                    "refused a new session", spec.name, spec.max_processes)
         response = _error(503, rpc_id, -32000,
-                          f"stdio upstream {spec.name!r}: all {spec.max_processes} processes are "
-                          "in use (max_processes); try again later")
+                          f"stdio upstream {spec.name!r} runs as many processes as it may "
+                          f"(max_processes: {spec.max_processes}); try again later")
         response.headers["Retry-After"] = "1"
         return response
 
@@ -491,9 +495,12 @@ class StdioUpstreams:
         session.child = child
         session.ready.set()
         self._sessions[session.id] = session
-        return await self._relay(request, child, message, Waiter(message.get("id")),
-                                 _key(message.get("id")), {"Mcp-Session-Id": session.id},
-                                 on_reply=lambda _: self._health(spec.name, True))
+        try:
+            return await self._relay(request, child, message, Waiter(message.get("id")),
+                                     _key(message.get("id")), {"Mcp-Session-Id": session.id},
+                                     on_reply=lambda _: self._health(spec.name, True))
+        finally:
+            session.last_used = time.monotonic()  # idle counts from the last answer
 
     async def _start_child(self, spec: StdioSpec, owner: Session | Shared) -> Child:
         child = Child(spec, self.max_line_bytes,
@@ -523,8 +530,11 @@ class StdioUpstreams:
                               "process is not running")
             return web.Response(status=202)
         waiter = Waiter(message.get("id"), progress=_progress_token(message))
-        return await self._relay(request, child, message, waiter, _key(message.get("id")),
-                                 {"Mcp-Session-Id": session.id})
+        try:
+            return await self._relay(request, child, message, waiter, _key(message.get("id")),
+                                     {"Mcp-Session-Id": session.id})
+        finally:
+            session.last_used = time.monotonic()
 
     async def _listen(self, request: web.Request, sid: str | None) -> web.StreamResponse:
         """GET: the session's stream for server messages no call caused."""

@@ -1,0 +1,199 @@
+"""`StdioUpstreams` in-process: its loopback endpoint driven over real HTTP, real child
+processes (a scripted line-oriented JSON-RPC server, `SCRIPT`), no proxy around it.
+
+What the end-to-end tests cannot see from outside: the secret header, ids remapped so that two
+stateless callers using the same id get their own replies, a line past the cap, the pool bound
+answered at once, and `close()` leaving no process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
+
+# A stdio "server" that needs no SDK: `initialize` answers, `echo` replies `text` after `delay`
+# seconds (requests run concurrently, so replies can cross), `big` writes one line of `size`
+# bytes, `pid` its process id; `ask` sends a server request and replies with the answer.
+SCRIPT = r"""
+import asyncio, json, os, sys
+
+async def main():
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**24)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = sys.stdout.buffer
+    answers = {}
+
+    def send(msg):
+        out.write(json.dumps(msg).encode() + b"\n"); out.flush()
+
+    async def handle(msg):
+        m, p, i = msg.get("method"), msg.get("params") or {}, msg.get("id")
+        if m == "initialize":
+            send({"jsonrpc": "2.0", "id": i, "result": {"protocolVersion": "2025-11-25",
+                  "capabilities": {}, "serverInfo": {"name": "script", "version": "1"}}})
+        elif m == "echo":
+            await asyncio.sleep(p.get("delay", 0))
+            send({"jsonrpc": "2.0", "id": i, "result": {"text": p["text"]}})
+        elif m == "big":
+            out.write(b'{"x": "' + b"a" * p["size"] + b'"}\n'); out.flush()
+        elif m == "pid":
+            send({"jsonrpc": "2.0", "id": i, "result": {"pid": os.getpid()}})
+        elif m == "ask":
+            fut = loop.create_future(); answers["q1"] = fut
+            send({"jsonrpc": "2.0", "id": "q1", "method": "elicitation/create", "params": {"message": p["text"]}})
+            answer = await fut
+            send({"jsonrpc": "2.0", "id": i, "result": {"answer": answer}})
+
+    while True:
+        line = await reader.readline()
+        if not line:
+            return
+        msg = json.loads(line)
+        if "method" not in msg and msg.get("id") in answers:
+            answers.pop(msg["id"]).set_result(msg.get("result"))
+            continue
+        asyncio.ensure_future(handle(msg))
+
+asyncio.run(main())
+"""
+
+
+def spec(max_processes: int = 4, idle_timeout: float = 300.0) -> StdioSpec:
+    return StdioSpec("script", (sys.executable, "-c", SCRIPT), max_processes=max_processes,
+                     idle_timeout=idle_timeout)
+
+
+@pytest.fixture
+async def stdio() -> AsyncIterator[StdioUpstreams]:
+    upstreams = StdioUpstreams(max_line_bytes=64 * 1024)
+    upstreams.configure({"script": spec(max_processes=2)})
+    await upstreams.start()
+    try:
+        yield upstreams
+    finally:
+        await upstreams.close()
+
+
+async def post(stdio: StdioUpstreams, body: Any, headers: dict[str, str] | None = None,
+               secret: bool = True) -> tuple[int, dict[str, str], list[dict[str, Any]]]:
+    """POST one message; (status, headers, the JSON messages of the answer, SSE or JSON)."""
+    hdrs = {"Content-Type": "application/json", **(stdio.headers if secret else {}), **(headers or {})}
+    async with aiohttp.ClientSession() as http, http.post(stdio.url("script"), data=orjson.dumps(body),
+                                                          headers=hdrs) as resp:
+        raw = await resp.read()
+        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            messages = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        elif resp.headers.get("Content-Type", "").startswith("application/json"):
+            messages = [orjson.loads(raw)]
+        else:
+            messages = []
+        return resp.status, dict(resp.headers), messages
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except OSError:
+        return False
+
+
+async def test_requests_without_the_secret_are_refused(stdio: StdioUpstreams) -> None:
+    status, _, _ = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"}, secret=False)
+    assert status == 403
+    status, _, _ = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"},
+                              headers={SECRET_HEADER: "guess"}, secret=False)
+    assert status == 403
+    assert stdio.processes("script") == 0  # nothing was started for them
+
+
+async def test_stateless_callers_with_the_same_id_get_their_own_replies(stdio: StdioUpstreams) -> None:
+    slow = post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "echo", "params": {"text": "slow", "delay": 0.5}})
+    fast = post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "echo", "params": {"text": "fast", "delay": 0}})
+    (s1, _, m1), (s2, _, m2) = await asyncio.gather(slow, fast)
+    assert (s1, m1) == (200, [{"jsonrpc": "2.0", "id": 1, "result": {"text": "slow"}}])
+    assert (s2, m2) == (200, [{"jsonrpc": "2.0", "id": 1, "result": {"text": "fast"}}])
+    assert stdio.processes("script") == 1  # one shared child served both
+
+
+async def test_a_server_request_reaches_its_stateless_caller_and_the_answer_the_child(
+        stdio: StdioUpstreams) -> None:
+    async with aiohttp.ClientSession() as http:
+        hdrs = {"Content-Type": "application/json", **stdio.headers}
+        body = {"jsonrpc": "2.0", "id": 7, "method": "ask", "params": {"text": "name?"}}
+        async with http.post(stdio.url("script"), data=orjson.dumps(body), headers=hdrs) as resp:
+            line = b""
+            while not line.startswith(b"data: "):
+                line = (await resp.content.readline()).strip()
+            request = orjson.loads(line[6:])
+            assert request["method"] == "elicitation/create"
+            assert str(request["id"]).startswith("envelope-stdio-")  # never the child's own id
+            answer = {"jsonrpc": "2.0", "id": request["id"], "result": {"name": "ada"}}
+            async with http.post(stdio.url("script"), data=orjson.dumps(answer), headers=hdrs) as r2:
+                assert r2.status == 202
+            rest = await resp.read()
+    [reply] = [orjson.loads(x[6:]) for x in rest.split(b"\n") if x.startswith(b"data: ")]
+    assert reply == {"jsonrpc": "2.0", "id": 7, "result": {"answer": {"name": "ada"}}}
+
+
+async def test_a_line_past_the_cap_breaks_the_child(stdio: StdioUpstreams) -> None:
+    _, _, [first] = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"})
+    pid = first["result"]["pid"]
+    status, _, messages = await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "big",
+                                             "params": {"size": 100_000}})
+    assert (status, messages) == (200, [])  # the stream ended without a reply
+    for _ in range(100):
+        if not alive(pid):
+            break
+        await asyncio.sleep(0.05)
+    assert not alive(pid)
+    _, _, [again] = await post(stdio, {"jsonrpc": "2.0", "id": 3, "method": "pid"})
+    assert again["result"]["pid"] != pid  # the next call started another child
+
+
+async def test_sessions_past_the_bound_are_refused_at_once(stdio: StdioUpstreams) -> None:
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
+    first = await post(stdio, init)
+    second = await post(stdio, init)
+    assert first[0] == second[0] == 200
+    status, headers, [error] = await post(stdio, init)
+    assert (status, headers["Retry-After"]) == (503, "1")
+    assert error["error"] == {"code": -32000, "message": "stdio upstream 'script' runs as many "
+                              "processes as it may (max_processes: 2); try again later"}
+    # Ending a session gives its process back.
+    sid = first[1]["Mcp-Session-Id"]
+    async with aiohttp.ClientSession() as http, http.delete(
+            stdio.url("script"), headers={**stdio.headers, "Mcp-Session-Id": sid}) as resp:
+        assert resp.status == 200
+    assert (await post(stdio, init))[0] == 200
+    status, _, _ = await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "pid"},
+                              headers={"Mcp-Session-Id": sid})
+    assert status == 404  # the ended session is unknown
+
+
+async def test_close_leaves_no_child() -> None:
+    stdio = StdioUpstreams()
+    stdio.configure({"script": spec()})
+    await stdio.start()
+    try:
+        await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}})
+        await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"})
+        pids = stdio.pids()
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+    finally:
+        await stdio.close()
+    assert not [p for p in pids if alive(p)]
