@@ -92,7 +92,7 @@ def test_readme_client_configuration_snippet_launches_stdio() -> None:
     """The README's `mcpServers` JSON is valid and its args are a valid `stdio` command line."""
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```json\n(.*?)```", readme, flags=re.S)
-    [snippet] = [json.loads(b) for b in blocks if "mcpServers" in b]
+    [snippet] = [json.loads(b) for b in blocks if "mcpServers" in b and "envelope-proxy" in b]
     [(name, server)] = snippet["mcpServers"].items()
     assert server["command"].endswith("/envelope-proxy")
     words = list(server["args"])
