@@ -5,6 +5,7 @@ Every name and value below comes from the suite's server scenarios (tools `test_
 `test://...`, prompts `test_*_prompt*`, completion for `test_prompt_with_arguments`).
 
     python tests/conformance/fixture_server.py --port 8123 [--protocol-version 2025-06-18]
+    python tests/conformance/fixture_server.py --stdio    (on stdin/stdout: a stdio upstream)
 
 Answers requests with SSE streams (the suite's `server-sse-polling` reads the priming event and
 the `retry:` field), keeps an in-memory event store so `test_reconnection` can close its stream
@@ -326,7 +327,9 @@ def pin_protocol_version(version: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--stdio", action="store_true",
+                        help="serve on stdin/stdout instead (a stdio upstream of the proxy)")
     parser.add_argument("--protocol-version", default=None,
                         help="pin the negotiated protocol revision (e.g. 2025-06-18)")
     args = parser.parse_args()
@@ -334,6 +337,11 @@ def main() -> None:
         pin_protocol_version(args.protocol_version)
     mcp = build_server()
     mcp.settings.log_level = "WARNING"
+    if args.stdio:
+        mcp.run("stdio")
+        return
+    if args.port is None:
+        parser.error("--port is required (or --stdio)")
     mcp.run("streamable-http", host=args.host, port=args.port, json_response=False,
             stateless_http=False, event_store=InMemoryEventStore(), retry_interval=500)
 

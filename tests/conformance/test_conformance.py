@@ -3,7 +3,9 @@
 `@modelcontextprotocol/conformance` 0.1.16 (tests/node/package.json) runs its server scenarios
 (`server --suite all --spec-version <rev> -o <dir>`, one `checks.json` per scenario) against
 tests/conformance/fixture_server.py, once at the fixture's own URL and once at
-`/mcp/fixture` of a real `envelope-proxy serve` process (policy: tests/conformance/policies).
+`/mcp/fixture` of a real `envelope-proxy serve` process (policy: tests/conformance/policies),
+and for 2025-11-25 once more through a proxy that launches the fixture as a stdio upstream
+(`fixture_server.py --stdio` as the upstream's `command`).
 
 Revisions: the suite's server scenarios exist for 2025-06-18 and 2025-11-25 only (it has none for
 2026-07-28; `test_suite_revisions` notices when that changes). Its client always offers
@@ -328,6 +330,44 @@ def test_report(results: Results, capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print(f"\n{line}; scenarios with warnings through the proxy: {warned}")
     assert set(d.scenarios) == set(p.scenarios), (set(d.scenarios) ^ set(p.scenarios))
+
+
+# -- the fixture launched as a stdio upstream --------------------------------------------------
+# The same suite through `/mcp/fixture` of a proxy that launches the fixture itself
+# (`fixture_server.py --stdio` as the upstream's `command`): one child per suite session. The
+# suite ends none of its 32 sessions (no DELETE), so the pool is sized for them and idle
+# children are reaped meanwhile. 2025-11-25 only: the bridge is revision-blind and one more run
+# costs two minutes.
+STDIO_REVISION = "2025-11-25"
+# Warns directly too: the suite sends `mcp-protocol-version: 2025-03-26` on its raw requests,
+# so no SDK server primes or closes that stream (see the resumption note below).
+WARNS_ANYWHERE = {"server-sse-polling"}
+
+
+@pytest.fixture(scope="module")
+def stdio_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Run, list[dict[str, Any]]]]:
+    tmp = tmp_path_factory.mktemp("conformance-stdio")
+    command = [sys.executable, str(HERE / "fixture_server.py"), "--stdio"]
+    with proxy_process(tmp, {}, policies=POLICIES,
+                       identity={"mode": "static", "principal": "conformance"},
+                       config={"upstreams": {UPSTREAM: {"command": command, "max_processes": 40,
+                                                        "idle_timeout": "15s"}}}) as pp:
+        run = run_suite(node, pp.url(UPSTREAM), STDIO_REVISION, tmp / "stdio", "stdio")
+        yield run, pp.audit_records()
+
+
+def test_nothing_lost_through_a_stdio_upstream(stdio_run: tuple[Run, list[dict[str, Any]]]) -> None:
+    run, audit = stdio_run
+    expected = set(expected_failures(STDIO_REVISION))
+    lost = sorted(run.failed() - expected)
+    assert not lost, "\n\n".join(f"{n}:\n{run.scenarios[n].summary()}\n{run.scenarios[n].output}"
+                                   for n in lost)
+    warned = {n for n, sc in run.scenarios.items() if "WARNING" in sc.statuses().values()}
+    assert warned <= WARNS_ANYWHERE, {n: run.scenarios[n].summary() for n in warned - WARNS_ANYWHERE}
+    assert len(run.scenarios) >= 30, sorted(run.scenarios)
+    refused = [r for r in audit if r["verdict"] != "allow" or r["upstream_status"] != 200]
+    assert not refused, json.dumps(refused, indent=2)
+    assert {"test_simple_text", "test_sampling", "test_elicitation"} <= {r["tool"] for r in audit}
 
 
 # -- SEP-1699 resumption, which the suite does not exercise ------------------------------------
