@@ -24,7 +24,7 @@ import httpx
 import pytest
 from e2e_helpers import write_doc
 
-from tests.harness import ADMIN_TOKEN, ROOT, Upstream, free_port
+from tests.harness import ADMIN_TOKEN, ROOT, Upstream, free_port, metric_value
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -150,6 +150,24 @@ async def test_held_approval_without_elicitation_is_a_refusal(tmp_path: Path, ss
     assert (rec["principal"], rec["code"]) == ("alice", "approval_pending")
 
 
+def listening_ports(pid: int) -> set[tuple[str, int]]:
+    """The TCP (IPv4) addresses process `pid` listens on, from /proc (Linux)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = set()
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = row.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+            ip_hex, port_hex = fields[1].split(":")
+            ip = ".".join(str(int(ip_hex[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            found.add((ip, int(port_hex, 16)))
+    return found
+
+
 def _lines(proc: subprocess.Popen[bytes], want_id: int, seen: list[bytes], timeout: float = 30) -> dict[str, Any]:
     """Read stdout lines (kept in `seen`) until the response with `want_id`."""
     assert proc.stdout is not None
@@ -211,6 +229,9 @@ def test_stdout_carries_only_protocol_and_stdin_eof_exits_cleanly(tmp_path: Path
         other = httpx.post(listener.group(1), json={"jsonrpc": "2.0", "id": 9, "method": "tools/list"},
                            headers={"Accept": "application/json, text/event-stream"}, timeout=5)
         assert other.status_code == 403
+        # That listener is the only one: no admin listener unless the config file asks.
+        port = int(listener.group(1).split(":")[2].split("/")[0])
+        assert listening_ports(proc.pid) == {("127.0.0.1", port)}
         proc.stdin.close()
         started = time.monotonic()
         assert proc.wait(15) == 0
@@ -233,7 +254,7 @@ def test_stdout_carries_only_protocol_and_stdin_eof_exits_cleanly(tmp_path: Path
 
 def test_admin_listener_from_config_approves_out_of_band(tmp_path: Path, sse_upstream: Upstream) -> None:
     """With `admin:` in the config file, a held call is approved through the admin API while
-    the client waits; without it, no admin port is opened."""
+    the client waits, and the decision is counted on the admin listener's /metrics."""
     import hashlib
 
     policies = notes_policy(tmp_path / "policies")
@@ -275,6 +296,8 @@ def test_admin_listener_from_config_approves_out_of_band(tmp_path: Path, sse_ups
             listed = httpx.get(f"http://127.0.0.1:{admin_port}/v1/approvals", headers=auth, timeout=5).json()
             pending = [a for a in listed["approvals"] if a["state"] == "pending"]
         assert pending, "no pending approval listed by the admin API"
+        assert len(listening_ports(proc.pid)) == 2  # the bridge's listener and the admin listener
+        assert ("127.0.0.1", admin_port) in listening_ports(proc.pid)
         assert pending[0]["principal"] == "local" and pending[0]["tool"] == "delete_note"
         r = httpx.post(f"http://127.0.0.1:{admin_port}/v1/approvals/{pending[0]['id']}/approve",
                        headers=auth, json={"reason": "ok"}, timeout=5)
@@ -282,6 +305,9 @@ def test_admin_listener_from_config_approves_out_of_band(tmp_path: Path, sse_ups
         done = _lines(proc, 2, seen)
         assert done["result"].get("isError") is not True, done
         assert done["result"]["structuredContent"] == {"deleted": "oob", "existed": False}
+        metrics = httpx.get(f"http://127.0.0.1:{admin_port}/metrics", timeout=5).text
+        assert metric_value(metrics, "envelope_decisions_total", upstream="notes", tool="delete_note",
+                            verdict="allow", code="ok") == 1
         proc.stdin.close()
         assert proc.wait(15) == 0
     finally:
