@@ -127,6 +127,11 @@ def _error(msg_id: Any, code: int, message: str) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": msg_id, "error": {"code": code, "message": message}}
 
 
+def _id_key(value: Any) -> str:
+    """A JSON-RPC id as a set member that tells 1 from "1"."""
+    return orjson.dumps(value).decode()
+
+
 def _answers(message: Any, msg_id: Any) -> bool:
     return (isinstance(message, dict) and message.get("id") == msg_id
             and ("result" in message or "error" in message))
@@ -155,6 +160,9 @@ class StdioBridge:
         self._init: tuple[bytes, Any] | None = None
         self._initialized: bytes | None = None
         self._renew_lock = asyncio.Lock()
+        # Requests in flight, and those of them the client cancelled (`_id_key`).
+        self._in_flight: set[str] = set()
+        self._cancelled: set[str] = set()
 
     def stop(self) -> None:
         """End the session as if stdin had closed (SIGTERM / SIGINT)."""
@@ -202,12 +210,18 @@ class StdioBridge:
             # Alone and first: every later request needs the session it creates.
             await self._post(line, message["id"], initialize=True)
         elif is_request:
+            self._in_flight.add(_id_key(message["id"]))
             task = asyncio.ensure_future(self._post(line, message["id"]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
             # Notifications and answers to server requests, in order: `initialized` before the
             # next request, a cancellation after the request it cancels.
+            if isinstance(message, dict) and message.get("method") == "notifications/cancelled":
+                params = message.get("params")
+                if isinstance(params, dict) and _id_key(params.get("requestId")) in self._in_flight:
+                    # The client gave up on it: no stand-in error if its stream ends without one.
+                    self._cancelled.add(_id_key(params.get("requestId")))
             await self._post(line, None)
             if isinstance(message, dict) and message.get("method") == "notifications/initialized":
                 self._initialized = line
@@ -255,6 +269,12 @@ class StdioBridge:
         except (aiohttp.ClientError, OSError, ValueError, UpstreamError) as exc:
             log.warning("relaying a message to the proxy failed: %s", exc)
         finally:
+            if msg_id is not None:
+                key = _id_key(msg_id)
+                self._in_flight.discard(key)
+                if key in self._cancelled:
+                    self._cancelled.discard(key)
+                    answered = True
             if not answered:
                 await self._write(_error(msg_id, jsonrpc.INTERNAL_ERROR,
                                          "envelope-proxy: the request ended without a response"))

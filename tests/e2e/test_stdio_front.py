@@ -332,6 +332,8 @@ def stdio_server_policy(directory: Path) -> Path:
             "server.echo": {"effect": "read"},
             "server.pid": {"effect": "read"},
             "server.ask": {"effect": "read"},
+            "server.progress": {"effect": "read"},
+            "server.slow": {"effect": "read"},
             "server.write_note": {
                 "effect": "destructive",
                 "approval": {"required": True, "in_band": True, "wait": "1s"},
@@ -385,7 +387,7 @@ async def test_sdk_client_through_stdio_front_to_stdio_server(tmp_path: Path, er
             ClientSession(read, write, elicitation_callback=on_elicitation) as s:
         await s.initialize()
         tools = {t.name for t in (await s.list_tools()).tools}
-        assert tools == {"echo", "pid", "ask", "write_note"}  # crash, garbage, slow, shout: hidden
+        assert tools == {"echo", "pid", "ask", "write_note", "progress", "slow"}  # crash, garbage, shout: hidden
         r = await s.call_tool("echo", {"text": "hello ü"})
         assert r.is_error is False and text(r) == "hello ü"
         child = int(text(await s.call_tool("pid", {})))
@@ -397,13 +399,21 @@ async def test_sdk_client_through_stdio_front_to_stdio_server(tmp_path: Path, er
         assert text(r) == "noted: approved note"
         r = await s.call_tool("ask", {"question": "meaning?"})
         assert r.is_error is False and text(r) == "answered: forty-two"
+        steps: list[tuple[float, float | None, str | None]] = []
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            steps.append((progress, total, message))
+
+        r = await s.call_tool("progress", {"n": 3}, progress_callback=on_progress)
+        assert text(r) == "progressed 3"
+        assert steps == [(1, 3, "step 1"), (2, 3, "step 2"), (3, 3, "step 3")]
     assert (notes / "notes").read_text() == "approved note\n"  # the refused note never arrived
     assert len(asked) == 2 and "write_note" in asked[0]
     assert _gone(child), f"the server child {child} outlived the proxy"
     recs = audit_records(state)
     assert [(r["upstream"], r["tool"], r["code"]) for r in recs] == [
         ("server", "echo", "ok"), ("server", "pid", "ok"), ("server", "write_note", "capability_blocked"),
-        ("server", "write_note", "ok"), ("server", "ask", "ok")]
+        ("server", "write_note", "ok"), ("server", "ask", "ok"), ("server", "progress", "ok")]
     assert recs[3]["extra"]["approver"] == "user:local"
 
 
@@ -471,7 +481,8 @@ async def test_sdk_auto_client_speaks_2026_07_28_through_the_stdio_front(tmp_pat
     async with Client(stdio_client(params, errlog=errlog), mode="auto", cache=None,
                       elicitation_callback=on_elicitation) as c:
         assert c.protocol_version == "2026-07-28"
-        assert {t.name for t in (await c.list_tools()).tools} == {"echo", "pid", "ask", "write_note"}
+        assert {t.name for t in (await c.list_tools()).tools} == {"echo", "pid", "ask", "write_note",
+                                                                   "progress", "slow"}
         r = await c.call_tool("write_note", {"text": "stateless note"})
         assert r.is_error is False and text(r) == "noted: stateless note"
     assert len(asked) == 1 and "write_note" in asked[0]
@@ -586,3 +597,55 @@ def test_session_lost_upstream_is_renewed_like_a_client_would(tmp_path: Path) ->
         stop(server)
     assert [json.loads(line)["id"] for line in seen] == [1, 2, 3]  # the renewal's answer stays inside
     assert "the session expired (HTTP 404): initializing a new one" in (tmp_path / "stderr.log").read_text()
+
+
+def test_cancelled_call_reaches_the_server_and_gets_no_stand_in_answer(tmp_path: Path) -> None:
+    """`notifications/cancelled` from the client cancels the call in the server; the bridge
+    writes no error of its own for it (the client gave up on it) and the session goes on."""
+    policies = stdio_server_policy(tmp_path / "policies")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    errlog = open(tmp_path / "stderr.log", "wb")
+    proc = subprocess.Popen(
+        [*proxy_command(), "stdio", "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
+         "--", sys.executable, str(STDIO_SERVER)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "STDIO_STATE": str(marks)})
+    seen: list[bytes] = []
+
+    def send(message: dict[str, Any]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n")
+        proc.stdin.flush()
+
+    def wait_for(path: Path) -> None:
+        deadline = time.monotonic() + 15
+        while not path.exists():
+            assert time.monotonic() < deadline, f"{path.name} never appeared"
+            time.sleep(0.05)
+
+    try:
+        send({"id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
+        _lines(proc, 1, seen)
+        send({"method": "notifications/initialized"})
+        send({"id": 7, "method": "tools/call", "params": {"name": "slow", "arguments": {"seconds": 30, "tag": "c1"}}})
+        wait_for(marks / "started-c1")
+        send({"method": "notifications/cancelled", "params": {"requestId": 7, "reason": "user left"}})
+        wait_for(marks / "cancelled-c1")
+        time.sleep(0.5)  # room for a stray answer to id 7 to arrive before the ping's
+        send({"id": 8, "method": "ping"})
+        assert _lines(proc, 8, seen)["result"] == {}
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(15) == 0
+        assert proc.stdout is not None
+        seen.extend(proc.stdout.read().splitlines(keepends=True))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        errlog.close()
+    assert [json.loads(line)["id"] for line in seen] == [1, 8]
+    recs = [r for r in audit_records(tmp_path / "state") if r["tool"] == "slow"]
+    assert len(recs) == 1, recs  # the cancelled call is audited once
