@@ -57,7 +57,8 @@ async def serve_stdio(config: Config, upstream: str, stdin: BinaryIO, stdout: Bi
     url = f"http://{host}:{runtime.mcp_port}/mcp/{quote(upstream, safe='')}"
     limits = config.limits
     bridge = StdioBridge(url, secret, stdin, stdout, max_message_bytes=limits.max_body_bytes,
-                         max_event_bytes=limits.max_upstream_event_bytes)
+                         max_event_bytes=limits.max_upstream_event_bytes,
+                         drain_seconds=config.shutdown_grace)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, bridge.stop)

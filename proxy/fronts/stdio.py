@@ -16,7 +16,9 @@ the client's newline-delimited JSON-RPC to it as one legacy (session) client wou
 - A stateless client (2026-07-28: `server/discover`, no `initialize`) never gets a session: its
   requests, which carry their revision in `_meta`, are POSTed as they are and the route treats
   them as stateless (in-band approval is then an `input_required` result the client retries).
-- End of stdin ends the session (DELETE) and returns.
+- End of stdin ends the session (DELETE) and returns, once the requests in flight are answered
+  (at most `drain_seconds`; SIGTERM / SIGINT cut it short: calls cut off are refused and
+  audited by the route like any client disconnect).
 
 Nothing but protocol reaches stdout: every line written is a JSON object (or array) parsed and
 re-serialised here, so a stray byte from anywhere else cannot corrupt the client's stream (the
@@ -141,16 +143,18 @@ class StdioBridge:
     """One stdio client relayed to `url` (the proxy's `/mcp/<upstream>` on loopback)."""
 
     def __init__(self, url: str, secret: str, stdin: BinaryIO, stdout: BinaryIO,
-                 max_message_bytes: int, max_event_bytes: int):
+                 max_message_bytes: int, max_event_bytes: int, drain_seconds: float = 10.0):
         self._url = url
         self._secret = secret
         self._stdin = stdin
         self._stdout = stdout
         self._max_message = max_message_bytes
         self._max_event = max_event_bytes
+        self._drain_seconds = drain_seconds
         self._session: str | None = None
         self._version: str | None = None
         self._write_lock = asyncio.Lock()
+        self._stdout_lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -187,11 +191,25 @@ class StdioBridge:
                     break
                 line = line_task.result()
                 if line is None:
+                    await self._drain(stopped)
                     break
                 await self._dispatch(line)
         finally:
             stopped.cancel()
             await self._close()
+
+    async def _drain(self, stopped: asyncio.Future[Any]) -> None:
+        """End of stdin: the requests still in flight get `drain_seconds` to be answered (a
+        client that piped its requests and closed stdin reads the answers); a signal cuts it
+        short."""
+        if not self._tasks or stopped.done():
+            return
+        log.info("stdin closed: waiting up to %gs for %d request(s) in flight", self._drain_seconds,
+                 len(self._tasks))
+        everything = asyncio.ensure_future(asyncio.wait(set(self._tasks)))
+        await asyncio.wait({everything, stopped}, timeout=self._drain_seconds,
+                           return_when=asyncio.FIRST_COMPLETED)
+        everything.cancel()
 
     # ---- client -> route -------------------------------------------------------------------
 
@@ -402,8 +420,11 @@ class StdioBridge:
                 self._stopped.set()
 
     def _write_blocking(self, line: bytes) -> None:
-        self._stdout.write(line)
-        self._stdout.flush()
+        # A writer cancelled while its thread writes releases the asyncio lock early: this lock
+        # keeps the next line from interleaving with the one still being written.
+        with self._stdout_lock:
+            self._stdout.write(line)
+            self._stdout.flush()
 
     # ---- end -----------------------------------------------------------------------------------
 
