@@ -27,8 +27,6 @@ from proxy.policy.vocab import Effect
 
 __all__ = ["ScaffoldTool", "derive", "example_value", "list_tools", "render_policy", "render_tests"]
 
-# A stdio server has no URL yet; the policy needs one to load. Port 1 is never a tool server.
-PLACEHOLDER_URL = "http://127.0.0.1:1/mcp"
 # A server whose cursors never end would keep the command listing forever.
 MAX_PAGES = 1000
 # Values that satisfy the string formats the schema check asserts (proxy/policy/schemas.py).
@@ -256,9 +254,14 @@ def render_policy(name: str, tools: Sequence[ScaffoldTool], *, url: str | None =
     source = url if url is not None else shlex.join(command)
     doc["version"] = 1
     upstream = CommentedMap()
-    upstream["url"] = url if url is not None else PLACEHOLDER_URL
-    if url is None:
-        upstream.yaml_add_eol_comment("placeholder: see the note above", "url")
+    if url is not None:
+        upstream["url"] = url
+    else:
+        # The proxy launches it itself (a stdio upstream); the command is a YAML list, so no
+        # argument can become YAML of its own.
+        argv = CommentedSeq(command)
+        argv.fa.set_flow_style()
+        upstream["command"] = argv
     upstreams = CommentedMap()
     upstreams[name] = upstream
     doc["upstreams"] = upstreams
@@ -266,9 +269,9 @@ def render_policy(name: str, tools: Sequence[ScaffoldTool], *, url: str | None =
         doc.yaml_set_comment_before_after_key(
             "upstreams",
             before=_comment_text(f"Scaffolded from the stdio server `{source}`.") + "\n"
-            "A stdio upstream needs `command:` once stdio upstreams exist; until then this is a\n"
-            "placeholder URL: serve the command over Streamable HTTP and put its URL here (or\n"
-            "override it in the runtime config).")
+            "The proxy launches it (a process per client session, see \"Stdio servers\" in the\n"
+            "README) with only PATH, HOME and LANG of its own environment: add what the server\n"
+            "needs under `env:`.")
     table = CommentedMap()
     for tool in tools:
         entry = CommentedMap()

@@ -62,6 +62,9 @@ ID_PREFIX = "envelope-stdio-"
 INHERITED_ENV = ("PATH", "HOME", "LANG")
 # One stderr line in the proxy log at most this long (the rest is cut, said so).
 STDERR_LINE_BYTES = 4096
+# At most this many stderr lines a second per child reach the log (a chatty or looping child
+# must not drown the proxy's own log); the rest are counted.
+STDERR_LINES_PER_SECOND = 100
 # After a crash: 0.25 s, 0.5 s, ... at most 30 s before the next start.
 BACKOFF_FIRST = 0.25
 BACKOFF_MAX = 30.0
@@ -232,28 +235,58 @@ class Child:
         self.on_message(self, message)
 
     async def _stderr(self) -> None:
+        """Log the child's stderr line by line: each line capped at STDERR_LINE_BYTES (the rest
+        of a longer line is skipped up to its newline), at most STDERR_LINES_PER_SECOND lines a
+        second (the lines past it are counted, and the count logged)."""
         assert self.proc is not None and self.proc.stderr is not None
         stderr = self.proc.stderr
         buffer = b""
+        skipping = 0  # bytes of an over-long line skipped so far
+        window, logged, dropped = time.monotonic(), 0, 0
         while True:
             chunk = await stderr.read(65536)
             if not chunk:
                 break
             buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                self._log_stderr(line)
-            if len(buffer) > STDERR_LINE_BYTES:
-                # A line without end: log what the cap allows, drop the rest up to its newline.
-                self._log_stderr(buffer)
+            lines: list[tuple[bytes, int]] = []
+            while True:
+                end = buffer.find(b"\n")
+                if end < 0:
+                    break
+                line, buffer = buffer[:end], buffer[end + 1:]
+                if skipping:
+                    skipping = 0  # the end of a line already logged in part
+                    continue
+                lines.append((line[:STDERR_LINE_BYTES], max(0, len(line) - STDERR_LINE_BYTES)))
+            if not skipping and len(buffer) > STDERR_LINE_BYTES:
+                lines.append((buffer[:STDERR_LINE_BYTES], len(buffer) - STDERR_LINE_BYTES))
+                skipping, buffer = len(buffer), b""
+            elif skipping:
+                skipping += len(buffer)
                 buffer = b""
-        if buffer:
-            self._log_stderr(buffer)
+            for line, cut in lines:
+                now = time.monotonic()
+                if now - window >= 1.0:
+                    if dropped:
+                        log.warning("stdio upstream %s [%s]: %d stderr lines not logged (more "
+                                    "than %d a second)", self.spec.name, self.pid, dropped,
+                                    STDERR_LINES_PER_SECOND)
+                    window, logged, dropped = now, 0, 0
+                if logged >= STDERR_LINES_PER_SECOND:
+                    dropped += 1
+                    continue
+                logged += 1
+                self._log_stderr(line, cut)
+        if buffer and not skipping:
+            self._log_stderr(buffer[:STDERR_LINE_BYTES], max(0, len(buffer) - STDERR_LINE_BYTES))
+        if dropped:
+            log.warning("stdio upstream %s [%s]: %d stderr lines not logged (more than %d a "
+                        "second)", self.spec.name, self.pid, dropped, STDERR_LINES_PER_SECOND)
 
-    def _log_stderr(self, line: bytes) -> None:
-        text = line[:STDERR_LINE_BYTES].decode("utf-8", "replace").rstrip()
-        if len(line) > STDERR_LINE_BYTES:
-            text += f" [... {len(line) - STDERR_LINE_BYTES} bytes cut]"
+    def _log_stderr(self, line: bytes, cut: int) -> None:
+        text = line.decode("utf-8", "replace").rstrip()
+        if cut:
+            text += " [... the rest of the line not logged]"
         if text:
             log.info("stdio upstream %s [%s] stderr: %s", self.spec.name, self.pid, text)
 

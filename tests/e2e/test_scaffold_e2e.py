@@ -114,9 +114,9 @@ def test_scaffold_from_a_stdio_server(tmp_path: Path) -> None:
     done = cli("scaffold", "local", "--out", str(out), "--", sys.executable, str(SERVER))
     assert done.returncode == 0, done.stdout + done.stderr
     text = (out / "local.yaml").read_text()
-    assert "A stdio upstream needs `command:` once stdio upstreams exist" in text
+    assert "The proxy launches it" in text
     assert f"{sys.executable} {SERVER}" in text
-    assert _load(out / "local.yaml")["upstreams"] == {"local": {"url": "http://127.0.0.1:1/mcp"}}
+    assert _load(out / "local.yaml")["upstreams"] == {"local": {"command": [sys.executable, str(SERVER)]}}
     _assert_scaffold(out, "local")
 
 

@@ -9,6 +9,7 @@ answered at once, and `close()` leaving no process.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -22,7 +23,8 @@ from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
 
 # A stdio "server" that needs no SDK: `initialize` answers, `echo` replies `text` after `delay`
 # seconds (requests run concurrently, so replies can cross), `big` writes one line of `size`
-# bytes, `pid` its process id; `ask` sends a server request and replies with the answer.
+# bytes, `pid` its process id; `ask` sends a server request and replies with the answer;
+# `noise` writes a 10,000-byte line and 300 short lines to stderr.
 SCRIPT = r"""
 import asyncio, json, os, sys
 
@@ -46,6 +48,10 @@ async def main():
             send({"jsonrpc": "2.0", "id": i, "result": {"text": p["text"]}})
         elif m == "big":
             out.write(b'{"x": "' + b"a" * p["size"] + b'"}\n'); out.flush()
+        elif m == "noise":
+            sys.stderr.write("x" * 10000 + "\n" + "".join(f"line {n}\n" for n in range(300)))
+            sys.stderr.flush()
+            send({"jsonrpc": "2.0", "id": i, "result": {}})
         elif m == "pid":
             send({"jsonrpc": "2.0", "id": i, "result": {"pid": os.getpid()}})
         elif m == "ask":
@@ -197,3 +203,17 @@ async def test_close_leaves_no_child() -> None:
     finally:
         await stdio.close()
     assert not [p for p in pids if alive(p)]
+
+
+async def test_stderr_is_logged_bounded(stdio: StdioUpstreams, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="envelope.stdio")
+    _, _, [first] = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"})
+    pid = first["result"]["pid"]
+    _, _, [reply] = await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "noise"})
+    assert reply["result"] == {}
+    await stdio.close()  # the child's stderr ends: every line read, the count logged
+    lines = [r.getMessage() for r in caplog.records if "stderr" in r.getMessage()]
+    tag = f"stdio upstream script [{pid}] stderr: "
+    assert lines[0] == tag + "x" * 4096 + " [... the rest of the line not logged]"
+    assert lines[1:100] == [f"{tag}line {n}" for n in range(99)]  # 100 a second in all
+    assert lines[100] == f"stdio upstream script [{pid}]: 201 stderr lines not logged (more than 100 a second)"

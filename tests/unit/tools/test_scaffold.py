@@ -98,12 +98,12 @@ def test_names_and_values_that_look_like_other_types_stay_strings() -> None:
     assert cases[0]["call"] == {"tool": "1.0", "arguments": {"a": "yes"}}
 
 
-def test_a_command_line_cannot_break_out_of_its_comment() -> None:
+def test_a_command_line_cannot_break_out_of_its_comment_or_its_list() -> None:
     tool = derive({"name": "t", "annotations": {"readOnlyHint": True}})
     text = render_policy("s", [tool], command=["serve", "x\ntools: {evil: 1}"])
     assert _load(text)["tools"] == {"s.t": {"effect": "read", "output": "untrusted"}}
-    assert _load(text)["upstreams"]["s"]["url"] == "http://127.0.0.1:1/mcp"
-    assert "A stdio upstream needs `command:`" in text
+    assert _load(text)["upstreams"]["s"] == {"command": ["serve", "x\ntools: {evil: 1}"]}
+    assert "with only PATH, HOME and LANG" in text
 
 
 def test_tools_no_policy_key_can_name_are_skipped() -> None:
