@@ -165,6 +165,10 @@ class ApprovalsConfig(_Model):
     in_band_secret_env: str | None = None
     # How long a client may take to answer an in-band approval request (2026-07-28).
     in_band_state_ttl: Duration = 600.0
+    # How a held call gets approved in this deployment, appended to every `approval_pending`
+    # reason ("{id}" is replaced by the approval id). Absent: nothing appended (`envelope-proxy
+    # stdio` sets one naming what the person at the client can do).
+    pending_hint: str | None = None
 
 
 class IdempotencyConfig(_Model):

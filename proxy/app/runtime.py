@@ -109,6 +109,7 @@ class Runtime:
         self._watcher: PolicyWatcher | None = None
         self._stop = asyncio.Event()
         self.urls: dict[str, str] = {}
+        self.mcp_port = 0  # the MCP listener's bound port, once started
         self.health = UpstreamHealth(down_after=config.health_down_after,
                                      on_change=self.metrics.set_upstreams_up)
         self._prober = HealthProber(
@@ -339,8 +340,10 @@ class Runtime:
             app.on_shutdown.append(aggregate.shutdown)
         return app
 
-    async def start(self) -> None:
-        """Start listeners (policy must be loaded)."""
+    async def start(self, admin: bool = True,
+                    mcp_middlewares: Sequence[Any] = ()) -> None:
+        """Start listeners (policy must be loaded). `admin` false: no admin listener (the stdio
+        front's default); `mcp_middlewares` wrap the MCP app (the stdio front's credential)."""
         tracing.configure()  # per process: a worker's exporter thread is its own
         if self.store is not None:
             self._store_pinger = asyncio.get_running_loop().create_task(self._ping_store())
@@ -356,7 +359,9 @@ class Runtime:
         reuse = self.config.workers > 1
         host, port = self.config.listen_addr
         listener = self.config.listener
-        mcp_runner = ListenerRunner(self.build_mcp_app(), access_log=None, handler_cancellation=True,
+        mcp_app = self.build_mcp_app()
+        mcp_app.middlewares.extend(mcp_middlewares)
+        mcp_runner = ListenerRunner(mcp_app, access_log=None, handler_cancellation=True,
                                     header_timeout=listener.header_timeout,
                                     keepalive_timeout=listener.keepalive_timeout,
                                     on_header_timeout=lambda: self.metrics.rejected("header_timeout"),
@@ -369,6 +374,21 @@ class Runtime:
                     f"the MCP listener cannot listen on {host}:{port}",
                     "--listen, ENVELOPE_LISTEN or `listen:` in the config file")
         port = _bound_port(mcp_runner, port)
+        self.mcp_port = port
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.urls = {"mcp": f"http://{shown}:{port}/mcp/<upstream>"}
+        if admin:
+            await self._start_admin()
+        if self.config.reload_interval > 0:
+            async def on_change() -> None:
+                await self.reload("change")
+
+            self._watcher = PolicyWatcher(self.config.policies, on_change,
+                                          interval=self.config.reload_interval)
+            self._watcher.start()
+
+    async def _start_admin(self) -> None:
+        listener = self.config.listener
         ahost, aport = self.config.admin_addr
         admin_app = build_admin_app(self, self.metrics,
                                     admin_hosts(ahost, self.config.admin_allowed_hosts))
@@ -385,20 +405,9 @@ class Runtime:
         if not self.approval_notifier.review_url:
             shown_admin = "127.0.0.1" if ahost in ("0.0.0.0", "::") else ahost
             self.approval_notifier.review_url = f"http://{shown_admin}:{aport}"
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         ashown = "127.0.0.1" if ahost in ("0.0.0.0", "::") else ahost
-        self.urls = {
-            "mcp": f"http://{shown}:{port}/mcp/<upstream>",
-            "admin": f"http://{ashown}:{aport}",
-            "metrics": f"http://{ashown}:{aport}/metrics",
-        }
-        if self.config.reload_interval > 0:
-            async def on_change() -> None:
-                await self.reload("change")
-
-            self._watcher = PolicyWatcher(self.config.policies, on_change,
-                                          interval=self.config.reload_interval)
-            self._watcher.start()
+        self.urls["admin"] = f"http://{ashown}:{aport}"
+        self.urls["metrics"] = f"http://{ashown}:{aport}/metrics"
 
     async def stop(self, quiet: bool = False) -> None:
         """Ordered shutdown: stop accepting, drain, close upstream pool, close the audit log.

@@ -1,6 +1,6 @@
 """The `envelope-proxy` command: the parser and the dispatch to one module per command group.
 
-`serve.py` (serve, demo), `policy.py` (check, test, replay), `scaffold.py` (scaffold), `audit.py` (audit verify, query,
+`serve.py` (serve, demo), `stdio.py` (stdio), `policy.py` (check, test, replay), `scaffold.py` (scaffold), `audit.py` (audit verify, query,
 tail), `admin.py` (approvals, shadow, through the one admin API client in `admin_client.py`).
 Each command's parser names its handler (`handler`), which returns the exit status.
 """
@@ -16,6 +16,7 @@ from proxy.cli.audit import add_audit_parser
 from proxy.cli.policy import add_check_parser, add_replay_parser, add_test_parser
 from proxy.cli.scaffold import add_scaffold_parser
 from proxy.cli.serve import add_demo_parser, add_serve_parser
+from proxy.cli.stdio import add_stdio_parser
 
 __all__ = ["build_parser", "main"]
 
@@ -32,6 +33,8 @@ EPILOG = """common serve flags (see `envelope-proxy serve --help`):
 
 examples:
   envelope-proxy demo                          run the demo (bundled notes server + ./policies)
+  envelope-proxy stdio --policies DIR --name files -- npx -y @modelcontextprotocol/server-filesystem /data
+                                               an MCP client's stdio server command, through the envelope
   envelope-proxy serve --config config.yaml    run for real
   envelope-proxy check policies/               validate a policy directory (file:line:column errors)
   envelope-proxy test policies/ --coverage     run the policy tests kept beside the policies
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     # In this order in `--help`.
     add_serve_parser(sub)
     add_demo_parser(sub)
+    add_stdio_parser(sub)
     add_check_parser(sub)
     add_audit_parser(sub)
     add_approvals_parser(sub)
@@ -62,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands that take a server command line after `--` (`scaffold NAME -- python server.py -v`).
 # argparse cannot give a positional list after another positional once options sit between them,
 # so the tail is cut off here and handed over as `args.command`.
-TRAILING_COMMANDS = frozenset({"scaffold"})
+TRAILING_COMMANDS = frozenset({"scaffold", "stdio"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

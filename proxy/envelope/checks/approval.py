@@ -358,10 +358,12 @@ class ApprovalCheck:
         audit: dict[str, Any] = {"approval_id": approval.id, "approval_state": state}
         rule = self._rule(call)
         if state == "pending":
+            hint = self._config.pending_hint
             return Decision(
                 Verdict.DENY, Code.APPROVAL_PENDING, self.id,
                 f"approval {approval.id} is pending: not decided within {wait:g}s; "
-                "retry the same call after approval",
+                "retry the same call after approval"
+                + (f"; {hint.replace('{id}', approval.id)}" if hint else ""),
                 rule, audit=audit,
             )
         if state == "denied":

@@ -162,6 +162,14 @@ async def test_pending_then_retried_after_approval_released_exactly_once() -> No
     assert again.audit_extra["approval_state"] == "consumed"
 
 
+async def test_pending_reason_ends_with_the_deployments_hint() -> None:
+    w = World(config=ApprovalsConfig(poll_interval=0.01, pending_hint="run `approve {id}` now"))
+    d = assert_refusal(await w.decide(w.call()), Code.APPROVAL_PENDING)
+    approval = await w.only_approval("pending")
+    assert d.reason == (f"approval {approval.id} is pending: not decided within 0s; retry the same call "
+                        f"after approval; run `approve {approval.id}` now")
+
+
 async def test_approval_binds_the_exact_call() -> None:
     w = World()
     await w.decide(w.call())
