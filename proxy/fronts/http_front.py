@@ -30,7 +30,6 @@ from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds
-from proxy.fronts.per_upstream import NOT_DOWNSTREAM
 from proxy.upstream.forwarder import UpstreamResponse
 from proxy.upstream.openapi import HttpCall, arguments_from, request_for
 
@@ -42,12 +41,22 @@ PREFIX = "/http"
 MAX_UNMATCHED = 200
 
 
+# The backend's response headers an agent sees: only these, which describe the body and its
+# caching and carry no free text. Inspection reads the body alone, so any other header (a
+# secret in `X-Debug-Token`, a `Set-Cookie` session of the backend's, a redirect's `Location`
+# pointing past the proxy, an `ETag` or `Content-Encoding` that no longer fits the delivered
+# body) is dropped, never relayed uninspected.
+RELAYED_HEADERS = frozenset({
+    "content-type", "content-language", "cache-control", "expires", "last-modified",
+    "retry-after", "vary",
+})
+
+
 def _downstream_headers(resp: UpstreamResponse) -> CIMultiDict[str]:
-    """The upstream's response headers an HTTP client may see (hop-by-hop and the proxy's own
-    server headers removed)."""
+    """The upstream's response headers an HTTP client may see (`RELAYED_HEADERS`)."""
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in resp.headers.items():
-        if name.lower() not in NOT_DOWNSTREAM:
+        if name.lower() in RELAYED_HEADERS:
             headers.add(name, value)
     return headers
 
@@ -90,7 +99,11 @@ class HttpFront:
         # The path as sent (still percent-encoded: `Spec.match` decodes each parameter, so an
         # encoded "/" stays inside its segment), relative to `/http/<upstream>`.
         path = "/" + request.rel_url.raw_path.split("/", 3)[3]
-        matched = spec.match(request.method, path)
+        try:
+            matched = spec.match(request.method, path)
+        except ValueError:  # a path parameter's bytes are not UTF-8 (`%ff`)
+            self.metrics.rejected("invalid_request")
+            return render.problem(400, "invalid_request", "Bad Request: a path parameter is not UTF-8")
         if matched is None:
             # No operation: the envelope refuses it (`unknown_tool`), audited like any call.
             tool, arguments, op = f"{request.method} {path}"[:MAX_UNMATCHED], {}, None

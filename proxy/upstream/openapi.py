@@ -32,6 +32,7 @@ import json
 import re
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import Any, Literal, cast
 
 from ruamel.yaml.nodes import Node
 
-from proxy.errors import EnvelopeError
+from proxy.errors import EnvelopeError, ReplyTooLarge
 from proxy.policy.vocab import Effect
 from proxy.policy.yamlload import Converter, locate, parse_file, position
 
@@ -147,8 +148,11 @@ class Spec:
             m = pattern.fullmatch(path)
             if m is None:
                 continue
+            # Strict: bytes that are not UTF-8 (`%ff`) raise ValueError rather than becoming
+            # U+FFFD, a value the agent never sent.
             return op, {
-                name: urllib.parse.unquote(m.group(f"p{i}")) for i, name in enumerate(names)
+                name: urllib.parse.unquote(m.group(f"p{i}"), errors="strict")
+                for i, name in enumerate(names)
             }
         return None
 
@@ -331,7 +335,7 @@ class _Builder:
         properties: dict[str, Any] = {}
         required: list[str] = []
         for p in params:
-            properties[p.name] = self._schema(p.schema, defs)
+            properties[p.name] = _sendable(p, self._schema(p.schema, defs))
             if p.required:
                 required.append(p.name)
         merged = False
@@ -574,14 +578,14 @@ def request_for(op: Operation, arguments: Mapping[str, Any]) -> HttpCall:
             continue
         value = arguments[p.name]
         if p.location == "path":
-            path = path.replace("{" + p.name + "}", urllib.parse.quote(_text(value), safe=""))
+            path = path.replace("{" + p.name + "}", urllib.parse.quote(_segment(p.name, value), safe=""))
         elif p.location == "query":
             if isinstance(value, list) and p.explode:
                 query.extend((p.name, _text(v)) for v in value)
             else:
                 query.append((p.name, _text(value)))
         else:
-            headers[p.name] = _text(value)
+            headers[p.name] = _field_value(p.name, _text(value))
     body: bytes | None = None
     if op.body_schema is not None:
         names = {p.name for p in op.params}
@@ -598,6 +602,51 @@ def request_for(op: Operation, arguments: Mapping[str, Any]) -> HttpCall:
     if query:
         path += "?" + urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
     return HttpCall(method=op.method, path=path, headers=headers, body=body)
+
+
+# A path parameter's value that would not stay the one segment the policy decided on: a dot
+# segment is removed by URL normalisation (RFC 3986 5.2.4, in yarl and most servers), so
+# `/items/..` is `/`, and a server that decodes `%2F` (or reads `\` as `/`) before routing
+# sees `a/../../admin` as dot segments too; an empty one makes another path (`/items/`); a
+# control character (NUL) is cut or rejected differently by each server.
+_DOT_SEGMENTS = frozenset((".", ".."))
+_SEPARATORS = re.compile(r"[/\\]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A header field value as RFC 9110 5.5 allows it, ASCII only: visible characters, space and tab
+# (no CR/LF, which would split it into more headers; no bytes a server decodes its own way).
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e]*")
+
+
+# The same rules as input-schema constraints, so the schema check refuses such a value (and
+# says why) before anything is decided, on both fronts; `request_for` checks them again.
+_UNSENDABLE = {
+    "path": {"minLength": 1, "not": {"pattern": r"(^|[/\\])\.{1,2}([/\\]|$)|[\x00-\x1f\x7f]"}},
+    "header": {"not": {"pattern": r"[^\t\x20-\x7e]"}},
+}
+
+
+def _sendable(p: Param, schema: Any) -> Any:
+    """`schema` of parameter `p` constrained to the strings `request_for` can send unchanged
+    (a string-typed path or header parameter; other types cannot hold such a value)."""
+    guard = _UNSENDABLE.get(p.location)
+    if guard is None or not isinstance(schema, dict) or _type_of(schema) not in (None, "string"):
+        return schema
+    if set(guard) & set(schema) or "$ref" in schema:
+        return {"allOf": [schema, guard]}
+    return {**schema, **guard}
+
+
+def _segment(name: str, value: Any) -> str:
+    text = _text(value)
+    if not text or _CONTROL.search(text) or _DOT_SEGMENTS & set(_SEPARATORS.split(text)):
+        raise ValueError(f"path parameter {name!r}: {text!r} cannot be sent as one path segment")
+    return text
+
+
+def _field_value(name: str, text: str) -> str:
+    if not _FIELD_VALUE.fullmatch(text):
+        raise ValueError(f"header parameter {name!r}: only printable ASCII can be sent in a header")
+    return text
 
 
 def _text(value: Any) -> str:
@@ -700,6 +749,36 @@ def _scalar(name: str, schema: Mapping[str, Any], text: str) -> Any:
             return text == "true"
         raise ValueError(f"parameter {name!r}: {text!r} is not true or false")
     return text
+
+
+def decoded(body: bytes, content_encoding: str, limit: int, setting: str) -> bytes:
+    """`body` without its `Content-Encoding`: identity as is, `gzip`/`deflate` decompressed (at
+    most `limit` bytes, ReplyTooLarge past it: a small bomb must not become a large reply).
+
+    Inspection must see the text the agent will read, and the proxy never asks for an encoding;
+    a backend that sends one anyway is decoded here, and any other encoding (br, zstd, several
+    in a row) raises ValueError: the call is refused, never relayed unread.
+    """
+    coding = content_encoding.strip().lower()
+    if coding in ("", "identity"):
+        return body
+    if coding in ("gzip", "x-gzip"):
+        wbits = 16 + zlib.MAX_WBITS
+    elif coding == "deflate":
+        # RFC 9110 says zlib-wrapped; some servers send raw deflate: tell them apart by header.
+        wbits = zlib.MAX_WBITS if body[:1] and body[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    else:
+        raise ValueError(f"unsupported Content-Encoding {content_encoding[:40]!r}")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f"a {coding} body that does not decode: {exc}") from exc
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise ReplyTooLarge(limit, setting)
+    if not inflater.eof:
+        raise ValueError(f"a truncated {coding} body")
+    return out
 
 
 def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
