@@ -6,7 +6,7 @@ Wire only, like the MCP routes: a request is matched to an operation of the upst
 are read from the path, the query, the headers the spec declares and the JSON body
 (`openapi.arguments_from`), and the call goes the way every `tools/call` goes: `calls` builds
 the `ToolCall`, `Envelope.begin` decides it, the one `Executor` sends the operation's request
-(`openapi.request_for`, built from the checked arguments: what was checked is what is sent) and
+(`Spec.request_for`, built from the checked arguments: what was checked is what is sent) and
 ends it through `Envelope.complete`, and `render.http_response` answers: the upstream's status,
 headers and body as they came (re-rendered only where a guardrail rewrote the result), or an
 RFC 9457 problem-details refusal. Run, principal, intent and shadow headers act as on the MCP
@@ -31,7 +31,7 @@ from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds
 from proxy.upstream.forwarder import UpstreamResponse
-from proxy.upstream.openapi import HttpCall, arguments_from, request_for
+from proxy.upstream.openapi import HttpCall, arguments_from
 
 log = logging.getLogger("envelope.http")
 
@@ -127,7 +127,7 @@ class HttpFront:
         upstream: UpstreamRequest | None = None
         if op is not None and pending.forwardable:
             try:
-                upstream = self._request(request, target, request_for(op, call.arguments))
+                upstream = self._request(request, target, spec.request_for(op, call.arguments))
             except ValueError:
                 # Checked arguments that build no request: never sent; the envelope ends the
                 # call refused (allowed but not forwarded) and audits it.

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import orjson
 from ruamel.yaml.nodes import Node
 
 from proxy.errors import EnvelopeError, ReplyTooLarge
@@ -52,6 +53,9 @@ FETCH_TIMEOUT = 10.0
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _TEMPLATE_PART = re.compile(r"\{([^{}/]+)\}")
 ERROR_BODY_CHARS = 500
+# A JSON response nested deeper than this is a text result: the ledger and the guardrails walk
+# structured content only so deep (`envelope.inspect.MAX_DEPTH`), its text they read whole.
+MAX_RESULT_DEPTH = 200
 
 
 class SpecError(EnvelopeError, ValueError):
@@ -155,6 +159,18 @@ class Spec:
                 for i, name in enumerate(names)
             }
         return None
+
+    def request_for(self, op: Operation, arguments: Mapping[str, Any]) -> HttpCall:
+        """`request_for(op, arguments)`, refused (ValueError) when the request it builds would
+        be served by another operation: a path parameter equal to a sibling's literal segment
+        (`getPet(id="mine")` is `GET /pets/mine`, which the service routes to `getMyPets`, as
+        OpenAPI says it must) would run an operation the policy never decided on."""
+        http = request_for(op, arguments)
+        served = self.match(op.method, http.path.split("?", 1)[0])
+        if served is None or served[0] is not op:
+            other = served[0].tool if served is not None else "no operation"
+            raise ValueError(f"{op.tool}: the request {op.method} {http.path} is served by {other}")
+        return http
 
 
 @dataclass(frozen=True, slots=True)
@@ -794,8 +810,12 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
     media = content_type.split(";")[0].strip().lower()
     if media == "application/json" or media.endswith("+json"):
         try:
-            value = json.loads(text)
-        except ValueError:
+            # orjson: a body nested past its limit is a decode error, never a RecursionError
+            # that would end the call unaudited; deeper than MAX_RESULT_DEPTH is text too.
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            value = _NOT_JSON
+        if value is not _NOT_JSON and _deeper_than(value, MAX_RESULT_DEPTH):
             value = _NOT_JSON
         if value is not _NOT_JSON:
             structured = value if isinstance(value, dict) else {"result": value}
@@ -809,3 +829,17 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
 
 
 _NOT_JSON = object()
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` nests containers more than `limit` deep (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in node)
+    return False

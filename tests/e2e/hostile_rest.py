@@ -4,6 +4,8 @@
     python tests/e2e/hostile_rest.py --port 9021        # prints "ready <port>" once listening
 
 - `GET /items/{itemId}`: `{"id": <itemId as received>}`;
+- `GET /items/mine`: another operation, matched before `/items/{itemId}` (concrete first);
+- `GET /deep`: JSON nested 100000 levels deep; `GET /short`: a Content-Length it does not keep;
 - `GET /admin`: an endpoint no operation declares (a path parameter must never reach it);
 - `GET /gzipped`: a JSON body carrying a secret, sent gzip-encoded whatever was asked;
 - `GET /leaky`: a clean JSON body, with a secret and a cookie in its response headers;
@@ -36,6 +38,9 @@ SPEC = {
                 {"name": "q", "in": "query", "schema": {"type": "string"}},
             ],
             "responses": {"200": {"description": "ok"}}}},
+        "/items/mine": {"get": {"operationId": "getMyItems", "responses": {"200": {"description": "ok"}}}},
+        "/deep": {"get": {"operationId": "getDeep", "responses": {"200": {"description": "ok"}}}},
+        "/short": {"get": {"operationId": "getShort", "responses": {"200": {"description": "ok"}}}},
         "/gzipped": {"get": {"operationId": "getGzipped", "responses": {"200": {"description": "ok"}}}},
         "/leaky": {"get": {"operationId": "getLeaky", "responses": {"200": {"description": "ok"}}}},
         "/moved": {"get": {"operationId": "getMoved", "responses": {"302": {"description": "moved"}}}},
@@ -61,6 +66,20 @@ def build_app() -> web.Application:
 
     async def item(request: web.Request) -> web.Response:
         return web.json_response({"id": request.match_info["itemId"]})
+
+    async def mine(_: web.Request) -> web.Response:
+        return web.json_response({"mine": True, "token": SECRET})
+
+    async def deep(_: web.Request) -> web.Response:
+        depth = 100_000  # deeper than any parser's recursion
+        return web.Response(body=b"[" * depth + b"]" * depth, content_type="application/json")
+
+    async def short(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 100\r\n\r\n{\"partial\": ")
+        request.transport.close()  # 100 bytes promised, 13 sent
+        raise web.HTTPInternalServerError()
 
     async def admin(_: web.Request) -> web.Response:
         return web.json_response({"admin": True, "token": SECRET})
@@ -95,7 +114,10 @@ def build_app() -> web.Application:
         return web.json_response({"requests": seen})
 
     app = web.Application(middlewares=[record])
+    app.router.add_get("/items/mine", mine)
     app.router.add_get("/items/{itemId}", item)
+    app.router.add_get("/deep", deep)
+    app.router.add_get("/short", short)
     app.router.add_get("/admin", admin)
     app.router.add_get("/", admin)
     app.router.add_get("/gzipped", gzipped)

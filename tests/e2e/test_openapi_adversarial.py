@@ -33,6 +33,9 @@ POLICY: dict[str, Any] = {
     "tools": {
         "hostile.getItem": {"effect": "read"},
         "hostile.getGzipped": {"effect": "read"},
+        "hostile.getMyItems": {"effect": "read", "allow": "false"},
+        "hostile.getDeep": {"effect": "read"},
+        "hostile.getShort": {"effect": "read"},
         "hostile.getLeaky": {"effect": "read"},
         "hostile.getMoved": {"effect": "read"},
         "hostile.createOrder": {"effect": "write"},
@@ -216,4 +219,49 @@ def test_keyed_post_is_not_resent_after_a_reset(pp: ProxyProcess, backend: str, 
     assert decision["code"] == "upstream_error"
     posts = [s for s in _seen(backend)[before:] if s["method"] == "POST"]
     assert len(posts) == 1, posts  # the backend never saw the key: a resend would run it twice
+    assert len(_records(pp, decision["decision_id"])) == 1
+
+
+# ---- the operation sent is the operation decided ---------------------------------------------
+
+def test_mcp_path_parameter_equal_to_a_concrete_sibling_is_refused(pp: ProxyProcess, backend: str) -> None:
+    # getMyItems (GET /items/mine) is denied; getItem(itemId="mine") is the same request, which
+    # the service routes to getMyItems: it must not run an operation the policy refused.
+    assert _mcp_refusal(_tool(pp, "getMyItems", {}))["code"] == "unauthorized"
+    before = len(_seen(backend))
+    decision = _mcp_refusal(_tool(pp, "getItem", {"itemId": "mine"}))
+    assert decision["check"] == "forward"  # allowed, but no request is built: never sent
+    assert _seen(backend)[before:] == []
+    assert len(_records(pp, decision["decision_id"])) == 1
+    resp = _http(pp, "GET", "/items/mine")  # the plain HTTP front matches the concrete one
+    assert resp.status_code == 403 and resp.json()["code"] == "unauthorized"
+    assert _seen(backend)[before:] == []
+
+
+# ---- a backend's malformed answers refuse or are inspected, and are audited -------------------
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_json_too_deep_to_parse_is_a_text_result_audited_once(pp: ProxyProcess, front: str) -> None:
+    # Was a RecursionError in the executor: a bare 500, and no audit record of a call that ran.
+    before = [r for r in pp.audit_records() if r["tool"] == "getDeep"]
+    if front == "mcp":
+        result = _tool(pp, "getDeep", {})["result"]
+        assert "structuredContent" not in result and result["content"][0]["text"].startswith("[[[")
+    else:
+        resp = _http(pp, "GET", "/deep")
+        assert resp.status_code == 200, resp.text[:200]
+        assert resp.content.startswith(b"[[[")
+    after = [r for r in pp.audit_records() if r["tool"] == "getDeep"]
+    assert len(after) == len(before) + 1 and after[-1]["code"] == "ok"
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_a_body_shorter_than_its_content_length_refuses(pp: ProxyProcess, front: str) -> None:
+    if front == "mcp":
+        decision = _mcp_refusal(_tool(pp, "getShort", {}))
+    else:
+        resp = _http(pp, "GET", "/short")
+        assert resp.status_code >= 500 and resp.headers["Content-Type"].startswith(PROBLEM), resp.text
+        decision = resp.json()
+    assert decision["code"] == "upstream_error"
     assert len(_records(pp, decision["decision_id"])) == 1
