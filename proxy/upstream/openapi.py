@@ -48,6 +48,11 @@ from proxy.policy.yamlload import Converter, locate, parse_file, position
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 # A spec fetched from a URL is read up to this size: a policy load must not swallow a stream.
 MAX_SPEC_BYTES = 16 * 1024 * 1024
+# Bounds on what a small document can expand into: values once YAML aliases are expanded, and
+# schema nodes one operation's input schema inlines from `$ref`s (refs to refs, each used many
+# times, grow exponentially). Past them the document is refused / the operation skipped.
+MAX_SPEC_NODES = 2_000_000
+MAX_SCHEMA_NODES = 100_000
 FETCH_TIMEOUT = 10.0
 # The MCP tool-name alphabet; an operationId outside it is rewritten (and reported).
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -238,6 +243,9 @@ class _Document:
     def parse(cls, text: str, name: str) -> _Document:
         yfile, problems = parse_file(name, text)
         if yfile is not None and yfile.root is not None:
+            if _expanded_size(yfile.root) > MAX_SPEC_NODES:
+                raise SpecError(f"{name}:1:1: the OpenAPI document expands past {MAX_SPEC_NODES} "
+                                "values (YAML aliases): refused")
             value = Converter().value(yfile.root)
             root: Node | None = yfile.root
         else:
@@ -281,6 +289,28 @@ class _Document:
         return node, parts
 
 
+def _expanded_size(root: Node) -> int:
+    """How many values `root` becomes once its aliases are expanded (a shared node counts once
+    per use), computed on the shared nodes (memoised, iterative): a few lines of anchors must
+    not expand into billions of values."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children: list[Node] = []
+        if isinstance(node.value, list):
+            for item in node.value:
+                children.extend(item if isinstance(item, tuple) else (item,))
+        if done:
+            sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), MAX_SPEC_NODES + 1)
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes[id(root)]
+
+
 class _Skip(Exception):
     """This operation cannot be offered; the message says why (with its place)."""
 
@@ -290,6 +320,8 @@ class _Builder:
         self.doc = doc
         self.source = source
         self.problems: list[str] = []
+        self.budget = MAX_SCHEMA_NODES  # `_schema` nodes left for the current operation
+        self.where: list[str | int] = []  # the current operation's place
         version = doc.value.get("openapi")
         if not isinstance(version, str) or not re.match(r"^3\.[01]\.\d+", version):
             raise SpecError(doc.at(["openapi"], f"not an OpenAPI 3.0 or 3.1 document (openapi: {version!r})"))
@@ -339,6 +371,7 @@ class _Builder:
         if not isinstance(raw, dict):
             raise _Skip(self.doc.at(loc, "an operation is a mapping"))
         line = self.doc.where(loc)[0]
+        self.budget, self.where = MAX_SCHEMA_NODES, loc
         tool = self._tool_name(raw.get("operationId"), method, path, loc)
         params = self._params(shared, shared_loc, raw.get("parameters") or [], [*loc, "parameters"])
         templated = set(_TEMPLATE_PART.findall(path))
@@ -500,7 +533,12 @@ class _Builder:
 
     def _schema(self, schema: Any, defs: dict[str, Any], stack: tuple[str, ...] = ()) -> Any:
         """`schema` with local `$ref`s inlined (a recursive one kept in `defs`) and OpenAPI 3.0
-        dialect (`nullable`, boolean `exclusiveMinimum`) rewritten as JSON Schema 2020-12."""
+        dialect (`nullable`, boolean `exclusiveMinimum`) rewritten as JSON Schema 2020-12.
+        Raises `_Skip` past `MAX_SCHEMA_NODES` nodes for the operation."""
+        self.budget -= 1
+        if self.budget < 0:
+            raise _Skip(self.doc.at(self.where, f"the input schema expands past {MAX_SCHEMA_NODES} "
+                                    "nodes ($refs)"))
         if isinstance(schema, list):
             return [self._schema(s, defs, stack) for s in schema]
         if not isinstance(schema, dict):
@@ -635,7 +673,7 @@ _FIELD_VALUE = re.compile(r"[\t\x20-\x7e]*")
 
 # The same rules as input-schema constraints, so the schema check refuses such a value (and
 # says why) before anything is decided, on both fronts; `request_for` checks them again.
-_UNSENDABLE = {
+_UNSENDABLE: dict[str, dict[str, Any]] = {
     "path": {"minLength": 1, "not": {"pattern": r"(^|[/\\])\.{1,2}([/\\]|$)|[\x00-\x1f\x7f]"}},
     "header": {"not": {"pattern": r"[^\t\x20-\x7e]"}},
 }

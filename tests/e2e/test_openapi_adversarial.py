@@ -10,6 +10,7 @@ after a reset, even with an idempotency key the backend never sees), and a failu
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,11 +19,9 @@ from typing import Any
 import httpx
 import pytest
 from e2e_helpers import write_doc
+from hostile_rest import SECRET, SPEC
 
 from tests.harness import ROOT, ProxyProcess, free_port, proxy_process, rpc, stop, token, wait_port
-
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from hostile_rest import SECRET, SPEC  # noqa: E402
 
 AGENT = token("agent", groups=["ops"])
 PROBLEM = "application/problem+json"
@@ -58,8 +57,6 @@ def backend() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def pp(tmp_path_factory: pytest.TempPathFactory, backend: str) -> Iterator[ProxyProcess]:
-    import json
-
     tmp = tmp_path_factory.mktemp("openapi-adversarial")
     policies = write_doc(tmp / "policies", POLICY)
     (policies / "hostile.json").write_text(json.dumps(SPEC))
