@@ -262,3 +262,16 @@ def test_a_body_shorter_than_its_content_length_refuses(pp: ProxyProcess, front:
         decision = resp.json()
     assert decision["code"] == "upstream_error"
     assert len(_records(pp, decision["decision_id"])) == 1
+
+
+def test_an_idempotency_key_replays_across_fronts_and_refuses_other_arguments(
+        pp: ProxyProcess, backend: str) -> None:
+    before = len([s for s in _seen(backend) if s["method"] == "POST"])
+    first = _http(pp, "POST", "/orders", headers={"Idempotency-Key": "order-both"}, json={"sku": "a"})
+    assert first.status_code == 201, first.text
+    replay = _tool(pp, "createOrder", {"sku": "a"}, meta={"envelope/idempotency_key": "order-both"})
+    assert replay["result"]["structuredContent"] == {"created": True}
+    assert replay["result"]["_meta"]["envelope/decision"]["code"] == "replayed"
+    other = _http(pp, "POST", "/orders", headers={"Idempotency-Key": "order-both"}, json={"sku": "b"})
+    assert other.status_code == 403 and other.json()["code"] == "idempotency_conflict"
+    assert len([s for s in _seen(backend) if s["method"] == "POST"]) == before + 1

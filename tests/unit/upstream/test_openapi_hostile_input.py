@@ -146,3 +146,22 @@ def test_a_ref_bomb_skips_the_operation_with_a_problem() -> None:
     assert time.perf_counter() - started < 5
     assert list(spec.operations) == ["fine"]
     assert any("expands past" in p and "operation skipped" in p for p in spec.problems)
+
+
+@pytest.mark.parametrize("ref", ["other.yaml#/components/schemas/S", "file:///etc/passwd",
+                                 "http://127.0.0.1:9/s.json", "https://example.invalid/s.json#/S"])
+def test_an_external_ref_is_reported_and_never_fetched(ref: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_fetch(*_: Any, **__: Any) -> Any:
+        raise AssertionError("fetched")
+
+    monkeypatch.setattr("urllib.request.urlopen", no_fetch)
+    monkeypatch.setattr("pathlib.Path.read_bytes", no_fetch)
+    doc = {"openapi": "3.1.0", "info": {"title": "r", "version": "1"}, "paths": {
+        "/a": {"get": {"operationId": "viaSchema", "parameters": [
+            {"name": "q", "in": "query", "schema": {"$ref": ref}}], "responses": {}}},
+        "/b": {"get": {"operationId": "viaParameter", "parameters": [{"$ref": ref}], "responses": {}}},
+        "/c": {"$ref": ref},
+        "/d": {"get": {"operationId": "fine", "responses": {}}}}}
+    spec = parse_spec(json.dumps(doc), "refs.json")
+    assert list(spec.operations) == ["fine"]
+    assert sum("only local $refs" in p for p in spec.problems) == 3
