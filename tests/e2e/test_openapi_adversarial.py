@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from e2e_helpers import write_doc
-from hostile_rest import SECRET, SPEC
+from hostile_rest import INJECTED_ORDER, SECRET, SPEC
 
 from tests.harness import ROOT, ProxyProcess, free_port, proxy_process, rpc, stop, token, wait_port
 
@@ -38,6 +39,8 @@ POLICY: dict[str, Any] = {
         "hostile.getLeaky": {"effect": "read"},
         "hostile.getMoved": {"effect": "read"},
         "hostile.createOrder": {"effect": "write"},
+        "hostile.getTicket": {"effect": "read", "output": "untrusted"},
+        "hostile.refundOrder": {"effect": "write"},
     },
 }
 
@@ -275,3 +278,36 @@ def test_an_idempotency_key_replays_across_fronts_and_refuses_other_arguments(
     other = _http(pp, "POST", "/orders", headers={"Idempotency-Key": "order-both"}, json={"sku": "b"})
     assert other.status_code == 403 and other.json()["code"] == "idempotency_conflict"
     assert len([s for s in _seen(backend) if s["method"] == "POST"]) == before + 1
+
+
+
+# ---- data flow ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def flow_pp(tmp_path_factory: pytest.TempPathFactory, backend: str) -> Iterator[ProxyProcess]:
+    """The same upstream with data flow enforced (its own process: the other tests make calls
+    in no run, and their untrusted answers must not flag one another)."""
+    tmp = tmp_path_factory.mktemp("openapi-adversarial-flow")
+    policies = write_doc(tmp / "policies", {**POLICY, "dataflow": {"mode": "enforce"}})
+    (policies / "hostile.json").write_text(json.dumps(SPEC))
+    with proxy_process(tmp, {"hostile": backend}, policies=policies) as proxy:
+        yield proxy
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_untrusted_text_cannot_flow_into_a_writers_path_parameter(
+        flow_pp: ProxyProcess, backend: str, front: str) -> None:
+    run = {"X-Envelope-Run": f"run-{uuid.uuid4().hex}"}
+    read = _http(flow_pp, "GET", "/tickets/t1", headers=run)
+    assert read.status_code == 200 and INJECTED_ORDER in read.text
+    before = len(_seen(backend))
+    if front == "http":
+        resp = _http(flow_pp, "POST", f"/orders/{INJECTED_ORDER}/refund", headers=run)
+        assert resp.status_code == 403, resp.text
+        decision = resp.json()
+    else:
+        answer = rpc(flow_pp.url("hostile"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "refundOrder", "arguments": {"orderId": INJECTED_ORDER}}}, bearer=AGENT, headers=run)
+        decision = _mcp_refusal(answer.json())
+    assert (decision["code"], decision["check"]) == ("dataflow_policy_blocked", "dataflow")
+    assert _seen(backend)[before:] == []
