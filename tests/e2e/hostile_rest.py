@@ -8,6 +8,7 @@
 - `GET /deep`: JSON nested 100000 levels deep; `GET /short`: a Content-Length it does not keep;
 - `GET /tickets/{ticketId}`: a ticket whose customer-written text names `INJECTED_ORDER`;
   `POST /orders/{orderId}/refund`: a writer with a path parameter;
+- `GET /early`: a 103 Early Hints, then the 200 (a secret in its JSON); `GET /unchanged`: 304;
 - `GET /admin`: an endpoint no operation declares (a path parameter must never reach it);
 - `GET /gzipped`: a JSON body carrying a secret, sent gzip-encoded whatever was asked;
 - `GET /leaky`: a clean JSON body, with a secret and a cookie in its response headers;
@@ -51,6 +52,8 @@ SPEC = {
         "/orders/{orderId}/refund": {"post": {"operationId": "refundOrder", "parameters": [
             {"name": "orderId", "in": "path", "required": True, "schema": {"type": "string"}}],
             "responses": {"200": {"description": "ok"}}}},
+        "/early": {"get": {"operationId": "getEarly", "responses": {"200": {"description": "ok"}}}},
+        "/unchanged": {"get": {"operationId": "getUnchanged", "responses": {"304": {"description": "ok"}}}},
         "/gzipped": {"get": {"operationId": "getGzipped", "responses": {"200": {"description": "ok"}}}},
         "/leaky": {"get": {"operationId": "getLeaky", "responses": {"200": {"description": "ok"}}}},
         "/moved": {"get": {"operationId": "getMoved", "responses": {"302": {"description": "moved"}}}},
@@ -83,6 +86,18 @@ def build_app() -> web.Application:
 
     async def refund(request: web.Request) -> web.Response:
         return web.json_response({"refunded": request.match_info["orderId"]})
+
+    async def early(request: web.Request) -> web.Response:
+        body = json.dumps({"final": True, "token": SECRET}).encode()
+        assert request.transport is not None
+        request.transport.write(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+                                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        request.transport.close()
+        raise web.HTTPInternalServerError()
+
+    async def unchanged(_: web.Request) -> web.Response:
+        return web.Response(status=304, headers={"ETag": '"v1"'})
 
     async def mine(_: web.Request) -> web.Response:
         return web.json_response({"mine": True, "token": SECRET})
@@ -134,6 +149,8 @@ def build_app() -> web.Application:
     app.router.add_get("/items/mine", mine)
     app.router.add_get("/items/{itemId}", item)
     app.router.add_get("/deep", deep)
+    app.router.add_get("/early", early)
+    app.router.add_get("/unchanged", unchanged)
     app.router.add_get("/tickets/{ticketId}", ticket)
     app.router.add_post("/orders/{orderId}/refund", refund)
     app.router.add_get("/short", short)

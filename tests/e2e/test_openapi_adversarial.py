@@ -39,6 +39,8 @@ POLICY: dict[str, Any] = {
         "hostile.getLeaky": {"effect": "read"},
         "hostile.getMoved": {"effect": "read"},
         "hostile.createOrder": {"effect": "write"},
+        "hostile.getEarly": {"effect": "read"},
+        "hostile.getUnchanged": {"effect": "read"},
         "hostile.getTicket": {"effect": "read", "output": "untrusted"},
         "hostile.refundOrder": {"effect": "write"},
     },
@@ -311,3 +313,18 @@ def test_untrusted_text_cannot_flow_into_a_writers_path_parameter(
         decision = _mcp_refusal(answer.json())
     assert (decision["code"], decision["check"]) == ("dataflow_policy_blocked", "dataflow")
     assert _seen(backend)[before:] == []
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_informational_and_not_modified_answers(pp: ProxyProcess, front: str) -> None:
+    # A 103 before the answer is skipped: the 200 after it is the one inspected and delivered.
+    if front == "mcp":
+        early = _tool(pp, "getEarly", {})["result"]["structuredContent"]
+        assert early == {"final": True, "token": "[REDACTED:aws_access_key_id]"}
+        assert _tool(pp, "getUnchanged", {})["result"]["content"] == []
+    else:
+        resp = _http(pp, "GET", "/early")
+        assert resp.status_code == 200 and "link" not in resp.headers
+        assert resp.json() == {"final": True, "token": "[REDACTED:aws_access_key_id]"}
+        unchanged = _http(pp, "GET", "/unchanged")
+        assert unchanged.status_code == 304 and unchanged.content == b""
