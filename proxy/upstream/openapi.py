@@ -202,8 +202,13 @@ def load_spec(source: str, base_dir: Path | None) -> Spec:
 
 def parse_spec(text: str, name: str, source: str | None = None) -> Spec:
     """`load_spec` on text already read; `name` is the file name used in messages."""
-    doc = _Document.parse(text, name)
-    return _Builder(doc, source or name).build()
+    try:
+        doc = _Document.parse(text, name)
+        return _Builder(doc, source or name).build()
+    except RecursionError:
+        # Nesting deeper than the interpreter's stack (a hostile document): refused, never a
+        # crash of the policy load.
+        raise SpecError(f"{name}:1:1: the OpenAPI document nests too deep") from None
 
 
 def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
@@ -294,11 +299,14 @@ def _expanded_size(root: Node) -> int:
     per use), computed on the shared nodes (memoised, iterative): a few lines of anchors must
     not expand into billions of values."""
     sizes: dict[int, int] = {}
+    walking: set[int] = set()  # nodes whose children are being sized: met again, a cycle
     stack: list[tuple[Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
         if id(node) in sizes:
             continue
+        if not done and id(node) in walking:
+            return MAX_SPEC_NODES + 1  # an alias inside its own anchor: expands without end
         children: list[Node] = []
         if isinstance(node.value, list):
             for item in node.value:
@@ -306,6 +314,7 @@ def _expanded_size(root: Node) -> int:
         if done:
             sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), MAX_SPEC_NODES + 1)
             continue
+        walking.add(id(node))
         stack.append((node, True))
         stack.extend((c, False) for c in children if id(c) not in sizes)
     return sizes[id(root)]

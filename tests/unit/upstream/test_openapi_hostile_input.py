@@ -165,3 +165,15 @@ def test_an_external_ref_is_reported_and_never_fetched(ref: str, monkeypatch: py
     spec = parse_spec(json.dumps(doc), "refs.json")
     assert list(spec.operations) == ["fine"]
     assert sum("only local $refs" in p for p in spec.problems) == 3
+
+
+def test_a_recursive_yaml_alias_is_refused_not_walked_forever() -> None:
+    text = "openapi: 3.1.0\ninfo: {title: r, version: '1'}\nx-a: &a [x, *a]\npaths: {}\n"
+    with pytest.raises(SpecError, match="expands past"):
+        parse_spec(text, "rec.yaml")
+
+
+def test_a_document_nested_past_the_stack_is_refused() -> None:
+    text = "openapi: 3.1.0\ninfo: {title: d, version: '1'}\nx-deep: " + "[" * 3000 + "]" * 3000 + "\npaths: {}\n"
+    with pytest.raises(SpecError, match="nests too deep"):
+        parse_spec(text, "deep.yaml")
