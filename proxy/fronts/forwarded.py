@@ -281,7 +281,8 @@ class _Forwarded:
 
     def _retry(self) -> RetryConfig | None:
         """The retry settings when this request may be repeated: read-only, or carrying the
-        client's idempotency key (the envelope claimed it, so a repeat cannot run it twice)."""
+        client's idempotency key to an MCP upstream (the envelope claimed it, so a repeat cannot
+        run it twice, and the upstream sees it)."""
         call = self.pending.call
         if call.effect is Effect.READ:
             return self.x.retry

@@ -7,8 +7,9 @@ are read from the path, the query, the headers the spec declares and the JSON bo
 (`openapi.arguments_from`), and the call goes the way every `tools/call` goes: `calls` builds
 the `ToolCall`, `Envelope.begin` decides it, the one `Executor` sends the operation's request
 (`Spec.request_for`, built from the checked arguments: what was checked is what is sent) and
-ends it through `Envelope.complete`, and `render.http_response` answers: the upstream's status,
-headers and body as they came (re-rendered only where a guardrail rewrote the result), or an
+ends it through `Envelope.complete`, and `render.http_response` answers: the upstream's status
+and body as they came (re-rendered only where a guardrail rewrote the result, decoded when the
+backend sent gzip/deflate) with only its `RELAYED_HEADERS`, or an
 RFC 9457 problem-details refusal. Run, principal, intent and shadow headers act as on the MCP
 routes; the idempotency key is the standard `Idempotency-Key` header.
 """

@@ -23,6 +23,12 @@ for the service, which the spec's author does not choose).
 
 The input schema's root forbids unknown properties, so an argument the spec does not declare
 is a `schema` refusal rather than something silently dropped on the way to the service.
+
+What is sent is what was decided: a string path parameter is constrained (in its schema, and
+again in `request_for`) to one segment (no empty value, `.`/`..` piece or control character),
+a header parameter to printable ASCII, and `Spec.request_for` refuses a request another
+operation would serve. A document cannot expand without bound (YAML aliases, `$ref` fan-out),
+and `decoded` undoes a content coding within the reply cap before anything is inspected.
 """
 
 from __future__ import annotations

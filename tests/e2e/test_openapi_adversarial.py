@@ -309,7 +309,8 @@ def test_untrusted_text_cannot_flow_into_a_writers_path_parameter(
         decision = resp.json()
     else:
         answer = rpc(flow_pp.url("hostile"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-            "name": "refundOrder", "arguments": {"orderId": INJECTED_ORDER}}}, bearer=AGENT, headers=run)
+            "name": "refundOrder", "arguments": {"orderId": INJECTED_ORDER}}}, bearer=AGENT, headers=run,
+            timeout=15)
         decision = _mcp_refusal(answer.json())
     assert (decision["code"], decision["check"]) == ("dataflow_policy_blocked", "dataflow")
     assert _seen(backend)[before:] == []
