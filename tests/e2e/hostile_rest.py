@@ -9,6 +9,7 @@
 - `GET /tickets/{ticketId}`: a ticket whose customer-written text names `INJECTED_ORDER`;
   `POST /orders/{orderId}/refund`: a writer with a path parameter;
 - `GET /early`: a 103 Early Hints, then the 200 (a secret in its JSON); `GET /unchanged`: 304;
+- `GET /trickle`: a byte every quarter second for ten seconds;
 - `GET /admin`: an endpoint no operation declares (a path parameter must never reach it);
 - `GET /gzipped`: a JSON body carrying a secret, sent gzip-encoded whatever was asked;
 - `GET /leaky`: a clean JSON body, with a secret and a cookie in its response headers;
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gzip
 import json
 from typing import Any
@@ -54,6 +56,7 @@ SPEC = {
             "responses": {"200": {"description": "ok"}}}},
         "/early": {"get": {"operationId": "getEarly", "responses": {"200": {"description": "ok"}}}},
         "/unchanged": {"get": {"operationId": "getUnchanged", "responses": {"304": {"description": "ok"}}}},
+        "/trickle": {"get": {"operationId": "getTrickle", "responses": {"200": {"description": "ok"}}}},
         "/gzipped": {"get": {"operationId": "getGzipped", "responses": {"200": {"description": "ok"}}}},
         "/leaky": {"get": {"operationId": "getLeaky", "responses": {"200": {"description": "ok"}}}},
         "/moved": {"get": {"operationId": "getMoved", "responses": {"302": {"description": "moved"}}}},
@@ -98,6 +101,15 @@ def build_app() -> web.Application:
 
     async def unchanged(_: web.Request) -> web.Response:
         return web.Response(status=304, headers={"ETag": '"v1"'})
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        for _ in range(40):  # a byte every 0.25 s: no read ever waits long, the whole takes 10 s
+            await resp.write(b" ")
+            await asyncio.sleep(0.25)
+        await resp.write(b"{}")
+        return resp
 
     async def mine(_: web.Request) -> web.Response:
         return web.json_response({"mine": True, "token": SECRET})
@@ -149,6 +161,7 @@ def build_app() -> web.Application:
     app.router.add_get("/items/mine", mine)
     app.router.add_get("/items/{itemId}", item)
     app.router.add_get("/deep", deep)
+    app.router.add_get("/trickle", trickle)
     app.router.add_get("/early", early)
     app.router.add_get("/unchanged", unchanged)
     app.router.add_get("/tickets/{ticketId}", ticket)

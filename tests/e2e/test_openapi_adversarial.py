@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +42,7 @@ POLICY: dict[str, Any] = {
         "hostile.createOrder": {"effect": "write"},
         "hostile.getEarly": {"effect": "read"},
         "hostile.getUnchanged": {"effect": "read"},
+        "hostile.getTrickle": {"effect": "read"},
         "hostile.getTicket": {"effect": "read", "output": "untrusted"},
         "hostile.refundOrder": {"effect": "write"},
     },
@@ -329,3 +331,13 @@ def test_informational_and_not_modified_answers(pp: ProxyProcess, front: str) ->
         assert resp.json() == {"final": True, "token": "[REDACTED:aws_access_key_id]"}
         unchanged = _http(pp, "GET", "/unchanged")
         assert unchanged.status_code == 304 and unchanged.content == b""
+
+
+
+def test_a_slow_trickle_is_cut_at_the_upstream_timeout(pp: ProxyProcess) -> None:
+    started = time.monotonic()
+    resp = _http(pp, "GET", "/trickle")  # no read waits long; the whole exchange is bounded
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["code"] == "upstream_timeout"
+    assert time.monotonic() - started < 8  # the upstream's timeout is 3 s; the trickle takes 10
+    assert len(_records(pp, resp.json()["decision_id"])) == 1
