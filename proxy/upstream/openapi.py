@@ -829,7 +829,7 @@ def decoded(body: bytes, content_encoding: str, limit: int, setting: str) -> byt
     in a row) raises ValueError: the call is refused, never relayed unread.
     """
     coding = content_encoding.strip().lower()
-    if coding in ("", "identity"):
+    if coding in ("", "identity") or not body:  # (a HEAD, 204 or 304 names a coding, sends nothing)
         return body
     if coding in ("gzip", "x-gzip"):
         wbits = 16 + zlib.MAX_WBITS
