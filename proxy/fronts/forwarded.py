@@ -51,7 +51,7 @@ from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
 from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
 from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse
-from proxy.upstream.openapi import HttpCall, decoded, result_from
+from proxy.upstream.openapi import RELAYED_HEADERS_META, HttpCall, decoded, result_from
 
 log = logging.getLogger("envelope.forward")
 
@@ -403,8 +403,14 @@ class _Forwarded:
             return self._failure("error", f"upstream {self.target.name!r} sent {exc}")
         x.observe(self.target.name, self._seconds(), "ok" if resp.status < 500 else "error",
                   f"answered HTTP {resp.status}")
-        message = {"jsonrpc": "2.0", "id": self.request.reply_id,
-                   "result": result_from(resp.status, ctype, data)}
+        result = result_from(resp.status, ctype, data)
+        relayed = self.downstream.response_headers
+        if http.relay and relayed:
+            # The headers the plain HTTP front relays go with the result, so the envelope
+            # inspects them as it inspects the body (a guardrail redacts or withholds a secret
+            # in one alike) and `render.http_response` relays them as inspected.
+            result["_meta"] = {RELAYED_HEADERS_META: [[k, v] for k, v in relayed.items()]}
+        message = {"jsonrpc": "2.0", "id": self.request.reply_id, "result": result}
         return Reply(message, data if http.relay else None, resp.status)
 
     async def _stream(self, resp: UpstreamResponse) -> Reply | Failure | Decision:

@@ -43,10 +43,10 @@ MAX_UNMATCHED = 200
 
 
 # The backend's response headers an agent sees: only these, which describe the body and its
-# caching and carry no free text. Inspection reads the body alone, so any other header (a
-# secret in `X-Debug-Token`, a `Set-Cookie` session of the backend's, a redirect's `Location`
-# pointing past the proxy, an `ETag` or `Content-Encoding` that no longer fits the delivered
-# body) is dropped, never relayed uninspected.
+# caching, and inspected with it (the executor passes them in the result's `_meta`). Any other
+# header (a `Set-Cookie` session of the backend's, a redirect's `Location` pointing past the
+# proxy, an `ETag` or `Content-Encoding` that no longer fits the delivered body, an `X-Debug-*`)
+# is dropped.
 RELAYED_HEADERS = frozenset({
     "content-type", "content-language", "cache-control", "expires", "last-modified",
     "retry-after", "vary",

@@ -64,6 +64,9 @@ FETCH_TIMEOUT = 10.0
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _TEMPLATE_PART = re.compile(r"\{([^{}/]+)\}")
 ERROR_BODY_CHARS = 500
+# The result `_meta` key carrying the response headers the plain HTTP front relays (a list of
+# [name, value]): they travel with the result so the envelope inspects them with the body.
+RELAYED_HEADERS_META = "http/headers"
 # A JSON response nested deeper than this is a text result: the ledger and the guardrails walk
 # structured content only so deep (`envelope.inspect.MAX_DEPTH`), its text they read whole.
 MAX_RESULT_DEPTH = 200

@@ -12,7 +12,8 @@
 - `GET /trickle`: a byte every quarter second for ten seconds;
 - `GET /admin`: an endpoint no operation declares (a path parameter must never reach it);
 - `GET /gzipped`: a JSON body carrying a secret, sent gzip-encoded whatever was asked;
-- `GET /leaky`: a clean JSON body, with a secret and a cookie in its response headers;
+- `GET /leaky`: a clean JSON body, with a secret (in `X-Debug-Token` and in `Cache-Control`) and
+  a cookie in its response headers;
 - `GET /moved`: a 302 to another host;
 - `POST /orders`: a writer; while `/_reset` was armed (`POST /_reset`), it reads the request
   and breaks the connection without answering (once);
@@ -136,7 +137,7 @@ def build_app() -> web.Application:
     async def leaky(_: web.Request) -> web.Response:
         return web.json_response({"ok": True}, headers={
             "X-Debug-Token": SECRET, "Set-Cookie": "session=backend-session; Path=/",
-            "ETag": '"v1"', "Cache-Control": "no-store"})
+            "ETag": '"v1"', "Cache-Control": f'no-store, x-debug="{SECRET}"'})
 
     async def moved(_: web.Request) -> web.Response:
         return web.Response(status=302, headers={"Location": "http://evil.example/steal"})
