@@ -201,7 +201,8 @@ def _text_is(text: str, value: Any) -> bool:
 
 def http_response(outcome: Outcome, headers: Mapping[str, str] | None) -> web.Response:
     """An outcome of the plain HTTP front as its answer. Delivered: the upstream's status,
-    `headers` (its response headers the client may see) and its body unchanged, or re-rendered
+    its response headers the client may see (as inspected, from the result's
+    `RELAYED_HEADERS_META`; else `headers`) and its body unchanged, or re-rendered
     from the inspected result when a guardrail rewrote it (Content-Length recomputed). Held
     (replay, shadow): 200 with the held result's body, `X-Envelope-Decision` saying which.
     Refused: problem details (`refusal_problem`)."""
