@@ -31,7 +31,7 @@ so nothing of them reaches the client; the answer is inspected like on every rou
 HTTP upstreams (`openapi:` in the policy, `proxy.upstream.openapi`) are served here too: their
 `tools/list` is the spec's operations (`Operation.tool_definition`, filtered per principal like
 any list, not learned: the registry has them from the revision), a `tools/call` is the HTTP
-request `openapi.request_for` builds from the decided call, sent by the same executor
+request `Spec.request_for` builds from the decided call, sent by the same executor
 (`UpstreamRequest.http`); no MCP session is opened with them and no GET stream is followed.
 With `single=True` the same server answers `/mcp/<upstream>` for one HTTP upstream (the
 per-upstream front hands those routes over): the route's upstream only, tool names unprefixed.
@@ -524,7 +524,7 @@ class AggregateFront:
         if op is None or not pending.forwardable:
             return None
         try:
-            http = openapi.request_for(op, call.arguments)
+            http = spec.request_for(op, call.arguments)
         except ValueError as exc:
             log.warning("decision %s: cannot build the HTTP request of %s: %s",
                         call.decision_id, call.qualified_name, exc)

@@ -22,9 +22,11 @@ same way on every route (`/mcp/<upstream>` and the aggregated `/mcp`).
 - an answer past the caps (`max_event_bytes` for one SSE event, `max_reply_bytes` for a JSON
   body) is not read on: the call fails ("reply exceeds N bytes") and is cancelled;
 - an HTTP (OpenAPI) upstream's call (`UpstreamRequest.http`) is sent as that HTTP request to
-  the upstream's url joined with its path, with the same retries, timeout, cap and failure
-  handling; its response (never parsed as SSE) becomes a tool result (`openapi.result_from`)
-  answering `reply_id`, so the envelope inspects it like any MCP answer.
+  the upstream's url joined with its path, with the same timeout, cap and failure handling
+  and the same retries except that a client idempotency key does not make a writer repeatable
+  (the backend never sees the key); its response (never parsed as SSE; a gzip or deflate body
+  decoded first, any other content coding refused) becomes a tool result
+  (`openapi.result_from`) answering `reply_id`, so the envelope inspects it like any MCP answer.
 
 It never builds a decision: failures are `Failure`s, the envelope decides what they mean.
 """
@@ -48,8 +50,8 @@ from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
 from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
-from proxy.upstream.forwarder import Forwarder, UpstreamResponse
-from proxy.upstream.openapi import HttpCall, result_from
+from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse
+from proxy.upstream.openapi import RELAYED_HEADERS_META, HttpCall, decoded, result_from
 
 log = logging.getLogger("envelope.forward")
 
@@ -279,9 +281,14 @@ class _Forwarded:
 
     def _retry(self) -> RetryConfig | None:
         """The retry settings when this request may be repeated: read-only, or carrying the
-        client's idempotency key (the envelope claimed it, so a repeat cannot run it twice)."""
+        client's idempotency key to an MCP upstream (the envelope claimed it, so a repeat cannot
+        run it twice, and the upstream sees it)."""
         call = self.pending.call
-        if call.effect is Effect.READ or call.idempotency_key is not None:
+        if call.effect is Effect.READ:
+            return self.x.retry
+        # An MCP upstream receives the key (in `_meta`) and can tell a repeat; an HTTP backend
+        # never sees it, so a writer to one is written at most once, key or not.
+        if call.idempotency_key is not None and self.request.http is None:
             return self.x.retry
         return None
 
@@ -313,8 +320,10 @@ class _Forwarded:
         while True:
             attempt_started = time.perf_counter()
             delay: float | None = None
-            headers = (request.headers if http is None
-                       else {**request.headers, **http.headers, **target.headers})
+            # An HTTP backend is asked for no content coding (inspection reads the body as
+            # sent); one that encodes anyway is decoded in `_http_answer`.
+            headers = (request.headers if http is None else
+                       {"Accept-Encoding": "identity", **request.headers, **http.headers, **target.headers})
             try:
                 resp = await x.forwarder.open(
                     method, url, headers if tracing.TRACER is None else tracing.inject(headers), body,
@@ -379,16 +388,29 @@ class _Forwarded:
                 "" if resp.status != 200 else " without a JSON-RPC reply")
             return self._failure("error", reason)
 
-    async def _http_answer(self, resp: UpstreamResponse, ctype: str) -> Reply:
+    async def _http_answer(self, resp: UpstreamResponse, ctype: str) -> Reply | Failure:
         """An HTTP upstream's response as the tool result answering the call (an HTTP error
         status is an `isError` result, a 5xx also counted as an upstream error)."""
         x, http = self.x, self.request.http
         assert http is not None
         data = await resp.read(x.max_reply_bytes)
+        try:
+            # What is inspected and what the agent gets are the same decoded bytes (the plain
+            # HTTP front relays no Content-Encoding).
+            data = decoded(data, resp.headers.get("Content-Encoding", ""), x.max_reply_bytes, REPLY_SETTING)
+        except ValueError as exc:
+            x.observe(self.target.name, self._seconds(), "error", str(exc))
+            return self._failure("error", f"upstream {self.target.name!r} sent {exc}")
         x.observe(self.target.name, self._seconds(), "ok" if resp.status < 500 else "error",
                   f"answered HTTP {resp.status}")
-        message = {"jsonrpc": "2.0", "id": self.request.reply_id,
-                   "result": result_from(resp.status, ctype, data)}
+        result = result_from(resp.status, ctype, data)
+        relayed = self.downstream.response_headers
+        if http.relay and relayed:
+            # The headers the plain HTTP front relays go with the result, so the envelope
+            # inspects them as it inspects the body (a guardrail redacts or withholds a secret
+            # in one alike) and `render.http_response` relays them as inspected.
+            result["_meta"] = {RELAYED_HEADERS_META: [[k, v] for k, v in relayed.items()]}
+        message = {"jsonrpc": "2.0", "id": self.request.reply_id, "result": result}
         return Reply(message, data if http.relay else None, resp.status)
 
     async def _stream(self, resp: UpstreamResponse) -> Reply | Failure | Decision:

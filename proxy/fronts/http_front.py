@@ -6,9 +6,10 @@ Wire only, like the MCP routes: a request is matched to an operation of the upst
 are read from the path, the query, the headers the spec declares and the JSON body
 (`openapi.arguments_from`), and the call goes the way every `tools/call` goes: `calls` builds
 the `ToolCall`, `Envelope.begin` decides it, the one `Executor` sends the operation's request
-(`openapi.request_for`, built from the checked arguments: what was checked is what is sent) and
-ends it through `Envelope.complete`, and `render.http_response` answers: the upstream's status,
-headers and body as they came (re-rendered only where a guardrail rewrote the result), or an
+(`Spec.request_for`, built from the checked arguments: what was checked is what is sent) and
+ends it through `Envelope.complete`, and `render.http_response` answers: the upstream's status
+and body as they came (re-rendered only where a guardrail rewrote the result, decoded when the
+backend sent gzip/deflate) with only its `RELAYED_HEADERS`, or an
 RFC 9457 problem-details refusal. Run, principal, intent and shadow headers act as on the MCP
 routes; the idempotency key is the standard `Idempotency-Key` header.
 """
@@ -30,9 +31,8 @@ from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds
-from proxy.fronts.per_upstream import NOT_DOWNSTREAM
 from proxy.upstream.forwarder import UpstreamResponse
-from proxy.upstream.openapi import HttpCall, arguments_from, request_for
+from proxy.upstream.openapi import HttpCall, arguments_from
 
 log = logging.getLogger("envelope.http")
 
@@ -42,12 +42,22 @@ PREFIX = "/http"
 MAX_UNMATCHED = 200
 
 
+# The backend's response headers an agent sees: only these, which describe the body and its
+# caching, and inspected with it (the executor passes them in the result's `_meta`). Any other
+# header (a `Set-Cookie` session of the backend's, a redirect's `Location` pointing past the
+# proxy, an `ETag` or `Content-Encoding` that no longer fits the delivered body, an `X-Debug-*`)
+# is dropped.
+RELAYED_HEADERS = frozenset({
+    "content-type", "content-language", "cache-control", "expires", "last-modified",
+    "retry-after", "vary",
+})
+
+
 def _downstream_headers(resp: UpstreamResponse) -> CIMultiDict[str]:
-    """The upstream's response headers an HTTP client may see (hop-by-hop and the proxy's own
-    server headers removed)."""
+    """The upstream's response headers an HTTP client may see (`RELAYED_HEADERS`)."""
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in resp.headers.items():
-        if name.lower() not in NOT_DOWNSTREAM:
+        if name.lower() in RELAYED_HEADERS:
             headers.add(name, value)
     return headers
 
@@ -90,7 +100,11 @@ class HttpFront:
         # The path as sent (still percent-encoded: `Spec.match` decodes each parameter, so an
         # encoded "/" stays inside its segment), relative to `/http/<upstream>`.
         path = "/" + request.rel_url.raw_path.split("/", 3)[3]
-        matched = spec.match(request.method, path)
+        try:
+            matched = spec.match(request.method, path)
+        except ValueError:  # a path parameter's bytes are not UTF-8 (`%ff`)
+            self.metrics.rejected("invalid_request")
+            return render.problem(400, "invalid_request", "Bad Request: a path parameter is not UTF-8")
         if matched is None:
             # No operation: the envelope refuses it (`unknown_tool`), audited like any call.
             tool, arguments, op = f"{request.method} {path}"[:MAX_UNMATCHED], {}, None
@@ -114,7 +128,7 @@ class HttpFront:
         upstream: UpstreamRequest | None = None
         if op is not None and pending.forwardable:
             try:
-                upstream = self._request(request, target, request_for(op, call.arguments))
+                upstream = self._request(request, target, spec.request_for(op, call.arguments))
             except ValueError:
                 # Checked arguments that build no request: never sent; the envelope ends the
                 # call refused (allowed but not forwarded) and audits it.

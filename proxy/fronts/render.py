@@ -23,6 +23,7 @@ from proxy.envelope.outcome import DECISION_META, refusal_result
 from proxy.envelope.types import Code, Outcome
 from proxy.fronts import jsonrpc
 from proxy.fronts.sse import format_event
+from proxy.upstream.openapi import RELAYED_HEADERS_META
 
 Form = Literal["json", "sse"]
 
@@ -200,7 +201,8 @@ def _text_is(text: str, value: Any) -> bool:
 
 def http_response(outcome: Outcome, headers: Mapping[str, str] | None) -> web.Response:
     """An outcome of the plain HTTP front as its answer. Delivered: the upstream's status,
-    `headers` (its response headers the client may see) and its body unchanged, or re-rendered
+    its response headers the client may see (as inspected, from the result's
+    `RELAYED_HEADERS_META`; else `headers`) and its body unchanged, or re-rendered
     from the inspected result when a guardrail rewrote it (Content-Length recomputed). Held
     (replay, shadow): 200 with the held result's body, `X-Envelope-Decision` saying which.
     Refused: problem details (`refusal_problem`)."""
@@ -208,9 +210,15 @@ def http_response(outcome: Outcome, headers: Mapping[str, str] | None) -> web.Re
         return web.Response(status=499)  # nobody to answer: the client is gone
     if outcome.kind == "refuse":
         return refusal_problem(outcome)
-    kept = CIMultiDict((k, v) for k, v in (headers or {}).items() if k.lower() != "content-length")
-    kept["X-Envelope-Decision-Id"] = outcome.decision_id
     result = (outcome.message or {}).get("result") if outcome.kind == "deliver" else outcome.message
+    # The response headers as the envelope inspected them (redacted where a guardrail did), when
+    # the executor passed them with the result; else those given.
+    meta = result.get("_meta") if isinstance(result, Mapping) else None
+    inspected = meta.get(RELAYED_HEADERS_META) if isinstance(meta, Mapping) else None
+    pairs = ([(str(p[0]), str(p[1])) for p in inspected if isinstance(p, list) and len(p) == 2]
+             if isinstance(inspected, list) else list((headers or {}).items()))
+    kept = CIMultiDict((k, v) for k, v in pairs if k.lower() != "content-length")
+    kept["X-Envelope-Decision-Id"] = outcome.decision_id
     if outcome.kind == "deliver" and outcome.raw is not None:
         return web.Response(status=outcome.status, body=outcome.raw, headers=kept)
     content_type = kept.get("Content-Type", "") if outcome.kind == "deliver" else ""

@@ -23,6 +23,12 @@ for the service, which the spec's author does not choose).
 
 The input schema's root forbids unknown properties, so an argument the spec does not declare
 is a `schema` refusal rather than something silently dropped on the way to the service.
+
+What is sent is what was decided: a string path parameter is constrained (in its schema, and
+again in `request_for`) to one segment (no empty value, `.`/`..` piece or control character),
+a header parameter to printable ASCII, and `Spec.request_for` refuses a request another
+operation would serve. A document cannot expand without bound (YAML aliases, `$ref` fan-out),
+and `decoded` undoes a content coding within the reply cap before anything is inspected.
 """
 
 from __future__ import annotations
@@ -32,25 +38,38 @@ import json
 import re
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import orjson
 from ruamel.yaml.nodes import Node
 
-from proxy.errors import EnvelopeError
+from proxy.errors import EnvelopeError, ReplyTooLarge
 from proxy.policy.vocab import Effect
 from proxy.policy.yamlload import Converter, locate, parse_file, position
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 # A spec fetched from a URL is read up to this size: a policy load must not swallow a stream.
 MAX_SPEC_BYTES = 16 * 1024 * 1024
+# Bounds on what a small document can expand into: values once YAML aliases are expanded, and
+# schema nodes one operation's input schema inlines from `$ref`s (refs to refs, each used many
+# times, grow exponentially). Past them the document is refused / the operation skipped.
+MAX_SPEC_NODES = 2_000_000
+MAX_SCHEMA_NODES = 100_000
 FETCH_TIMEOUT = 10.0
 # The MCP tool-name alphabet; an operationId outside it is rewritten (and reported).
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _TEMPLATE_PART = re.compile(r"\{([^{}/]+)\}")
 ERROR_BODY_CHARS = 500
+# The result `_meta` key carrying the response headers the plain HTTP front relays (a list of
+# [name, value]): they travel with the result so the envelope inspects them with the body.
+RELAYED_HEADERS_META = "http/headers"
+# A JSON response nested deeper than this is a text result: the ledger and the guardrails walk
+# structured content only so deep (`envelope.inspect.MAX_DEPTH`), its text they read whole.
+MAX_RESULT_DEPTH = 200
 
 
 class SpecError(EnvelopeError, ValueError):
@@ -147,10 +166,25 @@ class Spec:
             m = pattern.fullmatch(path)
             if m is None:
                 continue
+            # Strict: bytes that are not UTF-8 (`%ff`) raise ValueError rather than becoming
+            # U+FFFD, a value the agent never sent.
             return op, {
-                name: urllib.parse.unquote(m.group(f"p{i}")) for i, name in enumerate(names)
+                name: urllib.parse.unquote(m.group(f"p{i}"), errors="strict")
+                for i, name in enumerate(names)
             }
         return None
+
+    def request_for(self, op: Operation, arguments: Mapping[str, Any]) -> HttpCall:
+        """`request_for(op, arguments)`, refused (ValueError) when the request it builds would
+        be served by another operation: a path parameter equal to a sibling's literal segment
+        (`getPet(id="mine")` is `GET /pets/mine`, which the service routes to `getMyPets`, as
+        OpenAPI says it must) would run an operation the policy never decided on."""
+        http = request_for(op, arguments)
+        served = self.match(op.method, http.path.split("?", 1)[0])
+        if served is None or served[0] is not op:
+            other = served[0].tool if served is not None else "no operation"
+            raise ValueError(f"{op.tool}: the request {op.method} {http.path} is served by {other}")
+        return http
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +211,13 @@ def load_spec(source: str, base_dir: Path | None) -> Spec:
 
 def parse_spec(text: str, name: str, source: str | None = None) -> Spec:
     """`load_spec` on text already read; `name` is the file name used in messages."""
-    doc = _Document.parse(text, name)
-    return _Builder(doc, source or name).build()
+    try:
+        doc = _Document.parse(text, name)
+        return _Builder(doc, source or name).build()
+    except RecursionError:
+        # Nesting deeper than the interpreter's stack (a hostile document): refused, never a
+        # crash of the policy load.
+        raise SpecError(f"{name}:1:1: the OpenAPI document nests too deep") from None
 
 
 def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
@@ -218,6 +257,9 @@ class _Document:
     def parse(cls, text: str, name: str) -> _Document:
         yfile, problems = parse_file(name, text)
         if yfile is not None and yfile.root is not None:
+            if _expanded_size(yfile.root) > MAX_SPEC_NODES:
+                raise SpecError(f"{name}:1:1: the OpenAPI document expands past {MAX_SPEC_NODES} "
+                                "values (YAML aliases): refused")
             value = Converter().value(yfile.root)
             root: Node | None = yfile.root
         else:
@@ -261,6 +303,32 @@ class _Document:
         return node, parts
 
 
+def _expanded_size(root: Node) -> int:
+    """How many values `root` becomes once its aliases are expanded (a shared node counts once
+    per use), computed on the shared nodes (memoised, iterative): a few lines of anchors must
+    not expand into billions of values."""
+    sizes: dict[int, int] = {}
+    walking: set[int] = set()  # nodes whose children are being sized: met again, a cycle
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if not done and id(node) in walking:
+            return MAX_SPEC_NODES + 1  # an alias inside its own anchor: expands without end
+        children: list[Node] = []
+        if isinstance(node.value, list):
+            for item in node.value:
+                children.extend(item if isinstance(item, tuple) else (item,))
+        if done:
+            sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), MAX_SPEC_NODES + 1)
+            continue
+        walking.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes[id(root)]
+
+
 class _Skip(Exception):
     """This operation cannot be offered; the message says why (with its place)."""
 
@@ -270,6 +338,8 @@ class _Builder:
         self.doc = doc
         self.source = source
         self.problems: list[str] = []
+        self.budget = MAX_SCHEMA_NODES  # `_schema` nodes left for the current operation
+        self.where: list[str | int] = []  # the current operation's place
         version = doc.value.get("openapi")
         if not isinstance(version, str) or not re.match(r"^3\.[01]\.\d+", version):
             raise SpecError(doc.at(["openapi"], f"not an OpenAPI 3.0 or 3.1 document (openapi: {version!r})"))
@@ -319,6 +389,7 @@ class _Builder:
         if not isinstance(raw, dict):
             raise _Skip(self.doc.at(loc, "an operation is a mapping"))
         line = self.doc.where(loc)[0]
+        self.budget, self.where = MAX_SCHEMA_NODES, loc
         tool = self._tool_name(raw.get("operationId"), method, path, loc)
         params = self._params(shared, shared_loc, raw.get("parameters") or [], [*loc, "parameters"])
         templated = set(_TEMPLATE_PART.findall(path))
@@ -331,7 +402,7 @@ class _Builder:
         properties: dict[str, Any] = {}
         required: list[str] = []
         for p in params:
-            properties[p.name] = self._schema(p.schema, defs)
+            properties[p.name] = _sendable(p, self._schema(p.schema, defs))
             if p.required:
                 required.append(p.name)
         merged = False
@@ -480,7 +551,12 @@ class _Builder:
 
     def _schema(self, schema: Any, defs: dict[str, Any], stack: tuple[str, ...] = ()) -> Any:
         """`schema` with local `$ref`s inlined (a recursive one kept in `defs`) and OpenAPI 3.0
-        dialect (`nullable`, boolean `exclusiveMinimum`) rewritten as JSON Schema 2020-12."""
+        dialect (`nullable`, boolean `exclusiveMinimum`) rewritten as JSON Schema 2020-12.
+        Raises `_Skip` past `MAX_SCHEMA_NODES` nodes for the operation."""
+        self.budget -= 1
+        if self.budget < 0:
+            raise _Skip(self.doc.at(self.where, f"the input schema expands past {MAX_SCHEMA_NODES} "
+                                    "nodes ($refs)"))
         if isinstance(schema, list):
             return [self._schema(s, defs, stack) for s in schema]
         if not isinstance(schema, dict):
@@ -574,14 +650,14 @@ def request_for(op: Operation, arguments: Mapping[str, Any]) -> HttpCall:
             continue
         value = arguments[p.name]
         if p.location == "path":
-            path = path.replace("{" + p.name + "}", urllib.parse.quote(_text(value), safe=""))
+            path = path.replace("{" + p.name + "}", urllib.parse.quote(_segment(p.name, value), safe=""))
         elif p.location == "query":
             if isinstance(value, list) and p.explode:
                 query.extend((p.name, _text(v)) for v in value)
             else:
                 query.append((p.name, _text(value)))
         else:
-            headers[p.name] = _text(value)
+            headers[p.name] = _field_value(p.name, _text(value))
     body: bytes | None = None
     if op.body_schema is not None:
         names = {p.name for p in op.params}
@@ -598,6 +674,51 @@ def request_for(op: Operation, arguments: Mapping[str, Any]) -> HttpCall:
     if query:
         path += "?" + urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
     return HttpCall(method=op.method, path=path, headers=headers, body=body)
+
+
+# A path parameter's value that would not stay the one segment the policy decided on: a dot
+# segment is removed by URL normalisation (RFC 3986 5.2.4, in yarl and most servers), so
+# `/items/..` is `/`, and a server that decodes `%2F` (or reads `\` as `/`) before routing
+# sees `a/../../admin` as dot segments too; an empty one makes another path (`/items/`); a
+# control character (NUL) is cut or rejected differently by each server.
+_DOT_SEGMENTS = frozenset((".", ".."))
+_SEPARATORS = re.compile(r"[/\\]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A header field value as RFC 9110 5.5 allows it, ASCII only: visible characters, space and tab
+# (no CR/LF, which would split it into more headers; no bytes a server decodes its own way).
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e]*")
+
+
+# The same rules as input-schema constraints, so the schema check refuses such a value (and
+# says why) before anything is decided, on both fronts; `request_for` checks them again.
+_UNSENDABLE: dict[str, dict[str, Any]] = {
+    "path": {"minLength": 1, "not": {"pattern": r"(^|[/\\])\.{1,2}([/\\]|$)|[\x00-\x1f\x7f]"}},
+    "header": {"not": {"pattern": r"[^\t\x20-\x7e]"}},
+}
+
+
+def _sendable(p: Param, schema: Any) -> Any:
+    """`schema` of parameter `p` constrained to the strings `request_for` can send unchanged
+    (a string-typed path or header parameter; other types cannot hold such a value)."""
+    guard = _UNSENDABLE.get(p.location)
+    if guard is None or not isinstance(schema, dict) or _type_of(schema) not in (None, "string"):
+        return schema
+    if set(guard) & set(schema) or "$ref" in schema:
+        return {"allOf": [schema, guard]}
+    return {**schema, **guard}
+
+
+def _segment(name: str, value: Any) -> str:
+    text = _text(value)
+    if not text or _CONTROL.search(text) or _DOT_SEGMENTS & set(_SEPARATORS.split(text)):
+        raise ValueError(f"path parameter {name!r}: {text!r} cannot be sent as one path segment")
+    return text
+
+
+def _field_value(name: str, text: str) -> str:
+    if not _FIELD_VALUE.fullmatch(text):
+        raise ValueError(f"header parameter {name!r}: only printable ASCII can be sent in a header")
+    return text
 
 
 def _text(value: Any) -> str:
@@ -702,6 +823,36 @@ def _scalar(name: str, schema: Mapping[str, Any], text: str) -> Any:
     return text
 
 
+def decoded(body: bytes, content_encoding: str, limit: int, setting: str) -> bytes:
+    """`body` without its `Content-Encoding`: identity as is, `gzip`/`deflate` decompressed (at
+    most `limit` bytes, ReplyTooLarge past it: a small bomb must not become a large reply).
+
+    Inspection must see the text the agent will read, and the proxy never asks for an encoding;
+    a backend that sends one anyway is decoded here, and any other encoding (br, zstd, several
+    in a row) raises ValueError: the call is refused, never relayed unread.
+    """
+    coding = content_encoding.strip().lower()
+    if coding in ("", "identity") or not body:  # (a HEAD, 204 or 304 names a coding, sends nothing)
+        return body
+    if coding in ("gzip", "x-gzip"):
+        wbits = 16 + zlib.MAX_WBITS
+    elif coding == "deflate":
+        # RFC 9110 says zlib-wrapped; some servers send raw deflate: tell them apart by header.
+        wbits = zlib.MAX_WBITS if body[:1] and body[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    else:
+        raise ValueError(f"unsupported Content-Encoding {content_encoding[:40]!r}")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f"a {coding} body that does not decode: {exc}") from exc
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise ReplyTooLarge(limit, setting)
+    if not inflater.eof:
+        raise ValueError(f"a truncated {coding} body")
+    return out
+
+
 def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
     """The MCP tool result for an HTTP response: JSON as `structuredContent` (an object as is,
     anything else as `{"result": value}`) with its text, other bodies as text, and a status of
@@ -715,8 +866,12 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
     media = content_type.split(";")[0].strip().lower()
     if media == "application/json" or media.endswith("+json"):
         try:
-            value = json.loads(text)
-        except ValueError:
+            # orjson: a body nested past its limit is a decode error, never a RecursionError
+            # that would end the call unaudited; deeper than MAX_RESULT_DEPTH is text too.
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            value = _NOT_JSON
+        if value is not _NOT_JSON and _deeper_than(value, MAX_RESULT_DEPTH):
             value = _NOT_JSON
         if value is not _NOT_JSON:
             structured = value if isinstance(value, dict) else {"result": value}
@@ -730,3 +885,17 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
 
 
 _NOT_JSON = object()
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` nests containers more than `limit` deep (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in node)
+    return False

@@ -86,3 +86,13 @@ def test_http_weak_spots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "weak spot: tools.pets.deletePet.effect [ungated_destructive]" in out
     assert "weak spot: tools.pets.createPets [writer_without_policy]" in out
     assert "showPetById [writer_without_policy]" not in out  # a GET reads
+
+
+def test_a_yaml_alias_bomb_is_reported_not_expanded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policies = _check(tmp_path, {})
+    lines = ["openapi: 3.1.0", "info: {title: b, version: '1'}", "x-0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"x-{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 10)]
+    (policies / "petstore.yaml").write_text("\n".join([*lines, "paths: {}"]))
+    code, out = _run(policies, capsys)
+    assert code != 0
+    assert "petstore.yaml:1:1: OpenAPI document of upstream 'pets': the OpenAPI document expands past" in out
