@@ -17,7 +17,9 @@ arithmetic; Redis runs the same steps in one Lua script, SQLite in one transacti
 state is a plain value of its namespace.
 
 Namespaces in use: `approval`, `approval_by_call`, `grant`, `idem`, `shadow`, `run`, `rate`
-(buckets); hashes: `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints).
+(buckets); hashes: `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints,
+one field each: ledgers written before the log), `ledger_log` (a log: one entry per recorded
+output holding its sorted fingerprints).
 """
 
 from __future__ import annotations
@@ -25,6 +27,23 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
+
+
+# A log's entries are fields named by their sequence number (8 bytes, big-endian: they sort
+# in order); its counter is one more field, "<last sequence number> <total weight>" in ASCII.
+LOG_COUNTER = b"#"
+
+
+def log_field(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def log_counter(value: bytes | None) -> tuple[int, int]:
+    """(last sequence number, total weight) of a log's counter field (absent: an empty log)."""
+    if value is None:
+        return 0, 0
+    seq, _, total = value.partition(b" ")
+    return int(seq), int(total or 0)
 
 
 class HashPut(NamedTuple):
@@ -107,6 +126,26 @@ class Store(ABC):
     @abstractmethod
     async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
         """Remove fields (no error when absent); expiry unchanged."""
+
+    # -- append-only hashes (logs) ----------------------------------------------------------
+    #
+    # A hash written only through `hash_append` is a log: each entry gets the next sequence
+    # number (1, 2, ...), so a reader that holds entries up to n asks for those after n and reads
+    # only what was added since (the data-flow ledger's per-process view). The log also keeps the
+    # sum of its entries' weights, for a cap. It expires like any hash; one that expired starts
+    # again at 1 (a reader that held n sees fewer entries than it had: `hash_since` says so).
+
+    @abstractmethod
+    async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
+                          weight: int = 0, cap: int | None = None) -> int:
+        """Append `value` as the log's next entry, atomically; its sequence number, or 0 when
+        `weight` would take the log's total weight beyond `cap` (then nothing is written but
+        the expiry). With `ttl`, the whole log expires `ttl` seconds after this call."""
+
+    @abstractmethod
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
+        """(the log's last sequence number, at most `limit` entries after `after`, in order). A
+        last sequence number below `after` means the log expired and started again."""
 
     # -- token buckets -----------------------------------------------------------------------
 

@@ -86,6 +86,60 @@ end
 return {added, refused}
 """
 
+# KEYS[1] the log; ARGV: the entry, its weight, cap ("" for none), expiry in ms ("" for none).
+# The entry's sequence number, or 0 when the weight would exceed the cap. Fields as in
+# `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
+_LOG_APPEND = """
+local function be(n)
+  local s = ''
+  for _ = 1, 8 do
+    s = string.char(n % 256) .. s
+    n = math.floor(n / 256)
+  end
+  return s
+end
+local counter = redis.call('HGET', KEYS[1], '#')
+local seq, total = 0, 0
+if counter then
+  local a, b = string.match(counter, '^(%d+) (%d+)$')
+  seq, total = tonumber(a), tonumber(b)
+end
+local weight, cap = tonumber(ARGV[2]), tonumber(ARGV[3])
+local result = 0
+if cap == nil or total + weight <= cap then
+  seq = seq + 1
+  redis.call('HSET', KEYS[1], be(seq), ARGV[1], '#', string.format('%d %d', seq, total + weight))
+  result = seq
+end
+if ARGV[4] ~= '' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return result
+"""
+
+# KEYS[1] the log; ARGV: after, limit. {last sequence number, entries after `after`...}.
+_LOG_SINCE = """
+local function be(n)
+  local s = ''
+  for _ = 1, 8 do
+    s = string.char(n % 256) .. s
+    n = math.floor(n / 256)
+  end
+  return s
+end
+local counter = redis.call('HGET', KEYS[1], '#')
+local last = 0
+if counter then
+  last = tonumber(string.match(counter, '^(%d+)'))
+end
+local out = {last}
+local after, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+for seq = after + 1, math.min(last, after + limit) do
+  out[#out + 1] = redis.call('HGET', KEYS[1], be(seq)) or ''
+end
+return out
+"""
+
 # KEYS: the buckets; ARGV: capacity, rate (tokens a second), expiry in ms of each bucket, in
 # order. The steps of `proxy.store.buckets.take`, on the server's clock (TIME), so replicas share
 # one. {1} when granted; {0, bucket (1-based), wait in seconds as text ("inf": never)} when not,
@@ -189,6 +243,8 @@ class RedisStore(Store):
             raise StoreError(f"redis store {self.url}: invalid url: {exc}") from exc
         self._cas = self._client.register_script(_CAS)
         self._hash_put = self._client.register_script(_HASH_PUT)
+        self._log_append = self._client.register_script(_LOG_APPEND)
+        self._log_since = self._client.register_script(_LOG_SINCE)
         self._take = self._client.register_script(_TAKE)
 
     def _key(self, ns: str, key: str) -> str:
@@ -275,6 +331,20 @@ class RedisStore(Store):
             return HashPut(added, refused)
 
         return await self._call("hash_put", put)
+
+    async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
+                          weight: int = 0, cap: int | None = None) -> int:
+        args: list[bytes] = [value, str(weight).encode(), b"" if cap is None else str(cap).encode(),
+                             b"" if ttl is None else str(_px(ttl)).encode()]
+        name = self._hash_key(ns, key)
+        done = await self._call("hash_append", lambda: self._log_append(keys=[name], args=args))
+        return int(done)
+
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
+        name = self._hash_key(ns, key)
+        args = [max(0, after), max(0, limit)]
+        found = await self._call("hash_since", lambda: self._log_since(keys=[name], args=args))
+        return int(found[0]), [_bytes(v) for v in found[1:]]
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 from proxy.errors import StoreError
 from proxy.store import buckets as arithmetic
-from proxy.store.base import Bucket, HashPut, Store, Taken
+from proxy.store.base import LOG_COUNTER, Bucket, HashPut, Store, Taken, log_counter, log_field
 
 T = TypeVar("T")
 
@@ -90,6 +90,10 @@ _HASH_FIELDS = "SELECT field FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_VALUES = "SELECT field, value FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_REMOVE = "DELETE FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_ALL = "SELECT field, value FROM hash WHERE ns = ? AND key = ? LIMIT ?"
+_LOG_SINCE = (
+    "SELECT value FROM hash WHERE ns = ? AND key = ? AND field > ? AND field <= ?"
+    " AND length(field) = 8 ORDER BY field"
+)
 # Fields before their meta rows, inside one transaction: no field outlives its meta row.
 _HASH_PURGE = (
     "DELETE FROM hash WHERE (ns, key) IN"
@@ -316,6 +320,52 @@ class SqliteStore(Store):
             return result
 
         return await self._run("hash_put", op)
+
+    async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
+                          weight: int = 0, cap: int | None = None) -> int:
+        def append(conn: sqlite3.Connection, now: float) -> int:
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is not None and not _live(meta[0], now):
+                conn.execute(_HASH_CLEAR, (ns, key))
+                conn.execute(_HASH_DROP_META, (ns, key))
+                meta = None
+            expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+            expires = expires if ttl is None else now + ttl
+            row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
+            seq, total = log_counter(None if row is None else bytes(row[1]))
+            if cap is not None and total + weight > cap:
+                if ttl is not None and meta is not None:
+                    conn.execute(_HASH_SET_META, (ns, key, expires, size))
+                return 0
+            seq += 1
+            conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
+            conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
+            conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
+            return seq
+
+        def op(conn: sqlite3.Connection) -> int:
+            now = time.time()
+            result = _transaction(conn, "BEGIN IMMEDIATE", lambda: append(conn, now))
+            self._maybe_purge(conn, now)
+            return result
+
+        return await self._run("hash_append", op)
+
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
+        def read(conn: sqlite3.Connection) -> tuple[int, list[bytes]]:
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is None or not _live(meta[0], time.time()):
+                return 0, []
+            row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
+            last = log_counter(None if row is None else bytes(row[1]))[0]
+            start = max(0, after)
+            end = min(last, start + max(0, limit))
+            if end <= start:
+                return last, []
+            rows = conn.execute(_LOG_SINCE, (ns, key, log_field(start), log_field(end)))
+            return last, [bytes(value) for (value,) in rows]
+
+        return await self._run("hash_since", lambda conn: _transaction(conn, "BEGIN", lambda: read(conn)))
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import struct
 import time
 import weakref
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from proxy.envelope.dataflow.fingerprint import (
 )
 from proxy.envelope.labels import Piece
 from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW, MIN_PHRASE_CHARS
+from proxy.errors import StoreError
 from proxy.store.base import Store
 
 NS = "ledger"
@@ -44,9 +46,11 @@ def source_id(label: str, source: str) -> bytes:
 def _scheme(n: int, window: int, min_value: int = 0) -> str:
     """How a ledger's fingerprints were made; a ledger made another way cannot be matched."""
     # "p": outputs also record whole-value phrases (min_value on). A ledger without them cannot
-    # be matched for short values, so switching min_value on makes it coarse (fail closed);
-    # with min_value off the tag is the one ledgers had before phrases existed.
-    return f"{n}w{window}p" if min_value else f"{n}w{window}"
+    # be matched for short values, so switching min_value on makes it coarse (fail closed).
+    # "l": the fingerprints are in the run's log (`LOG_NS`, one entry per output). A ledger
+    # written before the log (one `ledger_fp` field per fingerprint, tags without "l") is not
+    # read: it is coarse until it expires, also when newer outputs were added to it.
+    return f"{n}w{window}pl" if min_value else f"{n}w{window}l"
 
 
 @dataclass(slots=True)
@@ -228,7 +232,8 @@ class Ledger:
         min_value = self.min_value if min_value is None else min_value
         if self.schemes - {_scheme(n, window, min_value)}:
             return (f"the run's ledger was built with another min_match, winnow or whole-value "
-                    f"setting than the policy's ({n}, {window}, min_value {min_value})")
+                    f"setting than the policy's ({n}, {window}, min_value {min_value}), or by an "
+                    "older proxy")
         if self.lost:
             return ("an output of the run may have reached the agent without passing the proxy "
                     "(a dropped stream the client can resume)")
@@ -271,27 +276,171 @@ class Ledger:
 
 # Store layout, per run (keyed by `RunContext.key`: principal-scoped, so another principal
 # naming the same run id has a ledger of its own): the hash `ledger`/<run key> holds the flags
-# (`u`, `s`, `o`), one `n:<N>` per min_match used, `src:<id>` -> "<label>|<source>" and the
-# pending markers `p:<decision>` -> deadline; the hash `ledger_fp`/<run key> holds fingerprint
-# -> source id. Both expire
-# `ledger_ttl` after the run's last recorded output. Flags only ever get set, fingerprints only
-# ever get added: concurrent writers never conflict, so no compare-and-set is needed.
+# (`u`, `s`, `o`), one `n:<scheme>` per scheme used, `src:<id>` -> "<label>|<source>" and the
+# pending markers `p:<decision>` -> deadline; the log `ledger_log`/<run key> (`Store.hash_append`)
+# holds one entry per recorded output: its fingerprints, sorted, per label (`_entry`). One write
+# per output whatever its size (one field per fingerprint cost ~100 ms for a 10 KB page on
+# SQLite), and a reader that holds the entries up to n reads only those after n (`LedgerViews`).
+# Both expire `ledger_ttl` after the run's last recorded output. Flags only ever get set,
+# entries only ever get added: concurrent writers never conflict, so no compare-and-set is
+# needed. `ledger_cap` bounds the fingerprints of the log's entries (counted per entry: an
+# output recorded again after `RecentWrites`' window counts again); an entry beyond it is not
+# written and the run overflows (coarse).
 META_NS = NS
-FP_NS = "ledger_fp"
+FP_NS = "ledger_fp"  # ledgers written before the log (not read: their scheme tag makes them coarse)
+LOG_NS = "ledger_log"
+
+# An entry: version byte, the writer's wall time (8-byte double: `LedgerViews` staleness), then
+# per label: source id (4), replace flag (1: untrusted fingerprints replace an earlier label,
+# others do not), count (4), count sorted 8-byte fingerprints.
+_VERSION = 1
+_HEAD = struct.Struct(">Bd")
+_GROUP = struct.Struct(">4sBI")
+FP_SIZE = 8
+
+
+def _entry(parts: list[tuple[str, bool, dict[bytes, bytes]]], now: float) -> bytes:
+    out = [_HEAD.pack(_VERSION, now)]
+    for _, replace, fields in parts:
+        by_sid: dict[bytes, list[bytes]] = {}
+        for fp, sid in fields.items():
+            by_sid.setdefault(sid, []).append(fp)
+        for sid, fps in by_sid.items():
+            out.append(_GROUP.pack(sid, replace, len(fps)))
+            out.append(b"".join(sorted(fps)))
+    return b"".join(out)
+
+
+def _apply(entry: bytes, into: dict[bytes, bytes]) -> float:
+    """Add an entry's fingerprints to a view as `Ledger.merge` would; the entry's wall time.
+    Raises ValueError for an entry this version cannot read (the caller fails closed)."""
+    if len(entry) < _HEAD.size or entry[0] != _VERSION:
+        raise ValueError("unreadable ledger entry")
+    _, at = _HEAD.unpack_from(entry)
+    pos = _HEAD.size
+    while pos < len(entry):
+        sid, replace, count = _GROUP.unpack_from(entry, pos)
+        pos += _GROUP.size
+        end = pos + count * FP_SIZE
+        if end > len(entry):
+            raise ValueError("truncated ledger entry")
+        block = entry[pos:end]
+        fps = [block[i: i + FP_SIZE] for i in range(0, len(block), FP_SIZE)]
+        if replace:
+            into.update(dict.fromkeys(fps, sid))
+        else:
+            for fp in fps:
+                into.setdefault(fp, sid)
+        pos = end
+    return float(at)
+
+
+@dataclass(slots=True)
+class _View:
+    seq: int = 0  # entries applied: 1..seq
+    newest: float = 0.0  # wall time of the newest entry applied
+    fingerprints: dict[bytes, bytes] = field(default_factory=dict)
+
+
+class LedgerViews:
+    """Run ledgers as this process last read them from the store's logs (fingerprint -> source
+    id), per store (weakly), per run. A check syncs the run's view first (one store read of
+    the entries other processes or replicas added since), so it sees every fingerprint
+    recorded before it, and then looks its arguments up in memory. Bounded: least recently
+    used runs go when the views hold more than `budget` fingerprints (a run's own view is
+    kept, whatever its size)."""
+
+    # Entries read per store call while catching up.
+    PAGE = 256
+
+    def __init__(self, budget: int = 1 << 20, runs: int = 4096) -> None:
+        self.budget = budget
+        self.runs = runs
+        self._stores: weakref.WeakKeyDictionary[Store, OrderedDict[str, _View]] = weakref.WeakKeyDictionary()
+        self._held = 0
+
+    def _runs(self, store: Store) -> OrderedDict[str, _View]:
+        runs = self._stores.get(store)
+        if runs is None:
+            runs = self._stores[store] = OrderedDict()
+        return runs
+
+    def _drop(self, runs: OrderedDict[str, _View], run_key: str) -> None:
+        view = runs.pop(run_key, None)
+        if view is not None:
+            self._held -= len(view.fingerprints)
+
+    async def sync(self, store: Store, run_key: str, ttl: float) -> dict[bytes, bytes]:
+        """The run's fingerprints, up to date with the store's log. Raises StoreError when the
+        store cannot answer, ValueError for an entry it cannot read."""
+        runs = self._runs(store)
+        view = runs.get(run_key)
+        # A log expires `ttl` after its newest entry (less the `RecentWrites` window, at most
+        # a tenth of it) and then starts again at 1: a view older than half of that is read
+        # afresh, so it never mistakes a new log's entries for ones it holds.
+        if view is not None and time.time() - view.newest > ttl / 2 and view.seq:
+            self._drop(runs, run_key)
+            view = None
+        if view is None:
+            view = runs[run_key] = _View()
+        runs.move_to_end(run_key)
+        while True:
+            after = view.seq
+            last, entries = await store.hash_since(LOG_NS, run_key, after, self.PAGE)
+            if runs.get(run_key) is not view:
+                # Evicted (or replaced) while waiting: this call's view is the one kept.
+                self._drop(runs, run_key)
+                runs[run_key] = view
+                self._held += len(view.fingerprints)
+            if last < after:
+                # The log expired and started again since this view was read: read it afresh.
+                self._drop(runs, run_key)
+                view = runs[run_key] = _View()
+                continue
+            if view.seq == after:  # no concurrent sync applied these entries meanwhile
+                before = len(view.fingerprints)
+                for entry in entries:
+                    view.newest = max(view.newest, _apply(entry, view.fingerprints))
+                    view.seq += 1
+                self._held += len(view.fingerprints) - before
+            if not entries or view.seq >= last:
+                break
+        self._evict(runs)
+        return view.fingerprints
+
+    def _evict(self, runs: OrderedDict[str, _View]) -> None:
+        # The run just synced is the most recently used: it is never the one dropped.
+        while len(runs) > 1 and (len(runs) > self.runs or self._held > self.budget):
+            self._drop(runs, next(iter(runs)))
+
+    def forget(self, store: Store, run_key: str) -> None:
+        self._drop(self._runs(store), run_key)
+
+
+# This process's views (every check of every policy revision shares them).
+VIEWS = LedgerViews()
 
 
 async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
-               window: int = DEFAULT_WINNOW, min_value: int = 0) -> Ledger | None:
+               window: int = DEFAULT_WINNOW, min_value: int = 0, *, ttl: float = 24 * 3600.0,
+               views: LedgerViews | None = None) -> Ledger | None:
     """The run's flags and the fingerprints among `probes` it holds, or None when the run has
-    no ledger. Two store round trips at most; cost follows the probes, not the ledger."""
+    no ledger. Two store reads at most (the flags; what the run's log gained since this process
+    last read it, `views`: the process's `VIEWS` by default); the lookup is in memory, so the
+    cost follows the probes and what was recorded since, not the ledger. `ttl` is the policy's
+    `ledger_ttl`. Raises StoreError when the store cannot answer or holds an entry this version
+    cannot read (fail closed)."""
     meta = await store.hash_all(META_NS, run_key)
     if not meta:
         return None
     ledger = Ledger.from_meta(n, meta, window, min_value)
     wanted = list(dict.fromkeys(probes))
     if wanted and (ledger.untrusted or ledger.secret):
-        values = await store.hash_get(FP_NS, run_key, wanted)
-        ledger.fingerprints = {k: v for k, v in zip(wanted, values, strict=True) if v is not None}
+        try:
+            held = await (views or VIEWS).sync(store, run_key, ttl)
+        except ValueError as exc:
+            raise StoreError(f"the run's ledger holds an entry this proxy cannot read: {exc}") from exc
+        ledger.fingerprints = {k: sid for k in wanted if (sid := held.get(k)) is not None}
     return ledger
 
 
@@ -370,7 +519,7 @@ async def mark_pending(store: Store, run_key: str, decision_id: str, deadline: f
         await store.hash_put(META_NS, run_key, marker)
         return
     await store.hash_put(META_NS, run_key, marker, ttl=ttl)
-    await store.hash_put(FP_NS, run_key, {}, ttl=ttl)
+    await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
     if recent is not None:
         recent.forget(store, run_key)
 
@@ -379,10 +528,12 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
                  done: str | None = None, window: int = DEFAULT_WINNOW, min_value: int = 0,
                  recent: RecentWrites | None = None) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
-    go in first and the marker goes last, so an interruption leaves the run coarse (fail
-    closed). Both hashes get the same expiry: flags that outlived their fingerprints would
-    narrow verdicts. What this process wrote moments ago (`recent`, the process's
-    `RecentWrites`) is not written again. Raises StoreError when the store cannot answer."""
+    go in first (one log entry), the flags next and the marker last, so an interruption leaves
+    the run coarse (fail closed). Both get the same expiry: flags that outlived their
+    fingerprints would narrow verdicts. An entry that would take the log beyond `cap`
+    fingerprints is not written and the run overflows. What this process wrote moments ago
+    (`recent`, the process's `RecentWrites`) is not written again. Raises StoreError when the
+    store cannot answer."""
     meta = delta.meta(n, window, min_value)
     parts = [(label, replace, delta.fields(label))
              for label, replace in (("untrusted", True), ("secret", False), ("trusted", False))]
@@ -393,13 +544,15 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
         if recent is None or not recent.covers(store, run_key, digests, ttl):
             if recent is not None:
                 recent.forget(store, run_key)
-            for label, replace, fields in parts:
-                put = await store.hash_put(FP_NS, run_key, fields, ttl=ttl, replace=replace, cap=cap)
+            if parts:
+                weight = sum(len(fields) for _, _, fields in parts)
+                seq = await store.hash_append(LOG_NS, run_key, _entry(parts, time.time()), ttl=ttl,
+                                              weight=weight, cap=cap)
                 # Endorsing keys left out only endorse less (more escalation): no overflow.
-                if put.refused and label != "trusted":
+                if not seq and any(label != "trusted" for label, _, _ in parts):
                     meta[b"o"] = b"1"
-            if not parts:
-                await store.hash_put(FP_NS, run_key, {}, ttl=ttl)
+            else:
+                await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
             await store.hash_put(META_NS, run_key, meta, ttl=ttl)
             if recent is not None and b"o" not in meta:  # an overflow is written again next time
                 recent.refreshed(store, run_key, digests, ttl)
