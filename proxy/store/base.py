@@ -46,6 +46,15 @@ def log_counter(value: bytes | None) -> tuple[int, int]:
     return int(seq), int(total or 0)
 
 
+class LogRead(NamedTuple):
+    """What `hash_since` read: the log's last sequence number, the entries asked for, and the
+    fields of the hash it was asked to read with them (`with_hash`; else empty)."""
+
+    last: int
+    entries: list[bytes]
+    fields: dict[bytes, bytes]
+
+
 class HashPut(NamedTuple):
     """What `hash_put` did: fields newly added, and fields left out because of the cap."""
 
@@ -143,9 +152,12 @@ class Store(ABC):
         the expiry). With `ttl`, the whole log expires `ttl` seconds after this call."""
 
     @abstractmethod
-    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
-        """(the log's last sequence number, at most `limit` entries after `after`, in order). A
-        last sequence number below `after` means the log expired and started again."""
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
+        """The log's last sequence number and at most `limit` entries after `after`, in order
+        (a last sequence number below `after` means the log expired and started again); with
+        `with_hash`, also every field of the hash `with_hash`/`key`, read at the same moment
+        (one round trip: a sink check reads the run's flags and new fingerprints at once)."""
 
     # -- token buckets -----------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from proxy.store import buckets as arithmetic
-from proxy.store.base import LOG_COUNTER, Bucket, HashPut, Store, Taken, log_counter, log_field
+from proxy.store.base import LOG_COUNTER, Bucket, HashPut, LogRead, Store, Taken, log_counter, log_field
 
 
 class MemoryStore(Store):
@@ -133,13 +133,15 @@ class MemoryStore(Store):
         values[LOG_COUNTER] = b"%d %d" % (seq, total + weight)
         return seq
 
-    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
         self._check()
         entry = self._hash(ns, key)
         values = entry[0] if entry is not None else {}
         last = log_counter(values.get(LOG_COUNTER))[0]
         end = min(last, after + max(0, limit))
-        return last, [values[log_field(seq)] for seq in range(max(0, after) + 1, end + 1)]
+        fields = {} if with_hash is None else await self.hash_all(with_hash, key)
+        return LogRead(last, [values[log_field(seq)] for seq in range(max(0, after) + 1, end + 1)], fields)
 
     async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
         self._check()

@@ -38,7 +38,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.errors import StoreError
-from proxy.store.base import Bucket, HashPut, Store, Taken
+from proxy.store.base import Bucket, HashPut, LogRead, Store, Taken
 
 T = TypeVar("T")
 
@@ -117,7 +117,9 @@ end
 return result
 """
 
-# KEYS[1] the log; ARGV: after, limit. {last sequence number, entries after `after`...}.
+# KEYS[1] the log, KEYS[2] (optional) a hash read with it; ARGV: after, limit. {last sequence
+# number, the hash's fields and values flattened (HGETALL; empty without KEYS[2]), entries
+# after `after`...}.
 _LOG_SINCE = """
 local function be(n)
   local s = ''
@@ -132,7 +134,10 @@ local last = 0
 if counter then
   last = tonumber(string.match(counter, '^(%d+)'))
 end
-local out = {last}
+local out = {last, {}}
+if KEYS[2] then
+  out[2] = redis.call('HGETALL', KEYS[2])
+end
 local after, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 for seq = after + 1, math.min(last, after + limit) do
   out[#out + 1] = redis.call('HGET', KEYS[1], be(seq)) or ''
@@ -340,11 +345,15 @@ class RedisStore(Store):
         done = await self._call("hash_append", lambda: self._log_append(keys=[name], args=args))
         return int(done)
 
-    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
-        name = self._hash_key(ns, key)
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
+        keys = [self._hash_key(ns, key)]
+        if with_hash is not None:
+            keys.append(self._hash_key(with_hash, key))
         args = [max(0, after), max(0, limit)]
-        found = await self._call("hash_since", lambda: self._log_since(keys=[name], args=args))
-        return int(found[0]), [_bytes(v) for v in found[1:]]
+        found = await self._call("hash_since", lambda: self._log_since(keys=keys, args=args))
+        flat = [_bytes(v) for v in found[1]]
+        return LogRead(int(found[0]), [_bytes(v) for v in found[2:]], dict(zip(flat[::2], flat[1::2], strict=True)))
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 from proxy.errors import StoreError
 from proxy.store import buckets as arithmetic
-from proxy.store.base import LOG_COUNTER, Bucket, HashPut, Store, Taken, log_counter, log_field
+from proxy.store.base import LOG_COUNTER, Bucket, HashPut, LogRead, Store, Taken, log_counter, log_field
 
 T = TypeVar("T")
 
@@ -351,20 +351,32 @@ class SqliteStore(Store):
 
         return await self._run("hash_append", op)
 
-    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
-        def read(conn: sqlite3.Connection) -> tuple[int, list[bytes]]:
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
+        def fields(conn: sqlite3.Connection, now: float) -> dict[bytes, bytes]:
+            if with_hash is None:
+                return {}
+            meta = conn.execute(_HASH_META, (with_hash, key)).fetchone()
+            if meta is None or not _live(meta[0], now):
+                return {}
+            return {bytes(f): bytes(v) for f, v in conn.execute(_HASH_ALL, (with_hash, key, 10_000))}
+
+        def read(conn: sqlite3.Connection) -> LogRead:
+            now = time.time()
             meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-            if meta is None or not _live(meta[0], time.time()):
-                return 0, []
+            if meta is None or not _live(meta[0], now):
+                return LogRead(0, [], fields(conn, now))
             row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
             last = log_counter(None if row is None else bytes(row[1]))[0]
             start = max(0, after)
             end = min(last, start + max(0, limit))
-            if end <= start:
-                return last, []
-            rows = conn.execute(_LOG_SINCE, (ns, key, log_field(start), log_field(end)))
-            return last, [bytes(value) for (value,) in rows]
+            entries: list[bytes] = []
+            if end > start:
+                rows = conn.execute(_LOG_SINCE, (ns, key, log_field(start), log_field(end)))
+                entries = [bytes(value) for (value,) in rows]
+            return LogRead(last, entries, fields(conn, now))
 
+        # One read transaction: the log and the hash read with it are one snapshot.
         return await self._run("hash_since", lambda conn: _transaction(conn, "BEGIN", lambda: read(conn)))
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:

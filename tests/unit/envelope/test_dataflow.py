@@ -41,6 +41,7 @@ from proxy.envelope.types import (
     ToolInfo,
 )
 from proxy.errors import StoreError
+from proxy.store.base import LogRead
 from proxy.observability.metrics import Metrics
 from proxy.policy.model import ToolPolicy
 from proxy.policy.vocab import Effect
@@ -150,10 +151,10 @@ async def test_loading_reads_only_what_was_recorded_since() -> None:
     read: list[tuple[int, int]] = []  # (after, entries) per read of the log
     real = store.hash_since
 
-    async def counting(ns: str, key: str, after: int, limit: int = 256) -> tuple[int, list[bytes]]:
-        last, entries = await real(ns, key, after, limit)
-        read.append((after, len(entries)))
-        return last, entries
+    async def counting(ns: str, key: str, after: int, limit: int = 256, **kw: Any) -> LogRead:
+        found = await real(ns, key, after, limit, **kw)
+        read.append((after, len(found.entries)))
+        return found
 
     store.hash_since = counting  # type: ignore[method-assign]
     views = LedgerViews()
@@ -319,7 +320,7 @@ async def test_an_output_recorded_moments_ago_is_not_written_again() -> None:
     recent.forget(store, "run")
     await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, recent=recent)
     assert puts[3:] == ["ledger"]
-    assert (await store.hash_since(LOG_NS, "run", 0))[0] == 3  # three entries written
+    assert (await store.hash_since(LOG_NS, "run", 0)).last == 3  # three entries written
     # The cache is per store: another store with the same run id is written in full.
     other = MemoryStore()
     await record(other, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, recent=recent)

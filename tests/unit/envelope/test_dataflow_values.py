@@ -219,7 +219,7 @@ async def test_off_a_short_copied_value_passes_and_the_store_holds_no_phrase() -
     assert decision is None
     meta = await store.hash_all(META_NS, RUN_KEY)
     assert [k for k in meta if k.startswith(b"n:")] == [b"n:32w4l"]
-    held = await LedgerViews().sync(store, RUN_KEY, 3600)
+    _, held = await LedgerViews().read(store, RUN_KEY, 3600)
     assert held and phrase_hash("tr0ub4dor&3") not in held and phrase_hash("acme ltd") not in held
     assert Probe.of("Tr0ub4dor&3", 32).value_hash is None  # nothing looked up whole
 
