@@ -28,7 +28,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-
 # A log's entries are fields named by their sequence number (8 bytes, big-endian: they sort
 # in order); its counter is one more field, "<last sequence number> <total weight>" in ASCII.
 LOG_COUNTER = b"#"

@@ -6,7 +6,16 @@ import time
 from collections.abc import Mapping, Sequence
 
 from proxy.store import buckets as arithmetic
-from proxy.store.base import LOG_COUNTER, Bucket, HashPut, LogRead, Store, Taken, log_counter, log_field
+from proxy.store.base import (
+    LOG_COUNTER,
+    Bucket,
+    HashPut,
+    LogRead,
+    Store,
+    Taken,
+    log_counter,
+    log_field,
+)
 
 
 class MemoryStore(Store):

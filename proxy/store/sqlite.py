@@ -36,7 +36,16 @@ from typing import TypeVar
 
 from proxy.errors import StoreError
 from proxy.store import buckets as arithmetic
-from proxy.store.base import LOG_COUNTER, Bucket, HashPut, LogRead, Store, Taken, log_counter, log_field
+from proxy.store.base import (
+    LOG_COUNTER,
+    Bucket,
+    HashPut,
+    LogRead,
+    Store,
+    Taken,
+    log_counter,
+    log_field,
+)
 
 T = TypeVar("T")
 

@@ -24,8 +24,8 @@ from proxy.envelope.dataflow.fingerprint import (
     winnowed,
 )
 from proxy.envelope.labels import Piece
-from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW, MIN_PHRASE_CHARS
 from proxy.errors import StoreError
+from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW, MIN_PHRASE_CHARS
 from proxy.store.base import Store
 
 NS = "ledger"

@@ -21,7 +21,14 @@ from proxy.envelope.dataflow.fingerprint import (
     tokens,
     winnowed,
 )
-from proxy.envelope.dataflow.ledger import META_NS, Ledger, LedgerViews, LedgerDelta, load, widen_parent
+from proxy.envelope.dataflow.ledger import (
+    META_NS,
+    Ledger,
+    LedgerDelta,
+    LedgerViews,
+    load,
+    widen_parent,
+)
 from proxy.envelope.dataflow.match import Probe, match_argument
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.types import Code, Decision, Services, ToolCall
