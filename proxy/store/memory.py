@@ -126,7 +126,8 @@ class MemoryStore(Store):
         return dict(list(entry[0].items())[: max(0, limit)])
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
-                          weight: int = 0, cap: int | None = None) -> int:
+                          weight: int = 0, cap: int | None = None,
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
         self._check()
         entry = self._hash(ns, key)
         if entry is None:
@@ -140,6 +141,8 @@ class MemoryStore(Store):
         seq += 1
         values[log_field(seq)] = value
         values[LOG_COUNTER] = b"%d %d" % (seq, total + weight)
+        if also is not None:
+            await MemoryStore.hash_put(self, also[0], key, also[1], ttl)  # one step, as on the others
         return seq
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,

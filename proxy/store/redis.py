@@ -86,8 +86,9 @@ end
 return {added, refused}
 """
 
-# KEYS[1] the log; ARGV: the entry, its weight, cap ("" for none), expiry in ms ("" for none).
-# The entry's sequence number, or 0 when the weight would exceed the cap. Fields as in
+# KEYS[1] the log, KEYS[2] (optional) a hash set with the entry; ARGV: the entry, its weight,
+# cap ("" for none), expiry in ms ("" for none), then the hash's field, value pairs. The entry's
+# sequence number, or 0 when the weight would exceed the cap (then the hash is left alone). Fields as in
 # `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
 _LOG_APPEND = """
 local function be(n)
@@ -110,6 +111,14 @@ if cap == nil or total + weight <= cap then
   seq = seq + 1
   redis.call('HSET', KEYS[1], be(seq), ARGV[1], '#', string.format('%d %d', seq, total + weight))
   result = seq
+  if KEYS[2] then
+    for i = 5, #ARGV, 2 do
+      redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+    end
+    if ARGV[4] ~= '' then
+      redis.call('PEXPIRE', KEYS[2], ARGV[4])
+    end
+  end
 end
 if ARGV[4] ~= '' then
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -338,11 +347,16 @@ class RedisStore(Store):
         return await self._call("hash_put", put)
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
-                          weight: int = 0, cap: int | None = None) -> int:
+                          weight: int = 0, cap: int | None = None,
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
         args: list[bytes] = [value, str(weight).encode(), b"" if cap is None else str(cap).encode(),
                              b"" if ttl is None else str(_px(ttl)).encode()]
-        name = self._hash_key(ns, key)
-        done = await self._call("hash_append", lambda: self._log_append(keys=[name], args=args))
+        keys = [self._hash_key(ns, key)]
+        if also is not None:
+            keys.append(self._hash_key(also[0], key))
+            for field, field_value in also[1].items():
+                args += (field, field_value)
+        done = await self._call("hash_append", lambda: self._log_append(keys=keys, args=args))
         return int(done)
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,

@@ -134,6 +134,46 @@ def _transaction(conn: sqlite3.Connection, begin: str, fn: Callable[[], T]) -> T
     return result
 
 
+def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Mapping[bytes, bytes],
+              ttl: float | None, replace: bool = True, cap: int | None = None) -> HashPut:
+    """`Store.hash_put` inside the caller's write transaction."""
+    items = list(fields.items())
+    names = [field for field, _ in items]
+    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+    if meta is not None and not _live(meta[0], now):
+        # Expired: starts afresh (no fields, no expiry) before this put counts anything.
+        conn.execute(_HASH_CLEAR, (ns, key))
+        conn.execute(_HASH_DROP_META, (ns, key))
+        meta = None
+    expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+    if cap is None or size + len(items) <= cap:
+        # Every field fits: insert the new ones in one pass (changes() counts them), and
+        # only when some existed, replace those in a second; no lookup before writing.
+        before = conn.total_changes
+        conn.executemany(_HASH_INSERT_NEW, [(ns, key, f, v) for f, v in items])
+        added = conn.total_changes - before
+        if replace and added < len(items):
+            conn.executemany(_HASH_REPLACE, [(v, ns, key, f, v) for f, v in items])
+        if added or ttl is not None:
+            expires = expires if ttl is None else now + ttl
+            conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
+        return HashPut(added, 0)
+    existing: set[bytes] = set()
+    for marks, chunk in _in_chunks(names):
+        existing.update(bytes(row[0]) for row in conn.execute(_HASH_FIELDS + marks, (ns, key, *chunk)))
+    new = [(field, value) for field, value in items if field not in existing]
+    # The first new fields (in the caller's order) that fit under the cap are added.
+    room = len(new) if cap is None else max(0, min(len(new), cap - size))
+    writes = [(ns, key, field, value) for field, value in new[:room]]
+    if replace:
+        writes += [(ns, key, field, value) for field, value in items if field in existing]
+    conn.executemany(_HASH_UPSERT, writes)
+    if room or ttl is not None:
+        expires = expires if ttl is None else now + ttl
+        conn.execute(_HASH_SET_META, (ns, key, expires, size + room))
+    return HashPut(room, len(new) - room)
+
+
 def _live(expires: float | None, now: float) -> bool:
     return expires is None or expires > now
 
@@ -284,54 +324,18 @@ class SqliteStore(Store):
 
     async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
                        *, replace: bool = True, cap: int | None = None) -> HashPut:
-        items = list(fields.items())
-        names = [field for field, _ in items]
-
-        def put(conn: sqlite3.Connection, now: float) -> HashPut:
-            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-            if meta is not None and not _live(meta[0], now):
-                # Expired: starts afresh (no fields, no expiry) before this put counts anything.
-                conn.execute(_HASH_CLEAR, (ns, key))
-                conn.execute(_HASH_DROP_META, (ns, key))
-                meta = None
-            expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
-            if cap is None or size + len(items) <= cap:
-                # Every field fits: insert the new ones in one pass (changes() counts them), and
-                # only when some existed, replace those in a second; no lookup before writing.
-                before = conn.total_changes
-                conn.executemany(_HASH_INSERT_NEW, [(ns, key, f, v) for f, v in items])
-                added = conn.total_changes - before
-                if replace and added < len(items):
-                    conn.executemany(_HASH_REPLACE, [(v, ns, key, f, v) for f, v in items])
-                if added or ttl is not None:
-                    expires = expires if ttl is None else now + ttl
-                    conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
-                return HashPut(added, 0)
-            existing: set[bytes] = set()
-            for marks, chunk in _in_chunks(names):
-                existing.update(bytes(row[0]) for row in conn.execute(_HASH_FIELDS + marks, (ns, key, *chunk)))
-            new = [(field, value) for field, value in items if field not in existing]
-            # The first new fields (in the caller's order) that fit under the cap are added.
-            room = len(new) if cap is None else max(0, min(len(new), cap - size))
-            writes = [(ns, key, field, value) for field, value in new[:room]]
-            if replace:
-                writes += [(ns, key, field, value) for field, value in items if field in existing]
-            conn.executemany(_HASH_UPSERT, writes)
-            if room or ttl is not None:
-                expires = expires if ttl is None else now + ttl
-                conn.execute(_HASH_SET_META, (ns, key, expires, size + room))
-            return HashPut(room, len(new) - room)
-
         def op(conn: sqlite3.Connection) -> HashPut:
             now = time.time()
-            result = _transaction(conn, "BEGIN IMMEDIATE", lambda: put(conn, now))
+            result = _transaction(conn, "BEGIN IMMEDIATE",
+                                  lambda: _hash_put(conn, now, ns, key, fields, ttl, replace, cap))
             self._maybe_purge(conn, now)
             return result
 
         return await self._run("hash_put", op)
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
-                          weight: int = 0, cap: int | None = None) -> int:
+                          weight: int = 0, cap: int | None = None,
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
         def append(conn: sqlite3.Connection, now: float) -> int:
             meta = conn.execute(_HASH_META, (ns, key)).fetchone()
             if meta is not None and not _live(meta[0], now):
@@ -350,6 +354,8 @@ class SqliteStore(Store):
             conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
             conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
             conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
+            if also is not None:
+                _hash_put(conn, now, also[0], key, also[1], ttl)
             return seq
 
         def op(conn: sqlite3.Connection) -> int:

@@ -310,6 +310,18 @@ async def test_log_append_and_read_since(stores: list[Store], opener: Opener) ->
     assert await one.hash_since("ledger_log", "absent", 0, with_hash="ledger") == (0, [], {b"u": b"1"})
 
 
+async def test_log_append_sets_a_hash_with_the_entry(store: Store) -> None:
+    flags = {b"u": b"1", b"n:32w4l": b"1"}
+    assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=2, cap=3, also=("ledger", flags)) == 1
+    assert await store.hash_all("ledger", "r") == flags
+    # Refused: the hash is left alone.
+    assert await store.hash_append("ledger_log", "r", b"b", weight=2, cap=3, also=("ledger", {b"s": b"1"})) == 0
+    assert await store.hash_all("ledger", "r") == flags
+    # Both expire together (the ttl applies to the hash too).
+    await hash_gone(store, "ledger", "r", [b"u"])
+    assert (await store.hash_since("ledger_log", "r", 0))[:2] == (0, [])
+
+
 async def test_log_expires_and_starts_again(store: Store) -> None:
     assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=3, cap=3) == 1
     assert await store.hash_append("ledger_log", "r", b"b", ttl=TTL, weight=1, cap=3) == 0

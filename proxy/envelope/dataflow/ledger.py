@@ -558,7 +558,7 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
                  done: str | None = None, window: int = DEFAULT_WINNOW, min_value: int = 0,
                  recent: RecentWrites | None = None) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
-    go in first (one log entry), the flags next and the marker last, so an interruption leaves
+    (one log entry) and the flags go in together, the marker last, so an interruption leaves
     the run coarse (fail closed). Both get the same expiry: flags that outlived their
     fingerprints would narrow verdicts. An entry that would take the log beyond `cap`
     fingerprints is not written and the run overflows. What this process wrote moments ago
@@ -574,15 +574,20 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
         if recent is None or not recent.covers(store, run_key, digests, ttl):
             if recent is not None:
                 recent.forget(store, run_key)
+            seq = 0
             if groups:
+                # The entry and the flags in one step (one round trip); the flags only when the
+                # entry went in: flags without their fingerprints would narrow verdicts.
                 weight = sum(len(fps) for _, _, fps in groups)
-                seq = await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap)
+                seq = await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
+                                              also=(META_NS, meta))
                 # Endorsing keys left out only endorse less (more escalation): no overflow.
                 if not seq and len(groups) > bool(delta.trusted):
                     meta[b"o"] = b"1"
             else:
                 await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
-            await store.hash_put(META_NS, run_key, meta, ttl=ttl)
+            if not seq:
+                await store.hash_put(META_NS, run_key, meta, ttl=ttl)
             if recent is not None and b"o" not in meta:  # an overflow is written again next time
                 recent.refreshed(store, run_key, digests, ttl)
     if done is not None:

@@ -305,21 +305,28 @@ async def test_an_output_recorded_moments_ago_is_not_written_again() -> None:
         puts.append(ns)
         return await real(ns, key, fields, ttl, **kw)
 
+    real_append = store.hash_append
+
+    async def appending(ns: str, key: str, value: bytes, ttl: float | None = None, **kw: Any) -> int:
+        puts.append(f"{ns}+{kw['also'][0]}" if kw.get("also") else ns)
+        return await real_append(ns, key, value, ttl, **kw)
+
     store.hash_put = counting  # type: ignore[method-assign]
+    store.hash_append = appending  # type: ignore[method-assign]
     recent = RecentWrites()
     await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done=None, recent=recent)
-    assert puts == ["ledger"]  # the fingerprints: one log entry (hash_append), then the flags
+    assert puts == ["ledger_log+ledger"]  # one write: the log entry and the flags with it
     await mark_pending(store, "run", "d2", time.time() + 60, ttl=3600, recent=recent)
     await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done="d2", recent=recent)
-    assert puts == ["ledger", "ledger"]  # only the marker, no rewrite
+    assert puts == ["ledger_log+ledger", "ledger"]  # only the marker, no rewrite
     ledger = await load(store, "run", 32)
     assert ledger is not None and not ledger.pending
     await record(store, "run", _delta("a different page about " + PAGE), n=32, cap=4096, ttl=3600,
                  recent=recent)
-    assert puts[2:] == ["ledger"]
+    assert puts[2:] == ["ledger_log+ledger"]
     recent.forget(store, "run")
     await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, recent=recent)
-    assert puts[3:] == ["ledger"]
+    assert puts[3:] == ["ledger_log+ledger"]
     assert (await store.hash_since(LOG_NS, "run", 0)).last == 3  # three entries written
     # The cache is per store: another store with the same run id is written in full.
     other = MemoryStore()
