@@ -9,7 +9,7 @@ Beside the plain values, a store keeps **hashes**: a key holding many small fiel
 bytes) that are added, read and removed a few at a time, with one expiry for the whole hash and
 an optional cap on its number of fields. They exist for the data-flow ledgers, whose cost must
 follow the size of a call, never the size of what a run has read (Redis HSET/HMGET, SQLite rows
-keyed by field). Hash keys live apart from plain keys: `delete` and `items` do not see them.
+keyed by field), and for **logs** (`hash_append`, `hash_since`), read by sequence number. Hash keys live apart from plain keys: `delete` and `items` do not see them.
 
 Beside them, **token buckets** (`take`): one atomic operation that takes a token from each of
 a few buckets, or from none, on the backend's own clock (`proxy.store.buckets` has the

@@ -11,7 +11,9 @@ re-reading the size, so the cap holds against concurrent writers, but a reader m
 the put and the expiry is set again by each part. `hash_get` is `HMGET`, `hash_delete` `HDEL`.
 Redis keeps no empty hash: one emptied by `hash_delete`, or given a ttl but no field, is no key
 and has no expiry, so a later put without a ttl makes a hash that does not expire (memory and
-SQLite keep the earlier expiry there).
+SQLite keep the earlier expiry there). A log (`hash_append`, `hash_since`) is a Redis hash read
+and written by one Lua script per call; with `also` / `with_hash` the script touches a second
+hash of the same key (two keys: one slot in a Cluster only with hash tags, like `take`).
 
 `take` (token buckets) is one Lua script over the buckets' plain keys, on the server's clock
 (`TIME`), so every replica sees one bucket; its keys are several, so a Redis Cluster would need

@@ -14,7 +14,10 @@ expiry and its number of fields, kept exact so that a cap check never counts row
 hash is one `BEGIN IMMEDIATE` transaction (the write lock is taken up front, so two processes
 cannot both count the same free room under a cap); a read is one read transaction (one snapshot
 across its chunks). Fields are named in `IN (...)` lists of at most `_IN_CHUNK`, so every hash
-operation costs what its own fields cost, never what the hash holds.
+operation costs what its own fields cost, never what the hash holds. A log (`hash_append`) is a
+hash whose fields are 8-byte big-endian sequence numbers plus its counter field: an append is
+one write transaction (with the hash set alongside, `also`), `hash_since` one read transaction
+over a range of the primary key.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
