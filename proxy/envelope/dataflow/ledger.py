@@ -321,8 +321,11 @@ def _entry(groups: list[tuple[bytes, bool, list[bytes]]], now: float) -> bytes:
     where sorting cost ~400 us)."""
     out = [_HEAD.pack(_VERSION, now)]
     for sid, replace, fps in groups:
+        joined = b"".join(fps)
+        if len(joined) != len(fps) * FP_SIZE:  # every fingerprint kind is 8 bytes: a reader splits by it
+            raise ValueError("a ledger fingerprint is not 8 bytes long")
         out.append(_GROUP.pack(sid, replace, len(fps)))
-        out.append(b"".join(fps))
+        out.append(joined)
     return b"".join(out)
 
 
