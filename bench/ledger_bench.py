@@ -7,8 +7,16 @@ binary exists) and each ledger size, the run's ledger is filled with distinct un
 kept as fingerprints), then two operations are timed:
 
 - check: what the flow check does for one sink call with a 300-character argument: load the
-  run's flags and exactly the argument's fingerprints, then match (`load` + `match_argument`);
-- record: fingerprint a 1,000-character untrusted output and add it to the ledger (`record`).
+  run's flags and the argument's fingerprints, then match (`load` + `match_argument`), with the
+  run's ledger warm in this process (every check after the first: the store is still read
+  once per check, for the flags and whatever was recorded since);
+- record: fingerprint a 1,000-character untrusted output and add it to the ledger (`record`);
+- record 10 KB: what delivering a 10,000-character untrusted page costs before it reaches the
+  agent, split into fingerprinting (`LedgerDelta.of`, CPU) and the store write (`record`).
+
+With `--code DIR`, the `proxy` package is imported from DIR (another checkout, e.g. the code
+before a change: `git archive <commit> proxy | tar -x -C DIR`), so one run of this script
+measures both sides.
 
 With `--trusted`, what tainted-run escalation (`dataflow.on_tainted` not `allow`) adds: the
 CPU cost of a trusted output's endorsing keys (`LedgerDelta.of(..., trusted=True)`, 1,000 and
@@ -19,6 +27,7 @@ three critical values' keys.
 Usage (from the repository root, venv active):
 
     python bench/ledger_bench.py [--sizes 1000,64000,256000,1000000] [--repeat 200] [--trusted]
+                                 [--code DIR]
 
 Prints a Markdown table (median µs per operation); bench/RESULTS.md quotes it.
 """
@@ -37,6 +46,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--code" in sys.argv:  # before `proxy` is imported: the checkout to measure
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
 from proxy.envelope.dataflow.endorse import Critical
 from proxy.envelope.dataflow.ledger import LedgerDelta, load, record
@@ -101,13 +112,15 @@ async def timed(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-async def measure(store: Store, repeat: int) -> tuple[float, float]:
-    """(median µs of a sink check, median µs of recording a 1,000-character output)."""
+async def measure(store: Store, repeat: int) -> dict[str, float]:
+    """Median µs of a warm sink check, of recording a 1,000-character output, and of the two
+    halves of recording a 10,000-character one (fingerprinting, the store write)."""
     probe = Probe.of(ARGUMENT, N)
+    fields = list(probe.fields())
     counter = iter(range(10**9))
 
     async def check() -> None:
-        ledger = await load(store, "run", N, probe.fields())
+        ledger = await load(store, "run", N, fields)
         assert ledger is not None
         match_argument(ledger, probe, N)
 
@@ -115,7 +128,21 @@ async def measure(store: Store, repeat: int) -> tuple[float, float]:
         await record(store, "other", delta(page(10_000 + next(counter), 1000)),
                      n=N, cap=10_000_000, ttl=3600)
 
-    return await timed(check, repeat), await timed(add, max(20, repeat // 4))
+    await check()  # the first check of the run in this process reads its ledger: then warm
+    out = {"check": await timed(check, repeat), "record 1k": await timed(add, max(20, repeat // 4))}
+    pages = [page(20_000 + i, 10_000) for i in range(max(20, repeat // 4))]
+    deltas = iter([delta(text) for text in pages])
+    texts = iter(pages)
+
+    async def fingerprint() -> None:
+        delta(next(texts))
+
+    async def write() -> None:
+        await record(store, "pages", next(deltas), n=N, cap=10_000_000, ttl=3600)
+
+    out["fingerprint 10k"] = await timed(fingerprint, len(pages))
+    out["write 10k"] = await timed(write, len(pages))
+    return out
 
 
 def listing(i: int, size: int) -> str:
@@ -196,17 +223,19 @@ async def main(sizes: list[int], repeat: int) -> None:
                     for size in sizes:
                         await fill(store, "run", size - have)
                         have = size
-                        check_us, add_us = await measure(store, repeat)
-                        rows.append((name, size, check_us, add_us))
-                        print(f"{name} {size}: check {check_us:.0f} µs, record {add_us:.0f} µs",
+                        got = await measure(store, repeat)
+                        rows.append((name, size, got))
+                        print(f"{name} {size}: " + ", ".join(f"{k} {v:.0f} µs" for k, v in got.items()),
                               file=sys.stderr, flush=True)
                 finally:
                     await store.close()
-    print("| store | untrusted text in the run's ledger (characters) | sink check (300-char argument) µs "
-          "| record (1,000-char output) µs |")
-    print("|---|---:|---:|---:|")
-    for name, size, check_us, add_us in rows:
-        print(f"| {name} | {size:,} | {check_us:.0f} | {add_us:.0f} |")
+    print("| store | untrusted text in the run's ledger (characters) | warm sink check (300-char argument) µs "
+          "| record (1,000-char output) µs | 10 KB output: fingerprint µs | 10 KB output: store write µs "
+          "| 10 KB output: added before delivery µs |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, size, got in rows:
+        print(f"| {name} | {size:,} | {got['check']:.0f} | {got['record 1k']:.0f} | {got['fingerprint 10k']:.0f} "
+              f"| {got['write 10k']:.0f} | {got['fingerprint 10k'] + got['write 10k']:.0f} |")
 
 
 if __name__ == "__main__":
@@ -214,6 +243,7 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="1000,64000,256000,1000000")
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--trusted", action="store_true", help="measure what tainted-run escalation adds")
+    parser.add_argument("--code", metavar="DIR", help="import the proxy package from DIR (another checkout)")
     args = parser.parse_args()
     if args.trusted:
         asyncio.run(main_trusted(args.repeat))

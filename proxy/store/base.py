@@ -9,7 +9,7 @@ Beside the plain values, a store keeps **hashes**: a key holding many small fiel
 bytes) that are added, read and removed a few at a time, with one expiry for the whole hash and
 an optional cap on its number of fields. They exist for the data-flow ledgers, whose cost must
 follow the size of a call, never the size of what a run has read (Redis HSET/HMGET, SQLite rows
-keyed by field). Hash keys live apart from plain keys: `delete` and `items` do not see them.
+keyed by field), and for **logs** (`hash_append`, `hash_since`), read by sequence number. Hash keys live apart from plain keys: `delete` and `items` do not see them.
 
 Beside them, **token buckets** (`take`): one atomic operation that takes a token from each of
 a few buckets, or from none, on the backend's own clock (`proxy.store.buckets` has the
@@ -17,7 +17,9 @@ arithmetic; Redis runs the same steps in one Lua script, SQLite in one transacti
 state is a plain value of its namespace.
 
 Namespaces in use: `approval`, `approval_by_call`, `grant`, `idem`, `shadow`, `run`, `rate`
-(buckets); hashes: `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints).
+(buckets); hashes: `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints,
+one field each: ledgers written before the log), `ledger_log` (a log: one entry per recorded
+output holding its sorted fingerprints).
 """
 
 from __future__ import annotations
@@ -25,6 +27,31 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
+
+# A log's entries are fields named by their sequence number (8 bytes, big-endian: they sort
+# in order); its counter is one more field, "<last sequence number> <total weight>" in ASCII.
+LOG_COUNTER = b"#"
+
+
+def log_field(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def log_counter(value: bytes | None) -> tuple[int, int]:
+    """(last sequence number, total weight) of a log's counter field (absent: an empty log)."""
+    if value is None:
+        return 0, 0
+    seq, _, total = value.partition(b" ")
+    return int(seq), int(total or 0)
+
+
+class LogRead(NamedTuple):
+    """What `hash_since` read: the log's last sequence number, the entries asked for, and the
+    fields of the hash it was asked to read with them (`with_hash`; else empty)."""
+
+    last: int
+    entries: list[bytes]
+    fields: dict[bytes, bytes]
 
 
 class HashPut(NamedTuple):
@@ -107,6 +134,33 @@ class Store(ABC):
     @abstractmethod
     async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
         """Remove fields (no error when absent); expiry unchanged."""
+
+    # -- append-only hashes (logs) ----------------------------------------------------------
+    #
+    # A hash written only through `hash_append` is a log: each entry gets the next sequence
+    # number (1, 2, ...), so a reader that holds entries up to n asks for those after n and reads
+    # only what was added since (the data-flow ledger's per-process view). The log also keeps the
+    # sum of its entries' weights, for a cap. It expires like any hash; one that expired starts
+    # again at 1 (a reader that held n sees fewer entries than it had: `hash_since` says so).
+
+    @abstractmethod
+    async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
+                          weight: int = 0, cap: int | None = None,
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+        """Append `value` as the log's next entry, atomically; its sequence number, or 0 when
+        `weight` would take the log's total weight beyond `cap` (then nothing is written but
+        the expiry). With `ttl`, the whole log expires `ttl` seconds after this call. With
+        `also` (a namespace and fields), those fields of the hash `<namespace>`/`key` are set
+        in the same step when the entry is appended (as `hash_put` with `ttl`: one round trip
+        for a ledger's entry and its flags), and not at all when it is refused."""
+
+    @abstractmethod
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
+        """The log's last sequence number and at most `limit` entries after `after`, in order
+        (a last sequence number below `after` means the log expired and started again); with
+        `with_hash`, also every field of the hash `with_hash`/`key`, read at the same moment
+        (one round trip: a sink check reads the run's flags and new fingerprints at once)."""
 
     # -- token buckets -----------------------------------------------------------------------
 

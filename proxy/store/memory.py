@@ -6,7 +6,16 @@ import time
 from collections.abc import Mapping, Sequence
 
 from proxy.store import buckets as arithmetic
-from proxy.store.base import Bucket, HashPut, Store, Taken
+from proxy.store.base import (
+    LOG_COUNTER,
+    Bucket,
+    HashPut,
+    LogRead,
+    Store,
+    Taken,
+    log_counter,
+    log_field,
+)
 
 
 class MemoryStore(Store):
@@ -115,6 +124,36 @@ class MemoryStore(Store):
         if entry is None:
             return {}
         return dict(list(entry[0].items())[: max(0, limit)])
+
+    async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
+                          weight: int = 0, cap: int | None = None,
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+        self._check()
+        entry = self._hash(ns, key)
+        if entry is None:
+            entry = self._hashes.setdefault(ns, {})[key] = ({}, [None])
+        values, expiry = entry
+        seq, total = log_counter(values.get(LOG_COUNTER))
+        if ttl is not None:
+            expiry[0] = self._expiry(ttl)
+        if cap is not None and total + weight > cap:
+            return 0
+        seq += 1
+        values[log_field(seq)] = value
+        values[LOG_COUNTER] = b"%d %d" % (seq, total + weight)
+        if also is not None:
+            await MemoryStore.hash_put(self, also[0], key, also[1], ttl)  # one step, as on the others
+        return seq
+
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
+        self._check()
+        entry = self._hash(ns, key)
+        values = entry[0] if entry is not None else {}
+        last = log_counter(values.get(LOG_COUNTER))[0]
+        end = min(last, after + max(0, limit))
+        fields = {} if with_hash is None else await self.hash_all(with_hash, key)
+        return LogRead(last, [values[log_field(seq)] for seq in range(max(0, after) + 1, end + 1)], fields)
 
     async def hash_delete(self, ns: str, key: str, fields: Sequence[bytes]) -> None:
         self._check()

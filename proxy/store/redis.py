@@ -11,7 +11,9 @@ re-reading the size, so the cap holds against concurrent writers, but a reader m
 the put and the expiry is set again by each part. `hash_get` is `HMGET`, `hash_delete` `HDEL`.
 Redis keeps no empty hash: one emptied by `hash_delete`, or given a ttl but no field, is no key
 and has no expiry, so a later put without a ttl makes a hash that does not expire (memory and
-SQLite keep the earlier expiry there).
+SQLite keep the earlier expiry there). A log (`hash_append`, `hash_since`) is a Redis hash read
+and written by one Lua script per call; with `also` / `with_hash` the script touches a second
+hash of the same key (two keys: one slot in a Cluster only with hash tags, like `take`).
 
 `take` (token buckets) is one Lua script over the buckets' plain keys, on the server's clock
 (`TIME`), so every replica sees one bucket; its keys are several, so a Redis Cluster would need
@@ -38,7 +40,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.errors import StoreError
-from proxy.store.base import Bucket, HashPut, Store, Taken
+from proxy.store.base import Bucket, HashPut, LogRead, Store, Taken
 
 T = TypeVar("T")
 
@@ -84,6 +86,74 @@ if ARGV[3] ~= '' then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 return {added, refused}
+"""
+
+# KEYS[1] the log, KEYS[2] (optional) a hash set with the entry; ARGV: the entry, its weight,
+# cap ("" for none), expiry in ms ("" for none), then the hash's field, value pairs. The entry's
+# sequence number, or 0 when the weight would exceed the cap (then the hash is left alone). Fields as in
+# `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
+_LOG_APPEND = """
+local function be(n)
+  local s = ''
+  for _ = 1, 8 do
+    s = string.char(n % 256) .. s
+    n = math.floor(n / 256)
+  end
+  return s
+end
+local counter = redis.call('HGET', KEYS[1], '#')
+local seq, total = 0, 0
+if counter then
+  local a, b = string.match(counter, '^(%d+) (%d+)$')
+  seq, total = tonumber(a), tonumber(b)
+end
+local weight, cap = tonumber(ARGV[2]), tonumber(ARGV[3])
+local result = 0
+if cap == nil or total + weight <= cap then
+  seq = seq + 1
+  redis.call('HSET', KEYS[1], be(seq), ARGV[1], '#', string.format('%d %d', seq, total + weight))
+  result = seq
+  if KEYS[2] then
+    for i = 5, #ARGV, 2 do
+      redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+    end
+    if ARGV[4] ~= '' then
+      redis.call('PEXPIRE', KEYS[2], ARGV[4])
+    end
+  end
+end
+if ARGV[4] ~= '' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return result
+"""
+
+# KEYS[1] the log, KEYS[2] (optional) a hash read with it; ARGV: after, limit. {last sequence
+# number, the hash's fields and values flattened (HGETALL; empty without KEYS[2]), entries
+# after `after`...}.
+_LOG_SINCE = """
+local function be(n)
+  local s = ''
+  for _ = 1, 8 do
+    s = string.char(n % 256) .. s
+    n = math.floor(n / 256)
+  end
+  return s
+end
+local counter = redis.call('HGET', KEYS[1], '#')
+local last = 0
+if counter then
+  last = tonumber(string.match(counter, '^(%d+)'))
+end
+local out = {last, {}}
+if KEYS[2] then
+  out[2] = redis.call('HGETALL', KEYS[2])
+end
+local after, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
+for seq = after + 1, math.min(last, after + limit) do
+  out[#out + 1] = redis.call('HGET', KEYS[1], be(seq)) or ''
+end
+return out
 """
 
 # KEYS: the buckets; ARGV: capacity, rate (tokens a second), expiry in ms of each bucket, in
@@ -189,6 +259,8 @@ class RedisStore(Store):
             raise StoreError(f"redis store {self.url}: invalid url: {exc}") from exc
         self._cas = self._client.register_script(_CAS)
         self._hash_put = self._client.register_script(_HASH_PUT)
+        self._log_append = self._client.register_script(_LOG_APPEND)
+        self._log_since = self._client.register_script(_LOG_SINCE)
         self._take = self._client.register_script(_TAKE)
 
     def _key(self, ns: str, key: str) -> str:
@@ -275,6 +347,29 @@ class RedisStore(Store):
             return HashPut(added, refused)
 
         return await self._call("hash_put", put)
+
+    async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
+                          weight: int = 0, cap: int | None = None,
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+        args: list[bytes] = [value, str(weight).encode(), b"" if cap is None else str(cap).encode(),
+                             b"" if ttl is None else str(_px(ttl)).encode()]
+        keys = [self._hash_key(ns, key)]
+        if also is not None:
+            keys.append(self._hash_key(also[0], key))
+            for field, field_value in also[1].items():
+                args += (field, field_value)
+        done = await self._call("hash_append", lambda: self._log_append(keys=keys, args=args))
+        return int(done)
+
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
+        keys = [self._hash_key(ns, key)]
+        if with_hash is not None:
+            keys.append(self._hash_key(with_hash, key))
+        args = [max(0, after), max(0, limit)]
+        found = await self._call("hash_since", lambda: self._log_since(keys=keys, args=args))
+        flat = [_bytes(v) for v in found[1]]
+        return LogRead(int(found[0]), [_bytes(v) for v in found[2:]], dict(zip(flat[::2], flat[1::2], strict=True)))
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:

@@ -14,7 +14,10 @@ expiry and its number of fields, kept exact so that a cap check never counts row
 hash is one `BEGIN IMMEDIATE` transaction (the write lock is taken up front, so two processes
 cannot both count the same free room under a cap); a read is one read transaction (one snapshot
 across its chunks). Fields are named in `IN (...)` lists of at most `_IN_CHUNK`, so every hash
-operation costs what its own fields cost, never what the hash holds.
+operation costs what its own fields cost, never what the hash holds. A log (`hash_append`) is a
+hash whose fields are 8-byte big-endian sequence numbers plus its counter field: an append is
+one write transaction (with the hash set alongside, `also`), `hash_since` one read transaction
+over a range of the primary key.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
@@ -36,7 +39,16 @@ from typing import TypeVar
 
 from proxy.errors import StoreError
 from proxy.store import buckets as arithmetic
-from proxy.store.base import Bucket, HashPut, Store, Taken
+from proxy.store.base import (
+    LOG_COUNTER,
+    Bucket,
+    HashPut,
+    LogRead,
+    Store,
+    Taken,
+    log_counter,
+    log_field,
+)
 
 T = TypeVar("T")
 
@@ -90,6 +102,10 @@ _HASH_FIELDS = "SELECT field FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_VALUES = "SELECT field, value FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_REMOVE = "DELETE FROM hash WHERE ns = ? AND key = ? AND field IN "
 _HASH_ALL = "SELECT field, value FROM hash WHERE ns = ? AND key = ? LIMIT ?"
+_LOG_SINCE = (
+    "SELECT value FROM hash WHERE ns = ? AND key = ? AND field > ? AND field <= ?"
+    " AND length(field) = 8 ORDER BY field"
+)
 # Fields before their meta rows, inside one transaction: no field outlives its meta row.
 _HASH_PURGE = (
     "DELETE FROM hash WHERE (ns, key) IN"
@@ -119,6 +135,46 @@ def _transaction(conn: sqlite3.Connection, begin: str, fn: Callable[[], T]) -> T
             conn.execute("ROLLBACK")
         raise
     return result
+
+
+def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Mapping[bytes, bytes],
+              ttl: float | None, replace: bool = True, cap: int | None = None) -> HashPut:
+    """`Store.hash_put` inside the caller's write transaction."""
+    items = list(fields.items())
+    names = [field for field, _ in items]
+    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+    if meta is not None and not _live(meta[0], now):
+        # Expired: starts afresh (no fields, no expiry) before this put counts anything.
+        conn.execute(_HASH_CLEAR, (ns, key))
+        conn.execute(_HASH_DROP_META, (ns, key))
+        meta = None
+    expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+    if cap is None or size + len(items) <= cap:
+        # Every field fits: insert the new ones in one pass (changes() counts them), and
+        # only when some existed, replace those in a second; no lookup before writing.
+        before = conn.total_changes
+        conn.executemany(_HASH_INSERT_NEW, [(ns, key, f, v) for f, v in items])
+        added = conn.total_changes - before
+        if replace and added < len(items):
+            conn.executemany(_HASH_REPLACE, [(v, ns, key, f, v) for f, v in items])
+        if added or ttl is not None:
+            expires = expires if ttl is None else now + ttl
+            conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
+        return HashPut(added, 0)
+    existing: set[bytes] = set()
+    for marks, chunk in _in_chunks(names):
+        existing.update(bytes(row[0]) for row in conn.execute(_HASH_FIELDS + marks, (ns, key, *chunk)))
+    new = [(field, value) for field, value in items if field not in existing]
+    # The first new fields (in the caller's order) that fit under the cap are added.
+    room = len(new) if cap is None else max(0, min(len(new), cap - size))
+    writes = [(ns, key, field, value) for field, value in new[:room]]
+    if replace:
+        writes += [(ns, key, field, value) for field, value in items if field in existing]
+    conn.executemany(_HASH_UPSERT, writes)
+    if room or ttl is not None:
+        expires = expires if ttl is None else now + ttl
+        conn.execute(_HASH_SET_META, (ns, key, expires, size + room))
+    return HashPut(room, len(new) - room)
 
 
 def _live(expires: float | None, now: float) -> bool:
@@ -271,51 +327,75 @@ class SqliteStore(Store):
 
     async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
                        *, replace: bool = True, cap: int | None = None) -> HashPut:
-        items = list(fields.items())
-        names = [field for field, _ in items]
-
-        def put(conn: sqlite3.Connection, now: float) -> HashPut:
-            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-            if meta is not None and not _live(meta[0], now):
-                # Expired: starts afresh (no fields, no expiry) before this put counts anything.
-                conn.execute(_HASH_CLEAR, (ns, key))
-                conn.execute(_HASH_DROP_META, (ns, key))
-                meta = None
-            expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
-            if cap is None or size + len(items) <= cap:
-                # Every field fits: insert the new ones in one pass (changes() counts them), and
-                # only when some existed, replace those in a second; no lookup before writing.
-                before = conn.total_changes
-                conn.executemany(_HASH_INSERT_NEW, [(ns, key, f, v) for f, v in items])
-                added = conn.total_changes - before
-                if replace and added < len(items):
-                    conn.executemany(_HASH_REPLACE, [(v, ns, key, f, v) for f, v in items])
-                if added or ttl is not None:
-                    expires = expires if ttl is None else now + ttl
-                    conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
-                return HashPut(added, 0)
-            existing: set[bytes] = set()
-            for marks, chunk in _in_chunks(names):
-                existing.update(bytes(row[0]) for row in conn.execute(_HASH_FIELDS + marks, (ns, key, *chunk)))
-            new = [(field, value) for field, value in items if field not in existing]
-            # The first new fields (in the caller's order) that fit under the cap are added.
-            room = len(new) if cap is None else max(0, min(len(new), cap - size))
-            writes = [(ns, key, field, value) for field, value in new[:room]]
-            if replace:
-                writes += [(ns, key, field, value) for field, value in items if field in existing]
-            conn.executemany(_HASH_UPSERT, writes)
-            if room or ttl is not None:
-                expires = expires if ttl is None else now + ttl
-                conn.execute(_HASH_SET_META, (ns, key, expires, size + room))
-            return HashPut(room, len(new) - room)
-
         def op(conn: sqlite3.Connection) -> HashPut:
             now = time.time()
-            result = _transaction(conn, "BEGIN IMMEDIATE", lambda: put(conn, now))
+            result = _transaction(conn, "BEGIN IMMEDIATE",
+                                  lambda: _hash_put(conn, now, ns, key, fields, ttl, replace, cap))
             self._maybe_purge(conn, now)
             return result
 
         return await self._run("hash_put", op)
+
+    async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
+                          weight: int = 0, cap: int | None = None,
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+        def append(conn: sqlite3.Connection, now: float) -> int:
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is not None and not _live(meta[0], now):
+                conn.execute(_HASH_CLEAR, (ns, key))
+                conn.execute(_HASH_DROP_META, (ns, key))
+                meta = None
+            expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+            expires = expires if ttl is None else now + ttl
+            row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
+            seq, total = log_counter(None if row is None else bytes(row[1]))
+            if cap is not None and total + weight > cap:
+                if ttl is not None and meta is not None:
+                    conn.execute(_HASH_SET_META, (ns, key, expires, size))
+                return 0
+            seq += 1
+            conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
+            conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
+            conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
+            if also is not None:
+                _hash_put(conn, now, also[0], key, also[1], ttl)
+            return seq
+
+        def op(conn: sqlite3.Connection) -> int:
+            now = time.time()
+            result = _transaction(conn, "BEGIN IMMEDIATE", lambda: append(conn, now))
+            self._maybe_purge(conn, now)
+            return result
+
+        return await self._run("hash_append", op)
+
+    async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
+                         with_hash: str | None = None) -> LogRead:
+        def fields(conn: sqlite3.Connection, now: float) -> dict[bytes, bytes]:
+            if with_hash is None:
+                return {}
+            meta = conn.execute(_HASH_META, (with_hash, key)).fetchone()
+            if meta is None or not _live(meta[0], now):
+                return {}
+            return {bytes(f): bytes(v) for f, v in conn.execute(_HASH_ALL, (with_hash, key, 10_000))}
+
+        def read(conn: sqlite3.Connection) -> LogRead:
+            now = time.time()
+            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+            if meta is None or not _live(meta[0], now):
+                return LogRead(0, [], fields(conn, now))
+            row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
+            last = log_counter(None if row is None else bytes(row[1]))[0]
+            start = max(0, after)
+            end = min(last, start + max(0, limit))
+            entries: list[bytes] = []
+            if end > start:
+                rows = conn.execute(_LOG_SINCE, (ns, key, log_field(start), log_field(end)))
+                entries = [bytes(value) for (value,) in rows]
+            return LogRead(last, entries, fields(conn, now))
+
+        # One read transaction: the log and the hash read with it are one snapshot.
+        return await self._run("hash_since", lambda conn: _transaction(conn, "BEGIN", lambda: read(conn)))
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:

@@ -303,13 +303,13 @@ async def test_a_slow_completion_is_never_cut_by_the_upstream_timeout(stack: Sta
     """The result arrives just inside the upstream's 2 s timeout and recording it takes 1.5 s
     more (a slow store): the call is still audited and delivered, never a bare error."""
     store = stack.store
-    real = store.hash_put
+    real = store.hash_append  # what recording an output writes: its ledger entry and flags
 
-    async def slow_put(*args: Any, **kw: Any) -> Any:
+    async def slow_append(*args: Any, **kw: Any) -> Any:
         await asyncio.sleep(1.5)
         return await real(*args, **kw)
 
-    store.hash_put = slow_put  # type: ignore[method-assign]
+    store.hash_append = slow_append  # type: ignore[method-assign]
 
     async def late(request: web.Request, msg: dict[str, Any]) -> web.StreamResponse:
         await asyncio.sleep(1.2)

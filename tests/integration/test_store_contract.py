@@ -28,7 +28,7 @@ from tests.redis_server import RedisServer, running_redis
 ROOT = Path(__file__).resolve().parents[2]
 TTL = 0.2
 # Every namespace in use, plain and hash: none may see another's keys.
-NAMESPACES = ["approval", "approval_by_call", "grant", "idem", "shadow", "run", "rate", "ledger", "ledger_fp"]
+NAMESPACES = ["approval", "approval_by_call", "grant", "idem", "shadow", "run", "rate", "ledger", "ledger_fp", "ledger_log"]
 
 Opener = Callable[[], Store]
 
@@ -277,6 +277,62 @@ async def test_hash_cap(store: Store) -> None:
     assert len(await store.hash_all("ledger_fp", "r")) == 5
     assert await store.hash_put("ledger_fp", "zero", {b"a": b"1"}, cap=0) == HashPut(0, 1)
     assert await store.hash_all("ledger_fp", "zero") == {}
+
+
+async def test_log_append_and_read_since(stores: list[Store], opener: Opener) -> None:
+    one, two = opener(), opener()
+    stores += [one, two]
+    assert (await one.hash_since("ledger_log", "r", 0))[:2] == (0, [])
+    # Two handles (two replicas) append to one log: sequence numbers go on from each other's.
+    assert await one.hash_append("ledger_log", "r", b"a\x00", weight=2, cap=5) == 1
+    assert await two.hash_append("ledger_log", "r", b"", weight=2, cap=5) == 2
+    assert await one.hash_append("ledger_log", "r", b"c" * 1000, weight=0, cap=5) == 3
+    # Beyond the cap on the total weight: refused, nothing written; a weight that fits still goes in.
+    assert await two.hash_append("ledger_log", "r", b"d", weight=2, cap=5) == 0
+    assert await two.hash_append("ledger_log", "r", b"e", weight=1, cap=5) == 4
+    assert (await two.hash_since("ledger_log", "r", 0))[:2] == (4, [b"a\x00", b"", b"c" * 1000, b"e"])
+    assert (await one.hash_since("ledger_log", "r", 2))[:2] == (4, [b"c" * 1000, b"e"])
+    assert (await one.hash_since("ledger_log", "r", 1, limit=2))[:2] == (4, [b"", b"c" * 1000])
+    assert (await one.hash_since("ledger_log", "r", 4))[:2] == (4, [])
+    assert (await one.hash_since("ledger_log", "other", 0))[:2] == (0, [])
+    # Sequence numbers sort as numbers past one byte (8 bytes big-endian).
+    for _ in range(300):
+        await one.hash_append("ledger_log", "many", b"x")
+    last, found, _ = await two.hash_since("ledger_log", "many", 250, limit=1000)
+    assert (last, len(found)) == (300, 50)
+    # Read with a hash (the run's flags): one snapshot of both; an absent hash reads empty.
+    await two.hash_put("ledger", "r", {b"u": b"1", b"src:\x00": b"untrusted|web.fetch"})
+    assert await one.hash_since("ledger_log", "r", 3, with_hash="ledger") == (
+        4, [b"e"], {b"u": b"1", b"src:\x00": b"untrusted|web.fetch"})
+    assert await one.hash_since("ledger_log", "absent", 0, with_hash="ledger") == (0, [], {})
+    assert await one.hash_since("ledger_log", "absent", 0, with_hash="ledger_fp") == (0, [], {})
+    await two.hash_put("ledger", "absent", {b"u": b"1"})
+    assert await one.hash_since("ledger_log", "absent", 0, with_hash="ledger") == (0, [], {b"u": b"1"})
+
+
+async def test_log_append_sets_a_hash_with_the_entry(store: Store) -> None:
+    flags = {b"u": b"1", b"n:32w4l": b"1"}
+    assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=2, cap=3, also=("ledger", flags)) == 1
+    assert await store.hash_all("ledger", "r") == flags
+    # Refused: the hash is left alone.
+    assert await store.hash_append("ledger_log", "r", b"b", weight=2, cap=3, also=("ledger", {b"s": b"1"})) == 0
+    assert await store.hash_all("ledger", "r") == flags
+    # Both expire together (the ttl applies to the hash too).
+    await hash_gone(store, "ledger", "r", [b"u"])
+    assert (await store.hash_since("ledger_log", "r", 0))[:2] == (0, [])
+
+
+async def test_log_expires_and_starts_again(store: Store) -> None:
+    assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=3, cap=3) == 1
+    assert await store.hash_append("ledger_log", "r", b"b", ttl=TTL, weight=1, cap=3) == 0
+
+    async def gone() -> bool:
+        return (await store.hash_since("ledger_log", "r", 0))[:2] == (0, [])
+
+    await eventually(gone)
+    # Afresh: numbered from 1, the weight counted from zero, the old entry gone.
+    assert await store.hash_append("ledger_log", "r", b"c", weight=3, cap=3) == 1
+    assert (await store.hash_since("ledger_log", "r", 0))[:2] == (1, [b"c"])
 
 
 async def test_hash_ttl_expires_the_whole_hash(store: Store) -> None:

@@ -242,7 +242,8 @@ class DataflowCheck:
         action = self._on_tainted(call) if self._escalates else "allow"
         criticals, cut = self.criticals(call) if action != "allow" else ([], False)
         wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
-        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value)
+        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
+                            ttl=self._ttl)
         if ledger is None:
             return None
         flagged, declassified, _ = self.findings(call, ledger, probes)

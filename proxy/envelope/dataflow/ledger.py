@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import struct
 import time
 import weakref
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from proxy.envelope.dataflow.fingerprint import (
     winnowed,
 )
 from proxy.envelope.labels import Piece
+from proxy.errors import StoreError
 from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW, MIN_PHRASE_CHARS
 from proxy.store.base import Store
 
@@ -44,9 +46,11 @@ def source_id(label: str, source: str) -> bytes:
 def _scheme(n: int, window: int, min_value: int = 0) -> str:
     """How a ledger's fingerprints were made; a ledger made another way cannot be matched."""
     # "p": outputs also record whole-value phrases (min_value on). A ledger without them cannot
-    # be matched for short values, so switching min_value on makes it coarse (fail closed);
-    # with min_value off the tag is the one ledgers had before phrases existed.
-    return f"{n}w{window}p" if min_value else f"{n}w{window}"
+    # be matched for short values, so switching min_value on makes it coarse (fail closed).
+    # "l": the fingerprints are in the run's log (`LOG_NS`, one entry per output). A ledger
+    # written before the log (one `ledger_fp` field per fingerprint, tags without "l") is not
+    # read: it is coarse until it expires, also when newer outputs were added to it.
+    return f"{n}w{window}pl" if min_value else f"{n}w{window}l"
 
 
 @dataclass(slots=True)
@@ -161,6 +165,22 @@ class LedgerDelta:
         out.update((h, sid) for h, lab in self.grams.items() if lab == label)
         return out
 
+    def groups(self) -> list[tuple[bytes, bool, list[bytes]]]:
+        """(source id, replace, fingerprints) per label it carries, as one log entry holds them
+        (what `fields` says, without building a dict: untrusted ones replace, others do not)."""
+        out = []
+        for label, replace in (("untrusted", True), ("secret", False)):
+            if self.labels() == {label}:
+                fps = [*self.tokens, *self.values, *self.grams]
+            else:
+                fps = [h for part in (self.tokens, self.values, self.grams)
+                       for h, lab in part.items() if lab == label]
+            if fps:
+                out.append((source_id(label, self.source), replace, fps))
+        if self.trusted:
+            out.append((source_id("trusted", self.source), False, list(self.trusted)))
+        return out
+
     def meta(self, n: int, window: int = DEFAULT_WINNOW, min_value: int = 0) -> dict[bytes, bytes]:
         """The flag and source fields this delta sets in the run's meta hash."""
         out: dict[bytes, bytes] = {}
@@ -228,7 +248,8 @@ class Ledger:
         min_value = self.min_value if min_value is None else min_value
         if self.schemes - {_scheme(n, window, min_value)}:
             return (f"the run's ledger was built with another min_match, winnow or whole-value "
-                    f"setting than the policy's ({n}, {window}, min_value {min_value})")
+                    f"setting than the policy's ({n}, {window}, min_value {min_value}), or by an "
+                    "older proxy")
         if self.lost:
             return ("an output of the run may have reached the agent without passing the proxy "
                     "(a dropped stream the client can resume)")
@@ -271,27 +292,188 @@ class Ledger:
 
 # Store layout, per run (keyed by `RunContext.key`: principal-scoped, so another principal
 # naming the same run id has a ledger of its own): the hash `ledger`/<run key> holds the flags
-# (`u`, `s`, `o`), one `n:<N>` per min_match used, `src:<id>` -> "<label>|<source>" and the
-# pending markers `p:<decision>` -> deadline; the hash `ledger_fp`/<run key> holds fingerprint
-# -> source id. Both expire
-# `ledger_ttl` after the run's last recorded output. Flags only ever get set, fingerprints only
-# ever get added: concurrent writers never conflict, so no compare-and-set is needed.
+# (`u`, `s`, `o`), one `n:<scheme>` per scheme used, `src:<id>` -> "<label>|<source>" and the
+# pending markers `p:<decision>` -> deadline; the log `ledger_log`/<run key> (`Store.hash_append`)
+# holds one entry per recorded output: its fingerprints, sorted, per label (`_entry`). One write
+# per output whatever its size (one field per fingerprint cost ~100 ms for a 10 KB page on
+# SQLite), and a reader that holds the entries up to n reads only those after n (`LedgerViews`).
+# Both expire `ledger_ttl` after the run's last recorded output. Flags only ever get set,
+# entries only ever get added: concurrent writers never conflict, so no compare-and-set is
+# needed. `ledger_cap` bounds the fingerprints of the log's entries (counted per entry: an
+# output recorded again after `RecentWrites`' window counts again); an entry beyond it is not
+# written and the run overflows (coarse).
 META_NS = NS
-FP_NS = "ledger_fp"
+FP_NS = "ledger_fp"  # ledgers written before the log (not read: their scheme tag makes them coarse)
+LOG_NS = "ledger_log"
+
+# An entry: version byte, the writer's wall time (8-byte double: `LedgerViews` staleness), then
+# per label: source id (4), replace flag (1: untrusted fingerprints replace an earlier label,
+# others do not), count (4), count 8-byte fingerprints.
+_VERSION = 1
+_HEAD = struct.Struct(">Bd")
+_GROUP = struct.Struct(">4sBI")
+FP_SIZE = 8
+
+
+def _entry(groups: list[tuple[bytes, bool, list[bytes]]], now: float) -> bytes:
+    """One log entry of (source id, replace, fingerprints) groups (joined, not sorted: the
+    reader builds a dict, so order does not matter, and joining costs ~30 us for a 10 KB page
+    where sorting cost ~400 us)."""
+    out = [_HEAD.pack(_VERSION, now)]
+    for sid, replace, fps in groups:
+        joined = b"".join(fps)
+        if len(joined) != len(fps) * FP_SIZE:  # every fingerprint kind is 8 bytes: a reader splits by it
+            raise ValueError("a ledger fingerprint is not 8 bytes long")
+        out.append(_GROUP.pack(sid, replace, len(fps)))
+        out.append(joined)
+    return b"".join(out)
+
+
+def _apply(entry: bytes, into: dict[bytes, bytes]) -> float:
+    """Add an entry's fingerprints to a view as `Ledger.merge` would; the entry's wall time.
+    Raises ValueError for an entry this version cannot read (the caller fails closed)."""
+    if len(entry) < _HEAD.size or entry[0] != _VERSION:
+        raise ValueError("unreadable ledger entry")
+    _, at = _HEAD.unpack_from(entry)
+    pos = _HEAD.size
+    while pos < len(entry):
+        sid, replace, count = _GROUP.unpack_from(entry, pos)
+        pos += _GROUP.size
+        end = pos + count * FP_SIZE
+        if end > len(entry):
+            raise ValueError("truncated ledger entry")
+        block = entry[pos:end]
+        fps = [block[i: i + FP_SIZE] for i in range(0, len(block), FP_SIZE)]
+        if replace:
+            into.update(dict.fromkeys(fps, sid))
+        else:
+            for fp in fps:
+                into.setdefault(fp, sid)
+        pos = end
+    return float(at)
+
+
+@dataclass(slots=True)
+class _View:
+    seq: int = 0  # entries applied: 1..seq
+    newest: float = 0.0  # wall time of the newest entry applied
+    fingerprints: dict[bytes, bytes] = field(default_factory=dict)
+
+
+class LedgerViews:
+    """Run ledgers as this process last read them from the store's logs (fingerprint -> source
+    id), per store (weakly), per run. A check syncs the run's view first (one store read of
+    the entries other processes or replicas added since), so it sees every fingerprint
+    recorded before it, and then looks its arguments up in memory. Bounded: least recently
+    used runs go when the views hold more than `budget` fingerprints (a run's own view is
+    kept, whatever its size)."""
+
+    # Entries read per store call while catching up.
+    PAGE = 256
+
+    def __init__(self, budget: int = 1 << 20, runs: int = 4096) -> None:
+        self.budget = budget
+        self.runs = runs
+        self._stores: weakref.WeakKeyDictionary[Store, OrderedDict[str, _View]] = weakref.WeakKeyDictionary()
+        self._held = 0
+
+    def _runs(self, store: Store) -> OrderedDict[str, _View]:
+        runs = self._stores.get(store)
+        if runs is None:
+            runs = self._stores[store] = OrderedDict()
+        return runs
+
+    def _drop(self, runs: OrderedDict[str, _View], run_key: str) -> None:
+        view = runs.pop(run_key, None)
+        if view is not None:
+            self._held -= len(view.fingerprints)
+
+    async def read(self, store: Store, run_key: str, ttl: float) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+        """(the run's flags hash, its fingerprints up to date with the store's log), in one
+        store read when this process's view is warm (the flags and what the log gained since,
+        one snapshot: every fingerprint of an output whose flags are seen is seen). Raises
+        StoreError when the store cannot answer, ValueError for an entry it cannot read."""
+        runs = self._runs(store)
+        view = runs.get(run_key)
+        # A log expires `ttl` after its newest entry (less the `RecentWrites` window, at most
+        # a tenth of it) and then starts again at 1: a view older than half of that is read
+        # afresh, so it never mistakes a new log's entries for ones it holds.
+        if view is not None and view.seq and time.time() - view.newest > ttl / 2:
+            self._drop(runs, run_key)
+            view = None
+        if view is None:
+            view = runs[run_key] = _View()
+        runs.move_to_end(run_key)
+        meta: dict[bytes, bytes] | None = None
+        pages = 0
+        while True:
+            after = view.seq
+            found = await store.hash_since(LOG_NS, run_key, after, self.PAGE,
+                                           with_hash=META_NS if meta is None else None)
+            pages += 1
+            if meta is None:
+                meta = found.fields
+            if runs.get(run_key) is not view:
+                # Evicted (or replaced) while waiting: this call's view is the one kept.
+                self._drop(runs, run_key)
+                runs[run_key] = view
+                self._held += len(view.fingerprints)
+            if found.last < after:
+                # The log expired and started again since this view was read: read it afresh.
+                self._drop(runs, run_key)
+                view = runs[run_key] = _View()
+                continue
+            if view.seq == after:  # no concurrent read applied these entries meanwhile
+                before = len(view.fingerprints)
+                for entry in found.entries:
+                    view.newest = max(view.newest, _apply(entry, view.fingerprints))
+                    view.seq += 1
+                self._held += len(view.fingerprints) - before
+            if not found.entries or view.seq >= found.last:
+                break
+        if pages > 1:
+            # Caught up over several reads: the flags again, so that they name the sources of
+            # every entry read (read after the entries: they cover them).
+            meta = await store.hash_all(META_NS, run_key)
+        self._evict(runs)
+        return meta, view.fingerprints
+
+    def _evict(self, runs: OrderedDict[str, _View]) -> None:
+        # The run just synced is the most recently used: it is never the one dropped.
+        while len(runs) > 1 and (len(runs) > self.runs or self._held > self.budget):
+            self._drop(runs, next(iter(runs)))
+
+    def forget(self, store: Store, run_key: str) -> None:
+        self._drop(self._runs(store), run_key)
+
+
+# This process's views (every check of every policy revision shares them).
+VIEWS = LedgerViews()
 
 
 async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
-               window: int = DEFAULT_WINNOW, min_value: int = 0) -> Ledger | None:
+               window: int = DEFAULT_WINNOW, min_value: int = 0, *, ttl: float = 24 * 3600.0,
+               views: LedgerViews | None = None) -> Ledger | None:
     """The run's flags and the fingerprints among `probes` it holds, or None when the run has
-    no ledger. Two store round trips at most; cost follows the probes, not the ledger."""
-    meta = await store.hash_all(META_NS, run_key)
+    no ledger. One store read when warm (the flags and what the run's log gained since this
+    process last read it, `views`: the process's `VIEWS` by default); the lookup is in memory,
+    so the cost follows the probes and what was recorded since, not the ledger. `ttl` is the policy's
+    `ledger_ttl`. Raises StoreError when the store cannot answer or holds an entry this version
+    cannot read (fail closed)."""
+    wanted = list(dict.fromkeys(probes))
+    held: dict[bytes, bytes] = {}
+    if wanted:
+        try:
+            meta, held = await (views or VIEWS).read(store, run_key, ttl)
+        except ValueError as exc:
+            raise StoreError(f"the run's ledger holds an entry this proxy cannot read: {exc}") from exc
+    else:
+        meta = await store.hash_all(META_NS, run_key)
     if not meta:
         return None
     ledger = Ledger.from_meta(n, meta, window, min_value)
-    wanted = list(dict.fromkeys(probes))
-    if wanted and (ledger.untrusted or ledger.secret):
-        values = await store.hash_get(FP_NS, run_key, wanted)
-        ledger.fingerprints = {k: v for k, v in zip(wanted, values, strict=True) if v is not None}
+    if ledger.untrusted or ledger.secret:
+        ledger.fingerprints = {k: sid for k in wanted if (sid := held.get(k)) is not None}
     return ledger
 
 
@@ -370,7 +552,7 @@ async def mark_pending(store: Store, run_key: str, decision_id: str, deadline: f
         await store.hash_put(META_NS, run_key, marker)
         return
     await store.hash_put(META_NS, run_key, marker, ttl=ttl)
-    await store.hash_put(FP_NS, run_key, {}, ttl=ttl)
+    await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
     if recent is not None:
         recent.forget(store, run_key)
 
@@ -379,28 +561,36 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
                  done: str | None = None, window: int = DEFAULT_WINNOW, min_value: int = 0,
                  recent: RecentWrites | None = None) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
-    go in first and the marker goes last, so an interruption leaves the run coarse (fail
-    closed). Both hashes get the same expiry: flags that outlived their fingerprints would
-    narrow verdicts. What this process wrote moments ago (`recent`, the process's
-    `RecentWrites`) is not written again. Raises StoreError when the store cannot answer."""
+    (one log entry) and the flags go in together, the marker last, so an interruption leaves
+    the run coarse (fail closed). Both get the same expiry: flags that outlived their
+    fingerprints would narrow verdicts. An entry that would take the log beyond `cap`
+    fingerprints is not written and the run overflows. What this process wrote moments ago
+    (`recent`, the process's `RecentWrites`) is not written again. Raises StoreError when the
+    store cannot answer."""
     meta = delta.meta(n, window, min_value)
-    parts = [(label, replace, delta.fields(label))
-             for label, replace in (("untrusted", True), ("secret", False), ("trusted", False))]
-    parts = [part for part in parts if part[2]]
-    digests = [_digest(label.encode(), fields) for label, _, fields in parts]
-    if meta or parts:
+    groups = delta.groups()
+    entry = _entry(groups, time.time()) if groups else b""
+    # What was written is known by digest: the entry's fingerprints (not its wall time).
+    digests = [hashlib.blake2b(entry[_HEAD.size:], digest_size=16).digest()] if groups else []
+    if meta or groups:
         digests.append(_digest(b"meta", meta))
         if recent is None or not recent.covers(store, run_key, digests, ttl):
             if recent is not None:
                 recent.forget(store, run_key)
-            for label, replace, fields in parts:
-                put = await store.hash_put(FP_NS, run_key, fields, ttl=ttl, replace=replace, cap=cap)
+            seq = 0
+            if groups:
+                # The entry and the flags in one step (one round trip); the flags only when the
+                # entry went in: flags without their fingerprints would narrow verdicts.
+                weight = sum(len(fps) for _, _, fps in groups)
+                seq = await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
+                                              also=(META_NS, meta))
                 # Endorsing keys left out only endorse less (more escalation): no overflow.
-                if put.refused and label != "trusted":
+                if not seq and len(groups) > bool(delta.trusted):
                     meta[b"o"] = b"1"
-            if not parts:
-                await store.hash_put(FP_NS, run_key, {}, ttl=ttl)
-            await store.hash_put(META_NS, run_key, meta, ttl=ttl)
+            else:
+                await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
+            if not seq:
+                await store.hash_put(META_NS, run_key, meta, ttl=ttl)
             if recent is not None and b"o" not in meta:  # an overflow is written again next time
                 recent.refreshed(store, run_key, digests, ttl)
     if done is not None:

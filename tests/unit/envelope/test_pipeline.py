@@ -178,6 +178,10 @@ async def test_a_completion_that_waits_survives_the_callers_cancellation(tmp_pat
             await asyncio.sleep(0.3)
             return await super().hash_put(*args, **kw)
 
+        async def hash_append(self, *args: Any, **kw: Any) -> Any:  # a ledger entry's write
+            await asyncio.sleep(0.3)
+            return await super().hash_append(*args, **kw)
+
     metrics = Metrics()
     env = Envelope(AuditLog(tmp_path / "audit"), metrics, ToolRegistry(),
                    Services(store=SlowStore(), metrics=metrics))
