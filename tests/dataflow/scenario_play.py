@@ -45,7 +45,7 @@ BENIGN_KINDS = ("plain", "untrusted_value", "user_typed")
 SINK_REPLY = "done"
 
 
-def load(split: str) -> list[dict[str, Any]]:
+def load_scenarios(split: str) -> list[dict[str, Any]]:
     """Every scenario of `train` or `heldout`, in file order, each checked against its domain."""
     out: list[dict[str, Any]] = []
     for path in sorted((HERE / split).glob("*.yaml")):
