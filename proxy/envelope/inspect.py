@@ -32,7 +32,7 @@ from proxy.envelope.dataflow.offload import delta_of
 from proxy.envelope.labels import Label, OutputLabels, Piece, ToolLabels, pieces
 from proxy.envelope.types import RunContext, ToolCall, run_key
 from proxy.policy.compiled import PolicyRevision
-from proxy.policy.model import ContentPolicy, DataflowPolicy
+from proxy.policy.model import ContentPolicy, DataflowPolicy, escalates
 from proxy.store.base import Store
 
 log = logging.getLogger("envelope.inspect")
@@ -79,9 +79,10 @@ def payload_of(message: Mapping[str, Any]) -> Any:
     return None
 
 
-def all_pieces(value: Any, label: Label, where: str) -> Iterator[Piece]:
-    """Every string of `value` (and long integers, which can be account numbers) as a piece."""
-    if not label.tracked:
+def all_pieces(value: Any, label: Label, where: str, trusted: bool = False) -> Iterator[Piece]:
+    """Every string of `value` (and long integers, which can be account numbers) as a piece
+    (nothing for a trusted `label` unless `trusted`: what it endorses is wanted)."""
+    if not (label.tracked or trusted):
         return
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
@@ -194,6 +195,12 @@ class Inspector:
     def recording(self) -> bool:
         return self.dataflow.mode != "off"
 
+    @property
+    def escalates(self) -> bool:
+        """Whether some sink's `on_tainted` is not `allow` (trusted outputs then record what
+        they endorse)."""
+        return escalates(self.dataflow)
+
     # -- subjects --------------------------------------------------------------------------
 
     def tool(self, call: ToolCall, metric_tool: str) -> Subject:
@@ -258,13 +265,15 @@ class Inspector:
         worker thread when it is large (`proxy.envelope.dataflow.offload`)."""
         policy = self.dataflow
         payload = payload_of(message)
+        # Trusted content is read only when some sink escalates tainted runs (it endorses).
+        trusted = self.escalates
         if subject.tool_result and "result" in message and isinstance(payload, Mapping):
-            found = pieces(payload, subject.labels)
+            found = pieces(payload, subject.labels, trusted)
         else:
-            found = all_pieces(payload, subject.labels.base, subject.source)
+            found = all_pieces(payload, subject.labels.base, subject.source, trusted)
         return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,
                               window=policy.winnow, max_chars=policy.max_output_chars,
-                              min_value=policy.min_value)
+                              min_value=policy.min_value, trusted=trusted)
 
     async def record(self, store: Store, recent: RecentWrites, run: RunContext, delta: LedgerDelta,
                      done: str | None = None) -> None:

@@ -148,8 +148,9 @@ def _is_copy(text: str, structured: Any) -> bool:
         return False
 
 
-def pieces(result: Mapping[str, Any], labels: OutputLabels) -> Iterator[Piece]:
-    """Every string of a tool result an agent can read, with its labels (tracked ones only)."""
+def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = False) -> Iterator[Piece]:
+    """Every string of a tool result an agent can read, with its labels (tracked ones only;
+    with `trusted`, the trusted ones too: what they endorse for tainted-run escalation)."""
     structured = result.get("structuredContent")
     content = result.get("content")
     base = labels.base
@@ -170,11 +171,11 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels) -> Iterator[Piece]:
             elif kind == "resource_link":
                 texts += [v for k in ("uri", "name", "title", "description")
                           if isinstance(v := item.get(k), str)]
-            if base.tracked:
+            if base.tracked or trusted:
                 for text in texts:
                     yield Piece(text, base, where)
     if structured is not None:
         for path, text in _strings(structured, (), 0):
             label = labels.at(path)
-            if label.tracked:
+            if label.tracked or trusted:
                 yield Piece(text, label, "structuredContent/" + "/".join(path))

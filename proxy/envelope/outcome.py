@@ -327,7 +327,9 @@ class Completion:
             # A pending marker stays: past its deadline the run counts as coarse (fail closed).
             log.error("data-flow ledger of run %s not updated: %s", call.run.id, exc)
             call.audit_extra["dataflow_error"] = f"ledger not updated: {exc or 'timed out'}"
-            if inspector.dataflow.mode == "enforce" and not delta.empty:
+            # Trusted content that endorses only is delivered all the same: what it would have
+            # endorsed is not, so the run escalates more, never less.
+            if inspector.dataflow.mode == "enforce" and delta.taints:
                 what = "untrusted" if delta.untrusted else "secret"
                 return Decision(Verdict.ERROR, Code.STORE_UNAVAILABLE, "dataflow",
                                 f"the run's data-flow ledger cannot record this {what} content "

@@ -255,6 +255,9 @@ class ToolCall:
     # Set by a check that sends the call to the approval gate whatever its effect (dataflow
     # `on_flag: approve`): the evidence, shown to the approver. None: gated by effect only.
     escalation: str | None = None
+    # Why it was escalated, from a closed set (`APPROVAL_REASONS`: dataflow_flag, tainted_run):
+    # the approval's reason label in metrics and audit.
+    escalation_reason: str | None = None
     # X-Envelope-Capability: the capability the caller asks for this call; it can only narrow
     # the principal's ("read-only" narrows read-write; anything else changes nothing).
     capability_requested: str | None = None

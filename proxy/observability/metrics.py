@@ -62,12 +62,17 @@ RejectReason = Literal[
     "header_timeout",
     "foreign_session",
 ]
+# Why an approval was requested: the tool's own `approval: required` (policy), a gated effect
+# (defaults' or the principal's gated_effects), a flagged data flow (`on_flag: approve`), a
+# tainted run's unendorsed critical arguments (`on_tainted: approve`).
+ApprovalReason = Literal["policy", "gated_effect", "dataflow_flag", "tainted_run"]
 # The fixed label sets, from the types above (one source for mypy and the runtime check).
 STAGES: tuple[Stage, ...] = get_args(Stage)
 UPSTREAM_OUTCOMES: tuple[UpstreamOutcome, ...] = get_args(UpstreamOutcome)
 RELOAD_RESULTS: tuple[ReloadResult, ...] = get_args(ReloadResult)
 MISCONFIG_LAYERS: tuple[MisconfigLayer, ...] = get_args(MisconfigLayer)
 REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
+APPROVAL_REASONS: tuple[ApprovalReason, ...] = get_args(ApprovalReason)
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Counter, "envelope_shadow_records_total", "Writer calls of shadow runs recorded instead of performed."),
     MetricSpec(Gauge, "envelope_approvals_pending", "Approvals waiting for a person's decision (not yet expired)."),
     MetricSpec(Counter, "envelope_dataflow_flagged_total", "Sink calls the data-flow check flagged, by tool and mode (shadow: forwarded; enforce: refused or sent to approval).", ("tool", "mode")),
+    MetricSpec(Counter, "envelope_dataflow_tainted_total", "Sink calls in a run that read untrusted content with critical arguments nothing trusted endorses (dataflow.on_tainted), by tool, mode and action (allow is never counted; shadow: forwarded).", ("tool", "mode", "action")),
+    MetricSpec(Counter, "envelope_approvals_requested_total", "Approvals requested (a new pending approval for a call), by reason (policy, gated_effect, dataflow_flag, tainted_run).", ("reason",)),
     MetricSpec(Counter, "envelope_approval_webhook_failures_total", "Failed approval webhook delivery attempts (each retry counts)."),
     MetricSpec(Counter, "envelope_guardrail_actions_total", "Output guardrail rules that fired on a result, by tool and action (redact, block, warn).", ("tool", "action")),
 )  # fmt: skip
@@ -240,6 +247,8 @@ class Metrics:
         self._reloads = {r: reloads.labels(r) for r in RELOAD_RESULTS}
         rejected = cast(Counter, c["envelope_rejected_requests_total"])
         self._rejected = {r: rejected.labels(r) for r in REJECT_REASONS}
+        requested = cast(Counter, c["envelope_approvals_requested_total"])
+        self._approvals_requested = {r: requested.labels(r) for r in APPROVAL_REASONS}
         self._decision_children: dict[tuple[Any, ...], Cell] = {}
         self._upstream_children: dict[tuple[str, str], tuple[Cell, Cell]] = {}
         self._check_children: dict[str, Any] = {}
@@ -317,6 +326,19 @@ class Metrics:
         """Count one flagged sink; `tool` is a catalogue name or "<unknown>", `mode` the
         data-flow mode (shadow, enforce)."""
         cast(Counter, self.collectors["envelope_dataflow_flagged_total"]).labels(tool, mode).inc()
+
+    def dataflow_tainted(self, tool: str, mode: str, action: str) -> None:
+        """Count one tainted-run sink with unendorsed critical arguments; `tool` is a catalogue
+        name or "<unknown>", `action` approve or block (what enforce does)."""
+        cast(Counter, self.collectors["envelope_dataflow_tainted_total"]).labels(tool, mode, action).inc()
+
+    def approval_requested(self, reason: ApprovalReason) -> None:
+        """Count one new approval request; raises ValueError outside `APPROVAL_REASONS`."""
+        try:
+            child = self._approvals_requested[reason]
+        except KeyError:
+            raise ValueError(f"unknown approval reason {reason!r}") from None
+        child.inc()
 
     def rejected(self, reason: RejectReason) -> None:
         """Count a request rejected at the front; raises ValueError outside `REJECT_REASONS`."""

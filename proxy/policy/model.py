@@ -369,6 +369,7 @@ class Defaults(_Model):
 
 
 OnFlag = Literal["block", "approve"]
+OnTainted = Literal["allow", "approve", "block"]
 
 
 # The data-flow winnowing window (see DataflowPolicy.winnow).
@@ -414,6 +415,40 @@ class DataflowPolicy(_Model):
     # approval gate with the evidence). `default` applies to sinks not listed. A plain string
     # sets the default. Absent: block.
     on_flag: dict[str, OnFlag] = Field(default_factory=lambda: {"default": "block"})  # type: ignore[arg-type]
+    # Tainted-run escalation (issue 13, class 2: an attacker-chosen value that untrusted text
+    # never spells, such as "book the most expensive option"). What a sink called in a run that
+    # has read untrusted content (or whose ledger says an output may have reached it unrecorded)
+    # gets when one of its critical arguments is not endorsed: allow (nothing happens), approve
+    # (the approval gate, reason naming the unendorsed arguments; refused when no gate is
+    # configured) or block (refused, `dataflow_policy_blocked`, rule `dataflow.tainted_run`).
+    # A critical value is endorsed when the run's intent holds it whole (string: between word
+    # boundaries after normalising case, width and whitespace, edge punctuation stripped;
+    # number or amount: the same canonical decimal, "$1,200.50" = 1200.5) or when a trusted
+    # output read in the same run holds it (its whole value, a phrase of 1-4 words, a
+    # distinctive token, or a number it writes). Runs that never read untrusted content are
+    # untouched; a sink the data-flow check already flags is decided by on_flag, not this;
+    # shadow mode audits and counts, never acts. `default` applies to sinks not listed; a plain
+    # string sets the default. Absent: allow (nothing escalates).
+    on_tainted: dict[str, OnTainted] = Field(default_factory=lambda: {"default": "allow"})  # type: ignore[arg-type]
+    # The arguments of a sink (`<upstream>.<tool>`: [top-level argument names]) whose values
+    # must be endorsed in a tainted run (every string and number inside them; booleans and
+    # null never count). Absent for a sink: every argument that is not declassified.
+    critical: dict[str, list[str]] = Field(default_factory=dict)
+    # Whether the agent framework sends the run's intent (`X-Envelope-Intent` or the admin API):
+    # optional (absent): it may; a run without intent only has trusted outputs to endorse its
+    # sinks' critical values. required: the deployment promises it, and the proxy holds it
+    # to it: a sink call (enforce mode) in a run with no intent on record is refused
+    # (`invalid_request`, rule `dataflow.intent`). `envelope-proxy check` reports on_tainted
+    # approve/block without `intent: required` as a weak spot (escalation would then ask a
+    # person about every tainted sink call the user's words would have endorsed).
+    intent: Literal["optional", "required"] = "optional"
+    # Inside a declassified argument, a copied run of untrusted text at least this many
+    # characters long still flags (finding `declassified_copy`), and so does a copied
+    # instruction-shaped sentence (an imperative aimed at the assistant: finding
+    # `instruction`), whatever its length. 0: long copies into declassified arguments never
+    # flag (instruction-shaped ones still do). Absent: 160 (measured: bench/RESULTS.md,
+    # "Declassified copies"); at least min_match when not 0.
+    declassify_max_copy: int = Field(default=160, ge=0, le=1 << 20)
     # String arguments whose schema `format` is one of these are not matched (the schema check
     # has rejected any value that is not of that format). Only formats the schema check asserts
     # (`proxy.policy.schemas.VALIDATED_FORMATS`) are accepted. Absent: date-time, date, time.
@@ -444,6 +479,13 @@ class DataflowPolicy(_Model):
                              f"characters match common words); got {self.min_match} and {self.winnow}")
         return self
 
+    @model_validator(mode="after")
+    def _max_copy(self) -> DataflowPolicy:
+        if self.declassify_max_copy and self.declassify_max_copy < self.min_match:
+            raise ValueError(f"declassify_max_copy is 0 (off) or at least min_match ({self.min_match}): "
+                             f"shorter copies are not matched; got {self.declassify_max_copy}")
+        return self
+
     @field_validator("min_value")
     @classmethod
     def _min_value(cls, v: int) -> int:
@@ -463,18 +505,23 @@ class DataflowPolicy(_Model):
                 f"{', '.join(sorted(VALIDATED_FORMATS))})")
         return v
 
-    @field_validator("on_flag", mode="before")
+    @field_validator("on_flag", "on_tainted", mode="before")
     @classmethod
     def _on_flag(cls, v: object) -> object:
         return {"default": v} if isinstance(v, str) else v
 
-    @field_validator("declassify", "on_flag")
+    @field_validator("declassify", "on_flag", "on_tainted", "critical")
     @classmethod
     def _keys(cls, v: dict[str, object]) -> dict[str, object]:
         for key in v:
             if key != "default" and not TOOL_KEY.match(key):
                 raise ValueError(f"sink key {key!r} must be '<upstream>.<tool>'")
         return v
+
+
+def escalates(policy: DataflowPolicy) -> bool:
+    """Whether some sink's `on_tainted` is not `allow` (and the data-flow check is on)."""
+    return policy.mode != "off" and any(v != "allow" for v in policy.on_tainted.values())
 
 
 class PolicyDocument(_Model):

@@ -51,7 +51,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from proxy.approvals.records import Approval, ApprovalConflict, CallBinding, InvalidRequestState
 from proxy.approvals.service import ApprovalService
@@ -75,6 +75,9 @@ from proxy.policy.compiled import PolicyRevision
 from proxy.policy.model import Approval as ApprovalPolicy
 from proxy.policy.vocab import Effect
 
+if TYPE_CHECKING:
+    from proxy.observability.metrics import ApprovalReason
+
 DEFAULT_WAIT = 30.0
 
 log = logging.getLogger("envelope.approval")
@@ -91,6 +94,7 @@ class ApprovalCheck:
         # `Services.hold_calls` False (policy tests, replay): a gated call whose approval has no
         # decision yet is `approval_pending` at once; everything else is the same check.
         self._hold_calls = services.hold_calls if services is not None else True
+        self._metrics = services.metrics if services is not None else None
         self._revision = revision
         self._policies: dict[str, ApprovalPolicy | None] = {
             key: tool.policy.approval for key, tool in revision.tools.items()
@@ -120,7 +124,7 @@ class ApprovalCheck:
 
     def _rule(self, call: ToolCall) -> str:
         if call.escalation is not None:
-            return "dataflow.on_flag"
+            return "dataflow.on_tainted" if call.escalation_reason == "tainted_run" else "dataflow.on_flag"
         if self._policies.get(call.qualified_name) is not None:
             return f"tools.{call.qualified_name}.approval"
         if call.principal.id in self._principal_gated:
@@ -182,12 +186,24 @@ class ApprovalCheck:
             call.audit_extra.update(grant_id=grant.id, approver=grant.approver)
             return None
         effect = (call.effect or Effect.DESTRUCTIVE).value
-        approval, _ = await service.request(
+        why = self._reason(call)
+        call.audit_extra["approval_reason"] = why
+        approval, created = await service.request(
             binding, arguments=call.arguments, effect=effect,
             reason=call.escalation or f"effect {effect} of {call.qualified_name} is gated ({self._rule(call)})",
             ttl=ttl, decision_id=call.decision_id,
         )
+        if created and self._metrics is not None:
+            self._metrics.approval_requested(why)
         return await self._hold(service, call, approval, wait, channel)
+
+    def _reason(self, call: ToolCall) -> ApprovalReason:
+        """Why this call asks a person (`envelope_approvals_requested_total{reason}`)."""
+        if call.escalation is not None:
+            return "tainted_run" if call.escalation_reason == "tainted_run" else "dataflow_flag"
+        if self._policies.get(call.qualified_name) is not None:
+            return "policy"
+        return "gated_effect"
 
     # -- in-band ----------------------------------------------------------------------------
 

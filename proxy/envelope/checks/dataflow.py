@@ -10,6 +10,7 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
+from proxy.envelope.dataflow.endorse import Critical, IntentWords, critical_values
 from proxy.envelope.dataflow.intent import Endorsement, IntentError
 from proxy.envelope.dataflow.ledger import (
     Ledger,
@@ -19,6 +20,7 @@ from proxy.envelope.dataflow.ledger import (
 from proxy.envelope.dataflow.match import (
     Finding,
     Probe,
+    declassified_findings,
     free_text,
     match_argument,
     oversized,
@@ -35,7 +37,7 @@ from proxy.envelope.types import (
 )
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
-from proxy.policy.model import DataflowPolicy
+from proxy.policy.model import DataflowPolicy, escalates
 from proxy.policy.vocab import Effect
 from proxy.store.base import Store
 
@@ -74,6 +76,7 @@ class DataflowCheck:
         self._store: Store | None = services.store if services is not None else None
         self._recent = services.recent if services is not None else None
         self._gate = self._store is not None and services is not None and services.settings.approvals.enabled
+        self._escalates = escalates(self.policy)
 
     # -- cheap filters -------------------------------------------------------------------
 
@@ -96,6 +99,20 @@ class DataflowCheck:
 
     def _on_flag(self, call: ToolCall) -> str:
         return self.policy.on_flag.get(call.qualified_name) or self.policy.on_flag.get("default", "block")
+
+    def _on_tainted(self, call: ToolCall) -> str:
+        return self.policy.on_tainted.get(call.qualified_name) or self.policy.on_tainted.get("default", "allow")
+
+    def criticals(self, call: ToolCall) -> tuple[list[Critical], bool]:
+        """The critical values of a sink call (`dataflow.critical`, else every argument that is
+        not declassified) and whether some were left out (more than `endorse.MAX_CRITICAL`)."""
+        names = self.policy.critical.get(call.qualified_name)
+        if names is None:
+            decl = self._declassified(call)
+            if decl is True:
+                return [], False
+            names = [k for k in call.arguments if not (isinstance(decl, frozenset) and k in decl)]
+        return critical_values(call.arguments, names)
 
     def _schema(self, call: ToolCall) -> Any:
         compiled = self._revision.tools.get(call.qualified_name)
@@ -138,6 +155,13 @@ class DataflowCheck:
                     return Decision(Verdict.DENY, Code.INVALID_REQUEST, self.id,
                                     f"{exc}; the call was refused", intents.HEADER)
                 call.audit_extra["intent"] = {"by": "header", "chars": len(intent), "appended": added}
+            if sink and intent is None and self.policy.intent == "required" and self.mode == "enforce" \
+                    and not await intents.load(store, call.run.key):
+                # The deployment promised the user's words for every run (`intent: required`):
+                # a framework that stopped sending them is refused, not silently escalated.
+                return Decision(Verdict.DENY, Code.INVALID_REQUEST, self.id,
+                                f"the run has no intent on record ({intents.HEADER} or the admin API) "
+                                "and the policy requires one before any side effect", "dataflow.intent")
             decision = await self._check_sink(store, call) if sink else None
             if decision is None and labels.tracked and call.run.session:
                 # A session's stream may be resumed with GET + Last-Event-ID after the client
@@ -195,6 +219,11 @@ class DataflowCheck:
             flagged += [dataclasses.replace(f, argument=ptr) for f in toks]
             if is_decl:
                 declassified += [dataclasses.replace(f, argument=ptr) for f in verbatim]
+                if verbatim:
+                    # Declassified text may carry untrusted text, not the attacker's orders nor
+                    # wholesale copies (declassify_max_copy).
+                    flagged += [dataclasses.replace(f, argument=ptr) for f in declassified_findings(
+                        ledger, probe, self._n, self._window, self.policy.declassify_max_copy)]
             else:
                 flagged += [dataclasses.replace(f, argument=ptr) for f in verbatim]
                 # A coarse ledger may lack the phrases of what the run read: a value long
@@ -210,8 +239,10 @@ class DataflowCheck:
         probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
                                  window=self._window, max_chars=self._max_argument,
                                  min_value=self._min_value)
-        ledger = await load(store, call.run.key, self._n,
-                            (f for _, probe in probes for f in probe.fields()), self._window, self._min_value)
+        action = self._on_tainted(call) if self._escalates else "allow"
+        criticals, cut = self.criticals(call) if action != "allow" else ([], False)
+        wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
+        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value)
         if ledger is None:
             return None
         flagged, declassified, _ = self.findings(call, ledger, probes)
@@ -226,7 +257,9 @@ class DataflowCheck:
         if declassified:
             call.audit_extra["dataflow_declassified"] = [f.as_dict() for f in declassified]
         if not flagged:
-            return None
+            if action == "allow":
+                return None
+            return await self._tainted(store, call, ledger, action, criticals, cut)
         evidence = [f.as_dict() for f in flagged]
         reason = "data flow: " + "; ".join(f.describe() for f in flagged[:3])
         if len(flagged) > 3:
@@ -246,7 +279,69 @@ class DataflowCheck:
                 audit["on_flag"] = "approve"
                 call.audit_extra["dataflow"] = audit
                 call.escalation = f"{reason} (dataflow.on_flag approve)"
+                call.escalation_reason = "dataflow_flag"
                 return None
             reason += " (on_flag approve, but no approval gate is configured)"
         return Decision(Verdict.DENY, Code.DATAFLOW_POLICY_BLOCKED, self.id, reason, rule,
                         audit={"dataflow": {**audit, "on_flag": "block"}})
+
+    async def _tainted(self, store: Store, call: ToolCall, ledger: Ledger, action: str,
+                       criticals: list[Critical], cut: bool) -> Decision | None:
+        """Tainted-run escalation (`on_tainted` approve/block): None when the run never read
+        untrusted content or every critical value is endorsed (by the run's intent or a trusted
+        output of the run; audited `extra.tainted_run`), or in shadow mode (audited, counted);
+        otherwise the call goes to the approval gate (`approve`) or is refused
+        `dataflow_policy_blocked`, rule `dataflow.tainted_run` (`block`, or `approve` with no
+        gate), naming the unendorsed arguments."""
+        now = time.time()
+        if not (ledger.untrusted or ledger.lost or ledger.coarse(now, self._n, self._window, self._min_value)):
+            return None
+        endorsed: list[dict[str, Any]] = []
+        left: list[Critical] = []
+        for critical in criticals:
+            source = next((found[len("trusted|"):] for k in critical.keys
+                           if (found := ledger.find(k)) is not None and found.startswith("trusted|")), None)
+            if source is not None:
+                endorsed.append({"arg": critical.pointer, "by": "trusted_output", "source": source})
+            else:
+                left.append(critical)
+        if left:
+            # The intent is read only when trusted outputs left something unendorsed.
+            words = IntentWords.of(await intents.load(store, call.run.key))
+            still = []
+            for critical in left:
+                if words.endorses(critical):
+                    endorsed.append({"arg": critical.pointer, "by": "intent"})
+                else:
+                    still.append(critical)
+            left = still
+        unendorsed = list(dict.fromkeys(c.pointer for c in left))
+        if cut:
+            unendorsed.append("(more values than are checked)")
+        audit: dict[str, Any] = {"mode": self.mode, "on_tainted": action, "endorsed": endorsed,
+                                 "unendorsed": unendorsed,
+                                 "untrusted_source": ledger.first_source("untrusted") or "this run"}
+        if not unendorsed:
+            call.audit_extra["tainted_run"] = audit
+            return None
+        metrics = self._services.metrics if self._services is not None else None
+        if metrics is not None:
+            known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
+            metrics.dataflow_tainted(call.tool if known else "<unknown>", self.mode, action)
+        shown = ", ".join(unendorsed[:5]) + (f" (and {len(unendorsed) - 5} more)" if len(unendorsed) > 5 else "")
+        reason = (f"tainted run: the run has read untrusted content ({audit['untrusted_source']}) and "
+                  f"critical arguments {shown} are endorsed neither by the user's intent nor by a "
+                  "trusted output of the run")
+        rule = "dataflow.tainted_run"
+        if self.mode == "shadow":
+            call.audit_extra["tainted_run"] = audit
+            return None
+        if action == "approve":
+            if self._gate:
+                call.audit_extra["tainted_run"] = audit
+                call.escalation = f"{reason} (dataflow.on_tainted approve)"
+                call.escalation_reason = "tainted_run"
+                return None
+            reason += " (on_tainted approve, but no approval gate is configured)"
+        return Decision(Verdict.DENY, Code.DATAFLOW_POLICY_BLOCKED, self.id, reason, rule,
+                        audit={"tainted_run": {**audit, "on_tainted": "block"}})

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from proxy.envelope.dataflow.endorse import MAX_KEYS, trusted_keys
 from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     gram_length,
@@ -26,6 +27,8 @@ from proxy.policy.model import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW, MIN_PHR
 from proxy.store.base import Store
 
 NS = "ledger"
+# Most characters of one trusted string whose endorsing keys are recorded (bounded work).
+MAX_TRUSTED_CHARS = 1 << 16
 
 log = logging.getLogger("envelope.dataflow")
 
@@ -58,15 +61,20 @@ class LedgerDelta:
     tokens: dict[bytes, str] = field(default_factory=dict)
     # whole-value phrase fingerprints (untrusted pieces only: secret-only matches never flag)
     values: dict[bytes, str] = field(default_factory=dict)
+    # endorsing keys of trusted pieces (`proxy.envelope.dataflow.endorse`: recorded only when
+    # some sink's on_tainted escalates); they never taint the run
+    trusted: set[bytes] = field(default_factory=set)
     overflow: bool = False
     lost: bool = False  # the output may reach the agent without passing the proxy
 
     @classmethod
     def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None,
            window: int = DEFAULT_WINNOW,
-           max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS, min_value: int = 0) -> LedgerDelta:
+           max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS, min_value: int = 0,
+           trusted: bool = False) -> LedgerDelta:
         """The fingerprints of labelled pieces (grams winnowed with `window`; with `min_value`,
-        0: off, also the whole-value phrases of untrusted pieces). Beyond `limit`
+        0: off, also the whole-value phrases of untrusted pieces; with `trusted`, the
+        endorsing keys of trusted pieces, at most `endorse.MAX_KEYS`). Beyond `limit`
         fingerprints, or `max_chars` characters of its pieces, the rest of the output is not
         hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
@@ -74,7 +82,15 @@ class LedgerDelta:
         shortest = min(MIN_TOKEN, gram_length(n, window))
         if min_value:
             shortest = min(shortest, MIN_PHRASE_CHARS)
+        endorsing = MAX_KEYS  # endorsing keys this output may still record
         for piece in parts:
+            if not piece.label.tracked:
+                # A trusted piece (yielded only when asked for): what it endorses, no taint.
+                if trusted and endorsing > 0:
+                    keys = trusted_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing)
+                    delta.trusted.update(keys)
+                    endorsing -= len(keys)
+                continue
             label = "untrusted" if piece.label.untrusted else "secret"
             delta.untrusted |= piece.label.untrusted
             delta.secret |= piece.label.secret
@@ -117,7 +133,12 @@ class LedgerDelta:
 
     @property
     def empty(self) -> bool:
-        return not (self.untrusted or self.secret or self.overflow or self.lost)
+        return not (self.taints or self.trusted)
+
+    @property
+    def taints(self) -> bool:
+        """Whether it marks the run (untrusted, secret, overflowed or lost), beyond endorsing."""
+        return self.untrusted or self.secret or self.overflow or self.lost
 
     def labels(self) -> set[str]:
         """The labels its fingerprints carry."""
@@ -128,6 +149,8 @@ class LedgerDelta:
     def fields(self, label: str) -> dict[bytes, bytes]:
         """The fingerprint fields of one label, each pointing at this delta's source id."""
         sid = source_id(label, self.source)
+        if label == "trusted":
+            return dict.fromkeys(self.trusted, sid)
         if self.labels() == {label}:
             out = dict.fromkeys(self.tokens, sid)
             out.update(dict.fromkeys(self.values, sid))
@@ -146,6 +169,8 @@ class LedgerDelta:
             if on or label in present:
                 out[label[0].encode()] = b"1"
                 out[b"src:" + source_id(label, self.source)] = f"{label}|{self.source}".encode()
+        if self.trusted:
+            out[b"src:" + source_id("trusted", self.source)] = f"trusted|{self.source}".encode()
         if out:
             out[b"n:" + _scheme(n, window, min_value).encode()] = b"1"
         if self.overflow:
@@ -231,13 +256,13 @@ class Ledger:
         self.untrusted |= delta.untrusted
         self.secret |= delta.secret
         self.overflow |= delta.overflow
-        for label, replace in (("untrusted", True), ("secret", False)):
+        for label, replace in (("untrusted", True), ("secret", False), ("trusted", False)):
             for key, sid in delta.fields(label).items():
                 if key in self.fingerprints:
                     if replace:
                         self.fingerprints[key] = sid
                 elif len(self.fingerprints) >= cap:
-                    self.overflow = True
+                    self.overflow |= label != "trusted"
                 else:
                     self.fingerprints[key] = sid
 
@@ -357,7 +382,8 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
     narrow verdicts. What this process wrote moments ago (`recent`, the process's
     `RecentWrites`) is not written again. Raises StoreError when the store cannot answer."""
     meta = delta.meta(n, window, min_value)
-    parts = [(label, replace, delta.fields(label)) for label, replace in (("untrusted", True), ("secret", False))]
+    parts = [(label, replace, delta.fields(label))
+             for label, replace in (("untrusted", True), ("secret", False), ("trusted", False))]
     parts = [part for part in parts if part[2]]
     digests = [_digest(label.encode(), fields) for label, _, fields in parts]
     if meta or parts:
@@ -365,9 +391,10 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
         if recent is None or not recent.covers(store, run_key, digests, ttl):
             if recent is not None:
                 recent.forget(store, run_key)
-            for _, replace, fields in parts:
+            for label, replace, fields in parts:
                 put = await store.hash_put(FP_NS, run_key, fields, ttl=ttl, replace=replace, cap=cap)
-                if put.refused:
+                # Endorsing keys left out only endorse less (more escalation): no overflow.
+                if put.refused and label != "trusted":
                     meta[b"o"] = b"1"
             if not parts:
                 await store.hash_put(FP_NS, run_key, {}, ttl=ttl)

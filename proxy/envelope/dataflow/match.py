@@ -19,6 +19,7 @@ from proxy.envelope.dataflow.fingerprint import (
 from proxy.envelope.dataflow.ledger import (
     Ledger,
 )
+from proxy.envelope.dataflow.shape import instruction_shaped, sentences
 from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_WINNOW
 from proxy.policy.schemas import VALIDATED_FORMATS
 
@@ -101,7 +102,7 @@ def _snippet(text: str) -> str:
 class Finding:
     """One piece of evidence: which argument, what matched, from which tool."""
 
-    kind: str  # verbatim | value | token | trifecta | coarse
+    kind: str  # verbatim | value | token | instruction | declassified_copy | trifecta | coarse
     argument: str | None
     source: str
     snippet: str
@@ -119,6 +120,12 @@ class Finding:
                     f"{self.source}")
         if self.kind == "token":
             return f"{arg} carries {self.snippet!r}, lifted from untrusted output of {self.source}"
+        if self.kind == "instruction":
+            return (f"{arg} (declassified) repeats an instruction-shaped sentence from untrusted "
+                    f"output of {self.source}: {self.snippet!r}")
+        if self.kind == "declassified_copy":
+            return (f"{arg} (declassified) copies a long run of untrusted text from {self.source}: "
+                    f"{self.snippet!r}")
         if self.kind == "coarse":
             return f"{arg} may carry untrusted content: {self.snippet}"
         return (f"the run holds untrusted content and secret content (from {self.source}); a "
@@ -171,16 +178,13 @@ def oversized(probe: Probe, max_chars: int) -> Finding:
                    "matched (dataflow.max_argument_chars), so it counts as matching")
 
 
-def match_argument(ledger: Ledger, text: str | Probe, n: int, window: int = DEFAULT_WINNOW,
-                   min_value: int = 0) -> tuple[list[Finding], list[Finding]]:
-    """(untrusted verbatim findings, untrusted token findings) of one argument value (its
-    pointer is filled in by the caller). Secret-only matches are not findings. Kept grams of a
-    copied run lie at most `window` grams apart: hits that close are one run of evidence. A
-    short value an untrusted output holds whole (a `value` finding) counts with the verbatim
-    ones: a declassified argument may carry it."""
-    probe = text if isinstance(text, Probe) else Probe.of(text, n, window, min_value=min_value)
+def copied_runs(ledger: Ledger, probe: Probe, n: int, window: int = DEFAULT_WINNOW,
+                ) -> list[tuple[int, int, str]]:
+    """(start, end, source) of each run of `probe.norm` copied from untrusted output: kept grams
+    at most `window` grams apart are one run; it spans from its first hit gram to the end of
+    its last (the copy may reach up to `window - 1` characters further on either side)."""
     k = probe.k or gram_length(n, window)
-    verbatim: list[Finding] = []
+    runs: list[tuple[int, int, str]] = []
     hits = [(i, found) for i, h in enumerate(probe.grams) if (found := ledger.find(h)) is not None]
     start = 0
     while start < len(hits):
@@ -189,10 +193,45 @@ def match_argument(ledger: Ledger, text: str | Probe, n: int, window: int = DEFA
             end += 1
         source = next((f for _, f in hits[start: end + 1] if f.startswith("untrusted|")), None)
         if source is not None:
-            first, last = hits[start][0], hits[end][0]
-            verbatim.append(Finding("verbatim", None, source.partition("|")[2],
-                                    _snippet(probe.norm[first: last + k])))
+            runs.append((hits[start][0], hits[end][0] + k, source.partition("|")[2]))
         start = end + 1
+    return runs
+
+
+def declassified_findings(ledger: Ledger, probe: Probe, n: int, window: int, max_copy: int,
+                          ) -> list[Finding]:
+    """What still flags in a declassified argument: a copied run of at least `max_copy`
+    characters (0: never), and a sentence of it that is mostly copied from untrusted output
+    (at least half of its characters, or `n` of them) and instruction-shaped (`shape`)."""
+    found: list[Finding] = []
+    runs = copied_runs(ledger, probe, n, window)
+    if not runs:
+        return found
+    slack = window - 1
+    for first, end, source in runs:
+        if max_copy and end - first + slack >= max_copy:
+            found.append(Finding("declassified_copy", None, source, _snippet(probe.norm[first:end])))
+    for start, stop in sentences(probe.norm):
+        for first, end, source in runs:
+            overlap = min(stop, end + slack) - max(start, first - slack)
+            if overlap > 0 and (overlap * 2 >= stop - start or overlap >= n):
+                shape = instruction_shaped(probe.norm[start:stop])
+                if shape is not None:
+                    found.append(Finding("instruction", None, source, _snippet(probe.norm[start:stop])))
+                break
+    return found
+
+
+def match_argument(ledger: Ledger, text: str | Probe, n: int, window: int = DEFAULT_WINNOW,
+                   min_value: int = 0) -> tuple[list[Finding], list[Finding]]:
+    """(untrusted verbatim findings, untrusted token findings) of one argument value (its
+    pointer is filled in by the caller). Secret-only matches are not findings. Kept grams of a
+    copied run lie at most `window` grams apart: hits that close are one run of evidence. A
+    short value an untrusted output holds whole (a `value` finding) counts with the verbatim
+    ones: a declassified argument may carry it."""
+    probe = text if isinstance(text, Probe) else Probe.of(text, n, window, min_value=min_value)
+    verbatim = [Finding("verbatim", None, source, _snippet(probe.norm[first:end]))
+                for first, end, source in copied_runs(ledger, probe, n, window)]
     if not verbatim and probe.value_hash is not None:
         found = ledger.find(probe.value_hash)
         if found is not None and found.startswith("untrusted|"):

@@ -186,7 +186,7 @@ async def test_held_call_released_when_approved_while_waiting() -> None:
     await w.service.decide(approval.id, approver="alice", approve=True, reason="go")
     assert await asyncio.wait_for(held, 2) is None
     assert loop.time() - started < 1.0
-    assert call.audit_extra == {"approval_id": approval.id, "approver": "alice"}
+    assert call.audit_extra == {"approval_id": approval.id, "approver": "alice", "approval_reason": "policy"}
 
 
 async def test_held_call_polls_the_store_for_decisions_of_other_replicas() -> None:

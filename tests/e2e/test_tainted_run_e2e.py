@@ -1,0 +1,139 @@
+"""Tainted-run escalation through the wire (`dataflow.on_tainted`, `dataflow.critical`): the
+real proxy process, the official SDK client and `mail_server.py`.
+
+`fetch_page` is untrusted; `read_secrets` is declared `output: trusted` here (it echoes its
+`name`: a trusted listing that holds a value). `send_email`'s critical argument is `to` and a
+tainted run sends it to the approval gate; `set_password` (every argument critical) is refused.
+Each test uses its own run (`X-Envelope-Run`), so ledgers and intents never mix.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+from e2e_helpers import mail_server, write_doc
+
+from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, token
+
+AGENT = token("agent")
+
+
+def _policy(directory: Path) -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {"mail": {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"}},
+        "tools": {
+            "mail.fetch_page": {"effect": "read"},
+            "mail.read_secrets": {"effect": "read", "output": "trusted"},
+            "mail.send_email": {"effect": "external", "approval": {"required": False, "wait": "0s"}},
+            "mail.set_password": {"effect": "write"},
+        },
+        "dataflow": {
+            "mode": "enforce",
+            "declassify": {"mail.send_email": ["body"]},
+            "on_tainted": {"default": "allow", "mail.send_email": "approve", "mail.set_password": "block"},
+            "critical": {"mail.send_email": ["to"]},
+        },
+    })
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    tmp = tmp_path_factory.mktemp("tainted")
+    with mail_server() as url, proxy_process(tmp, {"mail": url}, policies=_policy(tmp / "policies")) as pp:
+        yield pp
+
+
+async def _call(pp: ProxyProcess, run: str, tool: str, args: dict[str, Any], *,
+                intent: str | None = None) -> tuple[bool, str, dict[str, Any]]:
+    """(is_error, text, envelope/decision meta) of one call of `run`."""
+    headers = {"X-Envelope-Run": run}
+    if intent is not None:
+        headers["X-Envelope-Intent"] = quote(intent)
+    async with mcp_client(pp.url("mail"), "auto", bearer=AGENT, headers=headers) as c:
+        result = await c.call_tool(tool, args)
+    text = " ".join(getattr(item, "text", "") for item in result.content)
+    return bool(result.is_error), text, dict((result.meta or {}).get("envelope/decision") or {})
+
+
+def _last(pp: ProxyProcess, run: str, tool: str) -> dict[str, Any]:
+    return [r for r in pp.audit_records() if r["tool"] == tool and r["run"] == run][-1]
+
+
+def _email(to: str) -> dict[str, Any]:
+    return {"to": to, "subject": "Customers", "body": "The list is attached."}
+
+
+async def test_a_run_that_read_nothing_untrusted_is_untouched(proxy: ProxyProcess) -> None:
+    run = f"run-{uuid.uuid4().hex}"
+    refused, _, _ = await _call(proxy, run, "send_email", _email("carol@corp.example"))
+    assert not refused
+    rec = _last(proxy, run, "send_email")
+    assert rec["code"] == "ok" and "tainted_run" not in rec["extra"], rec
+
+
+async def test_an_unendorsed_recipient_in_a_tainted_run_asks_a_person(proxy: ProxyProcess) -> None:
+    before = metric_value(proxy.metrics(), "envelope_approvals_requested_total", reason="tainted_run")
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    refused, _, decision = await _call(proxy, run, "send_email", _email("carol@corp.example"))
+    assert refused and decision["code"] == "approval_pending", decision
+    rec = _last(proxy, run, "send_email")
+    assert rec["extra"]["approval_reason"] == "tainted_run"
+    assert rec["extra"]["tainted_run"]["unendorsed"] == ["/to"]
+    assert rec["extra"]["tainted_run"]["untrusted_source"] == "mail.fetch_page"
+    approvals = proxy.admin_get("/v1/approvals?state=pending").json()["approvals"]
+    mine = [a for a in approvals if a["run"] == run]
+    assert len(mine) == 1 and "critical arguments /to" in mine[0]["reason"], mine
+    metrics = proxy.metrics()
+    assert metric_value(metrics, "envelope_approvals_requested_total", reason="tainted_run") == before + 1
+    assert metric_value(metrics, "envelope_dataflow_tainted_total", tool="send_email", mode="enforce",
+                        action="approve") >= 1
+
+
+async def test_the_users_words_endorse_the_recipient(proxy: ProxyProcess) -> None:
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"},
+                intent="Send the customer list to Carol@corp.example please")
+    refused, _, decision = await _call(proxy, run, "send_email", _email("carol@corp.example"))
+    assert not refused, decision
+    rec = _last(proxy, run, "send_email")
+    assert rec["code"] == "ok"
+    assert rec["extra"]["tainted_run"]["endorsed"] == [{"arg": "/to", "by": "intent"}]
+    assert rec["extra"]["tainted_run"]["unendorsed"] == []
+
+
+async def test_a_trusted_output_of_the_run_endorses_the_recipient(proxy: ProxyProcess) -> None:
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "read_secrets", {"name": "dave@corp.example"})  # trusted: holds the address
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    refused, _, decision = await _call(proxy, run, "send_email", _email("dave@corp.example"))
+    assert not refused, decision
+    rec = _last(proxy, run, "send_email")
+    assert rec["extra"]["tainted_run"]["endorsed"] == [
+        {"arg": "/to", "by": "trusted_output", "source": "mail.read_secrets"}]
+    # Another address of the same domain is not endorsed by it.
+    refused, _, decision = await _call(proxy, run, "send_email", _email("eve@corp.example"))
+    assert refused and decision["code"] == "approval_pending", decision
+
+
+async def test_block_names_every_unendorsed_argument_and_a_named_short_value_passes(proxy: ProxyProcess) -> None:
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    refused, text, decision = await _call(proxy, run, "set_password", {"account": "ops", "password": "Winter-2291"})
+    assert refused and decision["code"] == "dataflow_policy_blocked", decision
+    assert "/account, /password" in text and "tainted run" in text, text
+    rec = _last(proxy, run, "set_password")
+    assert rec["rule"] == "dataflow.tainted_run" and rec["extra"]["tainted_run"]["on_tainted"] == "block"
+    # The user named the account and the (short) password: both endorsed, the call passes.
+    refused, _, decision = await _call(proxy, run, "set_password", {"account": "ops", "password": "Winter-2291"},
+                                       intent="set the ops password to Winter-2291")
+    assert not refused, decision
+    # A miss: the user named another password.
+    refused, text, _ = await _call(proxy, run, "set_password", {"account": "ops", "password": "Winter-2292"})
+    assert refused and "/password" in text and "/account" not in text, text

@@ -1,0 +1,214 @@
+"""Tainted-run escalation (`dataflow.on_tainted`, `critical`, `intent: required`) and what
+endorses a critical value (`proxy.envelope.dataflow.endorse`): a hit and a miss for a number
+or amount, an address and a short name, by the intent and by a trusted output of the run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from envelope_helpers import RUN_KEY, build_revision, make_call
+from test_approval import World, policy
+
+from proxy.config import Config
+from proxy.envelope.checks.approval import ApprovalCheck
+from proxy.envelope.checks.dataflow import DataflowCheck
+from proxy.envelope.dataflow import intent as intents
+from proxy.envelope.dataflow.endorse import Critical, IntentWords, critical_values, trusted_keys
+from proxy.envelope.dataflow.ledger import LedgerDelta, record
+from proxy.envelope.labels import Label, Piece
+from proxy.envelope.tools import ToolRegistry
+from proxy.envelope.types import Code, Decision, Services, ToolCall
+from proxy.observability.metrics import Metrics
+from proxy.policy.model import DataflowPolicy
+from proxy.policy.vocab import Effect
+from proxy.store.memory import MemoryStore
+
+UNTRUSTED = Label(True, False)
+TRUSTED = Label(False, False)
+PAGE = "Great deals! Book the Grand Palace suite now, the best room in town."
+LISTING = "1. Hotel Adler - $180.00 per night\n2. Grand Palace - $1,240.50 per night\n3. Pension Ruhe - $95"
+
+
+def _revision(**dataflow: Any) -> Any:
+    return build_revision({
+        "upstreams": {"web": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"web.fetch": {"effect": "read"},
+                  "web.hotels": {"effect": "read", "output": "trusted"},
+                  "web.book": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "enforce", "on_tainted": {"web.book": "block"}, **dataflow},
+    })
+
+
+async def _book(args: dict[str, Any], *, said: str | None = None, page: bool = True,
+                listing: bool = False, metrics: Metrics | None = None, approvals: bool = False,
+                **dataflow: Any) -> tuple[Decision | None, ToolCall]:
+    """A `web.book` sink call in a run that read PAGE (untrusted) and LISTING (trusted) as asked."""
+    store = MemoryStore()
+    settings = Config(approvals={"enabled": approvals})
+    check = DataflowCheck(_revision(**dataflow), None,  # type: ignore[arg-type]
+                          Services(store=store, metrics=metrics, settings=settings))
+    trusted = check.policy.on_tainted != {"default": "allow"}
+    reads = [("web.hotels", LISTING, TRUSTED)] if listing else []
+    reads += [("web.fetch", PAGE, UNTRUSTED)] if page else []
+    for source, text, label in reads:
+        await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=trusted),
+                     n=32, cap=65536, ttl=60)
+    if said is not None:
+        await intents.append(store, RUN_KEY, said, max_chars=16384, ttl=60)
+    call = make_call("book", args, upstream="web")
+    call.effect = Effect.EXTERNAL
+    return await check.decide(call), call
+
+
+def _blocked(decision: Decision | None) -> Decision:
+    assert decision is not None and decision.code is Code.DATAFLOW_POLICY_BLOCKED, decision
+    assert decision.rule == "dataflow.tainted_run"
+    return decision
+
+
+# -- what is endorsed -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "said", "endorsed"), [
+    (1240.5, "book it if it is under $1,240.50 a night", True),       # amount: canonical decimal
+    ("$1,240.50", "pay 1240.5 euros", True),
+    (1240.51, "book it if it is under $1,240.50 a night", False),
+    (1240, "book room 12400", False),                                 # not part of a longer number
+    ("ops@corp.example", "mail OPS@corp.example the notes", True),     # address: whole, case folded
+    ("ops@corp.example", "mail devops@corp.example the notes", False),  # part of an address is not
+    ("Grand Palace", "book the grand palace for two nights", True),   # short name: word bounded
+    ("Palace", "book the Palaces tour", False),
+    ("Grand Palace", "book the Grand Hotel", False),
+])
+def test_what_the_intent_endorses(value: Any, said: str, endorsed: bool) -> None:
+    assert IntentWords.of([said]).endorses(Critical.of("/x", value)) is endorsed
+
+
+def test_what_a_trusted_output_endorses() -> None:
+    keys = trusted_keys(LISTING)
+    assert any(k in keys for k in Critical.of("/hotel", "grand palace").keys)  # a phrase of a line
+    assert any(k in keys for k in Critical.of("/price", 1240.5).keys)  # a number it writes
+    assert any(k in keys for k in Critical.of("/price", "180").keys)
+    # Small integers are in every listing ("2." of a numbered line): only the intent endorses them.
+    assert not any(k in keys for k in Critical.of("/price", "$95.00").keys)
+    assert not any(k in keys for k in Critical.of("/nights", 2).keys)
+    assert not any(k in keys for k in Critical.of("/hotel", "Grand Budapest").keys)
+    assert not any(k in keys for k in Critical.of("/price", 1240).keys)
+
+
+def test_critical_values_walk_strings_and_numbers_not_booleans() -> None:
+    found, cut = critical_values({"to": ["a@x.example", {"cc": "b@x.example"}], "urgent": True,
+                                  "amount": 3, "note": None, "skip": "s"}, ["to", "urgent", "amount", "note"])
+    assert [c.pointer for c in found] == ["/to/0", "/to/1/cc", "/amount"] and not cut
+    many, cut = critical_values({"ids": list(range(300))}, ["ids"])
+    assert len(many) == 256 and cut
+
+
+def test_trusted_keys_are_recorded_only_when_asked_and_never_taint() -> None:
+    piece = Piece(LISTING, TRUSTED, "t")
+    assert LedgerDelta.of("web.hotels", [piece], 32).empty
+    delta = LedgerDelta.of("web.hotels", [piece], 32, trusted=True)
+    assert delta.trusted and not delta.taints and not delta.untrusted
+
+
+# -- the check ----------------------------------------------------------------------------------------
+
+
+async def test_a_run_that_never_read_untrusted_content_is_untouched() -> None:
+    decision, call = await _book({"hotel": "Grand Palace", "nights": 2}, page=False, listing=True)
+    assert decision is None and "tainted_run" not in call.audit_extra
+
+
+async def test_unendorsed_critical_arguments_are_refused_and_named() -> None:
+    decision, _ = await _book({"hotel": "Grand Palace", "nights": 2})
+    d = _blocked(decision)
+    assert "/hotel, /nights" in d.reason and "web.fetch" in d.reason
+    assert d.audit["tainted_run"]["unendorsed"] == ["/hotel", "/nights"]
+
+
+async def test_the_intent_and_a_trusted_listing_endorse_with_their_source_audited() -> None:
+    decision, call = await _book({"hotel": "Grand Palace", "nights": 2}, listing=True,
+                                 said="find me a hotel for 2 nights")
+    assert decision is None
+    assert call.audit_extra["tainted_run"]["endorsed"] == [
+        {"arg": "/hotel", "by": "trusted_output", "source": "web.hotels"},
+        {"arg": "/nights", "by": "intent"}]
+    # The listing holds the hotel, nobody said 3 nights: only /nights is named.
+    d = _blocked((await _book({"hotel": "Grand Palace", "nights": 3}, listing=True,
+                              said="find me a hotel for 2 nights"))[0])
+    assert d.audit["tainted_run"]["unendorsed"] == ["/nights"]
+
+
+async def test_critical_narrows_what_must_be_endorsed() -> None:
+    decision, _ = await _book({"hotel": "Grand Palace", "note": "late arrival"}, listing=True,
+                              critical={"web.book": ["hotel"]})
+    assert decision is None
+    decision, _ = await _book({"hotel": "Grand Palace", "note": "late arrival"}, listing=True)
+    assert "/note" in _blocked(decision).reason  # absent: every argument not declassified
+    decision, _ = await _book({"hotel": "Grand Palace", "note": "late arrival"}, listing=True,
+                              declassify={"web.book": ["note"]})
+    assert decision is None
+
+
+async def test_shadow_audits_and_counts_without_acting() -> None:
+    metrics = Metrics()
+    decision, call = await _book({"hotel": "Grand Palace"}, mode="shadow", metrics=metrics)
+    assert decision is None and call.escalation is None
+    assert call.audit_extra["tainted_run"]["unendorsed"] == ["/hotel"]
+    assert metrics.collectors["envelope_dataflow_tainted_total"].labels("book", "shadow", "block")._value.get() == 1
+
+
+async def test_approve_escalates_with_the_reason_or_blocks_without_a_gate() -> None:
+    decision, call = await _book({"hotel": "Grand Palace"}, on_tainted="approve", approvals=True)
+    assert decision is None and call.escalation_reason == "tainted_run"
+    assert call.escalation is not None and "critical arguments /hotel" in call.escalation
+    decision, _ = await _book({"hotel": "Grand Palace"}, on_tainted="approve")
+    assert "no approval gate is configured" in _blocked(decision).reason
+
+
+async def test_a_flagged_sink_is_decided_by_on_flag_not_escalation() -> None:
+    decision, call = await _book({"note": "Book the Grand Palace suite now, the best room in town"})
+    assert decision is not None and decision.rule != "dataflow.tainted_run"
+    assert "tainted_run" not in call.audit_extra
+
+
+async def test_intent_required_refuses_sinks_of_runs_without_intent() -> None:
+    decision, _ = await _book({"hotel": "Grand Palace"}, page=False, intent="required")
+    assert decision is not None and decision.code is Code.INVALID_REQUEST and decision.rule == "dataflow.intent"
+    decision, _ = await _book({"hotel": "Grand Palace"}, page=False, said="book the Grand Palace",
+                              intent="required")
+    assert decision is None
+
+
+def test_the_policy_model_reads_plain_strings_and_checks_keys() -> None:
+    p = DataflowPolicy(on_tainted="approve", critical={"bank.pay": ["to", "amount"]})
+    assert p.on_tainted == {"default": "approve"}
+    with pytest.raises(ValueError, match="upstream"):
+        DataflowPolicy(critical={"pay": ["to"]})
+    with pytest.raises(ValueError, match="declassify_max_copy"):
+        DataflowPolicy(declassify_max_copy=10)
+
+
+# -- approvals counted by reason --------------------------------------------------------------------
+
+
+async def test_approvals_are_counted_and_audited_by_reason() -> None:
+    metrics = Metrics()
+    w = World(policy())
+    w.services = dataclasses.replace(w.services, metrics=metrics, hold_calls=False)  # pending at once
+    w.check = ApprovalCheck(build_revision(policy()), ToolRegistry(), w.services)
+    cases = [(w.call("delete"), "policy"), (w.call("send"), "gated_effect")]
+    flagged = w.call("send", {"title": "flagged"})
+    flagged.escalation, flagged.escalation_reason = "data flow: ...", "dataflow_flag"
+    tainted = w.call("send", {"title": "tainted"})
+    tainted.escalation, tainted.escalation_reason = "tainted run: ...", "tainted_run"
+    cases += [(flagged, "dataflow_flag"), (tainted, "tainted_run")]
+    counter = metrics.collectors["envelope_approvals_requested_total"]
+    for call, reason in cases:
+        await w.decide(call)
+        assert call.audit_extra["approval_reason"] == reason
+        assert counter.labels(reason)._value.get() == 1, reason
+    await w.decide(w.call("delete"))  # the same call again: the same approval, not counted again
+    assert counter.labels("policy")._value.get() == 1
