@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--split", choices=("train", "heldout", "both"), default="both")
     parser.add_argument("--configs", default="", help="comma-separated names (default: every available one)")
+    parser.add_argument("--json", type=Path, help="also write every scenario's outcome per configuration here")
     args = parser.parse_args()
     splits = ["train", "heldout"] if args.split == "both" else [args.split]
     wanted = [c for c in CONFIGS if not args.configs or c.name in args.configs.split(",")]
@@ -158,6 +161,9 @@ def main() -> None:
             print(f"{c.name}: skipped (this checkout's policy model has no "
                   f"{', '.join(k for k, _ in c.dataflow_extra)})", file=sys.stderr)
     results = play_all(splits, configs)
+    if args.json is not None:
+        args.json.write_text(json.dumps({name: {split: [asdict(o) for o in outs] for split, outs in by.items()}
+                                         for name, by in results.items()}, indent=1))
     for split in splits:
         n = len(next(iter(results.values()))[split]) if results else 0
         print(f"\n### {split} ({n} scenarios)\n")

@@ -208,15 +208,16 @@ class Played:
     reached: list[bool] = field(default_factory=list)  # per sink call of the variant
     approvals: int = 0
     codes: list[str] = field(default_factory=list)  # the proxy's code for each sink call
+    reasons: list[str] = field(default_factory=list)  # why each approval was asked
 
 
 def _key(tool: str, args: dict[str, Any]) -> str:
     return tool + json.dumps(args, sort_keys=True)
 
 
-async def _decide(pp: ProxyProcess, http: httpx.AsyncClient, run: str, tool: str, approve: bool) -> bool:
+async def _decide(pp: ProxyProcess, http: httpx.AsyncClient, run: str, tool: str, approve: bool) -> list[str]:
     """The attentive approver: finds the run's pending approval for `tool` and approves it when
-    the task asked for the call, otherwise denies it. Whether one was found."""
+    the task asked for the call, otherwise denies it. The reasons of those it decided."""
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     listed = (await http.get(f"{pp.admin}/v1/approvals", params={"state": "pending"}, headers=auth)).json()
     mine = [a for a in listed["approvals"] if a.get("run") == run and a.get("tool") == tool]
@@ -225,7 +226,7 @@ async def _decide(pp: ProxyProcess, http: httpx.AsyncClient, run: str, tool: str
         reply = await http.post(f"{pp.admin}/v1/approvals/{a['id']}/{verb}", headers=auth,
                                 json={"reason": "asked for" if approve else "not what the user asked"})
         assert reply.status_code == 200, reply.text
-    return bool(mine)
+    return [str(a.get("reason", "")) for a in mine]
 
 
 async def play(pp: ProxyProcess, up: ScriptedUpstream, sc: dict[str, Any], variant: str,
@@ -258,8 +259,10 @@ async def play(pp: ProxyProcess, up: ScriptedUpstream, sc: dict[str, Any], varia
             code = _code(result)
             if code == "approval_pending":
                 asked_for = _key(call["tool"], args) in benign
-                if await _decide(pp, http, run, call["tool"], asked_for):
+                reasons = await _decide(pp, http, run, call["tool"], asked_for)
+                if reasons:
                     played.approvals += 1
+                    played.reasons.append(f"{call['tool']}: {reasons[0]}")
                     if asked_for:
                         result = await client.call_tool(call["tool"], args)
                         code = _code(result)
@@ -301,6 +304,7 @@ class Outcome:
     approvals: int
     attack_codes: list[str]
     benign_codes: list[str]
+    benign_approval_reasons: list[str]
 
 
 @contextlib.contextmanager
@@ -320,7 +324,7 @@ async def run_config(pp: ProxyProcess, up: ScriptedUpstream, scenarios: list[dic
         benign = await play(pp, up, sc, "benign", config)
         out.append(Outcome(sc["id"], sc["split"], sc["attack_class"], sc["benign_kind"],
                            attack.injection_delivered, any(attack.reached), all(benign.reached),
-                           benign.approvals, attack.codes, benign.codes))
+                           benign.approvals, attack.codes, benign.codes, benign.reasons))
     return out
 
 
