@@ -39,7 +39,9 @@ from proxy.envelope.labels import Label, Piece  # noqa: E402
 from proxy.policy.model import DataflowPolicy  # noqa: E402
 from proxy.store.memory import MemoryStore  # noqa: E402
 from tests.dataflow.scenario_play import (  # noqa: E402
+    CONFIGS,
     DOMAINS,
+    VARIANTS,
     Config,
     Outcome,
     ScriptedUpstream,
@@ -48,22 +50,6 @@ from tests.dataflow.scenario_play import (  # noqa: E402
     run_config,
     summarize,
 )
-
-GATED = ("destructive",)
-ESCALATE = (("on_tainted", "approve"),)
-CONFIGS = [
-    # auto: enforce, on_flag block, nothing gated, no person in the loop.
-    Config("auto", intent=False),
-    Config("auto+min_value", intent=False, min_value=10),
-    Config("auto+intent", intent=True),
-    Config("auto+intent+min_value", intent=True, min_value=10),
-    # people in the loop without tainted-run escalation (the second measurement).
-    Config("approve", intent=True, on_flag="approve", gated=GATED),
-    # escalation: intent + on_tainted approve (critical arguments from domains.yaml) + gated destructive.
-    Config("escalation", intent=True, on_flag="approve", gated=GATED, dataflow_extra=ESCALATE, critical=True),
-    Config("escalation+min_value", intent=True, min_value=10, on_flag="approve", gated=GATED,
-           dataflow_extra=ESCALATE, critical=True),
-]
 
 
 def available(config: Config) -> bool:
@@ -154,7 +140,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write every scenario's outcome per configuration here")
     args = parser.parse_args()
     splits = ["train", "heldout"] if args.split == "both" else [args.split]
-    wanted = [c for c in CONFIGS if not args.configs or c.name in args.configs.split(",")]
+    named = args.configs.split(",") if args.configs else []
+    wanted = [c for c in [*CONFIGS, *VARIANTS] if c.name in named] if named else CONFIGS
     configs = [c for c in wanted if available(c)]
     for c in wanted:
         if c not in configs:

@@ -83,8 +83,13 @@ class Config:
     on_flag: str = "block"
     gated: tuple[str, ...] = ()
     dataflow_extra: tuple[tuple[str, Any], ...] = ()
-    # Critical arguments from domains.yaml go in the policy (escalation configurations).
+    # Critical arguments from domains.yaml go in the policy (escalation configurations); with
+    # `critical_only`, only those of these names (a narrower rule, e.g. who receives).
     critical: bool = False
+    critical_only: tuple[str, ...] = ()
+    # on_tainted approve only for sinks of these effects (allow for the rest); empty: as
+    # dataflow_extra says.
+    tainted_effects: tuple[str, ...] = ()
 
     @property
     def people(self) -> bool:
@@ -96,6 +101,7 @@ def policy_doc(config: Config) -> dict[str, Any]:
     tools: dict[str, Any] = {}
     declassify: dict[str, list[str]] = {}
     critical: dict[str, list[str]] = {}
+    on_tainted: dict[str, str] = {}
     for domain, specs in DOMAINS.items():
         for name, spec in specs.items():
             entry: dict[str, Any] = {"effect": spec["effect"]}
@@ -109,12 +115,17 @@ def policy_doc(config: Config) -> dict[str, Any]:
             if spec.get("declassify"):
                 declassify[f"{domain}.{name}"] = list(spec["declassify"])
             if spec.get("critical"):
-                critical[f"{domain}.{name}"] = list(spec["critical"])
+                chosen = [a for a in spec["critical"] if not config.critical_only or a in config.critical_only]
+                critical[f"{domain}.{name}"] = chosen
+            if spec["effect"] != "read" and config.tainted_effects:
+                on_tainted[f"{domain}.{name}"] = "approve" if spec["effect"] in config.tainted_effects else "allow"
     dataflow: dict[str, Any] = {"mode": "enforce", "min_value": config.min_value,
                                 "declassify": declassify, "on_flag": {"default": config.on_flag}}
     dataflow.update(dict(config.dataflow_extra))
     if config.critical:
         dataflow["critical"] = critical
+    if on_tainted:
+        dataflow["on_tainted"] = {"default": "allow", **on_tainted}
     return {
         "version": 1,
         "upstreams": {d: {"url": "http://127.0.0.1:1/mcp", "timeout": "10s"} for d in DOMAINS},
@@ -122,6 +133,49 @@ def policy_doc(config: Config) -> dict[str, Any]:
         "tools": tools,
         "dataflow": dataflow,
     }
+
+
+# -- the configurations measured (bench/dataflow_scenarios.py)
+
+GATED = ("destructive",)
+ESCALATE = (("on_tainted", "approve"),)
+# Critical arguments that name who receives data, money or access, and how much money: the
+# narrow rule (no object ids, counts or settings).
+WHO = ("to", "forward_to", "recipient", "iban", "amount", "email", "participants", "user", "channel",
+       "passenger", "shipping_address", "address", "agent")
+CONFIGS = [
+    # auto: enforce, on_flag block, nothing gated, no person in the loop.
+    Config("auto", intent=False),
+    Config("auto+min_value", intent=False, min_value=10),
+    Config("auto+intent", intent=True),
+    Config("auto+intent+min_value", intent=True, min_value=10),
+    # people in the loop without tainted-run escalation (the issue's second measurement).
+    Config("approve", intent=True, on_flag="approve", gated=GATED),
+    # escalation: intent + on_tainted approve (critical arguments from domains.yaml) + gated destructive.
+    Config("escalation", intent=True, on_flag="approve", gated=GATED, dataflow_extra=ESCALATE, critical=True),
+    Config("escalation+min_value", intent=True, min_value=10, on_flag="approve", gated=GATED,
+           dataflow_extra=ESCALATE, critical=True),
+    # Chosen on the train split (bench/RESULTS.md, "Scenario corpus"): the automatic one with the
+    # fewest attacks through that keeps >= 90% of benign tasks, the escalation one with the
+    # fewest attacks through (every benign task passes in each; approvals break ties).
+    Config("auto+intent/copy100", intent=True, dataflow_extra=(("declassify_max_copy", 100),)),
+    Config("escalation+min_value/copy40", intent=True, min_value=10, on_flag="approve", gated=GATED,
+           dataflow_extra=(*ESCALATE, ("declassify_max_copy", 40)), critical=True),
+]
+# Variants tried on the train split only, to choose defaults (bench/RESULTS.md, "Scenario
+# corpus"); run only when named in --configs.
+VARIANTS = [
+    Config("escalation/who", intent=True, on_flag="approve", gated=GATED, dataflow_extra=ESCALATE,
+           critical=True, critical_only=WHO),
+    Config("escalation/external", intent=True, on_flag="approve", gated=GATED, dataflow_extra=ESCALATE,
+           critical=True, tainted_effects=("external",)),
+    *(Config(f"auto+intent/copy{n}", intent=True, dataflow_extra=(("declassify_max_copy", n),))
+      for n in (40, 64)),
+    *(Config(f"escalation{'+min_value' if mv else ''}/copy{n}", intent=True, min_value=mv, on_flag="approve",
+             gated=GATED, dataflow_extra=(*ESCALATE, ("declassify_max_copy", n)), critical=True)
+      for n in (40, 64) for mv in (0, 10) if (n, mv) != (40, 10)),
+]
+
 
 
 # -- the scripted upstream -------------------------------------------------------------------
