@@ -10,9 +10,15 @@ kept as fingerprints), then two operations are timed:
   run's flags and exactly the argument's fingerprints, then match (`load` + `match_argument`);
 - record: fingerprint a 1,000-character untrusted output and add it to the ledger (`record`).
 
+With `--trusted`, what tainted-run escalation (`dataflow.on_tainted` not `allow`) adds: the
+CPU cost of a trusted output's endorsing keys (`LedgerDelta.of(..., trusted=True)`, 1,000 and
+64,000 characters of listing-like text), recording a 1,000-character trusted output (with
+escalation off it records nothing and writes nothing), and a sink check that also looks up
+three critical values' keys.
+
 Usage (from the repository root, venv active):
 
-    python bench/ledger_bench.py [--sizes 1000,64000,256000,1000000] [--repeat 200]
+    python bench/ledger_bench.py [--sizes 1000,64000,256000,1000000] [--repeat 200] [--trusted]
 
 Prints a Markdown table (median µs per operation); bench/RESULTS.md quotes it.
 """
@@ -32,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from proxy.envelope.dataflow.endorse import Critical
 from proxy.envelope.dataflow.ledger import LedgerDelta, load, record
 from proxy.envelope.dataflow.match import Probe, match_argument
 from proxy.envelope.labels import Label, Piece
@@ -111,6 +118,73 @@ async def measure(store: Store, repeat: int) -> tuple[float, float]:
     return await timed(check, repeat), await timed(add, max(20, repeat // 4))
 
 
+def listing(i: int, size: int) -> str:
+    """Trusted listing-like text of `size` characters: names, prices, ids on short lines."""
+    out, length, j = [], 0, 0
+    while length < size:
+        line = f"{j}. Hotel Nr{i}x{j} Central - ${100 + j}.50 per night - ref {i:04d}{j:06d}"
+        out.append(line)
+        length += len(line) + 1
+        j += 1
+    return "\n".join(out)[:size]
+
+
+def trusted(text: str, on: bool) -> LedgerDelta:
+    return LedgerDelta.of("web.hotels", [Piece(text, Label(False, False), "t")], N, trusted=on)
+
+
+async def measure_trusted(store: Store, repeat: int) -> dict[str, float]:
+    """Median µs of what escalation adds (see the module docstring)."""
+    out: dict[str, float] = {}
+    for size in (1000, 64000):
+        text = listing(0, size)
+        for on in (False, True):
+            async def cpu(text: str = text, on: bool = on) -> None:
+                trusted(text, on)
+            out[f"keys {size} {'on' if on else 'off'}"] = await timed(cpu, max(10, repeat // (20 if size > 1000 else 1)))
+    counter = iter(range(10**9))
+    for on in (False, True):
+        async def add(on: bool = on) -> None:
+            d = trusted(listing(next(counter), 1000), on)
+            if not d.empty:  # what Envelope.complete does: an empty delta writes nothing
+                await record(store, "other", d, n=N, cap=10_000_000, ttl=3600)
+        out[f"record 1000 {'on' if on else 'off'}"] = await timed(add, max(20, repeat // 4))
+    probe = Probe.of(ARGUMENT, N)
+    keys = [k for v in ("Hotel Nr0x5 Central", 105.5, "0000000005") for k in Critical.of("/x", v).keys]
+    for on in (False, True):
+        fields = list(probe.fields()) + (keys if on else [])
+
+        async def check(fields: list[bytes] = fields) -> None:
+            ledger = await load(store, "run", N, fields)
+            assert ledger is not None
+            match_argument(ledger, probe, N)
+        out[f"check {'on' if on else 'off'}"] = await timed(check, repeat)
+    return out
+
+
+async def main_trusted(repeat: int) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        async with stores(Path(tmp)) as found:
+            for name, opener in found:
+                store = opener()
+                try:
+                    await fill(store, "run", 64000)
+                    await record(store, "run", trusted(listing(0, 4000), True), n=N, cap=10_000_000, ttl=3600)
+                    got = await measure_trusted(store, repeat)
+                    rows.append((name, got))
+                    print(name, {k: round(v) for k, v in got.items()}, file=sys.stderr, flush=True)
+                finally:
+                    await store.close()
+    print("| store | keys of a 1,000-char trusted output (off / on) µs | keys of 64,000 chars (off / on) µs "
+          "| record a 1,000-char trusted output (off / on) µs | sink check, +3 critical values (off / on) µs |")
+    print("|---|---:|---:|---:|---:|")
+    for name, got in rows:
+        cells = [f"{got[f'{what} off']:.0f} / {got[f'{what} on']:.0f}"
+                 for what in ("keys 1000", "keys 64000", "record 1000", "check")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 async def main(sizes: list[int], repeat: int) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,5 +213,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000,64000,256000,1000000")
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--trusted", action="store_true", help="measure what tainted-run escalation adds")
     args = parser.parse_args()
-    asyncio.run(main([int(x) for x in args.sizes.split(",")], args.repeat))
+    if args.trusted:
+        asyncio.run(main_trusted(args.repeat))
+    else:
+        asyncio.run(main([int(x) for x in args.sizes.split(",")], args.repeat))

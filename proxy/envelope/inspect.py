@@ -179,6 +179,7 @@ class Inspector:
         # No `dataflow:` section: shadow (outputs are recorded; nothing is refused).
         self.dataflow: DataflowPolicy = (document.dataflow if document.dataflow is not None
                                          else DataflowPolicy(mode="shadow"))
+        self._escalates = escalates(self.dataflow)
         self._tool_labels = ToolLabels(revision)
         self._defaults = compiled(document.defaults.guardrails)
         self._tools: dict[tuple[str, bool, bool], Subject] = {}
@@ -199,7 +200,7 @@ class Inspector:
     def escalates(self) -> bool:
         """Whether some sink's `on_tainted` is not `allow` (trusted outputs then record what
         they endorse)."""
-        return escalates(self.dataflow)
+        return self._escalates
 
     # -- subjects --------------------------------------------------------------------------
 

@@ -424,8 +424,8 @@ class DataflowPolicy(_Model):
     # A critical value is endorsed when the run's intent holds it whole (string: between word
     # boundaries after normalising case, width and whitespace, edge punctuation stripped;
     # number or amount: the same canonical decimal, "$1,200.50" = 1200.5) or when a trusted
-    # output read in the same run holds it (its whole value, a phrase of 1-4 words, a
-    # distinctive token, or a number it writes). Runs that never read untrusted content are
+    # output read in the same run holds it (its whole value, one of its fields between
+    # listing separators, a distinctive token, or a number of 3+ digits or with decimals). Runs that never read untrusted content are
     # untouched; a sink the data-flow check already flags is decided by on_flag, not this;
     # shadow mode audits and counts, never acts. `default` applies to sinks not listed; a plain
     # string sets the default. Absent: allow (nothing escalates).
@@ -446,9 +446,11 @@ class DataflowPolicy(_Model):
     # characters long still flags (finding `declassified_copy`), and so does a copied
     # instruction-shaped sentence (an imperative aimed at the assistant: finding
     # `instruction`), whatever its length. 0: long copies into declassified arguments never
-    # flag (instruction-shaped ones still do). Absent: 160 (measured: bench/RESULTS.md,
-    # "Declassified copies"); at least min_match when not 0.
-    declassify_max_copy: int = Field(default=160, ge=0, le=1 << 20)
+    # flag (instruction-shaped ones still do). Absent: 200, the smallest value that flags no
+    # benign flow of tests/dataflow/declassified.yaml and corpus.yaml (a quoted paragraph of
+    # about 180 characters passes; bench/RESULTS.md, "Declassified copies"); at least
+    # min_match when not 0.
+    declassify_max_copy: int = Field(default=200, ge=0, le=1 << 20)
     # String arguments whose schema `format` is one of these are not matched (the schema check
     # has rejected any value that is not of that format). Only formats the schema check asserts
     # (`proxy.policy.schemas.VALIDATED_FORMATS`) are accepted. Absent: date-time, date, time.

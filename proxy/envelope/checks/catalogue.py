@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from proxy.envelope.dataflow.fingerprint import MIN_TOKEN
 from proxy.envelope.misconfig import EVERY_TOOL, Dependencies, Layer, Misconfiguration
 from proxy.envelope.tools import ToolRegistry, effective_effect
 from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
+from proxy.policy.model import MIN_PHRASE_CHARS, DataflowPolicy
 from proxy.policy.vocab import Effect
 
 
@@ -427,4 +429,68 @@ def weak_spots(revision: PolicyRevision, registry: ToolRegistry) -> list[WeakSpo
                 f"dataflow.declassify.{key}", "all_declassified",
                 f"every argument of sink '{key}' in its policy schema is declassified: untrusted "
                 "text reaches it unflagged (only distinctive tokens still flag)"))
+    if doc.dataflow is not None:
+        spots += _dataflow_spots(revision, registry, doc.dataflow)
+    return spots
+
+
+def _shortest_seen(schema: Any) -> tuple[int, str] | None:
+    """The shortest length a string argument's policy schema says its values may have, and how
+    it says so: its `maxLength` (every value is at most that long), or its shortest `examples`,
+    `default` or `const` value. None when the schema says nothing of lengths (a `pattern` is not
+    analysed) or constrains the value so that it is never matched (enum, a format, a maxLength
+    under 8: the flow check skips it and only tainted-run escalation can judge it)."""
+    if not isinstance(schema, dict) or "enum" in schema or "$ref" in schema:
+        return None
+    if schema.get("type") not in (None, "string") or "format" in schema:
+        return None
+    seen: list[tuple[int, str]] = []
+    max_len = schema.get("maxLength")
+    if isinstance(max_len, int):
+        if max_len < MIN_TOKEN:
+            return None
+        seen.append((max_len, "maxLength"))
+    examples = schema.get("examples")
+    for value in [*(examples if isinstance(examples, list) else []), schema.get("default"), schema.get("const")]:
+        if isinstance(value, str) and value.strip():
+            seen.append((len(value.strip()), f"example {value.strip()[:40]!r}"))
+    return min(seen) if seen else None
+
+
+def _dataflow_spots(revision: PolicyRevision, registry: ToolRegistry, flow: DataflowPolicy) -> list[WeakSpot]:
+    spots: list[WeakSpot] = []
+    if flow.mode == "off":
+        return spots
+    # Critical values shorter than min_match are never matched verbatim; with min_value on,
+    # a whole value of min_value characters still is.
+    reach = flow.min_value or flow.min_match
+    for key, compiled in sorted(revision.tools.items()):
+        schema = compiled.policy.input_schema
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(properties, dict) or \
+                _effect_of(revision, registry, *key.split(".", 1)) is Effect.READ:
+            continue
+        entry = flow.declassify.get(key, [])
+        if entry is True:
+            continue
+        declassified = entry if isinstance(entry, list) else []
+        names = flow.critical.get(key) or [n for n in properties if n not in declassified]
+        for name in names:
+            found = _shortest_seen(properties.get(name))
+            if found is not None and found[0] < reach:
+                length, how = found
+                lever = (f"set min_value to at most {length} or " if length >= MIN_PHRASE_CHARS else "")
+                spots.append(WeakSpot(
+                    f"dataflow.critical.{key}.{name}", "short_critical_values",
+                    f"argument '{name}' of sink '{key}' may be {length} characters long ({how}), "
+                    f"shorter than {'min_value' if flow.min_value else 'min_match'} ({reach}): "
+                    f"copied whole from untrusted content it is not matched; {lever}escalate "
+                    "tainted runs (on_tainted)"))
+    if any(action != "allow" for action in flow.on_tainted.values()) and flow.intent != "required":
+        spots.append(WeakSpot(
+            "dataflow.intent", "intent_not_required",
+            "on_tainted escalates sinks of tainted runs but dataflow.intent is not required: "
+            "whether the agent framework sends the user's words is not known offline, and "
+            "without them every critical value a trusted output does not hold escalates; "
+            "set intent: required once the framework sends X-Envelope-Intent for every run"))
     return spots

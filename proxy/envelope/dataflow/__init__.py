@@ -3,8 +3,10 @@
 `fingerprint` (normalising, grams, winnowing, distinctive tokens), `ledger` (the store layout,
 recording and loading), `match` (which arguments can carry text, and what they copy) and
 `offload` (fingerprinting large inputs in a worker thread), `intent` (the user's words the
-framework sends in `X-Envelope-Intent`, and the values they endorse). The check itself is
-`proxy.envelope.checks.dataflow`.
+framework sends in `X-Envelope-Intent`, and the values they endorse), `endorse` (tainted-run
+escalation: the critical values of a sink and what endorses them, the keys trusted outputs
+record for it) and `shape` (instruction-shaped sentences, which still flag inside declassified
+arguments). The check itself is `proxy.envelope.checks.dataflow`.
 
 Per run, a **ledger** in the store holds fingerprints of the untrusted and secret content the
 run has read: hashes of normalised character grams, winnowed (of every `winnow` consecutive
@@ -31,7 +33,13 @@ matched unless the tool's schema constrains them (enum, const, boolean, bounded 
 at least N untrusted characters verbatim, or carries a distinctive untrusted token, or (the
 trifecta) the run holds both untrusted and secret content. `declassify` lets listed sinks or
 arguments receive untrusted text: their verbatim runs are audited as declassified flows, but a
-token lifted from untrusted content in them is still flagged.
+token lifted from untrusted content in them is still flagged, and so is a copied sentence that
+is instruction-shaped or a copied run of `declassify_max_copy` characters.
+
+**Tainted-run escalation** (`on_tainted`, off by default): a sink of a run that has read
+untrusted content whose critical arguments are not all endorsed (by the run's intent, or by a
+trusted output of the run, which then records endorsing keys under a `trusted` source: they
+never taint) goes to the approval gate or is refused, rule `dataflow.tainted_run`.
 
 Modes: `shadow` forwards flagged calls (audited with the evidence under `dataflow`, counted in
 `envelope_dataflow_flagged_total`); `enforce` refuses them with `dataflow_policy_blocked`, or,

@@ -12,7 +12,8 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   of the intent's, or a number / amount whose canonical decimal the intent writes
   ("$1,200.50" = "1200.50" = 1200.5; "twelve hundred" is not a number);
 - a **trusted output** read in the same run: a string equal, normalised, to a whole string of
-  the output, to a phrase of 1 to `MAX_WORDS` words of it, or to one of its distinctive tokens;
+  the output, to one of its fields (`segments`: "Grand Palace" of "2. Grand Palace - $1,240.50
+  per night", a value after "name:"), or to one of its distinctive tokens;
   a number equal to one the output writes with 3 digits or more or with decimals (a price,
   an id; "2" of a numbered list endorses nothing: small integers only by the intent).
 
@@ -32,8 +33,7 @@ from typing import Any
 
 from proxy.envelope.dataflow.fingerprint import normalise, tokens
 
-MAX_WORDS = 4  # longest phrase of a trusted output recorded (in words)
-MAX_PHRASE_CHARS = 64  # longest such phrase (characters)
+MAX_PHRASE_CHARS = 64  # longest field of a trusted string recorded (characters)
 MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as one value
 MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
@@ -44,13 +44,27 @@ _EDGE = "\"'`.,;:!?()[]{}<>*_~-#\u2010\u2011\u2012\u2013\u2014\u2026\u00ab\u00bb
 # A number as people write it: optional currency sign, digits with optional thousands commas,
 # optional decimals; not part of a word or of a longer number ("v2", "3.1.4" are not amounts).
 _NUMBER = re.compile(r"(?<![\w.,])[$€£¥]?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\w]|[.,]\d)")
+# Where a field of a listing or record ends (a "." only before a space: "1,240.50" stays whole).
+_SEPARATORS = re.compile(r"[\n\r\t|;,:()\[\]{}<>\u2022\u00b7]+|\s[-\u2013\u2014/]+\s|(?<=[.!?])\s+")
+_ENUMERATOR = re.compile(r"^(?:\d{1,3}[.)]|[a-z][.)]|[-*#>])\s+")
 _WHOLE_NUMBER = re.compile(r"^[$€£¥]?\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?\s?(?:[a-z]{3})?$")
+
+
+# Copying a keyed hash state is cheaper than building one per key (recording a trusted output
+# hashes hundreds of keys).
+_BASE = hashlib.blake2b(digest_size=8, person=b"trusted")
+
+
+def _hash(text: str) -> bytes:
+    h = _BASE.copy()
+    h.update(text.encode())
+    return h.digest()
 
 
 def _key(kind: str, value: str) -> bytes:
     """The 8-byte hash of an endorsing value (own namespace: never equal to a gram's, token's or
     phrase's hash of the untrusted ledger)."""
-    return hashlib.blake2b(f"{kind}:{value}".encode(), digest_size=8, person=b"trusted").digest()
+    return _hash(f"{kind}:{value}")
 
 
 def canonical_number(whole: str, fraction: str | None) -> str:
@@ -76,38 +90,35 @@ def _strip(norm: str) -> str:
     return norm.strip(_EDGE).strip()
 
 
+def segments(text: str) -> Iterator[str]:
+    """The fields of a trusted string, normalised: its parts between separators a listing or a
+    record uses (line breaks, tabs, "|", ";", ",", ":", " - ", brackets, sentence ends), a
+    leading enumerator ("2.", "b)", "-", "*") and edge punctuation stripped."""
+    for part in _SEPARATORS.split(text):
+        key = _strip(_ENUMERATOR.sub("", normalise(part)))
+        if key and len(key) <= MAX_PHRASE_CHARS:
+            yield key
+
+
 def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     """The endorsing keys one string of a trusted output records: its whole value (up to
-    MAX_WHOLE_CHARS), its phrases of 1 to MAX_WORDS words (up to MAX_PHRASE_CHARS), its tokens
-    and its numbers; at most `limit`."""
-    found: set[bytes] = set()
+    MAX_WHOLE_CHARS), its fields (`segments`), its distinctive tokens and its distinctive
+    numbers; at most `limit`."""
+    found: set[str] = set()  # "<kind>:<value>", hashed once each at the end
     norm = normalise(text)
     whole = _strip(norm)
     if not whole:
-        return found
+        return set()
     if len(whole) <= MAX_WHOLE_CHARS:
-        found.add(_key("v", whole))
-    for number in numbers(norm):
-        if distinctive(number):
-            found.add(_key("n", number))
-    for kind, value in tokens(text):
-        found.add(_key(f"t{kind}", value))
-    words = norm.split(" ")
-    count = len(words)
-    for i in range(count):
+        found.add(f"v:{whole}")
+    if any(ch.isdigit() for ch in norm):
+        found.update(f"n:{number}" for number in numbers(norm) if distinctive(number))
+    found.update(f"t{kind}:{value}" for kind, value in tokens(text))
+    for key in segments(text):
         if len(found) >= limit:
             break
-        phrase = ""
-        for j in range(i, min(i + MAX_WORDS, count)):
-            phrase = words[j] if j == i else f"{phrase} {words[j]}"
-            if len(phrase) > MAX_PHRASE_CHARS + 2:
-                break
-            key = _strip(phrase)
-            if key and len(key) <= MAX_PHRASE_CHARS:
-                found.add(_key("v", key))
-    if len(found) > limit:
-        found = set(list(found)[:limit])
-    return found
+        found.add(f"v:{key}")
+    return {_hash(k) for k in list(found)[:limit]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +151,10 @@ class Critical:
         elif norm:
             keys.append(_key("v", norm))
         found = tokens(value)
-        if len(found) == 1:
-            # The value is (or wraps) one address, URL or account number: equal tokens endorse it.
-            kind, token = next(iter(found))
+        if found:
+            # The value is (or wraps) an address, URL or account number: an equal token endorses
+            # it. Only its longest token counts (an address's host alone endorses nothing).
+            kind, token = max(found, key=lambda t: (len(t[1]), t))
             if len(token) * 2 >= len(norm):
                 keys.append(_key(f"t{kind}", token))
         return cls(pointer, value, norm, number, tuple(keys))

@@ -169,10 +169,12 @@ class LedgerDelta:
             if on or label in present:
                 out[label[0].encode()] = b"1"
                 out[b"src:" + source_id(label, self.source)] = f"{label}|{self.source}".encode()
-        if self.trusted:
-            out[b"src:" + source_id("trusted", self.source)] = f"trusted|{self.source}".encode()
         if out:
             out[b"n:" + _scheme(n, window, min_value).encode()] = b"1"
+        if self.trusted:
+            # Endorsing keys do not depend on min_match, winnow or min_value: no scheme tag (a
+            # run that read only trusted content never turns coarse when they change).
+            out[b"src:" + source_id("trusted", self.source)] = f"trusted|{self.source}".encode()
         if self.overflow:
             out[b"o"] = b"1"
         if self.lost:

@@ -17,7 +17,8 @@ the user"). This classifies one sentence by its shape, from four small closed wo
   transfer, wire, pay, share, upload, post, delete, remove, grant, invite, execute, run, click,
   visit, reply, ...) and is directed: a verb that moves something (send, forward, pay, share,
   ...) with a recipient ("to <someone>"), or any such verb with an address or URL, urgency
-  ("immediately", "right away") or the assistant / AI / agent named.
+  ("immediately", "right away"), a credential (password, PIN, token, card details) or the
+  assistant / AI / agent named.
 
 Plain imperatives without a target ("stir the sauce", "hold the reset button for ten
 seconds") and statements ("revenue grew 12 percent") are not instruction-shaped.
@@ -28,8 +29,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-# Where a sentence ends: terminal punctuation followed by space, or a line break.
-_SPLIT = re.compile(r"(?<=[.!?;])\s+|\n+|(?<=:)\s+(?=[A-Z])")
+# Where a sentence (or a clause that can stand alone) ends: terminal punctuation or a colon
+# followed by space, or a line break ("vendor portal: reply to all ..." holds an imperative).
+_SPLIT = re.compile(r"(?<=[.!?;:])\s+|\n+")
 
 _AGENT = r"(?:assistant|ai|agent|bot|chatbot|model|llm|copilot|gpt|claude|system)"
 _OVERRIDE = re.compile(
@@ -39,7 +41,7 @@ _OVERRIDE = re.compile(
 _SECRECY = re.compile(
     r"\b(?:do not|don'?t|dont|never|without)\s+(?:\w+\s+){0,2}?"
     r"(?:tell|telling|inform|informing|mention|mentioning|notify|notifying|reveal|revealing|alert|"
-    r"alerting|let\s+\w+\s+know|disclose|disclosing)\b")
+    r"alerting|let\s+(?:\w+\s+){1,2}know|disclose|disclosing)\b")
 _OBLIGATION = re.compile(
     r"\byou\s+(?:must|should|shall|need to|have to|are (?:required|instructed|asked|expected) to|"
     r"will now|are now to)\b|\bmake sure (?:you|to)\b|\bit is (?:mandatory|required) (?:that|to)\b")
@@ -58,7 +60,7 @@ _ACTION = (
 # The opening of an imperative: optional address ("assistant," "important:", "note to ai:"),
 # optional politeness or adverb, then the verb.
 _IMPERATIVE = re.compile(
-    r"^(?:(?:dear\s+)?(?:\w+\s+){0,3}?" + _AGENT + r"s?\s*[,:\-]\s*|(?:important|urgent|note|attention|"
+    r"^(?:(?P<agent>(?:dear\s+)?(?:\w+\s+){0,3}?" + _AGENT + r"s?\s*[,:\-]\s*)|(?:important|urgent|note|attention|"
     r"system note|p\.?s\.?|reminder|action required)\s*[:!,\-]\s*)?"
     r"(?:(?:please|kindly|now|then|also|immediately|quickly|always|just|first|next)\s+)*"
     r"(?P<verb>" + _ACTION + r")\b(?P<rest>.*)$")
@@ -67,15 +69,17 @@ _TRANSFER_VERB = re.compile(r"^(?:" + _TRANSFER + r")$")
 _RECIPIENT = re.compile(r"\bto\s+(?!be\b|do\b|make\b|get\b)\S")
 # What directs any agent action: an address or link, urgency, or the agent named.
 _DIRECTED = re.compile(
-    r"[\w.+-]+@[\w-]+\.\w|https?://|\bwww\.|"
+    r"(?<![\w.+-])[\w.+-]+@[\w-]+\.\w|https?://|\bwww\.|"  # one start per run: linear time
     r"\b(?:immediately|right away|asap|at once|without delay|without hesitation)\b|"
+    r"\b(?:passwords?|credentials?|passcodes?|pin|api keys?|tokens?|login details|card details|"
+    r"bank details|security codes?)\b|"
     r"\b" + _AGENT + r"\b")
 _LEAD = re.compile(r"^[\s\"'`*>#\-\u2022\u2013\u2014(\[]+")
 
 
 def sentences(text: str) -> Iterator[tuple[int, int]]:
-    """(start, end) of each sentence of `text` (split at terminal punctuation, colons before a
-    capital and line breaks)."""
+    """(start, end) of each sentence or clause of `text` (split at terminal punctuation, colons
+    and line breaks: normalised text has no capitals to tell a heading from a sentence)."""
     start = 0
     for m in _SPLIT.finditer(text):
         if m.start() > start:
@@ -100,6 +104,7 @@ def instruction_shaped(sentence: str) -> str | None:
     m = _IMPERATIVE.match(low)
     if m is not None:
         rest = m.group("rest")
-        if _DIRECTED.search(rest) or (_TRANSFER_VERB.match(m.group("verb")) and _RECIPIENT.search(rest)):
+        if m.group("agent") or _DIRECTED.search(rest) or (
+                _TRANSFER_VERB.match(m.group("verb")) and _RECIPIENT.search(rest)):
             return "imperative"
     return None

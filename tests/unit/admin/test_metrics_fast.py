@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.envelope.types import Code, Verdict
 from proxy.observability.metrics import (
+    APPROVAL_REASONS,
     DURATION_BUCKETS,
     METRICS,
     MISCONFIG_LAYERS,
@@ -61,6 +62,8 @@ class Stock:
             self.c["envelope_rejected_requests_total"].labels(r)
         for layer in MISCONFIG_LAYERS:
             self.c["envelope_misconfigured_tools"].labels(layer)
+        for r in APPROVAL_REASONS:
+            self.c["envelope_approvals_requested_total"].labels(r)
 
     def decision(self, upstream: str, tool: str, verdict: Any, code: Any) -> None:
         self.c["envelope_decisions_total"].labels(upstream, tool, str(verdict), str(code)).inc()

@@ -16,7 +16,7 @@ from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import intent as intents
 from proxy.envelope.dataflow.endorse import Critical, IntentWords, critical_values, trusted_keys
-from proxy.envelope.dataflow.ledger import LedgerDelta, record
+from proxy.envelope.dataflow.ledger import LedgerDelta, load, record
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall
@@ -94,6 +94,12 @@ def test_what_a_trusted_output_endorses() -> None:
     # Small integers are in every listing ("2." of a numbered line): only the intent endorses them.
     assert not any(k in keys for k in Critical.of("/price", "$95.00").keys)
     assert not any(k in keys for k in Critical.of("/nights", 2).keys)
+    contact = trusted_keys("Contact: dave@corp.example (sales)")
+    assert any(k in contact for k in Critical.of("/to", "Dave@corp.example").keys)
+    assert not any(k in contact for k in Critical.of("/to", "eve@corp.example").keys)  # same host
+    # Fields, not every phrase: a name inside a sentence of prose endorses nothing.
+    prose = trusted_keys("We recommend the Grand Palace for your stay in town")
+    assert not any(k in prose for k in Critical.of("/hotel", "Grand Palace").keys)
     assert not any(k in keys for k in Critical.of("/hotel", "Grand Budapest").keys)
     assert not any(k in keys for k in Critical.of("/price", 1240).keys)
 
@@ -212,3 +218,13 @@ async def test_approvals_are_counted_and_audited_by_reason() -> None:
         assert counter.labels(reason)._value.get() == 1, reason
     await w.decide(w.call("delete"))  # the same call again: the same approval, not counted again
     assert counter.labels("policy")._value.get() == 1
+
+
+async def test_a_run_that_read_only_trusted_content_never_turns_coarse() -> None:
+    store = MemoryStore()
+    delta = LedgerDelta.of("web.hotels", [Piece(LISTING, TRUSTED, "t")], 32, trusted=True)
+    await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
+    ledger = await load(store, RUN_KEY, 40)  # the policy's min_match changed since
+    assert ledger is not None and not ledger.untrusted
+    assert ledger.coarse(0.0, 40) is None
+    assert ledger.sources and all(v.startswith("trusted|") for v in ledger.sources.values())

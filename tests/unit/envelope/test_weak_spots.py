@@ -43,3 +43,40 @@ def test_sinks_with_every_argument_declassified() -> None:
     })
     assert found == [("dataflow.declassify.demo.note", "all_declassified"),
                      ("dataflow.declassify.demo.post", "all_declassified")]
+
+
+SINK_SCHEMA = {"type": "object", "properties": {
+    "code": {"type": "string", "maxLength": 12},                        # every value at most 12
+    "venue": {"type": "string", "examples": ["Hotel Miramar", "The Grand Palace Hotel and Spa"]},
+    "body": {"type": "string"},                                          # nothing said of lengths
+    "priority": {"type": "string", "enum": ["low", "high"]},            # never matched: not reported
+    "note": {"type": "string", "maxLength": 4000},
+}}
+
+
+def test_critical_values_shorter_than_min_match_are_reported_with_what_says_so() -> None:
+    revision = build_revision({"upstreams": UPSTREAMS, "tools": {
+        "demo.book": {"effect": "external", "schema": SINK_SCHEMA}}, "dataflow": {"mode": "enforce"}})
+    found = weak_spots(revision, ToolRegistry())
+    assert [(s.subject, s.kind) for s in found] == [
+        ("dataflow.critical.demo.book.code", "short_critical_values"),
+        ("dataflow.critical.demo.book.venue", "short_critical_values")]
+    assert "12 characters long (maxLength)" in found[0].reason and "min_match (32)" in found[0].reason
+    assert "13 characters long (example 'Hotel Miramar')" in found[1].reason
+
+
+def test_min_value_critical_and_declassify_narrow_the_report() -> None:
+    def book(**dataflow: Any) -> list[tuple[str, str]]:
+        return spots({"tools": {"demo.book": {"effect": "external", "schema": SINK_SCHEMA}},
+                      "dataflow": {"mode": "enforce", **dataflow}})
+    assert book(min_value=10) == []  # whole values of 10 characters and more are matched
+    assert book(min_value=13) == [("dataflow.critical.demo.book.code", "short_critical_values")]
+    assert book(critical={"demo.book": ["venue", "body"]}) == [
+        ("dataflow.critical.demo.book.venue", "short_critical_values")]
+    assert book(declassify={"demo.book": ["code", "venue"]}) == []
+
+
+def test_escalation_without_a_required_intent_is_reported() -> None:
+    assert spots({"dataflow": {"on_tainted": "approve"}}) == [("dataflow.intent", "intent_not_required")]
+    assert spots({"dataflow": {"on_tainted": "approve", "intent": "required"}}) == []
+    assert spots({"dataflow": {"on_tainted": {"default": "allow"}}}) == []
