@@ -44,8 +44,8 @@ TARGETS = {AUTO: AUTO_TARGET, CHOSEN_AUTO: AUTO_TARGET, ESCALATION: ESCALATION_T
            CHOSEN_ESCALATION: ESCALATION_TARGET}
 # Measured on the held-out split (bench/RESULTS.md); asserted as a floor where a target is
 # missed (every one today: none is in MET).
-MEASURED = {AUTO: (25 / 32, 30 / 32, 0.0), CHOSEN_AUTO: (25 / 32, 30 / 32, 0.0),
-            ESCALATION: (7 / 32, 1.0, 17 / 32), CHOSEN_ESCALATION: (3 / 32, 1.0, 19 / 32)}
+MEASURED = {AUTO: (24 / 32, 30 / 32, 0.0), CHOSEN_AUTO: (24 / 32, 30 / 32, 0.0),
+            ESCALATION: (6 / 32, 1.0, 20 / 32), CHOSEN_ESCALATION: (3 / 32, 1.0, 21 / 32)}
 MET: set[str] = set()
 
 
