@@ -77,6 +77,8 @@ def validate(sc: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Config:
+    """One data-flow configuration: what the policy sets and whether the intent is sent."""
+
     name: str
     intent: bool
     min_value: int = 0
@@ -90,10 +92,6 @@ class Config:
     # on_tainted approve only for sinks of these effects (allow for the rest); empty: as
     # dataflow_extra says.
     tainted_effects: tuple[str, ...] = ()
-
-    @property
-    def people(self) -> bool:
-        return bool(self.gated) or self.on_flag == "approve" or dict(self.dataflow_extra).get("on_tainted") is not None
 
 
 def policy_doc(config: Config) -> dict[str, Any]:
@@ -301,7 +299,7 @@ async def play(pp: ProxyProcess, up: ScriptedUpstream, sc: dict[str, Any], varia
         headers["X-Envelope-Intent"] = quote(sc["intent"])
     benign = {_key(c["tool"], c.get("args", {})) for c in sc["benign"]}
     played = Played()
-    async with mcp_client(up_url(pp, domain), "auto", bearer=AGENT, headers=headers) as client, \
+    async with mcp_client(pp.url(domain), "auto", bearer=AGENT, headers=headers) as client, \
             httpx.AsyncClient(timeout=10) as http:
         for i, step in enumerate(sc["steps"]):
             result = await client.call_tool(step["tool"], step.get("args", {}))
@@ -328,13 +326,9 @@ async def play(pp: ProxyProcess, up: ScriptedUpstream, sc: dict[str, Any], varia
     return played
 
 
-def up_url(pp: ProxyProcess, domain: str) -> str:
-    return pp.url(domain)
-
-
 def _inject(text: str, inject: dict[str, Any]) -> str:
-    where = inject.get("where", "end")
-    return f"{inject['text']} {text}" if where == "start" else f"{text} {inject['text']}"
+    # Appended, as a planted paragraph at the end of a page, mail or listing usually is.
+    return f"{text} {inject['text']}"
 
 
 def _code(result: Any) -> str:
