@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import urljoin, urlsplit
 
 import orjson
 from aiohttp import web
@@ -43,23 +45,46 @@ MAX_UNMATCHED = 200
 
 
 # The backend's response headers an agent sees: only these, which describe the body and its
-# caching, and inspected with it (the executor passes them in the result's `_meta`). Any other
-# header (a `Set-Cookie` session of the backend's, a redirect's `Location` pointing past the
-# proxy, an `ETag` or `Content-Encoding` that no longer fits the delivered body, an `X-Debug-*`)
-# is dropped.
+# caching, and inspected with it (the executor passes them in the result's `_meta`; `ETag` is
+# dropped again when a guardrail re-renders the body), plus `Location` rewritten to point
+# through the proxy (`_location`). Any other header (a `Set-Cookie` session of the backend's,
+# a `Content-Encoding` that no longer fits the delivered body, an `X-Debug-*`) is dropped.
 RELAYED_HEADERS = frozenset({
     "content-type", "content-language", "cache-control", "expires", "last-modified",
-    "retry-after", "vary",
+    "retry-after", "vary", "etag",
 })
 
 
-def _downstream_headers(resp: UpstreamResponse) -> CIMultiDict[str]:
-    """The upstream's response headers an HTTP client may see (`RELAYED_HEADERS`)."""
-    headers: CIMultiDict[str] = CIMultiDict()
-    for name, value in resp.headers.items():
-        if name.lower() in RELAYED_HEADERS:
-            headers.add(name, value)
-    return headers
+def _location(value: str, sent_to: str, base: str, mount: str) -> str | None:
+    """A `Location` (a created resource, a redirect) as the agent reaches it: through the proxy
+    (`mount` + the path under the upstream's `base` URL). None when it points anywhere else (another
+    host, or outside the upstream's base path): the agent could only go there around the proxy."""
+    target = urlsplit(urljoin(sent_to, value.strip()))
+    origin = urlsplit(base)
+    prefix = origin.path.rstrip("/")
+    if (target.scheme, target.netloc) != (origin.scheme, origin.netloc):
+        return None
+    if target.path != prefix and not target.path.startswith(prefix + "/"):
+        return None
+    rest = target.path[len(prefix):] or "/"
+    return mount + rest + (f"?{target.query}" if target.query else "")
+
+
+def _downstream_headers(sent_to: str, base: str, mount: str) -> Callable[[UpstreamResponse], CIMultiDict[str]]:
+    """What of the upstream's response headers an HTTP client may see (`RELAYED_HEADERS`, and
+    `Location` through the proxy), for a request sent to the URL `sent_to`."""
+    def kept(resp: UpstreamResponse) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in resp.headers.items():
+            lowered = name.lower()
+            if lowered in RELAYED_HEADERS:
+                headers.add(name, value)
+            elif lowered == "location":
+                location = _location(value, sent_to, base, mount)
+                if location is not None:
+                    headers.add(name, location)
+        return headers
+    return kept
 
 
 class HttpFront:
@@ -133,7 +158,8 @@ class HttpFront:
                 # Checked arguments that build no request: never sent; the envelope ends the
                 # call refused (allowed but not forwarded) and audits it.
                 log.exception("decision %s: no request for %s", call.decision_id, op.tool)
-        downstream = Downstream(None, None, _downstream_headers)
+        sent_to = target.url.rstrip("/") + path
+        downstream = Downstream(None, None, _downstream_headers(sent_to, target.url, f"/http/{name}"))
         outcome = await self.ctx.executor.run(pending, upstream, downstream)
         return render.http_response(outcome, downstream.response_headers)
 

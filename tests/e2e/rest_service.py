@@ -71,7 +71,9 @@ def build_app() -> web.Application:
         data = await request.json()
         new_id = max(invoices) + 1
         invoices[new_id] = {"id": new_id, "status": "open", **data}
-        return web.json_response(invoices[new_id], status=201)
+        # Where the new invoice lives, as a REST service says it: a path on its own origin.
+        return web.json_response(invoices[new_id], status=201,
+                                 headers={"Location": f"/invoices/{new_id}", "Set-Cookie": "sid=backend"})
 
     async def get_invoice(request: web.Request) -> web.Response:
         ran("getInvoice")

@@ -163,8 +163,12 @@ def test_post_with_a_json_body(pp: ProxyProcess, service: str) -> None:
     assert resp.status_code == 201, resp.text
     created = resp.json()
     assert created["customer"] == "initech" and created["amount"] == 40 and created["id"] > 2
+    # The created resource's Location points through the proxy; the backend's cookie stays behind.
+    assert resp.headers["Location"] == f"/http/billing/invoices/{created['id']}"
+    assert "set-cookie" not in resp.headers
     assert _runs(service, "createInvoice") == before + 1
     assert _stats(service)["requests"][-1]["body"] is not None
+    assert _call(pp, "GET", resp.headers["Location"].removeprefix("/http/billing")).json()["id"] == created["id"]
 
 
 def test_idempotency_key_replays_a_post_without_running_it_again(pp: ProxyProcess, service: str) -> None:
