@@ -45,6 +45,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import re
 import secrets
 import socket
 import time
@@ -515,6 +516,7 @@ class StdioUpstreams:
         `complete`: fields a 2026-07-28 caller needs on the result, added when the child (which
         speaks a handshake revision) left them out."""
         child.register(key, waiter)
+        outgoing = _with_trace(outgoing, request.headers)
         try:
             await child.send(outgoing)
         except ChildGone as exc:
@@ -706,6 +708,30 @@ class _Full(Exception):
 
 
 _MISSING = object()
+
+
+# A W3C `traceparent` (version 00 and future versions alike: the first four fields).
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[ -~]*)?")
+MAX_TRACESTATE = 512  # W3C: at most 32 members; longer ones are dropped, not cut
+
+
+def _with_trace(message: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+    """`message` carrying the request's W3C trace context (the `traceparent`/`tracestate`
+    headers the proxy's client span sent, when tracing is on) in `params._meta`, where MCP
+    carries it over stdio (there are no headers on the child's stdin). A value that is no
+    trace context is not passed on; without one the message goes as it is."""
+    parent = headers.get("traceparent", "")
+    params = message.get("params", {})
+    if not _TRACEPARENT.fullmatch(parent) or not isinstance(params, dict):
+        return message
+    meta = params.get("_meta")
+    meta = {k: v for k, v in meta.items() if k not in ("traceparent", "tracestate")} \
+        if isinstance(meta, dict) else {}
+    meta["traceparent"] = parent
+    state = headers.get("tracestate", "")
+    if state and len(state) <= MAX_TRACESTATE and state.isprintable():
+        meta["tracestate"] = state
+    return {**message, "params": {**params, "_meta": meta}}
 
 
 def _backoff(failures: int) -> float:

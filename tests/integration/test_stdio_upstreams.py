@@ -242,3 +242,16 @@ async def test_stderr_is_logged_bounded(stdio: StdioUpstreams, caplog: pytest.Lo
     assert lines[0] == tag + "x" * 4096 + " [... the rest of the line not logged]"
     assert lines[1:100] == [f"{tag}line {n}" for n in range(99)]  # 100 a second in all
     assert lines[100] == f"stdio upstream script [{pid}]: 201 stderr lines not logged (more than 100 a second)"
+
+
+async def test_the_trace_context_reaches_the_child_in_meta(stdio: StdioUpstreams) -> None:
+    """Over stdio the W3C trace context travels in `params._meta` (no headers on stdin): the
+    `traceparent` the proxy's client span sent replaces any the caller's body carried."""
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    body = {"jsonrpc": "2.0", "id": 1, "method": "whoami",
+            "params": {"_meta": {"traceparent": "00-forged", "com.example/tag": 1}}}
+    _, _, [reply] = await post(stdio, body, headers={"traceparent": parent, "tracestate": "env=1"})
+    assert reply["result"]["meta"] == {"traceparent": parent, "tracestate": "env=1", "com.example/tag": 1}
+    # Without a (well-formed) trace context the message goes as it came.
+    _, _, [reply] = await post(stdio, body, headers={"traceparent": "junk\u00e9"})
+    assert reply["result"]["meta"] == {"traceparent": "00-forged", "com.example/tag": 1}
