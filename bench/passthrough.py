@@ -2,7 +2,7 @@
 
 One aiohttp server and one aiohttp ClientSession with a keep-alive pool. Each request's body is
 read in full, forwarded with the client's headers (minus hop-by-hop ones) and the upstream's
-status, body and content type are returned. With `--reuse-port` several processes can share
+status, body, content type and `Mcp-Session-Id` are returned. With `--reuse-port` several processes can share
 the port (SO_REUSEPORT), as `envelope-proxy serve --workers N` does.
 
     python bench/passthrough.py --port 9200 --upstream http://127.0.0.1:9100/mcp
@@ -31,8 +31,12 @@ def build_app(upstream: str) -> web.Application:
         session = request.app[SESSION]
         async with session.post(upstream, data=body, headers=headers, allow_redirects=False) as resp:
             data = await resp.read()
-            return web.Response(status=resp.status, body=data,
-                                headers={"Content-Type": resp.headers.get("Content-Type", "application/octet-stream")})
+            out = {"Content-Type": resp.headers.get("Content-Type", "application/octet-stream")}
+            # A session client (bench/mix.py) needs the id `initialize` answered.
+            session_id = resp.headers.get("Mcp-Session-Id")
+            if session_id is not None:
+                out["Mcp-Session-Id"] = session_id
+            return web.Response(status=resp.status, body=data, headers=out)
 
     async def session_ctx(app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=30)

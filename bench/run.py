@@ -3,6 +3,7 @@
     python bench/run.py            # full matrix, 10 s per cell, writes bench/RESULTS.md
     python bench/run.py --quick    # 3 s per cell
     python bench/run.py --profile 10   # also take a py-spy profile of the envelope under load
+    python bench/run.py --mix --quick  # the realistic mix and the Python peers (bench/mix.py)
 
 Every cell drives one path with `wrk` (a fixed stateless-revision MCP `tools/call`) and reads
 the proxy processes' CPU time from /proc before and after. Before each cell one request through
@@ -818,6 +819,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     global TRANSPORT
+    argv = sys.argv[1:] if argv is None else argv
+    if "--mix" in argv:  # the realistic mix and the Python peers: bench/mix.py, its own options
+        import mix
+
+        return mix.main([a for a in argv if a != "--mix"])
     args = parse_args(argv)
     TRANSPORT = args.envelope_transport
     missing = [tool for tool in ("wrk", "nginx") if shutil.which(tool) is None]
