@@ -1,0 +1,92 @@
+"""The realistic-mix bench's pieces (bench/mix.py, bench/mix_upstream.py), without running a bench.
+
+What a wrong piece would do: an upstream that sends the same output every call (the ledger would
+dedupe it and the bench would flatter the envelope), an output of the wrong size, a session
+client without the session id, a report that inverts the per-CPU ratio, a results file whose
+other sections are lost when the mix section is rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import mix  # noqa: E402
+import mix_upstream  # noqa: E402
+
+
+def _http(raw: bytes) -> tuple[bytes, bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_tools_call_output_has_the_size_asked_and_changes_every_call() -> None:
+    answers = mix_upstream.Answers(5000)
+    body = mix.call_body("stateless").encode()
+    first, second = (json.loads(_http(answers.reply(body))[1]) for _ in range(2))
+    texts = [r["result"]["content"][0]["text"] for r in (first, second)]
+    assert [len(t) for t in texts] == [5000, 5000]
+    assert texts[0] != texts[1]
+    assert first["id"] == 1 and first["result"]["isError"] is False
+
+
+def test_initialize_answers_a_session_id_and_the_client_version() -> None:
+    answers = mix_upstream.Answers(200)
+    init = json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                       "params": {"protocolVersion": "2025-11-25", "capabilities": {}}}).encode()
+    head, body = _http(answers.reply(init))
+    assert b"Mcp-Session-Id: " + mix_upstream.SESSION_ID in head
+    assert json.loads(body)["result"]["protocolVersion"] == "2025-11-25"
+    note = json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode()
+    assert answers.reply(note).startswith(b"HTTP/1.1 202 ")
+
+
+def test_stateless_and_session_calls_carry_their_revision() -> None:
+    stateless = json.loads(mix.call_body("stateless"))
+    assert stateless["params"]["_meta"]["io.modelcontextprotocol/protocolVersion"] == mix.STATELESS
+    assert mix.base_headers("stateless")["Mcp-Method"] == "tools/call"
+    session = json.loads(mix.call_body("session"))
+    assert "_meta" not in session["params"]
+    assert mix.base_headers("session")["MCP-Protocol-Version"] == mix.SESSION
+
+
+def test_decode_reads_json_and_the_last_sse_event() -> None:
+    assert mix.decode(b'{"id": 1}') == {"id": 1}
+    assert mix.decode(b'event: message\ndata: {"id": 1}\n\ndata: {"id": 2}\n\n') == {"id": 2}
+    with pytest.raises(ValueError):
+        mix.decode(b"event: ping\n\n")
+
+
+def test_write_section_replaces_only_the_mix_section(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n\nbefore\n")
+    mix.write_section(results, f"{mix.BEGIN}\nfirst\n{mix.END}\n")
+    mix.write_section(results, f"{mix.BEGIN}\nsecond\n{mix.END}\n")
+    results.write_text(results.read_text() + "\nafter\n")
+    mix.write_section(results, f"{mix.BEGIN}\nthird\n{mix.END}\n")
+    text = results.read_text()
+    assert text.startswith("# results\n\nbefore\n")
+    assert "third" in text and "first" not in text and "second" not in text
+    assert text.rstrip().endswith("after")
+
+
+def test_report_states_the_per_cpu_ratio_against_fastmcp() -> None:
+    args = argparse.Namespace(sizes=[200], clients=["stateless"], configs=list(mix.CONFIGS), workers=[1],
+                              concurrency=[32], duration=2.0, warmup=0.5)
+
+    def cell(config: str, cpu: float | None, rps: float, p50: float) -> mix.Cell:
+        return mix.Cell(200, "stateless", config, 1, 32, rps, p50, 2 * p50, 1000, cpu, 100.0)
+
+    cells = [cell("direct", None, 10000, 1.0), cell("passthrough", 400.0, 2000, 10.0),
+             cell("envelope", 100.0, 3000, 8.0), cell("fastmcp", 2500.0, 300, 90.0)]
+    text = mix.report(cells, {}, args, None)
+    assert "| 200 | stateless | 32 | 25.0x | 10.00 | - | **MET** |" in text
+    assert "| 200 | stateless | 100.0 | 400.0 | **MET** |" in text
+    assert text.startswith(mix.BEGIN) and text.rstrip().endswith(mix.END)
