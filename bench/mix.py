@@ -204,12 +204,19 @@ def start_peer(config: str, tmp: Path, upstream_url: str) -> R.Route:
     return R.Route(config, 1, f"http://127.0.0.1:{port}/mcp", svc)
 
 
+def fresh_state(tmp: Path, workers: int) -> None:
+    """An empty state directory (the data-flow ledger, audit) for each envelope start: a size's
+    cells must not pay for the ledger an earlier size filled."""
+    shutil.rmtree(tmp / f"envelope-state-w{workers}", ignore_errors=True)
+
+
 def start_path(config: str, workers: int, tmp: Path, upstream_url: str) -> R.Route:
     if config == "direct":
         return R.Route("direct", 1, upstream_url, None)
     if config == "passthrough":
         return R.start_passthrough(tmp, upstream_url, workers)
     if config == "envelope":
+        fresh_state(tmp, workers)
         return R.start_envelope(tmp, upstream_url, workers)
     return start_peer(config, tmp, upstream_url)
 
@@ -316,6 +323,7 @@ def profile(args: argparse.Namespace, tmp: Path) -> str:
     out.parent.mkdir(exist_ok=True)
     upstream, upstream_url = start_upstream(tmp, args.profile_size)
     try:
+        fresh_state(tmp, 1)
         with running(R.start_envelope(tmp, upstream_url, 1)) as path:
             client = make_client("stateless", path.url)
             check_call(client, args.profile_size)
@@ -371,7 +379,9 @@ def report(cells: list[Cell], unsupported: dict[str, str], args: argparse.Namesp
         "over a connected `Client` (one shared upstream session), and mcp-proxy (its HTTP server over "
         "its stdio-to-streamable-HTTP client). Added latency is over `direct` in the same cell; "
         "CPU = utime+stime of the proxy's process tree per call; `x pass` = CPU over the passthrough's "
-        "in the same cell.",
+        "in the same cell. Each size starts the envelope on an empty state directory; within a size "
+        "the run's ledger grows from cell to cell (stateless calls share the principal's run; each "
+        "session cell is a new run), as a real agent's run does.",
         "",
         "**Noise.** The machine has 2 cores shared by wrk, the upstream, the proxy (and other engineers' "
         "jobs): compare ratios within this run, not absolute numbers across runs. 2-worker rows compete "
