@@ -123,9 +123,11 @@ def rpc_result(id: Any, result: dict[str, Any], stateless: bool,
 PROBLEM_JSON = "application/problem+json"
 # RFC 9457 `type` of a refusal: this prefix and its reason code (stable, like the code).
 PROBLEM_TYPE = "urn:envelope-proxy:problem:"
-# The HTTP status of a refusal by its code; every other refusal is 403 (policy said no).
+# The HTTP status of a refusal by its code; every other refusal is 403 (policy said no),
+# `unknown_tool` too (no operation of the spec matches the method and path: the catalogue
+# refuses it like an unknown MCP tool). The statuses below are not policy's "no": wait for a
+# person, slow down, a malformed request, or a failure on the way.
 _PROBLEM_STATUS: dict[Code, int] = {
-    Code.UNKNOWN_TOOL: 404,  # no operation of the spec matches the method and path
     Code.APPROVAL_PENDING: 428,  # retry the same request once a person approved it
     Code.RATE_LIMITED: 429,
     Code.INVALID_REQUEST: 400,

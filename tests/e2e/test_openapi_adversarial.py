@@ -90,8 +90,10 @@ def _tool(pp: ProxyProcess, name: str, arguments: dict[str, Any],
 
 
 def _seen(backend: str) -> list[dict[str, Any]]:
+    """What reached the backend, without the proxies' health probes (a HEAD every 10 s, which
+    may land between two looks)."""
     requests: list[dict[str, Any]] = httpx.get(f"{backend}/_stats", timeout=5).json()["requests"]
-    return requests
+    return [r for r in requests if r["method"] != "HEAD"]
 
 
 def _records(pp: ProxyProcess, decision_id: str) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ def test_refusal_is_problem_details_with_the_mcp_text_and_the_decision() -> None
 
 
 def test_status_by_code() -> None:
-    cases = {Code.UNKNOWN_TOOL: 404, Code.SCHEMA_INVALID: 403, Code.UNAUTHORIZED: 403,
+    cases = {Code.UNKNOWN_TOOL: 403, Code.SCHEMA_INVALID: 403, Code.UNAUTHORIZED: 403,
              Code.UPSTREAM_TIMEOUT: 504, Code.UPSTREAM_ERROR: 502, Code.RATE_LIMITED: 429}
     for code, status in cases.items():
         response = http_response(Outcome("refuse", deny(code, "x", "why"), "d"), None)
