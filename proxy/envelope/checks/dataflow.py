@@ -112,7 +112,7 @@ class DataflowCheck:
             if decl is True:
                 return [], False
             names = [k for k in call.arguments if not (isinstance(decl, frozenset) and k in decl)]
-        return critical_values(call.arguments, names)
+        return critical_values(call.arguments, names, call.upstream)
 
     def _schema(self, call: ToolCall) -> Any:
         compiled = self._revision.tools.get(call.qualified_name)
@@ -300,10 +300,11 @@ class DataflowCheck:
         endorsed: list[dict[str, Any]] = []
         left: list[Critical] = []
         for critical in criticals:
-            source = next((found[len("trusted|"):] for k in critical.keys
-                           if (found := ledger.find(k)) is not None and found.startswith("trusted|")), None)
-            if source is not None:
-                endorsed.append({"arg": critical.pointer, "by": "trusted_output", "source": source})
+            hit = next(((k, found[len("trusted|"):]) for k in critical.keys
+                        if (found := ledger.find(k)) is not None and found.startswith("trusted|")), None)
+            if hit is not None:
+                by = "handle" if hit[0] == critical.handle else "trusted_output"
+                endorsed.append({"arg": critical.pointer, "by": by, "source": hit[1]})
             else:
                 left.append(critical)
         if left:
