@@ -22,8 +22,11 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   in the same run, whatever that output's label. An id the agent was handed by a listing is
   the name of an object, not attacker text: the attacker can at most point the agent at
   another object of the same upstream, and what is done to it (who receives it, how much)
-  is in the call's other critical arguments, still checked. Destructive effects on an object
-  (delete by id) are stopped by the approval gate (`gated_effects`), not by endorsement.
+  is in the call's other critical arguments, still checked. For an `external` sink the
+  object is itself what leaves (which file is shared, which mail forwarded): there only the
+  **sole** id of an output's string endorses (a record read by its id), not one of a listing.
+  Destructive effects on an object (delete by id) are stopped by the approval gate
+  (`gated_effects`), not by endorsement.
 - the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine").
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
@@ -55,6 +58,11 @@ _EDGE = "\"'`.,;:!?()[]{}<>*_~-#\u2010\u2011\u2012\u2013\u2014\u2026\u00ab\u00bb
 _NUMBER = re.compile(r"(?<![\w.,])[$€£¥]?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\w]|[.,]\d)")
 # Where a field of a listing or record ends (a "." only before a space: "1,240.50" stays whole).
 _SEPARATORS = re.compile(r"[\n\r\t|;,:()\[\]{}<>\u2022\u00b7]+|\s[-\u2013\u2014/]+\s|(?<=[.!?])\s+")
+# Where an entry of a record ends: a line break, "|", ";", or a sentence end ("." before a space).
+_RECORDS = re.compile(r"[\n\r|;\u2022]+|(?<=[.!?])\s+")
+_WORD = re.compile(r"[^\W\d_]+")
+# Inflections of one word a person may use for a setting's value ("edit access" for "editor").
+_SUFFIX = re.compile(r"(?:or|er|ing|ed|s)$")
 _ENUMERATOR = re.compile(r"^(?:\d{1,3}[.)]|[a-z][.)]|[-*#>])\s+")
 # An identifier-shaped word with a digit, as a handle an upstream hands out ("m-301", "f_88",
 # "42"): not part of an address, path, URL or longer word.
@@ -115,20 +123,24 @@ def id_argument(name: str) -> bool:
     return _ID_NAME.search(name) is not None
 
 
-def handle_key(upstream: str, handle: str) -> bytes:
-    """The endorsing key of an identifier an output of `upstream` wrote."""
-    return _key("h", f"{upstream}/{handle}")
+def handle_key(upstream: str, handle: str, sole: bool = False) -> bytes:
+    """The endorsing key of an identifier an output of `upstream` wrote (`sole`: as the only
+    one of its string)."""
+    return _key("h1" if sole else "h", f"{upstream}/{handle}")
 
 
 def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS) -> set[bytes]:
     """The handle keys of one string of an output of `upstream`: one per identifier-shaped word
-    with a digit it writes; at most `limit`."""
+    with a digit it writes, and a `sole` one when it writes only one; at most `limit`."""
     found: set[str] = set()
     for m in _HANDLE.finditer(text):
         if len(found) >= limit:
             break
         found.add(m.group())
-    return {handle_key(upstream, h) for h in found}
+    keys = {handle_key(upstream, h) for h in found}
+    if len(found) == 1 and len(keys) < limit:
+        keys.add(handle_key(upstream, next(iter(found)), sole=True))
+    return keys
 
 
 def distinctive(number: str) -> bool:
@@ -163,6 +175,18 @@ def candidates(found: set[tuple[str, str]]) -> set[str]:
     return (emails if len(emails) > 1 else set()) | (accounts if len(distinct) > 1 else set())
 
 
+def records(text: str) -> Iterator[str]:
+    """The values of a record's "label: value" entries, normalised: each line or sentence's
+    text after its last ": " ("Saved address: 8 Birch Road, Bristol BS1 5TR" -> "8 birch road,
+    bristol bs1 5tr", a value `segments` cuts at its commas)."""
+    for part in _RECORDS.split(text):
+        label, sep, value = part.rpartition(": ")
+        if sep and label.strip():
+            key = _strip(normalise(value))
+            if key and len(key) <= MAX_PHRASE_CHARS:
+                yield key
+
+
 def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     """The endorsing keys one string of a trusted output records: its whole value (up to
     MAX_WHOLE_CHARS), its fields (`segments`), its distinctive tokens and its distinctive
@@ -183,6 +207,11 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
         if len(amounts) == 1:
             found.update(f"n:{number}" for number in amounts)
     found.update(f"t{kind}:{value}" for kind, value in held if value not in several)
+    # One of several addresses: endorsed only with the intent naming its owner (`IntentWords`).
+    found.update(f"c:{value}" for kind, value in held if kind == "email" and value in several)
+    for key in records(text):
+        if not any(value in key for value in several):
+            found.add(f"v:{key}")
     for key in segments(text):
         if len(found) >= limit:
             break
@@ -201,27 +230,31 @@ class Critical:
     norm: str  # normalised, edge punctuation stripped ("" for numbers)
     number: str | None  # canonical decimal when the value is a number or an amount
     keys: tuple[bytes, ...]
-    # The key of the value as a handle of the call's upstream (an identifier argument), also
-    # in `keys`; None when the value is not one.
+    # The keys of the value as a handle of the call's upstream (an identifier argument): any
+    # output wrote it, the only id of its output wrote it (not in `keys`); None when the value
+    # is not one.
     handle: bytes | None = None
+    sole: bytes | None = None
+    # The key of the value as one of several addresses of a trusted listing (`trusted_keys`):
+    # it endorses only with the intent naming the address's owner (`IntentWords.names`).
+    candidate: bytes | None = None
 
     @classmethod
     def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
         """`handle_of`: the call's upstream when the value is in an identifier argument."""
-        handle = None
+        handle = sole = None
         if handle_of is not None:
             text = str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
             if isinstance(text, str) and _HANDLE_VALUE.fullmatch(text) is not None:
-                handle = handle_key(handle_of, text)
+                handle, sole = handle_key(handle_of, text), handle_key(handle_of, text, sole=True)
         if isinstance(value, int | float):
             number = _json_number(value)
             of_number = [_key("n", number)] if number is not None and distinctive(number) else []
-            if handle is not None:
-                of_number.append(handle)
-            return cls(pointer, value, "", number, tuple(of_number), handle)
+            return cls(pointer, value, "", number, tuple(of_number), handle, sole)
         norm = _strip(normalise(value))
         keys: list[bytes] = []
         number = None
+        candidate = None
         m = _WHOLE_NUMBER.match(norm)
         if m is not None:
             # A number written as a string follows the rules of numbers (not of phrases: "2"
@@ -238,9 +271,9 @@ class Critical:
             kind, token = max(found, key=lambda t: (len(t[1]), t))
             if len(token) * 2 >= len(norm):
                 keys.append(_key(f"t{kind}", token))
-        if handle is not None:
-            keys.append(handle)
-        return cls(pointer, value, norm, number, tuple(keys), handle)
+                if kind == "email":
+                    candidate = _key("c", token)
+        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate)
 
 
 def _json_number(value: int | float) -> str | None:
@@ -317,4 +350,22 @@ class IntentWords:
             pattern = re.compile(rf"(?<![\w@.\-]){re.escape(critical.norm)}(?![\w@\-]|\.\w)")
             if any(critical.norm in text and pattern.search(text) for text in self.texts):
                 return True
-        return any(k in self.token_keys for k in critical.keys)
+        if any(k in self.token_keys for k in critical.keys):
+            return True
+        if critical.norm and _WORD.fullmatch(critical.norm) and len(critical.norm) > 4:
+            # One word, inflected: "editor" is what "edit access" asks for.
+            stem = _SUFFIX.sub("", critical.norm)
+            if len(stem) >= 4 and any(stem in _WORD.findall(text) for text in self.texts):
+                return True
+        return False
+
+    def names(self, critical: Critical) -> bool:
+        """Whether the intent names the owner of an address: a word of 3 letters or more of
+        its local part ("leo" of "leo.brandt@...") is a word of the intent. Only for an address
+        a trusted listing holds (`Critical.candidate`): a trusted source says it exists, the
+        user's words say which one."""
+        if critical.candidate is None:
+            return False
+        local = critical.norm.rpartition("@")[0]
+        owner = {w for w in _WORD.findall(local) if len(w) >= 3}
+        return any(owner & set(_WORD.findall(text)) for text in self.texts)

@@ -163,9 +163,11 @@ def test_an_id_the_same_upstream_handed_out_is_a_handle() -> None:
     assert critical_values({"id": "inbox"}, ["id"], "mail")[0][0].handle is None  # no digit
 
 
-async def test_a_handle_endorses_with_its_source_audited() -> None:
-    """An untrusted listing of the call's upstream hands out ids: one the agent passes back is
-    endorsed `by: handle`; one no output of the run wrote is still named."""
+async def test_a_handle_endorses_with_its_source_audited_and_external_sinks_need_a_sole_one() -> None:
+    """An untrusted listing of the call's upstream hands out ids: one the agent passes back to a
+    write is endorsed `by: handle`; one no output of the run wrote is still named. For an
+    external sink (what it names leaves) one id of a listing is a choice: only the sole id of
+    a record read by its id endorses."""
     store = MemoryStore()
     check = DataflowCheck(build_revision({
         "upstreams": {"web": {"url": "http://127.0.0.1:9/mcp"}},
@@ -173,15 +175,37 @@ async def test_a_handle_endorses_with_its_source_audited() -> None:
                   "web.book": {"effect": "external", "approval": {"required": False}}},
         "dataflow": {"mode": "enforce", "on_tainted": {"web.book": "block"}},
     }), None, Services(store=store, metrics=None, settings=Config()))  # type: ignore[arg-type]
-    delta = LedgerDelta.of("web.fetch", [Piece("Rooms: r-101 (sea view), r-102", UNTRUSTED, "t")], 32, trusted=True)
-    await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
-    call = make_call("book", {"room_id": "r-101"}, upstream="web")
-    call.effect = Effect.EXTERNAL
-    assert await check.decide(call) is None
+    for text in ("Rooms: r-101 (sea view), r-102", "r-205: suite, no smoking"):
+        delta = LedgerDelta.of("web.fetch", [Piece(text, UNTRUSTED, "t")], 32, trusted=True)
+        await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
+
+    async def book(room: str, effect: Effect) -> tuple[Decision | None, ToolCall]:
+        call = make_call("book", {"room_id": room}, upstream="web")
+        call.effect = effect
+        return await check.decide(call), call
+
+    decision, call = await book("r-101", Effect.WRITE)
+    assert decision is None
     assert call.audit_extra["tainted_run"]["endorsed"] == [{"arg": "/room_id", "by": "handle", "source": "web.fetch"}]
-    call = make_call("book", {"room_id": "r-103"}, upstream="web")
-    call.effect = Effect.EXTERNAL
-    _blocked(await check.decide(call))
+    _blocked((await book("r-103", Effect.WRITE))[0])
+    _blocked((await book("r-101", Effect.EXTERNAL))[0])  # one of a listing's ids
+    assert (await book("r-205", Effect.EXTERNAL))[0] is None  # the record's own id
+
+
+def test_a_record_entry_endorses_its_value_and_inflections_and_owners_are_named() -> None:
+    """A "label: value" entry endorses its whole value even with commas in it; "edit access"
+    endorses "editor"; one of several addresses of a trusted listing is endorsed when the
+    intent names a word of its local part (`names`), never an address it does not hold."""
+    cart = trusted_keys("Cart: 1x hub 35.99. Saved address: 8 Birch Road, Bristol BS1 5TR")
+    assert any(k in cart for k in Critical.of("/address", "8 Birch Road, Bristol BS1 5TR").keys)
+    said = IntentWords.of(["Give Leo edit access to the specs"])
+    assert said.endorses(Critical.of("/role", "editor"))
+    assert not said.endorses(Critical.of("/role", "owner")) and not said.endorses(Critical.of("/role", "reader"))
+    listing = trusted_keys("leo.brandt@corp.example, jess.moor@corp.example")
+    leo, jess = Critical.of("/to", "leo.brandt@corp.example"), Critical.of("/to", "jess.moor@corp.example")
+    assert leo.candidate in listing and jess.candidate in listing
+    assert said.names(leo) and not said.names(jess)
+    assert Critical.of("/to", "leo@evil.example").candidate not in listing
 
 
 def test_critical_values_walk_strings_and_numbers_not_booleans() -> None:
