@@ -332,3 +332,28 @@ async def test_a_run_that_read_only_trusted_content_never_turns_coarse() -> None
     assert ledger is not None and not ledger.untrusted
     assert ledger.coarse(0.0, 40) is None
     assert ledger.sources and all(v.startswith("trusted|") for v in ledger.sources.values())
+
+
+async def test_a_listed_address_is_endorsed_only_with_its_owner_named() -> None:
+    """A trusted contact list with two addresses: the one whose owner the intent names is
+    endorsed (`by: intent+trusted_output`), the other is named as unendorsed."""
+    contacts = "Leo <leo.brandt@corp.example> - design. Jess <jess.moor@corp.example> - design"
+
+    async def send(to: str) -> tuple[Decision | None, ToolCall]:
+        store = MemoryStore()
+        check = DataflowCheck(_revision(), None,  # type: ignore[arg-type]
+                              Services(store=store, metrics=None, settings=Config()))
+        for source, text, label in (("web.hotels", contacts, TRUSTED), ("web.fetch", PAGE, UNTRUSTED)):
+            delta = LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True)
+            await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
+        await intents.append(store, RUN_KEY, "give Leo the specs", max_chars=16384, ttl=60)
+        call = make_call("book", {"to": to}, upstream="web")
+        call.effect = Effect.EXTERNAL
+        return await check.decide(call), call
+
+    decision, call = await send("leo.brandt@corp.example")
+    assert decision is None
+    assert call.audit_extra["tainted_run"]["endorsed"] == [
+        {"arg": "/to", "by": "intent+trusted_output", "source": "web.hotels"}]
+    d = _blocked((await send("jess.moor@corp.example"))[0])
+    assert d.audit["tainted_run"]["unendorsed"] == ["/to"]
