@@ -112,7 +112,7 @@ class DataflowCheck:
             if decl is True:
                 return [], False
             names = [k for k in call.arguments if not (isinstance(decl, frozenset) and k in decl)]
-        return critical_values(call.arguments, names)
+        return critical_values(call.arguments, names, call.upstream)
 
     def _schema(self, call: ToolCall) -> Any:
         compiled = self._revision.tools.get(call.qualified_name)
@@ -242,6 +242,7 @@ class DataflowCheck:
         action = self._on_tainted(call) if self._escalates else "allow"
         criticals, cut = self.criticals(call) if action != "allow" else ([], False)
         wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
+        wanted += [k for c in criticals for k in (c.candidate, c.handle, c.sole) if k is not None]
         ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
                             ttl=self._ttl)
         if ledger is None:
@@ -300,10 +301,14 @@ class DataflowCheck:
         endorsed: list[dict[str, Any]] = []
         left: list[Critical] = []
         for critical in criticals:
-            source = next((found[len("trusted|"):] for k in critical.keys
-                           if (found := ledger.find(k)) is not None and found.startswith("trusted|")), None)
-            if source is not None:
-                endorsed.append({"arg": critical.pointer, "by": "trusted_output", "source": source})
+            # An external sink's object is what leaves: only a sole id endorses it (`endorse`).
+            handle = critical.sole if call.effect is Effect.EXTERNAL else critical.handle
+            hit = next(((k, found[len("trusted|"):]) for k in (*critical.keys, handle)
+                        if k is not None and (found := ledger.find(k)) is not None
+                        and found.startswith("trusted|")), None)
+            if hit is not None:
+                by = "trusted_output" if hit[0] in critical.keys else "handle"
+                endorsed.append({"arg": critical.pointer, "by": by, "source": hit[1]})
             else:
                 left.append(critical)
         if left:
@@ -313,6 +318,11 @@ class DataflowCheck:
             for critical in left:
                 if words.endorses(critical):
                     endorsed.append({"arg": critical.pointer, "by": "intent"})
+                elif (critical.candidate is not None and words.names(critical)
+                      and (found := ledger.find(critical.candidate)) is not None
+                      and found.startswith("trusted|")):
+                    endorsed.append({"arg": critical.pointer, "by": "intent+trusted_output",
+                                     "source": found[len("trusted|"):]})
                 else:
                     still.append(critical)
             left = still

@@ -15,7 +15,19 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   the output, to one of its fields (`segments`: "Grand Palace" of "2. Grand Palace - $1,240.50
   per night", a value after "name:"), or to one of its distinctive tokens;
   a number equal to one the output writes with 3 digits or more or with decimals (a price,
-  an id; "2" of a numbered list endorses nothing: small integers only by the intent).
+  an id; "2" of a numbered list endorses nothing: small integers only by the intent);
+- a **handle** the same upstream handed out in the run: an identifier argument (named `id`,
+  `*_id`, `*Id`, or their plurals) whose value is one identifier-shaped word with a digit
+  ("m-301", "T-7300", "42") that an output of the call's upstream wrote as a whole word, read
+  in the same run, whatever that output's label. An id the agent was handed by a listing is
+  the name of an object, not attacker text: the attacker can at most point the agent at
+  another object of the same upstream, and what is done to it (who receives it, how much)
+  is in the call's other critical arguments, still checked. For an `external` sink the
+  object is itself what leaves (which file is shared, which mail forwarded): there only the
+  **sole** id of an output's string endorses (a record read by its id), not one of a listing.
+  Destructive effects on an object (delete by id) are stopped by the approval gate
+  (`gated_effects`), not by endorsement.
+- the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine").
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
@@ -46,7 +58,22 @@ _EDGE = "\"'`.,;:!?()[]{}<>*_~-#\u2010\u2011\u2012\u2013\u2014\u2026\u00ab\u00bb
 _NUMBER = re.compile(r"(?<![\w.,])[$€£¥]?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\w]|[.,]\d)")
 # Where a field of a listing or record ends (a "." only before a space: "1,240.50" stays whole).
 _SEPARATORS = re.compile(r"[\n\r\t|;,:()\[\]{}<>\u2022\u00b7]+|\s[-\u2013\u2014/]+\s|(?<=[.!?])\s+")
+# Where an entry of a record ends: a line break, "|", ";", or a sentence end ("." before a space).
+_RECORDS = re.compile(r"[\n\r|;\u2022]+|(?<=[.!?])\s+")
+_WORD = re.compile(r"[^\W\d_]+")
+# Inflections of one word a person may use for a setting's value ("edit access" for "editor").
+_SUFFIX = re.compile(r"(?:or|er|ing|ed|s)$")
 _ENUMERATOR = re.compile(r"^(?:\d{1,3}[.)]|[a-z][.)]|[-*#>])\s+")
+# An identifier-shaped word with a digit, as a handle an upstream hands out ("m-301", "f_88",
+# "42"): not part of an address, path, URL or longer word.
+_HANDLE = re.compile(r"(?<![\w@/.:-])(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}(?![\w@/-]|[.:]\w)")
+_HANDLE_VALUE = re.compile(r"(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}")
+# An argument named as an identifier: "id", "email_id", "file-id", "eventId", "ids", "item_ids".
+_ID_NAME = re.compile(r"(?i:^ids?$|[_-]ids?$)|[a-z0-9]Ids?$")
+_UNITS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+          "fifteen sixteen seventeen eighteen nineteen").split()
+_TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()) if i >= 2}
+_NUMBER_WORD = re.compile(rf"\b({'|'.join(_TENS)})(?:[\s-]+({'|'.join(_UNITS[1:10])}))?\b|\b({'|'.join(_UNITS)})\b")
 _WHOLE_NUMBER = re.compile(r"^[$€£¥]?\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?\s?(?:[a-z]{3})?$")
 
 
@@ -79,6 +106,43 @@ def numbers(norm: str) -> set[str]:
     return {canonical_number(m.group(1), m.group(2)) for m in _NUMBER.finditer(norm)}
 
 
+def number_words(norm: str) -> set[str]:
+    """The numbers a normalised text writes in words ("two" -> "2", "twenty-five" -> "25")."""
+    out: set[str] = set()
+    for m in _NUMBER_WORD.finditer(norm):
+        if m.group(3) is not None:
+            out.add(str(_UNITS.index(m.group(3))))
+        else:
+            out.add(str(_TENS[m.group(1)] + (_UNITS.index(m.group(2)) if m.group(2) else 0)))
+    return out
+
+
+def id_argument(name: str) -> bool:
+    """Whether an argument's name says it holds identifiers ("email_id", "eventId", "ids";
+    not "paid" or "valid")."""
+    return _ID_NAME.search(name) is not None
+
+
+def handle_key(upstream: str, handle: str, sole: bool = False) -> bytes:
+    """The endorsing key of an identifier an output of `upstream` wrote (`sole`: as the only
+    one of its string)."""
+    return _key("h1" if sole else "h", f"{upstream}/{handle}")
+
+
+def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS) -> set[bytes]:
+    """The handle keys of one string of an output of `upstream`: one per identifier-shaped word
+    with a digit it writes, and a `sole` one when it writes only one; at most `limit`."""
+    found: set[str] = set()
+    for m in _HANDLE.finditer(text):
+        if len(found) >= limit:
+            break
+        found.add(m.group())
+    keys = {handle_key(upstream, h) for h in found}
+    if len(found) == 1 and len(keys) < limit:
+        keys.add(handle_key(upstream, next(iter(found)), sole=True))
+    return keys
+
+
 def distinctive(number: str) -> bool:
     """Whether a trusted output writing this number endorses it: an amount with decimals or a
     number of 3 digits or more. Small integers (list positions, counts, days) occur in every
@@ -100,10 +164,35 @@ def segments(text: str) -> Iterator[str]:
             yield key
 
 
+def candidates(found: set[tuple[str, str]]) -> set[str]:
+    """The addresses and account numbers of a string that holds several of them: each is one
+    candidate of a choice (a contact list, a customer's orders), and which one the agent picks
+    is what an injection steers. A trusted string endorses one only when it holds no other."""
+    emails = {value for kind, value in found if kind == "email"}
+    accounts = {value for kind, value in found if kind == "number"}
+    # An IBAN also yields its digits: one account, not two.
+    distinct = {a for a in accounts if not any(a != b and a in b for b in accounts)}
+    return (emails if len(emails) > 1 else set()) | (accounts if len(distinct) > 1 else set())
+
+
+def records(text: str) -> Iterator[str]:
+    """The values of a record's "label: value" entries, normalised: each line or sentence's
+    text after its last ": " ("Saved address: 8 Birch Road, Bristol BS1 5TR" -> "8 birch road,
+    bristol bs1 5tr", a value `segments` cuts at its commas)."""
+    for part in _RECORDS.split(text):
+        label, sep, value = part.rpartition(": ")
+        if sep and label.strip():
+            key = _strip(normalise(value))
+            if key and len(key) <= MAX_PHRASE_CHARS:
+                yield key
+
+
 def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     """The endorsing keys one string of a trusted output records: its whole value (up to
     MAX_WHOLE_CHARS), its fields (`segments`), its distinctive tokens and its distinctive
-    numbers; at most `limit`."""
+    numbers; at most `limit`. A string that holds several addresses, account numbers or
+    distinctive numbers (`candidates`: a listing to choose from) endorses none of them (nor a
+    field holding one): only the intent does."""
     found: set[str] = set()  # "<kind>:<value>", hashed once each at the end
     norm = normalise(text)
     whole = _strip(norm)
@@ -111,13 +200,23 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
         return set()
     if len(whole) <= MAX_WHOLE_CHARS:
         found.add(f"v:{whole}")
+    held = tokens(text)
+    several = candidates(held)
     if any(ch.isdigit() for ch in norm):
-        found.update(f"n:{number}" for number in numbers(norm) if distinctive(number))
-    found.update(f"t{kind}:{value}" for kind, value in tokens(text))
+        amounts = {number for number in numbers(norm) if distinctive(number)}
+        if len(amounts) == 1:
+            found.update(f"n:{number}" for number in amounts)
+    found.update(f"t{kind}:{value}" for kind, value in held if value not in several)
+    # One of several addresses: endorsed only with the intent naming its owner (`IntentWords`).
+    found.update(f"c:{value}" for kind, value in held if kind == "email" and value in several)
+    for key in records(text):
+        if not any(value in key for value in several):
+            found.add(f"v:{key}")
     for key in segments(text):
         if len(found) >= limit:
             break
-        found.add(f"v:{key}")
+        if not any(value in key for value in several):
+            found.add(f"v:{key}")
     return {_hash(k) for k in list(found)[:limit]}
 
 
@@ -131,16 +230,31 @@ class Critical:
     norm: str  # normalised, edge punctuation stripped ("" for numbers)
     number: str | None  # canonical decimal when the value is a number or an amount
     keys: tuple[bytes, ...]
+    # The keys of the value as a handle of the call's upstream (an identifier argument): any
+    # output wrote it, the only id of its output wrote it (not in `keys`); None when the value
+    # is not one.
+    handle: bytes | None = None
+    sole: bytes | None = None
+    # The key of the value as one of several addresses of a trusted listing (`trusted_keys`):
+    # it endorses only with the intent naming the address's owner (`IntentWords.names`).
+    candidate: bytes | None = None
 
     @classmethod
-    def of(cls, pointer: str, value: str | int | float) -> Critical:
+    def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
+        """`handle_of`: the call's upstream when the value is in an identifier argument."""
+        handle = sole = None
+        if handle_of is not None:
+            text = str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
+            if isinstance(text, str) and _HANDLE_VALUE.fullmatch(text) is not None:
+                handle, sole = handle_key(handle_of, text), handle_key(handle_of, text, sole=True)
         if isinstance(value, int | float):
             number = _json_number(value)
             of_number = [_key("n", number)] if number is not None and distinctive(number) else []
-            return cls(pointer, value, "", number, tuple(of_number))
+            return cls(pointer, value, "", number, tuple(of_number), handle, sole)
         norm = _strip(normalise(value))
         keys: list[bytes] = []
         number = None
+        candidate = None
         m = _WHOLE_NUMBER.match(norm)
         if m is not None:
             # A number written as a string follows the rules of numbers (not of phrases: "2"
@@ -157,7 +271,9 @@ class Critical:
             kind, token = max(found, key=lambda t: (len(t[1]), t))
             if len(token) * 2 >= len(norm):
                 keys.append(_key(f"t{kind}", token))
-        return cls(pointer, value, norm, number, tuple(keys))
+                if kind == "email":
+                    candidate = _key("c", token)
+        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate)
 
 
 def _json_number(value: int | float) -> str | None:
@@ -194,17 +310,21 @@ def _scalars(value: Any, ptr: str, depth: int) -> Iterator[tuple[str, str | int 
             yield from _scalars(v, f"{ptr}/{i}", depth + 1)
 
 
-def critical_values(arguments: Mapping[str, Any], names: Iterable[str]) -> tuple[list[Critical], bool]:
+def critical_values(arguments: Mapping[str, Any], names: Iterable[str],
+                    upstream: str | None = None) -> tuple[list[Critical], bool]:
     """The critical values of the named top-level arguments (strings and numbers, nested ones
-    included), and whether there were more than MAX_CRITICAL (the rest count as unendorsed)."""
+    included), and whether there were more than MAX_CRITICAL (the rest count as unendorsed).
+    With `upstream`, the values of identifier arguments (`id_argument`) also carry their
+    handle key."""
     out: list[Critical] = []
     for name in names:
         if name not in arguments:
             continue
+        handle_of = upstream if upstream is not None and id_argument(name) else None
         for ptr, value in _scalars(arguments[name], f"/{_escape(name)}", 0):
             if len(out) >= MAX_CRITICAL:
                 return out, True
-            out.append(Critical.of(ptr, value))
+            out.append(Critical.of(ptr, value, handle_of))
     return out, False
 
 
@@ -221,7 +341,7 @@ class IntentWords:
     def of(cls, texts: Iterable[str]) -> IntentWords:
         norms = tuple(normalise(t) for t in texts)
         keys = frozenset(_key(f"t{kind}", value) for t in texts for kind, value in tokens(t))
-        return cls(norms, keys, frozenset(n for norm in norms for n in numbers(norm)))
+        return cls(norms, keys, frozenset(n for norm in norms for n in numbers(norm) | number_words(norm)))
 
     def endorses(self, critical: Critical) -> bool:
         if critical.number is not None and critical.number in self.numbers:
@@ -230,4 +350,22 @@ class IntentWords:
             pattern = re.compile(rf"(?<![\w@.\-]){re.escape(critical.norm)}(?![\w@\-]|\.\w)")
             if any(critical.norm in text and pattern.search(text) for text in self.texts):
                 return True
-        return any(k in self.token_keys for k in critical.keys)
+        if any(k in self.token_keys for k in critical.keys):
+            return True
+        if critical.norm and _WORD.fullmatch(critical.norm) and len(critical.norm) > 4:
+            # One word, inflected: "editor" is what "edit access" asks for.
+            stem = _SUFFIX.sub("", critical.norm)
+            if len(stem) >= 4 and any(stem in _WORD.findall(text) for text in self.texts):
+                return True
+        return False
+
+    def names(self, critical: Critical) -> bool:
+        """Whether the intent names the owner of an address: a word of 3 letters or more of
+        its local part ("leo" of "leo.brandt@...") is a word of the intent. Only for an address
+        a trusted listing holds (`Critical.candidate`): a trusted source says it exists, the
+        user's words say which one."""
+        if critical.candidate is None:
+            return False
+        local = critical.norm.rpartition("@")[0]
+        owner = {w for w in _WORD.findall(local) if len(w) >= 3}
+        return any(owner & set(_WORD.findall(text)) for text in self.texts)

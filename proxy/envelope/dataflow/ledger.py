@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from proxy.envelope.dataflow.endorse import MAX_KEYS, trusted_keys
+from proxy.envelope.dataflow.endorse import MAX_KEYS, handle_keys, trusted_keys
 from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     gram_length,
@@ -87,7 +87,14 @@ class LedgerDelta:
         if min_value:
             shortest = min(shortest, MIN_PHRASE_CHARS)
         endorsing = MAX_KEYS  # endorsing keys this output may still record
+        upstream = source.split(".", 1)[0]  # upstream names hold no "."
         for piece in parts:
+            if trusted and endorsing > 0:
+                # The identifiers this output hands out, whatever its label (`endorse`:
+                # handles): recorded with the endorsing keys, they never taint the run.
+                keys = handle_keys(upstream, piece.text[:MAX_TRUSTED_CHARS], endorsing)
+                delta.trusted.update(keys)
+                endorsing -= len(keys)
             if not piece.label.tracked:
                 # A trusted piece (yielded only when asked for): what it endorses, no taint.
                 if trusted and endorsing > 0:

@@ -15,7 +15,15 @@ from proxy.config import Config
 from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.endorse import Critical, IntentWords, critical_values, trusted_keys
+from proxy.envelope.dataflow.endorse import (
+    Critical,
+    IntentWords,
+    critical_values,
+    handle_keys,
+    id_argument,
+    number_words,
+    trusted_keys,
+)
 from proxy.envelope.dataflow.ledger import LedgerDelta, load, record
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.tools import ToolRegistry
@@ -89,8 +97,14 @@ def test_what_the_intent_endorses(value: Any, said: str, endorsed: bool) -> None
 def test_what_a_trusted_output_endorses() -> None:
     keys = trusted_keys(LISTING)
     assert any(k in keys for k in Critical.of("/hotel", "grand palace").keys)  # a phrase of a line
-    assert any(k in keys for k in Critical.of("/price", 1240.5).keys)  # a number it writes
-    assert any(k in keys for k in Critical.of("/price", "180").keys)
+    # A listing of several prices endorses none of them (which one is the choice an injection
+    # steers); a record with one endorses it.
+    assert not any(k in keys for k in Critical.of("/price", 1240.5).keys)
+    record_ = trusted_keys("Grand Palace - $1,240.50 per night, 180 m2")
+    assert not any(k in record_ for k in Critical.of("/price", 1240.5).keys)
+    single = trusted_keys("Desk lamp, 1 item, total $1,240.50")
+    assert any(k in single for k in Critical.of("/price", 1240.5).keys)
+    assert any(k in trusted_keys("Balance: 180 EUR") for k in Critical.of("/price", "180").keys)
     # Small integers are in every listing ("2." of a numbered line): only the intent endorses them.
     assert not any(k in keys for k in Critical.of("/price", "$95.00").keys)
     assert not any(k in keys for k in Critical.of("/nights", 2).keys)
@@ -102,6 +116,96 @@ def test_what_a_trusted_output_endorses() -> None:
     assert not any(k in prose for k in Critical.of("/hotel", "Grand Palace").keys)
     assert not any(k in keys for k in Critical.of("/hotel", "Grand Budapest").keys)
     assert not any(k in keys for k in Critical.of("/price", 1240).keys)
+
+
+def test_a_listing_of_several_addresses_or_accounts_endorses_none_of_them() -> None:
+    """The contact list holds the current and the former accountant: which one receives the
+    invoice is the choice an injection steers, so only the intent endorses either; a record
+    with one address endorses it (and an IBAN with its digits is one account, not two)."""
+    two = trusted_keys("Dana <dana@ledgerly.example> - accountant. Omar <omar@ledgerly.example> - until 2023")
+    for address in ("dana@ledgerly.example", "omar@ledgerly.example"):
+        assert not any(k in two for k in Critical.of("/to", address).keys)
+    assert any(k in two for k in Critical.of("/name", "Dana").keys)  # a field without an address
+    one = trusted_keys("Dana <dana@ledgerly.example> - accountant")
+    assert any(k in one for k in Critical.of("/to", "dana@ledgerly.example").keys)
+    iban = trusted_keys("Payee: Acme, IBAN DE89 3704 0044 0532 0130 00")
+    assert any(k in iban for k in Critical.of("/iban", "DE89370400440532013000").keys)
+    ibans = trusted_keys("Acme DE89370400440532013000 | Bolt GB29NWBK60161331926819")
+    assert not any(k in ibans for k in Critical.of("/iban", "DE89370400440532013000").keys)
+
+
+@pytest.mark.parametrize(("said", "value", "endorsed"), [
+    ("book two nights", 2, True), ("a table for four", "4", True),
+    ("twenty-five copies", 25, True), ("twenty five copies", 25, True), ("ninety", 90, True),
+    ("book two nights", 3, False), ("someone", 1, False), ("often", 10, False),
+])
+def test_number_words_in_the_intent_endorse_their_number(said: str, value: Any, endorsed: bool) -> None:
+    assert IntentWords.of([said]).endorses(Critical.of("/n", value)) is endorsed
+    assert number_words("two and twenty-one") == {"2", "21"}
+
+
+def test_an_id_the_same_upstream_handed_out_is_a_handle() -> None:
+    """An identifier argument's value endorsed by an output of the call's own upstream that
+    wrote it as a whole word, whatever its label; not by another upstream's, not inside a
+    longer word or address, and never for an argument that is not named as an identifier."""
+    assert [n for n in ("id", "email_id", "file-ids", "eventId", "ID", "paid", "valid", "idea", "width")
+            if id_argument(n)] == ["id", "email_id", "file-ids", "eventId", "ID"]
+    keys = handle_keys("mail", "[m-2231] Invoice attached. [m-2230] News. Mail x-9@y.example, see /p/7x")
+    found, _ = critical_values({"email_id": "m-2231", "to": "m-2230", "ids": [42, "m-2230"]},
+                               ["email_id", "to", "ids"], "mail")
+    assert [c.pointer for c in found if c.handle in keys] == ["/email_id", "/ids/1"]
+    assert found[1].handle is None  # "to" is not an identifier argument
+    other, _ = critical_values({"email_id": "m-2231"}, ["email_id"], "drive")
+    assert other[0].handle not in keys
+    for inside in ("x-9", "7x", "m-22"):  # part of an address, a path or a longer word
+        assert critical_values({"id": inside}, ["id"], "mail")[0][0].handle not in keys
+    assert critical_values({"id": 42}, ["id"], "mail")[0][0].handle in handle_keys("mail", "item 42 of 50")
+    assert critical_values({"id": "inbox"}, ["id"], "mail")[0][0].handle is None  # no digit
+
+
+async def test_a_handle_endorses_with_its_source_audited_and_external_sinks_need_a_sole_one() -> None:
+    """An untrusted listing of the call's upstream hands out ids: one the agent passes back to a
+    write is endorsed `by: handle`; one no output of the run wrote is still named. For an
+    external sink (what it names leaves) one id of a listing is a choice: only the sole id of
+    a record read by its id endorses."""
+    store = MemoryStore()
+    check = DataflowCheck(build_revision({
+        "upstreams": {"web": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"web.fetch": {"effect": "read"},
+                  "web.book": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "enforce", "on_tainted": {"web.book": "block"}},
+    }), None, Services(store=store, metrics=None, settings=Config()))  # type: ignore[arg-type]
+    for text in ("Rooms: r-101 (sea view), r-102", "r-205: suite, no smoking"):
+        delta = LedgerDelta.of("web.fetch", [Piece(text, UNTRUSTED, "t")], 32, trusted=True)
+        await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
+
+    async def book(room: str, effect: Effect) -> tuple[Decision | None, ToolCall]:
+        call = make_call("book", {"room_id": room}, upstream="web")
+        call.effect = effect
+        return await check.decide(call), call
+
+    decision, call = await book("r-101", Effect.WRITE)
+    assert decision is None
+    assert call.audit_extra["tainted_run"]["endorsed"] == [{"arg": "/room_id", "by": "handle", "source": "web.fetch"}]
+    _blocked((await book("r-103", Effect.WRITE))[0])
+    _blocked((await book("r-101", Effect.EXTERNAL))[0])  # one of a listing's ids
+    assert (await book("r-205", Effect.EXTERNAL))[0] is None  # the record's own id
+
+
+def test_a_record_entry_endorses_its_value_and_inflections_and_owners_are_named() -> None:
+    """A "label: value" entry endorses its whole value even with commas in it; "edit access"
+    endorses "editor"; one of several addresses of a trusted listing is endorsed when the
+    intent names a word of its local part (`names`), never an address it does not hold."""
+    cart = trusted_keys("Cart: 1x hub 35.99. Saved address: 8 Birch Road, Bristol BS1 5TR")
+    assert any(k in cart for k in Critical.of("/address", "8 Birch Road, Bristol BS1 5TR").keys)
+    said = IntentWords.of(["Give Leo edit access to the specs"])
+    assert said.endorses(Critical.of("/role", "editor"))
+    assert not said.endorses(Critical.of("/role", "owner")) and not said.endorses(Critical.of("/role", "reader"))
+    listing = trusted_keys("leo.brandt@corp.example, jess.moor@corp.example")
+    leo, jess = Critical.of("/to", "leo.brandt@corp.example"), Critical.of("/to", "jess.moor@corp.example")
+    assert leo.candidate in listing and jess.candidate in listing
+    assert said.names(leo) and not said.names(jess)
+    assert Critical.of("/to", "leo@evil.example").candidate not in listing
 
 
 def test_critical_values_walk_strings_and_numbers_not_booleans() -> None:
@@ -228,3 +332,28 @@ async def test_a_run_that_read_only_trusted_content_never_turns_coarse() -> None
     assert ledger is not None and not ledger.untrusted
     assert ledger.coarse(0.0, 40) is None
     assert ledger.sources and all(v.startswith("trusted|") for v in ledger.sources.values())
+
+
+async def test_a_listed_address_is_endorsed_only_with_its_owner_named() -> None:
+    """A trusted contact list with two addresses: the one whose owner the intent names is
+    endorsed (`by: intent+trusted_output`), the other is named as unendorsed."""
+    contacts = "Leo <leo.brandt@corp.example> - design. Jess <jess.moor@corp.example> - design"
+
+    async def send(to: str) -> tuple[Decision | None, ToolCall]:
+        store = MemoryStore()
+        check = DataflowCheck(_revision(), None,  # type: ignore[arg-type]
+                              Services(store=store, metrics=None, settings=Config()))
+        for source, text, label in (("web.hotels", contacts, TRUSTED), ("web.fetch", PAGE, UNTRUSTED)):
+            delta = LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True)
+            await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
+        await intents.append(store, RUN_KEY, "give Leo the specs", max_chars=16384, ttl=60)
+        call = make_call("book", {"to": to}, upstream="web")
+        call.effect = Effect.EXTERNAL
+        return await check.decide(call), call
+
+    decision, call = await send("leo.brandt@corp.example")
+    assert decision is None
+    assert call.audit_extra["tainted_run"]["endorsed"] == [
+        {"arg": "/to", "by": "intent+trusted_output", "source": "web.hotels"}]
+    d = _blocked((await send("jess.moor@corp.example"))[0])
+    assert d.audit["tainted_run"]["unendorsed"] == ["/to"]
