@@ -10,7 +10,7 @@ types), so any listener can feed it.
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,15 @@ CLIENT_INFO_META = "io.modelcontextprotocol/clientInfo"
 PROTOCOL_META = "io.modelcontextprotocol/protocolVersion"
 IDEMPOTENCY_META = "envelope/idempotency_key"
 TRUE = frozenset({"1", "true", "yes"})
+
+
+def new_decision_id() -> str:
+    """A random (version 4) UUID as 32 hex digits: what `uuid.uuid4().hex` returns, at a
+    quarter of its cost (no `UUID` object, no int round trip): one is minted per call."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40  # version 4
+    b[8] = (b[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return b.hex()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +131,7 @@ def tool_call_from(headers: Mapping[str, str], msg: Message, route: Route, tool:
     policy-selected request headers (`selected`) visible to CEL."""
     params = msg.params
     return ToolCall(
-        decision_id=uuid.uuid4().hex,
+        decision_id=new_decision_id(),
         upstream=route.upstream,
         tool=tool,
         arguments=arguments,
@@ -145,7 +154,7 @@ def read_from(headers: Mapping[str, str], method: str, params: Mapping[str, Any]
     method). Lineage claims are not taken: what a read delivers widens no parent run."""
     arguments = {k: v for k, v in params.items() if k != "_meta"}
     return ToolCall(
-        decision_id=uuid.uuid4().hex,
+        decision_id=new_decision_id(),
         upstream=route.upstream,
         tool=tool or method,
         arguments=arguments,

@@ -76,3 +76,25 @@ def test_literal_patterns_are_rewritten_and_bad_ones_fail_at_load() -> None:
         get_engine("cel-cpp").compile('args.body.matches("(unclosed")')
     assert "invalid regular expression" in str(err.value)
     assert err.value.offset == len("args.body.matches(")
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"^[a-z]+/[a-z-]+$", r"secret", r"", r"^$", r"(?i)ÉTÉ", r"\bx\b", r"é.$", r"^\d{3,}", r"a|"],
+)
+@pytest.mark.parametrize("text", ["", "corp/some-repo", "Corp/Repo", "été", "ÉTÉ 2026", "x y", "123é", "a\nb"])
+def test_the_native_re2_search_answers_as_search_does(pattern: str, text: str) -> None:
+    re2 = pytest.importorskip("re2")
+    from proxy.policy.cel import _re2_searcher
+
+    assert _re2_searcher(re2, pattern)(text) is (re2.compile(pattern).search(text) is not None)
+
+
+def test_the_native_re2_search_refuses_what_search_refuses() -> None:
+    re2 = pytest.importorskip("re2")
+    from proxy.policy.cel import _re2_searcher
+
+    with pytest.raises(UnicodeEncodeError):
+        re2.compile("a").search("a\udcff")
+    with pytest.raises(UnicodeEncodeError):
+        _re2_searcher(re2, "a")("a\udcff")
