@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 from envelope_helpers import RUN_KEY, build_revision, make_call
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from proxy.envelope.checks.dataflow import DataflowCheck
@@ -87,6 +89,22 @@ def test_linear_scans_find_what_the_plain_patterns_found() -> None:
         assert list(fingerprint._emails(text)) == _EMAIL_PLAIN.findall(text), text
         assert list(fingerprint._urls(text)) == _URL_PLAIN.findall(text), text
 
+
+
+# The digit and IBAN patterns as written before they were reordered to start at a digit.
+_DIGITS_PLAIN = re.compile(r"(?<![\w])\d(?:[ .\-/()]{0,2}\d){7,}(?![\w])")
+_IBAN_PLAIN = re.compile(r"\b[a-z]{2}\d{2}(?: ?[a-z0-9]{4}){2,7}(?: ?[a-z0-9]{1,4})?\b")
+_NUMBER_PIECES = st.sampled_from(["1", "2", "0", "٣", " ", ".", "-", "/", "(", ")", "a", "d", "e",
+                                  "_", "x", "é", "de89", "37040044", "0532", " 0013", "12", "ab"])
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(_NUMBER_PIECES, max_size=40).map("".join))
+def test_digit_first_scans_find_what_the_plain_patterns_found(text: str) -> None:
+    assert [m.span() for m in fingerprint._DIGITS.finditer(text)] == \
+        [m.span() for m in _DIGITS_PLAIN.finditer(text)]
+    assert [(m.start() - 2, m.end()) for m in fingerprint._IBAN_DIGITS.finditer(text)] == \
+        [m.span() for m in _IBAN_PLAIN.finditer(text)]
 
 def test_tokens_on_long_runs_are_still_found() -> None:
     """An address or an account number after a long run is found (the run is skipped, not the
