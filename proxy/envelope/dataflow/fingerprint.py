@@ -192,6 +192,33 @@ def _emails(low: str) -> Iterator[str]:
         pos = found.end()
 
 
+# What `[@\w.-]` matches (`re`'s \w on str is str.isalnum() or "_"), and the rest of such a run.
+_RUN_CHARS = "@_.-"
+_RUN_REST = re.compile(r"[@\w.-]*")
+
+
+def _domains(low: str) -> Iterator[re.Match[str]]:
+    """The matches of `_DOMAIN.finditer(low)`, found from the dots of the text: a match starts
+    only where a run of [@\\w.-] starts and its host holds a dot of that run, so only the runs
+    with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
+    every word). Each character is scanned back over at most once: linear time."""
+    pos = 0
+    while (dot := low.find(".", pos)) >= 0:
+        start = dot
+        while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
+            start -= 1
+        # A run that began before `pos` (inside the previous match) has no start to try.
+        began_before = start == pos > 0 and (low[pos - 1].isalnum() or low[pos - 1] in _RUN_CHARS)
+        found = None if began_before else _DOMAIN.match(low, start)
+        if found is None:
+            # No other start in this run: go past it (`*` always matches, from the dot on).
+            rest = _RUN_REST.match(low, dot)
+            pos = rest.end() if rest is not None else dot + 1
+            continue
+        yield found
+        pos = found.end()
+
+
 def _urls(low: str) -> Iterator[str]:
     """URLs (with a scheme, or starting www.) of a folded text, in order, not overlapping."""
     for found in _URL.finditer(low):
@@ -232,7 +259,7 @@ def tokens(text: str) -> set[tuple[str, str]]:
         for m in _urls(low):
             if len(m) >= MIN_TOKEN:
                 found.update(_url_tokens(m))
-    for match in _DOMAIN.finditer(low):
+    for match in _domains(low):
         if match.end() - match.start() >= MIN_TOKEN:
             found.update(_url_tokens(match.group()))
     for match in _DIGITS.finditer(low):

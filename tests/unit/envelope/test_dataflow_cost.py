@@ -106,6 +106,17 @@ def test_digit_first_scans_find_what_the_plain_patterns_found(text: str) -> None
     assert [(m.start() - 2, m.end()) for m in fingerprint._IBAN_DIGITS.finditer(text)] == \
         [m.span() for m in _IBAN_PLAIN.finditer(text)]
 
+
+_DOMAIN_PIECES = st.sampled_from(["a", "b", "1", ".", "-", "@", "_", " ", "é", "٣", "²", "/", ":",
+                                  "x.yz", "ab.cd", "txt", "..", "-a", "a.b.cc/", "www.", "\u3000"])
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(_DOMAIN_PIECES, max_size=40).map("".join))
+def test_the_dot_driven_domain_scan_finds_what_the_pattern_found(text: str) -> None:
+    assert [m.span() for m in fingerprint._domains(text)] == \
+        [m.span() for m in fingerprint._DOMAIN.finditer(text)]
+
 def test_tokens_on_long_runs_are_still_found() -> None:
     """An address or an account number after a long run is found (the run is skipped, not the
     rest of the text)."""
