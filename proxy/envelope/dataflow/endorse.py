@@ -208,7 +208,11 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     several = candidates(held)
     if any(ch.isdigit() for ch in norm):
         amounts = {number for number in numbers(norm) if distinctive(number)}
-        if len(amounts) == 1:
+        # Several amounts are counted as written: "mug 14.00, machine 489.00" is a choice of
+        # two prices though 14.00 is the small integer 14 (which endorses nothing itself).
+        written = {canonical_number(m.group(1), m.group(2)) for m in _NUMBER.finditer(norm)
+                   if m.group(2) is not None or len(m.group(1).replace(",", "").lstrip("0")) >= 3}
+        if len(amounts) == 1 and len(written) <= 1:
             found.update(f"n:{number}" for number in amounts)
     found.update(f"t{kind}:{value}" for kind, value in held if value not in several)
     # One of several addresses: endorsed only with the intent naming its owner (`IntentWords`).

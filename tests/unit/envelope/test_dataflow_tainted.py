@@ -368,6 +368,10 @@ def test_digits_inside_an_identifier_are_not_amounts() -> None:
     assert not any(k in record_ for k in Critical.of("/amount", 8812).keys)
     listing = trusted_keys("Order O-8812 total $39.90, order O-8790 total $649.00")
     assert not any(k in listing for k in Critical.of("/amount", "39.90").keys)
+    # Prices are counted as written: 14.00 endorses nothing itself (a small integer), but it
+    # makes the record a choice of two prices, so 489.00 is not endorsed either.
+    two = trusted_keys("O-3: mug 14.00 (damaged), espresso machine 489.00")
+    assert not any(k in two for k in Critical.of("/amount", "489.00").keys)
     # A number after a space or a sign is still a number.
     assert any(k in trusted_keys("Refund due - 1,240.50") for k in Critical.of("/amount", 1240.5).keys)
 
