@@ -92,6 +92,10 @@ class Config:
     # on_tainted approve only for sinks of these effects (allow for the rest); empty: as
     # dataflow_extra says.
     tainted_effects: tuple[str, ...] = ()
+    # Whether a person answers held calls. Without one (the automatic configurations) a held
+    # call is never approved: it stays `approval_pending` until it expires and never reaches
+    # its upstream, so a gated effect is refused.
+    approver: bool = True
 
 
 def policy_doc(config: Config) -> dict[str, Any]:
@@ -141,12 +145,17 @@ ESCALATE = (("on_tainted", "approve"),)
 # narrow rule (no object ids, counts or settings).
 WHO = ("to", "forward_to", "recipient", "iban", "amount", "email", "participants", "user", "channel",
        "passenger", "shipping_address", "address", "agent")
+# Automatic with the tainted-run lever (round 3): on_tainted block, nobody answers approvals,
+# so gated destructive effects are refused (a held call with no approver expires unanswered).
+BLOCK = (("on_tainted", "block"), ("declassify_max_copy", 40))
 CONFIGS = [
     # auto: enforce, on_flag block, nothing gated, no person in the loop.
     Config("auto", intent=False),
     Config("auto+min_value", intent=False, min_value=10),
     Config("auto+intent", intent=True),
     Config("auto+intent+min_value", intent=True, min_value=10),
+    Config("auto+intent+block", intent=True, min_value=10, gated=GATED, dataflow_extra=BLOCK, critical=True,
+           approver=False),
     # people in the loop without tainted-run escalation (the issue's second measurement).
     Config("approve", intent=True, on_flag="approve", gated=GATED),
     # escalation: intent + on_tainted approve (critical arguments from domains.yaml) + gated destructive.
@@ -163,6 +172,8 @@ CONFIGS = [
 # Variants tried on the train split only, to choose defaults (bench/RESULTS.md, "Scenario
 # corpus"); run only when named in --configs.
 VARIANTS = [
+    Config("auto+intent+block/ungated", intent=True, min_value=10, dataflow_extra=BLOCK, critical=True,
+           approver=False),
     Config("escalation/who", intent=True, on_flag="approve", gated=GATED, dataflow_extra=ESCALATE,
            critical=True, critical_only=WHO),
     Config("escalation/external", intent=True, on_flag="approve", gated=GATED, dataflow_extra=ESCALATE,
@@ -309,7 +320,7 @@ async def play(pp: ProxyProcess, up: ScriptedUpstream, sc: dict[str, Any], varia
             args = call.get("args", {})
             result = await client.call_tool(call["tool"], args)
             code = _code(result)
-            if code == "approval_pending":
+            if code == "approval_pending" and config.approver:
                 asked_for = _key(call["tool"], args) in benign
                 reasons = await _decide(pp, http, run, call["tool"], asked_for)
                 if reasons:

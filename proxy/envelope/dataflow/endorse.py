@@ -27,7 +27,8 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   **sole** id of an output's string endorses (a record read by its id), not one of a listing.
   Destructive effects on an object (delete by id) are stopped by the approval gate
   (`gated_effects`), not by endorsement.
-- the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine").
+- the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine"); and any
+  intent endorses 1, the count "add the hub" implies.
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
@@ -50,12 +51,15 @@ MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as on
 MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
 MAX_DEPTH = 32
+IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
 
 # Stripped from both ends of a value and of a phrase: "pay Acme Ltd." names "acme ltd".
 _EDGE = "\"'`.,;:!?()[]{}<>*_~-#\u2010\u2011\u2012\u2013\u2014\u2026\u00ab\u00bb\u2018\u2019\u201c\u201d"
 # A number as people write it: optional currency sign, digits with optional thousands commas,
-# optional decimals; not part of a word or of a longer number ("v2", "3.1.4" are not amounts).
-_NUMBER = re.compile(r"(?<![\w.,])[$€£¥]?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\w]|[.,]\d)")
+# optional decimals; not part of a word, of a longer number or of an identifier ("v2", "3.1.4",
+# the 8812 of "O-8812" are not amounts: counting them made a record with one price look like a
+# listing of several and endorse none).
+_NUMBER = re.compile(r"(?<![\w.,])(?<!\w-)[$€£¥]?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\w]|[.,]\d)")
 # Where a field of a listing or record ends (a "." only before a space: "1,240.50" stays whole).
 _SEPARATORS = re.compile(r"[\n\r\t|;,:()\[\]{}<>\u2022\u00b7]+|\s[-\u2013\u2014/]+\s|(?<=[.!?])\s+")
 # Where an entry of a record ends: a line break, "|", ";", or a sentence end ("." before a space).
@@ -204,7 +208,11 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     several = candidates(held)
     if any(ch.isdigit() for ch in norm):
         amounts = {number for number in numbers(norm) if distinctive(number)}
-        if len(amounts) == 1:
+        # Several amounts are counted as written: "mug 14.00, machine 489.00" is a choice of
+        # two prices though 14.00 is the small integer 14 (which endorses nothing itself).
+        written = {canonical_number(m.group(1), m.group(2)) for m in _NUMBER.finditer(norm)
+                   if m.group(2) is not None or len(m.group(1).replace(",", "").lstrip("0")) >= 3}
+        if len(amounts) == 1 and len(written) <= 1:
             found.update(f"n:{number}" for number in amounts)
     found.update(f"t{kind}:{value}" for kind, value in held if value not in several)
     # One of several addresses: endorsed only with the intent naming its owner (`IntentWords`).
@@ -341,7 +349,10 @@ class IntentWords:
     def of(cls, texts: Iterable[str]) -> IntentWords:
         norms = tuple(normalise(t) for t in texts)
         keys = frozenset(_key(f"t{kind}", value) for t in texts for kind, value in tokens(t))
-        return cls(norms, keys, frozenset(n for norm in norms for n in numbers(norm) | number_words(norm)))
+        said = {n for norm in norms for n in numbers(norm) | number_words(norm)}
+        # "Add the hub", "book a table": a request for a thing implies one of it. One is the
+        # smallest count there is, not a choice an injection gains by steering a sink to.
+        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}))
 
     def endorses(self, critical: Critical) -> bool:
         if critical.number is not None and critical.number in self.numbers:

@@ -137,11 +137,12 @@ def test_a_listing_of_several_addresses_or_accounts_endorses_none_of_them() -> N
 @pytest.mark.parametrize(("said", "value", "endorsed"), [
     ("book two nights", 2, True), ("a table for four", "4", True),
     ("twenty-five copies", 25, True), ("twenty five copies", 25, True), ("ninety", 90, True),
-    ("book two nights", 3, False), ("someone", 1, False), ("often", 10, False),
+    ("book two nights", 3, False), ("often", 10, False),
 ])
 def test_number_words_in_the_intent_endorse_their_number(said: str, value: Any, endorsed: bool) -> None:
     assert IntentWords.of([said]).endorses(Critical.of("/n", value)) is endorsed
     assert number_words("two and twenty-one") == {"2", "21"}
+    assert number_words("someone often") == set()  # a word inside a word is not a number
 
 
 def test_an_id_the_same_upstream_handed_out_is_a_handle() -> None:
@@ -357,3 +358,25 @@ async def test_a_listed_address_is_endorsed_only_with_its_owner_named() -> None:
         {"arg": "/to", "by": "intent+trusted_output", "source": "web.hotels"}]
     d = _blocked((await send("jess.moor@corp.example"))[0])
     assert d.audit["tainted_run"]["unendorsed"] == ["/to"]
+
+
+def test_digits_inside_an_identifier_are_not_amounts() -> None:
+    """A record's one price endorses it even when the record names ids with digits ("O-8812",
+    "T-6001"): those digits are not several amounts of a listing. Two real prices still are."""
+    record_ = trusted_keys("Invoice for order O-8812, ticket T-6001: total $1,240.50")
+    assert any(k in record_ for k in Critical.of("/amount", "1240.50").keys)
+    assert not any(k in record_ for k in Critical.of("/amount", 8812).keys)
+    listing = trusted_keys("Order O-8812 total $39.90, order O-8790 total $649.00")
+    assert not any(k in listing for k in Critical.of("/amount", "39.90").keys)
+    # Prices are counted as written: 14.00 endorses nothing itself (a small integer), but it
+    # makes the record a choice of two prices, so 489.00 is not endorsed either.
+    two = trusted_keys("O-3: mug 14.00 (damaged), espresso machine 489.00")
+    assert not any(k in two for k in Critical.of("/amount", "489.00").keys)
+    # A number after a space or a sign is still a number.
+    assert any(k in trusted_keys("Refund due - 1,240.50") for k in Critical.of("/amount", 1240.5).keys)
+
+
+@pytest.mark.parametrize(("value", "endorsed"), [(1, True), ("1", True), (2, False), ("10", False)])
+def test_any_intent_implies_a_count_of_one(value: Any, endorsed: bool) -> None:
+    """"Add the hub to my cart" asks for one: 1 is endorsed, any other count only when said."""
+    assert IntentWords.of(["add the USB-C hub to my cart"]).endorses(Critical.of("/quantity", value)) is endorsed
