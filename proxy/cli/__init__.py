@@ -23,9 +23,12 @@ __all__ = ["build_parser", "main"]
 DESCRIPTION = """\
 envelope-proxy: a policy-enforcement sidecar for AI-agent tool calls.
 
-Point an MCP client at http://<listen>/mcp/<upstream> instead of the tool server; every
-tools/call passes the envelope of checks (catalogue, capability, schema, authorization,
-argument rules) before it is forwarded, and every decision is audited and counted."""
+Point an MCP client at http://<listen>/mcp/<upstream> instead of the tool server (an HTTP
+or stdio MCP server, or a REST API described by OpenAPI), or a REST client at
+http://<listen>/http/<upstream>/<path>; every tool call passes the envelope of checks
+(catalogue, capability, schema, authorization, argument rules, data flow, approval) before it
+is forwarded, and every decision is audited and counted. MCP clients that launch their servers
+as commands use `envelope-proxy stdio`."""
 
 EPILOG = """common serve flags (see `envelope-proxy serve --help`):
   --config FILE  --policies DIR  --listen HOST:PORT  --admin HOST:PORT  --state-dir DIR
