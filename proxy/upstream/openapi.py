@@ -875,8 +875,10 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
             value = _NOT_JSON
         if value is not _NOT_JSON:
             structured = value if isinstance(value, dict) else {"result": value}
+            # The text content is the body as it came (valid UTF-8: orjson parsed it), not a
+            # re-serialisation of the value: no second pass over a large answer on the loop.
             return {
-                "content": [{"type": "text", "text": json.dumps(value, ensure_ascii=False)}],
+                "content": [{"type": "text", "text": text}],
                 "structuredContent": structured,
             }
     if not body:
