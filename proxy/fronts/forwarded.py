@@ -135,6 +135,25 @@ class Downstream:
             await self.stream.write(event)
 
 
+# An HTTP answer up to this many bytes (not content-coded) becomes a tool result on the event
+# loop: parsing and walking it costs less than the hop to a thread and back (~0.1 ms). A larger
+# or coded one is decoded and parsed in a worker thread: tens of milliseconds for a 16 MiB
+# answer (orjson, then `_deeper_than` visits every node) must not stall every other call.
+INLINE_HTTP_BYTES = 64 * 1024
+
+
+async def _http_result(status: int, ctype: str, data: bytes, coding: str,
+                       limit: int) -> tuple[bytes, dict[str, Any]]:
+    """(the decoded body, `openapi.result_from` of it); ValueError as `decoded` raises it."""
+    def work() -> tuple[bytes, dict[str, Any]]:
+        body = decoded(data, coding, limit, REPLY_SETTING)
+        return body, result_from(status, ctype, body)
+
+    if len(data) <= INLINE_HTTP_BYTES and coding.strip().lower() in ("", "identity"):
+        return work()
+    return await asyncio.to_thread(work)
+
+
 @dataclass(slots=True)
 class Executor:
     """What every forwarded call of a front needs: the envelope, the upstream client, where
@@ -394,16 +413,16 @@ class _Forwarded:
         x, http = self.x, self.request.http
         assert http is not None
         data = await resp.read(x.max_reply_bytes)
+        coding = resp.headers.get("Content-Encoding", "")
         try:
             # What is inspected and what the agent gets are the same decoded bytes (the plain
             # HTTP front relays no Content-Encoding).
-            data = decoded(data, resp.headers.get("Content-Encoding", ""), x.max_reply_bytes, REPLY_SETTING)
+            data, result = await _http_result(resp.status, ctype, data, coding, x.max_reply_bytes)
         except ValueError as exc:
             x.observe(self.target.name, self._seconds(), "error", str(exc))
             return self._failure("error", f"upstream {self.target.name!r} sent {exc}")
         x.observe(self.target.name, self._seconds(), "ok" if resp.status < 500 else "error",
                   f"answered HTTP {resp.status}")
-        result = result_from(resp.status, ctype, data)
         relayed = self.downstream.response_headers
         if http.relay and relayed:
             # The headers the plain HTTP front relays go with the result, so the envelope
