@@ -88,11 +88,8 @@ end
 return {added, refused}
 """
 
-# KEYS[1] the log, KEYS[2] (optional) a hash set with the entry; ARGV: the entry, its weight,
-# cap ("" for none), expiry in ms ("" for none), then the hash's field, value pairs. The entry's
-# sequence number, or 0 when the weight would exceed the cap (then the hash is left alone). Fields as in
-# `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
-_LOG_APPEND = """
+# `be(n)`: a log entry's field, `log_field` of `proxy.store.base` (8 bytes big-endian).
+_LUA_BE = """
 local function be(n)
   local s = ''
   for _ = 1, 8 do
@@ -101,6 +98,13 @@ local function be(n)
   end
   return s
 end
+"""
+
+# KEYS[1] the log, KEYS[2] (optional) a hash set with the entry; ARGV: the entry, its weight,
+# cap ("" for none), expiry in ms ("" for none), then the hash's field, value pairs. The entry's
+# sequence number, or 0 when the weight would exceed the cap (then the hash is left alone). Fields as in
+# `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
+_LOG_APPEND = _LUA_BE + """
 local counter = redis.call('HGET', KEYS[1], '#')
 local seq, total = 0, 0
 if counter then
@@ -131,15 +135,7 @@ return result
 # KEYS[1] the log, KEYS[2] (optional) a hash read with it; ARGV: after, limit. {last sequence
 # number, the hash's fields and values flattened (HGETALL; empty without KEYS[2]), entries
 # after `after`...}.
-_LOG_SINCE = """
-local function be(n)
-  local s = ''
-  for _ = 1, 8 do
-    s = string.char(n % 256) .. s
-    n = math.floor(n / 256)
-  end
-  return s
-end
+_LOG_SINCE = _LUA_BE + """
 local counter = redis.call('HGET', KEYS[1], '#')
 local last = 0
 if counter then
