@@ -29,6 +29,24 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   (`gated_effects`), not by endorsement.
 - the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine"); and any
   intent endorses 1, the count "add the hub" implies.
+- a **read by id made while the run was clean**: the values of a read's identifier arguments,
+  when the run had read no untrusted content at the time of the read (nothing read through the
+  proxy can have chosen them) and the upstream answered it without an error (the id names a
+  record of that upstream), are recorded as that upstream's *sole* handles: `read_email(m-301)`
+  then `reply_email(m-301)`. An id the agent reads only after the run is tainted ("reply to
+  m-999", injected) endorses nothing this way: an injected text can name a real record.
+- a **read the user pointed at**: when a string argument of a read that names one object (a
+  path, URL, file name or record id: a digit, "/" or "."; not a bare word such as a channel,
+  folder or search term, a place anyone writes into; not a bare number) is endorsed by the
+  intent ("pay the invoice in
+  Documents/invoices/lumen-march.pdf"), its untrusted output endorses the one distinctive
+  token it writes (address, account number, URL) and the one amount with decimals it writes
+  (`pointed_keys`), for a *critical* argument whose value is that token or amount, also
+  against a data-flow flag. An output that writes several
+  distinct tokens (the document's own account and an injected "use this one instead") is a
+  choice the user did not make: it endorses none. What this cannot tell apart: a pointed
+  source whose only token is the attacker's (an injection in a document that had none, a
+  thread where only the attacker wrote an address). The user did point there; a person must.
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
@@ -74,6 +92,8 @@ _HANDLE = re.compile(r"(?<![\w@/.:-])(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}(?![\w@/-
 _HANDLE_VALUE = re.compile(r"(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}")
 # An argument named as an identifier: "id", "email_id", "file-id", "eventId", "ids", "item_ids".
 _ID_NAME = re.compile(r"(?i:^ids?$|[_-]ids?$)|[a-z0-9]Ids?$")
+# What names one object rather than a place: a path, URL, file name or record id has one of these.
+_OBJECT = re.compile(r"[\d/.]")
 _UNITS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
           "fifteen sixteen seventeen eighteen nineteen").split()
 _TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()) if i >= 2}
@@ -144,6 +164,30 @@ def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS) -> set[bytes]:
     keys = {handle_key(upstream, h) for h in found}
     if len(found) == 1 and len(keys) < limit:
         keys.add(handle_key(upstream, next(iter(found)), sole=True))
+    return keys
+
+
+def pointed_key(kind: str, value: str) -> bytes:
+    """The endorsing key of a distinctive token written by a read the intent pointed at."""
+    return _key(f"p{kind}", value)
+
+
+def pointed_keys(texts: Iterable[str]) -> set[bytes]:
+    """The keys a pointed read's untrusted output records: those of its distinctive tokens when
+    they are all one value (an address and its host, an IBAN and its digits, a URL and its
+    host), and of its amount when it writes one number with decimals (the sum an invoice
+    asks for); none of several: one of several is a choice the user did not make."""
+    found: set[tuple[str, str]] = set()
+    amounts: set[str] = set()
+    for text in texts:
+        found |= tokens(text)
+        amounts |= {canonical_number(m.group(1), m.group(2))
+                    for m in _NUMBER.finditer(normalise(text)) if m.group(2) is not None}
+    values = {v for _, v in found}
+    distinct = {v for v in values if not any(v != w and v in w for w in values)}
+    keys = {pointed_key(kind, value) for kind, value in found} if len(distinct) == 1 else set()
+    if len(amounts) == 1:
+        keys.add(pointed_key("n", next(iter(amounts))))
     return keys
 
 
@@ -246,6 +290,9 @@ class Critical:
     # The key of the value as one of several addresses of a trusted listing (`trusted_keys`):
     # it endorses only with the intent naming the address's owner (`IntentWords.names`).
     candidate: bytes | None = None
+    # The key of the value as the one token (or amount) of a read the intent pointed at
+    # (`pointed_keys`).
+    pointed: bytes | None = None
 
     @classmethod
     def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
@@ -258,11 +305,12 @@ class Critical:
         if isinstance(value, int | float):
             number = _json_number(value)
             of_number = [_key("n", number)] if number is not None and distinctive(number) else []
-            return cls(pointer, value, "", number, tuple(of_number), handle, sole)
+            amount = pointed_key("n", number) if number is not None and "." in number else None
+            return cls(pointer, value, "", number, tuple(of_number), handle, sole, None, amount)
         norm = _strip(normalise(value))
         keys: list[bytes] = []
         number = None
-        candidate = None
+        candidate = pointed = None
         m = _WHOLE_NUMBER.match(norm)
         if m is not None:
             # A number written as a string follows the rules of numbers (not of phrases: "2"
@@ -270,6 +318,8 @@ class Critical:
             number = canonical_number(m.group(1), m.group(2))
             if distinctive(number):
                 keys.append(_key("n", number))
+            if "." in number:
+                pointed = pointed_key("n", number)
         elif norm:
             keys.append(_key("v", norm))
         found = tokens(value)
@@ -279,9 +329,10 @@ class Critical:
             kind, token = max(found, key=lambda t: (len(t[1]), t))
             if len(token) * 2 >= len(norm):
                 keys.append(_key(f"t{kind}", token))
+                pointed = pointed_key(kind, token)
                 if kind == "email":
                     candidate = _key("c", token)
-        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate)
+        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate, pointed)
 
 
 def _json_number(value: int | float) -> str | None:
@@ -369,6 +420,16 @@ class IntentWords:
             if len(stem) >= 4 and any(stem in _WORD.findall(text) for text in self.texts):
                 return True
         return False
+
+    def points_at(self, value: Any) -> bool:
+        """Whether a read's argument value names one object and the intent names it: a path,
+        URL, file name or record id (a string with a digit, "/" or "."), not a bare word (a
+        channel, folder or search term names a place anyone can write into: its only token may
+        be the attacker's) nor a bare number (every intent endorses the count 1)."""
+        if not isinstance(value, str) or _OBJECT.search(value) is None:
+            return False
+        critical = Critical.of("", value)
+        return critical.number is None and bool(critical.norm) and self.endorses(critical)
 
     def names(self, critical: Critical) -> bool:
         """Whether the intent names the owner of an address: a word of 3 letters or more of
