@@ -24,7 +24,8 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   another object of the same upstream, and what is done to it (who receives it, how much)
   is in the call's other critical arguments, still checked. For an `external` sink the
   object is itself what leaves (which file is shared, which mail forwarded): there only the
-  **sole** id of an output's string endorses (a record read by its id), not one of a listing.
+  **sole** id of a trusted output's string endorses (a record read by its id), not one of a
+  listing, nor the one id an untrusted text writes (an injected "reply to m-999" writes one).
   Destructive effects on an object (delete by id) are stopped by the approval gate
   (`gated_effects`), not by endorsement.
 - the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine"); and any
@@ -153,16 +154,17 @@ def handle_key(upstream: str, handle: str, sole: bool = False) -> bytes:
     return _key("h1" if sole else "h", f"{upstream}/{handle}")
 
 
-def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS) -> set[bytes]:
+def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS, sole: bool = True) -> set[bytes]:
     """The handle keys of one string of an output of `upstream`: one per identifier-shaped word
-    with a digit it writes, and a `sole` one when it writes only one; at most `limit`."""
+    with a digit it writes, and (with `sole`: trusted text) a `sole` one when it writes only
+    one; at most `limit`."""
     found: set[str] = set()
     for m in _HANDLE.finditer(text):
         if len(found) >= limit:
             break
         found.add(m.group())
     keys = {handle_key(upstream, h) for h in found}
-    if len(found) == 1 and len(keys) < limit:
+    if sole and len(found) == 1 and len(keys) < limit:
         keys.add(handle_key(upstream, next(iter(found)), sole=True))
     return keys
 

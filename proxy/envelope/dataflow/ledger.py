@@ -103,8 +103,10 @@ class LedgerDelta:
         for piece in parts:
             if trusted and endorsing > 0:
                 # The identifiers this output hands out, whatever its label (`endorse`:
-                # handles): recorded with the endorsing keys, they never taint the run.
-                keys = handle_keys(upstream, piece.text[:MAX_TRUSTED_CHARS], endorsing)
+                # handles): recorded with the endorsing keys, they never taint the run. Only
+                # trusted text makes a sole handle: an injected "reply to m-999" writes one id.
+                keys = handle_keys(upstream, piece.text[:MAX_TRUSTED_CHARS], endorsing,
+                                   sole=not piece.label.tracked)
                 delta.trusted.update(keys)
                 endorsing -= len(keys)
             if not piece.label.tracked:
