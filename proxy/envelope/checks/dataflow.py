@@ -10,7 +10,15 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.endorse import Critical, IntentWords, critical_values, id_argument
+from proxy.envelope.dataflow.endorse import (
+    Critical,
+    IntentWords,
+    critical_values,
+    entry_key,
+    entry_value_forms,
+    id_argument,
+    pick_key,
+)
 from proxy.envelope.dataflow.intent import Endorsement, IntentError
 from proxy.envelope.dataflow.ledger import (
     Ledger,
@@ -42,6 +50,8 @@ from proxy.policy.model import DataflowPolicy, escalates
 from proxy.policy.vocab import Effect
 from proxy.store.base import Store
 
+# Most ledger lookups one call makes for entries of trusted listings picked by the intent.
+MAX_PICK_KEYS = 4096
 PENDING_GRACE = 30.0  # seconds past the upstream timeout before a pending marker counts as lost
 
 log = logging.getLogger("envelope.dataflow")
@@ -340,6 +350,39 @@ class DataflowCheck:
                         for ptr, source in endorsed.items() if any(f.argument == ptr for f in flagged)]
         return kept
 
+    async def _picked(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
+                      endorsed: list[dict[str, Any]]) -> list[Critical]:
+        """Of `left`, those no entry of a trusted listing picked by the intent holds
+        (`endorse.entry_keys`: every word of the intent that picks an entry of a listing of the
+        run picks the one holding the value); the others are added to `endorsed`
+        (`by: intent+trusted_listing`, the words). One more ledger read, only for a call that
+        is about to be escalated; past MAX_PICK_KEYS lookups nothing is endorsed this way."""
+        said = words.words()
+        forms = {c.pointer: entry_value_forms(c) for c in left}
+        wanted = [pick_key(w) for w in said]
+        wanted += [entry_key(w, f) for w in said for fs in forms.values() for f in fs]
+        if not said or len(wanted) > MAX_PICK_KEYS or not any(forms.values()):
+            return left
+        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
+                            ttl=self._ttl)
+        if ledger is None:
+            return left
+
+        def trusted(key: bytes) -> bool:
+            found = ledger.find(key)
+            return found is not None and found.startswith("trusted|")
+
+        picked = [w for w in said if trusted(pick_key(w))]
+        if not picked:
+            return left
+        still = []
+        for critical in left:
+            if any(all(trusted(entry_key(w, f)) for w in picked) for f in forms[critical.pointer]):
+                endorsed.append({"arg": critical.pointer, "by": "intent+trusted_listing", "words": picked[:5]})
+            else:
+                still.append(critical)
+        return still
+
     async def _tainted(self, store: Store, call: ToolCall, ledger: Ledger, action: str,
                        criticals: list[Critical], cut: bool) -> Decision | None:
         """Tainted-run escalation (`on_tainted` approve/block): None when the run never read
@@ -379,7 +422,7 @@ class DataflowCheck:
                                      "source": found[len("trusted|"):]})
                 else:
                     still.append(critical)
-            left = still
+            left = await self._picked(store, call, words, still, endorsed) if still else still
         unendorsed = list(dict.fromkeys(c.pointer for c in left))
         if cut:
             unendorsed.append("(more values than are checked)")

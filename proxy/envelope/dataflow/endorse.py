@@ -49,6 +49,16 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   source whose only token is the attacker's (an injection in a document that had none, a
   thread where only the attacker wrote an address). The user did point there; a person must.
 
+- an **entry of a trusted listing the intent picks**: a listing (a trusted string of several
+  entries: lines, "|", ";" or sentences) whose entries hold addresses, accounts, amounts or
+  ids is a choice; a word of the intent (3 letters or more) that occurs in exactly one of its
+  entries picks that entry ("pay my landlord": "p-1 Greystone Properties (landlord) IBAN
+  ..."), and every value of that entry is endorsed, only when *every* word of the intent that
+  picks an entry of any trusted listing of the run picks this one (`entry_keys`: "refund
+  order O-8812" also picks the entry "Other order of this customer: O-8790 ...", so it
+  endorses neither). The attacker can change neither the listing nor the intent; what this
+  cannot tell is a user criterion that no single word of the entry carries ("the cheapest").
+
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
 `allow`; at most `MAX_KEYS` per output (a value past them is simply not endorsed: more
@@ -70,6 +80,7 @@ MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as on
 MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
 MAX_DEPTH = 32
+MAX_WORDS = 256  # most distinct words of an intent that pick entries of trusted listings
 IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
 
 # Stripped from both ends of a value and of a phrase: "pay Acme Ltd." names "acme ltd".
@@ -274,6 +285,64 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     return {_hash(k) for k in list(found)[:limit]}
 
 
+def _words(norm: str) -> set[str]:
+    return {w for w in _WORD.findall(norm) if len(w) >= 3}
+
+
+def entry_value_forms(critical: Critical) -> list[str]:
+    """The forms under which an entry of a listing records a value (`entry_keys`)."""
+    forms = []
+    if critical.number is not None and distinctive(critical.number):
+        forms.append(f"n:{critical.number}")
+    if critical.token is not None:
+        forms.append(f"t:{critical.token}")
+    if isinstance(critical.value, str | int) and _HANDLE_VALUE.fullmatch(str(critical.value).strip()):
+        forms.append(f"h:{normalise(str(critical.value).strip())}")
+    return forms
+
+
+def pick_key(word: str) -> bytes:
+    """The key saying that `word` picks one entry of some trusted listing of the run."""
+    return _key("ew", word)
+
+
+def entry_key(word: str, form: str) -> bytes:
+    """The key saying that the entry `word` picks holds the value of `form`."""
+    return _key("e", f"{word}|{form}")
+
+
+def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+    """The keys of a trusted listing's entries that a word of the intent can pick: for each word
+    (3 letters or more) that occurs in exactly one entry holding a value (an address, account
+    number, distinctive amount or id), `pick_key(word)` and `entry_key(word, value)` for each
+    value of that entry. A string of one entry records nothing (it is not a choice: its values
+    are endorsed as a record's already)."""
+    entries = []
+    for part in _RECORDS.split(text):
+        norm = normalise(part)
+        forms = {f"t:{v}" for _, v in tokens(part)}
+        forms |= {f"n:{n}" for n in numbers(norm) if distinctive(n)}
+        forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
+        if forms:
+            entries.append((_words(norm), forms))
+    if len(entries) < 2:
+        return set()
+    seen: dict[str, int] = {}
+    for words, _ in entries:
+        for w in words:
+            seen[w] = seen.get(w, 0) + 1
+    out: set[bytes] = set()
+    for words, forms in entries:
+        for w in sorted(words):
+            if seen[w] != 1:
+                continue
+            if len(out) + len(forms) + 1 > limit:
+                return out
+            out.add(pick_key(w))
+            out.update(entry_key(w, f) for f in forms)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Critical:
     """One critical value of a sink call: where it is, what it is, and the keys a trusted
@@ -295,6 +364,8 @@ class Critical:
     # The key of the value as the one token (or amount) of a read the intent pointed at
     # (`pointed_keys`).
     pointed: bytes | None = None
+    # Its longest distinctive token (an address, URL, account number) when it is one.
+    token: str | None = None
 
     @classmethod
     def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
@@ -312,7 +383,7 @@ class Critical:
         norm = _strip(normalise(value))
         keys: list[bytes] = []
         number = None
-        candidate = pointed = None
+        candidate = pointed = whole_token = None
         m = _WHOLE_NUMBER.match(norm)
         if m is not None:
             # A number written as a string follows the rules of numbers (not of phrases: "2"
@@ -332,9 +403,10 @@ class Critical:
             if len(token) * 2 >= len(norm):
                 keys.append(_key(f"t{kind}", token))
                 pointed = pointed_key(kind, token)
+                whole_token = token
                 if kind == "email":
                     candidate = _key("c", token)
-        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate, pointed)
+        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate, pointed, whole_token)
 
 
 def _json_number(value: int | float) -> str | None:
@@ -432,6 +504,12 @@ class IntentWords:
             return False
         critical = Critical.of("", value)
         return critical.number is None and bool(critical.norm) and self.endorses(critical)
+
+    def words(self) -> list[str]:
+        """The intent's words of 3 letters or more; none when there are more than MAX_WORDS (the
+        lookups are bounded, and a word left out could be one that makes a pick ambiguous)."""
+        found = sorted({w for text in self.texts for w in _words(text)})
+        return found if len(found) <= MAX_WORDS else []
 
     def names(self, critical: Critical) -> bool:
         """Whether the intent names the owner of an address: a word of 3 letters or more of

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from proxy.envelope.dataflow.endorse import (
     MAX_KEYS,
+    entry_keys,
     handle_key,
     handle_keys,
     pointed_keys,
@@ -113,6 +114,8 @@ class LedgerDelta:
                 # A trusted piece (yielded only when asked for): what it endorses, no taint.
                 if trusted and endorsing > 0:
                     keys = trusted_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing)
+                    # The entries of a listing a word of the intent may pick (`endorse`).
+                    keys |= entry_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing - len(keys))
                     delta.trusted.update(keys)
                     endorsing -= len(keys)
                 continue

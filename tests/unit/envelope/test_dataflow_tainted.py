@@ -19,9 +19,11 @@ from proxy.envelope.dataflow.endorse import (
     Critical,
     IntentWords,
     critical_values,
+    entry_keys,
     handle_keys,
     id_argument,
     number_words,
+    pick_key,
     pointed_keys,
     trusted_keys,
 )
@@ -532,3 +534,46 @@ def test_a_pointed_read_endorses_its_one_amount_with_decimals() -> None:
     assert Critical.of("/amount", "500.00").pointed not in pointed_keys([INVOICE])
     two = pointed_keys([INVOICE + " A late fee of 12.50 applies."])
     assert Critical.of("/amount", "84.20").pointed not in two and Critical.of("/amount", "12.50").pointed not in two
+
+
+PAYEES = ("p-1 Greystone Properties (landlord) IBAN DE44 5001 0517 5407 3249 31; "
+          "p-2 Stadtwerke (utilities) IBAN DE21 3012 0400 0000 0123 45; p-3 Nordic Car Lease IBAN DE02 1203 0000 0000 2020 51")
+
+
+@pytest.mark.parametrize(("said", "value", "endorsed"), [
+    ("Pay my landlord this month's rent", "DE44 5001 0517 5407 3249 31", True),
+    ("Pay my landlord this month's rent", "p-1", True),  # the entry's id too
+    ("Pay my landlord this month's rent", "DE02 1203 0000 0000 2020 51", False),  # another entry
+    ("Pay my landlord, not the car lease", "DE44 5001 0517 5407 3249 31", False),  # two entries picked
+    ("Pay my landlord, not the car lease", "DE02 1203 0000 0000 2020 51", False),
+    ("Pay the rent", "DE44 5001 0517 5407 3249 31", False),  # no entry picked
+])
+async def test_an_entry_of_a_trusted_listing_the_intent_picks_endorses_its_values(
+        said: str, value: str, endorsed: bool) -> None:
+    """One of several accounts of a trusted listing is endorsed when every word of the intent
+    that picks an entry of a listing picks its entry (`by: intent+trusted_listing`); a word two
+    entries share ("IBAN") picks none, and an intent picking two entries endorses neither."""
+    store = MemoryStore()
+    check = DataflowCheck(_revision(), None,  # type: ignore[arg-type]
+                          Services(store=store, metrics=None, settings=Config()))
+    for source, text, label in (("web.hotels", PAYEES, TRUSTED), ("web.fetch", PAGE, UNTRUSTED)):
+        await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True),
+                     n=32, cap=65536, ttl=60)
+    await intents.append(store, RUN_KEY, said, max_chars=16384, ttl=60)
+    call = make_call("book", {"to": value}, upstream="web")
+    call.effect = Effect.EXTERNAL
+    decision = await check.decide(call)
+    if endorsed:
+        assert decision is None
+        assert call.audit_extra["tainted_run"]["endorsed"] == [
+            {"arg": "/to", "by": "intent+trusted_listing", "words": ["landlord"]}]
+    else:
+        assert _blocked(decision).audit["tainted_run"]["unendorsed"] == ["/to"]
+
+
+def test_a_word_every_entry_shares_or_a_single_record_picks_nothing() -> None:
+    contacts = ("Dana <dana@ledgerly.example> - accountant (current). "
+                "Omar <omar.quist@ledgerly.example> - accountant until 2023.")
+    keys = entry_keys(contacts)
+    assert pick_key("accountant") not in keys and pick_key("dana") in keys
+    assert not entry_keys("O-9020: items 129.00, shipping 6.50, delivered 5 days late.")
