@@ -51,8 +51,8 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
 
 - an **entry of a trusted listing the intent picks**: a listing (a trusted string of several
   entries: lines, "|", ";" or sentences) whose entries hold addresses, accounts, amounts or
-  ids is a choice; a word of the intent (3 letters or more) that occurs in exactly one of its
-  entries picks that entry ("pay my landlord": "p-1 Greystone Properties (landlord) IBAN
+  ids is a choice; a word of the intent (3 letters or more, inflections folded: "plumber" /
+  "plumbing") that occurs in exactly one of its entries picks that entry ("pay my landlord": "p-1 Greystone Properties (landlord) IBAN
   ..."), and every value of that entry is endorsed, only when *every* word of the intent that
   picks an entry of any trusted listing of the run picks this one (`entry_keys`: "refund
   order O-8812" also picks the entry "Other order of this customer: O-8790 ...", so it
@@ -286,7 +286,14 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
 
 
 def _words(norm: str) -> set[str]:
-    return {w for w in _WORD.findall(norm) if len(w) >= 3}
+    """The words of 3 letters or more of a normalised text, one-word inflections folded
+    ("plumber" and "plumbing" are "plumb"; a stem shorter than 4 letters stays whole)."""
+    out = set()
+    for w in _WORD.findall(norm):
+        if len(w) >= 3:
+            stem = _SUFFIX.sub("", w)
+            out.add(stem if len(stem) >= 4 else w)
+    return out
 
 
 def entry_value_forms(critical: Critical) -> list[str]:

@@ -577,3 +577,7 @@ def test_a_word_every_entry_shares_or_a_single_record_picks_nothing() -> None:
     keys = entry_keys(contacts)
     assert pick_key("accountant") not in keys and pick_key("dana") in keys
     assert not entry_keys("O-9020: items 129.00, shipping 6.50, delivered 5 days late.")
+    # One-word inflections are folded: "the plumber" picks "Kovac Plumbing".
+    payees = entry_keys("p-7 Kovac Plumbing IBAN DE75 5121 0800 1245 1261 99; p-8 City Gym IBAN DE18 5001 0517 0000 4545 11")
+    assert IntentWords.of(["Pay the plumber 180 euros"]).words() == ["euro", "pay", "plumb", "the"]
+    assert pick_key("plumb") in payees and pick_key("iban") not in payees
