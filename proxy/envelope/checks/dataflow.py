@@ -17,6 +17,7 @@ from proxy.envelope.dataflow.endorse import (
     entry_key,
     entry_value_forms,
     id_argument,
+    names_object,
     pick_key,
 )
 from proxy.envelope.dataflow.intent import Endorsement, IntentError
@@ -209,7 +210,7 @@ class DataflowCheck:
                 call.read_handles = tuple(dict.fromkeys(ids))
                 found["clean_ids"] = list(call.read_handles)
             values = critical_values(call.arguments, list(call.arguments))[0]
-            if any(isinstance(c.value, str) for c in values):
+            if any(names_object(c.value) for c in values):
                 texts = await intents.load(store, call.run.key)
                 words = IntentWords.of(texts) if texts else None
                 pointed = [c.pointer for c in values if words is not None and words.points_at(c.value)]

@@ -180,6 +180,12 @@ def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS, sole: bool = Tr
     return keys
 
 
+def names_object(value: Any) -> bool:
+    """Whether a read's argument value can name one object (a path, URL, file name or record
+    id: a string with a digit, "/" or "."), not a place anyone writes into (a bare word)."""
+    return isinstance(value, str) and _OBJECT.search(value) is not None
+
+
 def pointed_key(kind: str, value: str) -> bytes:
     """The endorsing key of a distinctive token written by a read the intent pointed at."""
     return _key(f"p{kind}", value)
@@ -507,7 +513,7 @@ class IntentWords:
         URL, file name or record id (a string with a digit, "/" or "."), not a bare word (a
         channel, folder or search term names a place anyone can write into: its only token may
         be the attacker's) nor a bare number (every intent endorses the count 1)."""
-        if not isinstance(value, str) or _OBJECT.search(value) is None:
+        if not names_object(value):
             return False
         critical = Critical.of("", value)
         return critical.number is None and bool(critical.norm) and self.endorses(critical)
