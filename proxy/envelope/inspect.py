@@ -260,10 +260,13 @@ class Inspector:
 
     # -- the ledger -----------------------------------------------------------------------
 
-    async def delta(self, subject: Subject, message: Mapping[str, Any]) -> LedgerDelta:
+    async def delta(self, subject: Subject, message: Mapping[str, Any], *, handles: tuple[str, ...] = (),
+                    pointed: bool = False) -> LedgerDelta:
         """What delivering `message` adds to the run's ledger (computed, not yet written): at
         most `max_output_chars` of it are fingerprinted (past that the run turns coarse), in a
-        worker thread when it is large (`proxy.envelope.dataflow.offload`)."""
+        worker thread when it is large (`proxy.envelope.dataflow.offload`). `handles` and
+        `pointed`: what the data-flow check found about the read (`ToolCall.read_endorses`),
+        recorded only when some sink escalates."""
         policy = self.dataflow
         payload = payload_of(message)
         # Trusted content is read only when some sink escalates tainted runs (it endorses).
@@ -274,7 +277,8 @@ class Inspector:
             found = all_pieces(payload, subject.labels.base, subject.source, trusted)
         return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,
                               window=policy.winnow, max_chars=policy.max_output_chars,
-                              min_value=policy.min_value, trusted=trusted)
+                              min_value=policy.min_value, trusted=trusted,
+                              handles=handles if trusted else (), pointed=pointed and trusted)
 
     async def record(self, store: Store, recent: RecentWrites, run: RunContext, delta: LedgerDelta,
                      done: str | None = None) -> None:

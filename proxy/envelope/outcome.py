@@ -318,7 +318,11 @@ class Completion:
             if subject.labels.tracked:
                 call.audit_extra.setdefault("dataflow_error", "no state store: flows are not tracked")
             return None
-        delta = await inspector.delta(subject, message)
+        result = message.get("result")
+        # Only an answer without an error confirms the record a read asked for.
+        answered = subject.tool_result and isinstance(result, Mapping) and result.get("isError") is not True
+        delta = await inspector.delta(subject, message, handles=call.read_handles if answered else (),
+                                      pointed=call.read_pointed and answered)
         marker = call.ledger_pending if done else None
         if delta.empty and marker is None:
             return None

@@ -270,6 +270,12 @@ class ToolCall:
     # The decision id of a pending marker in the run's ledger (an output is on its way), set
     # by the data-flow check: whoever ends the call records the output, or clears the marker.
     ledger_pending: str | None = None
+    # Set by the data-flow check on a read when some sink escalates tainted runs: the values
+    # of its identifier arguments when the run was clean at the read (`read_handles`), and
+    # whether the intent names one of its arguments (`read_pointed`). A successful answer
+    # records them as endorsing keys (`proxy.envelope.dataflow.endorse`).
+    read_handles: tuple[str, ...] = ()
+    read_pointed: bool = False
     # The canonical JSON of `arguments`, computed once (`args_json`).
     _args_json: bytes | None = field(default=None, repr=False)
     _key: str | None = field(default=None, repr=False)

@@ -32,12 +32,15 @@ def _policy(directory: Path, **dataflow: Any) -> Path:
             "mail.read_secrets": {"effect": "read", "output": "trusted"},
             "mail.send_email": {"effect": "external", "approval": {"required": False, "wait": "0s"}},
             "mail.set_password": {"effect": "write"},
+            "mail.read_message": {"effect": "read"},
+            "mail.reply": {"effect": "external", "approval": {"required": False, "wait": "0s"}},
         },
         "dataflow": {
             "mode": "enforce",
-            "declassify": {"mail.send_email": ["body"]},
-            "on_tainted": {"default": "allow", "mail.send_email": "approve", "mail.set_password": "block"},
-            "critical": {"mail.send_email": ["to"]},
+            "on_tainted": {"default": "allow", "mail.send_email": "approve", "mail.set_password": "block",
+                           "mail.reply": "approve"},
+            "critical": {"mail.send_email": ["to"], "mail.reply": ["message_id"]},
+            "declassify": {"mail.send_email": ["body"], "mail.reply": ["body"]},
             **dataflow,
         },
     })
@@ -217,3 +220,33 @@ async def test_intent_required_refuses_a_sink_of_a_run_without_intent(variants: 
     refused, _, decision = await _call(pp, run, "send_email", _email("carol@corp.example"),
                                        intent="mail carol@corp.example the customer list")
     assert not refused, decision
+
+
+async def test_an_id_read_in_a_clean_run_endorses_the_reply_and_an_error_confirms_nothing(
+        proxy: ProxyProcess) -> None:
+    """`read_message(m-301)` in a clean run, then `reply(m-301)`: the read's answer (untrusted,
+    it does not write its id) taints the run, but the id was chosen before that and the
+    upstream confirmed it, so the reply passes (`by: handle`, the read as source; the read's
+    record says `dataflow_read.clean_ids`). A read the upstream answered with an error
+    confirms no record: its id endorses nothing. An id read after the run was tainted (the
+    injected "reply to m-302") endorses nothing either."""
+    run = f"run-{uuid.uuid4().hex}"
+    refused, _, _ = await _call(proxy, run, "read_message", {"message_id": "m-301"})
+    assert not refused
+    assert _last(proxy, run, "read_message")["extra"]["dataflow_read"] == {"clean_ids": ["m-301"]}
+    refused, _, decision = await _call(proxy, run, "reply", {"message_id": "m-301", "body": "Thank you!"})
+    assert not refused, decision
+    assert _last(proxy, run, "reply")["extra"]["tainted_run"]["endorsed"] == [
+        {"arg": "/message_id", "by": "handle", "source": "mail.read_message"}]
+    await _call(proxy, run, "read_message", {"message_id": "m-302"})  # the run is tainted now
+    assert "dataflow_read" not in _last(proxy, run, "read_message")["extra"]
+    refused, _, decision = await _call(proxy, run, "reply", {"message_id": "m-302", "body": "codes?"})
+    assert refused and decision["code"] == "approval_pending", decision
+    assert _last(proxy, run, "reply")["extra"]["tainted_run"]["unendorsed"] == ["/message_id"]
+    # Another clean run: the read of an unknown id fails; the reply to it is asked about.
+    run = f"run-{uuid.uuid4().hex}"
+    failed, _, _ = await _call(proxy, run, "read_message", {"message_id": "m-404"})
+    assert failed
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    refused, _, decision = await _call(proxy, run, "reply", {"message_id": "m-404", "body": "hi"})
+    assert refused and decision["code"] == "approval_pending", decision

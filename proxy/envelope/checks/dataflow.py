@@ -10,12 +10,22 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.endorse import Critical, IntentWords, critical_values
+from proxy.envelope.dataflow.endorse import (
+    Critical,
+    IntentWords,
+    critical_values,
+    entry_key,
+    entry_value_forms,
+    id_argument,
+    names_object,
+    pick_key,
+)
 from proxy.envelope.dataflow.intent import Endorsement, IntentError
 from proxy.envelope.dataflow.ledger import (
     Ledger,
     load,
     mark_pending,
+    run_flags,
 )
 from proxy.envelope.dataflow.match import (
     Finding,
@@ -41,6 +51,8 @@ from proxy.policy.model import DataflowPolicy, escalates
 from proxy.policy.vocab import Effect
 from proxy.store.base import Store
 
+# Most ledger lookups one call makes for entries of trusted listings picked by the intent.
+MAX_PICK_KEYS = 4096
 PENDING_GRACE = 30.0  # seconds past the upstream timeout before a pending marker counts as lost
 
 log = logging.getLogger("envelope.dataflow")
@@ -162,6 +174,8 @@ class DataflowCheck:
                 return Decision(Verdict.DENY, Code.INVALID_REQUEST, self.id,
                                 f"the run has no intent on record ({intents.HEADER} or the admin API) "
                                 "and the policy requires one before any side effect", "dataflow.intent")
+            if not sink and self._escalates:
+                await self._read_endorses(store, call)
             decision = await self._check_sink(store, call) if sink else None
             if decision is None and labels.tracked and call.run.session:
                 # A session's stream may be resumed with GET + Last-Event-ID after the client
@@ -180,6 +194,34 @@ class DataflowCheck:
             return Decision(Verdict.ERROR, Code.STORE_UNAVAILABLE, self.id,
                             f"the state store cannot answer for the run's data-flow ledger ({exc or 'timed out'}); "
                             "sinks are refused until it can")
+
+    async def _read_endorses(self, store: Store, call: ToolCall) -> None:
+        """What a read's answer will endorse (`endorse`: a read by id in a clean run, a read the
+        user pointed at), set on the call for `Envelope.complete` to record with its output
+        and audited `extra.dataflow_read`. A store that cannot answer endorses nothing (the
+        run escalates more, never less); the read itself is not refused for it."""
+        found: dict[str, Any] = {}
+        try:
+            names = [name for name in call.arguments if id_argument(name)]
+            ids = [str(c.value) for c in critical_values(call.arguments, names, call.upstream)[0]
+                   if c.handle is not None] if names else []
+            if ids and not (await run_flags(store, call.run.key))[0]:
+                # Nothing read through the proxy can have chosen these ids: the run was clean.
+                call.read_handles = tuple(dict.fromkeys(ids))
+                found["clean_ids"] = list(call.read_handles)
+            values = critical_values(call.arguments, list(call.arguments))[0]
+            if any(names_object(c.value) for c in values):
+                texts = await intents.load(store, call.run.key)
+                words = IntentWords.of(texts) if texts else None
+                pointed = [c.pointer for c in values if words is not None and words.points_at(c.value)]
+                if pointed:
+                    call.read_pointed = True
+                    found["pointed_by"] = pointed
+        except (StoreError, TimeoutError) as exc:
+            call.read_handles, call.read_pointed = (), False
+            found = {"error": f"state store unavailable: {exc or 'timed out'}; the read endorses nothing"}
+        if found:
+            call.audit_extra["dataflow_read"] = found
 
     def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
         """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
@@ -242,7 +284,7 @@ class DataflowCheck:
         action = self._on_tainted(call) if self._escalates else "allow"
         criticals, cut = self.criticals(call) if action != "allow" else ([], False)
         wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
-        wanted += [k for c in criticals for k in (c.candidate, c.handle, c.sole) if k is not None]
+        wanted += [k for c in criticals for k in (c.candidate, c.handle, c.sole, c.pointed) if k is not None]
         ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
                             ttl=self._ttl)
         if ledger is None:
@@ -256,6 +298,8 @@ class DataflowCheck:
                 flagged, declassified, endorsed = self.findings(call, ledger, probes, endorsement)
                 if endorsed:
                     call.audit_extra["endorsed"] = endorsed
+        if flagged and criticals:
+            flagged = self._pointed(call, ledger, flagged, criticals)
         if declassified:
             call.audit_extra["dataflow_declassified"] = [f.as_dict() for f in declassified]
         if not flagged:
@@ -287,6 +331,59 @@ class DataflowCheck:
         return Decision(Verdict.DENY, Code.DATAFLOW_POLICY_BLOCKED, self.id, reason, rule,
                         audit={"dataflow": {**audit, "on_flag": "block"}})
 
+    @staticmethod
+    def _pointed(call: ToolCall, ledger: Ledger, flagged: list[Finding],
+                 criticals: list[Critical]) -> list[Finding]:
+        """`flagged` without the findings on a critical argument whose value is the one token of
+        a read the user pointed at (`endorse.pointed_keys`); what was endorsed so is audited
+        `extra.endorsed` (`by: pointed_read`, the read as source)."""
+        endorsed: dict[str, str] = {}
+        for critical in criticals:
+            found = ledger.find(critical.pointed) if critical.pointed is not None else None
+            if found is not None and found.startswith("trusted|"):
+                endorsed[critical.pointer] = found[len("trusted|"):]
+        if not endorsed:
+            return flagged
+        kept = [f for f in flagged if f.argument not in endorsed]
+        if len(kept) < len(flagged):
+            entries = call.audit_extra.setdefault("endorsed", [])
+            entries += [{"arg": ptr, "by": "pointed_read", "source": source}
+                        for ptr, source in endorsed.items() if any(f.argument == ptr for f in flagged)]
+        return kept
+
+    async def _picked(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
+                      endorsed: list[dict[str, Any]]) -> list[Critical]:
+        """Of `left`, those no entry of a trusted listing picked by the intent holds
+        (`endorse.entry_keys`: every word of the intent that picks an entry of a listing of the
+        run picks the one holding the value); the others are added to `endorsed`
+        (`by: intent+trusted_listing`, the words). One more ledger read, only for a call that
+        is about to be escalated; past MAX_PICK_KEYS lookups nothing is endorsed this way."""
+        said = words.words()
+        forms = {c.pointer: entry_value_forms(c) for c in left}
+        wanted = [pick_key(w) for w in said]
+        wanted += [entry_key(w, f) for w in said for fs in forms.values() for f in fs]
+        if not said or len(wanted) > MAX_PICK_KEYS or not any(forms.values()):
+            return left
+        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
+                            ttl=self._ttl)
+        if ledger is None:
+            return left
+
+        def trusted(key: bytes) -> bool:
+            found = ledger.find(key)
+            return found is not None and found.startswith("trusted|")
+
+        picked = [w for w in said if trusted(pick_key(w))]
+        if not picked:
+            return left
+        still = []
+        for critical in left:
+            if any(all(trusted(entry_key(w, f)) for w in picked) for f in forms[critical.pointer]):
+                endorsed.append({"arg": critical.pointer, "by": "intent+trusted_listing", "words": picked[:5]})
+            else:
+                still.append(critical)
+        return still
+
     async def _tainted(self, store: Store, call: ToolCall, ledger: Ledger, action: str,
                        criticals: list[Critical], cut: bool) -> Decision | None:
         """Tainted-run escalation (`on_tainted` approve/block): None when the run never read
@@ -303,11 +400,12 @@ class DataflowCheck:
         for critical in criticals:
             # An external sink's object is what leaves: only a sole id endorses it (`endorse`).
             handle = critical.sole if call.effect is Effect.EXTERNAL else critical.handle
-            hit = next(((k, found[len("trusted|"):]) for k in (*critical.keys, handle)
+            hit = next(((k, found[len("trusted|"):]) for k in (*critical.keys, handle, critical.pointed)
                         if k is not None and (found := ledger.find(k)) is not None
                         and found.startswith("trusted|")), None)
             if hit is not None:
-                by = "trusted_output" if hit[0] in critical.keys else "handle"
+                by = ("trusted_output" if hit[0] in critical.keys
+                      else "pointed_read" if hit[0] == critical.pointed else "handle")
                 endorsed.append({"arg": critical.pointer, "by": by, "source": hit[1]})
             else:
                 left.append(critical)
@@ -325,7 +423,7 @@ class DataflowCheck:
                                      "source": found[len("trusted|"):]})
                 else:
                     still.append(critical)
-            left = still
+            left = await self._picked(store, call, words, still, endorsed) if still else still
         unendorsed = list(dict.fromkeys(c.pointer for c in left))
         if cut:
             unendorsed.append("(more values than are checked)")

@@ -24,11 +24,40 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   another object of the same upstream, and what is done to it (who receives it, how much)
   is in the call's other critical arguments, still checked. For an `external` sink the
   object is itself what leaves (which file is shared, which mail forwarded): there only the
-  **sole** id of an output's string endorses (a record read by its id), not one of a listing.
+  **sole** id of a trusted output's string endorses (a record read by its id), not one of a
+  listing, nor the one id an untrusted text writes (an injected "reply to m-999" writes one).
   Destructive effects on an object (delete by id) are stopped by the approval gate
   (`gated_effects`), not by endorsement.
 - the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine"); and any
   intent endorses 1, the count "add the hub" implies.
+- a **read by id made while the run was clean**: the values of a read's identifier arguments,
+  when the run had read no untrusted content at the time of the read (nothing read through the
+  proxy can have chosen them) and the upstream answered it without an error (the id names a
+  record of that upstream), are recorded as that upstream's *sole* handles: `read_email(m-301)`
+  then `reply_email(m-301)`. An id the agent reads only after the run is tainted ("reply to
+  m-999", injected) endorses nothing this way: an injected text can name a real record.
+- a **read the user pointed at**: when a string argument of a read that names one object (a
+  path, URL, file name or record id: a digit, "/" or "."; not a bare word such as a channel,
+  folder or search term, a place anyone writes into; not a bare number) is endorsed by the
+  intent ("pay the invoice in
+  Documents/invoices/lumen-march.pdf"), its untrusted output endorses the one distinctive
+  token it writes (address, account number, URL) and the one amount with decimals it writes
+  (`pointed_keys`), for a *critical* argument whose value is that token or amount, also
+  against a data-flow flag. An output that writes several
+  distinct tokens (the document's own account and an injected "use this one instead") is a
+  choice the user did not make: it endorses none. What this cannot tell apart: a pointed
+  source whose only token is the attacker's (an injection in a document that had none, a
+  thread where only the attacker wrote an address). The user did point there; a person must.
+
+- an **entry of a trusted listing the intent picks**: a listing (a trusted string of several
+  entries: lines, "|", ";" or sentences) whose entries hold addresses, accounts, amounts or
+  ids is a choice; a word of the intent (3 letters or more, inflections folded: "plumber" /
+  "plumbing") that occurs in exactly one of its entries picks that entry ("pay my landlord": "p-1 Greystone Properties (landlord) IBAN
+  ..."), and every value of that entry is endorsed, only when *every* word of the intent that
+  picks an entry of any trusted listing of the run picks this one (`entry_keys`: "refund
+  order O-8812" also picks the entry "Other order of this customer: O-8790 ...", so it
+  endorses neither). The attacker can change neither the listing nor the intent; what this
+  cannot tell is a user criterion that no single word of the entry carries ("the cheapest").
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
@@ -51,6 +80,7 @@ MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as on
 MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
 MAX_DEPTH = 32
+MAX_WORDS = 256  # most distinct words of an intent that pick entries of trusted listings
 IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
 
 # Stripped from both ends of a value and of a phrase: "pay Acme Ltd." names "acme ltd".
@@ -74,6 +104,8 @@ _HANDLE = re.compile(r"(?<![\w@/.:-])(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}(?![\w@/-
 _HANDLE_VALUE = re.compile(r"(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}")
 # An argument named as an identifier: "id", "email_id", "file-id", "eventId", "ids", "item_ids".
 _ID_NAME = re.compile(r"(?i:^ids?$|[_-]ids?$)|[a-z0-9]Ids?$")
+# What names one object rather than a place: a path, URL, file name or record id has one of these.
+_OBJECT = re.compile(r"[\d/.]")
 _UNITS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
           "fifteen sixteen seventeen eighteen nineteen").split()
 _TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()) if i >= 2}
@@ -133,17 +165,48 @@ def handle_key(upstream: str, handle: str, sole: bool = False) -> bytes:
     return _key("h1" if sole else "h", f"{upstream}/{handle}")
 
 
-def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS) -> set[bytes]:
+def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS, sole: bool = True) -> set[bytes]:
     """The handle keys of one string of an output of `upstream`: one per identifier-shaped word
-    with a digit it writes, and a `sole` one when it writes only one; at most `limit`."""
+    with a digit it writes, and (with `sole`: trusted text) a `sole` one when it writes only
+    one; at most `limit`."""
     found: set[str] = set()
     for m in _HANDLE.finditer(text):
         if len(found) >= limit:
             break
         found.add(m.group())
     keys = {handle_key(upstream, h) for h in found}
-    if len(found) == 1 and len(keys) < limit:
+    if sole and len(found) == 1 and len(keys) < limit:
         keys.add(handle_key(upstream, next(iter(found)), sole=True))
+    return keys
+
+
+def names_object(value: Any) -> bool:
+    """Whether a read's argument value can name one object (a path, URL, file name or record
+    id: a string with a digit, "/" or "."), not a place anyone writes into (a bare word)."""
+    return isinstance(value, str) and _OBJECT.search(value) is not None
+
+
+def pointed_key(kind: str, value: str) -> bytes:
+    """The endorsing key of a distinctive token written by a read the intent pointed at."""
+    return _key(f"p{kind}", value)
+
+
+def pointed_keys(texts: Iterable[str]) -> set[bytes]:
+    """The keys a pointed read's untrusted output records: those of its distinctive tokens when
+    they are all one value (an address and its host, an IBAN and its digits, a URL and its
+    host), and of its amount when it writes one number with decimals (the sum an invoice
+    asks for); none of several: one of several is a choice the user did not make."""
+    found: set[tuple[str, str]] = set()
+    amounts: set[str] = set()
+    for text in texts:
+        found |= tokens(text)
+        amounts |= {canonical_number(m.group(1), m.group(2))
+                    for m in _NUMBER.finditer(normalise(text)) if m.group(2) is not None}
+    values = {v for _, v in found}
+    distinct = {v for v in values if not any(v != w and v in w for w in values)}
+    keys = {pointed_key(kind, value) for kind, value in found} if len(distinct) == 1 else set()
+    if len(amounts) == 1:
+        keys.add(pointed_key("n", next(iter(amounts))))
     return keys
 
 
@@ -228,6 +291,71 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     return {_hash(k) for k in list(found)[:limit]}
 
 
+def _words(norm: str) -> set[str]:
+    """The words of 3 letters or more of a normalised text, one-word inflections folded
+    ("plumber" and "plumbing" are "plumb"; a stem shorter than 4 letters stays whole)."""
+    out = set()
+    for w in _WORD.findall(norm):
+        if len(w) >= 3:
+            stem = _SUFFIX.sub("", w)
+            out.add(stem if len(stem) >= 4 else w)
+    return out
+
+
+def entry_value_forms(critical: Critical) -> list[str]:
+    """The forms under which an entry of a listing records a value (`entry_keys`)."""
+    forms = []
+    if critical.number is not None and distinctive(critical.number):
+        forms.append(f"n:{critical.number}")
+    if critical.token is not None:
+        forms.append(f"t:{critical.token}")
+    if isinstance(critical.value, str | int) and _HANDLE_VALUE.fullmatch(str(critical.value).strip()):
+        forms.append(f"h:{normalise(str(critical.value).strip())}")
+    return forms
+
+
+def pick_key(word: str) -> bytes:
+    """The key saying that `word` picks one entry of some trusted listing of the run."""
+    return _key("ew", word)
+
+
+def entry_key(word: str, form: str) -> bytes:
+    """The key saying that the entry `word` picks holds the value of `form`."""
+    return _key("e", f"{word}|{form}")
+
+
+def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+    """The keys of a trusted listing's entries that a word of the intent can pick: for each word
+    (3 letters or more) that occurs in exactly one entry holding a value (an address, account
+    number, distinctive amount or id), `pick_key(word)` and `entry_key(word, value)` for each
+    value of that entry. A string of one entry records nothing (it is not a choice: its values
+    are endorsed as a record's already)."""
+    entries = []
+    for part in _RECORDS.split(text):
+        norm = normalise(part)
+        forms = {f"t:{v}" for _, v in tokens(part)}
+        forms |= {f"n:{n}" for n in numbers(norm) if distinctive(n)}
+        forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
+        if forms:
+            entries.append((_words(norm), forms))
+    if len(entries) < 2:
+        return set()
+    seen: dict[str, int] = {}
+    for words, _ in entries:
+        for w in words:
+            seen[w] = seen.get(w, 0) + 1
+    out: set[bytes] = set()
+    for words, forms in entries:
+        for w in sorted(words):
+            if seen[w] != 1:
+                continue
+            if len(out) + len(forms) + 1 > limit:
+                return out
+            out.add(pick_key(w))
+            out.update(entry_key(w, f) for f in forms)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Critical:
     """One critical value of a sink call: where it is, what it is, and the keys a trusted
@@ -246,6 +374,11 @@ class Critical:
     # The key of the value as one of several addresses of a trusted listing (`trusted_keys`):
     # it endorses only with the intent naming the address's owner (`IntentWords.names`).
     candidate: bytes | None = None
+    # The key of the value as the one token (or amount) of a read the intent pointed at
+    # (`pointed_keys`).
+    pointed: bytes | None = None
+    # Its longest distinctive token (an address, URL, account number) when it is one.
+    token: str | None = None
 
     @classmethod
     def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
@@ -258,11 +391,12 @@ class Critical:
         if isinstance(value, int | float):
             number = _json_number(value)
             of_number = [_key("n", number)] if number is not None and distinctive(number) else []
-            return cls(pointer, value, "", number, tuple(of_number), handle, sole)
+            amount = pointed_key("n", number) if number is not None and "." in number else None
+            return cls(pointer, value, "", number, tuple(of_number), handle, sole, None, amount)
         norm = _strip(normalise(value))
         keys: list[bytes] = []
         number = None
-        candidate = None
+        candidate = pointed = whole_token = None
         m = _WHOLE_NUMBER.match(norm)
         if m is not None:
             # A number written as a string follows the rules of numbers (not of phrases: "2"
@@ -270,6 +404,8 @@ class Critical:
             number = canonical_number(m.group(1), m.group(2))
             if distinctive(number):
                 keys.append(_key("n", number))
+            if "." in number:
+                pointed = pointed_key("n", number)
         elif norm:
             keys.append(_key("v", norm))
         found = tokens(value)
@@ -279,9 +415,11 @@ class Critical:
             kind, token = max(found, key=lambda t: (len(t[1]), t))
             if len(token) * 2 >= len(norm):
                 keys.append(_key(f"t{kind}", token))
+                pointed = pointed_key(kind, token)
+                whole_token = token
                 if kind == "email":
                     candidate = _key("c", token)
-        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate)
+        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate, pointed, whole_token)
 
 
 def _json_number(value: int | float) -> str | None:
@@ -369,6 +507,22 @@ class IntentWords:
             if len(stem) >= 4 and any(stem in _WORD.findall(text) for text in self.texts):
                 return True
         return False
+
+    def points_at(self, value: Any) -> bool:
+        """Whether a read's argument value names one object and the intent names it: a path,
+        URL, file name or record id (a string with a digit, "/" or "."), not a bare word (a
+        channel, folder or search term names a place anyone can write into: its only token may
+        be the attacker's) nor a bare number (every intent endorses the count 1)."""
+        if not names_object(value):
+            return False
+        critical = Critical.of("", value)
+        return critical.number is None and bool(critical.norm) and self.endorses(critical)
+
+    def words(self) -> list[str]:
+        """The intent's words of 3 letters or more; none when there are more than MAX_WORDS (the
+        lookups are bounded, and a word left out could be one that makes a pick ambiguous)."""
+        found = sorted({w for text in self.texts for w in _words(text)})
+        return found if len(found) <= MAX_WORDS else []
 
     def names(self, critical: Critical) -> bool:
         """Whether the intent names the owner of an address: a word of 3 letters or more of

@@ -12,7 +12,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from proxy.envelope.dataflow.endorse import MAX_KEYS, handle_keys, trusted_keys
+from proxy.envelope.dataflow.endorse import (
+    MAX_KEYS,
+    entry_keys,
+    handle_key,
+    handle_keys,
+    pointed_keys,
+    trusted_keys,
+)
 from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     gram_length,
@@ -75,34 +82,46 @@ class LedgerDelta:
     def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None,
            window: int = DEFAULT_WINNOW,
            max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS, min_value: int = 0,
-           trusted: bool = False) -> LedgerDelta:
+           trusted: bool = False, handles: Iterable[str] = (), pointed: bool = False) -> LedgerDelta:
         """The fingerprints of labelled pieces (grams winnowed with `window`; with `min_value`,
         0: off, also the whole-value phrases of untrusted pieces; with `trusted`, the
-        endorsing keys of trusted pieces, at most `endorse.MAX_KEYS`). Beyond `limit`
-        fingerprints, or `max_chars` characters of its pieces, the rest of the output is not
-        hashed and the delta says `overflow` (bounded work per output)."""
+        endorsing keys of trusted pieces, at most `endorse.MAX_KEYS`, the sole-handle keys of
+        `handles` (the ids a read made in a clean run was asked for) and, with `pointed` (a
+        read the intent pointed at), the keys of the one token its untrusted pieces write).
+        Beyond `limit` fingerprints, or `max_chars` characters of its pieces, the rest of the
+        output is not hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
+        upstream = source.split(".", 1)[0]  # upstream names hold no "."
+        if trusted:
+            for handle in list(handles)[:MAX_KEYS // 2]:
+                delta.trusted |= {handle_key(upstream, handle), handle_key(upstream, handle, sole=True)}
+        pointed_texts: list[str] = []
         budget = max_chars
         shortest = min(MIN_TOKEN, gram_length(n, window))
         if min_value:
             shortest = min(shortest, MIN_PHRASE_CHARS)
-        endorsing = MAX_KEYS  # endorsing keys this output may still record
-        upstream = source.split(".", 1)[0]  # upstream names hold no "."
+        endorsing = MAX_KEYS - len(delta.trusted)  # endorsing keys this output may still record
         for piece in parts:
             if trusted and endorsing > 0:
                 # The identifiers this output hands out, whatever its label (`endorse`:
-                # handles): recorded with the endorsing keys, they never taint the run.
-                keys = handle_keys(upstream, piece.text[:MAX_TRUSTED_CHARS], endorsing)
+                # handles): recorded with the endorsing keys, they never taint the run. Only
+                # trusted text makes a sole handle: an injected "reply to m-999" writes one id.
+                keys = handle_keys(upstream, piece.text[:MAX_TRUSTED_CHARS], endorsing,
+                                   sole=not piece.label.tracked)
                 delta.trusted.update(keys)
                 endorsing -= len(keys)
             if not piece.label.tracked:
                 # A trusted piece (yielded only when asked for): what it endorses, no taint.
                 if trusted and endorsing > 0:
                     keys = trusted_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing)
+                    # The entries of a listing a word of the intent may pick (`endorse`).
+                    keys |= entry_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing - len(keys))
                     delta.trusted.update(keys)
                     endorsing -= len(keys)
                 continue
             label = "untrusted" if piece.label.untrusted else "secret"
+            if trusted and pointed and piece.label.untrusted:
+                pointed_texts.append(piece.text)
             delta.untrusted |= piece.label.untrusted
             delta.secret |= piece.label.secret
             if limit is not None and len(delta.grams) + len(delta.tokens) + len(delta.values) >= limit:
@@ -140,6 +159,10 @@ class LedgerDelta:
                 else:
                     for h in found:
                         into.setdefault(h, label)
+        # A pointed output longer than one trusted string's bound is not read for its token
+        # (bounded work): it endorses nothing, so the run escalates more, never less.
+        if pointed_texts and sum(map(len, pointed_texts)) <= MAX_TRUSTED_CHARS and endorsing > 0:
+            delta.trusted |= set(list(pointed_keys(pointed_texts))[:endorsing])
         return delta
 
     @property

@@ -41,8 +41,8 @@ async def _off_loop(work: Callable[[], T], executor: Executor | None) -> T:
 
 async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | None = None,
                    window: int = DEFAULT_WINNOW, max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
-                   min_value: int = 0, trusted: bool = False,
-                   executor: Executor | None = None) -> LedgerDelta:
+                   min_value: int = 0, trusted: bool = False, handles: tuple[str, ...] = (),
+                   pointed: bool = False, executor: Executor | None = None) -> LedgerDelta:
     """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
     default executor, or `executor`) when its pieces hold more than INLINE_CHARS characters.
     Raises what `LedgerDelta.of` raises; cancelling the caller does not stop a thread already
@@ -50,7 +50,7 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
     pieces = list(parts)
     size = sum(len(piece.text) for piece in pieces)
     work = functools.partial(LedgerDelta.of, source, pieces, n, limit, window, max_chars, min_value,
-                             trusted)
+                             trusted, handles, pointed)
     if min(size, size if max_chars is None else max_chars) <= INLINE_CHARS:
         return work()
     return await _off_loop(work, executor)
