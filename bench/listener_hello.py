@@ -1,0 +1,142 @@
+"""Server-side CPU per request of the MCP listener's HTTP server alone, side by side.
+
+Three servers answer a POST with a fixed JSON-RPC body (no envelope): `aiohttp` (aiohttp's own
+server, as `listener: aiohttp`), `fast` (the same `web.Application` served by
+proxy/app/fast_listener.py, as `listener: fast`) and `raw` (an asyncio protocol with httptools
+and no application: the floor). Each runs in its own uvloop process under `wrk -c32`; CPU per
+request is the server's utime+stime from /proc/<pid>/stat divided by wrk's request count.
+
+    python bench/listener_hello.py --duration 5 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BODY = b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"ok"}],"isError":false}}'
+LUA = ('wrk.method="POST"; wrk.body=\'{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+       '"params":{"name":"x","arguments":{}}}\'; wrk.headers["Content-Type"]="application/json"\n')
+
+
+def serve(kind: str, port: int) -> None:
+    import uvloop
+    from aiohttp import web
+
+    async def hello(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=BODY, content_type="application/json")
+
+    async def main() -> None:
+        if kind == "raw":
+            import httptools
+
+            resp = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d"
+                    b"\r\n\r\n%s" % (len(BODY), BODY))
+
+            class Raw(asyncio.Protocol):
+                def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                    self.t = transport
+                    self.p = httptools.HttpRequestParser(self)
+
+                def data_received(self, data: bytes) -> None:
+                    self.p.feed_data(data)
+
+                def on_message_complete(self) -> None:
+                    self.t.write(resp)  # type: ignore[attr-defined]
+
+            await asyncio.get_running_loop().create_server(Raw, "127.0.0.1", port)
+        else:
+            app = web.Application()
+            app.router.add_route("*", "/mcp/{up}", hello)
+            if kind == "fast":
+                from proxy.app.fast_listener import FastListener
+
+                listener = FastListener(app, header_timeout=10, keepalive_timeout=75,
+                                        shutdown_timeout=1)
+                await listener.setup()
+                await listener.start("127.0.0.1", port)
+            else:
+                runner = web.AppRunner(app, access_log=None)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure(kind: str, duration: int, lua: str) -> tuple[float, float]:
+    """(µs of server CPU per request, requests per second) for one wrk -c32 run."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port)])
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/mcp/x"
+        subprocess.run(["wrk", "-t1", "-c32", "-d1s", "-s", lua, url], capture_output=True, check=True)
+        before = cpu(proc.pid)
+        out = subprocess.run(["wrk", "-t1", "-c32", f"-d{duration}s", "-s", lua, url],
+                             capture_output=True, text=True, check=True).stdout
+        used = cpu(proc.pid) - before
+        match = re.search(r"(\d+) requests in", out)
+        if match is None or "Non-2xx" in out or "Socket errors" in out:
+            raise SystemExit(f"{kind}: wrk run not clean:\n{out}")
+        requests = int(match.group(1))
+        return used / requests * 1e6, requests / duration
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--duration", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.port)
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(LUA)
+    results: dict[str, list[tuple[float, float]]] = {"aiohttp": [], "fast": [], "raw": []}
+    for _ in range(args.rounds):  # interleaved: the machine's noise hits every server alike
+        for kind in results:
+            results[kind].append(measure(kind, args.duration, f.name))
+    os.unlink(f.name)
+    print("| server | µs CPU/request (median) | req/s (median) | ratio to aiohttp |")
+    print("|---|---|---|---|")
+    base = statistics.median(r[0] for r in results["aiohttp"])
+    for kind, rows in results.items():
+        us = statistics.median(r[0] for r in rows)
+        rps = statistics.median(r[1] for r in rows)
+        print(f"| {kind} | {us:.1f} | {rps:.0f} | {us / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
