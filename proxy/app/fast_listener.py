@@ -29,7 +29,8 @@ What a connection does, as aiohttp's `RequestHandler` does it:
   closes (nothing after it is read: no protocol switch is offered).
 - `web.HTTPException` from the router or a handler is its response; any other exception is
   logged and answered 500, and the connection closes.
-- A client that disconnects cancels its handler (aiohttp's `handler_cancellation=True`).
+- A client that disconnects cancels its handler (aiohttp's `handler_cancellation=True`); a
+  client that half-closes (sends FIN) counts as gone, as with aiohttp.
 - Timeouts: a request head must arrive within `header_timeout` of the connection opening or
   of the first byte of a later head (else the connection closes, counted by
   `on_header_timeout`); an idle connection closes after `keepalive_timeout`.
@@ -205,15 +206,6 @@ class _Connection(BaseProtocol):
                 elif self._head_timer is None:
                     self._head_timer = self._loop.call_later(self._listener.header_timeout,
                                                              self._head_expired)
-
-    def eof_received(self) -> bool:
-        # A half-closed client may still read its answers: keep the transport open for them.
-        self._stop_reading()
-        if self._task is None and not self._queue:
-            self._close()
-        else:
-            self._closing = True
-        return True
 
     def _pause_transport_reading(self) -> None:
         if not self._transport_paused:
