@@ -386,24 +386,21 @@ class _Connection(BaseProtocol):
         try:
             try:
                 response = await listener.handler(request)
-            except web.HTTPException as exc:
+            except web.HTTPException as exc:  # raised by the router or a handler: its response
                 response = exc
-            if self.transport is None:
-                return
-            keep_alive = await self._send(request, response)
+            if self.transport is not None:
+                keep_alive = await self._send(request, response)
         except asyncio.CancelledError:
-            keep_alive = False
             if self.transport is not None and not listener.closing:
-                raise  # cancelled from elsewhere, not by the client leaving
-        except (ConnectionError, RuntimeError) as exc:
-            keep_alive = False
-            log.debug("MCP listener: connection lost while answering: %s", exc)
-        except Exception:
-            keep_alive = False
-            log.exception("MCP listener: unhandled error answering %s %s", message.method,
-                          message.path)
-            if self.transport is not None and not writer._headers_written:
-                self.transport.write(_error_bytes(500, "Internal Server Error"))
+                raise  # cancelled from elsewhere, not by the client leaving or a shutdown
+        except Exception as exc:
+            if self.transport is None:  # the client left while its answer was being written
+                log.debug("MCP listener: connection lost while answering: %r", exc)
+            else:
+                log.exception("MCP listener: unhandled error answering %s %s", message.method,
+                              message.path)
+                if not writer._headers_written:  # else the client sees the connection close
+                    self.transport.write(_error_bytes(500, "Internal Server Error"))
         finally:
             self._task = None
             request._finish()
