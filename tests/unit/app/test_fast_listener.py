@@ -68,13 +68,13 @@ async def served() -> AsyncIterator[FastListener]:
         await listener.cleanup()
 
 
-async def exchange(listener: FastListener, data: bytes, timeout: float = 5) -> bytes:
+async def exchange(listener: FastListener, data: bytes, seconds: float = 5) -> bytes:
     """Send `data`, then read until the server closes the connection."""
     port = listener.addresses[0][1]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(seconds):
             return await reader.read(-1)
     finally:
         writer.close()
@@ -121,7 +121,7 @@ async def test_a_gzip_bomb_is_decoded_in_bounded_steps(served: FastListener) -> 
     bomb = gzip.compress(b"\0" * (64 * 2**20), compresslevel=9)
     head = (b"POST /count HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n" % len(bomb))
-    out = await exchange(served, head + bomb, timeout=30)
+    out = await exchange(served, head + bomb, seconds=30)
     assert out.startswith(b"HTTP/1.1 200 "), out[:200]
     total, largest = map(int, out.rsplit(b"\r\n\r\n", 1)[1].split(b":"))
     assert total == 64 * 2**20 and largest <= 2**20, (total, largest)
