@@ -372,6 +372,15 @@ def cel_engine_setting(flag: str | None, environ: Mapping[str, str] | None = Non
     return flag or environ.get("ENVELOPE_CEL_ENGINE") or "auto"
 
 
+def _set_listener_kind(data: dict[str, Any], kind: str) -> None:
+    """Merge `kind` into the file's listener settings: the server changes, its timeouts stay."""
+    listener = data.get("listener")
+    if listener is None or isinstance(listener, str):
+        data["listener"] = {"kind": kind}
+    elif isinstance(listener, Mapping):  # anything else is left for validation to report
+        data["listener"] = {**listener, "kind": kind}
+
+
 def load_config(
     path: Path | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -396,14 +405,11 @@ def load_config(
         if environ.get(env):
             data[key] = environ[env]
     if environ.get("ENVELOPE_LISTENER"):
-        # Merged into the file's listener settings: the server changes, its timeouts stay.
-        listener = data.get("listener")
-        if listener is None or isinstance(listener, str):
-            data["listener"] = {"kind": environ["ENVELOPE_LISTENER"]}
-        elif isinstance(listener, Mapping):  # anything else is left for validation to report
-            data["listener"] = {**listener, "kind": environ["ENVELOPE_LISTENER"]}
+        _set_listener_kind(data, environ["ENVELOPE_LISTENER"])
     for key, value in (overrides or {}).items():
-        if value is not None:
+        if key == "listener" and isinstance(value, str):  # --listener: the kind only
+            _set_listener_kind(data, value)
+        elif value is not None:
             data[key] = value
     try:
         return Config.model_validate(data)

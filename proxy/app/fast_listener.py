@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
@@ -86,25 +86,12 @@ class _HeadError(Exception):
         self.reason = reason
 
 
-class _Date:
-    """The `Date` header value, formatted at most once a second."""
-
-    second = 0
-    value = ""
-
-    @classmethod
-    def now(cls) -> str:
-        second = int(time.time())
-        if second != cls.second:
-            cls.second, cls.value = second, formatdate(second, usegmt=True)
-        return cls.value
-
-
 def _error_bytes(status: int, reason: str) -> bytes:
     body = f"{status} {reason}".encode()
     phrase = _phrase(status)
     return (f"HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nDate: {_Date.now()}\r\nConnection: close\r\n\r\n"
+            f"Content-Length: {len(body)}\r\nDate: {formatdate(usegmt=True)}\r\n"
+            "Connection: close\r\n\r\n"
             ).encode("latin-1") + body
 
 
@@ -425,19 +412,25 @@ class _Connection(BaseProtocol):
         method, status = request.method, response.status
         headers = response.headers
         body = cast(bytes, response._body or b"")  # bytes or bytearray (checked by _send)
-        empty = must_be_empty_body(method, status)
-        if hdrs.CONTENT_LENGTH in headers:
-            if should_remove_content_length(method, status):
-                del headers[hdrs.CONTENT_LENGTH]
-        elif body or (status != 304 and method != hdrs.METH_HEAD):
-            headers[hdrs.CONTENT_LENGTH] = str(len(body))
-        if empty:
-            headers.pop(hdrs.TRANSFER_ENCODING, None)
-            body = b""
-        elif body:
-            headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+        if 200 <= status < 300 and status != 204 and method != "HEAD" and method != "CONNECT":
+            # The common case in straight lines: a body, its length, its type.
+            if hdrs.CONTENT_LENGTH not in headers:
+                headers[hdrs.CONTENT_LENGTH] = str(len(body))
+            if body and hdrs.CONTENT_TYPE not in headers:
+                headers[hdrs.CONTENT_TYPE] = "application/octet-stream"
+        else:  # aiohttp's rules for the statuses and methods that carry no body
+            if hdrs.CONTENT_LENGTH in headers:
+                if should_remove_content_length(method, status):
+                    del headers[hdrs.CONTENT_LENGTH]
+            elif body or (status != 304 and method != hdrs.METH_HEAD):
+                headers[hdrs.CONTENT_LENGTH] = str(len(body))
+            if must_be_empty_body(method, status):
+                headers.pop(hdrs.TRANSFER_ENCODING, None)
+                body = b""
+            elif body:
+                headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
         if hdrs.DATE not in headers:
-            headers[hdrs.DATE] = _Date.now()
+            headers[hdrs.DATE] = self._listener.date
         keep_alive = response._keep_alive
         if keep_alive is None:
             keep_alive = request.keep_alive
@@ -591,6 +584,9 @@ class FastListener:
         self._server: asyncio.base_events.Server | None = None
         self._started = False
         self.loop = asyncio.get_event_loop()
+        # The `Date` header value, refreshed every second by a timer rather than per response.
+        self.date = formatdate(usegmt=True)
+        self._clock: asyncio.TimerHandle | None = None
 
     async def setup(self) -> None:
         """Run the application's startup hooks and freeze it, as `web.AppRunner.setup` does."""
@@ -603,6 +599,11 @@ class FastListener:
         self._started = True
         self.prepare_hooks = bool(app.on_response_prepare)
         self.handler = app._handle
+        self._tick()
+
+    def _tick(self) -> None:
+        self.date = formatdate(usegmt=True)
+        self._clock = self.loop.call_at(math.floor(self.loop.time()) + 1.0, self._tick)
 
     async def start(self, host: str, port: int, *, reuse_port: bool | None = None,
                     backlog: int = 1024) -> None:
@@ -643,6 +644,9 @@ class FastListener:
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
+        if self._clock is not None:
+            self._clock.cancel()
+            self._clock = None
         if self._started:
             await self.app.cleanup()
             self._started = False

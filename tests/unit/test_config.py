@@ -146,3 +146,10 @@ def test_listener_kind_is_a_name_or_a_mapping_and_the_environment_changes_only_t
     assert load_config(bare, environ={"ENVELOPE_LISTENER": "aiohttp"}).listener.kind == "aiohttp"
     with pytest.raises(ConfigError, match=r"listener\.kind: Input should be 'fast' or 'aiohttp'"):
         load_config(None, environ={"ENVELOPE_LISTENER": "nginx"})
+
+
+def test_the_listener_flag_sets_the_kind_and_keeps_the_files_timeouts(tmp_path: Path) -> None:
+    file = tmp_path / "config.yaml"
+    file.write_text("listener: {header_timeout: 3s}\n")
+    listener = load_config(file, {"listener": "fast"}, environ={"ENVELOPE_LISTENER": "aiohttp"}).listener
+    assert (listener.kind, listener.header_timeout) == ("fast", 3.0)
