@@ -16,7 +16,8 @@ What a connection does, as aiohttp's `RequestHandler` does it:
 
 - HTTP/1.1 keep-alive, HTTP/1.0 (keep-alive only when asked), `Connection: close`.
 - Pipelined requests are answered in order, one at a time: heads parsed ahead wait in a queue
-  with their bodies; past `_MAX_QUEUED` of them reading pauses until the queue drains.
+  with their bodies; past `_MAX_QUEUED` of them parsing stops (the rest of the read waits,
+  unparsed) and reading pauses until the queue drains.
 - Bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
   whose flow control pauses reading when its buffer passes its limit. A `gzip`/`deflate`
   body is decoded as read by aiohttp's `DeflateBuffer` in bounded steps (compressed bytes
@@ -71,6 +72,7 @@ _MAX_HEADERS: Final = 128
 _MAX_HEAD: Final = 64 * 1024  # a whole head, however it is split into fields
 _READ_LIMIT: Final = 2**16  # a body's StreamReader pauses reading past twice this
 _MAX_QUEUED: Final = 8  # pipelined requests parsed ahead of the one being answered
+_SLICE: Final = 4096  # bytes parsed at a time while checking that bound
 _DECODED: Final = frozenset({"gzip", "deflate"})  # what DeflateBuffer decodes here
 _VERSIONS: Final = {"1.1": HttpVersion11, "1.0": HttpVersion10}
 
@@ -110,7 +112,7 @@ class _Connection(BaseProtocol):
     __slots__ = (
         "_backlog", "_closing", "_eof_pending", "_head_size", "_head_timer", "_headers",
         "_in_head", "_keep_timer", "_last_active", "_listener", "_queue", "_request_parser",
-        "_sink", "_stopped", "_task", "_transport_paused", "_url", "peername", "sockname",
+        "_sink", "_stopped", "_tail", "_task", "_transport_paused", "_url", "peername", "sockname",
     )
 
     ssl_context = None
@@ -133,6 +135,7 @@ class _Connection(BaseProtocol):
         # Requests parsed and not yet answered: (message, body), or an error to answer.
         self._queue: deque[tuple[RawRequestMessage, StreamReader] | _HeadError] = deque()
         self._task: asyncio.Task[None] | None = None
+        self._tail = b""  # received, not yet parsed: held back while the queue is full
         self._stopped = False  # nothing more is parsed (an error, an upgrade, a close)
         self._closing = False  # close once the request in progress is answered
         self._head_timer: asyncio.TimerHandle | None = None
@@ -174,23 +177,45 @@ class _Connection(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         if self._stopped:
             return
-        try:
-            self._request_parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # Upgrades are not offered: the request is answered by its route, then the
-            # connection closes, and nothing after it is read.
-            self._stop_reading()
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            self._refuse(cause if isinstance(cause, _HeadError) else _HeadError(400, "Bad Request"))
-        except httptools.HttpParserError as exc:
-            self._refuse(_HeadError(400, f"Bad Request: {exc}"))
-        else:
-            if self._in_head:  # a head not complete after this read: its bytes are bounded
-                self._head_size += len(data)
+        if self._tail:  # parsing is held (the queue is full): what follows waits behind it
+            self._tail += data
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse `data` in slices, holding the rest back while the queue of parsed requests is
+        full: one read of tiny pipelined requests must not become thousands of queued ones."""
+        parser = self._request_parser
+        view = memoryview(data)
+        for start in range(0, len(data), _SLICE):
+            if self._stopped:
+                return
+            if len(self._queue) >= _MAX_QUEUED:
+                self._tail = bytes(view[start:])
+                self._pause_reading_for_buffer()
+                return
+            chunk = view[start:start + _SLICE]
+            try:
+                parser.feed_data(chunk)
+            except httptools.HttpParserUpgrade:
+                # Upgrades are not offered: the request is answered by its route, then the
+                # connection closes, and nothing after it is read.
+                self._stop_reading()
+                return
+            except httptools.HttpParserCallbackError as exc:
+                cause = exc.__context__
+                self._refuse(cause if isinstance(cause, _HeadError)
+                             else _HeadError(400, "Bad Request"))
+                return
+            except httptools.HttpParserError as exc:
+                self._refuse(_HeadError(400, f"Bad Request: {exc}"))
+                return
+            if self._in_head:  # a head not complete after this slice: its bytes are bounded
+                self._head_size += len(chunk)
                 if self._head_size > _MAX_HEAD:
                     self._refuse(_HeadError(431, "Request Header Fields Too Large"))
-                elif self._head_timer is None:
+                    return
+                if self._head_timer is None:
                     self._head_timer = self._loop.call_later(self._listener.header_timeout,
                                                              self._head_expired)
 
@@ -275,8 +300,6 @@ class _Connection(BaseProtocol):
         self._queue.append((message, payload))
         if self._task is None:
             self._next()
-        elif len(self._queue) >= _MAX_QUEUED:
-            self._pause_reading_for_buffer()
 
     def on_body(self, body: bytes) -> None:
         sink = self._sink
@@ -356,12 +379,16 @@ class _Connection(BaseProtocol):
         if not queue:
             return
         entry = queue.popleft()
-        if self._buffer_paused and len(queue) < _MAX_QUEUED // 2:
-            self._resume_reading_for_buffer()
         if isinstance(entry, _HeadError):
             self._write_error(entry)
             return
         self._task = self._loop.create_task(self._respond(*entry))
+        if len(queue) < _MAX_QUEUED // 2:
+            if self._tail:  # room again: parse what was held back
+                tail, self._tail = self._tail, b""
+                self._feed(tail)
+            if self._buffer_paused and not self._tail:
+                self._resume_reading_for_buffer()
 
     async def _respond(self, message: RawRequestMessage, payload: StreamReader) -> None:
         listener = self._listener
@@ -502,8 +529,14 @@ class _Connection(BaseProtocol):
 
     def _head_expired(self) -> None:
         self._head_timer = None
-        if self._task is not None or self._queue or self.transport is None:
-            return  # a request in progress: never cut off here
+        if self.transport is None:
+            return
+        if self._task is not None or self._queue:
+            # A request in progress is never cut off; a head pipelined behind it is timed again.
+            if self._in_head:
+                self._head_timer = self._loop.call_later(self._listener.header_timeout,
+                                                         self._head_expired)
+            return
         on_timeout = self._listener.on_header_timeout
         if on_timeout is not None:
             on_timeout()
