@@ -74,9 +74,11 @@ def serve(kind: str, port: int) -> None:
     uvloop.run(main())
 
 
-def cpu(pid: int) -> float:
+def cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of `pid`."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def free_port() -> int:
@@ -85,8 +87,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(kind: str, duration: int, lua: str) -> tuple[float, float]:
-    """(µs of server CPU per request, requests per second) for one wrk -c32 run."""
+def measure(kind: str, duration: int, lua: str) -> tuple[float, float, float]:
+    """(µs of server CPU per request, of which user, requests per second) for one wrk -c32 run."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port)])
     try:
@@ -101,12 +103,13 @@ def measure(kind: str, duration: int, lua: str) -> tuple[float, float]:
         before = cpu(proc.pid)
         out = subprocess.run(["wrk", "-t1", "-c32", f"-d{duration}s", "-s", lua, url],
                              capture_output=True, text=True, check=True).stdout
-        used = cpu(proc.pid) - before
+        after = cpu(proc.pid)
+        user, system = after[0] - before[0], after[1] - before[1]
         match = re.search(r"(\d+) requests in", out)
         if match is None or "Non-2xx" in out or "Socket errors" in out:
             raise SystemExit(f"{kind}: wrk run not clean:\n{out}")
         requests = int(match.group(1))
-        return used / requests * 1e6, requests / duration
+        return (user + system) / requests * 1e6, user / requests * 1e6, requests / duration
     finally:
         proc.terminate()
         proc.wait()
@@ -124,18 +127,18 @@ def main() -> None:
         return
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(LUA)
-    results: dict[str, list[tuple[float, float]]] = {"aiohttp": [], "fast": [], "raw": []}
+    results: dict[str, list[tuple[float, float, float]]] = {"aiohttp": [], "fast": [], "raw": []}
     for _ in range(args.rounds):  # interleaved: the machine's noise hits every server alike
         for kind in results:
             results[kind].append(measure(kind, args.duration, f.name))
     os.unlink(f.name)
-    print("| server | µs CPU/request (median) | req/s (median) | ratio to aiohttp |")
-    print("|---|---|---|---|")
+    print("| server | µs CPU/request | of which user | req/s | CPU ratio to aiohttp |")
+    print("|---|---|---|---|---|")
     base = statistics.median(r[0] for r in results["aiohttp"])
     for kind, rows in results.items():
-        us = statistics.median(r[0] for r in rows)
-        rps = statistics.median(r[1] for r in rows)
-        print(f"| {kind} | {us:.1f} | {rps:.0f} | {us / base:.2f} |")
+        us, user, rps = (statistics.median(r[i] for r in rows) for i in range(3))
+        print(f"| {kind} | {us:.1f} | {user:.1f} | {rps:.0f} | {us / base:.2f} |")
+    print(f"(medians of {args.rounds} interleaved rounds of {args.duration} s, wrk -t1 -c32)")
 
 
 if __name__ == "__main__":
