@@ -148,7 +148,7 @@ class _Connection(BaseProtocol):
     # ---- asyncio protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        super().connection_made(transport)  # TCP_NODELAY, as aiohttp: SSE events go out at once
         self.peername = transport.get_extra_info("peername")
         self.sockname = transport.get_extra_info("sockname")
         listener = self._listener
