@@ -517,7 +517,9 @@ class _Connection(BaseProtocol):
         self._close()
 
     def _stop_reading(self) -> None:
+        """Parse nothing more; close once the requests already parsed are answered."""
         self._stopped = True
+        self._closing = True
         self._pause_transport_reading()
 
     def _close(self) -> None:

@@ -300,3 +300,21 @@ def test_a_thousand_idle_connections_do_not_stop_other_calls(tmp_path: Path,
         finally:
             for s in idle:
                 s.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_workers_share_the_port(tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind, workers=2) as pp:
+        for rid in range(20):  # a new connection each: the kernel spreads them over both workers
+            with connect(pp) as sock, sock.makefile("rb") as f:
+                sock.sendall(request(pp.port, rid, text="w"))
+                status, _, body = read_response(f)
+                assert status == 200 and result_of(body, rid)["isError"] is False
+        deadline = time.monotonic() + 10
+        while True:
+            counts = [len((pp.audit_dir / f"audit-w{w}.jsonl").read_text().splitlines())
+                      if (pp.audit_dir / f"audit-w{w}.jsonl").exists() else 0 for w in (0, 1)]
+            if sum(counts) >= 20 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert sum(counts) == 20 and min(counts) > 0, counts

@@ -153,3 +153,10 @@ async def test_cleanup_lets_a_request_in_flight_finish_and_closes_idle_connectio
     idle_writer.close()
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_an_upgrade_request_is_answered_by_its_route_then_the_connection_closes(
+        served: FastListener) -> None:
+    out = await exchange(served, b"GET /slow?s=0 HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                                 b"Upgrade: websocket\r\n\r\n\x81\x85garbage frames")
+    assert out.startswith(b"HTTP/1.1 200 ") and out.endswith(b"done"), out
