@@ -7,6 +7,7 @@ and no application: the floor). Each runs in its own uvloop process under `wrk -
 request is the server's utime+stime from /proc/<pid>/stat divided by wrk's request count.
 
     python bench/listener_hello.py --duration 5 --rounds 3
+    python bench/listener_hello.py --instructions 500   # instructions per request (callgrind)
 """
 
 from __future__ import annotations
@@ -115,15 +116,76 @@ def measure(kind: str, duration: int, lua: str) -> tuple[float, float, float]:
         proc.wait()
 
 
+def instructions(kind: str, calls: int) -> float:
+    """Thousands of instructions the server executes per request (valgrind's callgrind, counting
+    switched on for `calls` sequential keep-alive requests after a warm-up): repeatable where
+    CPU time on a shared machine is not."""
+    import http.client
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="listener-instr-") as tmp:
+        out = Path(tmp) / "callgrind.out"
+        proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                                 f"--callgrind-out-file={out}", sys.executable, __file__,
+                                 "--serve", kind, "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"{kind} did not start under valgrind") from None
+                    time.sleep(0.5)
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            body = LUA.split("wrk.body='")[1].split("'")[0].encode()
+
+            def post() -> None:
+                conn.request("POST", "/mcp/x", body, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                if response.status != 200 or response.read() != BODY:
+                    raise SystemExit(f"{kind}: unexpected answer {response.status}")
+
+            for _ in range(50):
+                post()
+            subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, check=True)
+            for _ in range(calls):
+                post()
+            subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], capture_output=True, check=True)
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True, check=True)
+            time.sleep(1)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        total = 0
+        for dump in Path(tmp).glob("callgrind.out*"):
+            for line in dump.read_text(errors="replace").splitlines():
+                if line.startswith(("summary:", "totals:")):
+                    total = max(total, int(line.split()[1]))
+        return total / calls / 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--duration", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--instructions", type=int, default=0, metavar="CALLS",
+                        help="count instructions per request with callgrind instead (needs valgrind)")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.port)
+        return
+    if args.instructions:
+        counts = {kind: instructions(kind, args.instructions) for kind in ("aiohttp", "fast", "raw")}
+        print(f"| server | k instructions/request ({args.instructions} sequential requests) | "
+              "ratio to aiohttp |")
+        print("|---|---|---|")
+        for kind, k in counts.items():
+            print(f"| {kind} | {k:,.1f} | {k / counts['aiohttp']:.2f} |")
         return
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(LUA)
