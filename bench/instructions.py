@@ -11,6 +11,7 @@ included). With `--baseline REV` the same is measured for git revision REV, in t
     python bench/instructions.py                      # this tree, 300 calls
     python bench/instructions.py --baseline c1950ec   # and the tree at c1950ec
     python bench/instructions.py --config noflow      # the bench policy with dataflow: {mode: off}
+    python bench/instructions.py --config envelope-fast   # the envelope served by `listener: fast`
     python bench/instructions.py --otel               # traces on (OTLP/HTTP to a local sink)
 
 Needs valgrind (apt-get install valgrind); slow (about a minute per tree).
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=300, help="calls counted per tree (default 300)")
     p.add_argument("--baseline", metavar="REV", help="also count git revision REV (a temporary worktree)")
-    p.add_argument("--config", choices=["envelope", "noflow"], default="envelope")
+    p.add_argument("--config", choices=["envelope", "noflow", "envelope-fast"], default="envelope",
+                   help="envelope-fast: the envelope config with `listener: fast`")
     p.add_argument("--otel", action="store_true", help="traces on: every call's spans exported "
                    "over OTLP/HTTP to a local sink (needs the otel extra)")
     args = p.parse_args(argv)

@@ -65,8 +65,9 @@ HEADERS = {
     "Mcp-Name": TOOL,
 }
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-CONFIGS = ("direct", "nginx", "passthrough", "noflow", "baseline", "envelope")
-ENVELOPES = ("noflow", "baseline", "envelope")  # configs served by envelope-proxy
+CONFIGS = ("direct", "nginx", "passthrough", "noflow", "baseline", "envelope", "envelope-fast")
+# configs served by envelope-proxy; `envelope-fast` is `envelope` with `listener: fast`
+ENVELOPES = ("noflow", "baseline", "envelope", "envelope-fast")
 # `--baseline REV`: the envelope config served by the code of git revision REV (a worktree in
 # the run's temporary directory), so a change's cost is measured against its base in one run.
 BASELINE: dict[str, str] = {}
@@ -75,6 +76,7 @@ TARGET_P50_MS = 0.3
 ALLOWED = "allow/ok"
 DISCONNECTED = "error/client_disconnected"
 TRANSPORT: str | None = None  # --envelope-transport; None: the runtime config default
+LISTENER: str | None = None  # --listener: the envelope configs' MCP listener; None: the default
 
 
 class BenchError(RuntimeError):
@@ -297,6 +299,10 @@ def envelope_config(tmp: Path, upstream_url: str, workers: int, name: str = "env
     }
     if TRANSPORT:
         config["transport"] = TRANSPORT
+    if name == "envelope-fast":
+        config["listener"] = "fast"
+    elif LISTENER:
+        config["listener"] = LISTENER
     path = tmp / f"{name}-w{workers}.json"
     path.write_text(json.dumps(config, indent=2))
     return path, port, admin
@@ -318,6 +324,10 @@ def start_envelope(tmp: Path, upstream_url: str, workers: int, name: str = "enve
 
 def start_noflow(tmp: Path, upstream_url: str, workers: int) -> Route:
     return start_envelope(tmp, upstream_url, workers, "noflow")
+
+
+def start_envelope_fast(tmp: Path, upstream_url: str, workers: int) -> Route:
+    return start_envelope(tmp, upstream_url, workers, "envelope-fast")
 
 
 def start_baseline(tmp: Path, upstream_url: str, workers: int) -> Route:
@@ -522,7 +532,8 @@ def run_matrix(args: argparse.Namespace, tmp: Path, upstream: Service, upstream_
                script: Path) -> list[Cell]:
     cells: list[Cell] = []
     starters = {"nginx": start_nginx, "passthrough": start_passthrough, "envelope": start_envelope,
-                "noflow": start_noflow, "baseline": start_baseline}
+                "noflow": start_noflow, "baseline": start_baseline,
+                "envelope-fast": start_envelope_fast}
     if "direct" in args.configs:
         print("direct (workers: n/a)", flush=True)
         direct = Route("direct", 1, upstream_url, None)
@@ -775,6 +786,18 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], pr
                     cpu = (f"{flow.proxy_cpu_us - off.proxy_cpu_us:+.1f} µs"
                            if flow.proxy_cpu_us and off.proxy_cpu_us else "-")
                     lines.append(f"| {workers} | {conc} | {flow.rps / off.rps:.2f} | {cpu} |")
+    if {"envelope", "envelope-fast"} <= set(args.configs):
+        lines += ["", "The MCP listener (`envelope-fast` is `envelope` served by `listener: fast`, "
+                  "`envelope` by the listener the --listener option or the default picks):", "",
+                  "| workers | concurrency | fast / envelope req/s | fast CPU µs/call | envelope CPU µs/call | "
+                  "fast / envelope CPU |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for workers in args.workers:
+            for conc in args.concurrency:
+                fast, env = by.get(("envelope-fast", workers, conc)), by.get(("envelope", workers, conc))
+                if fast and env and fast.proxy_cpu_us and env.proxy_cpu_us:
+                    lines.append(f"| {workers} | {conc} | {fast.rps / env.rps:.2f} | {fmt(fast.proxy_cpu_us)} | "
+                                 f"{fmt(env.proxy_cpu_us)} | {fast.proxy_cpu_us / env.proxy_cpu_us:.2f} |")
     if profile:
         lines += ["", "## Where the envelope's time goes", "", profile]
     return "\n".join(lines) + "\n"
@@ -795,6 +818,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="after the matrix, py-spy the envelope (1 worker) under load for SECONDS")
     p.add_argument("--envelope-transport", choices=["fast", "aiohttp"], default=None,
                    help="the envelope's upstream transport (default: the runtime config's default)")
+    p.add_argument("--listener", choices=["fast", "aiohttp"], default=None,
+                   help="the MCP listener of the envelope, noflow and baseline configs (default: the "
+                        "runtime config's default); `envelope-fast` is always fast")
     p.add_argument("--output", type=Path, default=BENCH / "RESULTS.md", help="report file (default bench/RESULTS.md)")
     p.add_argument("--baseline", metavar="REV", default=None,
                    help="also serve the envelope config from git revision REV (config `baseline`), in the same run")
@@ -818,7 +844,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global TRANSPORT
+    global TRANSPORT, LISTENER
     argv = sys.argv[1:] if argv is None else argv
     if "--mix" in argv:  # the realistic mix and the Python peers: bench/mix.py, its own options
         import mix
@@ -826,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
         return mix.main([a for a in argv if a != "--mix"])
     args = parse_args(argv)
     TRANSPORT = args.envelope_transport
+    LISTENER = args.listener
     missing = [tool for tool in ("wrk", "nginx") if shutil.which(tool) is None]
     if missing:
         print(f"bench: {' and '.join(missing)} not found on PATH. Install them: apt-get install nginx wrk",

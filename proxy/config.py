@@ -223,14 +223,27 @@ class Limits(_Model):
 
 
 class ListenerConfig(_Model):
-    """Connection timeouts of the MCP and admin listeners."""
+    """The MCP listener's server, and the connection timeouts of the MCP and admin listeners.
 
+    Written as a mapping, or as the bare server name (`listener: fast`), which is the mapping
+    `{kind: fast}` with the default timeouts."""
+
+    # The MCP listener's HTTP server: `aiohttp` (aiohttp's own), or `fast` (an asyncio protocol
+    # with httptools serving the same application, proxy/app/fast_listener.py). The admin
+    # listener is always aiohttp. Absent: aiohttp.
+    kind: Literal["fast", "aiohttp"] = "aiohttp"
     # A connection that has not sent a whole request head (request line and headers) this long
     # after it opened, or after the first byte of a later request, is closed. Absent: 10 s.
     header_timeout: Duration = Field(default=10.0, gt=0)
     # An idle keep-alive connection (no request in progress) is closed after this long.
     # Absent: 75 s.
     keepalive_timeout: Duration = Field(default=75.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_kind(cls, value: Any) -> Any:
+        # `listener: fast` (the issue's spelling) next to the mapping form kept for the timeouts.
+        return {"kind": value} if isinstance(value, str) else value
 
 
 class AggregateConfig(_Model):
@@ -359,6 +372,15 @@ def cel_engine_setting(flag: str | None, environ: Mapping[str, str] | None = Non
     return flag or environ.get("ENVELOPE_CEL_ENGINE") or "auto"
 
 
+def _set_listener_kind(data: dict[str, Any], kind: str) -> None:
+    """Merge `kind` into the file's listener settings: the server changes, its timeouts stay."""
+    listener = data.get("listener")
+    if listener is None or isinstance(listener, str):
+        data["listener"] = {"kind": kind}
+    elif isinstance(listener, Mapping):  # anything else is left for validation to report
+        data["listener"] = {**listener, "kind": kind}
+
+
 def load_config(
     path: Path | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -382,8 +404,12 @@ def load_config(
     for env, key in ENV_KEYS.items():
         if environ.get(env):
             data[key] = environ[env]
+    if environ.get("ENVELOPE_LISTENER"):
+        _set_listener_kind(data, environ["ENVELOPE_LISTENER"])
     for key, value in (overrides or {}).items():
-        if value is not None:
+        if key == "listener" and isinstance(value, str):  # --listener: the kind only
+            _set_listener_kind(data, value)
+        elif value is not None:
             data[key] = value
     try:
         return Config.model_validate(data)

@@ -15,13 +15,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from aiohttp import web
 
 from proxy.admin.app import build_admin_app
 from proxy.admin.protect import admin_hosts
+from proxy.app.fast_listener import FastListener
 from proxy.app.listener import ListenerRunner
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
@@ -105,7 +106,7 @@ class Runtime:
         self._targets: dict[str, UpstreamTarget] = {}
         self.last_reload: dict[str, Any] = {}
         self._reload_lock = asyncio.Lock()
-        self._runners: list[web.AppRunner] = []
+        self._runners: list[web.AppRunner | FastListener] = []
         self._watcher: PolicyWatcher | None = None
         self._stop = asyncio.Event()
         self.urls: dict[str, str] = {}
@@ -361,18 +362,33 @@ class Runtime:
         listener = self.config.listener
         mcp_app = self.build_mcp_app()
         mcp_app.middlewares.extend(mcp_middlewares)
-        mcp_runner = ListenerRunner(mcp_app, access_log=None, handler_cancellation=True,
-                                    header_timeout=listener.header_timeout,
-                                    keepalive_timeout=listener.keepalive_timeout,
-                                    on_header_timeout=lambda: self.metrics.rejected("header_timeout"),
-                                    # aiohttp waits this long twice (for the handler, then
-                                    # again after cancelling its body): half makes the whole grace.
-                                    shutdown_timeout=self.config.shutdown_grace / 2)
-        await mcp_runner.setup()
-        self._runners.append(mcp_runner)  # before binding: a failed start still cleans it up
-        await _bind(web.TCPSite(mcp_runner, host, port, reuse_port=reuse or None, backlog=1024),
-                    f"the MCP listener cannot listen on {host}:{port}",
-                    "--listen, ENVELOPE_LISTEN or `listen:` in the config file")
+        def on_header_timeout() -> None:
+            self.metrics.rejected("header_timeout")
+
+        where = f"the MCP listener cannot listen on {host}:{port}"
+        setting = "--listen, ENVELOPE_LISTEN or `listen:` in the config file"
+        mcp_runner: web.AppRunner | FastListener
+        if listener.kind == "fast":
+            mcp_runner = fast = FastListener(mcp_app, header_timeout=listener.header_timeout,
+                                             keepalive_timeout=listener.keepalive_timeout,
+                                             on_header_timeout=on_header_timeout,
+                                             shutdown_timeout=self.config.shutdown_grace)
+            await fast.setup()
+            self._runners.append(fast)  # before binding: a failed start still cleans it up
+            await _bind(fast.start(host, port, reuse_port=reuse or None, backlog=1024),
+                        where, setting)
+        else:
+            mcp_runner = aio = ListenerRunner(
+                mcp_app, access_log=None, handler_cancellation=True,
+                header_timeout=listener.header_timeout,
+                keepalive_timeout=listener.keepalive_timeout, on_header_timeout=on_header_timeout,
+                # aiohttp waits this long twice (for the handler, then again after cancelling
+                # its body): half makes the whole grace.
+                shutdown_timeout=self.config.shutdown_grace / 2)
+            await aio.setup()
+            self._runners.append(aio)  # before binding: a failed start still cleans it up
+            await _bind(web.TCPSite(aio, host, port, reuse_port=reuse or None, backlog=1024).start(),
+                        where, setting)
         port = _bound_port(mcp_runner, port)
         self.mcp_port = port
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -398,7 +414,7 @@ class Runtime:
         await admin_runner.setup()
         self._runners.append(admin_runner)
         aport = aport + self.worker if aport else 0
-        await _bind(web.TCPSite(admin_runner, ahost, aport),
+        await _bind(web.TCPSite(admin_runner, ahost, aport).start(),
                     f"the admin listener cannot listen on {ahost}:{aport}",
                     "--admin, ENVELOPE_ADMIN or `admin:` in the config file")
         aport = _bound_port(admin_runner, aport)
@@ -467,16 +483,17 @@ class Runtime:
         self._stop.set()
 
 
-async def _bind(site: web.TCPSite, what: str, setting: str) -> None:
-    """Start `site`; ListenError naming the address and the setting that changes it."""
+async def _bind(start: Awaitable[None], what: str, setting: str) -> None:
+    """Await `start` (a listener binding); ListenError naming the address and the setting that
+    changes it."""
     try:
-        await site.start()
+        await start
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         raise ListenError(f"{what}: {reason}; choose another address with {setting}") from exc
 
 
-def _bound_port(runner: web.AppRunner, fallback: int) -> int:
+def _bound_port(runner: web.AppRunner | FastListener, fallback: int) -> int:
     for address in runner.addresses:
         if isinstance(address, tuple) and len(address) >= 2:
             return int(address[1])

@@ -130,3 +130,26 @@ def test_limits_default_and_refuse_nonsense(tmp_path: Path) -> None:
     file = _config_file(tmp_path, ("listener", "header_timeout"), "0s")
     with pytest.raises(ConfigError, match=r"listener\.header_timeout: Input should be greater than 0"):
         load_config(file, environ={})
+
+
+def test_listener_kind_is_a_name_or_a_mapping_and_the_environment_changes_only_the_kind(
+        tmp_path: Path) -> None:
+    assert load_config(None, environ={}).listener.kind == "aiohttp"
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("listener: fast\n")
+    assert load_config(bare, environ={}).listener.model_dump() == {
+        "kind": "fast", "header_timeout": 10.0, "keepalive_timeout": 75.0}
+    mapping = tmp_path / "mapping.yaml"
+    mapping.write_text("listener: {header_timeout: 2s, keepalive_timeout: 5s}\n")
+    merged = load_config(mapping, environ={"ENVELOPE_LISTENER": "fast"}).listener
+    assert (merged.kind, merged.header_timeout, merged.keepalive_timeout) == ("fast", 2.0, 5.0)
+    assert load_config(bare, environ={"ENVELOPE_LISTENER": "aiohttp"}).listener.kind == "aiohttp"
+    with pytest.raises(ConfigError, match=r"listener\.kind: Input should be 'fast' or 'aiohttp'"):
+        load_config(None, environ={"ENVELOPE_LISTENER": "nginx"})
+
+
+def test_the_listener_flag_sets_the_kind_and_keeps_the_files_timeouts(tmp_path: Path) -> None:
+    file = tmp_path / "config.yaml"
+    file.write_text("listener: {header_timeout: 3s}\n")
+    listener = load_config(file, {"listener": "fast"}, environ={"ENVELOPE_LISTENER": "aiohttp"}).listener
+    assert (listener.kind, listener.header_timeout) == ("fast", 3.0)

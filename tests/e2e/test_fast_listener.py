@@ -1,0 +1,320 @@
+"""The MCP listener's HTTP behaviour through the real process, for both servers
+(`listener: aiohttp` and `listener: fast`, proxy/app/fast_listener.py): what a client sees on
+the wire must not depend on which one serves it.
+
+Raw sockets where the framing is the point (keep-alive, pipelining, chunked and gzip bodies,
+timeouts, malformed heads); the upstream is `hostile_upstream.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import httpx
+import pytest
+from e2e_helpers import write_doc
+from hostile_upstream import HostileUpstream, hostile_server
+
+from tests.harness import ProxyProcess, metric_value, proxy_process, token
+
+STATELESS = "2026-07-28"
+KINDS = ("aiohttp", "fast")
+
+
+def policy(directory: Path) -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "30s"}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {"h.read_page": {"effect": "read"}},
+    })
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileUpstream]:
+    with hostile_server() as up:
+        yield up
+
+
+@contextlib.contextmanager
+def served(tmp: Path, hostile: HostileUpstream, kind: str, **config: Any) -> Iterator[ProxyProcess]:
+    hostile.control.reset()
+    listener = {"kind": kind, **config.pop("listener", {})}
+    with proxy_process(tmp, {"h": hostile.url}, policies=policy(tmp / "policy"),
+                       config={"listener": listener, **config},
+                       env={"ENVELOPE_LISTENER": kind}) as pp:
+        yield pp
+
+
+def call_body(rid: int, **arguments: Any) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "read_page", "arguments": {"mode": "json", **arguments},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS,
+                  "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"}}}}).encode()
+
+
+def head(port: int, length: int | None, extra: str = "", version: str = "1.1") -> bytes:
+    lines = [f"POST /mcp/h HTTP/{version}", f"Host: 127.0.0.1:{port}",
+             "Accept: application/json, text/event-stream", "Content-Type: application/json",
+             f"MCP-Protocol-Version: {STATELESS}", f"Authorization: Bearer {token('alice')}"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n" + extra + "\r\n").encode()
+
+
+def request(port: int, rid: int, **arguments: Any) -> bytes:
+    body = call_body(rid, **arguments)
+    return head(port, len(body)) + body
+
+
+def read_response(f: BinaryIO) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response from `f`: status, headers (lower-case names), body."""
+    status_line = f.readline()
+    if not status_line:
+        raise EOFError("connection closed before a response")
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while (line := f.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        return status, headers, f.read(int(headers["content-length"]))
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while size := int(f.readline().split(b";")[0], 16):
+            body += f.read(size)
+            f.readline()
+        f.readline()
+        return status, headers, body
+    return status, headers, f.read()
+
+
+def result_of(body: bytes, rid: int) -> dict[str, Any]:
+    text = body.decode()
+    if text.startswith("{"):
+        reply = json.loads(text)
+    else:  # an SSE stream: the event answering `rid`
+        replies = [json.loads(line[5:]) for line in text.splitlines()
+                   if line.startswith("data:") and line[5:].strip()]
+        [reply] = [r for r in replies if r.get("id") == rid]
+    assert reply["id"] == rid, reply
+    return dict(reply["result"])
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the peer closed `sock` (None if it did not within `seconds`)."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start
+
+
+def connect(pp: ProxyProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", pp.port), timeout=20)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_keep_alive_serves_several_calls_on_one_connection_and_http10_closes(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        for rid in range(1, 4):
+            sock.sendall(request(pp.port, rid, text=f"call {rid}"))
+            status, headers, body = read_response(f)
+            assert status == 200 and headers.get("connection") != "close", (status, headers)
+            assert result_of(body, rid)["content"][0]["text"] == f"call {rid}"
+        # HTTP/1.0 without keep-alive: answered, then closed.
+        body = call_body(9)
+        sock.sendall(head(pp.port, len(body), version="1.0") + body)
+        status, _, answer = read_response(f)
+        assert status == 200 and result_of(answer, 9)["isError"] is False
+        assert closed_within(sock, 5) is not None
+        # `Connection: close` on HTTP/1.1: the same.
+        with connect(pp) as other, other.makefile("rb") as g:
+            other.sendall(head(pp.port, len(body), "Connection: close\r\n") + body)
+            status, headers, _ = read_response(g)
+            assert status == 200 and headers.get("connection") == "close"
+            assert closed_within(other, 5) is not None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pipelined_requests_are_answered_in_order(tmp_path: Path, hostile: HostileUpstream,
+                                                  kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        # The first is slow: the second must still be answered after it, not before.
+        sock.sendall(request(pp.port, 1, mode="slow", delay=0.5, text="first")
+                     + request(pp.port, 2, text="second") + request(pp.port, 3, text="third"))
+        texts = []
+        for rid in (1, 2, 3):
+            status, _, body = read_response(f)
+            assert status == 200
+            texts.append(result_of(body, rid)["content"][0]["text"])
+        assert texts == ["first", "second", "third"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_and_gzip_request_bodies_are_read(tmp_path: Path, hostile: HostileUpstream,
+                                                  kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        body = call_body(1, text="chunked")
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7])
+                          for i in range(0, len(body), 7)) + b"0\r\n\r\n"
+        sock.sendall(head(pp.port, None, "Transfer-Encoding: chunked\r\n") + chunks)
+        status, _, answer = read_response(f)
+        assert status == 200 and result_of(answer, 1)["content"][0]["text"] == "chunked"
+        packed = gzip.compress(call_body(2, text="gzipped " * 200))
+        sock.sendall(head(pp.port, len(packed), "Content-Encoding: gzip\r\n") + packed)
+        status, _, answer = read_response(f)
+        assert status == 200
+        assert result_of(answer, 2)["content"][0]["text"] == "gzipped " * 200
+        # A coding the proxy cannot read is refused, not forwarded.
+        sock.sendall(head(pp.port, 4, "Content-Encoding: compress\r\n") + b"abcd")
+        status, _, answer = read_response(f)
+        assert status == 415, answer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_late_head_is_closed_and_counted_and_other_clients_are_served(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    listener = {"header_timeout": "1s", "keepalive_timeout": "2s"}
+    with served(tmp_path, hostile, kind, listener=listener) as pp:
+        with connect(pp) as half:
+            half.sendall(b"POST /mcp/h HT")
+            with connect(pp) as sock, sock.makefile("rb") as f:
+                sock.sendall(request(pp.port, 1))
+                assert read_response(f)[0] == 200
+                waited = closed_within(half, 5)
+                assert waited is not None and waited < 3, waited
+                # The served connection, now idle, is closed after the keep-alive timeout.
+                idle = closed_within(sock, 6)
+                assert idle is not None and 1.0 < idle < 4.5, idle
+        assert metric_value(pp.metrics(), "envelope_rejected_requests_total",
+                            reason="header_timeout") >= 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_malformed_and_oversized_heads_are_refused_and_the_process_keeps_serving(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp:
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(b"GET /mcp/h HTTP/1.1 extra words\r\nHost: x\r\n\r\n")
+            assert read_response(f)[0] == 400
+            assert closed_within(sock, 5) is not None
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(b"POST /mcp/h HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
+            status = read_response(f)[0]
+            assert 400 <= status < 500 and status != 404, status
+            assert closed_within(sock, 5) is not None
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert 400 <= read_response(f)[0] < 500
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(request(pp.port, 5, text="still here"))
+            status, _, body = read_response(f)
+            assert status == 200 and result_of(body, 5)["content"][0]["text"] == "still here"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_body_over_the_cap_is_refused_413(tmp_path: Path, hostile: HostileUpstream,
+                                            kind: str) -> None:
+    with served(tmp_path, hostile, kind, limits={"max_body_bytes": 4096}) as pp:
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            body = call_body(1, text="x" * 8000)
+            sock.sendall(head(pp.port, len(body)) + body)
+            assert read_response(f)[0] == 413
+        with connect(pp) as sock, sock.makefile("rb") as f:  # chunked: no length to check first
+            sock.sendall(head(pp.port, None, "Transfer-Encoding: chunked\r\n")
+                         + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            assert read_response(f)[0] == 413
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_client_that_leaves_mid_call_is_audited_client_disconnected(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp:
+        with connect(pp) as sock:
+            sock.sendall(request(pp.port, 1, mode="slow", delay=20, text="gone"))
+            deadline = time.monotonic() + 10
+            while not any(m.get("method") == "tools/call" for m in hostile.control.log()):
+                assert time.monotonic() < deadline, "the call never reached the upstream"
+                time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while not any(r.get("tool") == "read_page" for r in pp.audit_records()):
+            assert time.monotonic() < deadline, "no audit record"
+            time.sleep(0.1)
+        time.sleep(0.3)  # a second record would come now
+        [record] = [r for r in pp.audit_records() if r.get("tool") == "read_page"]
+        assert record["code"] == "client_disconnected", record
+        assert record["extra"]["client_disconnected"] is True
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_streamed_answer_is_relayed_as_sse(tmp_path: Path, hostile: HostileUpstream,
+                                             kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        sock.sendall(request(pp.port, 1, mode="sse", text="streamed", notes=["one", "two"]))
+        status, headers, body = read_response(f)
+        assert status == 200 and headers["content-type"].startswith("text/event-stream"), headers
+        events = [json.loads(line[5:]) for line in body.decode().splitlines()
+                  if line.startswith("data:") and line[5:].strip()]
+        assert [e.get("method") for e in events[:-1]] == ["notifications/message",
+                                                           "notifications/progress"]
+        assert events[-1]["result"]["content"][0]["text"] == "streamed"
+        # The connection stays usable after a streamed answer.
+        sock.sendall(request(pp.port, 2, text="after"))
+        status, _, body = read_response(f)
+        assert status == 200 and result_of(body, 2)["content"][0]["text"] == "after"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_thousand_idle_connections_do_not_stop_other_calls(tmp_path: Path,
+                                                             hostile: HostileUpstream,
+                                                             kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp:
+        idle = []
+        try:
+            for _ in range(1000):
+                idle.append(socket.create_connection(("127.0.0.1", pp.port), timeout=10))
+            started = time.monotonic()
+            for rid in range(5):
+                response = httpx.post(pp.url("h"), content=call_body(rid, text="busy"), timeout=10,
+                                      headers={"Content-Type": "application/json",
+                                               "Accept": "application/json, text/event-stream",
+                                               "MCP-Protocol-Version": STATELESS,
+                                               "Authorization": f"Bearer {token('bob')}"})
+                assert response.status_code == 200
+                assert result_of(response.content, rid)["content"][0]["text"] == "busy"
+            assert time.monotonic() - started < 5
+        finally:
+            for s in idle:
+                s.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_workers_share_the_port(tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind, workers=2) as pp:
+        for rid in range(20):  # a new connection each: the kernel spreads them over both workers
+            with connect(pp) as sock, sock.makefile("rb") as f:
+                sock.sendall(request(pp.port, rid, text="w"))
+                status, _, body = read_response(f)
+                assert status == 200 and result_of(body, rid)["isError"] is False
+        deadline = time.monotonic() + 10
+        while True:
+            counts = [len((pp.audit_dir / f"audit-w{w}.jsonl").read_text().splitlines())
+                      if (pp.audit_dir / f"audit-w{w}.jsonl").exists() else 0 for w in (0, 1)]
+            if sum(counts) >= 20 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert sum(counts) == 20 and min(counts) > 0, counts
