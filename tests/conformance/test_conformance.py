@@ -5,7 +5,8 @@
 tests/conformance/fixture_server.py, once at the fixture's own URL and once at
 `/mcp/fixture` of a real `envelope-proxy serve` process (policy: tests/conformance/policies),
 and for 2025-11-25 once more through a proxy that launches the fixture as a stdio upstream
-(`fixture_server.py --stdio` as the upstream's `command`).
+(`fixture_server.py --stdio` as the upstream's `command`) and once through a proxy serving with
+`listener: fast` (its own HTTP server instead of aiohttp's).
 
 Revisions: the suite's server scenarios exist for 2025-06-18 and 2025-11-25 only (it has none for
 2026-07-28; `test_suite_revisions` notices when that changes). Its client always offers
@@ -359,6 +360,42 @@ def stdio_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
 def test_nothing_lost_through_a_stdio_upstream(stdio_run: tuple[Run, list[dict[str, Any]]]) -> None:
     run, audit = stdio_run
     expected = set(expected_failures(STDIO_REVISION))
+    lost = sorted(run.failed() - expected)
+    assert not lost, "\n\n".join(f"{n}:\n{run.scenarios[n].summary()}\n{run.scenarios[n].output}"
+                                   for n in lost)
+    warned = {n for n, sc in run.scenarios.items() if "WARNING" in sc.statuses().values()}
+    assert warned <= WARNS_ANYWHERE, {n: run.scenarios[n].summary() for n in warned - WARNS_ANYWHERE}
+    assert len(run.scenarios) >= 30, sorted(run.scenarios)
+    refused = [r for r in audit if r["verdict"] != "allow" or r["upstream_status"] != 200]
+    assert not refused, json.dumps(refused, indent=2)
+    assert {"test_simple_text", "test_sampling", "test_elicitation"} <= {r["tool"] for r in audit}
+
+
+# -- the same suite through the fast listener ------------------------------------------------
+# `listener: fast` (proxy/app/fast_listener.py) serves the same application with its own HTTP
+# server: the suite once more through it, 2025-11-25 (the revision every client offers), so
+# both listeners are held to the suite.
+FAST_REVISION = "2025-11-25"
+
+
+@pytest.fixture(scope="module")
+def fast_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Run, list[dict[str, Any]]]]:
+    tmp = tmp_path_factory.mktemp("conformance-fast")
+    proc, url, _ = fixture_server(tmp, FAST_REVISION)
+    try:
+        with proxy_process(tmp, {UPSTREAM: url}, policies=POLICIES,
+                           identity={"mode": "static", "principal": "conformance"},
+                           config={"listener": {"kind": "fast"}}) as pp:
+            run = run_suite(node, pp.url(UPSTREAM), FAST_REVISION, tmp / "fast", "fast")
+            yield run, pp.audit_records()
+    finally:
+        stop(proc)
+
+
+
+def test_nothing_lost_through_the_fast_listener(fast_run: tuple[Run, list[dict[str, Any]]]) -> None:
+    run, audit = fast_run
+    expected = set(expected_failures(FAST_REVISION))
     lost = sorted(run.failed() - expected)
     assert not lost, "\n\n".join(f"{n}:\n{run.scenarios[n].summary()}\n{run.scenarios[n].output}"
                                    for n in lost)
