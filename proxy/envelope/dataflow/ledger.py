@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from proxy.envelope.dataflow.endorse import MAX_KEYS, handle_keys, trusted_keys
 from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
+    collapse,
+    fold,
+    folded_tokens,
     gram_length,
-    normalise,
     phrase_hash,
     phrases,
     token_hash,
-    tokens,
     winnowed,
 )
 from proxy.envelope.labels import Piece
@@ -118,7 +119,8 @@ class LedgerDelta:
                     continue
             if len(text) < shortest and text.isascii():
                 continue  # shorter than any gram or token (ASCII stays as long when normalised)
-            norm = normalise(text)
+            low = fold(text)  # folded once, for the grams and the tokens
+            norm = collapse(low)
             # Winnowing keeps at least one gram of every `window`: past this length the output
             # would overflow the cap anyway, so no more of it is hashed (bounded work).
             most = None if limit is None else max(0, limit - len(delta.grams)) * window + n
@@ -126,7 +128,7 @@ class LedgerDelta:
                 norm = norm[:most]
                 delta.overflow = True
             grams = winnowed(norm, n, window)
-            toks = [token_hash(kind, value) for kind, value in tokens(text)]
+            toks = [token_hash(kind, value) for kind, value in folded_tokens(low)]
             if min_value and label == "untrusted":
                 held = len(delta.grams) + len(delta.tokens) + len(delta.values) + len(grams) + len(toks)
                 room = None if limit is None else max(0, limit - held)
