@@ -263,13 +263,28 @@ _RUN_REST = re.compile(r"[@\w.-]*")
 _LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")  # where a host label starts
 
 
-def _domains(low: str) -> Iterator[re.Match[str]]:
+# The classes of an ASCII text that `_domains` looks for: "." a dot, "a" what starts a label.
+_DOTS = bytes.maketrans(
+    bytes(range(128)),
+    bytes(ord(".") if c == ord(".") else ord("a") if chr(c) in _LABEL_CHARS else ord(" ")
+          for c in range(128)))
+
+
+def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
     """The matches of `_DOMAIN.finditer(low)`, found from the dots of the text: a match starts
     only where a run of [@\\w.-] starts and its host holds a dot of that run, so only the runs
     with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
-    every word). Each character is scanned back over at most once: linear time."""
+    every word). Each character is scanned back over at most once: linear time. `dots`: the
+    text's `_DOTS` classes (an ASCII text), to find only the dots a label follows in C."""
     pos = 0
-    while (dot := low.find(".", pos)) >= 0:
+    while True:
+        # A dot no label follows is never a match's first (see below), so `dots` skips it and
+        # leaves its run to the next dot a label follows: from that one, the scan back reaches
+        # the same start, whose first label ends at a skipped dot (no match), and the run is
+        # skipped as it would have been (same matches, each character scanned back once).
+        dot = low.find(".", pos) if dots is None else dots.find(b".a", pos)
+        if dot < 0:
+            return
         after = low[dot + 1: dot + 2]
         found: re.Match[str] | None = None
         # The match's first label ends at this dot (the first of the run from its start), and
@@ -390,25 +405,28 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
     """`tokens` of a text already folded (`fold(text)`: the caller that also normalises it
     folds it once)."""
     found: set[tuple[str, str]] = set()
-    backwards = low[::-1] if "@" in low or "://" in low or "www." in low else None
+    emails = "@" in low
+    urls = "://" in low or "www." in low
+    backwards = low[::-1] if emails or urls else None
     # A match shorter than MIN_TOKEN yields no token (every value is a part of the match), so
     # it costs nothing more; matches are iterated, not collected, so the thread that runs this
     # for a large output lets others take the GIL between them.
-    if "@" in low:
+    if emails:
         for e in _emails(low, backwards):
             if len(e) >= MIN_TOKEN:
                 found.add(("email", e))
                 host = e.rsplit("@", 1)[1]
                 if len(host) >= MIN_TOKEN:
                     found.add(("host", host))
-    if "://" in low or "www." in low:
+    if urls:
         for m in _urls(low, backwards):
             if len(m) >= MIN_TOKEN:
                 found.update(_url_tokens(m))
-    for match in _domains(low):
+    ascii_text = low.encode("ascii") if low.isascii() else None
+    for match in _domains(low, None if ascii_text is None else ascii_text.translate(_DOTS)):
         if match.end() - match.start() >= MIN_TOKEN:
             found.update(_url_tokens(match.group()))
-    classes = low.encode("ascii").translate(_CLASSES) if low.isascii() else None
+    classes = None if ascii_text is None else ascii_text.translate(_CLASSES)
     # A digit run starts at a digit after a non-word character (or at the text's start).
     for match in _anchored(low, _DIGITS, classes, b" 0", 1):
         m = match.group()

@@ -71,6 +71,31 @@ def test_tokens_in_prose_make_the_same_tokens(parts: list[tuple[str, int]]) -> N
     _assert_same("".join(piece + _PROSE * gap for piece, gap in parts))
 
 
+_ASCII_TEXTS = st.lists(st.sampled_from([piece for piece in _PIECES if piece.isascii()]),
+                        max_size=60).map("".join)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_ASCII_TEXTS)
+def test_ascii_pieces_make_the_same_tokens_and_normal_form(text: str) -> None:
+    """ASCII text: the fast paths (folding, whitespace, character classes)."""
+    _assert_same(text)
+
+
+_DOMAIN_PIECES = ["a", "b", "1", ".", "-", "@", "_", " ", "/", ":", "x.yz", "ab.cd", "txt", "..",
+                  "-a", "a.b.cc/", "www.", ".@", "cd.", ". ", "a_b.cc"]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(_DOMAIN_PIECES), max_size=40).map("".join))
+def test_domains_from_the_dots_a_label_follows_are_the_patterns_matches(text: str) -> None:
+    """Skipping the dots no label follows (ASCII text) finds what every dot found."""
+    dots = text.encode("ascii").translate(fingerprint._DOTS)
+    assert [m.span() for m in fingerprint._domains(text, dots)] == \
+        [m.span() for m in fingerprint._domains(text)] == \
+        [m.span() for m in fingerprint._DOMAIN.finditer(text)]
+
+
 @settings(max_examples=1000, deadline=None)
 @given(st.text(max_size=80))
 def test_any_text_makes_the_same_tokens_and_normal_form(text: str) -> None:
