@@ -59,17 +59,24 @@ def fold(text: str) -> str:
 # The ASCII characters str.isspace() accepts (what str.split() splits on), each made a space.
 _ASCII_SPACES = bytes.maketrans(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f", b" " * 9)
 _SPACE_RUN = re.compile(b"  +")
+# The other characters str.isspace() accepts, in UTF-8 (U+0085, U+00A0, U+1680, U+2000-U+200A,
+# U+2028, U+2029, U+202F, U+205F, U+3000; NFKC makes most of them a plain space).
+_WIDE_SPACE = re.compile(rb"\xc2[\x85\xa0]|\xe1\x9a\x80|\xe2\x80[\x80-\x8a\xa8\xa9\xaf]|\xe2\x81\x9f|\xe3\x80\x80")
 
 
 def collapse(low: str) -> str:
     """A folded text with its whitespace runs collapsed to one space, stripped."""
-    if low.isascii():
-        # The same as the split and join below, in three C passes over bytes instead of one
-        # Python object per word (~4x faster on prose).
-        squeezed = low.encode("ascii").translate(_ASCII_SPACES)
+    ascii_text = low.isascii()
+    encoded = low.encode("ascii") if ascii_text else low.encode("utf-8", "surrogatepass")
+    if ascii_text or _WIDE_SPACE.search(encoded) is None:
+        # The same as the split and join below when all whitespace is ASCII (UTF-8 encodes
+        # every other character in bytes >= 0x80), in a few C passes over bytes instead of one
+        # Python object per word (~3-4x faster on prose).
+        squeezed = encoded.translate(_ASCII_SPACES)
         if b"  " in squeezed:
             squeezed = _SPACE_RUN.sub(b" ", squeezed)
-        return squeezed.strip(b" ").decode("ascii")
+        squeezed = squeezed.strip(b" ")
+        return squeezed.decode("ascii") if ascii_text else squeezed.decode("utf-8", "surrogatepass")
     # str.split() splits on runs of what `\s` matches (str.isspace): 5x faster than re.sub.
     return " ".join(low.split())
 
@@ -263,7 +270,8 @@ _RUN_REST = re.compile(r"[@\w.-]*")
 _LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")  # where a host label starts
 
 
-# The classes of an ASCII text that `_domains` looks for: "." a dot, "a" what starts a label.
+# The classes of a text's ASCII view (a character that is not ASCII shows as "?": neither) that
+# `_domains` looks for: "." a dot, "a" what starts a label.
 _DOTS = bytes.maketrans(
     bytes(range(128)),
     bytes(ord(".") if c == ord(".") else ord("a") if chr(c) in _LABEL_CHARS else ord(" ")
@@ -275,7 +283,7 @@ def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
     only where a run of [@\\w.-] starts and its host holds a dot of that run, so only the runs
     with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
     every word). Each character is scanned back over at most once: linear time. `dots`: the
-    text's `_DOTS` classes (an ASCII text), to find only the dots a label follows in C."""
+    text's `_DOTS` classes, to find only the dots a label follows in C."""
     pos = 0
     while True:
         # A dot no label follows is never a match's first (see below), so `dots` skips it and
@@ -364,13 +372,37 @@ def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
         yield "url", f"{host}/{rest}"
 
 
-# Character classes of an ASCII text, one byte per character, for finding where the digit
-# patterns can start with C finds: "0" a digit, "a" a letter a-z, "w" any other word character
-# (`\w` of an ASCII text), " " anything else.
+# Character classes of a text, one byte per character, for finding where the digit patterns can
+# start with C finds: "0" a digit (`\d`: str.isdecimal()), "a" a letter a-z, "w" any other word
+# character (`\w`: str.isalnum() or "_"), " " anything else. Made from the text's ASCII view,
+# where a character that is not ASCII shows as "?" (class "u" until `_classes` resolves it).
 _CLASSES = bytes.maketrans(
     bytes(range(128)),
-    bytes(ord("0") if chr(c).isdigit() else ord("a") if "a" <= chr(c) <= "z"
+    bytes(ord("u") if c == ord("?") else ord("0") if chr(c).isdecimal() else ord("a") if "a" <= chr(c) <= "z"
           else ord("w") if chr(c).isalnum() or c == ord("_") else ord(" ") for c in range(128)))
+
+
+def _class(ch: str) -> int:
+    return (ord("0") if ch.isdecimal() else ord("a") if "a" <= ch <= "z"
+            else ord("w") if ch.isalnum() or ch == "_" else ord(" "))
+
+
+def _classes(low: str, ascii_view: bytes) -> bytes | None:
+    """The character classes of a text (`ascii_view`: its ASCII view), or None when more than
+    one character in ANCHOR_SPACING is not ASCII (each is resolved in Python: the plain scans
+    are cheaper then)."""
+    classes = ascii_view.translate(_CLASSES)
+    unknown = classes.count(b"u")
+    if not unknown:
+        return classes
+    if unknown * ANCHOR_SPACING > len(low):
+        return None
+    exact = bytearray(classes)
+    at = exact.find(b"u")
+    while at >= 0:
+        exact[at] = _class(low[at])
+        at = exact.find(b"u", at + 1)
+    return bytes(exact)
 
 
 def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor: bytes,
@@ -378,7 +410,7 @@ def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor:
     """`pattern.finditer(low)` for a pattern that can only match at `offset` characters past
     an occurrence of `anchor` in the character classes of the text (or at `offset` - 1 from
     the text's start, where `anchor` begins with " " and the text has no character before).
-    Without classes (a text that is not ASCII), or when the anchors are dense, the plain scan."""
+    Without classes, or when the anchors are dense, the plain scan."""
     if classes is None or classes.count(anchor) * ANCHOR_SPACING > len(low):
         yield from pattern.finditer(low)
         return
@@ -422,11 +454,13 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
         for m in _urls(low, backwards):
             if len(m) >= MIN_TOKEN:
                 found.update(_url_tokens(m))
-    ascii_text = low.encode("ascii") if low.isascii() else None
-    for match in _domains(low, None if ascii_text is None else ascii_text.translate(_DOTS)):
+    # One byte per character (a character that is not ASCII as "?"), for the C finds of the
+    # domain, digit and IBAN scans.
+    ascii_view = low.encode("ascii", "replace")
+    for match in _domains(low, ascii_view.translate(_DOTS)):
         if match.end() - match.start() >= MIN_TOKEN:
             found.update(_url_tokens(match.group()))
-    classes = None if ascii_text is None else ascii_text.translate(_CLASSES)
+    classes = _classes(low, ascii_view)
     # A digit run starts at a digit after a non-word character (or at the text's start).
     for match in _anchored(low, _DIGITS, classes, b" 0", 1):
         m = match.group()

@@ -54,6 +54,15 @@ def _scheme(n: int, window: int, min_value: int = 0) -> str:
     return f"{n}w{window}pl" if min_value else f"{n}w{window}l"
 
 
+def _merged(into: dict[bytes, str], found: list[bytes], label: str) -> dict[bytes, str]:
+    """`into` with each of `found` set to `label`: a new dict when `into` is empty (the first
+    piece of an output: one insertion per fingerprint instead of two, ~10 µs/KB of prose)."""
+    if not into:
+        return dict.fromkeys(found, label)
+    into.update(dict.fromkeys(found, label))
+    return into
+
+
 @dataclass(slots=True)
 class LedgerDelta:
     """What one tool output adds to a run's ledger (also what widens a parent's ledger)."""
@@ -136,10 +145,11 @@ class LedgerDelta:
                 if room is not None and len(found_phrases) >= room:
                     delta.overflow = True
                 delta.values.update(dict.fromkeys(map(phrase_hash, found_phrases), label))
-            for into, found in ((delta.grams, grams), (delta.tokens, toks)):
-                if label == "untrusted":
-                    into.update(dict.fromkeys(found, label))
-                else:
+            if label == "untrusted":
+                delta.grams = _merged(delta.grams, grams, label)
+                delta.tokens = _merged(delta.tokens, toks, label)
+            else:
+                for into, found in ((delta.grams, grams), (delta.tokens, toks)):
                     for h in found:
                         into.setdefault(h, label)
         return delta
