@@ -59,24 +59,18 @@ def fold(text: str) -> str:
 # The ASCII characters str.isspace() accepts (what str.split() splits on), each made a space.
 _ASCII_SPACES = bytes.maketrans(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f", b" " * 9)
 _SPACE_RUN = re.compile(b"  +")
-# The other characters str.isspace() accepts, in UTF-8 (U+0085, U+00A0, U+1680, U+2000-U+200A,
-# U+2028, U+2029, U+202F, U+205F, U+3000; NFKC makes most of them a plain space).
-_WIDE_SPACE = re.compile(rb"\xc2[\x85\xa0]|\xe1\x9a\x80|\xe2\x80[\x80-\x8a\xa8\xa9\xaf]|\xe2\x81\x9f|\xe3\x80\x80")
 
 
 def collapse(low: str) -> str:
     """A folded text with its whitespace runs collapsed to one space, stripped."""
-    ascii_text = low.isascii()
-    encoded = low.encode("ascii") if ascii_text else low.encode("utf-8", "surrogatepass")
-    if ascii_text or _WIDE_SPACE.search(encoded) is None:
-        # The same as the split and join below when all whitespace is ASCII (UTF-8 encodes
-        # every other character in bytes >= 0x80), in a few C passes over bytes instead of one
-        # Python object per word (~3-4x faster on prose).
-        squeezed = encoded.translate(_ASCII_SPACES)
+    if low.isascii():
+        # The same as the split and join below, in a few C passes over bytes instead of one
+        # Python object per word (~4x faster on prose). Not for other text: decoding UTF-8
+        # back costs what the split saves (measured).
+        squeezed = low.encode("ascii").translate(_ASCII_SPACES)
         if b"  " in squeezed:
             squeezed = _SPACE_RUN.sub(b" ", squeezed)
-        squeezed = squeezed.strip(b" ")
-        return squeezed.decode("ascii") if ascii_text else squeezed.decode("utf-8", "surrogatepass")
+        return squeezed.strip(b" ").decode("ascii")
     # str.split() splits on runs of what `\s` matches (str.isspace): 5x faster than re.sub.
     return " ".join(low.split())
 
