@@ -47,16 +47,38 @@ _INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e\u200b
                         "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
 
 
-def _fold(text: str) -> str:
-    """NFKC, invisible characters removed, case-folded."""
+def fold(text: str) -> str:
+    """NFKC, invisible characters removed, case-folded (what tokens are scanned in)."""
+    if text.isascii():
+        # NFKC leaves ASCII as it is, no invisible character is ASCII and ASCII case-folds to
+        # lower case: same result, without the three passes (~10 µs/KB).
+        return text.lower()
     return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
+
+
+# The ASCII characters str.isspace() accepts (what str.split() splits on), each made a space.
+_ASCII_SPACES = bytes.maketrans(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f", b" " * 9)
+_SPACE_RUN = re.compile(b"  +")
+
+
+def collapse(low: str) -> str:
+    """A folded text with its whitespace runs collapsed to one space, stripped."""
+    if low.isascii():
+        # The same as the split and join below, in a few C passes over bytes instead of one
+        # Python object per word (~4x faster on prose). Not for other text: decoding UTF-8
+        # back costs what the split saves (measured).
+        squeezed = low.encode("ascii").translate(_ASCII_SPACES)
+        if b"  " in squeezed:
+            squeezed = _SPACE_RUN.sub(b" ", squeezed)
+        return squeezed.strip(b" ").decode("ascii")
+    # str.split() splits on runs of what `\s` matches (str.isspace): 5x faster than re.sub.
+    return " ".join(low.split())
 
 
 def normalise(text: str) -> str:
     """Case-folded, NFKC, invisible characters removed, whitespace runs collapsed to one space,
-    stripped."""
-    # str.split() splits on runs of what `\s` matches (str.isspace): 5x faster than re.sub.
-    return " ".join(_fold(text).split())
+    stripped (`collapse(fold(text))`)."""
+    return collapse(fold(text))
 
 
 def _window_hashes(norm: str, k: int) -> np.ndarray:
@@ -177,8 +199,52 @@ _FILE_TLDS = frozenset(
 _TRAIL = ".,;:!?'\")]}>*"
 
 
-def _emails(low: str) -> Iterator[str]:
-    """E-mail addresses of a folded text, in order, not overlapping."""
+# Anchored scans. A pattern searched from every position costs ~5-10 ns per character even
+# where it cannot match (the look-behind or first character is tested at each one): 30-45 µs/KB
+# of prose for the e-mail and URL scans. Every match holds a literal anchor ("@", "://", "www.")
+# or starts at a character class that a bytes translation finds, so on a text with few anchors
+# the pattern is tried only at the one start each anchor admits (C finds, one match per anchor).
+# On a text dense with anchors (one per ANCHOR_SPACING characters or more: the hostile runs of
+# `test_dataflow_cost`) the plain scans are cheaper and are used instead; both find the same
+# matches, so the choice never changes a fingerprint, and each is linear.
+ANCHOR_SPACING = 64
+
+_LOCAL_RUN = re.compile(r"[a-z0-9._%+-]*")  # e-mail local-part characters, read backwards
+_SCHEME_RUN = re.compile(r"[a-z0-9+.-]*")  # URL scheme characters, read backwards
+
+
+def _run_start(low: str, backwards: str, run: re.Pattern[str], end: int, floor: int) -> int:
+    """Where the run of `run`'s characters that ends just before `end` starts (not before
+    `floor`), read from the reversed text `backwards` in one C match."""
+    found = run.match(backwards, len(low) - end)
+    start = end - (found.end() - found.start()) if found is not None else end
+    return max(start, floor)
+
+
+def _emails(low: str, backwards: str | None = None) -> Iterator[str]:
+    """E-mail addresses of a folded text, in order, not overlapping (`backwards`: the text
+    reversed, when the caller has it)."""
+    if low.count("@") * ANCHOR_SPACING > len(low):
+        yield from _emails_scanned(low)
+        return
+    # A match's local part is the whole run of local-part characters before its "@" (none is
+    # an "@"), from the run's start or from where the previous address ended inside it: the
+    # one start `_emails_scanned` tries for that "@".
+    if backwards is None:
+        backwards = low[::-1]
+    pos = 0
+    while (at := low.find("@", pos)) >= 0:
+        start = _run_start(low, backwards, _LOCAL_RUN, at, pos)
+        found = _EMAIL.match(low, start) if start < at else None
+        if found is None:
+            pos = at + 1
+            continue
+        yield found.group()
+        pos = found.end()
+
+
+def _emails_scanned(low: str) -> Iterator[str]:
+    """`_emails` by a scan of the whole text (linear, cheaper when "@" is frequent)."""
     pos = 0
     while True:
         # Where the previous address ended inside a run of local-part characters, the run's
@@ -195,23 +261,49 @@ def _emails(low: str) -> Iterator[str]:
 # What `[@\w.-]` matches (`re`'s \w on str is str.isalnum() or "_"), and the rest of such a run.
 _RUN_CHARS = "@_.-"
 _RUN_REST = re.compile(r"[@\w.-]*")
+_LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")  # where a host label starts
 
 
-def _domains(low: str) -> Iterator[re.Match[str]]:
+# The classes of a text's ASCII view (a character that is not ASCII shows as "?": neither) that
+# `_domains` looks for: "." a dot, "a" what starts a label.
+_DOTS = bytes.maketrans(
+    bytes(range(128)),
+    bytes(ord(".") if c == ord(".") else ord("a") if chr(c) in _LABEL_CHARS else ord(" ")
+          for c in range(128)))
+
+
+def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
     """The matches of `_DOMAIN.finditer(low)`, found from the dots of the text: a match starts
     only where a run of [@\\w.-] starts and its host holds a dot of that run, so only the runs
     with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
-    every word). Each character is scanned back over at most once: linear time."""
+    every word). Each character is scanned back over at most once: linear time. `dots`: the
+    text's `_DOTS` classes, to find only the dots a label follows in C."""
     pos = 0
-    while (dot := low.find(".", pos)) >= 0:
-        start = dot
-        while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
-            start -= 1
-        # A run that began before `pos` (inside the previous match) has no start to try.
-        began_before = start == pos > 0 and (low[pos - 1].isalnum() or low[pos - 1] in _RUN_CHARS)
-        found = None if began_before else _DOMAIN.match(low, start)
+    while True:
+        # A dot no label follows is never a match's first (see below), so `dots` skips it and
+        # leaves its run to the next dot a label follows: from that one, the scan back reaches
+        # the same start, whose first label ends at a skipped dot (no match), and the run is
+        # skipped as it would have been (same matches, each character scanned back once).
+        dot = low.find(".", pos) if dots is None else dots.find(b".a", pos)
+        if dot < 0:
+            return
+        after = low[dot + 1: dot + 2]
+        found: re.Match[str] | None = None
+        # The match's first label ends at this dot (the first of the run from its start), and
+        # a label or the top-level domain follows it: at the end of a sentence (". ") there is
+        # no match, and no run to scan back over (most dots of prose).
+        if after and after in _LABEL_CHARS:
+            start = dot
+            while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
+                start -= 1
+            # A run that began before `pos` (inside the previous match) has no start to try.
+            began_before = start == pos > 0 and (low[pos - 1].isalnum() or low[pos - 1] in _RUN_CHARS)
+            found = None if began_before else _DOMAIN.match(low, start)
         if found is None:
             # No other start in this run: go past it (`*` always matches, from the dot on).
+            if not (after and (after.isalnum() or after in _RUN_CHARS)):
+                pos = dot + 1  # the run ends at this dot
+                continue
             rest = _RUN_REST.match(low, dot)
             pos = rest.end() if rest is not None else dot + 1
             continue
@@ -219,10 +311,44 @@ def _domains(low: str) -> Iterator[re.Match[str]]:
         pos = found.end()
 
 
-def _urls(low: str) -> Iterator[str]:
-    """URLs (with a scheme, or starting www.) of a folded text, in order, not overlapping."""
-    for found in _URL.finditer(low):
-        yield found.group("url") or found.group("www")
+def _urls(low: str, backwards: str | None = None) -> Iterator[str]:
+    """URLs (with a scheme, or starting www.) of a folded text, in order, not overlapping
+    (`backwards`: the text reversed, when the caller has it)."""
+    anchors = low.count("://") + low.count("www.")
+    if anchors * ANCHOR_SPACING > len(low):
+        for scanned in _URL.finditer(low):
+            yield scanned.group("url") or scanned.group("www")
+        return
+    # `_URL` can match only at the start of the run of scheme characters before a "://" (its
+    # look-behind) or at a "www.": trying it there, in order, finds what `finditer` finds. A
+    # URL ends where no scheme character follows, so no run starts inside the previous one.
+    if backwards is None:
+        backwards = low[::-1]
+    pos = 0
+    scheme = low.find("://")
+    www = low.find("www.")
+    while scheme >= 0 or www >= 0:
+        if scheme >= 0:
+            start = _run_start(low, backwards, _SCHEME_RUN, scheme, pos)
+            if www < 0 or start <= www:
+                scheme = low.find("://", scheme + 1)
+            else:
+                start = www
+                www = low.find("www.", www + 1)
+        else:
+            start = www
+            www = low.find("www.", www + 1)
+        if start < pos:
+            continue
+        found = _URL.match(low, start)
+        if found is not None:
+            yield found.group("url") or found.group("www")
+            pos = found.end()
+            # Anchors inside the match are skipped (found again from `pos`).
+            if 0 <= scheme < pos:
+                scheme = low.find("://", pos)
+            if 0 <= www < pos:
+                www = low.find("www.", pos)
 
 
 def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
@@ -240,40 +366,115 @@ def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
         yield "url", f"{host}/{rest}"
 
 
-def tokens(text: str) -> set[tuple[str, str]]:
-    """Distinctive tokens of a text, normalised: (kind, value), values of at least 8 chars.
-    Time linear in the text, whatever the text."""
-    low = _fold(text)
+# Character classes of a text, one byte per character, for finding where the digit patterns can
+# start with C finds: "0" a digit (`\d`: str.isdecimal()), "a" a letter a-z, "w" any other word
+# character (`\w`: str.isalnum() or "_"), " " anything else. Made from the text's ASCII view,
+# where a character that is not ASCII shows as "?" (class "u" until `_classes` resolves it).
+_CLASSES = bytes.maketrans(
+    bytes(range(128)),
+    bytes(ord("u") if c == ord("?") else ord("0") if chr(c).isdecimal() else ord("a") if "a" <= chr(c) <= "z"
+          else ord("w") if chr(c).isalnum() or c == ord("_") else ord(" ") for c in range(128)))
+
+
+def _class(ch: str) -> int:
+    return (ord("0") if ch.isdecimal() else ord("a") if "a" <= ch <= "z"
+            else ord("w") if ch.isalnum() or ch == "_" else ord(" "))
+
+
+def _classes(low: str, ascii_view: bytes) -> bytes | None:
+    """The character classes of a text (`ascii_view`: its ASCII view), or None when more than
+    one character in ANCHOR_SPACING is not ASCII (each is resolved in Python: the plain scans
+    are cheaper then)."""
+    classes = ascii_view.translate(_CLASSES)
+    unknown = classes.count(b"u")
+    if not unknown:
+        return classes
+    if unknown * ANCHOR_SPACING > len(low):
+        return None
+    exact = bytearray(classes)
+    at = exact.find(b"u")
+    while at >= 0:
+        exact[at] = _class(low[at])
+        at = exact.find(b"u", at + 1)
+    return bytes(exact)
+
+
+def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor: bytes,
+              offset: int) -> Iterator[re.Match[str]]:
+    """`pattern.finditer(low)` for a pattern that can only match at `offset` characters past
+    an occurrence of `anchor` in the character classes of the text (or at `offset` - 1 from
+    the text's start, where `anchor` begins with " " and the text has no character before).
+    Without classes, or when the anchors are dense, the plain scan."""
+    if classes is None or classes.count(anchor) * ANCHOR_SPACING > len(low):
+        yield from pattern.finditer(low)
+        return
+    pos = 0
+    # The text's start is a start where the anchor's leading " " would stand before it.
+    first = offset - 1 if classes.startswith(anchor[1:]) else -1
+    while True:
+        if first >= 0:
+            start, first = first, -1
+        else:
+            at = classes.find(anchor, max(0, pos - offset))
+            if at < 0:
+                return
+            start = at + offset
+        found = pattern.match(low, start)
+        if found is None:
+            pos = start + 1
+            continue
+        yield found
+        pos = found.end()
+
+
+def folded_tokens(low: str) -> set[tuple[str, str]]:
+    """`tokens` of a text already folded (`fold(text)`: the caller that also normalises it
+    folds it once)."""
     found: set[tuple[str, str]] = set()
+    emails = "@" in low
+    urls = "://" in low or "www." in low
+    backwards = low[::-1] if emails or urls else None
     # A match shorter than MIN_TOKEN yields no token (every value is a part of the match), so
     # it costs nothing more; matches are iterated, not collected, so the thread that runs this
     # for a large output lets others take the GIL between them.
-    if "@" in low:
-        for e in _emails(low):
+    if emails:
+        for e in _emails(low, backwards):
             if len(e) >= MIN_TOKEN:
                 found.add(("email", e))
                 host = e.rsplit("@", 1)[1]
                 if len(host) >= MIN_TOKEN:
                     found.add(("host", host))
-    if "://" in low or "www." in low:
-        for m in _urls(low):
+    if urls:
+        for m in _urls(low, backwards):
             if len(m) >= MIN_TOKEN:
                 found.update(_url_tokens(m))
-    for match in _domains(low):
+    # One byte per character (a character that is not ASCII as "?"), for the C finds of the
+    # domain, digit and IBAN scans.
+    ascii_view = low.encode("ascii", "replace")
+    for match in _domains(low, ascii_view.translate(_DOTS)):
         if match.end() - match.start() >= MIN_TOKEN:
             found.update(_url_tokens(match.group()))
-    for match in _DIGITS.finditer(low):
+    classes = _classes(low, ascii_view)
+    # A digit run starts at a digit after a non-word character (or at the text's start).
+    for match in _anchored(low, _DIGITS, classes, b" 0", 1):
         m = match.group()
         if _DATE.match(m):
             continue
         digits = _NOT_DIGIT.sub("", m)
         if len(digits) >= MIN_TOKEN:
             found.add(("number", digits))
-    for match in _IBAN_DIGITS.finditer(low):
+    # An IBAN's match starts at its first digit, after two letters after a non-word character.
+    for match in _anchored(low, _IBAN_DIGITS, classes, b" aa0", 3):
         compact = low[match.start() - 2: match.end()].replace(" ", "")
         if any(ch.isdigit() for ch in compact[4:]):
             found.add(("number", compact))
     return {(k, v) for k, v in found if len(v) >= MIN_TOKEN}
+
+
+def tokens(text: str) -> set[tuple[str, str]]:
+    """Distinctive tokens of a text, normalised: (kind, value), values of at least 8 chars.
+    Time linear in the text, whatever the text."""
+    return folded_tokens(fold(text))
 
 
 def token_hash(kind: str, value: str) -> bytes:

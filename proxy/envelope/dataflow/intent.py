@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from proxy.envelope.dataflow.fingerprint import gram_hashes, normalise, token_hash, tokens
+from proxy.envelope.dataflow.fingerprint import (
+    collapse,
+    fold,
+    folded_tokens,
+    gram_hashes,
+    token_hash,
+)
 from proxy.envelope.dataflow.ledger import Ledger
 from proxy.envelope.dataflow.match import Probe
 from proxy.errors import EnvelopeError
@@ -124,9 +130,10 @@ class Endorsement:
         toks: set[bytes] = set()
         grams: set[bytes] = set()
         for text in texts:
-            norm = normalise(text)
+            low = fold(text)  # folded once, for the grams and the tokens
+            norm = collapse(low)
             norms.append(norm)
-            toks.update(token_hash(kind, value) for kind, value in tokens(text))
+            toks.update(token_hash(kind, value) for kind, value in folded_tokens(low))
             grams.update(gram_hashes(norm, n, window))
         return cls(tuple(norms), frozenset(toks), frozenset(grams))
 

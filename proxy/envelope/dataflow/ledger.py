@@ -22,12 +22,13 @@ from proxy.envelope.dataflow.endorse import (
 )
 from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
+    collapse,
+    fold,
+    folded_tokens,
     gram_length,
-    normalise,
     phrase_hash,
     phrases,
     token_hash,
-    tokens,
     winnowed,
 )
 from proxy.envelope.labels import Piece
@@ -58,6 +59,15 @@ def _scheme(n: int, window: int, min_value: int = 0) -> str:
     # written before the log (one `ledger_fp` field per fingerprint, tags without "l") is not
     # read: it is coarse until it expires, also when newer outputs were added to it.
     return f"{n}w{window}pl" if min_value else f"{n}w{window}l"
+
+
+def _merged(into: dict[bytes, str], found: list[bytes], label: str) -> dict[bytes, str]:
+    """`into` with each of `found` set to `label`: a new dict when `into` is empty (the first
+    piece of an output: one insertion per fingerprint instead of two, ~3 µs/KB of prose)."""
+    if not into:
+        return dict.fromkeys(found, label)
+    into.update(dict.fromkeys(found, label))
+    return into
 
 
 @dataclass(slots=True)
@@ -137,7 +147,8 @@ class LedgerDelta:
                     continue
             if len(text) < shortest and text.isascii():
                 continue  # shorter than any gram or token (ASCII stays as long when normalised)
-            norm = normalise(text)
+            low = fold(text)  # folded once, for the grams and the tokens
+            norm = collapse(low)
             # Winnowing keeps at least one gram of every `window`: past this length the output
             # would overflow the cap anyway, so no more of it is hashed (bounded work).
             most = None if limit is None else max(0, limit - len(delta.grams)) * window + n
@@ -145,7 +156,7 @@ class LedgerDelta:
                 norm = norm[:most]
                 delta.overflow = True
             grams = winnowed(norm, n, window)
-            toks = [token_hash(kind, value) for kind, value in tokens(text)]
+            toks = [token_hash(kind, value) for kind, value in folded_tokens(low)]
             if min_value and label == "untrusted":
                 held = len(delta.grams) + len(delta.tokens) + len(delta.values) + len(grams) + len(toks)
                 room = None if limit is None else max(0, limit - held)
@@ -153,10 +164,11 @@ class LedgerDelta:
                 if room is not None and len(found_phrases) >= room:
                     delta.overflow = True
                 delta.values.update(dict.fromkeys(map(phrase_hash, found_phrases), label))
-            for into, found in ((delta.grams, grams), (delta.tokens, toks)):
-                if label == "untrusted":
-                    into.update(dict.fromkeys(found, label))
-                else:
+            if label == "untrusted":
+                delta.grams = _merged(delta.grams, grams, label)
+                delta.tokens = _merged(delta.tokens, toks, label)
+            else:
+                for into, found in ((delta.grams, grams), (delta.tokens, toks)):
                     for h in found:
                         into.setdefault(h, label)
         # A pointed output longer than one trusted string's bound is not read for its token

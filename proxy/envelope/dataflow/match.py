@@ -8,13 +8,14 @@ from typing import Any
 
 from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
+    collapse,
+    fold,
+    folded_tokens,
     gram_hashes,
     gram_length,
-    normalise,
     phrase_hash,
     phrase_key,
     token_hash,
-    tokens,
 )
 from proxy.envelope.dataflow.ledger import (
     Ledger,
@@ -154,12 +155,13 @@ class Probe:
         `min_value` (0: off), a short value is also looked up whole."""
         if max_chars is not None and len(text) > max_chars:
             return cls("", [], [], gram_length(n, window), oversized=len(text))
-        norm = normalise(text)
+        low = fold(text)  # folded once, for the grams and the tokens
+        norm = collapse(low)
         key = phrase_key(norm, n) if min_value else None
         if key is not None and len(key) < min_value:
             key = None
         return cls(norm, gram_hashes(norm, n, window),
-                   [(k, v, token_hash(k, v)) for k, v in sorted(tokens(text))], gram_length(n, window),
+                   [(k, v, token_hash(k, v)) for k, v in sorted(folded_tokens(low))], gram_length(n, window),
                    value=key, value_hash=None if key is None else phrase_hash(key))
 
     def fields(self) -> Iterator[bytes]:
