@@ -696,6 +696,68 @@ async def test_sqlite_purge_drops_expired_hashes(tmp_path: Path) -> None:
     finally:
         await store.close()
 
+async def test_sqlite_log_reads_on_the_loop_see_every_commit_and_expiry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm `hash_since` is answered on the event loop's thread, and skips the read while no
+    connection committed (`PRAGMA data_version`): it must still see what another process or
+    another connection commits, the hash read with it changing alone, and an expiry."""
+    path = tmp_path / "state.db"
+    store, other = SqliteStore(path, timeout=5.0), SqliteStore(path, timeout=5.0)
+    worker_reads: list[str] = []
+    run = store._run
+
+    async def counted(what: str, fn: Any) -> Any:
+        worker_reads.append(what)
+        return await run(what, fn)
+
+    monkeypatch.setattr(store, "_run", counted)
+    try:
+        assert await store.hash_append("ledger_log", "r", b"a", ttl=60, also=("ledger", {b"u": b"1"})) == 1
+        worker_reads.clear()
+        for _ in range(3):  # warm and quiet: answered on the loop, the worker never asked
+            assert await store.hash_since("ledger_log", "r", 1, with_hash="ledger") == (1, [], {b"u": b"1"})
+        assert worker_reads == []
+        # Another connection (another worker or replica) appends: seen by the next read.
+        assert await other.hash_append("ledger_log", "r", b"b", ttl=60) == 2
+        assert await store.hash_since("ledger_log", "r", 1, with_hash="ledger") == (2, [b"b"], {b"u": b"1"})
+        # The flags alone change: seen too.
+        await other.hash_put("ledger", "r", {b"s": b"1"})
+        assert await store.hash_since("ledger_log", "r", 2, with_hash="ledger") == (
+            2, [], {b"u": b"1", b"s": b"1"})
+        # Another process commits.
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", textwrap.dedent(f"""
+                import asyncio
+                from pathlib import Path
+                from proxy.store.sqlite import SqliteStore
+                async def main():
+                    store = SqliteStore(Path({str(path)!r}), timeout=5.0)
+                    await store.hash_append("ledger_log", "r", b"c")
+                    await store.close()
+                asyncio.run(main())
+            """), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = await asyncio.wait_for(child.communicate(), 60)
+        assert child.returncode == 0, err.decode()
+        assert await store.hash_since("ledger_log", "r", 2, with_hash="ledger") == (
+            3, [b"c"], {b"u": b"1", b"s": b"1"})
+        assert worker_reads == []
+        # More entries than the loop's thread reads go to the worker, with the same answer.
+        for i in range(20):
+            await other.hash_append("ledger_log", "r", b"%d" % i)
+        assert await store.hash_since("ledger_log", "r", 3) == (23, [b"%d" % i for i in range(20)], {})
+        assert worker_reads == ["hash_since"]
+        # Nothing commits, but the hashes expire: the next read says so.
+        await other.hash_append("ledger_log", "short", b"x", ttl=TTL, also=("ledger", {b"u": b"1"}))
+        assert await store.hash_since("ledger_log", "short", 1, with_hash="ledger") == (1, [], {b"u": b"1"})
+        await asyncio.sleep(TTL * 1.5)
+        assert await store.hash_since("ledger_log", "short", 1, with_hash="ledger") == (0, [], {})
+    finally:
+        await store.close()
+        await other.close()
+    with pytest.raises(StoreError, match="closed"):
+        await store.hash_since("ledger_log", "r", 0)
+
+
 async def test_sqlite_locked_file_is_a_store_error_within_timeout(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteStore(path, timeout=0.5)
