@@ -808,6 +808,7 @@ OPS: list[tuple[str, Callable[[Store], Awaitable[object]]]] = [
     ("hash_get", lambda s: s.hash_get("ledger", "k", [b"f"])),
     ("hash_all", lambda s: s.hash_all("ledger", "k")),
     ("hash_delete", lambda s: s.hash_delete("ledger", "k", [b"f"])),
+    ("hash_since", lambda s: s.hash_since("ledger_log", "k", 0, with_hash="ledger")),
     ("take", lambda s: s.take("rate", [Bucket("principal/p", 5, 1.0, 60)])),
     ("ping", lambda s: s.ping()),
 ]
@@ -843,6 +844,10 @@ async def test_redis_killed_then_restarted(own_redis: RedisServer) -> None:
         assert await store.items("run") == [("k", b"cas-ok")]
         assert await store.hash_put("ledger", "k", {b"f": b"v"}, cap=10) == HashPut(1, 0)  # script reloaded
         assert await store.take("rate", [Bucket("principal/p", 1, 1.0, 60)]) == Taken(True)  # script reloaded
+        # The warm read's own connection (`resp.Lane`) was dropped with the server: made again.
+        assert await store.hash_append("ledger_log", "k", b"e", also=("ledger", {b"u": b"1"})) == 1
+        assert await store.hash_since("ledger_log", "k", 0, with_hash="ledger") == (
+            1, [b"e"], {b"f": b"v", b"u": b"1"})
     finally:
         await store.close()
 
@@ -851,13 +856,24 @@ async def test_redis_hung_server_times_out(own_redis: RedisServer) -> None:
     store = RedisStore(own_redis.url, prefix="hang:", timeout=0.5)
     try:
         await store.put("run", "k", b"v")
+        await store.hash_append("ledger_log", "before", b"old", also=("ledger", {b"n": b"old"}))
+        await store.hash_append("ledger_log", "after", b"new", also=("ledger", {b"n": b"new"}))
+        await store.hash_since("ledger_log", "before", 0)  # the script is loaded: the lane serves
         own_redis.pause()
         try:
             await assert_every_op_fails_fast(store, 0.5)
+            with pytest.raises(StoreError):
+                await store.hash_since("ledger_log", "before", 0, with_hash="ledger")
         finally:
             own_redis.resume()
+        # The replies to the reads that timed out arrive late on the warm read's connection
+        # (`resp.Lane`), here after the next read was sent: each read gets its own answer.
+        assert await store.hash_since("ledger_log", "after", 0, with_hash="ledger") == (
+            1, [b"new"], {b"n": b"new"})
         await eventually(lambda: _answers(store))
         assert await store.get("run", "k") == b"v"
+        assert await store.hash_since("ledger_log", "after", 0, with_hash="ledger") == (
+            1, [b"new"], {b"n": b"new"})
     finally:
         await store.close()
 
@@ -870,11 +886,38 @@ async def _answers(store: Store) -> bool:
     return True
 
 
+async def test_redis_warm_read_answers_through_its_own_connection_and_falls_back(
+        own_redis: RedisServer) -> None:
+    """`hash_since` (the sink check's read) goes through a raw connection (`resp.Lane`); a
+    server that lost the script (SCRIPT FLUSH) or a connection the server closed is answered
+    through redis-py instead, and the next read uses the raw connection again."""
+    store = RedisStore(own_redis.url, prefix="lane:", timeout=2.0)
+    try:
+        await store.hash_append("ledger_log", "r", b"a", also=("ledger", {b"u": b"1"}))
+        assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (1, [b"a"], {b"u": b"1"})
+        assert store._lane is not None and store._lane._protocol is not None
+        await store._client.script_flush()
+        assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (1, [b"a"], {b"u": b"1"})
+        await store._client.client_kill_filter(_type="normal", skipme=True)  # every other connection
+        await store.hash_append("ledger_log", "r", b"b")
+        assert await store.hash_since("ledger_log", "r", 1, with_hash="ledger") == (2, [b"b"], {b"u": b"1"})
+        # Concurrent reads share the connection and each gets its own reply, in order.
+        found = await asyncio.gather(*(store.hash_since("ledger_log", "r", i % 3) for i in range(30)))
+        assert [f.entries for f in found] == [[b"a", b"b"], [b"b"], []] * 10
+        protocol = store._lane._protocol
+        assert protocol is not None and not protocol.lost and not protocol.waiting
+    finally:
+        await store.close()
+
+
 async def test_redis_error_message_hides_password(own_redis: RedisServer) -> None:
     store = RedisStore(f"redis://user:s3cret@127.0.0.1:{own_redis.port}/0", prefix="pw:", timeout=0.5)
     try:
         with pytest.raises(StoreError) as info:
             await store.ping()  # AUTH fails: the server has no such user
+        assert "s3cret" not in str(info.value)
+        with pytest.raises(StoreError) as info:
+            await store.hash_since("ledger_log", "k", 0)  # its own connection's AUTH fails too
         assert "s3cret" not in str(info.value)
         assert f"redis://user:***@127.0.0.1:{own_redis.port}/0" in str(info.value)
     finally:
