@@ -22,6 +22,9 @@ from typing import Any
 
 import hiredis
 
+# Replies a connection may owe before it counts as hung (timed-out callers' included).
+MAX_WAITING = 1024
+
 
 class LaneError(Exception):
     """The lane could not answer (the caller asks redis-py instead)."""
@@ -95,6 +98,11 @@ class Lane:
             protocol.transport.close()
 
     def _send(self, protocol: _Protocol, packed: bytes) -> asyncio.Future[Any]:
+        if len(protocol.waiting) >= MAX_WAITING:
+            # A server that stopped answering: the replies owed (also to callers that gave up)
+            # are not awaited for ever; the connection goes and the next call makes another.
+            protocol.connection_lost(None)
+            raise LaneError("too many replies outstanding")
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         protocol.waiting.append(waiter)
         assert protocol.transport is not None

@@ -2,7 +2,7 @@
 
 Every sqlite call runs on one worker thread the store owns (the connection lives there), so the
 event loop never waits on disk or on another process's lock. One exception, the warm sink check's
-read: a small `hash_since` (at most `INLINE_ENTRIES` entries) is answered on the event loop's
+read: a small `hash_since` (at most `INLINE_ENTRIES` entries, `INLINE_BYTES`) is answered on the event loop's
 thread by a read-only connection of its own with busy timeout 0 (a WAL reader waits for no
 writer; anything that would make it wait goes to the worker), and not read at all while
 `PRAGMA data_version` shows no commit by any connection since its last answer found nothing new
@@ -114,6 +114,10 @@ _LOG_SINCE = (
     "SELECT value FROM hash WHERE ns = ? AND key = ? AND field > ? AND field <= ?"
     " AND length(field) = 8 ORDER BY field"
 )
+_LOG_SIZE = (
+    "SELECT coalesce(sum(length(value)), 0) FROM hash WHERE ns = ? AND key = ? AND field > ?"
+    " AND field <= ? AND length(field) = 8"
+)
 # Fields before their meta rows, inside one transaction: no field outlives its meta row.
 _HASH_PURGE = (
     "DELETE FROM hash WHERE (ns, key) IN"
@@ -125,6 +129,7 @@ _HASH_PURGE_META = "DELETE FROM hash_meta WHERE expires IS NOT NULL AND expires 
 # recorded since its last check; a larger read goes to the worker thread), and how many logs'
 # last quiet answers it remembers (`PRAGMA data_version` skips the read while they hold).
 INLINE_ENTRIES = 8
+INLINE_BYTES = 64 * 1024
 QUIET_LOGS = 4096
 
 # Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
@@ -213,8 +218,14 @@ def _log_since(conn: sqlite3.Connection, ns: str, key: str, after: int, limit: i
         last = log_counter(None if row is None else bytes(row[1]))[0]
         start = max(0, after)
         end = min(last, start + max(0, limit))
-        if most is not None and end - start > most:
-            raise _TooLarge
+        if most is not None and end > start:
+            if end - start > most:
+                raise _TooLarge
+            # length() reads a blob's header, not its pages: one entry can hold a 10 MB page's
+            # fingerprints, more than the event loop should copy.
+            size = conn.execute(_LOG_SIZE, (ns, key, log_field(start), log_field(end))).fetchone()[0]
+            if size > INLINE_BYTES:
+                raise _TooLarge
         if end > start:
             rows = conn.execute(_LOG_SINCE, (ns, key, log_field(start), log_field(end)))
             entries = [bytes(value) for (value,) in rows]
@@ -455,7 +466,8 @@ class SqliteStore(Store):
                       with_hash: str | None) -> LogRead | None:
         """`hash_since` on the event loop's thread, or None (the worker answers instead).
 
-        Bounded: at most `INLINE_ENTRIES` entries (a larger read goes to the worker), and no
+        Bounded: at most `INLINE_ENTRIES` entries of `INLINE_BYTES` in all (a larger read goes
+        to the worker), and no
         read at all when `PRAGMA data_version` says no connection committed since this one last
         read the same log and hash, found nothing after `after`, and neither can have expired
         since (SQLite guarantees the version changes on any other connection's commit, this

@@ -22,6 +22,7 @@ from proxy.errors import StoreError
 from proxy.store.base import Bucket, HashPut, Store, Taken
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
+from proxy.store.resp import MAX_WAITING
 from proxy.store.sqlite import SqliteStore
 from tests.redis_server import RedisServer, running_redis
 
@@ -746,6 +747,12 @@ async def test_sqlite_log_reads_on_the_loop_see_every_commit_and_expiry(
             await other.hash_append("ledger_log", "r", b"%d" % i)
         assert await store.hash_since("ledger_log", "r", 3) == (23, [b"%d" % i for i in range(20)], {})
         assert worker_reads == ["hash_since"]
+        # So does one entry larger than the loop's thread copies (a huge page's fingerprints).
+        await other.hash_append("ledger_log", "r", b"z" * 70_000)
+        assert await store.hash_since("ledger_log", "r", 23) == (24, [b"z" * 70_000], {})
+        assert worker_reads == ["hash_since", "hash_since"]
+        assert await store.hash_since("ledger_log", "r", 24) == (24, [], {})
+        assert worker_reads == ["hash_since", "hash_since"]
         # Nothing commits, but the hashes expire: the next read says so.
         await other.hash_append("ledger_log", "short", b"x", ttl=TTL, also=("ledger", {b"u": b"1"}))
         assert await store.hash_since("ledger_log", "short", 1, with_hash="ledger") == (1, [], {b"u": b"1"})
@@ -906,6 +913,16 @@ async def test_redis_warm_read_answers_through_its_own_connection_and_falls_back
         assert [f.entries for f in found] == [[b"a", b"b"], [b"b"], []] * 10
         protocol = store._lane._protocol
         assert protocol is not None and not protocol.lost and not protocol.waiting
+        # A hung server: the replies owed are bounded (`MAX_WAITING`), then the connection goes.
+        own_redis.pause()
+        try:
+            hung = await asyncio.gather(*(store.hash_since("ledger_log", "r", 0) for _ in range(MAX_WAITING + 1)),
+                                        return_exceptions=True)
+        finally:
+            own_redis.resume()
+        assert all(isinstance(r, StoreError) for r in hung)
+        assert protocol.lost and not protocol.waiting
+        assert await store.hash_since("ledger_log", "r", 1) == (2, [b"b"], {})
     finally:
         await store.close()
 
