@@ -121,3 +121,24 @@ async def test_an_overflow_another_replica_caused_makes_the_run_coarse(backend: 
         assert ledger is not None and ledger.coarse(time.time(), N) == "the run's ledger reached its size cap"
     finally:
         await store.close()
+
+
+async def test_a_quiet_warm_view_sees_the_next_record_of_another_replica(backend: tuple[str, str, str]) -> None:
+    """The fast case: checks that found nothing new (SQLite answers them on the event loop and
+    skips the read while no connection committed) must not hide what another replica records
+    a moment later: the very next check flags it."""
+    store = _open(*backend)
+    views = LedgerViews()
+    try:
+        await record(store, "run", LedgerDelta.of("web.search", [Piece(FIRST, Label(True, False), "t")], N),
+                     n=N, cap=65536, ttl=3600)
+        second = Probe.of(SECOND, N)
+        for _ in range(5):
+            ledger = await load(store, "run", N, second.fields(), views=views)
+            assert ledger is not None and match_argument(ledger, second, N) == ([], [])
+        await _other_replica_records(backend, SECOND)
+        ledger = await load(store, "run", N, second.fields(), views=views)
+        assert ledger is not None
+        assert [f.source for f in match_argument(ledger, second, N)[0]] == ["web.fetch"]
+    finally:
+        await store.close()

@@ -22,6 +22,7 @@ from proxy.errors import StoreError
 from proxy.store.base import Bucket, HashPut, Store, Taken
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
+from proxy.store.resp import MAX_WAITING
 from proxy.store.sqlite import SqliteStore
 from tests.redis_server import RedisServer, running_redis
 
@@ -696,6 +697,74 @@ async def test_sqlite_purge_drops_expired_hashes(tmp_path: Path) -> None:
     finally:
         await store.close()
 
+async def test_sqlite_log_reads_on_the_loop_see_every_commit_and_expiry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm `hash_since` is answered on the event loop's thread, and skips the read while no
+    connection committed (`PRAGMA data_version`): it must still see what another process or
+    another connection commits, the hash read with it changing alone, and an expiry."""
+    path = tmp_path / "state.db"
+    store, other = SqliteStore(path, timeout=5.0), SqliteStore(path, timeout=5.0)
+    worker_reads: list[str] = []
+    run = store._run
+
+    async def counted(what: str, fn: Any) -> Any:
+        worker_reads.append(what)
+        return await run(what, fn)
+
+    monkeypatch.setattr(store, "_run", counted)
+    try:
+        assert await store.hash_append("ledger_log", "r", b"a", ttl=60, also=("ledger", {b"u": b"1"})) == 1
+        worker_reads.clear()
+        for _ in range(3):  # warm and quiet: answered on the loop, the worker never asked
+            assert await store.hash_since("ledger_log", "r", 1, with_hash="ledger") == (1, [], {b"u": b"1"})
+        assert worker_reads == []
+        # Another connection (another worker or replica) appends: seen by the next read.
+        assert await other.hash_append("ledger_log", "r", b"b", ttl=60) == 2
+        assert await store.hash_since("ledger_log", "r", 1, with_hash="ledger") == (2, [b"b"], {b"u": b"1"})
+        # The flags alone change: seen too.
+        await other.hash_put("ledger", "r", {b"s": b"1"})
+        assert await store.hash_since("ledger_log", "r", 2, with_hash="ledger") == (
+            2, [], {b"u": b"1", b"s": b"1"})
+        # Another process commits.
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", textwrap.dedent(f"""
+                import asyncio
+                from pathlib import Path
+                from proxy.store.sqlite import SqliteStore
+                async def main():
+                    store = SqliteStore(Path({str(path)!r}), timeout=5.0)
+                    await store.hash_append("ledger_log", "r", b"c")
+                    await store.close()
+                asyncio.run(main())
+            """), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = await asyncio.wait_for(child.communicate(), 60)
+        assert child.returncode == 0, err.decode()
+        assert await store.hash_since("ledger_log", "r", 2, with_hash="ledger") == (
+            3, [b"c"], {b"u": b"1", b"s": b"1"})
+        assert worker_reads == []
+        # More entries than the loop's thread reads go to the worker, with the same answer.
+        for i in range(20):
+            await other.hash_append("ledger_log", "r", b"%d" % i)
+        assert await store.hash_since("ledger_log", "r", 3) == (23, [b"%d" % i for i in range(20)], {})
+        assert worker_reads == ["hash_since"]
+        # So does one entry larger than the loop's thread copies (a huge page's fingerprints).
+        await other.hash_append("ledger_log", "r", b"z" * 70_000)
+        assert await store.hash_since("ledger_log", "r", 23) == (24, [b"z" * 70_000], {})
+        assert worker_reads == ["hash_since", "hash_since"]
+        assert await store.hash_since("ledger_log", "r", 24) == (24, [], {})
+        assert worker_reads == ["hash_since", "hash_since"]
+        # Nothing commits, but the hashes expire: the next read says so.
+        await other.hash_append("ledger_log", "short", b"x", ttl=TTL, also=("ledger", {b"u": b"1"}))
+        assert await store.hash_since("ledger_log", "short", 1, with_hash="ledger") == (1, [], {b"u": b"1"})
+        await asyncio.sleep(TTL * 1.5)
+        assert await store.hash_since("ledger_log", "short", 1, with_hash="ledger") == (0, [], {})
+    finally:
+        await store.close()
+        await other.close()
+    with pytest.raises(StoreError, match="closed"):
+        await store.hash_since("ledger_log", "r", 0)
+
+
 async def test_sqlite_locked_file_is_a_store_error_within_timeout(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     store = SqliteStore(path, timeout=0.5)
@@ -746,6 +815,7 @@ OPS: list[tuple[str, Callable[[Store], Awaitable[object]]]] = [
     ("hash_get", lambda s: s.hash_get("ledger", "k", [b"f"])),
     ("hash_all", lambda s: s.hash_all("ledger", "k")),
     ("hash_delete", lambda s: s.hash_delete("ledger", "k", [b"f"])),
+    ("hash_since", lambda s: s.hash_since("ledger_log", "k", 0, with_hash="ledger")),
     ("take", lambda s: s.take("rate", [Bucket("principal/p", 5, 1.0, 60)])),
     ("ping", lambda s: s.ping()),
 ]
@@ -781,6 +851,10 @@ async def test_redis_killed_then_restarted(own_redis: RedisServer) -> None:
         assert await store.items("run") == [("k", b"cas-ok")]
         assert await store.hash_put("ledger", "k", {b"f": b"v"}, cap=10) == HashPut(1, 0)  # script reloaded
         assert await store.take("rate", [Bucket("principal/p", 1, 1.0, 60)]) == Taken(True)  # script reloaded
+        # The warm read's own connection (`resp.Lane`) was dropped with the server: made again.
+        assert await store.hash_append("ledger_log", "k", b"e", also=("ledger", {b"u": b"1"})) == 1
+        assert await store.hash_since("ledger_log", "k", 0, with_hash="ledger") == (
+            1, [b"e"], {b"f": b"v", b"u": b"1"})
     finally:
         await store.close()
 
@@ -789,13 +863,24 @@ async def test_redis_hung_server_times_out(own_redis: RedisServer) -> None:
     store = RedisStore(own_redis.url, prefix="hang:", timeout=0.5)
     try:
         await store.put("run", "k", b"v")
+        await store.hash_append("ledger_log", "before", b"old", also=("ledger", {b"n": b"old"}))
+        await store.hash_append("ledger_log", "after", b"new", also=("ledger", {b"n": b"new"}))
+        await store.hash_since("ledger_log", "before", 0)  # the script is loaded: the lane serves
         own_redis.pause()
         try:
             await assert_every_op_fails_fast(store, 0.5)
+            with pytest.raises(StoreError):
+                await store.hash_since("ledger_log", "before", 0, with_hash="ledger")
         finally:
             own_redis.resume()
+        # The replies to the reads that timed out arrive late on the warm read's connection
+        # (`resp.Lane`), here after the next read was sent: each read gets its own answer.
+        assert await store.hash_since("ledger_log", "after", 0, with_hash="ledger") == (
+            1, [b"new"], {b"n": b"new"})
         await eventually(lambda: _answers(store))
         assert await store.get("run", "k") == b"v"
+        assert await store.hash_since("ledger_log", "after", 0, with_hash="ledger") == (
+            1, [b"new"], {b"n": b"new"})
     finally:
         await store.close()
 
@@ -808,11 +893,48 @@ async def _answers(store: Store) -> bool:
     return True
 
 
+async def test_redis_warm_read_answers_through_its_own_connection_and_falls_back(
+        own_redis: RedisServer) -> None:
+    """`hash_since` (the sink check's read) goes through a raw connection (`resp.Lane`); a
+    server that lost the script (SCRIPT FLUSH) or a connection the server closed is answered
+    through redis-py instead, and the next read uses the raw connection again."""
+    store = RedisStore(own_redis.url, prefix="lane:", timeout=2.0)
+    try:
+        await store.hash_append("ledger_log", "r", b"a", also=("ledger", {b"u": b"1"}))
+        assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (1, [b"a"], {b"u": b"1"})
+        assert store._lane is not None and store._lane._protocol is not None
+        await store._client.script_flush()
+        assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (1, [b"a"], {b"u": b"1"})
+        await store._client.client_kill_filter(_type="normal", skipme=True)  # every other connection
+        await store.hash_append("ledger_log", "r", b"b")
+        assert await store.hash_since("ledger_log", "r", 1, with_hash="ledger") == (2, [b"b"], {b"u": b"1"})
+        # Concurrent reads share the connection and each gets its own reply, in order.
+        found = await asyncio.gather(*(store.hash_since("ledger_log", "r", i % 3) for i in range(30)))
+        assert [f.entries for f in found] == [[b"a", b"b"], [b"b"], []] * 10
+        protocol = store._lane._protocol
+        assert protocol is not None and not protocol.lost and not protocol.waiting
+        # A hung server: the replies owed are bounded (`MAX_WAITING`), then the connection goes.
+        own_redis.pause()
+        try:
+            hung = await asyncio.gather(*(store.hash_since("ledger_log", "r", 0) for _ in range(MAX_WAITING + 1)),
+                                        return_exceptions=True)
+        finally:
+            own_redis.resume()
+        assert all(isinstance(r, StoreError) for r in hung)
+        assert protocol.lost and not protocol.waiting
+        assert await store.hash_since("ledger_log", "r", 1) == (2, [b"b"], {})
+    finally:
+        await store.close()
+
+
 async def test_redis_error_message_hides_password(own_redis: RedisServer) -> None:
     store = RedisStore(f"redis://user:s3cret@127.0.0.1:{own_redis.port}/0", prefix="pw:", timeout=0.5)
     try:
         with pytest.raises(StoreError) as info:
             await store.ping()  # AUTH fails: the server has no such user
+        assert "s3cret" not in str(info.value)
+        with pytest.raises(StoreError) as info:
+            await store.hash_since("ledger_log", "k", 0)  # its own connection's AUTH fails too
         assert "s3cret" not in str(info.value)
         assert f"redis://user:***@127.0.0.1:{own_redis.port}/0" in str(info.value)
     finally:

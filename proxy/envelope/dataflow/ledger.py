@@ -502,7 +502,7 @@ async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
     so the cost follows the probes and what was recorded since, not the ledger. `ttl` is the policy's
     `ledger_ttl`. Raises StoreError when the store cannot answer or holds an entry this version
     cannot read (fail closed)."""
-    wanted = list(dict.fromkeys(probes))
+    wanted = set(probes)
     held: dict[bytes, bytes] = {}
     if wanted:
         try:
@@ -515,7 +515,9 @@ async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
         return None
     ledger = Ledger.from_meta(n, meta, window, min_value)
     if ledger.untrusted or ledger.secret:
-        ledger.fingerprints = {k: sid for k in wanted if (sid := held.get(k)) is not None}
+        # The intersection in C (iterating the probes, looked up in the view): a clean argument
+        # of 300 characters has ~240 probes and no hit, so no Python loop runs over them.
+        ledger.fingerprints = {k: held[k] for k in held.keys() & wanted}
     return ledger
 
 

@@ -187,7 +187,10 @@ def copied_runs(ledger: Ledger, probe: Probe, n: int, window: int = DEFAULT_WINN
     its last (the copy may reach up to `window - 1` characters further on either side)."""
     k = probe.k or gram_length(n, window)
     runs: list[tuple[int, int, str]] = []
-    hits = [(i, found) for i, h in enumerate(probe.grams) if (found := ledger.find(h)) is not None]
+    held = ledger.fingerprints  # what `find` reads: only grams it holds are looked up (most hold none)
+    if not held:
+        return runs
+    hits = [(i, found) for i, h in enumerate(probe.grams) if h in held and (found := ledger.find(h)) is not None]
     start = 0
     while start < len(hits):
         end = start

@@ -1,0 +1,142 @@
+"""A raw Redis connection for the one hot read, beside the redis-py client.
+
+A warm sink check makes one store call, `hash_since` (one Lua script). Through redis-py's
+asyncio client that call cost ~300-380 µs on this project's benchmark machine, of which the
+round trip to the server (a raw `PING`) was ~70-80 µs: the rest is the client's Python (pool
+checkout, command packing, retry and timeout wrappers, the stream reader). A `Lane` is one TCP
+connection speaking RESP through an `asyncio.Protocol` and hiredis's reader: commands are packed
+once, written, and answered in order (pipelined: concurrent callers share it), ~125 µs for the
+same script there.
+
+It is only a fast path: it serves plain `redis://` (TCP) servers, and any failure of its own
+(a dropped connection, an error reply, a closed loop) is `LaneError`, after which the caller
+asks redis-py instead, which reconnects, retries once and maps errors to `StoreError` as for
+every other command. The connection is dropped on any failure and made again on the next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import hiredis
+
+# Replies a connection may owe before it counts as hung (timed-out callers' included).
+MAX_WAITING = 1024
+
+
+class LaneError(Exception):
+    """The lane could not answer (the caller asks redis-py instead)."""
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader()
+        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.reader.feed(data)
+            while (reply := self.reader.gets()) is not False:
+                if not self.waiting:
+                    raise LaneError("a reply nobody asked for")
+                waiter = self.waiting.popleft()
+                if not waiter.done():  # a caller that was cancelled still had its reply read
+                    waiter.set_result(reply)
+        except (hiredis.ProtocolError, LaneError) as exc:
+            self._fail(LaneError(f"unreadable reply: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(LaneError(f"connection lost: {exc or 'closed by the server'}"))
+
+    def _fail(self, exc: LaneError) -> None:
+        self.lost = True
+        while self.waiting:
+            waiter = self.waiting.popleft()
+            if not waiter.done():
+                waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Lane:
+    """One pipelined RESP connection to `host:port` (AUTH and SELECT done when it is made)."""
+
+    def __init__(self, host: str, port: int, *, db: int = 0, username: str | None = None,
+                 password: str | None = None) -> None:
+        self.host, self.port, self.db = host, port, db
+        self._auth: tuple[str, ...] = ()
+        if password is not None:
+            self._auth = ("AUTH", password) if username is None else ("AUTH", username, password)
+        self._protocol: _Protocol | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    async def call(self, *args: str | bytes | int) -> Any:
+        """The server's reply to one command. Raises LaneError when the lane cannot answer
+        (connection, protocol or error reply); the caller bounds the wait."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost or self._loop is not asyncio.get_running_loop():
+            protocol = await self._connected()
+        # (hiredis's stub types the argument as a 1-tuple; any tuple of these is packed)
+        reply = await self._send(protocol, hiredis.pack_command(args))  # type: ignore[arg-type]
+        if isinstance(reply, hiredis.ReplyError):
+            raise LaneError(str(reply))
+        return reply
+
+    def close(self) -> None:
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None and self._loop is not None \
+                and not self._loop.is_closed():
+            protocol.transport.close()
+
+    def _send(self, protocol: _Protocol, packed: bytes) -> asyncio.Future[Any]:
+        if len(protocol.waiting) >= MAX_WAITING:
+            # A server that stopped answering: the replies owed (also to callers that gave up)
+            # are not awaited for ever; the connection goes and the next call makes another.
+            protocol.connection_lost(None)
+            raise LaneError("too many replies outstanding")
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        protocol.waiting.append(waiter)
+        assert protocol.transport is not None
+        protocol.transport.write(packed)
+        return waiter
+
+    async def _connected(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # Another event loop (a new one in this process): the old connection is not ours.
+            self._protocol, self._loop, self._connecting = None, loop, asyncio.Lock()
+        protocol = self._protocol
+        if protocol is not None and not protocol.lost:
+            return protocol
+        assert self._connecting is not None
+        async with self._connecting:
+            if self._protocol is not None and not self._protocol.lost:
+                return self._protocol
+            self.close()
+            try:
+                _, made = await loop.create_connection(_Protocol, self.host, self.port)
+            except OSError as exc:
+                raise LaneError(f"cannot connect: {exc}") from exc
+            setup = [self._auth] if self._auth else []
+            if self.db:
+                setup.append(("SELECT", str(self.db)))
+            try:
+                for command in setup:
+                    reply = await self._send(made, hiredis.pack_command(command))  # type: ignore[arg-type]
+                    if isinstance(reply, hiredis.ReplyError):
+                        raise LaneError(f"{command[0]} refused: {reply}")
+            except BaseException:  # refused, or the caller's deadline: no half-made lane
+                if made.transport is not None:
+                    made.transport.close()
+                raise
+            self._protocol = made
+            return made
