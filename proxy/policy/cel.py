@@ -184,17 +184,23 @@ class CppEngine:
         return self._programs.get_or_build(expr, lambda: self._compile(expr))
 
     def _compile(self, expr: str) -> _CppProgram:
-        compiled = self._check(expr)
-        rtype = compiled.return_type().name()
-        if rtype not in ("BOOL", "DYN", "bool", "dyn"):
-            raise CelCompileError(f"expression must be a bool, it is {rtype.lower()}", 0)
-        fast = self._fast(expr)
+        try:
+            fast = self._fast(expr)
+        except CelCompileError:  # a bad pattern; what else is wrong is reported first
+            self._checked(expr)
+            raise
         if fast is not None:
+            # One compile: the rewrite types exactly as the `matches` calls it replaces (string
+            # receiver and pattern, bool result), so it compiles exactly when they do.
             try:
-                compiled = self._fast_env.compile(fast)
-            except Exception:  # keep the checked original: correct, only slower
+                return _CppProgram(expr, _bool(self._fast_env.compile(fast)))
+            except Exception:  # the original is what tells what is wrong (and is correct)
                 pass
-        return _CppProgram(expr, compiled)
+        return _CppProgram(expr, self._checked(expr))
+
+    def _checked(self, expr: str) -> Any:
+        """`expr` compiled as written and known to be a bool, else CelCompileError."""
+        return _bool(self._check(expr))
 
     def compile_any(self, sources: Sequence[str]) -> Program:
         """One program for `(s1) || (s2) || ...`, each source already compiled singly.
@@ -219,6 +225,14 @@ class CppEngine:
 
     def activation(self, variables: Mapping[str, Any]) -> Any:
         return self._env.Activation(dict(variables))
+
+
+def _bool(compiled: Any) -> Any:
+    """`compiled` when its result is a bool (or dyn: decided per call), else CelCompileError."""
+    rtype = compiled.return_type().name()
+    if rtype not in ("BOOL", "DYN", "bool", "dyn"):
+        raise CelCompileError(f"expression must be a bool, it is {rtype.lower()}", 0)
+    return compiled
 
 
 @functools.lru_cache(maxsize=4096)
