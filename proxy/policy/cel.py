@@ -298,20 +298,21 @@ _SL = (rf'[rR]?"(?:{_ESC_DQ}|.)*?"', rf"[rR]?'(?:{_ESC_SQ}|.)*?'")
 _LITERAL = re.compile("|".join([f"[bB]{p}" for p in (*_ML, *_SL)] + [*_ML, *_SL]), re.M)
 # What the scan steps over: a comment, an identifier (maybe a literal's prefix), a quote, a run
 # of anything else.
-_SCAN = re.compile(r"""//.*|[_a-zA-Z][_a-zA-Z0-9]*|["']|[^"'/_a-zA-Z]+|/""", re.M)
+_SCAN = re.compile(r"""//.*|[_a-zA-Z][_a-zA-Z0-9]*|["']|(?P<run>[^"'/_a-zA-Z]+)|/""", re.M)
 _PREFIXES = frozenset({"r", "R", "b", "B", "br", "bR", "Br", "BR"})
 _QUOTES = frozenset({'"', "'"})
+_DIGITS = re.compile(r"[0-9]+")
 
-# Where the emptied literals are: (end in the shape, characters removed up to there) each.
+# Where the emptied literals and numbers are: (end in the shape, characters removed up to there)
+# each.
 Spans = tuple[tuple[int, int], ...]
 
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _shape(expr: str) -> tuple[str, Spans] | None:
-    """`expr` with every string literal's content removed, and where; None when a literal ends
-    right before a quote (emptying could merge it with the next one)."""
-    if "'" not in expr and '"' not in expr:
-        return expr, ()
+    """`expr` with every string literal's content removed and every run of digits outside
+    identifiers made one digit, and where; None when a literal ends right before a quote (emptying
+    could merge it with the next one)."""
     out: list[str] = []
     spans: list[tuple[int, int]] = []
     pos = length = removed = 0
@@ -324,9 +325,21 @@ def _shape(expr: str) -> tuple[str, Spans] | None:
         if text in _QUOTES or (text in _PREFIXES and expr[tok.end():tok.end() + 1] in _QUOTES):
             lit = _LITERAL.match(expr, pos)
         if lit is None:
+            pos = tok.end()
+            if tok.lastgroup == "run" and _DIGITS.search(text):
+                # A number keeps its kind, not its value: the `.`, `e` and `u` around digits
+                # stay, and a lone `0` stays `0` (`0x1F` is hex; `10x1F`, a number and a name).
+                at = 0
+                for digits in _DIGITS.finditer(text):
+                    piece = text[at:digits.start()] + ("0" if digits.group() == "0" else "1")
+                    out.append(piece)
+                    length += len(piece)
+                    removed += len(digits.group()) - 1
+                    spans.append((length, removed))
+                    at = digits.end()
+                text = text[at:]
             out.append(text)
             length += len(text)
-            pos = tok.end()
             continue
         if expr[lit.end():lit.end() + 1] in _QUOTES:
             return None
@@ -359,7 +372,7 @@ def _matches_sites(expr: str) -> list[Site]:
     """`recv.matches("lit")` and `matches(s, "lit")` calls: (call span, receiver span, literal span)."""
     shaped = _shape(expr)
     if shaped is None:
-        return _parsed_sites(expr)
+        return list(_parsed_sites(expr))
     shape, spans = shaped
 
     def at(offset: Any) -> Any:
@@ -373,8 +386,9 @@ def _matches_sites(expr: str) -> list[Site]:
     ]
 
 
+@functools.lru_cache(maxsize=4096)
 def _parsed_sites(expr: str) -> list[Site]:
-    """`_matches_sites` read from the parse of `expr` itself."""
+    """`_matches_sites` read from the parse of `expr` itself (cached: callers only read it)."""
     tree = _parse(expr)
     if tree is None:
         return []

@@ -154,7 +154,8 @@ def decisions(revision: PolicyRevision) -> list[str]:
 
 
 def cold_load(directory: Path, engine: str) -> PolicyRevision:
-    for cache in (cel._lint, cel._lint_parsed, cel._shape, cel._parse, cel._re2_compile):
+    for cache in (cel._lint, cel._lint_parsed, cel._shape, cel._parse, cel._parsed_sites,
+                  cel._re2_compile):
         cache.cache_clear()
     schemas._VALIDATORS.clear()
     loader._PARSED.clear()
