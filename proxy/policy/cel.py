@@ -15,8 +15,9 @@ means (a forbid rule that errors counts as matched, an allow rule as not matched
 Compiling is the cost of loading a policy (a 1,000-tool policy holds ~17,000 expressions), and a
 hot reload usually changes a few of them. So each engine keeps the programs it compiled, keyed by
 the expression text (an engine's declared variables and functions are fixed when it is built, so
-the text is the whole key), and `lint` and the parse it runs are cached by text too: a reload
-compiles only what changed. Every cache is a bounded LRU, so a long-lived process that sees many
+the text is the whole key), and `lint` is cached by text too, the parse it runs by the
+expression's literal-free shape (`_shape`: one parse serves every expression that differs only
+in literals): a reload compiles only what changed. Every cache is a bounded LRU, so a long-lived process that sees many
 revisions does not grow without end. A compiled program is immutable and already shared by
 concurrent calls, so sharing it across revisions changes nothing about how it evaluates.
 """
