@@ -187,8 +187,8 @@ class CppEngine:
     def _compile(self, expr: str) -> _CppProgram:
         try:
             fast = self._fast(expr)
-        except CelCompileError:  # a bad pattern; what else is wrong is reported first
-            self._checked(expr)
+        except Exception:  # a bad pattern, or a literal cel-cpp rejects: the expression's own
+            self._checked(expr)  # problem is reported first, as when it compiled first
             raise
         if fast is not None:
             # One compile: the rewrite types exactly as the `matches` calls it replaces (string

@@ -109,6 +109,8 @@ def test_the_native_re2_search_refuses_what_search_refuses() -> None:
         ('args.t.matches("(") ? 1 : 2', "expression must be a bool, it is int"),
         ('args.t.matches("(") && nope(args.t)', "undeclared reference to 'nope'"),
         ('1.matches("a")', "found no matching overload for 'matches'"),
+        ('args.t.matches("\\q")', "Syntax error: token recognition error"),
+        ('args.t.matches(b"a")', "found no matching overload for 'matches'"),
         ('args.t.matches("(")', "invalid regular expression"),
         ('args.t.matches("a") ? 1 : 2', "expression must be a bool, it is int"),
     ],
