@@ -17,8 +17,8 @@ hot reload usually changes a few of them. So each engine keeps the programs it c
 the expression text (an engine's declared variables and functions are fixed when it is built, so
 the text is the whole key), and `lint` is cached by text too, the parse it runs by the
 expression's literal-free shape (`_shape`: one parse serves every expression that differs only
-in literals): a reload compiles only what changed. Every cache is a bounded LRU, so a long-lived process that sees many
-revisions does not grow without end. A compiled program is immutable and already shared by
+in literals): a reload compiles only what changed. Every cache is a bounded LRU, so a
+long-lived process that sees many revisions does not grow without end. A compiled program is immutable and already shared by
 concurrent calls, so sharing it across revisions changes nothing about how it evaluates.
 """
 
@@ -264,8 +264,9 @@ def _re2_searcher(re2: Any, pattern: str) -> Callable[[str], bool]:
     return search
 
 
-# Parses of literal-free shapes (see `_shape`): a policy holds few, so this is the whole set.
-@functools.lru_cache(maxsize=4096)
+# A few recent parses (a tree is tens of KB): what is read from them, the lint and the `matches`
+# sites, is cached by shape on its own, and the two read the same shape one after the other.
+@functools.lru_cache(maxsize=256)
 def _parse(expr: str) -> Any:
     """cel-python's parse tree of `expr` (never mutated by its readers); None when it does not
     parse."""
@@ -312,8 +313,8 @@ Spans = tuple[tuple[int, int], ...]
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _shape(expr: str) -> tuple[str, Spans] | None:
     """`expr` with every string literal's content removed and every run of digits outside
-    identifiers made one digit, and where; None when a literal ends right before a quote (emptying
-    could merge it with the next one)."""
+    identifiers made one digit, and where; None when a literal ends right before a quote
+    (emptying could merge it with the next one)."""
     out: list[str] = []
     spans: list[tuple[int, int]] = []
     pos = length = removed = 0
