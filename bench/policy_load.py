@@ -138,7 +138,7 @@ def measure(tools: int, rules: int, engine_name: str, profile: int,
 
     # Cold means cold: nothing compiled by an earlier row of this run is reused. (getattr: the
     # same script times a base revision without these caches.)
-    for name in ("_lint", "_parse", "_re2_compile"):
+    for name in ("_lint", "_lint_parsed", "_shape", "_parse", "_parsed_sites", "_re2_compile"):
         if hasattr(cel, name):
             getattr(cel, name).cache_clear()
     for cache in (getattr(schemas, "_VALIDATORS", None), getattr(loader, "_PARSED", None)):

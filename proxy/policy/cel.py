@@ -15,17 +15,20 @@ means (a forbid rule that errors counts as matched, an allow rule as not matched
 Compiling is the cost of loading a policy (a 1,000-tool policy holds ~17,000 expressions), and a
 hot reload usually changes a few of them. So each engine keeps the programs it compiled, keyed by
 the expression text (an engine's declared variables and functions are fixed when it is built, so
-the text is the whole key), and `lint` and the parse it runs are cached by text too: a reload
-compiles only what changed. Every cache is a bounded LRU, so a long-lived process that sees many
-revisions does not grow without end. A compiled program is immutable and already shared by
+the text is the whole key), and `lint` is cached by text too, the parse it runs by the
+expression's literal-free shape (`_shape`: one parse serves every expression that differs only
+in literals): a reload compiles only what changed. Every cache is a bounded LRU, so a
+long-lived process that sees many revisions does not grow without end. A compiled program is immutable and already shared by
 concurrent calls, so sharing it across revisions changes nothing about how it evaluates.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -182,17 +185,23 @@ class CppEngine:
         return self._programs.get_or_build(expr, lambda: self._compile(expr))
 
     def _compile(self, expr: str) -> _CppProgram:
-        compiled = self._check(expr)
-        rtype = compiled.return_type().name()
-        if rtype not in ("BOOL", "DYN", "bool", "dyn"):
-            raise CelCompileError(f"expression must be a bool, it is {rtype.lower()}", 0)
-        fast = self._fast(expr)
+        try:
+            fast = self._fast(expr)
+        except Exception:  # a bad pattern, or a literal cel-cpp rejects: the expression's own
+            self._checked(expr)  # problem is reported first, as when it compiled first
+            raise
         if fast is not None:
+            # One compile: the rewrite types exactly as the `matches` calls it replaces (string
+            # receiver and pattern, bool result), so it compiles exactly when they do.
             try:
-                compiled = self._fast_env.compile(fast)
-            except Exception:  # keep the checked original: correct, only slower
+                return _CppProgram(expr, _bool(self._fast_env.compile(fast)))
+            except Exception:  # the original is what tells what is wrong (and is correct)
                 pass
-        return _CppProgram(expr, compiled)
+        return _CppProgram(expr, self._checked(expr))
+
+    def _checked(self, expr: str) -> Any:
+        """`expr` compiled as written and known to be a bool, else CelCompileError."""
+        return _bool(self._check(expr))
 
     def compile_any(self, sources: Sequence[str]) -> Program:
         """One program for `(s1) || (s2) || ...`, each source already compiled singly.
@@ -217,6 +226,14 @@ class CppEngine:
 
     def activation(self, variables: Mapping[str, Any]) -> Any:
         return self._env.Activation(dict(variables))
+
+
+def _bool(compiled: Any) -> Any:
+    """`compiled` when its result is a bool (or dyn: decided per call), else CelCompileError."""
+    rtype = compiled.return_type().name()
+    if rtype not in ("BOOL", "DYN", "bool", "dyn"):
+        raise CelCompileError(f"expression must be a bool, it is {rtype.lower()}", 0)
+    return compiled
 
 
 @functools.lru_cache(maxsize=4096)
@@ -247,7 +264,8 @@ def _re2_searcher(re2: Any, pattern: str) -> Callable[[str], bool]:
     return search
 
 
-# A few recent parses: `lint` and the `matches` rewrite parse the same text one after the other.
+# A few recent parses (a tree is tens of KB): what is read from them, the lint and the `matches`
+# sites, is cached by shape on its own, and the two read the same shape one after the other.
 @functools.lru_cache(maxsize=256)
 def _parse(expr: str) -> Any:
     """cel-python's parse tree of `expr` (never mutated by its readers); None when it does not
@@ -260,8 +278,119 @@ def _parse(expr: str) -> Any:
         return None
 
 
-def _matches_sites(expr: str) -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+# --- Literal-free shapes ------------------------------------------------------------------------
+#
+# The lint and the `matches` rewrite read cel-python's parse tree, and that lark parse (~1 ms in
+# pure Python) was two thirds of a cold 1,000-tool load. They never read what is inside a string
+# literal: only identifiers, fields, calls and the literal's kind. Real policies repeat a few
+# shapes with different literals (`args.repo.startsWith("corp/<team>")` once per tool), so the
+# parse runs on the expression with every string literal emptied, cached by that shape, and the
+# offsets it yields are mapped back to the expression. Emptying keeps each literal's prefix and
+# quotes, so it lexes as the same terminal; the scan below finds literals exactly where
+# cel-python's lexer does (a quote outside a comment or literal starts one when the grammar's
+# own patterns match there), and an expression whose literals touch a quote (`"a""b"`, which
+# empties into one triple-quoted literal) is parsed as it is.
+
+# cel-python's literal terminals (celpy/cel.lark), tried in its lexer's order: bytes, then
+# triple-quoted, then single-line strings; the first that matches wins.
+_ESC_DQ = r"""\\[abfnrtv"'\\]|\\\d{3}|\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4-8}"""
+_ESC_SQ = r"""\\[abfnrtv"'\\]|\\\d{3}|\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}"""
+_ML = (rf'[rR]?"""(?:{_ESC_DQ}|\r\n|\r|\n|.)*?"""', rf"[rR]?'''(?:{_ESC_SQ}|\r\n|\r|\n|.)*?'''")
+_SL = (rf'[rR]?"(?:{_ESC_DQ}|.)*?"', rf"[rR]?'(?:{_ESC_SQ}|.)*?'")
+_LITERAL = re.compile("|".join([f"[bB]{p}" for p in (*_ML, *_SL)] + [*_ML, *_SL]), re.M)
+# What the scan steps over: a comment, an identifier (maybe a literal's prefix), a quote, a run
+# of anything else.
+_SCAN = re.compile(r"""//.*|[_a-zA-Z][_a-zA-Z0-9]*|["']|(?P<run>[^"'/_a-zA-Z]+)|/""", re.M)
+_PREFIXES = frozenset({"r", "R", "b", "B", "br", "bR", "Br", "BR"})
+_QUOTES = frozenset({'"', "'"})
+_DIGITS = re.compile(r"[0-9]+")
+
+# Where the emptied literals and numbers are: (end in the shape, characters removed up to there)
+# each.
+Spans = tuple[tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _shape(expr: str) -> tuple[str, Spans] | None:
+    """`expr` with every string literal's content removed and every run of digits outside
+    identifiers made one digit, and where; None when a literal ends right before a quote
+    (emptying could merge it with the next one)."""
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = length = removed = 0
+    end = len(expr)
+    while pos < end:
+        tok = _SCAN.match(expr, pos)
+        assert tok is not None  # its last alternatives match any character
+        text = tok.group()
+        lit = None
+        if text in _QUOTES or (text in _PREFIXES and expr[tok.end():tok.end() + 1] in _QUOTES):
+            lit = _LITERAL.match(expr, pos)
+        if lit is None:
+            pos = tok.end()
+            if tok.lastgroup == "run" and _DIGITS.search(text):
+                # A number keeps its kind, not its value: the `.`, `e` and `u` around digits
+                # stay, and a lone `0` stays `0` (`0x1F` is hex; `10x1F`, a number and a name).
+                at = 0
+                for digits in _DIGITS.finditer(text):
+                    piece = text[at:digits.start()] + ("0" if digits.group() == "0" else "1")
+                    out.append(piece)
+                    length += len(piece)
+                    removed += len(digits.group()) - 1
+                    spans.append((length, removed))
+                    at = digits.end()
+                text = text[at:]
+            out.append(text)
+            length += len(text)
+            continue
+        if expr[lit.end():lit.end() + 1] in _QUOTES:
+            return None
+        body = lit.group()
+        opening = body.lstrip("bBrR")
+        prefix = body[: len(body) - len(opening)]
+        # A match that opens with three quotes is triple-quoted (a single-quoted one that opens
+        # with two is the empty string and ends there).
+        quote = opening[:3] if opening[:3] in ('"""', "'''") else opening[0]
+        empty = prefix + quote + quote
+        out.append(empty)
+        length += len(empty)
+        removed += len(body) - len(empty)
+        spans.append((length, removed))
+        pos = lit.end()
+    return "".join(out), tuple(spans)
+
+
+def _unshape(spans: Spans, offset: int) -> int:
+    """The offset in the expression of `offset` in its shape (outside literals, or at a
+    literal's start or end)."""
+    i = bisect.bisect_right(spans, (offset, sys.maxsize))
+    return offset + (spans[i - 1][1] if i else 0)
+
+
+Site = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+
+
+def _matches_sites(expr: str) -> list[Site]:
     """`recv.matches("lit")` and `matches(s, "lit")` calls: (call span, receiver span, literal span)."""
+    shaped = _shape(expr)
+    if shaped is None:
+        return list(_parsed_sites(expr))
+    shape, spans = shaped
+
+    def at(offset: Any) -> Any:
+        # A bool literal's node has no position (cel-python's lexer callback makes a new
+        # token): None, as the parse of the expression itself says.
+        return offset if offset is None else _unshape(spans, offset)
+
+    return [
+        ((at(a), at(b)), (at(c), at(d)), (at(e), at(f)))
+        for (a, b), (c, d), (e, f) in _parsed_sites(shape)
+    ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_sites(expr: str) -> list[Site]:
+    """`_matches_sites` read from the parse of `expr` itself (cached: callers only read it)."""
     tree = _parse(expr)
     if tree is None:
         return []
@@ -299,7 +428,7 @@ def _string_literal(node: Any) -> tuple[int, int] | None:
     return None
 
 
-def _apply_sites(expr: str, sites: list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]) -> str:
+def _apply_sites(expr: str, sites: list[Site]) -> str:
     """Render `expr` with every site replaced, innermost sites inside receivers included."""
 
     def render(start: int, end: int) -> str:
@@ -515,6 +644,20 @@ def lint(expr: str, *, identifiers: bool = True, result_type: bool = True) -> li
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _lint(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple[int, str], ...]:
+    """`lint` of the expression's literal-free shape, its offsets mapped back (see `_shape`)."""
+    shaped = _shape(expr)
+    if shaped is None:
+        return _lint_parsed(expr, identifiers, result_type)
+    shape, spans = shaped
+    return tuple(
+        (_unshape(spans, offset), message)
+        for offset, message in _lint_parsed(shape, identifiers, result_type)
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple[int, str], ...]:
+    """`lint` read from the parse of `expr` itself."""
     from lark import Token, Tree
 
     tree = _parse(expr)

@@ -8,9 +8,13 @@ still sound, so one run reports everything wrong with a revision. `load_policy` 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import threading
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -574,7 +578,67 @@ def load_policy(directory: Path, engine: cel.Engine | str = "auto") -> PolicyRev
             engine = cel.get_engine(engine)
         except CelCompileError as exc:
             raise PolicyError([PolicyProblem(str(directory), 1, 1, str(exc))]) from exc
-    return _Loader(directory, engine).run()
+    with collector_paused():
+        revision = _Loader(directory, engine).run()
+        join_groups(revision)
+    return revision
+
+
+def join_groups(revision: PolicyRevision) -> None:
+    """Compile now, in the loading thread, the joined programs the checks build from `revision`
+    (`ArgRulesCheck`: each tool's forbid rules and allow rules, `AuthzCheck`: each `allow`
+    list, all in file order); the chain, built on the event loop, then finds every one in the
+    engine's cache instead of compiling there (~2 s for 1,000 tools, cold)."""
+    engine = revision.cel
+    for tool in revision.tools.values():
+        for kind in ("forbid", "allow"):
+            group = [r.program.source for r in tool.rules if r.kind == kind]
+            if group:
+                engine.compile_any(group)
+        if tool.allow:
+            engine.compile_any([p.source for p in tool.allow])
+    for principal in revision.principals.values():
+        if principal.allow:
+            engine.compile_any([p.source for p in principal.allow])
+
+
+# Pauses in progress (loads in several threads at once), and whether to re-enable the cyclic
+# collector when the last ends.
+_PAUSE = threading.Lock()
+_pauses = 0
+_resume = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection for the duration, process-wide.
+
+    A 1,000-tool load allocates ~750,000 container objects that all stay alive, and the
+    collector keeps answering with full collections over everything alive (the previous
+    revision included): half the time of a cold load, and the event loop waits while each runs
+    (bench/RESULTS.md "Policy load at scale"). Reference counting still frees everything
+    acyclic. When the last concurrent load ends the collector comes back with one collection
+    of the young generations, here in the loading thread: it costs what the load allocated (a
+    reload of one small file, little; 0.7-1.3 s after 1,000 tools), and left to the
+    thresholds it would run on the next allocation, often the event loop building the chain.
+    Full collections stay with the thresholds, as without the pause.
+    """
+    global _pauses, _resume
+    with _PAUSE:
+        if _pauses == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _PAUSE:
+            _pauses -= 1
+            resume = _pauses == 0 and _resume
+            if resume:
+                gc.enable()
+        if resume:
+            gc.collect(1)
 
 
 def _is_null(node: Node) -> bool:

@@ -98,3 +98,24 @@ def test_the_native_re2_search_refuses_what_search_refuses() -> None:
         re2.compile("a").search("a\udcff")
     with pytest.raises(UnicodeEncodeError):
         _re2_searcher(re2, "a")("a\udcff")
+
+
+@pytest.mark.skipif("cel-cpp" not in ENGINES, reason="cel-cpp not installed")
+@pytest.mark.parametrize(
+    ("expr", "message"),
+    [
+        # What was reported before a literal pattern compiles with one call: the expression's
+        # own problem first, then a bad pattern.
+        ('args.t.matches("(") ? 1 : 2', "expression must be a bool, it is int"),
+        ('args.t.matches("(") && nope(args.t)', "undeclared reference to 'nope'"),
+        ('1.matches("a")', "found no matching overload for 'matches'"),
+        ('args.t.matches("\\q")', "Syntax error: token recognition error"),
+        ('args.t.matches(b"a")', "found no matching overload for 'matches'"),
+        ('args.t.matches("(")', "invalid regular expression"),
+        ('args.t.matches("a") ? 1 : 2', "expression must be a bool, it is int"),
+    ],
+)
+def test_a_rewritten_expression_reports_what_its_original_did(expr: str, message: str) -> None:
+    with pytest.raises(CelCompileError) as err:
+        get_engine("cel-cpp").compile(expr)
+    assert message in str(err.value)

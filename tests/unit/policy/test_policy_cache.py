@@ -3,6 +3,7 @@ and a revision built from the caches decides exactly as a cold one."""
 
 from __future__ import annotations
 
+import gc
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -153,7 +154,8 @@ def decisions(revision: PolicyRevision) -> list[str]:
 
 
 def cold_load(directory: Path, engine: str) -> PolicyRevision:
-    for cache in (cel._lint, cel._parse, cel._re2_compile):
+    for cache in (cel._lint, cel._lint_parsed, cel._shape, cel._parse, cel._parsed_sites,
+                  cel._re2_compile):
         cache.cache_clear()
     schemas._VALIDATORS.clear()
     loader._PARSED.clear()
@@ -218,3 +220,51 @@ def test_problems_are_reported_on_every_load(
         load_policy(tmp_path / "policy", engine=eng)
     second = [str(p) for p in exc.value.problems]
     assert first == second and first
+
+
+def test_the_chain_finds_the_joined_programs_the_load_compiled(tmp_path: Path, engine: str) -> None:
+    # The load (a reload's worker thread) compiles each rule group and allow list as one
+    # program; building the checks (on the event loop) compiles nothing.
+    directory = tmp_path / "policy"
+    write_policy(directory)
+    eng = cel.get_engine(engine)
+    revision = load_policy(directory, engine=eng)
+    caches = (eng._joined, eng._programs)  # type: ignore[attr-defined]
+    misses = [c.misses for c in caches]
+    hits = caches[0].hits
+    assert decisions(revision)[:2] == ["allow", "capability_blocked no-vault"]
+    assert [c.misses for c in caches] == misses
+    assert caches[0].hits > hits  # demo.search's forbid group at least
+
+
+def test_a_load_pauses_the_cyclic_collector_and_gives_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "policy"
+    write_policy(directory)
+    during: list[bool] = []
+    join = loader.join_groups
+    monkeypatch.setattr(loader, "join_groups", lambda rev: (during.append(gc.isenabled()), join(rev)))
+    assert gc.isenabled()
+    load_policy(directory)
+    assert during == [False] and gc.isenabled()
+    (directory / "demo.yaml").write_text("version: 1\ntools: [\n", encoding="utf-8")
+    with pytest.raises(PolicyError):
+        load_policy(directory)
+    assert gc.isenabled()
+    gc.disable()  # a process that turned it off keeps it off
+    try:
+        write_policy(directory)
+        load_policy(directory)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert during == [False, False]
+
+
+def test_concurrent_pauses_end_with_the_last() -> None:
+    with loader.collector_paused():
+        with loader.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
