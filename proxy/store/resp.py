@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 
@@ -38,8 +38,9 @@ class _Protocol(asyncio.Protocol):
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's `TCPTransport` is one without subclassing
+        # `asyncio.Transport`: no isinstance check here).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -104,8 +105,9 @@ class Lane:
             protocol.connection_lost(None)
             raise LaneError("too many replies outstanding")
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if protocol.transport is None or protocol.lost:
+            raise LaneError("not connected")
         protocol.waiting.append(waiter)
-        assert protocol.transport is not None
         protocol.transport.write(packed)
         return waiter
 

@@ -927,6 +927,26 @@ async def test_redis_warm_read_answers_through_its_own_connection_and_falls_back
         await store.close()
 
 
+def test_redis_warm_read_uses_its_own_connection_under_uvloop(own_redis: RedisServer) -> None:
+    """The proxy runs on uvloop, whose TCP transport is not an `asyncio.Transport` subclass:
+    the raw connection must serve there too (not fall back, not fail the check)."""
+    import uvloop
+
+    async def main() -> None:
+        store = RedisStore(own_redis.url, prefix="uv:", timeout=2.0)
+        try:
+            await store.hash_append("ledger_log", "r", b"a", also=("ledger", {b"u": b"1"}))
+            await store.hash_since("ledger_log", "r", 0)  # loads the script: the lane serves next
+            assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (1, [b"a"], {b"u": b"1"})
+            lane = store._lane
+            assert lane is not None and lane._protocol is not None and not lane._protocol.lost
+            assert await lane.call("PING") in (b"PONG", "PONG")
+        finally:
+            await store.close()
+
+    uvloop.run(main())
+
+
 async def test_redis_error_message_hides_password(own_redis: RedisServer) -> None:
     store = RedisStore(f"redis://user:s3cret@127.0.0.1:{own_redis.port}/0", prefix="pw:", timeout=0.5)
     try:
