@@ -11,13 +11,20 @@ one `transport.write`; anything else (a `StreamResponse` relaying SSE, cookies, 
 a `Payload` body, `on_response_prepare` hooks) goes through aiohttp's `prepare`/`write_eof` on
 the same writer, so streaming and backpressure are aiohttp's.
 
-Measured (callgrind, repeatable; `bench/listener_hello.py --instructions 300`): a hello-world
-POST costs 205k instructions with aiohttp's server, 183k with this one (0.89), 8k with a bare
-httptools protocol; the full envelope (`bench/instructions.py`) 1,439k against 1,375k (0.96).
-Most of what remains is the application side this design keeps on purpose so that no front
-logic is copied: per request a `CIMultiDict` of headers, a `StreamReader`, a `web.Request`,
-the router's regex match, the handler's `web.Response`, and one task (about 60% of the 183k
-run inside that task; building the head's objects is another ~40k).
+The hot route (a POST to `/mcp` or `/mcp/<name>` with a fixed Content-Length up to 64 KiB and
+no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's request side: its
+body is buffered whole, and the route's guarded handler (found by the application's own router,
+once per distinct path) is called with a `LeanRequest` (the attributes the guard and the fronts
+read, and what `StreamResponse.prepare` needs for SSE) instead of a `web.Request` over a
+`StreamReader` after the router's match. Any other request, and every
+request when the application has middlewares or `on_response_prepare` hooks, goes through
+`app._handle` as above.
+
+Measured (callgrind, repeatable; `bench/listener_hello.py --instructions 300`,
+`bench/instructions.py`; bench/RESULTS.md "The fast listener"): a hello-world POST costs 207k
+instructions with aiohttp's server, ~131k with this one, 8k with a bare httptools protocol; the
+full envelope ~0.93 of aiohttp's server. What remains on the hot route is the application's own
+work, the handler's `web.Response` and one task per request.
 
 What a connection does, as aiohttp's `RequestHandler` does it:
 
@@ -25,7 +32,10 @@ What a connection does, as aiohttp's `RequestHandler` does it:
 - Pipelined requests are answered in order, one at a time: heads parsed ahead wait in a queue
   with their bodies; past `_MAX_QUEUED` of them parsing stops (the rest of the read waits,
   unparsed) and reading pauses until the queue drains.
-- Bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
+- A hot-route body (at most 64 KiB, framed by its Content-Length) is buffered whole before its
+  request is answered; a connection receiving one is busy (no idle close). When the router
+  sends its path elsewhere, the buffered body is fed to a `StreamReader` for aiohttp's request.
+- Other bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
   whose flow control pauses reading when its buffer passes its limit. A `gzip`/`deflate`
   body is decoded as read by aiohttp's `DeflateBuffer` in bounded steps (compressed bytes
   that arrive while the reader is full wait, undecoded, in a backlog bounded by one read);
