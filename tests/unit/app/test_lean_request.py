@@ -52,6 +52,20 @@ def test_lean_request_has_every_attribute_the_fronts_read() -> None:
     assert not missing, f"fronts read request attributes LeanRequest lacks: {missing}"
 
 
+def request_type_tests(source: str) -> list[str]:
+    """`isinstance(x, web.Request)` (or BaseRequest) calls: false for a LeanRequest."""
+    return [ast.unparse(node) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance" and len(node.args) == 2
+            and any(name in ast.unparse(node.args[1]) for name in ("web.Request", "web.BaseRequest"))]
+
+
+def test_no_front_tells_a_request_by_its_type() -> None:
+    found = {path.name: request_type_tests(path.read_text()) for path in SCANNED}
+    assert not {name: calls for name, calls in found.items() if calls}
+    assert request_type_tests("isinstance(r, web.Request)") == ["isinstance(r, web.Request)"]
+
+
 def test_the_scan_finds_an_attribute_lean_request_lacks() -> None:
     source = "async def handle(request: web.Request) -> None:\n    request.cookies.get('a')\n"
     found = request_attributes(source)
