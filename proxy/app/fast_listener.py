@@ -11,13 +11,20 @@ one `transport.write`; anything else (a `StreamResponse` relaying SSE, cookies, 
 a `Payload` body, `on_response_prepare` hooks) goes through aiohttp's `prepare`/`write_eof` on
 the same writer, so streaming and backpressure are aiohttp's.
 
-Measured (callgrind, repeatable; `bench/listener_hello.py --instructions 300`): a hello-world
-POST costs 205k instructions with aiohttp's server, 183k with this one (0.89), 8k with a bare
-httptools protocol; the full envelope (`bench/instructions.py`) 1,439k against 1,375k (0.96).
-Most of what remains is the application side this design keeps on purpose so that no front
-logic is copied: per request a `CIMultiDict` of headers, a `StreamReader`, a `web.Request`,
-the router's regex match, the handler's `web.Response`, and one task (about 60% of the 183k
-run inside that task; building the head's objects is another ~40k).
+The hot route (a POST to `/mcp` or `/mcp/<name>` with a fixed Content-Length up to 64 KiB and
+no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's request side: its
+body is buffered whole, and the route's guarded handler (found by the application's own router,
+once per distinct path) is called with a `LeanRequest` (the attributes the guard and the fronts
+read, and what `StreamResponse.prepare` needs for SSE) instead of a `web.Request` over a
+`StreamReader` after the router's match. Any other request, and every
+request when the application has middlewares or `on_response_prepare` hooks, goes through
+`app._handle` as above.
+
+Measured (callgrind, repeatable; `bench/listener_hello.py --instructions 300`,
+`bench/instructions.py`; bench/RESULTS.md "The fast listener"): a hello-world POST costs 207k
+instructions with aiohttp's server, ~131k with this one, 8k with a bare httptools protocol; the
+full envelope ~0.93 of aiohttp's server. What remains on the hot route is the application's own
+work, the handler's `web.Response` and one task per request.
 
 What a connection does, as aiohttp's `RequestHandler` does it:
 
@@ -25,7 +32,10 @@ What a connection does, as aiohttp's `RequestHandler` does it:
 - Pipelined requests are answered in order, one at a time: heads parsed ahead wait in a queue
   with their bodies; past `_MAX_QUEUED` of them parsing stops (the rest of the read waits,
   unparsed) and reading pauses until the queue drains.
-- Bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
+- A hot-route body (at most 64 KiB, framed by its Content-Length) is buffered whole before its
+  request is answered; a connection receiving one is busy (no idle close). When the router
+  sends its path elsewhere, the buffered body is fed to a `StreamReader` for aiohttp's request.
+- Other bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
   whose flow control pauses reading when its buffer passes its limit. A `gzip`/`deflate`
   body is decoded as read by aiohttp's `DeflateBuffer` in bounded steps (compressed bytes
   that arrive while the reader is full wait, undecoded, in a backlog bounded by one read);
@@ -51,11 +61,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
+from types import MappingProxyType
 from typing import Any, Final, cast
 
 import httptools
@@ -67,10 +79,11 @@ from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.http_parser import DeflateBuffer, RawRequestMessage
 from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+from aiohttp.web_urldispatcher import AbstractResource, DynamicResource, PlainResource
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-__all__ = ["FastListener"]
+__all__ = ["FastListener", "LeanRequest"]
 
 log = logging.getLogger("envelope")
 
@@ -83,6 +96,9 @@ _MAX_QUEUED: Final = 8  # pipelined requests parsed ahead of the one being answe
 _SLICE: Final = 4096  # bytes parsed at a time while checking that bound
 _DECODED: Final = frozenset({"gzip", "deflate"})  # what DeflateBuffer decodes here
 _VERSIONS: Final = {"1.1": HttpVersion11, "1.0": HttpVersion10}
+_LEAN_BODY: Final = 2**16  # a hot-route body up to this size is buffered whole, then answered
+# The hot routes' resources, by their canonical path: the aggregate `/mcp` and `/mcp/{upstream}`.
+_HOT_PATH: Final = re.compile(r"/mcp(?:/\{[^{}/]+\})?")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -112,12 +128,122 @@ def _phrase(status: int) -> str:
         return ""
 
 
+class _LeanBody:
+    """A hot-route body received whole: what `proxy.fronts.guard.read_body` (and a handler's
+    `request.read()`) reads of aiohttp's `StreamReader`. It carries no `total_compressed_bytes`:
+    a hot-route body is never in a content coding."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes):
+        self._data = data
+
+    async def readexactly(self, n: int) -> bytes:
+        if n != len(self._data):  # Content-Length framed it: only a caller's bug gets here
+            raise asyncio.IncompleteReadError(self._data[:n], n)
+        return self._data
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        if self._data:
+            yield self._data
+
+    async def read(self) -> bytes:
+        return self._data
+
+
+class LeanRequest:
+    """What the guard and the MCP fronts read of a request on the hot route (a POST to `/mcp` or
+    `/mcp/<name>` whose whole body arrived), plus what `web.StreamResponse.prepare` reads to
+    answer it as SSE, without aiohttp's `web.Request`, `StreamReader` and router match (about
+    40k instructions per request). Built only when the application has no middlewares and no
+    `on_response_prepare` hooks (nothing else would read it); tests/unit/app/test_lean_request.py
+    fails when a front starts reading an attribute this class lacks."""
+
+    __slots__ = ("_conn", "_message", "_writer", "content", "content_length", "match_info")
+
+    def __init__(self, conn: _Connection, message: RawRequestMessage, body: bytes,
+                 match_info: Mapping[str, str]):
+        self._conn = conn
+        self._message = message
+        self._writer: StreamWriter | None = None
+        self.content = _LeanBody(body)
+        self.content_length = len(body)  # the Content-Length that framed it
+        self.match_info = match_info
+
+    @property
+    def method(self) -> str:
+        return self._message.method
+
+    @property
+    def version(self) -> HttpVersion:
+        return self._message.version
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        return self._message.headers
+
+    @property
+    def raw_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        return self._message.raw_headers
+
+    @property
+    def host(self) -> str | None:
+        return self._message.headers.get(hdrs.HOST)  # present and not empty on the hot route
+
+    @property
+    def rel_url(self) -> URL:
+        return self._message.url  # origin form on the hot route: already relative
+
+    @property
+    def path(self) -> str:
+        return self._message.url.path
+
+    @property
+    def query(self) -> Any:
+        return self._message.url.query
+
+    @property
+    def keep_alive(self) -> bool:
+        return not self._message.should_close
+
+    @property
+    def can_read_body(self) -> bool:
+        return self.content_length > 0
+
+    async def read(self) -> bytes:
+        return await self.content.read()
+
+    @property
+    def _payload_writer(self) -> StreamWriter:
+        # Made only for a streamed answer (SSE): a plain one is written by `_write_response`.
+        if self._writer is None:
+            self._writer = StreamWriter(self._conn, self._conn._loop)
+        return self._writer
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        return  # the application has no on_response_prepare hooks (checked at setup)
+
+    def _finish(self) -> None:
+        return  # no multipart form files to release
+
+
+class _Buffered:
+    """A hot-route request whose whole body was received: answered without aiohttp's request."""
+
+    __slots__ = ("body", "message")
+
+    def __init__(self, message: RawRequestMessage, body: bytes):
+        self.message = message
+        self.body = body
+
+
 class _Connection(BaseProtocol):
     """One client connection: parses requests, runs each through the application in turn."""
 
     __slots__ = (
         "_backlog", "_closing", "_eof_pending", "_head_size", "_head_timer", "_headers",
-        "_in_head", "_keep_timer", "_last_active", "_listener", "_queue", "_request_parser",
+        "_in_head", "_keep_timer", "_last_active", "_lean", "_lean_body", "_listener", "_queue",
+        "_request_parser",
         "_sink", "_stopped", "_tail", "_task", "_transport_paused", "_url", "peername", "sockname",
     )
 
@@ -138,8 +264,12 @@ class _Connection(BaseProtocol):
         self._sink: StreamReader | DeflateBuffer | None = None
         self._backlog: list[bytes] = []  # compressed bytes waiting for the reader to drain
         self._eof_pending = False  # the message ended while its backlog was not yet decoded
-        # Requests parsed and not yet answered: (message, body), or an error to answer.
-        self._queue: deque[tuple[RawRequestMessage, StreamReader] | _HeadError] = deque()
+        # A hot-route request whose body is being received whole (see `LeanRequest`).
+        self._lean: RawRequestMessage | None = None
+        self._lean_body = bytearray()
+        # Requests parsed and not yet answered: (message, body), a hot-route request with its
+        # whole body, or an error to answer.
+        self._queue: deque[tuple[RawRequestMessage, StreamReader] | _Buffered | _HeadError] = deque()
         self._task: asyncio.Task[None] | None = None
         self._tail = b""  # received, not yet parsed: held back while the queue is full
         self._stopped = False  # nothing more is parsed (an error, an upgrade, a close)
@@ -176,6 +306,7 @@ class _Connection(BaseProtocol):
             self._reader(self._sink).set_exception(
                 web.RequestPayloadError("the client closed the connection mid-body"))
             self._sink = None
+        self._lean = None  # a hot-route body cut short: never answered
         self._queue.clear()
         if self._task is not None:  # the client left: its handler is cancelled
             self._task.cancel()
@@ -295,6 +426,17 @@ class _Connection(BaseProtocol):
         message = RawRequestMessage(method, target, version, headers, raw,
                                     not parser.should_keep_alive(), compression, upgrade,
                                     chunked, url)
+        if (method == "POST" and length is not None and not upgrade and self._listener.lean
+                and url.raw_path.startswith("/mcp") and length.isdigit()
+                and int(length) <= _LEAN_BODY and headers.get(hdrs.HOST)
+                and hdrs.CONTENT_ENCODING not in headers and hdrs.TRANSFER_ENCODING not in headers
+                and hdrs.EXPECT not in headers):
+            # Maybe the hot route (the router decides, in `_respond_lean`): the body, bounded
+            # by its Content-Length, is received whole before the request is answered.
+            self._lean = message
+            self._lean_body = bytearray()
+            self._sink = None
+            return
         payload: StreamReader
         if chunked or (length is not None and length != "0"):
             payload = StreamReader(self, _READ_LIMIT, loop=self._loop)
@@ -308,6 +450,9 @@ class _Connection(BaseProtocol):
             self._next()
 
     def on_body(self, body: bytes) -> None:
+        if self._lean is not None:
+            self._lean_body += body  # at most its Content-Length (<= _LEAN_BODY): httptools frames it
+            return
         sink = self._sink
         if sink is None:
             return
@@ -327,6 +472,13 @@ class _Connection(BaseProtocol):
             self._backlog.append(b"")  # decoded output still pending: resume_reading goes on
 
     def on_message_complete(self) -> None:
+        if self._lean is not None:
+            self._queue.append(_Buffered(self._lean, bytes(self._lean_body)))
+            self._lean = None
+            self._lean_body = bytearray()
+            if self._task is None:
+                self._next()
+            return
         sink = self._sink
         if sink is None:
             return
@@ -388,7 +540,10 @@ class _Connection(BaseProtocol):
         if isinstance(entry, _HeadError):
             self._write_error(entry)
             return
-        self._task = self._loop.create_task(self._respond(*entry))
+        if isinstance(entry, _Buffered):
+            self._task = self._loop.create_task(self._respond_lean(entry))
+        else:
+            self._task = self._loop.create_task(self._respond(*entry))
         if len(queue) < _MAX_QUEUED // 2:
             if self._tail:  # room again: parse what was held back
                 tail, self._tail = self._tail, b""
@@ -398,14 +553,37 @@ class _Connection(BaseProtocol):
 
     async def _respond(self, message: RawRequestMessage, payload: StreamReader) -> None:
         listener = self._listener
-        loop = self._loop
-        writer = StreamWriter(self, loop)
+        writer = StreamWriter(self, self._loop)
         request = listener.app._make_request(message, payload, self, writer,  # type: ignore[arg-type]
                                              asyncio.current_task())  # type: ignore[arg-type]
+        await self._run(request, listener.handler, payload)
+
+    async def _respond_lean(self, buffered: _Buffered) -> None:
+        """A request whose whole body arrived: the hot route's guarded handler is called directly
+        with a `LeanRequest`; any other route is answered the usual way."""
+        listener = self._listener
+        message = buffered.message
+        lean = LeanRequest(self, message, buffered.body, _NO_MATCH)
+        request = cast(web.Request, lean)  # it has what the guard and the MCP fronts read
+        path = message.url.raw_path
+        hot = listener.hot[path] if path in listener.hot else await listener.resolve_hot(request)
+        if hot is None:  # not the hot route: aiohttp's request, its body fed from the buffer
+            payload = StreamReader(self, _READ_LIMIT, loop=self._loop)
+            if buffered.body:
+                payload.feed_data(buffered.body)
+            payload.feed_eof()
+            await self._respond(message, payload)
+            return
+        handler, lean.match_info = hot
+        await self._run(request, handler, None)
+
+    async def _run(self, request: web.Request, handler: Handler, payload: StreamReader | None) -> None:
+        """Answer `request` with `handler`, then go on with the connection."""
+        listener = self._listener
         keep_alive = False
         try:
             try:
-                response = await listener.handler(request)
+                response = await handler(request)
             except web.HTTPException as exc:  # raised by the router or a handler: its response
                 response = exc
             if self.transport is not None:
@@ -417,14 +595,16 @@ class _Connection(BaseProtocol):
             if self.transport is None:  # the client left while its answer was being written
                 log.debug("MCP listener: connection lost while answering: %r", exc)
             else:
-                log.exception("MCP listener: unhandled error answering %s %s", message.method,
-                              message.path)
-                if not writer._headers_written:  # else the client sees the connection close
+                log.exception("MCP listener: unhandled error answering %s %s", request.method,
+                              request.rel_url.raw_path)
+                writer = request._payload_writer
+                if not (isinstance(writer, StreamWriter) and writer._headers_written):
+                    # Else the client sees the connection close.
                     self.transport.write(_error_bytes(500, "Internal Server Error"))
         finally:
             self._task = None
             request._finish()
-            if payload is not EMPTY_PAYLOAD and not payload.is_eof():
+            if payload is not None and payload is not EMPTY_PAYLOAD and not payload.is_eof():
                 keep_alive = False  # the rest of an unread body is still on the wire
             self._done(keep_alive)
 
@@ -512,6 +692,7 @@ class _Connection(BaseProtocol):
             self._reader(self._sink).set_exception(web.RequestPayloadError(error.reason))
             self._sink = None
         self._in_head = False
+        self._lean = None
         self._stop_reading()
         self._queue.append(error)
         if self._task is None:
@@ -552,7 +733,8 @@ class _Connection(BaseProtocol):
 
     def _keep_expired(self) -> None:
         self._keep_timer = None
-        if self._task is not None or self._queue or self._in_head or self.transport is None:
+        if self._task is not None or self._queue or self._in_head or self._lean is not None \
+                or self.transport is None:
             return  # busy, or a head is arriving (its own timer): armed again when idle
         left = self._last_active + self._listener.keepalive_timeout - self._loop.time()
         if left > 0:
@@ -562,7 +744,7 @@ class _Connection(BaseProtocol):
 
     def close_if_idle(self) -> bool:
         """Close the connection now unless a request is in progress; whether it was idle."""
-        if self._task is None and not self._queue:
+        if self._task is None and not self._queue and self._lean is None:
             self._close()
             return True
         self._closing = True
@@ -576,6 +758,9 @@ class _Connection(BaseProtocol):
         if self.transport is not None:
             self.transport.abort()
 
+
+_NO_MATCH: Final[Mapping[str, str]] = MappingProxyType({})
+HotRoute = tuple[Handler, Mapping[str, str]]
 
 _URLS: dict[str, URL] = {}  # request target -> its URL: clients repeat a handful of paths
 _MAX_URLS: Final = 1024
@@ -622,6 +807,10 @@ class FastListener:
         self.closing = False
         self.prepare_hooks = False
         self.handler: Handler = app._handle
+        # The hot route's resources (see `LeanRequest`), and the router's answer per path.
+        self.lean = False
+        self.hot_resources: frozenset[AbstractResource] = frozenset()
+        self.hot: dict[str, HotRoute | None] = {}
         self._server: asyncio.base_events.Server | None = None
         self._started = False
         self.loop = asyncio.get_event_loop()
@@ -640,7 +829,28 @@ class FastListener:
         self._started = True
         self.prepare_hooks = bool(app.on_response_prepare)
         self.handler = app._handle
+        router = app.router
+        self.hot_resources = frozenset(
+            r for r in router.resources()
+            if isinstance(r, PlainResource | DynamicResource) and _HOT_PATH.fullmatch(r.canonical))
+        # A middleware, a prepare hook or a domain-matched sub-application would read more of
+        # the request than `LeanRequest` offers: then every request goes through `app._handle`.
+        self.lean = bool(self.hot_resources) and not app.middlewares and not self.prepare_hooks \
+            and not router._matched_sub_app_resources
         self._tick()
+
+    async def resolve_hot(self, request: web.Request) -> HotRoute | None:
+        """The guarded handler and match of the hot route `request` reaches, or None for any
+        other route: the application's router decides, once per distinct path."""
+        match_info = await self.app.router.resolve(request)
+        route = match_info.route
+        hot: HotRoute | None = None
+        if match_info.http_exception is None and route.resource in self.hot_resources:
+            hot = (route.handler, MappingProxyType(dict(match_info)))
+        if len(self.hot) >= _MAX_URLS:
+            self.hot.clear()
+        self.hot[request.rel_url.raw_path] = hot
+        return hot
 
     def _tick(self) -> None:
         self.date = formatdate(usegmt=True)

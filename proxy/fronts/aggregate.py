@@ -311,7 +311,8 @@ class AggregateFront:
             headers["Mcp-Session-Id"] = us.session_id
         if us.protocol:
             headers["MCP-Protocol-Version"] = us.protocol
-        auth = request.headers.get("Authorization") if isinstance(request, web.Request) else request
+        # Not `isinstance(request, web.Request)`: the fast listener's hot route passes a LeanRequest.
+        auth = request if request is None or isinstance(request, str) else request.headers.get("Authorization")
         if auth and target.forward_authorization:
             headers["Authorization"] = auth
         headers.update(target.headers)
