@@ -221,6 +221,11 @@ def _strip(norm: str) -> str:
     return norm.strip(_EDGE).strip()
 
 
+def edge_stripped(norm: str) -> str:
+    """A normalised text without the punctuation at its ends, as critical values are compared."""
+    return _strip(norm)
+
+
 def segments(text: str) -> Iterator[str]:
     """The fields of a trusted string, normalised: its parts between separators a listing or a
     record uses (line breaks, tabs, "|", ";", ",", ":", " - ", brackets, sentence ends), a
@@ -324,20 +329,29 @@ def entry_key(word: str, form: str) -> bytes:
     return _key("e", f"{word}|{form}")
 
 
+def listing_entries(text: str) -> list[tuple[str, frozenset[str]]]:
+    """The entries of a listing (lines, "|", ";" or sentences; blank ones left out), each with
+    the forms of the values it holds (`entry_value_forms`: addresses, account numbers,
+    distinctive amounts, ids)."""
+    out = []
+    for part in _RECORDS.split(text):
+        if not part.strip():
+            continue
+        norm = normalise(part)
+        forms = {f"t:{v}" for _, v in tokens(part)}
+        forms |= {f"n:{n}" for n in numbers(norm) if distinctive(n)}
+        forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
+        out.append((part, frozenset(forms)))
+    return out
+
+
 def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     """The keys of a trusted listing's entries that a word of the intent can pick: for each word
     (3 letters or more) that occurs in exactly one entry holding a value (an address, account
     number, distinctive amount or id), `pick_key(word)` and `entry_key(word, value)` for each
     value of that entry. A string of one entry records nothing (it is not a choice: its values
     are endorsed as a record's already)."""
-    entries = []
-    for part in _RECORDS.split(text):
-        norm = normalise(part)
-        forms = {f"t:{v}" for _, v in tokens(part)}
-        forms |= {f"n:{n}" for n in numbers(norm) if distinctive(n)}
-        forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
-        if forms:
-            entries.append((_words(norm), forms))
+    entries = [(_words(normalise(part)), forms) for part, forms in listing_entries(text) if forms]
     if len(entries) < 2:
         return set()
     seen: dict[str, int] = {}
