@@ -56,8 +56,9 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   ..."), and every value of that entry is endorsed, only when *every* word of the intent that
   picks an entry of any trusted listing of the run picks this one (`entry_keys`: "refund
   order O-8812" also picks the entry "Other order of this customer: O-8790 ...", so it
-  endorses neither). The attacker can change neither the listing nor the intent; what this
-  cannot tell is a user criterion that no single word of the entry carries ("the cheapest").
+  endorses neither). The attacker can change neither the listing nor the intent; a user
+  criterion that no single word of the entry carries ("the cheapest") is
+  `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field.
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not

@@ -12,7 +12,12 @@ from envelope_helpers import RUN_KEY, build_revision, make_call
 from proxy.config import Config
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.criterion import criteria, criterion_key, criterion_keys, critical_forms
+from proxy.envelope.dataflow.criterion import (
+    criteria,
+    criterion_key,
+    criterion_keys,
+    critical_forms,
+)
 from proxy.envelope.dataflow.endorse import Critical
 from proxy.envelope.dataflow.ledger import LedgerDelta, record
 from proxy.envelope.labels import Label, Piece
