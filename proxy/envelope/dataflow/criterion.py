@@ -49,6 +49,7 @@ from decimal import Decimal, InvalidOperation
 from proxy.envelope.dataflow.endorse import (
     Critical,
     edge_stripped,
+    entry_forms,
     entry_value_forms,
     listing_entries,
 )
@@ -238,13 +239,16 @@ def criterion_keys(text: str, limit: int) -> set[bytes]:
     """The keys of the extreme entries of a trusted listing (`criterion_key`), at most `limit`:
     for each field two entries or more compare by, the values of the one entry holding its
     smallest and of the one holding its largest. A string of one entry records nothing."""
-    entries = [(normalise(part), forms) for part, forms in listing_entries(text)]
-    if len(entries) < 2 or len(entries) > MAX_ENTRIES:
+    if not any(ch.isdigit() for ch in text):
+        return set()  # every field's value is written with digits
+    parts = listing_entries(text)
+    if len(parts) < 2 or len(parts) > MAX_ENTRIES:
         return set()
+    entries = [normalise(part) for part in parts]
     by_field: dict[str, dict[str, int]] = {}
     for field, read in _FIELDS.items():
         values: list[Value | None] = []
-        for norm, _ in entries:
+        for norm in entries:
             found = read(norm)
             if len(found) > 1:
                 break  # an entry with two values of the field: which one counts is a guess
@@ -258,12 +262,12 @@ def criterion_keys(text: str, limit: int) -> set[bytes]:
         by_field["magnitude"] = by_field[sized[0]]
     if not by_field:
         return set()
-    phrases = [_phrases(norm) for norm, _ in entries]
+    phrases = [_phrases(norm) for norm in entries]
     out: set[bytes] = set()
     for field, extremes in sorted(by_field.items()):
         for direction, index in sorted(extremes.items()):
             others = set().union(*(p for i, p in enumerate(phrases) if i != index))
-            forms = set(entries[index][1]) | {f"v:{p}" for p in phrases[index] - others}
+            forms = set(entry_forms(parts[index])) | {f"v:{p}" for p in phrases[index] - others}
             for form in sorted(forms):
                 if len(out) >= limit:
                     return out

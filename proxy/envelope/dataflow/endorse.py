@@ -330,20 +330,19 @@ def entry_key(word: str, form: str) -> bytes:
     return _key("e", f"{word}|{form}")
 
 
-def listing_entries(text: str) -> list[tuple[str, frozenset[str]]]:
-    """The entries of a listing (lines, "|", ";" or sentences; blank ones left out), each with
-    the forms of the values it holds (`entry_value_forms`: addresses, account numbers,
-    distinctive amounts, ids)."""
-    out = []
-    for part in _RECORDS.split(text):
-        if not part.strip():
-            continue
-        norm = normalise(part)
-        forms = {f"t:{v}" for _, v in tokens(part)}
-        forms |= {f"n:{n}" for n in numbers(norm) if distinctive(n)}
-        forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
-        out.append((part, frozenset(forms)))
-    return out
+def entry_forms(part: str) -> frozenset[str]:
+    """The forms of the values an entry of a listing holds (`entry_value_forms`: addresses,
+    account numbers, distinctive amounts, ids)."""
+    forms = {f"t:{v}" for _, v in tokens(part)}
+    forms |= {f"n:{n}" for n in numbers(normalise(part)) if distinctive(n)}
+    forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
+    return frozenset(forms)
+
+
+def listing_entries(text: str) -> list[str]:
+    """The entries of a listing: its lines, "|"- or ";"-separated parts or sentences, blank
+    ones left out."""
+    return [part for part in _RECORDS.split(text) if part.strip()]
 
 
 def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
@@ -352,7 +351,7 @@ def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     number, distinctive amount or id), `pick_key(word)` and `entry_key(word, value)` for each
     value of that entry. A string of one entry records nothing (it is not a choice: its values
     are endorsed as a record's already)."""
-    entries = [(_words(normalise(part)), forms) for part, forms in listing_entries(text) if forms]
+    entries = [(_words(normalise(part)), forms) for part in listing_entries(text) if (forms := entry_forms(part))]
     if len(entries) < 2:
         return set()
     seen: dict[str, int] = {}
