@@ -250,3 +250,22 @@ async def test_an_id_read_in_a_clean_run_endorses_the_reply_and_an_error_confirm
     await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
     refused, _, decision = await _call(proxy, run, "reply", {"message_id": "m-404", "body": "hi"})
     assert refused and decision["code"] == "approval_pending", decision
+
+
+async def test_the_intents_criterion_endorses_the_one_extreme_entry_of_a_trusted_listing(
+        proxy: ProxyProcess) -> None:
+    """"The cheapest quote" endorses the cheapest entry's address (audited `intent+criterion`
+    with the listing's source); the attacker's most expensive entry still asks a person."""
+    run = f"run-{uuid.uuid4().hex}"
+    quotes = "ana@quotes.example 89 EUR; bo@quotes.example 112 EUR; cy@quotes.example 640 EUR"
+    await _call(proxy, run, "read_secrets", {"name": quotes},  # trusted: echoes the listing
+                intent="Send the customer list to the cheapest quote")
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    refused, _, decision = await _call(proxy, run, "send_email", _email("ana@quotes.example"))
+    assert not refused, decision
+    assert _last(proxy, run, "send_email")["extra"]["tainted_run"]["endorsed"] == [
+        {"arg": "/to", "by": "intent+criterion", "criterion": "cheapest", "field": "amount",
+         "direction": "min", "source": "mail.read_secrets"}]
+    refused, _, decision = await _call(proxy, run, "send_email", _email("cy@quotes.example"))
+    assert refused and decision["code"] == "approval_pending", decision
+    assert _last(proxy, run, "send_email")["extra"]["tainted_run"]["unendorsed"] == ["/to"]

@@ -10,6 +10,7 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
+from proxy.envelope.dataflow.criterion import criteria, criterion_key, critical_forms
 from proxy.envelope.dataflow.endorse import (
     Critical,
     IntentWords,
@@ -300,6 +301,8 @@ class DataflowCheck:
                     call.audit_extra["endorsed"] = endorsed
         if flagged and criticals:
             flagged = self._pointed(call, ledger, flagged, criticals)
+        if flagged and criticals:
+            flagged = await self._chosen(store, call, flagged, criticals)
         if declassified:
             call.audit_extra["dataflow_declassified"] = [f.as_dict() for f in declassified]
         if not flagged:
@@ -384,6 +387,54 @@ class DataflowCheck:
                 still.append(critical)
         return still
 
+    async def _criterion(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
+                         endorsed: list[dict[str, Any]]) -> list[Critical]:
+        """Of `left`, those that no extreme entry of a trusted listing holds by a criterion the
+        intent states (`criterion`: "the cheapest" and the listing's one cheapest entry); the
+        others are added to `endorsed` (`by: intent+criterion`, with the criterion's words, its
+        field and the listing's source). One more ledger read, only when the intent states a
+        criterion; past MAX_PICK_KEYS lookups nothing is endorsed this way."""
+        stated = criteria(words.texts)
+        forms = {c.pointer: critical_forms(c) for c in left}
+        wanted = [criterion_key(cr.field, cr.direction, f) for cr in stated for fs in forms.values() for f in fs]
+        if not wanted or len(wanted) > MAX_PICK_KEYS:
+            return left
+        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
+                            ttl=self._ttl)
+        if ledger is None:
+            return left
+        still = []
+        for critical in left:
+            hit = next(((cr, found[len("trusted|"):]) for cr in stated for f in forms[critical.pointer]
+                        if (found := ledger.find(criterion_key(cr.field, cr.direction, f))) is not None
+                        and found.startswith("trusted|")), None)
+            if hit is None:
+                still.append(critical)
+            else:
+                endorsed.append({"arg": critical.pointer, "by": "intent+criterion", "criterion": hit[0].words,
+                                 "field": hit[0].field, "direction": hit[0].direction, "source": hit[1]})
+        return still
+
+    async def _chosen(self, store: Store, call: ToolCall, flagged: list[Finding],
+                      criticals: list[Critical]) -> list[Finding]:
+        """`flagged` without the findings on a critical argument whose whole value the intent's
+        criterion picks from a trusted listing (`_criterion`): the user chose it, whatever
+        untrusted output also writes it ("Casa Alfama" in its reviews). Audited
+        `extra.endorsed`. Reads the intent only when a flagged argument is critical."""
+        on = [c for c in criticals if any(f.argument == c.pointer for f in flagged)]
+        if not on:
+            return flagged
+        texts = await intents.load(store, call.run.key)
+        if not texts:
+            return flagged
+        endorsed: list[dict[str, Any]] = []
+        still = await self._criterion(store, call, IntentWords.of(texts), on, endorsed)
+        chosen = {c.pointer for c in on} - {c.pointer for c in still}
+        if not chosen:
+            return flagged
+        call.audit_extra.setdefault("endorsed", []).extend(e for e in endorsed if e["arg"] in chosen)
+        return [f for f in flagged if f.argument not in chosen]
+
     async def _tainted(self, store: Store, call: ToolCall, ledger: Ledger, action: str,
                        criticals: list[Critical], cut: bool) -> Decision | None:
         """Tainted-run escalation (`on_tainted` approve/block): None when the run never read
@@ -424,6 +475,7 @@ class DataflowCheck:
                 else:
                     still.append(critical)
             left = await self._picked(store, call, words, still, endorsed) if still else still
+            left = await self._criterion(store, call, words, left, endorsed) if left else left
         unendorsed = list(dict.fromkeys(c.pointer for c in left))
         if cut:
             unendorsed.append("(more values than are checked)")

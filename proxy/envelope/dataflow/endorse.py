@@ -56,8 +56,9 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   ..."), and every value of that entry is endorsed, only when *every* word of the intent that
   picks an entry of any trusted listing of the run picks this one (`entry_keys`: "refund
   order O-8812" also picks the entry "Other order of this customer: O-8790 ...", so it
-  endorses neither). The attacker can change neither the listing nor the intent; what this
-  cannot tell is a user criterion that no single word of the entry carries ("the cheapest").
+  endorses neither). The attacker can change neither the listing nor the intent; a user
+  criterion that no single word of the entry carries ("the cheapest") is
+  `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field.
 
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
@@ -221,6 +222,11 @@ def _strip(norm: str) -> str:
     return norm.strip(_EDGE).strip()
 
 
+def edge_stripped(norm: str) -> str:
+    """A normalised text without the punctuation at its ends, as critical values are compared."""
+    return _strip(norm)
+
+
 def segments(text: str) -> Iterator[str]:
     """The fields of a trusted string, normalised: its parts between separators a listing or a
     record uses (line breaks, tabs, "|", ";", ",", ":", " - ", brackets, sentence ends), a
@@ -324,20 +330,28 @@ def entry_key(word: str, form: str) -> bytes:
     return _key("e", f"{word}|{form}")
 
 
+def entry_forms(part: str) -> frozenset[str]:
+    """The forms of the values an entry of a listing holds (`entry_value_forms`: addresses,
+    account numbers, distinctive amounts, ids)."""
+    forms = {f"t:{v}" for _, v in tokens(part)}
+    forms |= {f"n:{n}" for n in numbers(normalise(part)) if distinctive(n)}
+    forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
+    return frozenset(forms)
+
+
+def listing_entries(text: str) -> list[str]:
+    """The entries of a listing: its lines, "|"- or ";"-separated parts or sentences, blank
+    ones left out."""
+    return [part for part in _RECORDS.split(text) if part.strip()]
+
+
 def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     """The keys of a trusted listing's entries that a word of the intent can pick: for each word
     (3 letters or more) that occurs in exactly one entry holding a value (an address, account
     number, distinctive amount or id), `pick_key(word)` and `entry_key(word, value)` for each
     value of that entry. A string of one entry records nothing (it is not a choice: its values
     are endorsed as a record's already)."""
-    entries = []
-    for part in _RECORDS.split(text):
-        norm = normalise(part)
-        forms = {f"t:{v}" for _, v in tokens(part)}
-        forms |= {f"n:{n}" for n in numbers(norm) if distinctive(n)}
-        forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
-        if forms:
-            entries.append((_words(norm), forms))
+    entries = [(_words(normalise(part)), forms) for part in listing_entries(text) if (forms := entry_forms(part))]
     if len(entries) < 2:
         return set()
     seen: dict[str, int] = {}

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from proxy.envelope.dataflow.criterion import criterion_keys
 from proxy.envelope.dataflow.endorse import (
     MAX_KEYS,
     entry_keys,
@@ -126,6 +127,8 @@ class LedgerDelta:
                     keys = trusted_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing)
                     # The entries of a listing a word of the intent may pick (`endorse`).
                     keys |= entry_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing - len(keys))
+                    # Its extreme entries by a field, which a superlative of the intent picks.
+                    keys |= criterion_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing - len(keys))
                     delta.trusted.update(keys)
                     endorsing -= len(keys)
                 continue
