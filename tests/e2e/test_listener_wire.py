@@ -287,7 +287,8 @@ def test_a_thousand_idle_connections_do_not_stop_other_calls(tmp_path: Path,
         try:
             for _ in range(1000):
                 idle.append(socket.create_connection(("127.0.0.1", pp.port), timeout=10))
-            started = time.monotonic()
+            # Each call is bounded by the client's timeout: a listener that the idle connections
+            # stall fails it (no wall-clock assertion: the CI machine is shared).
             for rid in range(5):
                 response = httpx.post(pp.url("h"), content=call_body(rid, text="busy"), timeout=10,
                                       headers={"Content-Type": "application/json",
@@ -296,7 +297,6 @@ def test_a_thousand_idle_connections_do_not_stop_other_calls(tmp_path: Path,
                                                "Authorization": f"Bearer {token('bob')}"})
                 assert response.status_code == 200
                 assert result_of(response.content, rid)["content"][0]["text"] == "busy"
-            assert time.monotonic() - started < 5
         finally:
             for s in idle:
                 s.close()
