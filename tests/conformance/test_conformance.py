@@ -357,9 +357,11 @@ def stdio_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
         yield run, pp.audit_records()
 
 
-def test_nothing_lost_through_a_stdio_upstream(stdio_run: tuple[Run, list[dict[str, Any]]]) -> None:
-    run, audit = stdio_run
-    expected = set(expected_failures(STDIO_REVISION))
+def assert_nothing_lost(run: Run, audit: list[dict[str, Any]], revision: str) -> None:
+    """A suite run through a proxy (no direct run beside it) lost nothing: it fails only the
+    scenarios listed for `revision`, warns only where the suite warns anywhere, ran them all,
+    and every tools/call was allowed and forwarded."""
+    expected = set(expected_failures(revision))
     lost = sorted(run.failed() - expected)
     assert not lost, "\n\n".join(f"{n}:\n{run.scenarios[n].summary()}\n{run.scenarios[n].output}"
                                    for n in lost)
@@ -369,6 +371,11 @@ def test_nothing_lost_through_a_stdio_upstream(stdio_run: tuple[Run, list[dict[s
     refused = [r for r in audit if r["verdict"] != "allow" or r["upstream_status"] != 200]
     assert not refused, json.dumps(refused, indent=2)
     assert {"test_simple_text", "test_sampling", "test_elicitation"} <= {r["tool"] for r in audit}
+
+
+def test_nothing_lost_through_a_stdio_upstream(stdio_run: tuple[Run, list[dict[str, Any]]]) -> None:
+    run, audit = stdio_run
+    assert_nothing_lost(run, audit, STDIO_REVISION)
 
 
 # -- the same suite through the fast listener ------------------------------------------------
@@ -392,19 +399,9 @@ def fast_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
         stop(proc)
 
 
-
 def test_nothing_lost_through_the_fast_listener(fast_run: tuple[Run, list[dict[str, Any]]]) -> None:
     run, audit = fast_run
-    expected = set(expected_failures(FAST_REVISION))
-    lost = sorted(run.failed() - expected)
-    assert not lost, "\n\n".join(f"{n}:\n{run.scenarios[n].summary()}\n{run.scenarios[n].output}"
-                                   for n in lost)
-    warned = {n for n, sc in run.scenarios.items() if "WARNING" in sc.statuses().values()}
-    assert warned <= WARNS_ANYWHERE, {n: run.scenarios[n].summary() for n in warned - WARNS_ANYWHERE}
-    assert len(run.scenarios) >= 30, sorted(run.scenarios)
-    refused = [r for r in audit if r["verdict"] != "allow" or r["upstream_status"] != 200]
-    assert not refused, json.dumps(refused, indent=2)
-    assert {"test_simple_text", "test_sampling", "test_elicitation"} <= {r["tool"] for r in audit}
+    assert_nothing_lost(run, audit, FAST_REVISION)
 
 
 # -- SEP-1699 resumption, which the suite does not exercise ------------------------------------
