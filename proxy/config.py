@@ -230,8 +230,9 @@ class ListenerConfig(_Model):
 
     # The MCP listener's HTTP server: `aiohttp` (aiohttp's own), or `fast` (an asyncio protocol
     # with httptools serving the same application, proxy/app/fast_listener.py). The admin
-    # listener is always aiohttp. Absent: aiohttp.
-    kind: Literal["fast", "aiohttp"] = "aiohttp"
+    # listener is always aiohttp. Absent: fast (the whole test suite and the conformance suite
+    # pass through both; `aiohttp` stays selectable).
+    kind: Literal["fast", "aiohttp"] = "fast"
     # A connection that has not sent a whole request head (request line and headers) this long
     # after it opened, or after the first byte of a later request, is closed. Absent: 10 s.
     header_timeout: Duration = Field(default=10.0, gt=0)

@@ -46,7 +46,7 @@ from proxy.observability.metrics import Metrics
 from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
-from proxy.policy.reload import PolicyWatcher, responsive_loop
+from proxy.policy.reload import PolicyWatcher, load_stable, responsive_loop
 from proxy.store.base import Store
 from proxy.store.factory import open_store
 from proxy.tools.replay import open_recorder
@@ -151,7 +151,8 @@ class Runtime:
 
     def load_policy(self) -> PolicyRevision:
         """Load and install the policy; raises PolicyError (nothing changes then)."""
-        revision = load_policy(self.config.policies, engine=self._engine())
+        engine = self._engine()
+        revision = load_stable(self.config.policies, lambda d: load_policy(d, engine=engine))
         self.cel = revision.cel
         self._install(revision)
         return revision
@@ -199,8 +200,9 @@ class Runtime:
             started = time.time()
             try:
                 with responsive_loop():
+                    engine = self._engine()
                     revision = await asyncio.to_thread(
-                        load_policy, self.config.policies, engine=self._engine()
+                        load_stable, self.config.policies, lambda d: load_policy(d, engine=engine)
                     )
             except PolicyError as exc:
                 errors = [str(p) for p in exc.problems]

@@ -42,7 +42,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin", metavar="HOST:PORT", help="admin listener: /healthz /readyz /metrics /v1/policy (env ENVELOPE_ADMIN; default 127.0.0.1:9090)")
     p.add_argument("--state-dir", metavar="DIR", help="state and audit log directory (env ENVELOPE_STATE_DIR; default ./.envelope-state)")
     p.add_argument("--workers", type=int, metavar="N", help="worker processes sharing the listener (env ENVELOPE_WORKERS; default 1)")
-    p.add_argument("--listener", choices=["fast", "aiohttp"], help="the MCP listener's HTTP server: aiohttp, or fast (asyncio + httptools, the same routes) (env ENVELOPE_LISTENER; default aiohttp)")
+    p.add_argument("--listener", choices=["fast", "aiohttp"], help="the MCP listener's HTTP server: fast (asyncio + httptools), or aiohttp (aiohttp's server); the same routes (env ENVELOPE_LISTENER; default fast)")
     p.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], help="CEL engine (env ENVELOPE_CEL_ENGINE; default auto)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="env ENVELOPE_LOG_LEVEL; default info")
 

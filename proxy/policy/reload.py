@@ -2,6 +2,12 @@
 
 Polling (not inotify) because git-sync swaps a symlink atomically and container volumes do not
 always deliver events; a stat of a few dozen files a second costs nothing.
+
+A file written in place (an editor, `cp`, a test's `write_text`) is truncated, then written:
+read in between, a policy file can be empty or cut after any line, and a YAML file cut short
+is often still valid (a `rules:` list missing its last forbid rules). So a change is loaded
+only once the directory has held still for a moment (`PolicyWatcher`), and a load counts only
+when the directory's fingerprint is the same after it as before it (`load_stable`).
 """
 
 from __future__ import annotations
@@ -13,8 +19,19 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
+
+from proxy.errors import PolicyError, PolicyProblem
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a changed directory must hold still before it is loaded, and how many times in a row it may change under the watcher or under a load
+# before the watcher loads it anyway / the load gives up (a directory rewritten without pause).
+SETTLE_SECONDS = 0.2
+SETTLE_ROUNDS = 10
+LOAD_ATTEMPTS = 3
 
 # The GIL switch interval while a reload compiles in a worker thread. By default a thread that
 # holds the GIL is asked to drop it only after 5 ms, and the event loop needs it back after
@@ -61,8 +78,24 @@ def fingerprint(directory: Path) -> Fingerprint:
     return ((str(root), 0, 0), *sorted(out))
 
 
+def load_stable(directory: Path, load: Callable[[Path], T], attempts: int = LOAD_ATTEMPTS) -> T:
+    """`load(directory)`, accepted only when no policy file changed while it ran (same
+    fingerprint before and after); tried again otherwise, up to `attempts` times. Raises
+    `PolicyError` when the directory never held still (the caller keeps its revision)."""
+    for _ in range(attempts):
+        before = fingerprint(directory)
+        result = load(directory)
+        if fingerprint(directory) == before:
+            return result
+        log.info("policy files changed while %s was loading; loading again", directory)
+    raise PolicyError([PolicyProblem(str(directory), 1, 1,
+                                     f"the policy files changed during each of {attempts} loads; "
+                                     "not loaded (write them with a rename, or pause between writes)")])
+
+
 class PolicyWatcher:
-    """Calls `on_change()` whenever the policy directory's fingerprint changes.
+    """Calls `on_change()` whenever the policy directory's fingerprint changes and has then
+    held still for `settle` seconds (a file written in place is seen whole, not cut short).
 
     Errors from `on_change` are logged and the watcher keeps going; `stop()` cancels the task.
     """
@@ -72,9 +105,11 @@ class PolicyWatcher:
         directory: Path,
         on_change: Callable[[], Awaitable[None]],
         interval: float = 1.0,
+        settle: float = SETTLE_SECONDS,
     ) -> None:
         self.directory = Path(directory)
         self.interval = interval
+        self.settle = settle
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
         self._last: Fingerprint | None = None
@@ -93,6 +128,19 @@ class PolicyWatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    async def _settled(self, current: Fingerprint) -> Fingerprint | None:
+        """The fingerprint once two scans `settle` seconds apart agree (at most SETTLE_ROUNDS
+        waits: a directory that never holds still is loaded as it is then)."""
+        for _ in range(SETTLE_ROUNDS):
+            await asyncio.sleep(self.settle)
+            again = await asyncio.to_thread(self._safe_fingerprint)
+            if again == current:
+                return current
+            if again is None:
+                return None
+            current = again
+        return current
+
     def _safe_fingerprint(self) -> Fingerprint | None:
         try:
             return fingerprint(self.directory)
@@ -104,6 +152,9 @@ class PolicyWatcher:
         while True:
             await asyncio.sleep(self.interval)
             current = await asyncio.to_thread(self._safe_fingerprint)
+            if current is None or current == self._last:
+                continue
+            current = await self._settled(current)
             if current is None or current == self._last:
                 continue
             self._last = current

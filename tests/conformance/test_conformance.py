@@ -6,7 +6,7 @@ tests/conformance/fixture_server.py, once at the fixture's own URL and once at
 `/mcp/fixture` of a real `envelope-proxy serve` process (policy: tests/conformance/policies),
 and for 2025-11-25 once more through a proxy that launches the fixture as a stdio upstream
 (`fixture_server.py --stdio` as the upstream's `command`) and once through a proxy serving with
-`listener: fast` (its own HTTP server instead of aiohttp's).
+`listener: aiohttp` (aiohttp's HTTP server instead of the default `fast` one).
 
 Revisions: the suite's server scenarios exist for 2025-06-18 and 2025-11-25 only (it has none for
 2026-07-28; `test_suite_revisions` notices when that changes). Its client always offers
@@ -378,30 +378,30 @@ def test_nothing_lost_through_a_stdio_upstream(stdio_run: tuple[Run, list[dict[s
     assert_nothing_lost(run, audit, STDIO_REVISION)
 
 
-# -- the same suite through the fast listener ------------------------------------------------
-# `listener: fast` (proxy/app/fast_listener.py) serves the same application with its own HTTP
-# server: the suite once more through it, 2025-11-25 (the revision every client offers), so
-# both listeners are held to the suite.
-FAST_REVISION = "2025-11-25"
+# -- the same suite through aiohttp's server -------------------------------------------------
+# The default `listener: fast` (proxy/app/fast_listener.py) serves the runs above; `listener:
+# aiohttp` serves the same application with aiohttp's HTTP server: the suite once more through
+# it, 2025-11-25 (the revision every client offers), so both listeners are held to the suite.
+AIOHTTP_REVISION = "2025-11-25"
 
 
 @pytest.fixture(scope="module")
-def fast_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Run, list[dict[str, Any]]]]:
-    tmp = tmp_path_factory.mktemp("conformance-fast")
-    proc, url, _ = fixture_server(tmp, FAST_REVISION)
+def aiohttp_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Run, list[dict[str, Any]]]]:
+    tmp = tmp_path_factory.mktemp("conformance-aiohttp")
+    proc, url, _ = fixture_server(tmp, AIOHTTP_REVISION)
     try:
         with proxy_process(tmp, {UPSTREAM: url}, policies=POLICIES,
                            identity={"mode": "static", "principal": "conformance"},
-                           config={"listener": {"kind": "fast"}}) as pp:
-            run = run_suite(node, pp.url(UPSTREAM), FAST_REVISION, tmp / "fast", "fast")
+                           config={"listener": {"kind": "aiohttp"}}) as pp:
+            run = run_suite(node, pp.url(UPSTREAM), AIOHTTP_REVISION, tmp / "aiohttp", "aiohttp")
             yield run, pp.audit_records()
     finally:
         stop(proc)
 
 
-def test_nothing_lost_through_the_fast_listener(fast_run: tuple[Run, list[dict[str, Any]]]) -> None:
-    run, audit = fast_run
-    assert_nothing_lost(run, audit, FAST_REVISION)
+def test_nothing_lost_through_the_aiohttp_listener(aiohttp_run: tuple[Run, list[dict[str, Any]]]) -> None:
+    run, audit = aiohttp_run
+    assert_nothing_lost(run, audit, AIOHTTP_REVISION)
 
 
 # -- SEP-1699 resumption, which the suite does not exercise ------------------------------------

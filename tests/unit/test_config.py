@@ -134,7 +134,7 @@ def test_limits_default_and_refuse_nonsense(tmp_path: Path) -> None:
 
 def test_listener_kind_is_a_name_or_a_mapping_and_the_environment_changes_only_the_kind(
         tmp_path: Path) -> None:
-    assert load_config(None, environ={}).listener.kind == "aiohttp"
+    assert load_config(None, environ={}).listener.kind == "fast"
     bare = tmp_path / "bare.yaml"
     bare.write_text("listener: fast\n")
     assert load_config(bare, environ={}).listener.model_dump() == {

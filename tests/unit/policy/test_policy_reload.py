@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.policy.reload import RELOAD_SWITCH_INTERVAL, PolicyWatcher, responsive_loop
+from proxy.errors import PolicyError
+from proxy.policy.reload import RELOAD_SWITCH_INTERVAL, PolicyWatcher, load_stable, responsive_loop
 
 
 async def _wait(event: asyncio.Event) -> None:
@@ -75,3 +76,57 @@ def test_responsive_loop_shortens_the_switch_interval_and_puts_it_back() -> None
         assert sys.getswitchinterval() == pytest.approx(RELOAD_SWITCH_INTERVAL)
         raise RuntimeError("a failed reload")
     assert sys.getswitchinterval() == before
+
+
+async def test_a_file_written_in_place_is_loaded_whole_not_cut_short(tmp_path: Path) -> None:
+    # An in-place write truncates first: a poll between truncate and write sees an empty file
+    # (a valid, empty policy). The watcher waits for the directory to hold still, so the one
+    # callback sees the finished file.
+    path = tmp_path / "a.yaml"
+    path.write_text("version: 1\n")
+    seen: list[str] = []
+    changed = asyncio.Event()
+
+    async def on_change() -> None:
+        seen.append(path.read_text())
+        changed.set()
+
+    watcher = PolicyWatcher(tmp_path, on_change, interval=0.02)
+    watcher.start()
+    try:
+        await asyncio.sleep(0.1)
+        path.write_text("")  # truncated ...
+        await asyncio.sleep(0.06)  # ... and polled (three polls) before the rest is written
+        path.write_text("version: 1\ntools: {}\n")
+        await _wait(changed)
+        await asyncio.sleep(0.1)
+        assert seen == ["version: 1\ntools: {}\n"]
+    finally:
+        await watcher.stop()
+
+
+def test_a_load_that_overlaps_a_write_is_done_again(tmp_path: Path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text("version: 1\n")
+    loads: list[str] = []
+
+    def load(directory: Path) -> str:
+        text = (directory / "a.yaml").read_text()
+        loads.append(text)
+        if len(loads) == 1:  # a writer finishes while the first load runs
+            path.write_text("version: 1\ntools: {}\n")
+        return text
+
+    assert load_stable(tmp_path, load) == "version: 1\ntools: {}\n"
+    assert loads == ["version: 1\n", "version: 1\ntools: {}\n"]
+
+
+def test_a_directory_that_never_holds_still_is_not_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text("version: 1\n")
+
+    def load(directory: Path) -> None:
+        path.write_text(path.read_text() + "#\n")  # every load overlaps another write
+
+    with pytest.raises(PolicyError, match="changed during each of 3 loads"):
+        load_stable(tmp_path, load)
