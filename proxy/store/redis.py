@@ -106,9 +106,10 @@ end
 """
 
 # KEYS[1] the log, KEYS[2] (optional) a hash set with the entry; ARGV: the entry, its weight,
-# cap ("" for none), expiry in ms ("" for none), then the hash's field, value pairs. The entry's
-# sequence number, or 0 when the weight would exceed the cap (then the hash is left alone). Fields as in
-# `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
+# cap ("" for none), expiry in ms ("" for none), the number d of the hash's fields to remove, those
+# d fields, then the hash's field, value pairs. The entry's sequence number, or 0 when the weight
+# would exceed the cap (then the hash is left alone). Fields as in `proxy.store.base`
+# (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
 _LOG_APPEND = _LUA_BE + """
 local counter = redis.call('HGET', KEYS[1], '#')
 local seq, total = 0, 0
@@ -123,11 +124,15 @@ if cap == nil or total + weight <= cap then
   redis.call('HSET', KEYS[1], be(seq), ARGV[1], '#', string.format('%d %d', seq, total + weight))
   result = seq
   if KEYS[2] then
-    for i = 5, #ARGV, 2 do
+    local drop = tonumber(ARGV[5])
+    for i = 6 + drop, #ARGV, 2 do
       redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
     end
     if ARGV[4] ~= '' then
       redis.call('PEXPIRE', KEYS[2], ARGV[4])
+    end
+    if drop > 0 then
+      redis.call('HDEL', KEYS[2], unpack(ARGV, 6, 5 + drop))
     end
   end
 end
@@ -361,9 +366,12 @@ class RedisStore(Store):
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
-                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None,
+                          drop: Sequence[bytes] = ()) -> int:
+        removed = list(drop) if also is not None else []
         args: list[bytes] = [value, str(weight).encode(), b"" if cap is None else str(cap).encode(),
-                             b"" if ttl is None else str(_px(ttl)).encode()]
+                             b"" if ttl is None else str(_px(ttl)).encode(), str(len(removed)).encode(),
+                             *removed]
         keys = [self._hash_key(ns, key)]
         if also is not None:
             keys.append(self._hash_key(also[0], key))

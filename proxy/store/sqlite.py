@@ -196,6 +196,20 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
     return HashPut(room, len(new) - room)
 
 
+def _hash_remove(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Sequence[bytes]) -> None:
+    """`Store.hash_delete` inside the caller's write transaction."""
+    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+    if meta is None or not _live(meta[0], now):
+        return  # absent, or expired (the next put or purge clears it)
+    expires, size = meta[0], int(meta[1])
+    for marks, chunk in _in_chunks(fields):
+        size -= conn.execute(_HASH_REMOVE + marks, (ns, key, *chunk)).rowcount
+    if size <= 0 and expires is None:
+        conn.execute(_HASH_DROP_META, (ns, key))  # an empty hash without expiry is no hash
+    else:
+        conn.execute(_HASH_SET_SIZE, (max(0, size), ns, key))
+
+
 def _live(expires: float | None, now: float) -> bool:
     return expires is None or expires > now
 
@@ -404,7 +418,8 @@ class SqliteStore(Store):
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
-                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None,
+                          drop: Sequence[bytes] = ()) -> int:
         def append(conn: sqlite3.Connection, now: float) -> int:
             meta = conn.execute(_HASH_META, (ns, key)).fetchone()
             if meta is not None and not _live(meta[0], now):
@@ -425,6 +440,8 @@ class SqliteStore(Store):
             conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
             if also is not None:
                 _hash_put(conn, now, also[0], key, also[1], ttl)
+                if drop:
+                    _hash_remove(conn, now, also[0], key, drop)
             return seq
 
         def op(conn: sqlite3.Connection) -> int:
@@ -536,19 +553,8 @@ class SqliteStore(Store):
         if not fields:
             return
 
-        def remove(conn: sqlite3.Connection) -> None:
-            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-            if meta is None or not _live(meta[0], time.time()):
-                return  # absent, or expired (the next put or purge clears it)
-            expires, size = meta[0], int(meta[1])
-            for marks, chunk in _in_chunks(fields):
-                size -= conn.execute(_HASH_REMOVE + marks, (ns, key, *chunk)).rowcount
-            if size <= 0 and expires is None:
-                conn.execute(_HASH_DROP_META, (ns, key))  # an empty hash without expiry is no hash
-            else:
-                conn.execute(_HASH_SET_SIZE, (max(0, size), ns, key))
-
-        await self._run("hash_delete", lambda conn: _transaction(conn, "BEGIN IMMEDIATE", lambda: remove(conn)))
+        await self._run("hash_delete", lambda conn: _transaction(
+            conn, "BEGIN IMMEDIATE", lambda: _hash_remove(conn, time.time(), ns, key, fields)))
 
     # ---- token buckets ------------------------------------------------------------------------
 

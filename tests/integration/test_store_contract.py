@@ -323,6 +323,23 @@ async def test_log_append_sets_a_hash_with_the_entry(store: Store) -> None:
     assert (await store.hash_since("ledger_log", "r", 0))[:2] == (0, [])
 
 
+async def test_log_append_removes_fields_of_the_hash_with_the_entry(store: Store) -> None:
+    """`drop`: a ledger's pending marker goes in the same step as the entry recording its
+    output, after the flags are set; a refused entry removes nothing."""
+    await store.hash_put("ledger", "r", {b"p:d1": b"1", b"p:d2": b"2"}, ttl=TTL)
+    assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=2, cap=3,
+                                   also=("ledger", {b"u": b"1"}), drop=[b"p:d1", b"p:absent"]) == 1
+    assert await store.hash_all("ledger", "r") == {b"u": b"1", b"p:d2": b"2"}
+    assert await store.hash_append("ledger_log", "r", b"b", weight=2, cap=3,
+                                   also=("ledger", {b"s": b"1"}), drop=[b"p:d2"]) == 0
+    assert await store.hash_all("ledger", "r") == {b"u": b"1", b"p:d2": b"2"}
+    # A field set and removed in the same step is removed; the last fields removed empty the hash.
+    assert await store.hash_append("ledger_log", "r", b"c", weight=1, cap=3,
+                                   also=("ledger", {b"p:d2": b"3"}), drop=[b"p:d2", b"u"]) == 2
+    assert await store.hash_all("ledger", "r") == {}
+    assert (await store.hash_since("ledger_log", "r", 0))[:2] == (2, [b"a", b"c"])
+
+
 async def test_log_expires_and_starts_again(store: Store) -> None:
     assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=3, cap=3) == 1
     assert await store.hash_append("ledger_log", "r", b"b", ttl=TTL, weight=1, cap=3) == 0

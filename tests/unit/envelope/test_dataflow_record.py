@@ -1,7 +1,10 @@
-"""An output's grams kept packed from hashing to the store (`LedgerDelta.packed_grams`): the
-log entry and every reader see the same fingerprints as the dict form did."""
+"""Recording an output: its grams kept packed from hashing to the store
+(`LedgerDelta.packed_grams`: the log entry and every reader see the same fingerprints as the
+dict form did), and a session read's pending marker cleared in the same store step."""
 
 from __future__ import annotations
+
+import time
 
 from proxy.envelope.dataflow.fingerprint import normalise, winnowed
 from proxy.envelope.dataflow.ledger import (
@@ -9,6 +12,7 @@ from proxy.envelope.dataflow.ledger import (
     LedgerDelta,
     LedgerViews,
     load,
+    mark_pending,
     record,
 )
 from proxy.envelope.labels import Label, Piece
@@ -71,3 +75,32 @@ async def test_the_cap_counts_distinct_packed_fingerprints() -> None:
     refused = await load(over, "run", 32, [next(iter(delta.grams))], views=LedgerViews())
     assert kept is not None and not kept.overflow and kept.fingerprints
     assert refused is not None and refused.overflow and not refused.fingerprints
+
+
+async def test_a_session_reads_marker_goes_with_its_entry_in_one_write() -> None:
+    """The output a pending marker waited for is recorded and the marker cleared in one store
+    step; when the entry is refused (the cap), the marker is still cleared, after the flags."""
+    store = MemoryStore()
+    calls: list[str] = []
+    for name in ("hash_put", "hash_append", "hash_delete"):
+        real = getattr(store, name)
+
+        async def counted(*args: object, _real: object = real, _name: str = name, **kw: object) -> object:
+            calls.append(_name)
+            return await _real(*args, **kw)  # type: ignore[operator]
+
+        setattr(store, name, counted)
+    await mark_pending(store, "run", "d1", time.time() + 60, ttl=60)
+    calls.clear()
+    await record(store, "run", LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32),
+                 n=32, cap=1 << 20, ttl=60, done="d1")
+    assert calls == ["hash_append"]
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and ledger.untrusted and not ledger.pending
+    await mark_pending(store, "run", "d2", time.time() + 60, ttl=60)
+    calls.clear()
+    await record(store, "run", LedgerDelta.of("web.fetch", [Piece(OTHER, UNTRUSTED, "t")], 32),
+                 n=32, cap=1, ttl=60, done="d2")
+    assert calls == ["hash_append", "hash_put", "hash_delete"]
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and ledger.overflow and not ledger.pending
