@@ -14,10 +14,11 @@ and has no expiry, so a later put without a ttl makes a hash that does not expir
 SQLite keep the earlier expiry there). A log (`hash_append`, `hash_since`) is a Redis hash read
 and written by one Lua script per call; with `also` / `with_hash` the script touches a second
 hash of the same key (two keys: one slot in a Cluster only with hash tags, like `take`).
-`hash_since` is the warm sink check's one store call: on a plain TCP server it is sent as
-`EVALSHA` on a raw connection of its own (`proxy.store.resp.Lane`, a third of redis-py's cost
-per call), and through redis-py whenever that connection cannot answer (not connected, the
-script not loaded, any error reply), under the same deadline.
+`hash_since` is the warm sink check's one store call and `hash_append` the one write that
+records an output before it is delivered: on a plain TCP server both are sent as `EVALSHA` on a
+raw connection of their own (`proxy.store.resp.Lane`, a third of redis-py's cost per call), and
+through redis-py whenever that connection cannot answer (not connected, the script not loaded,
+any error reply), under the same deadline.
 
 `take` (token buckets) is one Lua script over the buckets' plain keys, on the server's clock
 (`TIME`), so every replica sees one bucket; its keys are several, so a Redis Cluster would need
@@ -377,7 +378,20 @@ class RedisStore(Store):
             keys.append(self._hash_key(also[0], key))
             for field, field_value in also[1].items():
                 args += (field, field_value)
-        done = await self._call("hash_append", lambda: self._log_append(keys=keys, args=args))
+
+        async def append() -> Any:
+            if self._lane is not None:
+                try:
+                    return await self._lane.call("EVALSHA", self._log_append.sha, len(keys), *keys, *args)
+                except LaneError:
+                    # As for `hash_since`. An entry the server took before the connection
+                    # dropped is appended again by redis-py (which also retries once on a
+                    # dropped connection): the same fingerprints twice, which a view holds
+                    # once and the cap counts twice (the run overflows sooner, never later).
+                    pass
+            return await self._log_append(keys=keys, args=args)
+
+        done = await self._call("hash_append", append)
         return int(done)
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,

@@ -944,6 +944,25 @@ async def test_redis_warm_read_answers_through_its_own_connection_and_falls_back
         await store.close()
 
 
+async def test_redis_log_append_goes_through_its_own_connection_and_falls_back(
+        own_redis: RedisServer) -> None:
+    """`hash_append` (recording an output) is sent on the raw connection too; a server that lost
+    the script or a connection the server closed is answered through redis-py, once."""
+    store = RedisStore(own_redis.url, prefix="lane-append:", timeout=2.0)
+    try:
+        assert await store.hash_append("ledger_log", "r", b"a", ttl=60, also=("ledger", {b"u": b"1"})) == 1
+        assert store._lane is not None and store._lane._protocol is not None  # made by the append
+        await store._client.script_flush()
+        assert await store.hash_append("ledger_log", "r", b"b", also=("ledger", {b"s": b"1"})) == 2
+        await store._client.client_kill_filter(_type="normal", skipme=True)  # every other connection
+        assert await store.hash_append("ledger_log", "r", b"c", weight=1, cap=1) == 3
+        assert await store.hash_append("ledger_log", "r", b"d", weight=1, cap=1) == 0
+        assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (
+            3, [b"a", b"b", b"c"], {b"u": b"1", b"s": b"1"})
+    finally:
+        await store.close()
+
+
 def test_redis_warm_read_uses_its_own_connection_under_uvloop(own_redis: RedisServer) -> None:
     """The proxy runs on uvloop, whose TCP transport is not an `asyncio.Transport` subclass:
     the raw connection must serve there too (not fall back, not fail the check)."""
