@@ -26,9 +26,12 @@ from proxy.envelope.labels import Piece
 from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
 
 # Inputs of at most this many characters (all pieces of one output, all matched arguments of
-# one call) are fingerprinted inline: ~1 ms of work, against ~0.1 ms for the hop to a thread
-# and back under load (measured: bench/fingerprint_bench.py).
-INLINE_CHARS = 4096
+# one call) are fingerprinted inline: at most ~0.6 ms of work since the packed, branch-free
+# winnowing (a delta or a probe of 8,000 characters of typical text: 0.56-0.61 ms, 4,000: 0.28,
+# on the loaded benchmark machine; 4,096 was ~1 ms before), against ~0.1 ms for the hop to a
+# thread and back (more under load), which a 5 KB output no longer pays before delivery
+# (bench/record_bench.py, bench/RESULTS.md "Recording an output before delivery").
+INLINE_CHARS = 8192
 
 T = TypeVar("T")
 
