@@ -5,7 +5,9 @@ dict form did), and a session read's pending marker cleared in the same store st
 from __future__ import annotations
 
 import random
+import threading
 import time
+from typing import Any
 
 import fingerprint_round1 as before
 import pytest
@@ -25,6 +27,7 @@ from proxy.envelope.dataflow.ledger import (
     mark_pending,
     record,
 )
+from proxy.envelope.dataflow.offload import delta_of
 from proxy.envelope.labels import Label, Piece
 from proxy.store.memory import MemoryStore
 
@@ -130,3 +133,25 @@ async def test_a_session_reads_marker_goes_with_its_entry_in_one_write() -> None
     assert calls == ["hash_append", "hash_put", "hash_delete"]
     ledger = await load(store, "run", 32)
     assert ledger is not None and ledger.overflow and not ledger.pending
+
+
+async def test_a_5kb_output_is_fingerprinted_inline_unless_whole_values_are_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output up to 8,192 characters skips the thread hop; with `min_value` (whole-value
+    phrases cost ~10x more per character) the bound stays 4,096, and a larger output goes to a
+    worker thread either way."""
+    threads: list[int] = []
+    real = LedgerDelta.of
+
+    def spying(*args: Any) -> LedgerDelta:
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(LedgerDelta, "of", spying)
+    page = (PAGE * 4)[:5000]
+    for min_value, size, inline in ((0, 5000, True), (10, 5000, False), (0, 9000, False)):
+        threads.clear()
+        text = (page * 2)[:size]
+        delta = await delta_of("web.fetch", [Piece(text, UNTRUSTED, "t")], 32, min_value=min_value)
+        assert delta.untrusted and delta.gram_count
+        assert (threads == [threading.get_ident()]) is inline, (min_value, size)
