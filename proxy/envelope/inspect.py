@@ -152,7 +152,7 @@ class Notes:
             r = self.recorded = {"untrusted": False, "secret": False, "fingerprints": 0}
         r["untrusted"] |= delta.untrusted
         r["secret"] |= delta.secret
-        r["fingerprints"] += len(delta.grams) + len(delta.tokens) + len(delta.values)
+        r["fingerprints"] += delta.count
         if delta.overflow:
             r["overflow"] = True
 

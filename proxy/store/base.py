@@ -146,13 +146,17 @@ class Store(ABC):
     @abstractmethod
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
-                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None,
+                          drop: Sequence[bytes] = ()) -> int:
         """Append `value` as the log's next entry, atomically; its sequence number, or 0 when
         `weight` would take the log's total weight beyond `cap` (then nothing is written but
         the expiry). With `ttl`, the whole log expires `ttl` seconds after this call. With
         `also` (a namespace and fields), those fields of the hash `<namespace>`/`key` are set
         in the same step when the entry is appended (as `hash_put` with `ttl`: one round trip
-        for a ledger's entry and its flags), and not at all when it is refused."""
+        for a ledger's entry and its flags), and not at all when it is refused; `drop` names
+        fields of that hash removed in the same step, after it is set (as `hash_delete`: a
+        ledger's pending marker, cleared with the entry that records its output), and only
+        when the entry is appended."""
 
     @abstractmethod
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,

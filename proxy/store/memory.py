@@ -127,7 +127,8 @@ class MemoryStore(Store):
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
-                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None,
+                          drop: Sequence[bytes] = ()) -> int:
         self._check()
         entry = self._hash(ns, key)
         if entry is None:
@@ -142,7 +143,9 @@ class MemoryStore(Store):
         values[log_field(seq)] = value
         values[LOG_COUNTER] = b"%d %d" % (seq, total + weight)
         if also is not None:
-            await MemoryStore.hash_put(self, also[0], key, also[1], ttl)  # one step, as on the others
+            # One step, as on the others (no await in between: nothing interleaves).
+            await MemoryStore.hash_put(self, also[0], key, also[1], ttl)
+            await MemoryStore.hash_delete(self, also[0], key, drop)
         return seq
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,

@@ -14,10 +14,11 @@ and has no expiry, so a later put without a ttl makes a hash that does not expir
 SQLite keep the earlier expiry there). A log (`hash_append`, `hash_since`) is a Redis hash read
 and written by one Lua script per call; with `also` / `with_hash` the script touches a second
 hash of the same key (two keys: one slot in a Cluster only with hash tags, like `take`).
-`hash_since` is the warm sink check's one store call: on a plain TCP server it is sent as
-`EVALSHA` on a raw connection of its own (`proxy.store.resp.Lane`, a third of redis-py's cost
-per call), and through redis-py whenever that connection cannot answer (not connected, the
-script not loaded, any error reply), under the same deadline.
+`hash_since` is the warm sink check's one store call and `hash_append` the one write that
+records an output before it is delivered: on a plain TCP server both are sent as `EVALSHA` on a
+raw connection of their own (`proxy.store.resp.Lane`, a third of redis-py's cost per call), and
+through redis-py whenever that connection cannot answer (not connected, the script not loaded,
+any error reply), under the same deadline.
 
 `take` (token buckets) is one Lua script over the buckets' plain keys, on the server's clock
 (`TIME`), so every replica sees one bucket; its keys are several, so a Redis Cluster would need
@@ -106,9 +107,10 @@ end
 """
 
 # KEYS[1] the log, KEYS[2] (optional) a hash set with the entry; ARGV: the entry, its weight,
-# cap ("" for none), expiry in ms ("" for none), then the hash's field, value pairs. The entry's
-# sequence number, or 0 when the weight would exceed the cap (then the hash is left alone). Fields as in
-# `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
+# cap ("" for none), expiry in ms ("" for none), the number d of the hash's fields to remove, those
+# d fields, then the hash's field, value pairs. The entry's sequence number, or 0 when the weight
+# would exceed the cap (then the hash is left alone). Fields as in `proxy.store.base`
+# (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
 _LOG_APPEND = _LUA_BE + """
 local counter = redis.call('HGET', KEYS[1], '#')
 local seq, total = 0, 0
@@ -123,11 +125,15 @@ if cap == nil or total + weight <= cap then
   redis.call('HSET', KEYS[1], be(seq), ARGV[1], '#', string.format('%d %d', seq, total + weight))
   result = seq
   if KEYS[2] then
-    for i = 5, #ARGV, 2 do
+    local drop = tonumber(ARGV[5])
+    for i = 6 + drop, #ARGV, 2 do
       redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
     end
     if ARGV[4] ~= '' then
       redis.call('PEXPIRE', KEYS[2], ARGV[4])
+    end
+    if drop > 0 then
+      redis.call('HDEL', KEYS[2], unpack(ARGV, 6, 5 + drop))
     end
   end
 end
@@ -361,15 +367,31 @@ class RedisStore(Store):
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
-                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None,
+                          drop: Sequence[bytes] = ()) -> int:
+        removed = list(drop) if also is not None else []
         args: list[bytes] = [value, str(weight).encode(), b"" if cap is None else str(cap).encode(),
-                             b"" if ttl is None else str(_px(ttl)).encode()]
+                             b"" if ttl is None else str(_px(ttl)).encode(), str(len(removed)).encode(),
+                             *removed]
         keys = [self._hash_key(ns, key)]
         if also is not None:
             keys.append(self._hash_key(also[0], key))
             for field, field_value in also[1].items():
                 args += (field, field_value)
-        done = await self._call("hash_append", lambda: self._log_append(keys=keys, args=args))
+
+        async def append() -> Any:
+            if self._lane is not None:
+                try:
+                    return await self._lane.call("EVALSHA", self._log_append.sha, len(keys), *keys, *args)
+                except LaneError:
+                    # As for `hash_since`. An entry the server took before the connection
+                    # dropped is appended again by redis-py (which also retries once on a
+                    # dropped connection): the same fingerprints twice, which a view holds
+                    # once and the cap counts twice (the run overflows sooner, never later).
+                    pass
+            return await self._log_append(keys=keys, args=args)
+
+        done = await self._call("hash_append", append)
         return int(done)
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,

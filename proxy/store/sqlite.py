@@ -134,6 +134,9 @@ QUIET_LOGS = 4096
 
 # Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
 _IN_CHUNK = 500
+# Most fields of an uncapped `hash_put` that reads what they hold before writing (fewer
+# statements for a few fields; a large put writes without looking first).
+_SMALL_PUT = 16
 
 
 def _in_chunks(fields: Sequence[bytes]) -> Iterator[tuple[str, Sequence[bytes]]]:
@@ -168,6 +171,22 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
         conn.execute(_HASH_DROP_META, (ns, key))
         meta = None
     expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+    if cap is None and len(items) <= _SMALL_PUT:
+        # A few fields (a ledger's flags and sources, mostly unchanged since the run's last
+        # output): one read of what they hold, then only new or changed ones written (three
+        # statements where the passes below take eight: ~50 µs of each recorded output).
+        held: dict[bytes, bytes] = {}
+        if meta is not None and items:
+            marks = "(" + ", ".join("?" * len(names)) + ")"
+            held = {bytes(f): bytes(v) for f, v in conn.execute(_HASH_VALUES + marks, (ns, key, *names))}
+        writes = [(ns, key, f, v) for f, v in items if f not in held or (replace and held[f] != v)]
+        if writes:
+            conn.executemany(_HASH_UPSERT, writes)
+        added = sum(1 for f in names if f not in held)
+        if added or ttl is not None:
+            expires = expires if ttl is None else now + ttl
+            conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
+        return HashPut(added, 0)
     if cap is None or size + len(items) <= cap:
         # Every field fits: insert the new ones in one pass (changes() counts them), and
         # only when some existed, replace those in a second; no lookup before writing.
@@ -194,6 +213,20 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
         expires = expires if ttl is None else now + ttl
         conn.execute(_HASH_SET_META, (ns, key, expires, size + room))
     return HashPut(room, len(new) - room)
+
+
+def _hash_remove(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Sequence[bytes]) -> None:
+    """`Store.hash_delete` inside the caller's write transaction."""
+    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+    if meta is None or not _live(meta[0], now):
+        return  # absent, or expired (the next put or purge clears it)
+    expires, size = meta[0], int(meta[1])
+    for marks, chunk in _in_chunks(fields):
+        size -= conn.execute(_HASH_REMOVE + marks, (ns, key, *chunk)).rowcount
+    if size <= 0 and expires is None:
+        conn.execute(_HASH_DROP_META, (ns, key))  # an empty hash without expiry is no hash
+    else:
+        conn.execute(_HASH_SET_SIZE, (max(0, size), ns, key))
 
 
 def _live(expires: float | None, now: float) -> bool:
@@ -404,7 +437,8 @@ class SqliteStore(Store):
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
-                          also: tuple[str, Mapping[bytes, bytes]] | None = None) -> int:
+                          also: tuple[str, Mapping[bytes, bytes]] | None = None,
+                          drop: Sequence[bytes] = ()) -> int:
         def append(conn: sqlite3.Connection, now: float) -> int:
             meta = conn.execute(_HASH_META, (ns, key)).fetchone()
             if meta is not None and not _live(meta[0], now):
@@ -425,6 +459,8 @@ class SqliteStore(Store):
             conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
             if also is not None:
                 _hash_put(conn, now, also[0], key, also[1], ttl)
+                if drop:
+                    _hash_remove(conn, now, also[0], key, drop)
             return seq
 
         def op(conn: sqlite3.Connection) -> int:
@@ -536,19 +572,8 @@ class SqliteStore(Store):
         if not fields:
             return
 
-        def remove(conn: sqlite3.Connection) -> None:
-            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-            if meta is None or not _live(meta[0], time.time()):
-                return  # absent, or expired (the next put or purge clears it)
-            expires, size = meta[0], int(meta[1])
-            for marks, chunk in _in_chunks(fields):
-                size -= conn.execute(_HASH_REMOVE + marks, (ns, key, *chunk)).rowcount
-            if size <= 0 and expires is None:
-                conn.execute(_HASH_DROP_META, (ns, key))  # an empty hash without expiry is no hash
-            else:
-                conn.execute(_HASH_SET_SIZE, (max(0, size), ns, key))
-
-        await self._run("hash_delete", lambda conn: _transaction(conn, "BEGIN IMMEDIATE", lambda: remove(conn)))
+        await self._run("hash_delete", lambda conn: _transaction(
+            conn, "BEGIN IMMEDIATE", lambda: _hash_remove(conn, time.time(), ns, key, fields)))
 
     # ---- token buckets ------------------------------------------------------------------------
 

@@ -323,6 +323,23 @@ async def test_log_append_sets_a_hash_with_the_entry(store: Store) -> None:
     assert (await store.hash_since("ledger_log", "r", 0))[:2] == (0, [])
 
 
+async def test_log_append_removes_fields_of_the_hash_with_the_entry(store: Store) -> None:
+    """`drop`: a ledger's pending marker goes in the same step as the entry recording its
+    output, after the flags are set; a refused entry removes nothing."""
+    await store.hash_put("ledger", "r", {b"p:d1": b"1", b"p:d2": b"2"}, ttl=TTL)
+    assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=2, cap=3,
+                                   also=("ledger", {b"u": b"1"}), drop=[b"p:d1", b"p:absent"]) == 1
+    assert await store.hash_all("ledger", "r") == {b"u": b"1", b"p:d2": b"2"}
+    assert await store.hash_append("ledger_log", "r", b"b", weight=2, cap=3,
+                                   also=("ledger", {b"s": b"1"}), drop=[b"p:d2"]) == 0
+    assert await store.hash_all("ledger", "r") == {b"u": b"1", b"p:d2": b"2"}
+    # A field set and removed in the same step is removed; the last fields removed empty the hash.
+    assert await store.hash_append("ledger_log", "r", b"c", weight=1, cap=3,
+                                   also=("ledger", {b"p:d2": b"3"}), drop=[b"p:d2", b"u"]) == 2
+    assert await store.hash_all("ledger", "r") == {}
+    assert (await store.hash_since("ledger_log", "r", 0))[:2] == (2, [b"a", b"c"])
+
+
 async def test_log_expires_and_starts_again(store: Store) -> None:
     assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=3, cap=3) == 1
     assert await store.hash_append("ledger_log", "r", b"b", ttl=TTL, weight=1, cap=3) == 0
@@ -923,6 +940,25 @@ async def test_redis_warm_read_answers_through_its_own_connection_and_falls_back
         assert all(isinstance(r, StoreError) for r in hung)
         assert protocol.lost and not protocol.waiting
         assert await store.hash_since("ledger_log", "r", 1) == (2, [b"b"], {})
+    finally:
+        await store.close()
+
+
+async def test_redis_log_append_goes_through_its_own_connection_and_falls_back(
+        own_redis: RedisServer) -> None:
+    """`hash_append` (recording an output) is sent on the raw connection too; a server that lost
+    the script or a connection the server closed is answered through redis-py, once."""
+    store = RedisStore(own_redis.url, prefix="lane-append:", timeout=2.0)
+    try:
+        assert await store.hash_append("ledger_log", "r", b"a", ttl=60, also=("ledger", {b"u": b"1"})) == 1
+        assert store._lane is not None and store._lane._protocol is not None  # made by the append
+        await store._client.script_flush()
+        assert await store.hash_append("ledger_log", "r", b"b", also=("ledger", {b"s": b"1"})) == 2
+        await store._client.client_kill_filter(_type="normal", skipme=True)  # every other connection
+        assert await store.hash_append("ledger_log", "r", b"c", weight=1, cap=1) == 3
+        assert await store.hash_append("ledger_log", "r", b"d", weight=1, cap=1) == 0
+        assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (
+            3, [b"a", b"b", b"c"], {b"u": b"1", b"s": b"1"})
     finally:
         await store.close()
 

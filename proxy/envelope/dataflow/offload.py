@@ -26,9 +26,16 @@ from proxy.envelope.labels import Piece
 from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
 
 # Inputs of at most this many characters (all pieces of one output, all matched arguments of
-# one call) are fingerprinted inline: ~1 ms of work, against ~0.1 ms for the hop to a thread
-# and back under load (measured: bench/fingerprint_bench.py).
-INLINE_CHARS = 4096
+# one call) are fingerprinted inline: at most ~0.6 ms of work since the packed, branch-free
+# winnowing (a delta or a probe of 8,000 characters of typical text: 0.56-0.61 ms, 4,000: 0.28,
+# on the loaded benchmark machine; 4,096 was ~1 ms before), against ~0.1 ms for the hop to a
+# thread and back (more under load), which a 5 KB output no longer pays before delivery
+# (bench/record_bench.py, bench/RESULTS.md "Recording an output before delivery").
+INLINE_CHARS = 8192
+# The bound where hashing costs more per character: an output's whole-value phrases
+# (`min_value` on: 3.6-5.4 ms for 4,096 characters, 9-12 ms for 8,192) and the intent's
+# endorsement keep the bound they had.
+INLINE_CHARS_SLOW = 4096
 
 T = TypeVar("T")
 
@@ -44,14 +51,15 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
                    min_value: int = 0, trusted: bool = False, handles: tuple[str, ...] = (),
                    pointed: bool = False, executor: Executor | None = None) -> LedgerDelta:
     """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
-    default executor, or `executor`) when its pieces hold more than INLINE_CHARS characters.
+    default executor, or `executor`) when its pieces hold more than INLINE_CHARS characters
+    (INLINE_CHARS_SLOW with `min_value`).
     Raises what `LedgerDelta.of` raises; cancelling the caller does not stop a thread already
     running (its work is bounded by the caps)."""
     pieces = list(parts)
     size = sum(len(piece.text) for piece in pieces)
     work = functools.partial(LedgerDelta.of, source, pieces, n, limit, window, max_chars, min_value,
                              trusted, handles, pointed)
-    if min(size, size if max_chars is None else max_chars) <= INLINE_CHARS:
+    if min(size, size if max_chars is None else max_chars) <= (INLINE_CHARS_SLOW if min_value else INLINE_CHARS):
         return work()
     return await _off_loop(work, executor)
 
@@ -76,8 +84,8 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
 async def endorsement_of(texts: list[str], n: int, *, window: int = DEFAULT_WINNOW,
                          executor: Executor | None = None) -> Endorsement:
     """`Endorsement.of` the run's intent texts, in a worker thread when they hold more than
-    INLINE_CHARS characters together (`dataflow.max_intent_chars` may allow up to 1 MiB)."""
+    INLINE_CHARS_SLOW characters together (`dataflow.max_intent_chars` may allow up to 1 MiB)."""
     work = functools.partial(Endorsement.of, texts, n, window)
-    if sum(map(len, texts)) <= INLINE_CHARS:
+    if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
         return work()
     return await _off_loop(work, executor)
