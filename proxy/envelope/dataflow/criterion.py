@@ -100,6 +100,8 @@ _VOCABULARY: tuple[tuple[re.Pattern[str], tuple[str, ...], str], ...] = tuple(
         (r"\blargest\b|\bbiggest\b|\bhighest\b", ("magnitude",), MAX),
         (r"\bsmallest\b|\blowest\b", ("magnitude",), MIN),
     ))
+# What a listing's entry writes after a negation does not meet a condition ("no pool").
+_NEGATED = re.compile(r"\b(?:no|not|without|non|never|excluding|except|lacks?|n't)[\s-]+((?:[^\W\d_]+[\s-]+)?[^\W\d_]+)")
 _NEGATION = re.compile(r"\b(?:not|never|except|n't|no|other than)\s+(?:\w+\s+)?$")
 
 Value = tuple[str, tuple[Decimal, ...]]  # (unit, comparable value)
@@ -353,10 +355,15 @@ def criterion_keys(text: str, limit: int) -> set[bytes]:
                     return out
                 out.add(criterion_key(field, direction, form))
     written: dict[str, list[int]] = {}
+    negated: set[str] = set()
     for i, norm in enumerate(entries):
         for w in words_of(norm):
             written.setdefault(w, []).append(i)
-    for w in sorted(written)[:MAX_CONDITION_WORDS]:
+        for m in _NEGATED.finditer(norm):
+            negated |= words_of(m.group(1))
+    # A word some entry writes negated ("no pool") does not say which entries meet it: no
+    # condition by that word is recorded.
+    for w in sorted(set(written) - negated)[:MAX_CONDITION_WORDS]:
         for field, values in sorted(by_field.items()):
             for direction, index in sorted(_extremes(values, written[w]).items()):
                 for form in forms_of(index):
