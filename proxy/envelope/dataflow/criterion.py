@@ -11,9 +11,18 @@ choice is decided by the listing itself, deterministically and without reading t
   expensive", "priciest"), rating ("highest-rated", "best-reviewed" / "lowest-rated"), time
   ("earliest", "soonest", "oldest" / "latest", "newest", "most recent"), and magnitude
   ("largest", "biggest", "highest" / "smallest", "lowest": the amount or the size, whichever
-  one the listing compares). A superlative after "not", "never" or "except" states no
-  criterion. "best", "first" and "last" are not criteria: they name no field ("the best
-  hotel") or are mostly not superlatives ("check the reviews first", "last week").
+  one the listing compares). Positive degrees whose extreme always satisfies them count as
+  their superlative ("well-reviewed", "highly rated", "cheap", "inexpensive"). A superlative
+  after "not", "never" or "except" states no criterion. "best", "first" and "last" are not
+  criteria: they name no field ("the best hotel") or are mostly not superlatives ("check the
+  reviews first", "last week").
+- **its conditions** (`Criterion.conditions`): the modifiers of the noun phrase the
+  superlative heads (every word before its head: "italian" of "a well-reviewed Italian place
+  in Porto", the phrase ending at a preposition, conjunction or punctuation) and the words
+  after "with", "that has"... ("with a pool and parking"), inflections folded as
+  `endorse.words_of` folds them. Only the intent states conditions: untrusted text never does.
+  A numeric bound ("under 40 euros") or a modifier without a word of 3 letters ("4K") makes
+  the criterion `opaque`: it endorses nothing.
 - **a listing's extremes** (`criterion_keys`, recorded with a trusted output): entries are
   split as `endorse.entry_keys` splits them (lines, "|", ";", sentences); each entry's value of
   a field is read from its text: an amount (a number with a currency sign or code, or with two
@@ -22,20 +31,27 @@ choice is decided by the listing itself, deterministically and without reading t
   not comparable in that listing (which one counts is a guess), and so do entries of different
   units (EUR and USD, a date and a time). With at least two comparable entries, the one entry
   holding the smallest value and the one holding the largest each record their values under
-  the field and direction; a tie at an extreme records nothing for it.
+  the field and direction; a tie at an extreme records nothing for it. Then, per word the
+  entries write (up to MAX_CONDITION_WORDS; not one some entry writes negated, "no pool"),
+  the same among the entries writing it (one such entry is its own extreme).
 - what an extreme entry endorses: its distinctive tokens, amounts and ids (the forms of
   `endorse.entry_value_forms`) and its phrases (runs of up to MAX_PHRASE_WORDS words, edge
   punctuation stripped) that no other entry of the listing writes ("casa alfama", not
   "eur/night").
 
 A critical value is endorsed (`by: intent+criterion`) when one of its forms is recorded for a
-criterion the intent states. The opposite extreme, or any entry in between, is not endorsed:
-the attacker who asks for "the most expensive option" gets the approval gate. What this cannot
-decide: a criterion with a condition ("the cheapest hotel with a pool", "the best-reviewed hub
-under 40 euros": the extreme of the whole listing may not be the one meant; such a value is
-endorsed only when it is that extreme), a criterion over values no trusted listing writes
-(ratings only in untrusted reviews), and listings as structured JSON records (only text
-entries are compared).
+criterion the intent states: without conditions, as the whole listing's extreme; with
+conditions, as the extreme among the entries writing each condition word (it then writes them
+all, so it is the extreme among the entries meeting every condition). The opposite extreme, or
+any entry in between, is not endorsed: the attacker who asks for "the most expensive option"
+gets the approval gate, and so does one who picks the whole listing's best for "the
+best-reviewed Portuguese place". What this cannot decide: a numeric bound ("the best-reviewed
+hub under 40 euros": endorses nothing), a condition stated before the superlative ("of the
+Italian places, the best-reviewed": the whole listing's extreme is endorsed), a criterion over
+values no trusted listing writes (ratings only in untrusted reviews), and listings as
+structured JSON records (only text entries are compared). With several condition words, each
+word's extreme is looked up in the run's ledger, not per listing: two trusted listings writing
+the same value could each supply one word's key.
 """
 
 from __future__ import annotations
