@@ -44,7 +44,8 @@ MEASURED_CONFIGS = (AUTO, CHOSEN_AUTO, AUTO_BLOCK, ESCALATION, CHOSEN_ESCALATION
 AUTO_TARGET, ESCALATION_TARGET = (0.05, 0.90, 0.0), (0.01, 0.98, 0.3)
 TARGETS = {AUTO: AUTO_TARGET, CHOSEN_AUTO: AUTO_TARGET, AUTO_BLOCK: AUTO_TARGET, ESCALATION: ESCALATION_TARGET,
            CHOSEN_ESCALATION: ESCALATION_TARGET}
-# Measured on the held-out split (bench/RESULTS.md, round 5); asserted as a floor where a
+# Measured on the held-out split (bench/RESULTS.md, round 6: the same numbers as round 5, the
+# changes of round 6 saved approvals on train only); asserted as a floor where a
 # target is missed (every one today: none is in MET; the chosen escalation meets the attack and
 # benign targets, not the approvals one (0.34); auto+intent+block meets the attack target, not
 # the benign one; their measured 0 attacks through is asserted as such). `escalation` (no

@@ -10,7 +10,7 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.criterion import criteria, criterion_key, critical_forms
+from proxy.envelope.dataflow.criterion import Criterion, criteria, criterion_key, critical_forms
 from proxy.envelope.dataflow.endorse import (
     Critical,
     IntentWords,
@@ -261,6 +261,12 @@ class DataflowCheck:
             verbatim, toks = match_argument(ledger, probe, self._n, self._window)
             flagged += [dataclasses.replace(f, argument=ptr) for f in toks]
             if is_decl:
+                if " " not in probe.norm:
+                    # A declassified argument that is one untrusted word found whole (a code
+                    # such as "LAGOSTA-VIP" as a booking note) carries no text of the agent's
+                    # own: it is a short copied value, not prose quoting a source.
+                    flagged += [dataclasses.replace(f, argument=ptr) for f in verbatim if f.kind == "value"]
+                    verbatim = [f for f in verbatim if f.kind != "value"]
                 declassified += [dataclasses.replace(f, argument=ptr) for f in verbatim]
                 if verbatim:
                     # Declassified text may carry untrusted text, not the attacker's orders nor
@@ -379,6 +385,11 @@ class DataflowCheck:
         picked = [w for w in said if trusted(pick_key(w))]
         if not picked:
             return left
+        if ids := [w for w in picked if w.startswith("#")]:
+            # An identifier the user typed names its entry ("refund order O-8812"): a common
+            # word of the intent that another entry writes ("Other order: O-8790") does not
+            # make the pick ambiguous; two identifiers of different entries still do.
+            picked = ids
         still = []
         for critical in left:
             if any(all(trusted(entry_key(w, f)) for w in picked) for f in forms[critical.pointer]):
@@ -390,29 +401,50 @@ class DataflowCheck:
     async def _criterion(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
                          endorsed: list[dict[str, Any]]) -> list[Critical]:
         """Of `left`, those that no extreme entry of a trusted listing holds by a criterion the
-        intent states (`criterion`: "the cheapest" and the listing's one cheapest entry); the
-        others are added to `endorsed` (`by: intent+criterion`, with the criterion's words, its
-        field and the listing's source). One more ledger read, only when the intent states a
-        criterion; past MAX_PICK_KEYS lookups nothing is endorsed this way."""
-        stated = criteria(words.texts)
+        intent states (`criterion`: "the cheapest" and the listing's one cheapest entry; with
+        conditions, "a well-reviewed Italian place", the extreme among the entries writing
+        every condition word); the others are added to `endorsed` (`by: intent+criterion`,
+        with the criterion's words, its field, its conditions and the listing's source). A
+        criterion with a condition the proxy cannot evaluate endorses nothing. One more ledger
+        read, only when the intent states a criterion; past MAX_PICK_KEYS lookups nothing is
+        endorsed this way."""
+        stated = [cr for cr in criteria(words.texts) if not cr.opaque]
         forms = {c.pointer: critical_forms(c) for c in left}
-        wanted = [criterion_key(cr.field, cr.direction, f) for cr in stated for fs in forms.values() for f in fs]
+
+        def keys(cr: Criterion, form: str) -> list[bytes]:
+            # Every condition must hold: the value is the extreme among the entries writing
+            # each condition word (then among those writing them all, as it writes them all).
+            if not cr.conditions:
+                return [criterion_key(cr.field, cr.direction, form)]
+            return [criterion_key(cr.field, cr.direction, form, w) for w in cr.conditions]
+
+        wanted = [k for cr in stated for fs in forms.values() for f in fs for k in keys(cr, f)]
         if not wanted or len(wanted) > MAX_PICK_KEYS:
             return left
         ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
                             ttl=self._ttl)
         if ledger is None:
             return left
+
+        def source(cr: Criterion, form: str) -> str | None:
+            found = [ledger.find(k) for k in keys(cr, form)]
+            if all(f is not None and f.startswith("trusted|") for f in found):
+                return str(found[0])[len("trusted|"):]
+            return None
+
         still = []
         for critical in left:
-            hit = next(((cr, found[len("trusted|"):]) for cr in stated for f in forms[critical.pointer]
-                        if (found := ledger.find(criterion_key(cr.field, cr.direction, f))) is not None
-                        and found.startswith("trusted|")), None)
+            hit = next(((cr, src) for cr in stated for f in forms[critical.pointer]
+                        if (src := source(cr, f)) is not None), None)
             if hit is None:
                 still.append(critical)
             else:
-                endorsed.append({"arg": critical.pointer, "by": "intent+criterion", "criterion": hit[0].words,
-                                 "field": hit[0].field, "direction": hit[0].direction, "source": hit[1]})
+                cr, src = hit
+                entry: dict[str, Any] = {"arg": critical.pointer, "by": "intent+criterion", "criterion": cr.words,
+                                         "field": cr.field, "direction": cr.direction, "source": src}
+                if cr.conditions:
+                    entry["conditions"] = list(cr.conditions)
+                endorsed.append(entry)
         return still
 
     async def _chosen(self, store: Store, call: ToolCall, flagged: list[Finding],

@@ -11,9 +11,18 @@ choice is decided by the listing itself, deterministically and without reading t
   expensive", "priciest"), rating ("highest-rated", "best-reviewed" / "lowest-rated"), time
   ("earliest", "soonest", "oldest" / "latest", "newest", "most recent"), and magnitude
   ("largest", "biggest", "highest" / "smallest", "lowest": the amount or the size, whichever
-  one the listing compares). A superlative after "not", "never" or "except" states no
-  criterion. "best", "first" and "last" are not criteria: they name no field ("the best
-  hotel") or are mostly not superlatives ("check the reviews first", "last week").
+  one the listing compares). Positive degrees whose extreme always satisfies them count as
+  their superlative ("well-reviewed", "highly rated", "cheap", "inexpensive"). A superlative
+  after "not", "never" or "except" states no criterion. "best", "first" and "last" are not
+  criteria: they name no field ("the best hotel") or are mostly not superlatives ("check the
+  reviews first", "last week").
+- **its conditions** (`Criterion.conditions`): the modifiers of the noun phrase the
+  superlative heads (every word before its head: "italian" of "a well-reviewed Italian place
+  in Porto", the phrase ending at a preposition, conjunction or punctuation) and the words
+  after "with", "that has"... ("with a pool and parking"), inflections folded as
+  `endorse.words_of` folds them. Only the intent states conditions: untrusted text never does.
+  A numeric bound ("under 40 euros") or a modifier without a word of 3 letters ("4K") makes
+  the criterion `opaque`: it endorses nothing.
 - **a listing's extremes** (`criterion_keys`, recorded with a trusted output): entries are
   split as `endorse.entry_keys` splits them (lines, "|", ";", sentences); each entry's value of
   a field is read from its text: an amount (a number with a currency sign or code, or with two
@@ -22,20 +31,27 @@ choice is decided by the listing itself, deterministically and without reading t
   not comparable in that listing (which one counts is a guess), and so do entries of different
   units (EUR and USD, a date and a time). With at least two comparable entries, the one entry
   holding the smallest value and the one holding the largest each record their values under
-  the field and direction; a tie at an extreme records nothing for it.
+  the field and direction; a tie at an extreme records nothing for it. Then, per word the
+  entries write (up to MAX_CONDITION_WORDS; not one some entry writes negated, "no pool"),
+  the same among the entries writing it (one such entry is its own extreme).
 - what an extreme entry endorses: its distinctive tokens, amounts and ids (the forms of
   `endorse.entry_value_forms`) and its phrases (runs of up to MAX_PHRASE_WORDS words, edge
   punctuation stripped) that no other entry of the listing writes ("casa alfama", not
   "eur/night").
 
 A critical value is endorsed (`by: intent+criterion`) when one of its forms is recorded for a
-criterion the intent states. The opposite extreme, or any entry in between, is not endorsed:
-the attacker who asks for "the most expensive option" gets the approval gate. What this cannot
-decide: a criterion with a condition ("the cheapest hotel with a pool", "the best-reviewed hub
-under 40 euros": the extreme of the whole listing may not be the one meant; such a value is
-endorsed only when it is that extreme), a criterion over values no trusted listing writes
-(ratings only in untrusted reviews), and listings as structured JSON records (only text
-entries are compared).
+criterion the intent states: without conditions, as the whole listing's extreme; with
+conditions, as the extreme among the entries writing each condition word (it then writes them
+all, so it is the extreme among the entries meeting every condition). The opposite extreme, or
+any entry in between, is not endorsed: the attacker who asks for "the most expensive option"
+gets the approval gate, and so does one who picks the whole listing's best for "the
+best-reviewed Portuguese place". What this cannot decide: a numeric bound ("the best-reviewed
+hub under 40 euros": endorses nothing), a condition stated before the superlative ("of the
+Italian places, the best-reviewed": the whole listing's extreme is endorsed), a criterion over
+values no trusted listing writes (ratings only in untrusted reviews), and listings as
+structured JSON records (only text entries are compared). With several condition words, each
+word's extreme is looked up in the run's ledger, not per listing: two trusted listings writing
+the same value could each supply one word's key.
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ from proxy.envelope.dataflow.endorse import (
     entry_forms,
     entry_value_forms,
     listing_entries,
+    words_of,
 )
 from proxy.envelope.dataflow.fingerprint import normalise
 
@@ -59,6 +76,7 @@ MIN = "min"
 MAX = "max"
 MAX_PHRASE_WORDS = 8  # longest phrase of an extreme entry recorded (words)
 MAX_ENTRIES = 512  # most entries of one listing compared; a longer listing is not compared
+MAX_CONDITION_WORDS = 256  # most words of one listing recorded as conditions (past them: none)
 
 # Criterion keys live in their own hash namespace (the ledger stores them with the trusted keys).
 _BASE = hashlib.blake2b(digest_size=8, person=b"criterion")
@@ -87,9 +105,10 @@ _SIZE = re.compile(rf"(?<![\w.,])(?P<n>{_NUM})\s?(?P<u>{'|'.join(sorted(_SIZE_UN
 # tried ("highest-rated" is a rating criterion, not also "highest").
 _VOCABULARY: tuple[tuple[re.Pattern[str], tuple[str, ...], str], ...] = tuple(
     (re.compile(pattern), fields, direction) for pattern, fields, direction in (
-        (r"\b(?:highest|best|top)[- ]?(?:rated|reviewed|scored|rating)\b", ("rating",), MAX),
+        (r"\b(?:highest|best|top)[- ]?(?:rated|reviewed|scored|rating)\b"
+         r"|\b(?:well|highly)[- ](?:rated|reviewed)\b", ("rating",), MAX),
         (r"\b(?:lowest|worst)[- ]?(?:rated|reviewed|scored|rating)\b", ("rating",), MIN),
-        (r"\bcheapest\b|\bleast expensive\b|\bmost affordable\b"
+        (r"\bcheapest\b|\bleast expensive\b|\bmost affordable\b|\bcheap\b|\binexpensive\b"
          r"|\blowest[- ](?:prices?|priced|fares?|costs?)\b", ("amount",), MIN),
         (r"\bmost expensive\b|\bpriciest\b|\bhighest[- ](?:prices?|priced|fares?|costs?)\b", ("amount",), MAX),
         (r"\bearliest\b|\bsoonest\b|\boldest\b", ("when",), MIN),
@@ -97,40 +116,101 @@ _VOCABULARY: tuple[tuple[re.Pattern[str], tuple[str, ...], str], ...] = tuple(
         (r"\blargest\b|\bbiggest\b|\bhighest\b", ("magnitude",), MAX),
         (r"\bsmallest\b|\blowest\b", ("magnitude",), MIN),
     ))
+# What a listing's entry writes after a negation does not meet a condition ("no pool").
+_NEGATED = re.compile(r"\b(?:no|not|without|non|never|excluding|except|lacks?|n't)[\s-]+((?:[^\W\d_]+[\s-]+)?[^\W\d_]+)")
 _NEGATION = re.compile(r"\b(?:not|never|except|n't|no|other than)\s+(?:\w+\s+)?$")
 
 Value = tuple[str, tuple[Decimal, ...]]  # (unit, comparable value)
 
 
+# What ends the noun phrase a superlative heads ("the cheapest hotel | in Lisbon"): a clause
+# break, a preposition, a conjunction. Words after one of _WITH up to such an end are conditions
+# too ("with a pool and parking", "that has a terrace"); a number after one of _BOUND is a
+# numeric bound.
+_STOP = frozenset("""and then for in on at to from by so because but if or via per near during before
+after into onto of as than when while where since until till""".split())
+_WITH = frozenset("with that which who having including featuring offering".split())
+_BOUND = frozenset("""under below less over above more least most max maximum min minimum within up
+cheaper pricier lower higher no fewer""".split())
+_SKIP = frozenset("a an the one some any my our your their his her its this these those has have is are".split())
+_PHRASE_END = re.compile(r"[,.;:!?()\[\]\n]")
+_TOKEN = re.compile(r"[^\W_][\w'-]*")
+
+
 @dataclass(frozen=True, slots=True)
 class Criterion:
-    """One superlative the intent states: the words, the field it ranks by, the direction."""
+    """One superlative the intent states: the words, the field it ranks by, the direction, and
+    the conditions the chosen entry must meet (`conditions`: words of the intent, inflections
+    folded, that the entry must write; `opaque`: a condition the proxy cannot evaluate, a
+    numeric bound or a modifier without a word, so the criterion endorses nothing)."""
 
     words: str
     field: str
     direction: str
+    conditions: tuple[str, ...] = ()
+    opaque: bool = False
+
+
+def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
+    """(condition words, opaque) of the text right after a superlative: the modifiers of the
+    noun phrase it heads (every word but the last, its head: "italian" of "italian place") and
+    the words after "with", "that has"...; opaque when a numeric bound follows ("under 40
+    euros") or a modifier has no word of 3 letters ("4k")."""
+    tail = _PHRASE_END.split(tail, 1)[0]
+    noun: list[str] = []
+    having: list[str] = []
+    opaque = False
+    toks = _TOKEN.findall(tail)
+    for i, tok in enumerate(toks):
+        if tok in _BOUND and any(ch.isdigit() for t in toks[i + 1:i + 4] for ch in t):
+            opaque = True
+            break
+        if having and tok in ("and", "or"):
+            continue  # inside "with ...", they join more conditions (each one only narrows)
+        if tok in _STOP:
+            break
+        if tok in _WITH:
+            having.append("")  # from here on, conditions
+            continue
+        if tok in _SKIP:
+            continue
+        (having if having else noun).append(tok)
+    modifiers = noun[:-1] + [t for t in having if t]
+    out: list[str] = []
+    for tok in modifiers:
+        found = sorted(words_of(tok))
+        if not found:
+            opaque = True  # "4k", "tv": the proxy cannot say which entry writes it
+        out += found
+    return tuple(dict.fromkeys(out)), opaque
 
 
 def criteria(texts: Iterable[str]) -> list[Criterion]:
     """The criteria the intent's (normalised) texts state, in order, without repeats."""
-    out: dict[tuple[str, str], Criterion] = {}
+    out: dict[tuple[str, str, tuple[str, ...], bool], Criterion] = {}
     for text in texts:
-        rest = normalise(text)
+        norm = normalise(text)
+        rest = norm
         for pattern, fields, direction in _VOCABULARY:
             for m in pattern.finditer(rest):
                 if _NEGATION.search(rest[:m.start()]):
                     continue
+                conditions, opaque = _conditions(norm[m.end():])
                 for field in fields:
-                    out.setdefault((field, direction), Criterion(m.group(), field, direction))
-            rest = pattern.sub(" ", rest)
+                    out.setdefault((field, direction, conditions, opaque),
+                                   Criterion(m.group(), field, direction, conditions, opaque))
+            # Blanked, not removed: positions stay those of `norm` (the conditions are read there).
+            rest = pattern.sub(lambda m: " " * len(m.group()), rest)
     return list(out.values())
 
 
-def criterion_key(field: str, direction: str, form: str) -> bytes:
+def criterion_key(field: str, direction: str, form: str, condition: str | None = None) -> bytes:
     """The key saying that the extreme (`direction`) entry of `field` of a trusted listing of
-    the run holds the value of `form`."""
+    the run holds the value of `form`; with `condition`, the extreme among the entries that
+    write that word."""
     h = _BASE.copy()
-    h.update(f"{field}|{direction}|{form}".encode())
+    h.update((f"{field}|{direction}|{form}" if condition is None
+              else f"{field}|{direction}|w:{condition}|{form}").encode())
     return h.digest()
 
 
@@ -220,14 +300,22 @@ def _phrases(norm: str) -> set[str]:
     return out
 
 
-def _extremes(values: list[Value | None]) -> dict[str, int]:
+def _extremes(values: list[Value | None], among: Iterable[int] | None = None) -> dict[str, int]:
     """{direction: index of the one entry holding it} over the entries' values of one field
-    (None: the entry does not write it); {} when fewer than two entries compare."""
+    (None: the entry does not write it), only the entries `among` when given; {} when fewer
+    than two entries compare (one entry `among`: it is its own extreme)."""
     held = [(i, v) for i, v in enumerate(values) if v is not None]
     if len(held) < 2 or len({unit for _, (unit, _) in held}) != 1:
         return {}
+    if among is not None:
+        chosen = set(among)
+        held = [(i, v) for i, v in held if i in chosen]
+        if len(held) == 1:
+            return {MIN: held[0][0], MAX: held[0][0]}
     out = {}
     for direction, pick in ((MIN, min), (MAX, max)):
+        if not held:
+            break
         best = pick(v[1] for _, v in held)
         at = [i for i, v in held if v[1] == best]
         if len(at) == 1:
@@ -238,14 +326,17 @@ def _extremes(values: list[Value | None]) -> dict[str, int]:
 def criterion_keys(text: str, limit: int) -> set[bytes]:
     """The keys of the extreme entries of a trusted listing (`criterion_key`), at most `limit`:
     for each field two entries or more compare by, the values of the one entry holding its
-    smallest and of the one holding its largest. A string of one entry records nothing."""
+    smallest and of the one holding its largest; then, for each word (up to MAX_CONDITION_WORDS)
+    an entry holding a value of the field writes, the same among the entries writing that word
+    (the condition "italian" of "a well-reviewed Italian place"). A string of one entry records
+    nothing."""
     if not any(ch.isdigit() for ch in text):
         return set()  # every field's value is written with digits
     parts = listing_entries(text)
     if len(parts) < 2 or len(parts) > MAX_ENTRIES:
         return set()
     entries = [normalise(part) for part in parts]
-    by_field: dict[str, dict[str, int]] = {}
+    by_field: dict[str, list[Value | None]] = {}
     for field, read in _FIELDS.items():
         values: list[Value | None] = []
         for norm in entries:
@@ -254,8 +345,8 @@ def criterion_keys(text: str, limit: int) -> set[bytes]:
                 break  # an entry with two values of the field: which one counts is a guess
             values.append(next(iter(found)) if found else None)
         else:
-            if extremes := _extremes(values):
-                by_field[field] = extremes
+            if _extremes(values):
+                by_field[field] = values
     # "The largest" ranks by the amount or the size, whichever one the listing compares.
     sized = [f for f in ("amount", "size") if f in by_field]
     if len(sized) == 1:
@@ -263,13 +354,36 @@ def criterion_keys(text: str, limit: int) -> set[bytes]:
     if not by_field:
         return set()
     phrases = [_phrases(norm) for norm in entries]
-    out: set[bytes] = set()
-    for field, extremes in sorted(by_field.items()):
-        for direction, index in sorted(extremes.items()):
+    forms: dict[int, list[str]] = {}
+
+    def forms_of(index: int) -> list[str]:
+        if index not in forms:
             others = set().union(*(p for i, p in enumerate(phrases) if i != index))
-            forms = set(entry_forms(parts[index])) | {f"v:{p}" for p in phrases[index] - others}
-            for form in sorted(forms):
+            found = set(entry_forms(parts[index])) | {f"v:{p}" for p in phrases[index] - others}
+            forms[index] = sorted(found)
+        return forms[index]
+
+    out: set[bytes] = set()
+    for field, values in sorted(by_field.items()):
+        for direction, index in sorted(_extremes(values).items()):
+            for form in forms_of(index):
                 if len(out) >= limit:
                     return out
                 out.add(criterion_key(field, direction, form))
+    written: dict[str, list[int]] = {}
+    negated: set[str] = set()
+    for i, norm in enumerate(entries):
+        for w in words_of(norm):
+            written.setdefault(w, []).append(i)
+        for m in _NEGATED.finditer(norm):
+            negated |= words_of(m.group(1))
+    # A word some entry writes negated ("no pool") does not say which entries meet it: no
+    # condition by that word is recorded.
+    for w in sorted(set(written) - negated)[:MAX_CONDITION_WORDS]:
+        for field, values in sorted(by_field.items()):
+            for direction, index in sorted(_extremes(values, written[w]).items()):
+                for form in forms_of(index):
+                    if len(out) >= limit:
+                        return out
+                    out.add(criterion_key(field, direction, form, w))
     return out

@@ -297,7 +297,7 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     return {_hash(k) for k in list(found)[:limit]}
 
 
-def _words(norm: str) -> set[str]:
+def words_of(norm: str) -> set[str]:
     """The words of 3 letters or more of a normalised text, one-word inflections folded
     ("plumber" and "plumbing" are "plumb"; a stem shorter than 4 letters stays whole)."""
     out = set()
@@ -306,6 +306,13 @@ def _words(norm: str) -> set[str]:
             stem = _SUFFIX.sub("", w)
             out.add(stem if len(stem) >= 4 else w)
     return out
+
+
+def id_words(text: str) -> set[str]:
+    """The identifiers a text writes that start with a letter ("O-8812", "p-100", "INV-0937";
+    not "4pm", "12th" nor a bare number), normalised, as picking words in their own namespace
+    ("#o-8812"): an identifier the user typed picks the one entry of a listing writing it."""
+    return {f"#{h}" for m in _HANDLE.finditer(text) if (h := normalise(m.group()))[:1].isalpha()}
 
 
 def entry_value_forms(critical: Critical) -> list[str]:
@@ -345,28 +352,49 @@ def listing_entries(text: str) -> list[str]:
     return [part for part in _RECORDS.split(text) if part.strip()]
 
 
-def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
-    """The keys of a trusted listing's entries that a word of the intent can pick: for each word
-    (3 letters or more) that occurs in exactly one entry holding a value (an address, account
-    number, distinctive amount or id), `pick_key(word)` and `entry_key(word, value)` for each
-    value of that entry. A string of one entry records nothing (it is not a choice: its values
-    are endorsed as a record's already)."""
-    entries = [(_words(normalise(part)), forms) for part in listing_entries(text) if (forms := entry_forms(part))]
-    if len(entries) < 2:
-        return set()
+def _field_forms(part: str) -> frozenset[str]:
+    """The forms of the values a field of a record holds: its addresses, account numbers and
+    distinctive amounts (an identifier is the record's name, not one of its fields' values)."""
+    forms = {f"t:{v}" for _, v in tokens(part)}
+    forms |= {f"n:{n}" for n in numbers(normalise(part)) if distinctive(n)}
+    return frozenset(forms)
+
+
+def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[bytes]) -> None:
+    """Adds to `out` the pick and entry keys of each word that occurs in exactly one of `parts`
+    ((words, forms) each), for the forms of that part, when two parts or more hold a value."""
+    if sum(1 for _, forms in parts if forms) < 2:
+        return
     seen: dict[str, int] = {}
-    for words, _ in entries:
+    for words, _ in parts:
         for w in words:
             seen[w] = seen.get(w, 0) + 1
-    out: set[bytes] = set()
-    for words, forms in entries:
+    for words, forms in parts:
+        if not forms:
+            continue
         for w in sorted(words):
             if seen[w] != 1:
                 continue
             if len(out) + len(forms) + 1 > limit:
-                return out
+                return
             out.add(pick_key(w))
             out.update(entry_key(w, f) for f in forms)
+
+
+def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+    """The keys of a trusted listing's entries that a word of the intent can pick: for each word
+    (3 letters or more) or identifier (`id_words`) that occurs in exactly one entry holding a
+    value (an address, account number, distinctive amount or id), `pick_key(word)` and
+    `entry_key(word, value)` for each value of that entry. The same over the fields of the
+    whole text (`segments`' separators: "items 129.00, shipping 6.50"), for the words that
+    occur in exactly one of its fields and the addresses, accounts and amounts of that field
+    ("refund the shipping fee"). A string of one entry with one valued field records nothing
+    (it is not a choice: its values are endorsed as a record's already)."""
+    out: set[bytes] = set()
+    _picks([(words_of(normalise(part)) | id_words(part), entry_forms(part)) for part in listing_entries(text)],
+           limit, out)
+    _picks([(words_of(normalise(part)), _field_forms(part)) for part in _SEPARATORS.split(text) if part.strip()],
+           limit, out)
     return out
 
 
@@ -533,9 +561,10 @@ class IntentWords:
         return critical.number is None and bool(critical.norm) and self.endorses(critical)
 
     def words(self) -> list[str]:
-        """The intent's words of 3 letters or more; none when there are more than MAX_WORDS (the
-        lookups are bounded, and a word left out could be one that makes a pick ambiguous)."""
-        found = sorted({w for text in self.texts for w in _words(text)})
+        """The intent's words of 3 letters or more and its identifiers (`id_words`); none when
+        there are more than MAX_WORDS (the lookups are bounded, and a word left out could be
+        one that makes a pick ambiguous)."""
+        found = sorted({w for text in self.texts for w in words_of(text) | id_words(text)})
         return found if len(found) <= MAX_WORDS else []
 
     def names(self, critical: Critical) -> bool:

@@ -243,3 +243,20 @@ async def test_switching_it_on_makes_a_ledger_recorded_without_phrases_coarse() 
     decision = await check.decide(call)
     assert decision is not None and decision.rule == "dataflow.coarse"
     assert "whole-value" in decision.reason
+
+
+async def test_a_declassified_argument_that_is_one_untrusted_word_found_whole_flags() -> None:
+    """Declassified text may quote untrusted content, but an argument that is nothing but one
+    short untrusted word (a code as a booking note) is a copied value, not prose."""
+    declassify = {"web.set_password": ["password"]}
+    decision, _ = await _set({"password": "Tr0ub4dor&3"}, declassify=declassify)
+    assert decision is not None and decision.code is Code.DATAFLOW_POLICY_BLOCKED
+    assert decision.rule == "dataflow.value"
+    # Several words found whole stay declassified (audited, not flagged); so does a word the
+    # user typed, and one the page does not write.
+    decision, call = await _set({"password": "pay Acme Ltd now"}, declassify=declassify)
+    assert decision is None and call.audit_extra["dataflow_declassified"][0]["kind"] == "value"
+    decision, _ = await _set({"password": "Tr0ub4dor&3"}, "note Tr0ub4dor&3 please", declassify=declassify)
+    assert decision is None
+    decision, _ = await _set({"password": "Blue-Kettle-42"}, declassify=declassify)
+    assert decision is None
