@@ -302,6 +302,27 @@ class _Loader:
             self.problems.append(PolicyProblem(file.name, line, col, message))
         return program if not problems else None
 
+    def compile_group(self, file: YamlFile, nodes: list[Node]) -> list[Program | None]:
+        """`compile_cel` of each node, as one engine compile when the group proves them all.
+
+        A group is what a check joins into one program (a tool's forbid rules, its allow
+        rules, an `allow` list). When every expression is a string the lint passes and the
+        engine proves the group (`Engine.compile_group`), each program is compiled on first
+        use instead of now; otherwise each is compiled alone, reporting exactly what
+        `compile_cel` reports.
+        """
+        if len(nodes) > 1:
+            exprs = [self.convert.value(n) for n in nodes]
+            native_checks = self.engine.name == "cel-cpp"
+            if all(
+                isinstance(e, str) and not cel.lint(e, identifiers=True, result_type=not native_checks)
+                for e in exprs
+            ):
+                programs = self.engine.compile_group(exprs)
+                if programs is not None:
+                    return list(programs)
+        return [self.compile_cel(file, n) for n in nodes]
+
     def compile_allow(self, entry: _Entry) -> tuple[tuple[Program, ...], bool]:
         """The entry's `allow` expressions compiled; the flag says all compiled."""
         assert entry.value is not None
@@ -309,7 +330,7 @@ class _Loader:
         if node is None:
             return (), True
         nodes = node.value if isinstance(node, SequenceNode) else [node]
-        programs = [self.compile_cel(entry.file, n) for n in nodes]
+        programs = self.compile_group(entry.file, nodes)
         ok = all(p is not None for p in programs)
         return tuple(p for p in programs if p is not None), ok
 
@@ -397,6 +418,9 @@ class _Loader:
         allow_rules: list[CompiledRule] = []
         seen: dict[str, Node] = {}
         assert entry.value is not None or not policy.rules
+        # (index, id, the rule's node, its expression's node) per rule, grouped by kind in file
+        # order: each kind is compiled as the group `ArgRulesCheck` joins.
+        groups: dict[str, list[tuple[int, str, Node, Node]]] = {"forbid": [], "allow": []}
         for index, rule in enumerate(policy.rules):
             assert entry.value is not None
             rule_node = locate(entry.value, ("rules", index))
@@ -413,20 +437,25 @@ class _Loader:
                 ok = False
             else:
                 seen[rule_id] = id_node
-            program = self.compile_cel(entry.file, locate(entry.value, ("rules", index, rule.kind)))
-            if program is None:
-                ok = False
-                continue
-            verb = "forbidden" if rule.kind == "forbid" else "allowed"
-            line, col = position(rule_node)
-            compiled = CompiledRule(
-                id=rule_id,
-                kind=rule.kind,
-                program=program,
-                reason=rule.reason or f"{verb} by rule {rule_id}",
-                location=Location(entry.file.name, line, col),
-            )
-            (forbid_rules if rule.kind == "forbid" else allow_rules).append(compiled)
+            expr_node = locate(entry.value, ("rules", index, rule.kind))
+            groups[rule.kind].append((index, rule_id, rule_node, expr_node))
+        for kind, members in groups.items():
+            programs = self.compile_group(entry.file, [m[3] for m in members])
+            for (index, rule_id, rule_node, _), program in zip(members, programs, strict=True):
+                if program is None:
+                    ok = False
+                    continue
+                rule = policy.rules[index]
+                verb = "forbidden" if kind == "forbid" else "allowed"
+                line, col = position(rule_node)
+                compiled = CompiledRule(
+                    id=rule_id,
+                    kind=rule.kind,
+                    program=program,
+                    reason=rule.reason or f"{verb} by rule {rule_id}",
+                    location=Location(entry.file.name, line, col),
+                )
+                (forbid_rules if kind == "forbid" else allow_rules).append(compiled)
         if not ok:
             return None
         fallback = policy.fallback or ("deny" if allow_rules else "allow")

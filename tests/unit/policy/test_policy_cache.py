@@ -232,9 +232,34 @@ def test_the_chain_finds_the_joined_programs_the_load_compiled(tmp_path: Path, e
     caches = (eng._joined, eng._programs)  # type: ignore[attr-defined]
     misses = [c.misses for c in caches]
     hits = caches[0].hits
-    assert decisions(revision)[:2] == ["allow", "capability_blocked no-vault"]
+    registry = ToolRegistry()
+    AuthzCheck(revision, registry), ArgRulesCheck(revision, registry)
     assert [c.misses for c in caches] == misses
     assert caches[0].hits > hits  # demo.search's forbid group at least
+
+
+def test_a_proven_rule_is_compiled_once_when_first_needed(tmp_path: Path) -> None:
+    # Under cel-cpp the load compiles demo.search's two forbid rules only as their joined
+    # group; naming the rule that matched compiles that rule, once, on the first call needing it.
+    if "cel-cpp" not in cel.available_engines():
+        pytest.skip("cel-cpp is not installed")
+    directory = tmp_path / "policy"
+    write_policy(directory)
+    eng = cel.get_engine("cel-cpp")
+    revision = load_policy(directory, engine=eng)
+    single = eng._programs  # type: ignore[attr-defined]
+    rules = {r.id: r.program for r in revision.tools["demo.search"].rules}
+    assert single.get(rules["no-vault"].source) is None
+    assert single.get(rules["no-secret"].source) is None
+    assert single.get(rules["corp"].source) is not None  # a group of one is its own program
+    verdicts = decisions(revision)
+    assert verdicts[1:3] == ["capability_blocked no-vault", "capability_blocked no-secret"]
+    # Naming no-secret evaluated no-vault first: both are compiled now.
+    assert single.get(rules["no-vault"].source) is not None
+    assert single.get(rules["no-secret"].source) is not None
+    misses = single.misses
+    assert decisions(revision) == verdicts
+    assert single.misses == misses  # compiled once: the second round compiles nothing
 
 
 def test_a_load_pauses_the_cyclic_collector_and_gives_it_back(
