@@ -149,17 +149,20 @@ _CHAR_ESCAPES = {
 
 def _string_value(literal: str) -> str | None:
     """The value of a CEL string literal, as cel-cpp reads it; None for what this leaves to
-    the engine (bytes, a carriage return, an escape above U+007F or outside Unicode scalars:
+    the engine (bytes, a carriage return, a raw literal with a backslash, an escape above U+007F:
     forms where dialects differ). Spares a cel-cpp compile per literal `matches` pattern."""
-    if _CPP_LITERAL.fullmatch(literal) is None or "\r" in literal:
+    lexed = _CPP_LITERAL.match(literal)  # where the lexer ends it, not where it could
+    if lexed is None or lexed.end() != len(literal) or "\r" in literal:
         return None
     prefix = literal[: len(literal) - len(literal.lstrip("bBrR"))]
     if "b" in prefix or "B" in prefix:
         return None
     quotes = 3 if literal[len(prefix):len(prefix) + 3] in ('"""', "'''") else 1
     body = literal[len(prefix) + quotes:len(literal) - quotes]
-    if prefix or "\\" not in body:
+    if "\\" not in body:
         return body
+    if prefix:  # raw: cel-cpp still reads a backslash before the closing quote (`r"\"` fails)
+        return None
 
     def unescape(m: re.Match[str]) -> str:
         if m.group("char") is not None:
