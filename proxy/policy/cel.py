@@ -408,8 +408,10 @@ def _re2_searcher(re2: Any, pattern: str) -> Callable[[str], bool]:
     """Whether a `matches` literal matches somewhere in a text: the compiled program's own
     `Match` on the UTF-8 bytes, which is what `search` runs too, without the wrapper's
     generator, `Match` object and character offsets (a sixth of the cost; four a call in the
-    bench policy). `search` itself when this `re2` does not expose the program."""
-    compiled = re2.compile(pattern)
+    bench policy). `search` itself when this `re2` does not expose the program. The program
+    is the one the load compiled to check the pattern (`_re2_compile`): the first call does not
+    compile it again, on the event loop."""
+    compiled = _re2_compile(re2, pattern)
     native = getattr(compiled, "_regexp", None)
     anchor = getattr(getattr(re2, "_Anchor", None), "UNANCHORED", None)
     if native is None or anchor is None or not callable(getattr(native, "Match", None)):
