@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import os
+import re
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +57,7 @@ from proxy.policy.yamlload import (
     YamlFile,
     child,
     duplicate_keys,
+    has_alias,
     locate,
     mapping_items,
     parse_file,
@@ -84,6 +88,49 @@ _TOP_KEYS = tuple(PolicyDocument.model_fields)
 _PARSED: LruCache[tuple[str, str], tuple[YamlFile | None, tuple[PolicyProblem, ...]]] = LruCache(
     4_000_000, weigh=lambda key, _: len(key[1])
 )
+
+
+# Validated entries and compiled tools by content, per engine, across files and revisions: a
+# reload of a changed file rebuilds only the entries whose text or place changed (a one-tool
+# edit of a 1,000-tool file: one tool instead of 1,000). Two entries a tool: 10,000 holds a
+# 2,500-tool revision and the next (a bigger policy still loads, rebuilding every entry).
+_ENTRIES: weakref.WeakKeyDictionary[Any, LruCache[tuple[Any, ...], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_ENTRIES_LOCK = threading.Lock()
+
+
+def _entries(engine: cel.Engine) -> LruCache[tuple[Any, ...], Any]:
+    with _ENTRIES_LOCK:
+        cache = _ENTRIES.get(engine)
+        if cache is None:
+            cache = _ENTRIES[engine] = LruCache(10_000)
+        return cache
+
+
+def _content_key(entry: _Entry) -> tuple[Any, ...] | None:
+    """What an entry's validated and compiled forms depend on in its file: the file's name, where
+    its key and value start (every location inside follows from there) and the value's text
+    (a digest of it: the keys stay small).
+    None when that text is not the whole story: an alias (`*x`, `<<: *x`) reads an anchor from
+    elsewhere in the file, and a `%TAG` directive changes what an explicit tag means: files with
+    either keep only the per-parse memo."""
+    node = entry.value
+    if node is None:
+        return None
+    file = entry.file
+    whole = file.memo.get("text_is_whole")
+    if whole is None:
+        whole = file.memo["text_is_whole"] = not (
+            (file.root is not None and has_alias(file.root))
+            or re.search(r"^%TAG", file.text, re.M) is not None
+        )
+    if not whole:
+        return None
+    text = file.text[node.start_mark.index:node.end_mark.index]
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return (file.name, entry.key.start_mark.line, entry.key.start_mark.column,
+            node.start_mark.line, node.start_mark.column, digest)
 
 
 def _parse_cached(name: str, text: str) -> tuple[YamlFile | None, tuple[PolicyProblem, ...]]:
@@ -246,6 +293,13 @@ class _Loader:
         memo_key = ("validated", id(entry.value), model)
         if entry.value is not None and memo_key in entry.file.memo:
             return entry.file.memo[memo_key]
+        content = _content_key(entry)
+        shared = _entries(self.engine) if content is not None else None
+        if shared is not None:
+            kept = shared.get(("validated", model, content))
+            if kept is not None:
+                entry.file.memo[memo_key] = kept
+                return kept
         data = self.convert.value(entry.value) if entry.value is not None else {}
         if data is None:
             data = {}
@@ -275,6 +329,8 @@ class _Loader:
             return None
         if entry.value is not None:
             entry.file.memo[memo_key] = valid
+        if shared is not None:
+            shared.put(("validated", model, content), valid)
         return valid
 
     # -- stage: CEL -------------------------------------------------------------------------
@@ -388,10 +444,21 @@ class _Loader:
         if memo_key in entry.file.memo:
             compiled: CompiledTool = entry.file.memo[memo_key]
             return compiled
+        content = _content_key(entry)
+        shared_key = ("tool", entry.name, declared, content)
+        shared = _entries(self.engine) if content is not None else None
+        if shared is not None:
+            kept: CompiledTool | None = shared.get(shared_key)
+            # The same text validates to an equal model: the kept tool is this entry's.
+            if kept is not None and kept.policy == policy:
+                entry.file.memo[memo_key] = kept
+                return kept
         before = len(self.problems)
         result = self._tool(entry, policy)
         if result is not None and len(self.problems) == before:
             entry.file.memo[memo_key] = result
+            if shared is not None:
+                shared.put(shared_key, result)
         return result
 
     def _tool(self, entry: _Entry, policy: ToolPolicy) -> CompiledTool | None:
