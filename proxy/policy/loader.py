@@ -488,11 +488,17 @@ class _Loader:
         # (index, id, the rule's node, its expression's node) per rule, grouped by kind in file
         # order: each kind is compiled as the group `ArgRulesCheck` joins.
         groups: dict[str, list[tuple[int, str, Node, Node]]] = {"forbid": [], "allow": []}
+        rules_node = _child(entry.value, "rules")[1] if entry.value is not None else None
         for index, rule in enumerate(policy.rules):
             assert entry.value is not None
-            rule_node = locate(entry.value, ("rules", index))
+            # The rule's node as `locate` walks to it from the entry, the walk done once.
+            base: Node = entry.value
+            path: tuple[str | int, ...] = ("rules", index)
+            if isinstance(rules_node, SequenceNode) and index < len(rules_node.value):
+                base, path = rules_node.value[index], ()
+            rule_node = locate(base, path)
             rule_id = rule.id or f"{entry.name}#{index + 1}"
-            id_node = locate(entry.value, ("rules", index, "id")) if rule.id else rule_node
+            id_node = locate(base, (*path, "id")) if rule.id else rule_node
             if rule_id in seen:
                 line, col = position(seen[rule_id])
                 self.add(
@@ -504,7 +510,7 @@ class _Loader:
                 ok = False
             else:
                 seen[rule_id] = id_node
-            expr_node = locate(entry.value, ("rules", index, rule.kind))
+            expr_node = locate(base, (*path, rule.kind))
             groups[rule.kind].append((index, rule_id, rule_node, expr_node))
         for kind, members in groups.items():
             programs = self.compile_group(entry.file, [m[3] for m in members])
