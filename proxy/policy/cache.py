@@ -40,6 +40,16 @@ class LruCache(Generic[K, V]):
             self._weights.clear()
             self._total = 0
 
+    def get(self, key: K) -> V | None:
+        """The value kept for `key` (now the most recent), or None."""
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                self.hits += 1
+                return self._data[key]
+            self.misses += 1
+        return None
+
     def get_or_build(self, key: K, build: Callable[[], V]) -> V:
         with self._lock:
             if key in self._data:
@@ -48,6 +58,11 @@ class LruCache(Generic[K, V]):
                 return self._data[key]
             self.misses += 1
         value = build()
+        self.put(key, value)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        """Keep `value` for `key` (replacing any), evicting the least recent beyond `maxsize`."""
         weight = self._weigh(key, value) if self._weigh is not None else 1
         with self._lock:
             self._total += weight - self._weights.get(key, 0)
@@ -57,4 +72,3 @@ class LruCache(Generic[K, V]):
             while self._total > self.maxsize and len(self._data) > 1:
                 old, _ = self._data.popitem(last=False)
                 self._total -= self._weights.pop(old)
-        return value

@@ -20,6 +20,11 @@ expression's literal-free shape (`_shape`: one parse serves every expression tha
 in literals): a reload compiles only what changed. Every cache is a bounded LRU, so a
 long-lived process that sees many revisions does not grow without end. A compiled program is immutable and already shared by
 concurrent calls, so sharing it across revisions changes nothing about how it evaluates.
+
+The checks evaluate each group of expressions (a tool's forbid rules, its allow rules, an
+`allow` list) as one joined program (`compile_any`). `compile_group` compiles only that joined
+program when it proves every member compiles alone, and hands back programs compiled on first
+evaluation: a load compiles 3 programs a tool instead of 17 (bench/RESULTS.md, round 3).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class Engine(Protocol):
 
     def compile_any(self, sources: Sequence[str]) -> Program: ...
 
+    def compile_group(self, sources: Sequence[str]) -> tuple[Program, ...] | None: ...
+
     def activation(self, variables: Mapping[str, Any]) -> Any: ...
 
 
@@ -82,6 +89,99 @@ def join_any(sources: Sequence[str]) -> str:
     closing parenthesis ends any such comment inside its own group.
     """
     return " || ".join(f"({src}\n)" for src in sources)
+
+
+# --- What a joined compile proves -----------------------------------------------------------
+#
+# cel-cpp's lexer (cel-spec's CEL.g4) for string and bytes literals; what it accepts is what
+# these match, with one direction that matters: whatever `_self_contained` accepts lexes there
+# exactly as here. Anything unusual is refused, and the caller compiles the source alone.
+_HEX = "[0-9a-fA-F]"
+_ESC = rf"""\\(?:[abfnrtv"'\\?`]|[xX]{_HEX}{{2}}|u{_HEX}{{4}}|U{_HEX}{{8}}|[0-3][0-7]{{2}})"""
+_CPP_LITERAL = re.compile(
+    "[bB]?(?:"
+    + "|".join([
+        rf'"""(?:{_ESC}|[^\\])*?"""',
+        rf"'''(?:{_ESC}|[^\\])*?'''",
+        rf'"(?:{_ESC}|[^\\"\n\r])*"',
+        rf"'(?:{_ESC}|[^\\'\n\r])*'",
+        r'[rR]"""[\s\S]*?"""',
+        r"[rR]'''[\s\S]*?'''",
+        r'[rR]"[^"\n\r]*"',
+        r"[rR]'[^'\n\r]*'",
+    ])
+    + ")"
+)
+# What the bracket count reads: a literal (not glued to a name or number before it), a comment,
+# a bracket, or a quote that opens no literal; names and operators in between are skipped.
+_CPP_TOKENS = re.compile(
+    rf"(?P<lit>(?<![_a-zA-Z0-9]){_CPP_LITERAL.pattern})|//[^\n]*|[()\[\]{{}}]|(?P<odd>[\"'`])"
+)
+_CLOSES = {"(": ")", "[": "]", "{": "}"}
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _self_contained(src: str) -> bool:
+    """Whether every literal of `src` closes and its brackets balance, in cel-cpp's lexing.
+
+    Inside `join_any`'s `(src\n)` such a source is one parenthesised expression: no token of
+    it can reach past its group (a comment ends at the newline), so the joined compile checks
+    it exactly as a compile of it alone would. `true) || (false`, or a triple-quoted literal
+    left open for a later rule to close, is not self-contained. False whenever in doubt: a
+    quote right after a name or number, a backtick, a quote that opens no literal.
+    """
+    closing: list[str] = []
+    for tok in _CPP_TOKENS.finditer(src):
+        if tok.lastgroup == "odd":
+            return False
+        text = tok.group()
+        if text in _CLOSES:
+            closing.append(_CLOSES[text])
+        elif text in (")", "]", "}") and (not closing or closing.pop() != text):
+            return False
+    return not closing
+
+
+_ESC_SEQ = re.compile(
+    r"""\\(?:(?P<char>[abfnrtv"'\\?`])|[xX](?P<hex>[0-9a-fA-F]{2})|u(?P<u4>[0-9a-fA-F]{4})"""
+    r"""|U(?P<u8>[0-9a-fA-F]{8})|(?P<oct>[0-3][0-7]{2}))"""
+)
+_CHAR_ESCAPES = {
+    "a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
+    '"': '"', "'": "'", "\\": "\\", "?": "?", "`": "`",
+}
+
+
+def _string_value(literal: str) -> str | None:
+    """The value of a CEL string literal, as cel-cpp reads it; None for what this leaves to
+    the engine (bytes, a carriage return, a raw literal with a backslash, an escape above U+007F:
+    forms where dialects differ). Spares a cel-cpp compile per literal `matches` pattern."""
+    lexed = _CPP_LITERAL.match(literal)  # where the lexer ends it, not where it could
+    if lexed is None or lexed.end() != len(literal) or "\r" in literal:
+        return None
+    prefix = literal[: len(literal) - len(literal.lstrip("bBrR"))]
+    if "b" in prefix or "B" in prefix:
+        return None
+    quotes = 3 if literal[len(prefix):len(prefix) + 3] in ('"""', "'''") else 1
+    body = literal[len(prefix) + quotes:len(literal) - quotes]
+    if "\\" not in body:
+        return body
+    if prefix:  # raw: cel-cpp still reads a backslash before the closing quote (`r"\"` fails)
+        return None
+
+    def unescape(m: re.Match[str]) -> str:
+        if m.group("char") is not None:
+            return _CHAR_ESCAPES[m.group("char")]
+        digits = m.group("hex") or m.group("u4") or m.group("u8")
+        code = int(digits, 16) if digits else int(m.group("oct"), 8)
+        if code > 0x7F:
+            raise ValueError(code)
+        return chr(code)
+
+    try:
+        return _ESC_SEQ.sub(unescape, body)
+    except ValueError:
+        return None
 
 
 class _CppProgram:
@@ -125,6 +225,7 @@ class CppEngine:
         self._programs: LruCache[str, _CppProgram] = LruCache(PROGRAM_CACHE_SIZE)
         self._joined: LruCache[tuple[str, ...], Program] = LruCache(PROGRAM_CACHE_SIZE)
         self._rewrites: LruCache[str, str | None] = LruCache(PROGRAM_CACHE_SIZE)
+        self._deferred: LruCache[str, _LazyProgram] = LruCache(PROGRAM_CACHE_SIZE)
         self._re2: Any = None
         self._fast_env: Any = None
         try:
@@ -173,7 +274,9 @@ class CppEngine:
             return None
         for literal_start, literal_end in (site[2] for site in sites):
             literal = expr[literal_start:literal_end]
-            pattern = self._env.compile(literal).eval().value()
+            pattern = _string_value(literal)
+            if pattern is None:  # a form `_string_value` leaves to the engine
+                pattern = self._env.compile(literal).eval().value()
             try:
                 _re2_compile(self._re2, pattern)
             except Exception as exc:
@@ -224,8 +327,68 @@ class CppEngine:
         except Exception:  # cannot happen for sources that compile; stay correct regardless
             return _AnyProgram([self.compile(src) for src in sources])
 
+    def compile_group(self, sources: Sequence[str]) -> tuple[Program, ...] | None:
+        """A program per source, proven by compiling only their joined group; None when the group
+        proves nothing (the caller then compiles each source alone, to report what is wrong).
+
+        Compiling is most of a cold load, and the checks evaluate a tool's rules as one joined
+        program (`compile_any`); a single rule's program is needed only to name the rule a
+        matching forbid group decided on, and by policy tests. The joined program type-checks
+        every source where it stands, as a bool, in the same environment; `_self_contained`
+        makes sure no source's tokens reach into a neighbour's, so each parses alone exactly
+        as inside the join. So when the group compiles, each source compiles alone, and its own
+        program is compiled on first evaluation (`_LazyProgram`). The joined program is cached
+        for `compile_any`. Never raises.
+        """
+        if len(sources) < 2 or self._fast_env is None:
+            return None
+        # Only the rewrite environment knows the search function: a source naming it would
+        # compile joined and fail alone.
+        if any(_RE_FUNCTION in src or not _self_contained(src) for src in sources):
+            return None
+        key = tuple(sources)
+        joined = self._joined.get(key)
+        if joined is None:
+            try:
+                parts = [self._fast(src) or src for src in key]  # raises on a bad literal pattern
+                text = join_any(parts)
+                joined = _CppProgram(text, self._fast_env.compile(text))
+            except Exception:  # something in the group does not compile: the caller reports it
+                return None
+            self._joined.put(key, joined)
+        elif not isinstance(joined, _CppProgram):  # a group that compiled only rule by rule
+            return None
+        # One deferred program per text, like `compile`: a reload hands unchanged rules the
+        # same object, whose program, once compiled, serves every revision.
+        return tuple(self._deferred.get_or_build(src, functools.partial(_LazyProgram, src, self))
+                     for src in sources)
+
     def activation(self, variables: Mapping[str, Any]) -> Any:
         return self._env.Activation(dict(variables))
+
+
+class _LazyProgram:
+    """One source of a group whose joined compile proved it compiles: its own program is
+    compiled on first evaluation and kept (a cache: the source, and so the verdict, never
+    change). Fail closed: should that compile fail after all, evaluating raises
+    `CelEvalError`, which the caller treats as any rule error (a forbid rule refuses)."""
+
+    __slots__ = ("_engine", "_program", "source")
+
+    def __init__(self, source: str, engine: CppEngine):
+        self.source = source
+        self._engine = engine
+        self._program: _CppProgram | None = None
+
+    def evaluate(self, activation: Any) -> bool:
+        program = self._program
+        if program is None:
+            try:
+                program = self._engine.compile(self.source)
+            except CelCompileError as exc:
+                raise CelEvalError(f"the expression does not compile: {exc}") from exc
+            self._program = program
+        return program.evaluate(activation)
 
 
 def _bool(compiled: Any) -> Any:
@@ -250,8 +413,10 @@ def _re2_searcher(re2: Any, pattern: str) -> Callable[[str], bool]:
     """Whether a `matches` literal matches somewhere in a text: the compiled program's own
     `Match` on the UTF-8 bytes, which is what `search` runs too, without the wrapper's
     generator, `Match` object and character offsets (a sixth of the cost; four a call in the
-    bench policy). `search` itself when this `re2` does not expose the program."""
-    compiled = re2.compile(pattern)
+    bench policy). `search` itself when this `re2` does not expose the program. The program
+    is the one the load compiled to check the pattern (`_re2_compile`): the first call does not
+    compile it again, on the event loop."""
+    compiled = _re2_compile(re2, pattern)
     native = getattr(compiled, "_regexp", None)
     anchor = getattr(getattr(re2, "_Anchor", None), "UNANCHORED", None)
     if native is None or anchor is None or not callable(getattr(native, "Match", None)):
@@ -535,6 +700,10 @@ class PyEngine:
     def _compile_any(self, sources: tuple[str, ...]) -> Program:
         programs = [self.compile(src) for src in sources]
         return programs[0] if len(programs) == 1 else _AnyProgram(programs)
+
+    def compile_group(self, sources: Sequence[str]) -> tuple[Program, ...] | None:
+        """None: cel-python joins nothing, so each source is compiled (and checked) alone."""
+        return None
 
     def activation(self, variables: Mapping[str, Any]) -> Any:
         from celpy import celtypes

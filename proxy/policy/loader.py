@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import os
+import re
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +57,7 @@ from proxy.policy.yamlload import (
     YamlFile,
     child,
     duplicate_keys,
+    has_alias,
     locate,
     mapping_items,
     parse_file,
@@ -84,6 +88,49 @@ _TOP_KEYS = tuple(PolicyDocument.model_fields)
 _PARSED: LruCache[tuple[str, str], tuple[YamlFile | None, tuple[PolicyProblem, ...]]] = LruCache(
     4_000_000, weigh=lambda key, _: len(key[1])
 )
+
+
+# Validated entries and compiled tools by content, per engine, across files and revisions: a
+# reload of a changed file rebuilds only the entries whose text or place changed (a one-tool
+# edit of a 1,000-tool file: one tool instead of 1,000). Two entries a tool: 10,000 holds a
+# 2,500-tool revision and the next (a bigger policy still loads, rebuilding every entry).
+_ENTRIES: weakref.WeakKeyDictionary[Any, LruCache[tuple[Any, ...], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_ENTRIES_LOCK = threading.Lock()
+
+
+def _entries(engine: cel.Engine) -> LruCache[tuple[Any, ...], Any]:
+    with _ENTRIES_LOCK:
+        cache = _ENTRIES.get(engine)
+        if cache is None:
+            cache = _ENTRIES[engine] = LruCache(10_000)
+        return cache
+
+
+def _content_key(entry: _Entry) -> tuple[Any, ...] | None:
+    """What an entry's validated and compiled forms depend on in its file: the file's name, where
+    its key and value start (every location inside follows from there) and the value's text
+    (a digest of it: the keys stay small).
+    None when that text is not the whole story: an alias (`*x`, `<<: *x`) reads an anchor from
+    elsewhere in the file, and a `%TAG` directive changes what an explicit tag means: files with
+    either keep only the per-parse memo."""
+    node = entry.value
+    if node is None:
+        return None
+    file = entry.file
+    whole = file.memo.get("text_is_whole")
+    if whole is None:
+        whole = file.memo["text_is_whole"] = not (
+            (file.root is not None and has_alias(file.root))
+            or re.search(r"^%TAG", file.text, re.M) is not None
+        )
+    if not whole:
+        return None
+    text = file.text[node.start_mark.index:node.end_mark.index]
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return (file.name, entry.key.start_mark.line, entry.key.start_mark.column,
+            node.start_mark.line, node.start_mark.column, digest)
 
 
 def _parse_cached(name: str, text: str) -> tuple[YamlFile | None, tuple[PolicyProblem, ...]]:
@@ -246,6 +293,13 @@ class _Loader:
         memo_key = ("validated", id(entry.value), model)
         if entry.value is not None and memo_key in entry.file.memo:
             return entry.file.memo[memo_key]
+        content = _content_key(entry)
+        shared = _entries(self.engine) if content is not None else None
+        if shared is not None:
+            kept = shared.get(("validated", model, content))
+            if kept is not None:
+                entry.file.memo[memo_key] = kept
+                return kept
         data = self.convert.value(entry.value) if entry.value is not None else {}
         if data is None:
             data = {}
@@ -275,6 +329,8 @@ class _Loader:
             return None
         if entry.value is not None:
             entry.file.memo[memo_key] = valid
+        if shared is not None:
+            shared.put(("validated", model, content), valid)
         return valid
 
     # -- stage: CEL -------------------------------------------------------------------------
@@ -302,6 +358,27 @@ class _Loader:
             self.problems.append(PolicyProblem(file.name, line, col, message))
         return program if not problems else None
 
+    def compile_group(self, file: YamlFile, nodes: list[Node]) -> list[Program | None]:
+        """`compile_cel` of each node, as one engine compile when the group proves them all.
+
+        A group is what a check joins into one program (a tool's forbid rules, its allow
+        rules, an `allow` list). When every expression is a string the lint passes and the
+        engine proves the group (`Engine.compile_group`), each program is compiled on first
+        use instead of now; otherwise each is compiled alone, reporting exactly what
+        `compile_cel` reports.
+        """
+        if len(nodes) > 1:
+            exprs = [self.convert.value(n) for n in nodes]
+            native_checks = self.engine.name == "cel-cpp"
+            if all(
+                isinstance(e, str) and not cel.lint(e, identifiers=True, result_type=not native_checks)
+                for e in exprs
+            ):
+                programs = self.engine.compile_group(exprs)
+                if programs is not None:
+                    return list(programs)
+        return [self.compile_cel(file, n) for n in nodes]
+
     def compile_allow(self, entry: _Entry) -> tuple[tuple[Program, ...], bool]:
         """The entry's `allow` expressions compiled; the flag says all compiled."""
         assert entry.value is not None
@@ -309,7 +386,7 @@ class _Loader:
         if node is None:
             return (), True
         nodes = node.value if isinstance(node, SequenceNode) else [node]
-        programs = [self.compile_cel(entry.file, n) for n in nodes]
+        programs = self.compile_group(entry.file, nodes)
         ok = all(p is not None for p in programs)
         return tuple(p for p in programs if p is not None), ok
 
@@ -367,10 +444,21 @@ class _Loader:
         if memo_key in entry.file.memo:
             compiled: CompiledTool = entry.file.memo[memo_key]
             return compiled
+        content = _content_key(entry)
+        shared_key = ("tool", entry.name, declared, content)
+        shared = _entries(self.engine) if content is not None else None
+        if shared is not None:
+            kept: CompiledTool | None = shared.get(shared_key)
+            # The same text validates to an equal model: the kept tool is this entry's.
+            if kept is not None and kept.policy == policy:
+                entry.file.memo[memo_key] = kept
+                return kept
         before = len(self.problems)
         result = self._tool(entry, policy)
         if result is not None and len(self.problems) == before:
             entry.file.memo[memo_key] = result
+            if shared is not None:
+                shared.put(shared_key, result)
         return result
 
     def _tool(self, entry: _Entry, policy: ToolPolicy) -> CompiledTool | None:
@@ -397,11 +485,20 @@ class _Loader:
         allow_rules: list[CompiledRule] = []
         seen: dict[str, Node] = {}
         assert entry.value is not None or not policy.rules
+        # (index, id, the rule's node, its expression's node) per rule, grouped by kind in file
+        # order: each kind is compiled as the group `ArgRulesCheck` joins.
+        groups: dict[str, list[tuple[int, str, Node, Node]]] = {"forbid": [], "allow": []}
+        rules_node = _child(entry.value, "rules")[1] if entry.value is not None else None
         for index, rule in enumerate(policy.rules):
             assert entry.value is not None
-            rule_node = locate(entry.value, ("rules", index))
+            # The rule's node as `locate` walks to it from the entry, the walk done once.
+            base: Node = entry.value
+            path: tuple[str | int, ...] = ("rules", index)
+            if isinstance(rules_node, SequenceNode) and index < len(rules_node.value):
+                base, path = rules_node.value[index], ()
+            rule_node = locate(base, path)
             rule_id = rule.id or f"{entry.name}#{index + 1}"
-            id_node = locate(entry.value, ("rules", index, "id")) if rule.id else rule_node
+            id_node = locate(base, (*path, "id")) if rule.id else rule_node
             if rule_id in seen:
                 line, col = position(seen[rule_id])
                 self.add(
@@ -413,20 +510,25 @@ class _Loader:
                 ok = False
             else:
                 seen[rule_id] = id_node
-            program = self.compile_cel(entry.file, locate(entry.value, ("rules", index, rule.kind)))
-            if program is None:
-                ok = False
-                continue
-            verb = "forbidden" if rule.kind == "forbid" else "allowed"
-            line, col = position(rule_node)
-            compiled = CompiledRule(
-                id=rule_id,
-                kind=rule.kind,
-                program=program,
-                reason=rule.reason or f"{verb} by rule {rule_id}",
-                location=Location(entry.file.name, line, col),
-            )
-            (forbid_rules if rule.kind == "forbid" else allow_rules).append(compiled)
+            expr_node = locate(base, (*path, rule.kind))
+            groups[rule.kind].append((index, rule_id, rule_node, expr_node))
+        for kind, members in groups.items():
+            programs = self.compile_group(entry.file, [m[3] for m in members])
+            for (index, rule_id, rule_node, _), program in zip(members, programs, strict=True):
+                if program is None:
+                    ok = False
+                    continue
+                rule = policy.rules[index]
+                verb = "forbidden" if kind == "forbid" else "allowed"
+                line, col = position(rule_node)
+                compiled = CompiledRule(
+                    id=rule_id,
+                    kind=rule.kind,
+                    program=program,
+                    reason=rule.reason or f"{verb} by rule {rule_id}",
+                    location=Location(entry.file.name, line, col),
+                )
+                (forbid_rules if kind == "forbid" else allow_rules).append(compiled)
         if not ok:
             return None
         fallback = policy.fallback or ("deny" if allow_rules else "allow")

@@ -221,6 +221,24 @@ def _ruamel_node(node: Any, converted: dict[int, Node]) -> Node:
     return out
 
 
+def has_alias(node: Node) -> bool:
+    """Whether some node below `node` is reached twice: an alias (`*x`, `<<: *x`) shares the
+    node of its anchor, so the text at one place is not all that the node there holds."""
+    seen: set[int] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            return True
+        seen.add(id(current))
+        if isinstance(current, MappingNode):
+            for key, value in current.value:
+                stack += (key, value)
+        elif isinstance(current, SequenceNode):
+            stack += current.value
+    return False
+
+
 def duplicate_keys(file: str, node: Node, _seen: set[int] | None = None) -> list[PolicyProblem]:
     """Every key repeated within one mapping, anywhere below `node`, naming both places."""
     seen = _seen if _seen is not None else set()

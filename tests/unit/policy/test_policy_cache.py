@@ -171,10 +171,10 @@ def test_a_reload_reuses_what_did_not_change(tmp_path: Path, engine: str) -> Non
     assert again.tools["demo.search"] is first.tools["demo.search"]
     write_policy(directory, limit=20)
     changed = load_policy(directory, engine=eng)
-    # One file changed: every tool is rebuilt from the new nodes, but unchanged text compiles
-    # to the very same programs and validator; the changed rule is a new program.
+    # One file changed: a tool whose text and place did not change is kept whole; the changed
+    # rule is a new program.
     search, old_search = changed.tools["demo.search"], first.tools["demo.search"]
-    assert search is not old_search
+    assert search is old_search
     assert all(new.program is old.program
                for new, old in zip(search.rules, old_search.rules, strict=True))
     assert search.schema_validator is old_search.schema_validator
@@ -232,9 +232,34 @@ def test_the_chain_finds_the_joined_programs_the_load_compiled(tmp_path: Path, e
     caches = (eng._joined, eng._programs)  # type: ignore[attr-defined]
     misses = [c.misses for c in caches]
     hits = caches[0].hits
-    assert decisions(revision)[:2] == ["allow", "capability_blocked no-vault"]
+    registry = ToolRegistry()
+    AuthzCheck(revision, registry), ArgRulesCheck(revision, registry)
     assert [c.misses for c in caches] == misses
     assert caches[0].hits > hits  # demo.search's forbid group at least
+
+
+def test_a_proven_rule_is_compiled_once_when_first_needed(tmp_path: Path) -> None:
+    # Under cel-cpp the load compiles demo.search's two forbid rules only as their joined
+    # group; naming the rule that matched compiles that rule, once, on the first call needing it.
+    if "cel-cpp" not in cel.available_engines():
+        pytest.skip("cel-cpp is not installed")
+    directory = tmp_path / "policy"
+    write_policy(directory)
+    eng = cel.get_engine("cel-cpp")
+    revision = load_policy(directory, engine=eng)
+    single = eng._programs  # type: ignore[attr-defined]
+    rules = {r.id: r.program for r in revision.tools["demo.search"].rules}
+    assert single.get(rules["no-vault"].source) is None
+    assert single.get(rules["no-secret"].source) is None
+    assert single.get(rules["corp"].source) is not None  # a group of one is its own program
+    verdicts = decisions(revision)
+    assert verdicts[1:3] == ["capability_blocked no-vault", "capability_blocked no-secret"]
+    # Naming no-secret evaluated no-vault first: both are compiled now.
+    assert single.get(rules["no-vault"].source) is not None
+    assert single.get(rules["no-secret"].source) is not None
+    misses = single.misses
+    assert decisions(revision) == verdicts
+    assert single.misses == misses  # compiled once: the second round compiles nothing
 
 
 def test_a_load_pauses_the_cyclic_collector_and_gives_it_back(
@@ -268,3 +293,60 @@ def test_concurrent_pauses_end_with_the_last() -> None:
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def _tool_yaml(i: int, limit: int = 10, extra_line: bool = False) -> str:
+    comment = "    # a longer entry now\n" if extra_line else ""
+    return (f"  demo.t{i}:\n{comment}    effect: read\n    rules:\n"
+            f"      - {{id: r{i}, forbid: 'has(args.n) && args.n > {limit}'}}\n"
+            f"      - {{id: s{i}, forbid: 'args.q.matches(\"^x*{i}$\")'}}\n")
+
+
+def _write_tools(directory: Path, tools: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    head = "version: 1\nupstreams:\n  demo: {url: \"http://127.0.0.1:9/mcp\"}\ntools:\n"
+    (directory / "tools.yaml").write_text(head + "".join(tools), encoding="utf-8")
+
+
+def test_an_edited_file_rebuilds_only_the_entries_that_changed(tmp_path: Path, engine: str) -> None:
+    directory = tmp_path / "policy"
+    _write_tools(directory, [_tool_yaml(i) for i in range(4)])
+    eng = cel.get_engine(engine)
+    first = load_policy(directory, engine=eng)
+    _write_tools(directory, [_tool_yaml(i, limit=20 if i == 1 else 10) for i in range(4)])
+    edited = load_policy(directory, engine=eng)
+    assert edited.tools["demo.t1"] is not first.tools["demo.t1"]
+    assert edited.tools["demo.t1"].rules[0].program.source == "has(args.n) && args.n > 20"
+    for key in ("demo.t0", "demo.t2", "demo.t3"):
+        assert edited.tools[key] is first.tools[key]
+
+
+def test_an_entry_that_moved_is_rebuilt_at_its_new_place(tmp_path: Path, engine: str) -> None:
+    directory = tmp_path / "policy"
+    _write_tools(directory, [_tool_yaml(i) for i in range(3)])
+    eng = cel.get_engine(engine)
+    first = load_policy(directory, engine=eng)
+    _write_tools(directory, [_tool_yaml(i, extra_line=i == 0) for i in range(3)])
+    moved = load_policy(directory, engine=eng)
+    assert moved.tools["demo.t2"] is not first.tools["demo.t2"]
+    # Exactly what a process that never saw the first text reports.
+    fresh = cold_load(directory, engine)
+    for key, tool in fresh.tools.items():
+        assert moved.tools[key].location == tool.location
+        assert [r.location for r in moved.tools[key].rules] == [r.location for r in tool.rules]
+    assert moved.tools["demo.t2"].rules[0].location != first.tools["demo.t2"].rules[0].location
+    # Rebuilt, but from the same text: the very same programs.
+    assert moved.tools["demo.t2"].rules[0].program is first.tools["demo.t2"].rules[0].program
+
+
+def test_an_alias_is_read_from_its_anchor_after_an_edit(tmp_path: Path, engine: str) -> None:
+    # `demo.b`'s text is unchanged, but its rules come from `demo.a`'s anchor, which changed.
+    directory = tmp_path / "policy"
+    eng = cel.get_engine(engine)
+    for limit in (10, 20):
+        _write_tools(directory, [
+            f"  demo.a:\n    rules: &shared\n      - {{forbid: 'args.n > {limit}'}}\n",
+            "  demo.b:\n    rules: *shared\n",
+        ])
+        revision = load_policy(directory, engine=eng)
+        assert revision.tools["demo.b"].rules[0].program.source == f"args.n > {limit}"
