@@ -34,6 +34,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def admin_ports(workers: int) -> int:
+    """A free admin port P with P + 1 ... P + workers - 1 free too (worker i serves its admin
+    listener on P + i; a taken one stops the whole process)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for i in range(1, workers):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {workers} consecutive free ports for the admin listeners")
+
+
 def wait_port(port: int, proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,7 +173,7 @@ def proxy_process(
     """Run `envelope-proxy serve` (the real console script) with a config file (and `args`,
     extra serve flags such as `--record FILE`; `preexec_fn` runs in the child before it starts,
     e.g. to set resource limits)."""
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_port(), admin_ports((config or {}).get("workers", 1))
     state = tmp / "state"
     cfg: dict[str, Any] = {
         "listen": f"127.0.0.1:{port}",

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import logging
 import multiprocessing
+import multiprocessing.connection as mp_connection
 import os
 import secrets
 import socket
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _run(coro: Any) -> Any:
@@ -101,12 +104,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for p in procs:
         p.start()
     try:
-        for p in procs:
-            p.join()
+        _supervise(procs)
     except KeyboardInterrupt:
         for p in procs:
             p.join()
     return max((p.exitcode or 0) for p in procs)
+
+
+def _supervise(procs: list[Any]) -> None:
+    """Wait for the workers; when one fails (a non-zero exit: its address taken, its policy
+    unloadable, a crash), stop the others and return, so the process exits with that code and
+    its orchestrator sees it, instead of serving on fewer workers than configured while looking
+    healthy."""
+    running = list(procs)
+    while running:
+        mp_connection.wait([p.sentinel for p in running])
+        for p in [p for p in running if p.exitcode is not None]:
+            running.remove(p)
+            if p.exitcode != 0:
+                log.error("worker %d exited with %s; stopping the other workers", procs.index(p), p.exitcode)
+                for other in running:
+                    other.terminate()  # SIGTERM: the worker's graceful shutdown
+                for other in running:
+                    other.join()
+                return
 
 
 def _free_port() -> int:

@@ -267,3 +267,18 @@ dataflow:
         "sink 'notes.write_note' is declassified: untrusted text reaches it unflagged (only "
         "distinctive tokens still flag)",
     ]
+
+
+def test_a_worker_that_cannot_start_stops_the_whole_process(tmp_path: Path) -> None:
+    # Worker i serves its admin listener on the admin port + i. When worker 1's is taken, the
+    # process must not go on serving with one worker while looking healthy: it stops worker 0
+    # and exits non-zero, naming the address.
+    holder, taken = _occupied()
+    with holder:
+        done = cli("serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{free_port()}",
+                   "--admin", f"127.0.0.1:{taken - 1}", "--workers", "2",
+                   "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"127.0.0.1:{taken}: address already in use" in done.stderr, done.stderr
+    assert "worker 1 exited with 2; stopping the other workers" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

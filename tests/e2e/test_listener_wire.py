@@ -325,4 +325,4 @@ def test_two_workers_share_the_port(tmp_path: Path, hostile: HostileUpstream, ki
         while sum(counts()) < calls and time.monotonic() < deadline:
             time.sleep(0.1)
         # Every call answered has its one audit record, and both workers served.
-        assert sum(counts()) == calls and min(counts()) > 0, (counts(), calls)
+        assert sum(counts()) == calls and min(counts()) > 0, (counts(), calls, pp.log()[-4000:])
