@@ -284,7 +284,11 @@ class _Connection(BaseProtocol):
     # ---- asyncio protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # TCP_NODELAY, as aiohttp: SSE events go out at once
+        # Not aiohttp's `BaseProtocol.connection_made`: its `tcp_nodelay` (a socket object and a
+        # setsockopt per connection) repeats what the loop did. asyncio's selector transport and
+        # uvloop's TCP transport both set TCP_NODELAY on every accepted TCP socket, so SSE events
+        # go out at once all the same (tests/unit/app/test_fast_listener.py checks the socket).
+        self.transport = cast(asyncio.Transport, transport)
         self.peername = transport.get_extra_info("peername")
         self.sockname = transport.get_extra_info("sockname")
         listener = self._listener
