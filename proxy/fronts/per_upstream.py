@@ -289,7 +289,8 @@ class McpFront:
         self._remember_task(outcome.message, call)
         ask = channel.input_required() if isinstance(channel, DeferChannel) and channel.minted else None
         return await render.respond(outcome, msg.id, stateless=stateless, stream=downstream.stream,
-                                    headers=downstream.response_headers, tool=name, ask=ask)
+                                    headers=downstream.response_headers, tool=name, ask=ask,
+                                    plain=render.writes_plain(request))
 
     def _remember_task(self, message: Mapping[str, Any] | None, call: ToolCall) -> None:
         result = message.get("result") if message is not None else None
