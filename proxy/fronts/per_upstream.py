@@ -316,7 +316,8 @@ class McpFront:
         downstream = Downstream(request, None, self._downstream_headers)
         outcome = await self.ctx.executor.run(pending, self._request(request, target, msg, body), downstream)
         return await render.respond(outcome, msg.id, stateless=calls.is_stateless(request.headers, msg),
-                                    stream=downstream.stream, headers=downstream.response_headers)
+                                    stream=downstream.stream, headers=downstream.response_headers,
+                                    plain=render.writes_plain(request))
 
     def _in_band_channel(self, request: web.Request, target: UpstreamTarget, principal: Principal,
                          msg: Message, stateless: bool) -> SessionChannel | DeferChannel | None:
