@@ -16,15 +16,17 @@ no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's reque
 body is buffered whole, and the route's guarded handler (found by the application's own router,
 once per distinct path) is called with a `LeanRequest` (the attributes the guard and the fronts
 read, and what `StreamResponse.prepare` needs for SSE) instead of a `web.Request` over a
-`StreamReader` after the router's match. Any other request, and every
+`StreamReader` after the router's match; a JSON answer comes back from the front as a
+`proxy.fronts.plain.PlainAnswer` (status, headers, body: no `web.Response`) and is written as
+that response would be (`_write_plain`). Any other request, and every
 request when the application has middlewares or `on_response_prepare` hooks, goes through
 `app._handle` as above.
 
 Measured (callgrind, repeatable; `bench/listener_hello.py --instructions 300`,
 `bench/instructions.py`; bench/RESULTS.md "The fast listener"): a hello-world POST costs 207k
 instructions with aiohttp's server, ~131k with this one, 8k with a bare httptools protocol; the
-full envelope ~0.93 of aiohttp's server. What remains on the hot route is the application's own
-work, the handler's `web.Response` and one task per request.
+full envelope ~0.88 of aiohttp's server (round 4). What remains on the hot route is the
+application's own work and one task per request.
 
 What a connection does, as aiohttp's `RequestHandler` does it:
 
