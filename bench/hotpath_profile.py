@@ -4,6 +4,7 @@ per call or more, by their own time per call.
 
     python bench/hotpath_profile.py                 # 2000 calls, top 25
     python bench/hotpath_profile.py --calls 5000 --top 40
+    python bench/hotpath_profile.py --config envelope-fast   # served by `listener: fast`
 
 Profiling is switched on (SIGUSR1) after 30 warm-up calls, so startup stays out. Times are
 inflated by the profiler (every Python call pays its hook): read them as ranks and shares, and
@@ -43,11 +44,11 @@ finally:
 """
 
 
-def profile(tmp: Path, calls: int) -> Path:
+def profile(tmp: Path, calls: int, config: str = "envelope") -> Path:
     upstream, url = bench.start_upstream(tmp)
     out = tmp / "envelope.prof"
     try:
-        path, port, _ = bench.envelope_config(tmp, url, 1, "envelope")
+        path, port, _ = bench.envelope_config(tmp, url, 1, config)
         log = open(tmp / "envelope.log", "wb")
         proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(out), str(path)], cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -96,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--config", choices=["envelope", "envelope-fast"], default="envelope",
+                   help="envelope-fast: the envelope config with `listener: fast`")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="envelope-prof-") as tmpdir:
-        print(top(profile(Path(tmpdir), args.calls), args.calls, args.top))
+        print(top(profile(Path(tmpdir), args.calls, args.config), args.calls, args.top))
     return 0
 
 

@@ -39,8 +39,9 @@ sys.path.insert(0, str(BENCH))
 import run as bench  # noqa: E402  (bench/run.py: the upstream, configs and one call)
 
 
-def count(tree: Path, tmp: Path, config: str, calls: int) -> float:
-    """Thousands of instructions per call of the envelope served from `tree`."""
+def count(tree: Path, tmp: Path, config: str, calls: int, keep: Path | None = None) -> float:
+    """Thousands of instructions per call of the envelope served from `tree`; with `keep`, the
+    callgrind dumps are copied there (for `callgrind_annotate --inclusive=yes`)."""
     upstream, url = bench.start_upstream(tmp)
     try:
         path, port, _ = bench.envelope_config(tmp, url, 1, config)
@@ -78,6 +79,9 @@ def count(tree: Path, tmp: Path, config: str, calls: int) -> float:
             log.close()
         total = 0
         for dump in tmp.glob(f"{out.name}*"):
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(dump, keep / f"{dump.name}-{tree.name}")
             for line in dump.read_text(errors="replace").splitlines():
                 if line.startswith(("summary:", "totals:")):
                     total = max(total, int(line.split()[1]))
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="envelope-fast: the envelope config with `listener: fast`")
     p.add_argument("--otel", action="store_true", help="traces on: every call's spans exported "
                    "over OTLP/HTTP to a local sink (needs the otel extra)")
+    p.add_argument("--keep", metavar="DIR", type=Path, help="copy the callgrind dumps into DIR "
+                   "(rank functions with callgrind_annotate --inclusive=yes)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: valgrind not found; apt-get install valgrind", file=sys.stderr)
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                            check=True, capture_output=True)
             trees.append((f"git {args.baseline}", base))
         try:
-            results = [(name, count(tree, tmp, args.config, args.calls)) for name, tree in trees]
+            results = [(name, count(tree, tmp, args.config, args.calls, args.keep)) for name, tree in trees]
         finally:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")], cwd=ROOT,

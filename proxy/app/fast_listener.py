@@ -16,15 +16,17 @@ no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's reque
 body is buffered whole, and the route's guarded handler (found by the application's own router,
 once per distinct path) is called with a `LeanRequest` (the attributes the guard and the fronts
 read, and what `StreamResponse.prepare` needs for SSE) instead of a `web.Request` over a
-`StreamReader` after the router's match. Any other request, and every
+`StreamReader` after the router's match; a JSON answer comes back from the front as a
+`proxy.fronts.plain.PlainAnswer` (status, headers, body: no `web.Response`) and is written as
+that response would be (`_write_plain`). Any other request, and every
 request when the application has middlewares or `on_response_prepare` hooks, goes through
 `app._handle` as above.
 
 Measured (callgrind, repeatable; `bench/listener_hello.py --instructions 300`,
 `bench/instructions.py`; bench/RESULTS.md "The fast listener"): a hello-world POST costs 207k
 instructions with aiohttp's server, ~131k with this one, 8k with a bare httptools protocol; the
-full envelope ~0.93 of aiohttp's server. What remains on the hot route is the application's own
-work, the handler's `web.Response` and one task per request.
+full envelope ~0.88 of aiohttp's server (round 4). What remains on the hot route is the
+application's own work and one task per request.
 
 What a connection does, as aiohttp's `RequestHandler` does it:
 
@@ -83,6 +85,8 @@ from aiohttp.web_urldispatcher import AbstractResource, DynamicResource, PlainRe
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy.fronts.plain import PlainAnswer
+
 __all__ = ["FastListener", "LeanRequest"]
 
 log = logging.getLogger("envelope")
@@ -128,6 +132,14 @@ def _phrase(status: int) -> str:
         return ""
 
 
+# The reason phrase aiohttp's response gives a status (`web.StreamResponse.reason`).
+_REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
+
+
+def _reason(status: int) -> str:
+    return _REASONS.get(status, "")
+
+
 class _LeanBody:
     """A hot-route body received whole: what `proxy.fronts.guard.read_body` (and a handler's
     `request.read()`) reads of aiohttp's `StreamReader`. It carries no `total_compressed_bytes`:
@@ -160,6 +172,10 @@ class LeanRequest:
     fails when a front starts reading an attribute this class lacks."""
 
     __slots__ = ("_conn", "_message", "_writer", "content", "content_length", "match_info")
+
+    # A handler may answer with a `PlainAnswer` (`proxy.fronts.render.writes_plain`): written
+    # by `_write_plain` without an aiohttp response.
+    plain_answers: Final = True
 
     def __init__(self, conn: _Connection, message: RawRequestMessage, body: bytes,
                  match_info: Mapping[str, str]):
@@ -284,7 +300,11 @@ class _Connection(BaseProtocol):
     # ---- asyncio protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # TCP_NODELAY, as aiohttp: SSE events go out at once
+        # Not aiohttp's `BaseProtocol.connection_made`: its `tcp_nodelay` (a socket object and a
+        # setsockopt per connection) repeats what the loop did. asyncio's selector transport and
+        # uvloop's TCP transport both set TCP_NODELAY on every accepted TCP socket, so SSE events
+        # go out at once all the same (tests/unit/app/test_fast_listener.py checks the socket).
+        self.transport = cast(asyncio.Transport, transport)
         self.peername = transport.get_extra_info("peername")
         self.sockname = transport.get_extra_info("sockname")
         listener = self._listener
@@ -610,6 +630,9 @@ class _Connection(BaseProtocol):
 
     async def _send(self, request: web.Request, response: web.StreamResponse) -> bool:
         """Write `response`; whether the connection may stay open afterwards."""
+        answer: object = response  # a PlainAnswer when the request said `plain_answers`
+        if type(answer) is PlainAnswer:
+            return self._write_plain(request, answer)
         if (type(response) is web.Response or isinstance(response, web.HTTPException)) \
                 and not response.prepared and not response._cookies \
                 and not response._compression and not response.chunked \
@@ -619,6 +642,32 @@ class _Connection(BaseProtocol):
         await response.prepare(request)
         await response.write_eof()
         return bool(response.keep_alive)
+
+    def _write_plain(self, request: web.Request, answer: PlainAnswer) -> bool:
+        """Write a plain answer in one write: the bytes `_write_response` writes for a
+        `web.Response` of the same status, headers and body."""
+        status, headers, body = answer.status, answer.headers, answer.body
+        if not (200 <= status < 300 and status != 204 and body):  # aiohttp's rules: as a response
+            return self._write_response(request, web.Response(status=status, body=body, headers=headers))
+        fields = [f"{name}: {value}" for name, value in headers.items()]
+        if hdrs.CONTENT_LENGTH not in headers:
+            fields.append(f"Content-Length: {len(body)}")
+        if hdrs.CONTENT_TYPE not in headers:
+            fields.append("Content-Type: application/octet-stream")
+        if hdrs.DATE not in headers:
+            fields.append(f"Date: {self._listener.date}")
+        keep_alive = request.keep_alive
+        version = request.version
+        if hdrs.CONNECTION not in headers:
+            if keep_alive and not self._closing and not self._listener.closing:
+                if version == HttpVersion10:
+                    fields.append("Connection: keep-alive")
+            else:
+                keep_alive = False
+                if version == HttpVersion11:
+                    fields.append("Connection: close")
+        self._write_head(version, status, _reason(status), fields, body)
+        return keep_alive
 
     def _write_response(self, request: web.Request, response: web.Response) -> bool:
         """Serialise a plain response (status line, headers, body) in one write."""
@@ -656,17 +705,23 @@ class _Connection(BaseProtocol):
                 keep_alive = False
                 if version == HttpVersion11:
                     headers[hdrs.CONNECTION] = "close"
-        fields = [f"{name}: {value}" for name, value in headers.items()]
+        self._write_head(version, status, response.reason,
+                         [f"{name}: {value}" for name, value in headers.items()], body)
+        response._eof_sent = True
+        return keep_alive
+
+    def _write_head(self, version: HttpVersion, status: int, reason: str, fields: list[str],
+                    body: bytes) -> None:
+        """The status line, `fields` and `body` in one write; ValueError (nothing written) when
+        a field holds a line break."""
         probe = "".join(fields)
         if "\r" in probe or "\n" in probe:  # a header injected into the response: refuse
             raise ValueError("a response header holds a line break")
-        head = (f"HTTP/{version.major}.{version.minor} {status} {response.reason}\r\n"
+        head = (f"HTTP/{version.major}.{version.minor} {status} {reason}\r\n"
                 + "\r\n".join(fields) + "\r\n\r\n")
         transport = self.transport
         assert transport is not None
         transport.write(head.encode("utf-8") + body if body else head.encode("utf-8"))
-        response._eof_sent = True
-        return keep_alive
 
     def _done(self, keep_alive: bool) -> None:
         """The request in progress was answered: the next one, or close, or wait idle."""

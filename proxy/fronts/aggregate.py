@@ -495,7 +495,8 @@ class AggregateFront:
                 Downstream())
             if outcome.kind == "deliver":  # the HTTP status is the record's, not the MCP answer's
                 outcome = dataclasses.replace(outcome, status=200)
-            return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False)
+            return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False,
+                                    plain=render.writes_plain(request))
         params: dict[str, Any] = {"name": tool, "arguments": arguments}
         us = self._upstream_session(sess, target.name)
 
@@ -512,7 +513,8 @@ class AggregateFront:
         upstream = UpstreamRequest(target, body(), {}, reply_id, resume=True, setup=setup,
                                    with_meta=body)
         outcome = await ctx.executor.run(pending, upstream, Downstream())
-        return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False)
+        return await render.respond(outcome, msg.id, stateless=stateless, tool=name, same_id=False,
+                                    plain=render.writes_plain(request))
 
     @staticmethod
     def _http_request(pending: Pending, spec: openapi.Spec, target: UpstreamTarget, request: web.Request,

@@ -289,7 +289,8 @@ class McpFront:
         self._remember_task(outcome.message, call)
         ask = channel.input_required() if isinstance(channel, DeferChannel) and channel.minted else None
         return await render.respond(outcome, msg.id, stateless=stateless, stream=downstream.stream,
-                                    headers=downstream.response_headers, tool=name, ask=ask)
+                                    headers=downstream.response_headers, tool=name, ask=ask,
+                                    plain=render.writes_plain(request))
 
     def _remember_task(self, message: Mapping[str, Any] | None, call: ToolCall) -> None:
         result = message.get("result") if message is not None else None
@@ -315,7 +316,8 @@ class McpFront:
         downstream = Downstream(request, None, self._downstream_headers)
         outcome = await self.ctx.executor.run(pending, self._request(request, target, msg, body), downstream)
         return await render.respond(outcome, msg.id, stateless=calls.is_stateless(request.headers, msg),
-                                    stream=downstream.stream, headers=downstream.response_headers)
+                                    stream=downstream.stream, headers=downstream.response_headers,
+                                    plain=render.writes_plain(request))
 
     def _in_band_channel(self, request: web.Request, target: UpstreamTarget, principal: Principal,
                          msg: Message, stateless: bool) -> SessionChannel | DeferChannel | None:

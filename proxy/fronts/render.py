@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.envelope.outcome import DECISION_META, refusal_result
 from proxy.envelope.types import Code, Outcome
 from proxy.fronts import jsonrpc
+from proxy.fronts.plain import PlainAnswer
 from proxy.fronts.sse import format_event
 from proxy.upstream.openapi import RELAYED_HEADERS_META
 
@@ -76,11 +77,24 @@ def sse_event(outcome: Outcome, body: bytes) -> bytes:
     return format_event(body, event, event_id)
 
 
+_JSON_HEADERS: Mapping[str, str] = CIMultiDictProxy(CIMultiDict({"Content-Type": "application/json"}))
+
+
+def writes_plain(request: web.Request) -> bool:
+    """Whether the server that carried `request` writes a `PlainAnswer` itself
+    (`proxy.fronts.plain`: the fast listener's hot route says so on its request,
+    `LeanRequest.plain_answers`; aiohttp's requests do not)."""
+    return getattr(request, "plain_answers", False) is True
+
+
 async def respond(outcome: Outcome, client_id: Any, *, stateless: bool,
                   stream: web.StreamResponse | None = None, headers: Mapping[str, str] | None = None,
-                  tool: str = "", ask: dict[str, Any] | None = None, same_id: bool = True) -> web.StreamResponse:
+                  tool: str = "", ask: dict[str, Any] | None = None, same_id: bool = True,
+                  plain: bool = False) -> web.StreamResponse:
     """Send an outcome: as the last event of the call's open SSE `stream`, else as a JSON
-    response (`headers` are the upstream's response headers to keep, for a delivered answer)."""
+    response (`headers` are the upstream's response headers to keep, for a delivered answer).
+    `plain` (only for a request whose server `writes_plain`): a JSON response is returned as a
+    `PlainAnswer` instead, typed as the response it stands for; that server writes it."""
     status, body = render(outcome, client_id, stateless=stateless, tool=tool, ask=ask, same_id=same_id)
     if stream is not None:
         if body:
@@ -91,7 +105,11 @@ async def respond(outcome: Outcome, client_id: Any, *, stateless: bool,
     if not body:
         return web.Response(status=499)  # nobody to answer: the client is gone
     if outcome.kind == "deliver" and headers is not None and outcome.sse is None:
+        if plain:
+            return cast(web.StreamResponse, PlainAnswer(status, headers, body))
         return web.Response(status=status, body=body, headers=headers)  # the upstream's own
+    if plain:
+        return cast(web.StreamResponse, PlainAnswer(status, _JSON_HEADERS, body))
     return web.Response(status=status, body=body, content_type="application/json")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from proxy.envelope.celvars import activation
+from proxy.envelope.celvars import activation, referenced
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.errors import CelEvalError
@@ -56,6 +56,7 @@ class ArgRulesCheck:
         self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
     ):
         self._engine = revision.cel
+        self._names = referenced(revision)
         # Only tools that can refuse here: those with rules or a deny fallback.
         self._plans: dict[str, _Plan] = {}
         for key, tool in revision.tools.items():
@@ -81,7 +82,7 @@ class ArgRulesCheck:
             return None
         if plan.forbids or plan.allows:
             try:
-                act = activation(call, self._engine)
+                act = activation(call, self._engine, self._names)
             except CelEvalError as exc:
                 if plan.forbids:
                     rule = plan.forbids[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from proxy.envelope.celvars import activation
+from proxy.envelope.celvars import activation, referenced
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, deny
 from proxy.errors import CelEvalError
@@ -32,6 +32,7 @@ class AuthzCheck:
         self, revision: PolicyRevision, registry: ToolRegistry, services: Services | None = None
     ):
         self._engine = revision.cel
+        self._names = referenced(revision)
         # Each level's expressions as one `a || b || ...` program: one engine call per level.
         engine = self._engine
         self._tools = {
@@ -60,7 +61,7 @@ class AuthzCheck:
         if tool_allow is None and principal_allow is None:
             return None
         try:
-            act = activation(call, self._engine)
+            act = activation(call, self._engine, self._names)
         except CelEvalError:
             rule = (
                 "tools." + key + ".allow"

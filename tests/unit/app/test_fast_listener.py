@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -50,6 +51,12 @@ async def _slow(request: web.Request) -> web.Response:
     return web.Response(text="done")
 
 
+async def _nodelay(request: web.Request) -> web.Response:
+    assert request.transport is not None
+    sock = request.transport.get_extra_info("socket")
+    return web.Response(text=str(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
+
+
 @pytest.fixture
 async def served() -> AsyncIterator[FastListener]:
     app = web.Application()
@@ -59,6 +66,7 @@ async def served() -> AsyncIterator[FastListener]:
     app.router.add_route("*", "/refuse", _refuse)
     app.router.add_get("/stream", _stream)
     app.router.add_get("/slow", _slow)
+    app.router.add_get("/nodelay", _nodelay)
     listener = FastListener(app, header_timeout=5, keepalive_timeout=5, shutdown_timeout=2)
     await listener.setup()
     await listener.start("127.0.0.1", 0)
@@ -78,6 +86,14 @@ async def exchange(listener: FastListener, data: bytes, seconds: float = 5) -> b
             return await reader.read(-1)
     finally:
         writer.close()
+
+
+async def test_accepted_connections_have_tcp_nodelay(served: FastListener) -> None:
+    # The listener leaves TCP_NODELAY to the loop (asyncio and uvloop set it on accept): an SSE
+    # event must not wait for Nagle's algorithm.
+    reply = await exchange(served, b"GET /nodelay HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200 ")
+    assert reply.endswith(b"\r\n\r\n1")
 
 
 async def test_a_crashing_handler_answers_500_and_closes(served: FastListener) -> None:

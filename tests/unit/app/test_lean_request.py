@@ -8,14 +8,19 @@ from __future__ import annotations
 import ast
 import asyncio
 import gzip
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.app.fast_listener import FastListener, LeanRequest
 from proxy.fronts.guard import read_body
+from proxy.fronts.plain import PlainAnswer
+from proxy.fronts.render import writes_plain
 
 ROOT = Path(__file__).resolve().parents[3]
 # Every module that reads a request the MCP listener's handlers receive: the fronts, the app
@@ -190,3 +195,60 @@ async def test_an_application_with_a_middleware_never_gets_a_lean_request() -> N
         assert not listener.lean
         out = await exchange(listener, post("/mcp/files", b"{}"))
         assert out.endswith(b"Request|{'upstream': 'files'}|2") and b"Lean" not in out, out
+
+
+# -- plain answers: what `render.respond` returns on the hot route ------------------------------
+
+ANSWERS = {
+    "relay": (200, {"Content-Type": "application/json", "Mcp-Session-Id": "s-1"}),  # upstream's own
+    "json": (200, {"Content-Type": "application/json"}),
+    "bare": (200, {"X-Other": "1"}),  # no Content-Type: the server adds octet-stream
+    "lost": (404, {"Content-Type": "application/json"}),  # not 2xx: written as a web.Response
+}
+RETURNED: list[str] = []
+
+
+async def _answer(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request, 1 << 20)
+    status, headers = ANSWERS[request.match_info["upstream"]]
+    reply = b'{"jsonrpc":"2.0","id":1,"result":' + body + b"}"
+    if writes_plain(request):
+        RETURNED.append("plain")
+        return cast(web.StreamResponse, PlainAnswer(status, CIMultiDictProxy(CIMultiDict(headers)), reply))
+    RETURNED.append("response")
+    return web.Response(status=status, body=reply, headers=headers)
+
+
+def _undated(out: bytes) -> bytes:
+    return re.sub(rb"\r\nDate: [^\r]*", b"", out)
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+@pytest.mark.parametrize("extra", [(), ("Connection: keep-alive",)])
+async def test_a_plain_answer_is_written_as_its_web_response_would_be(name: str, extra: tuple[str, ...]) -> None:
+    app = web.Application()
+    app.router.add_route("*", "/mcp/{upstream}", _answer)
+    async for listener in _served(app):
+        RETURNED.clear()
+        lean = await exchange(listener, post(f"/mcp/{name}", b"{}", *extra, close=False)
+                              + post(f"/mcp/{name}", b"[1]"))
+        # The same requests chunked: aiohttp's request, a web.Response.
+        chunked = await exchange(listener, b"".join(
+            f"POST /mcp/{name} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n{h}\r\n"
+            f"{len(b):x}\r\n{b}\r\n0\r\n\r\n".encode()
+            for h, b in ((("".join(f"{e}\r\n" for e in extra)), "{}"), ("Connection: close\r\n", "[1]"))))
+        assert RETURNED == ["plain", "plain", "response", "response"]
+        assert lean.count(b"HTTP/1.1 ") == 2 and b"\r\nDate: " in lean, lean
+        assert _undated(lean) == _undated(chunked), (lean, chunked)
+
+
+async def test_a_plain_answer_with_a_line_break_in_a_header_is_a_500() -> None:
+    async def broken(request: web.Request) -> web.StreamResponse:
+        assert writes_plain(request)
+        return cast(web.StreamResponse, PlainAnswer(200, {"X-Bad": "a\r\nSet-Cookie: b"}, b"{}"))
+
+    app = web.Application()
+    app.router.add_route("*", "/mcp/{upstream}", broken)
+    async for listener in _served(app):
+        out = await exchange(listener, post("/mcp/a", b"{}"))
+        assert out.startswith(b"HTTP/1.1 500 ") and b"Set-Cookie" not in out, out

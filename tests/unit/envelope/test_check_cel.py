@@ -6,7 +6,7 @@ from typing import Any
 
 from envelope_helpers import UPSTREAMS, build_revision, make_call
 
-from proxy.envelope.celvars import activation, variables
+from proxy.envelope.celvars import activation, referenced, variables
 from proxy.envelope.checks.arg_rules import ArgRulesCheck
 from proxy.envelope.checks.authz import AuthzCheck
 from proxy.envelope.checks.catalogue import CatalogueCheck
@@ -132,6 +132,29 @@ def test_activation_is_cached_on_the_call(engine: str) -> None:
     v = variables(call)
     assert v["tool"]["effect"] == "read" and v["args"] == {"a": 1}
     assert v["tool"]["annotations"]["destructiveHint"] is True  # MCP default filled in
+
+
+def test_only_the_variables_the_revision_names_are_built(engine: str) -> None:
+    r = rev(
+        engine,
+        {
+            "demo.t": {
+                "effect": "write",
+                "allow": 'principal.id == "bob"',
+                "rules": [{"forbid": 'args.runner == "x" || args.note == "tool"'},
+                          {"allow": 'now > timestamp("2020-01-01T00:00:00Z")'}],
+                "fallback": "deny",
+            }
+        },
+        {"bob": {"allow": 'request.method == "tools/call"'}},
+    )
+    # `runner` is not `run`; a literal naming a variable counts (a superset is enough).
+    assert referenced(r) == {"principal", "args", "now", "request", "tool"}
+    call = make_call("t", {"runner": "y", "note": "n"}, principal=USER)
+    assert run(AuthzCheck, r, call) is None  # the principal's level reads `request`
+    assert run(ArgRulesCheck, r, call) is None  # the allow rule reads `now`
+    assert set(variables(call, referenced(r))) == {"principal", "args", "now", "request", "tool"}
+    assert set(variables(call, frozenset({"args"}))) == {"args"}
 
 
 # -- arg_rules ---------------------------------------------------------------------------
