@@ -42,6 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -215,6 +216,34 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
     return HashPut(room, len(new) - room)
 
 
+def _hash_append(conn: sqlite3.Connection, now: float, ns: str, key: str, value: bytes, ttl: float | None,
+                 weight: int, cap: int | None, also: tuple[str, Mapping[bytes, bytes]] | None,
+                 drop: Sequence[bytes]) -> int:
+    """`Store.hash_append` inside the caller's write transaction."""
+    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+    if meta is not None and not _live(meta[0], now):
+        conn.execute(_HASH_CLEAR, (ns, key))
+        conn.execute(_HASH_DROP_META, (ns, key))
+        meta = None
+    expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+    expires = expires if ttl is None else now + ttl
+    row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
+    seq, total = log_counter(None if row is None else bytes(row[1]))
+    if cap is not None and total + weight > cap:
+        if ttl is not None and meta is not None:
+            conn.execute(_HASH_SET_META, (ns, key, expires, size))
+        return 0
+    seq += 1
+    conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
+    conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
+    conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
+    if also is not None:
+        _hash_put(conn, now, also[0], key, also[1], ttl)
+        if drop:
+            _hash_remove(conn, now, also[0], key, drop)
+    return seq
+
+
 def _hash_remove(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Sequence[bytes]) -> None:
     """`Store.hash_delete` inside the caller's write transaction."""
     meta = conn.execute(_HASH_META, (ns, key)).fetchone()
@@ -231,6 +260,28 @@ def _hash_remove(conn: sqlite3.Connection, now: float, ns: str, key: str, fields
 
 def _live(expires: float | None, now: float) -> bool:
     return expires is None or expires > now
+
+
+@dataclass(frozen=True, slots=True)
+class _Append:
+    """One caller's `hash_append`, queued for the worker's next batch (`_flush_appends`)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[int]
+    args: tuple[str, str, bytes, float | None, int, int | None,
+                tuple[str, Mapping[bytes, bytes]] | None, Sequence[bytes]]
+
+
+def _settle(settled: list[tuple[asyncio.Future[int], int]], error: Exception | None) -> None:
+    """On the event loop: hand each caller of a batch its sequence number, or the batch's error
+    (a caller that gave up, timed out or cancelled, is skipped)."""
+    for future, seq in settled:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(seq)
 
 
 class _TooLarge(Exception):
@@ -284,6 +335,11 @@ class SqliteStore(Store):
         self._pid = os.getpid()
         self._next_purge = 0.0
         self._closed = False
+        # Appends waiting for the worker's next batch, and whether a batch is already queued on
+        # the worker (a new append then only joins the list: one thread hop per batch).
+        self._appends: list[_Append] = []
+        self._appends_lock = threading.Lock()
+        self._flush_queued = False
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
         # number, valid until (wall time), the hash's fields).
@@ -357,6 +413,7 @@ class SqliteStore(Store):
             self._pid, self._executor, self._conn = os.getpid(), None, None
             self._read_conn, self._read_thread = None, None  # not closed: the parent's
             self._quiet.clear()
+            self._appends, self._appends_lock, self._flush_queued = [], threading.Lock(), False
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite")
         return self._executor
@@ -439,37 +496,51 @@ class SqliteStore(Store):
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
                           drop: Sequence[bytes] = ()) -> int:
-        def append(conn: sqlite3.Connection, now: float) -> int:
-            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-            if meta is not None and not _live(meta[0], now):
-                conn.execute(_HASH_CLEAR, (ns, key))
-                conn.execute(_HASH_DROP_META, (ns, key))
-                meta = None
-            expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
-            expires = expires if ttl is None else now + ttl
-            row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
-            seq, total = log_counter(None if row is None else bytes(row[1]))
-            if cap is not None and total + weight > cap:
-                if ttl is not None and meta is not None:
-                    conn.execute(_HASH_SET_META, (ns, key, expires, size))
-                return 0
-            seq += 1
-            conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
-            conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
-            conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
-            if also is not None:
-                _hash_put(conn, now, also[0], key, also[1], ttl)
-                if drop:
-                    _hash_remove(conn, now, also[0], key, drop)
-            return seq
+        # Group commit: the append joins the queue that the worker thread takes whole into one
+        # transaction (`_flush_appends`); this caller returns once that transaction committed.
+        if self._closed:
+            raise StoreError(f"sqlite store {self.path}: closed")
+        loop = asyncio.get_running_loop()
+        pool = self._pool()
+        future: asyncio.Future[int] = loop.create_future()
+        with self._appends_lock:
+            self._appends.append(_Append(loop, future, (ns, key, value, ttl, weight, cap, also, drop)))
+            first, self._flush_queued = not self._flush_queued, True
+        if first:
+            pool.submit(self._flush_appends)
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await future
+        except TimeoutError as exc:
+            raise StoreError(f"sqlite store {self.path}: hash_append timed out after {self.timeout}s") from exc
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"sqlite store {self.path}: hash_append failed: {exc}") from exc
 
-        def op(conn: sqlite3.Connection) -> int:
+    def _flush_appends(self) -> None:
+        """On the worker thread: every queued append in one write transaction, then each caller
+        woken (one wake-up of each event loop for the whole batch). A failure anywhere rolls the
+        whole batch back and every caller in it gets the error: none of their outputs is
+        delivered (fail closed)."""
+        with self._appends_lock:
+            batch, self._appends, self._flush_queued = self._appends, [], False
+        seqs: list[int] = []
+        error: Exception | None = None
+        try:
+            conn = self._connect()
             now = time.time()
-            result = _transaction(conn, "BEGIN IMMEDIATE", lambda: append(conn, now))
+            seqs = _transaction(conn, "BEGIN IMMEDIATE",
+                                lambda: [_hash_append(conn, now, *job.args) for job in batch])
             self._maybe_purge(conn, now)
-            return result
-
-        return await self._run("hash_append", op)
+        except Exception as exc:  # every caller of the batch gets it (sqlite, OS or a bug)
+            error = exc
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[int], int]]] = {}
+        for i, job in enumerate(batch):
+            loops.setdefault(job.loop, []).append((job.future, seqs[i] if seqs else 0))
+        for loop, settled in loops.items():
+            try:
+                loop.call_soon_threadsafe(_settle, settled, error)
+            except RuntimeError:
+                pass  # that loop has closed: nobody waits for these answers any more
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:
