@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from proxy.errors import StoreError
 from proxy.store import buckets as arithmetic
@@ -263,25 +263,26 @@ def _live(expires: float | None, now: float) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class _Append:
-    """One caller's `hash_append`, queued for the worker's next batch (`_flush_appends`)."""
+class _Write:
+    """One caller's hash write (`hash_append`, `hash_put`, `hash_delete`), queued for the
+    worker's next batch (`SqliteStore._flush`): `work` runs inside the batch's transaction."""
 
+    what: str
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[int]
-    args: tuple[str, str, bytes, float | None, int, int | None,
-                tuple[str, Mapping[bytes, bytes]] | None, Sequence[bytes]]
+    future: asyncio.Future[Any]
+    work: Callable[[sqlite3.Connection, float], Any]
 
 
-def _settle(settled: list[tuple[asyncio.Future[int], int]], error: Exception | None) -> None:
-    """On the event loop: hand each caller of a batch its sequence number, or the batch's error
-    (a caller that gave up, timed out or cancelled, is skipped)."""
-    for future, seq in settled:
+def _settle(settled: list[tuple[asyncio.Future[Any], Any]], error: Exception | None) -> None:
+    """On the event loop: hand each caller of a batch its answer, or the batch's error (a
+    caller that gave up, timed out or was cancelled, is skipped)."""
+    for future, answer in settled:
         if future.done():
             continue
         if error is not None:
             future.set_exception(error)
         else:
-            future.set_result(seq)
+            future.set_result(answer)
 
 
 class _TooLarge(Exception):
@@ -335,10 +336,10 @@ class SqliteStore(Store):
         self._pid = os.getpid()
         self._next_purge = 0.0
         self._closed = False
-        # Appends waiting for the worker's next batch, and whether a batch is already queued on
-        # the worker (a new append then only joins the list: one thread hop per batch).
-        self._appends: list[_Append] = []
-        self._appends_lock = threading.Lock()
+        # Hash writes waiting for the worker's next batch, and whether a batch is already queued
+        # on the worker (a new write then only joins the list: one thread hop per batch).
+        self._writes: list[_Write] = []
+        self._writes_lock = threading.Lock()
         self._flush_queued = False
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
@@ -413,7 +414,7 @@ class SqliteStore(Store):
             self._pid, self._executor, self._conn = os.getpid(), None, None
             self._read_conn, self._read_thread = None, None  # not closed: the parent's
             self._quiet.clear()
-            self._appends, self._appends_lock, self._flush_queued = [], threading.Lock(), False
+            self._writes, self._writes_lock, self._flush_queued = [], threading.Lock(), False
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite")
         return self._executor
@@ -483,59 +484,58 @@ class SqliteStore(Store):
 
     async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
                        *, replace: bool = True, cap: int | None = None) -> HashPut:
-        def op(conn: sqlite3.Connection) -> HashPut:
-            now = time.time()
-            result = _transaction(conn, "BEGIN IMMEDIATE",
-                                  lambda: _hash_put(conn, now, ns, key, fields, ttl, replace, cap))
-            self._maybe_purge(conn, now)
-            return result
-
-        return await self._run("hash_put", op)
+        return await self._write("hash_put", lambda conn, now: _hash_put(conn, now, ns, key, fields, ttl,
+                                                                        replace, cap))
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
                           drop: Sequence[bytes] = ()) -> int:
-        # Group commit: the append joins the queue that the worker thread takes whole into one
-        # transaction (`_flush_appends`); this caller returns once that transaction committed.
+        return await self._write("hash_append", lambda conn, now: _hash_append(
+            conn, now, ns, key, value, ttl, weight, cap, also, drop))
+
+    async def _write(self, what: str, work: Callable[[sqlite3.Connection, float], T]) -> T:
+        """Group commit: `work` joins the writes that the worker thread takes all at once into
+        one write transaction (`_flush`); the caller is answered once that transaction has
+        committed (so an output is recorded before it is delivered, as with a transaction of
+        its own). Concurrent calls' writes share one BEGIN/COMMIT and one thread hop."""
         if self._closed:
             raise StoreError(f"sqlite store {self.path}: closed")
         loop = asyncio.get_running_loop()
         pool = self._pool()
-        future: asyncio.Future[int] = loop.create_future()
-        with self._appends_lock:
-            self._appends.append(_Append(loop, future, (ns, key, value, ttl, weight, cap, also, drop)))
+        future: asyncio.Future[T] = loop.create_future()
+        with self._writes_lock:
+            self._writes.append(_Write(what, loop, future, work))
             first, self._flush_queued = not self._flush_queued, True
         if first:
-            pool.submit(self._flush_appends)
+            pool.submit(self._flush)
         try:
             async with asyncio.timeout(self.timeout):
                 return await future
         except TimeoutError as exc:
-            raise StoreError(f"sqlite store {self.path}: hash_append timed out after {self.timeout}s") from exc
+            raise StoreError(f"sqlite store {self.path}: {what} timed out after {self.timeout}s") from exc
         except (sqlite3.Error, OSError) as exc:
-            raise StoreError(f"sqlite store {self.path}: hash_append failed: {exc}") from exc
+            raise StoreError(f"sqlite store {self.path}: {what} failed: {exc}") from exc
 
-    def _flush_appends(self) -> None:
-        """On the worker thread: every queued append in one write transaction, then each caller
-        woken (one wake-up of each event loop for the whole batch). A failure anywhere rolls the
-        whole batch back and every caller in it gets the error: none of their outputs is
-        delivered (fail closed)."""
-        with self._appends_lock:
-            batch, self._appends, self._flush_queued = self._appends, [], False
-        seqs: list[int] = []
+    def _flush(self) -> None:
+        """On the worker thread: every queued write in one write transaction, in the order they
+        came, then each caller woken (one wake-up of each event loop for the whole batch). A
+        failure anywhere rolls the whole batch back and every caller in it gets the error: none
+        of their outputs is delivered (fail closed)."""
+        with self._writes_lock:
+            batch, self._writes, self._flush_queued = self._writes, [], False
+        answers: list[Any] = []
         error: Exception | None = None
         try:
             conn = self._connect()
             now = time.time()
-            seqs = _transaction(conn, "BEGIN IMMEDIATE",
-                                lambda: [_hash_append(conn, now, *job.args) for job in batch])
+            answers = _transaction(conn, "BEGIN IMMEDIATE", lambda: [job.work(conn, now) for job in batch])
             self._maybe_purge(conn, now)
         except Exception as exc:  # every caller of the batch gets it (sqlite, OS or a bug)
             error = exc
-        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[int], int]]] = {}
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
         for i, job in enumerate(batch):
-            loops.setdefault(job.loop, []).append((job.future, seqs[i] if seqs else 0))
+            loops.setdefault(job.loop, []).append((job.future, answers[i] if answers else None))
         for loop, settled in loops.items():
             try:
                 loop.call_soon_threadsafe(_settle, settled, error)
@@ -643,8 +643,7 @@ class SqliteStore(Store):
         if not fields:
             return
 
-        await self._run("hash_delete", lambda conn: _transaction(
-            conn, "BEGIN IMMEDIATE", lambda: _hash_remove(conn, time.time(), ns, key, fields)))
+        await self._write("hash_delete", lambda conn, now: _hash_remove(conn, now, ns, key, fields))
 
     # ---- token buckets ------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
-"""SqliteStore's group commit of log appends: appends queued while the worker is busy go in
-one transaction, each caller answered only once it committed, and a batch that fails refuses
-every caller in it (nothing of the batch is kept)."""
+"""SqliteStore's group commit of hash writes (`hash_append`, `hash_put`, `hash_delete`): writes
+queued while the worker is busy go in one transaction, each caller answered only once it
+committed, and a batch that fails refuses every caller in it (nothing of the batch is kept)."""
 
 from __future__ import annotations
 
@@ -54,12 +54,14 @@ async def test_concurrent_appends_share_a_batch_and_are_all_durable(store: Sqlit
     appends = [asyncio.create_task(store.hash_append("log", "run", b"entry %d" % i, ttl=60.0, weight=1,
                                                      also=("meta", {b"u": b"1"})))
                for i in range(5)]
+    marker = asyncio.create_task(store.hash_put("meta", "run", {b"p:d1": b"9"}, ttl=60.0))
     await asyncio.sleep(0.01)
-    assert not any(task.done() for task in appends)  # nobody is answered before the commit
-    assert len(store._appends) == 5  # queued behind the busy worker: one batch
+    assert not any(task.done() for task in [*appends, marker])  # nobody is answered before the commit
+    assert len(store._writes) == 6  # queued behind the busy worker: one batch
     release.set()
     assert await held is True
     seqs = await asyncio.gather(*appends)
+    assert (await marker).added == 1
     assert sorted(seqs) == [1, 2, 3, 4, 5]
     # Committed when the callers were answered: another connection sees every entry.
     log = _log(store.path, "run")
@@ -70,22 +72,24 @@ async def test_concurrent_appends_share_a_batch_and_are_all_durable(store: Sqlit
         read = await replica.hash_since("log", "run", 0, with_hash="meta")
     finally:
         await replica.close()
-    assert read.last == 5 and len(read.entries) == 5 and read.fields == {b"u": b"1"}
+    assert read.last == 5 and len(read.entries) == 5 and read.fields == {b"u": b"1", b"p:d1": b"9"}
 
 
 async def test_a_failing_batch_refuses_every_caller_and_keeps_nothing(store: SqliteStore) -> None:
     await store.hash_append("log", "run", b"before", ttl=60.0)
     release, held = await _worker_held(store)
     good = asyncio.create_task(store.hash_append("log", "run", b"good", ttl=60.0))
+    put = asyncio.create_task(store.hash_put("meta", "run", {b"p:d2": b"1"}, ttl=60.0))
     # A value sqlite cannot bind: this append fails inside the batch's transaction.
     bad = asyncio.create_task(store.hash_append("log", "run", b"bad", ttl=60.0,
                                                 also=("meta", {b"u": object()})))  # type: ignore[dict-item]
     await asyncio.sleep(0.01)
     release.set()
     await held
-    for task in (good, bad):
-        with pytest.raises(StoreError, match="hash_append failed"):
+    for task, what in ((good, "hash_append"), (put, "hash_put"), (bad, "hash_append")):
+        with pytest.raises(StoreError, match=f"{what} failed"):
             await task
+    assert await store.hash_all("meta", "run") == {}
     # Rolled back as one: neither entry is in the log, and the next append follows "before".
     assert sorted(_log(store.path, "run").values()) == [b"1 0", b"before"]
     assert await store.hash_append("log", "run", b"after", ttl=60.0) == 2
