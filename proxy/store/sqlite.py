@@ -508,7 +508,10 @@ class SqliteStore(Store):
             self._writes.append(_Write(what, loop, future, work))
             first, self._flush_queued = not self._flush_queued, True
         if first:
-            pool.submit(self._flush)
+            # Submitted on the loop's next turn, not now: the calls the loop runs in this turn
+            # (answers that arrived together) add their writes to the same batch first. A lone
+            # call loses nothing: the loop has nothing else to run before it.
+            loop.call_soon(self._start_flush, pool)
         try:
             async with asyncio.timeout(self.timeout):
                 return await future
@@ -517,6 +520,15 @@ class SqliteStore(Store):
         except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"sqlite store {self.path}: {what} failed: {exc}") from exc
 
+    def _start_flush(self, pool: ThreadPoolExecutor) -> None:
+        try:
+            pool.submit(self._flush)
+        except RuntimeError:  # the store closed in the meantime: its worker takes no more work
+            with self._writes_lock:
+                batch, self._writes, self._flush_queued = self._writes, [], False
+            error = StoreError(f"sqlite store {self.path}: closed")
+            _settle([(job.future, None) for job in batch], error)
+
     def _flush(self) -> None:
         """On the worker thread: every queued write in one write transaction, in the order they
         came, then each caller woken (one wake-up of each event loop for the whole batch). A
@@ -524,6 +536,8 @@ class SqliteStore(Store):
         of their outputs is delivered (fail closed)."""
         with self._writes_lock:
             batch, self._writes, self._flush_queued = self._writes, [], False
+        if not batch:
+            return  # taken by an earlier flush (`close` drains the queue itself)
         answers: list[Any] = []
         error: Exception | None = None
         try:
@@ -684,6 +698,8 @@ class SqliteStore(Store):
         if executor is None or self._pid != os.getpid():
             return
         loop = asyncio.get_running_loop()
+        if self._flush_queued:
+            executor.submit(self._flush)  # writes queued this turn commit before the connection closes
         try:
             async with asyncio.timeout(self.timeout):
                 await loop.run_in_executor(executor, self._close_conn)

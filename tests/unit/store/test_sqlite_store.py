@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import StoreError
-from proxy.store.base import LOG_COUNTER
+from proxy.store.base import LOG_COUNTER, log_field
 from proxy.store.sqlite import SqliteStore
 
 
@@ -112,3 +112,12 @@ async def test_appends_from_a_closed_store_are_refused(store: SqliteStore) -> No
     await store.close()
     with pytest.raises(StoreError, match="closed"):
         await store.hash_append("log", "run", b"x")
+
+
+async def test_writes_queued_when_the_store_closes_are_committed_first(store: SqliteStore) -> None:
+    await store.ping()
+    append = asyncio.create_task(store.hash_append("log", "run", b"last", ttl=60.0))
+    await asyncio.sleep(0)  # queued; its batch not yet handed to the worker
+    await store.close()
+    assert await append == 1
+    assert _log(store.path, "run")[log_field(1)] == b"last"
