@@ -21,8 +21,16 @@ cannot both count the same free room under a cap); a read is one read transactio
 across its chunks). Fields are named in `IN (...)` lists of at most `_IN_CHUNK`, so every hash
 operation costs what its own fields cost, never what the hash holds. A log (`hash_append`) is a
 hash whose fields are 8-byte big-endian sequence numbers plus its counter field: an append is
-one write transaction (with the hash set alongside, `also`), `hash_since` one read transaction
-over a range of the primary key.
+one write step (with the hash set alongside, `also`), `hash_since` one read transaction over a
+range of the primary key.
+
+Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and the worker
+takes every queued one into a single `BEGIN IMMEDIATE` transaction, applied in the order they
+came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
+Each caller is answered only after that transaction committed, so an output is still recorded
+before it is delivered; concurrent calls share one commit and one thread hop (a batch is handed
+to the worker on the event loop's next turn, so the answers that arrived together share it). A
+batch fails as one: every caller in it gets the StoreError and nothing of it is kept.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
