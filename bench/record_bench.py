@@ -17,7 +17,11 @@ between checkouts compare both sides in one session.
 
 Usage (from the repository root):
 
-    python bench/record_bench.py [--sizes 1000,10000,50000] [--repeat 60] [--code DIR]
+    python bench/record_bench.py [--sizes 1000,10000,50000] [--repeat 60] [--code DIR] [--concurrency 32]
+
+With `--concurrency C`, each row also gives the CPU per output when C calls record at once
+(stateless, and session reads that write their pending marker first), which is where the
+SQLite store's group commit of concurrent writes shows.
 
 Prints one Markdown row per store and size on stdout; bench/RESULTS.md quotes them.
 """
@@ -119,7 +123,35 @@ async def measure(store: Store, size: int, repeat: int, rng: random.Random) -> d
     return {k: statistics.median(v) * 1e6 for k, v in samples.items()}
 
 
-async def main(sizes: list[int], repeat: int) -> None:
+async def measure_concurrent(store: Store, size: int, repeat: int, rng: random.Random,
+                             concurrency: int) -> dict[str, float]:
+    """CPU µs per output (this process, every thread) when `concurrency` calls record at once,
+    as a loaded proxy does: stateless (fingerprint, record) and as session reads (the pending
+    marker written first, then fingerprint and record clearing it). Medians over the rounds."""
+    recent = RecentWrites()
+    piece = Label(True, False)
+    samples: dict[str, list[float]] = {"stateless": [], "session": []}
+
+    async def stateless(i: int, text: str) -> None:
+        delta = await delta_of("web.fetch", [Piece(text, piece, "t")], N, limit=CAP)
+        await record(store, f"run{i % 8}", delta, n=N, cap=CAP, ttl=TTL, recent=recent)
+
+    async def session(i: int, text: str) -> None:
+        run, marker = f"run{i % 8}", f"c{i}-{time.monotonic_ns()}"
+        await mark_pending(store, run, marker, time.time() + 60, ttl=TTL, recent=recent)
+        delta = await delta_of("web.fetch", [Piece(text, piece, "t")], N, limit=CAP)
+        await record(store, run, delta, n=N, cap=CAP, ttl=TTL, done=marker, recent=recent)
+
+    for _ in range(max(1, repeat // concurrency)):
+        for name, call in (("stateless", stateless), ("session", session)):
+            texts = [output(rng, size) for _ in range(concurrency)]
+            cpu = time.process_time()
+            await asyncio.gather(*(call(i, text) for i, text in enumerate(texts)))
+            samples[name].append((time.process_time() - cpu) / concurrency)
+    return {k: statistics.median(v) * 1e6 for k, v in samples.items()}
+
+
+async def main(sizes: list[int], repeat: int, concurrency: int) -> None:
     rng = random.Random(15)
     with tempfile.TemporaryDirectory() as tmp:
         async with stores(Path(tmp)) as found:
@@ -129,8 +161,12 @@ async def main(sizes: list[int], repeat: int) -> None:
                     for size in sizes:
                         await measure(store, size, 5, rng)  # warm: connections, tables, scripts
                         got = await measure(store, size, repeat, rng)
-                        print(f"| {name} | {size:,} | {got['fingerprint']:.0f} | {got['write']:.0f} "
-                              f"| {got['total']:.0f} | {got['session']:.0f} | {got['cpu']:.0f} |", flush=True)
+                        row = (f"| {name} | {size:,} | {got['fingerprint']:.0f} | {got['write']:.0f} "
+                               f"| {got['total']:.0f} | {got['session']:.0f} | {got['cpu']:.0f} |")
+                        if concurrency > 1:
+                            many = await measure_concurrent(store, size, repeat * 4, rng, concurrency)
+                            row += f" {many['stateless']:.0f} | {many['session']:.0f} |"
+                        print(row, flush=True)
                 finally:
                     await store.close()
 
@@ -140,8 +176,13 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="1000,10000,50000")
     parser.add_argument("--repeat", type=int, default=60)
     parser.add_argument("--code", help="import `proxy` from this directory (another checkout)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="also the CPU per output when this many calls record at once (stateless, session)")
     args = parser.parse_args()
+    many = args.concurrency > 1
     print("| store | output chars | fingerprint µs | store write µs | added before delivery µs "
-          "| session read (marker cleared) µs | CPU of this process µs |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    asyncio.run(main([int(s) for s in args.sizes.split(",")], args.repeat))
+          "| session read (marker cleared) µs | CPU of this process µs |"
+          + (f" CPU per output at c={args.concurrency} µs | CPU per session read at c={args.concurrency} µs |"
+             if many else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if many else ""))
+    asyncio.run(main([int(s) for s in args.sizes.split(",")], args.repeat, args.concurrency))

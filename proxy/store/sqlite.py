@@ -21,8 +21,16 @@ cannot both count the same free room under a cap); a read is one read transactio
 across its chunks). Fields are named in `IN (...)` lists of at most `_IN_CHUNK`, so every hash
 operation costs what its own fields cost, never what the hash holds. A log (`hash_append`) is a
 hash whose fields are 8-byte big-endian sequence numbers plus its counter field: an append is
-one write transaction (with the hash set alongside, `also`), `hash_since` one read transaction
-over a range of the primary key.
+one write step (with the hash set alongside, `also`), `hash_since` one read transaction over a
+range of the primary key.
+
+Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and the worker
+takes every queued one into a single `BEGIN IMMEDIATE` transaction, applied in the order they
+came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
+Each caller is answered only after that transaction committed, so an output is still recorded
+before it is delivered; concurrent calls share one commit and one thread hop (a batch is handed
+to the worker on the event loop's next turn, so the answers that arrived together share it). A
+batch fails as one: every caller in it gets the StoreError and nothing of it is kept.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
@@ -42,8 +50,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from proxy.errors import StoreError
 from proxy.store import buckets as arithmetic
@@ -215,6 +224,34 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
     return HashPut(room, len(new) - room)
 
 
+def _hash_append(conn: sqlite3.Connection, now: float, ns: str, key: str, value: bytes, ttl: float | None,
+                 weight: int, cap: int | None, also: tuple[str, Mapping[bytes, bytes]] | None,
+                 drop: Sequence[bytes]) -> int:
+    """`Store.hash_append` inside the caller's write transaction."""
+    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+    if meta is not None and not _live(meta[0], now):
+        conn.execute(_HASH_CLEAR, (ns, key))
+        conn.execute(_HASH_DROP_META, (ns, key))
+        meta = None
+    expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
+    expires = expires if ttl is None else now + ttl
+    row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
+    seq, total = log_counter(None if row is None else bytes(row[1]))
+    if cap is not None and total + weight > cap:
+        if ttl is not None and meta is not None:
+            conn.execute(_HASH_SET_META, (ns, key, expires, size))
+        return 0
+    seq += 1
+    conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
+    conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
+    conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
+    if also is not None:
+        _hash_put(conn, now, also[0], key, also[1], ttl)
+        if drop:
+            _hash_remove(conn, now, also[0], key, drop)
+    return seq
+
+
 def _hash_remove(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Sequence[bytes]) -> None:
     """`Store.hash_delete` inside the caller's write transaction."""
     meta = conn.execute(_HASH_META, (ns, key)).fetchone()
@@ -231,6 +268,29 @@ def _hash_remove(conn: sqlite3.Connection, now: float, ns: str, key: str, fields
 
 def _live(expires: float | None, now: float) -> bool:
     return expires is None or expires > now
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One caller's hash write (`hash_append`, `hash_put`, `hash_delete`), queued for the
+    worker's next batch (`SqliteStore._flush`): `work` runs inside the batch's transaction."""
+
+    what: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    work: Callable[[sqlite3.Connection, float], Any]
+
+
+def _settle(settled: list[tuple[asyncio.Future[Any], Any]], error: Exception | None) -> None:
+    """On the event loop: hand each caller of a batch its answer, or the batch's error (a
+    caller that gave up, timed out or was cancelled, is skipped)."""
+    for future, answer in settled:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(answer)
 
 
 class _TooLarge(Exception):
@@ -284,6 +344,11 @@ class SqliteStore(Store):
         self._pid = os.getpid()
         self._next_purge = 0.0
         self._closed = False
+        # Hash writes waiting for the worker's next batch, and whether a batch is already queued
+        # on the worker (a new write then only joins the list: one thread hop per batch).
+        self._writes: list[_Write] = []
+        self._writes_lock = threading.Lock()
+        self._flush_queued = False
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
         # number, valid until (wall time), the hash's fields).
@@ -357,6 +422,7 @@ class SqliteStore(Store):
             self._pid, self._executor, self._conn = os.getpid(), None, None
             self._read_conn, self._read_thread = None, None  # not closed: the parent's
             self._quiet.clear()
+            self._writes, self._writes_lock, self._flush_queued = [], threading.Lock(), False
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite")
         return self._executor
@@ -426,50 +492,77 @@ class SqliteStore(Store):
 
     async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
                        *, replace: bool = True, cap: int | None = None) -> HashPut:
-        def op(conn: sqlite3.Connection) -> HashPut:
-            now = time.time()
-            result = _transaction(conn, "BEGIN IMMEDIATE",
-                                  lambda: _hash_put(conn, now, ns, key, fields, ttl, replace, cap))
-            self._maybe_purge(conn, now)
-            return result
-
-        return await self._run("hash_put", op)
+        return await self._write("hash_put", lambda conn, now: _hash_put(conn, now, ns, key, fields, ttl,
+                                                                        replace, cap))
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
                           drop: Sequence[bytes] = ()) -> int:
-        def append(conn: sqlite3.Connection, now: float) -> int:
-            meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-            if meta is not None and not _live(meta[0], now):
-                conn.execute(_HASH_CLEAR, (ns, key))
-                conn.execute(_HASH_DROP_META, (ns, key))
-                meta = None
-            expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
-            expires = expires if ttl is None else now + ttl
-            row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
-            seq, total = log_counter(None if row is None else bytes(row[1]))
-            if cap is not None and total + weight > cap:
-                if ttl is not None and meta is not None:
-                    conn.execute(_HASH_SET_META, (ns, key, expires, size))
-                return 0
-            seq += 1
-            conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
-            conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
-            conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
-            if also is not None:
-                _hash_put(conn, now, also[0], key, also[1], ttl)
-                if drop:
-                    _hash_remove(conn, now, also[0], key, drop)
-            return seq
+        return await self._write("hash_append", lambda conn, now: _hash_append(
+            conn, now, ns, key, value, ttl, weight, cap, also, drop))
 
-        def op(conn: sqlite3.Connection) -> int:
+    async def _write(self, what: str, work: Callable[[sqlite3.Connection, float], T]) -> T:
+        """Group commit: `work` joins the writes that the worker thread takes all at once into
+        one write transaction (`_flush`); the caller is answered once that transaction has
+        committed (so an output is recorded before it is delivered, as with a transaction of
+        its own). Concurrent calls' writes share one BEGIN/COMMIT and one thread hop."""
+        if self._closed:
+            raise StoreError(f"sqlite store {self.path}: closed")
+        loop = asyncio.get_running_loop()
+        pool = self._pool()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._writes_lock:
+            self._writes.append(_Write(what, loop, future, work))
+            first, self._flush_queued = not self._flush_queued, True
+        if first:
+            # Submitted on the loop's next turn, not now: the calls the loop runs in this turn
+            # (answers that arrived together) add their writes to the same batch first. A lone
+            # call loses nothing: the loop has nothing else to run before it.
+            loop.call_soon(self._start_flush, pool)
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await future
+        except TimeoutError as exc:
+            raise StoreError(f"sqlite store {self.path}: {what} timed out after {self.timeout}s") from exc
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"sqlite store {self.path}: {what} failed: {exc}") from exc
+
+    def _start_flush(self, pool: ThreadPoolExecutor) -> None:
+        try:
+            pool.submit(self._flush)
+        except RuntimeError:  # the store closed in the meantime: its worker takes no more work
+            with self._writes_lock:
+                batch, self._writes, self._flush_queued = self._writes, [], False
+            error = StoreError(f"sqlite store {self.path}: closed")
+            _settle([(job.future, None) for job in batch], error)
+
+    def _flush(self) -> None:
+        """On the worker thread: every queued write in one write transaction, in the order they
+        came, then each caller woken (one wake-up of each event loop for the whole batch). A
+        failure anywhere rolls the whole batch back and every caller in it gets the error: none
+        of their outputs is delivered (fail closed)."""
+        with self._writes_lock:
+            batch, self._writes, self._flush_queued = self._writes, [], False
+        if not batch:
+            return  # taken by an earlier flush (`close` drains the queue itself)
+        answers: list[Any] = []
+        error: Exception | None = None
+        try:
+            conn = self._connect()
             now = time.time()
-            result = _transaction(conn, "BEGIN IMMEDIATE", lambda: append(conn, now))
+            answers = _transaction(conn, "BEGIN IMMEDIATE", lambda: [job.work(conn, now) for job in batch])
             self._maybe_purge(conn, now)
-            return result
-
-        return await self._run("hash_append", op)
+        except Exception as exc:  # every caller of the batch gets it (sqlite, OS or a bug)
+            error = exc
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
+        for i, job in enumerate(batch):
+            loops.setdefault(job.loop, []).append((job.future, answers[i] if answers else None))
+        for loop, settled in loops.items():
+            try:
+                loop.call_soon_threadsafe(_settle, settled, error)
+            except RuntimeError:
+                pass  # that loop has closed: nobody waits for these answers any more
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:
@@ -572,8 +665,7 @@ class SqliteStore(Store):
         if not fields:
             return
 
-        await self._run("hash_delete", lambda conn: _transaction(
-            conn, "BEGIN IMMEDIATE", lambda: _hash_remove(conn, time.time(), ns, key, fields)))
+        await self._write("hash_delete", lambda conn, now: _hash_remove(conn, now, ns, key, fields))
 
     # ---- token buckets ------------------------------------------------------------------------
 
@@ -614,6 +706,8 @@ class SqliteStore(Store):
         if executor is None or self._pid != os.getpid():
             return
         loop = asyncio.get_running_loop()
+        if self._flush_queued:
+            executor.submit(self._flush)  # writes queued this turn commit before the connection closes
         try:
             async with asyncio.timeout(self.timeout):
                 await loop.run_in_executor(executor, self._close_conn)
