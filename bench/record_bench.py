@@ -31,26 +31,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--code" in sys.argv:  # before `proxy` is imported: the checkout to measure
     sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
+from ledger_bench import stores  # bench/ledger_bench.py: the stores measured (Redis started here)
+
 from proxy.envelope.dataflow.ledger import RecentWrites, mark_pending, record
 from proxy.envelope.dataflow.offload import delta_of
 from proxy.envelope.labels import Label, Piece
 from proxy.store.base import Store
-from proxy.store.memory import MemoryStore
-from proxy.store.redis import RedisStore
-from proxy.store.sqlite import SqliteStore
 
 N = 32
 CAP = 10_000_000
@@ -77,20 +73,6 @@ def output(rng: random.Random, size: int) -> str:
         out.append(word)
         length += len(word) + 1
     return " ".join(out)[:size]
-
-
-@asynccontextmanager
-async def stores(tmp: Path) -> AsyncIterator[list[tuple[str, Callable[[], Store]]]]:
-    found: list[tuple[str, Callable[[], Store]]] = [("memory", MemoryStore)]
-    found.append(("sqlite", lambda: SqliteStore(tmp / f"state-{time.monotonic_ns()}.db", timeout=30.0)))
-    if shutil.which("redis-server"):
-        from tests.redis_server import running_redis
-        (tmp / "redis").mkdir()
-        with running_redis(tmp / "redis") as server:
-            found.append(("redis", lambda: RedisStore(server.url, prefix=f"b{time.monotonic_ns()}:", timeout=30.0)))
-            yield found
-    else:
-        yield found
 
 
 async def measure(store: Store, size: int, repeat: int, rng: random.Random) -> dict[str, float]:
