@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from fast_served import fast_served
 
 from proxy.app.fast_listener import FastListener
 
@@ -67,13 +68,8 @@ async def served() -> AsyncIterator[FastListener]:
     app.router.add_get("/stream", _stream)
     app.router.add_get("/slow", _slow)
     app.router.add_get("/nodelay", _nodelay)
-    listener = FastListener(app, header_timeout=5, keepalive_timeout=5, shutdown_timeout=2)
-    await listener.setup()
-    await listener.start("127.0.0.1", 0)
-    try:
+    async with fast_served(app) as listener:
         yield listener
-    finally:
-        await listener.cleanup()
 
 
 async def exchange(listener: FastListener, data: bytes, seconds: float = 5) -> bytes:

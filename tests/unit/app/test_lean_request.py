@@ -15,6 +15,7 @@ from typing import cast
 
 import pytest
 from aiohttp import web
+from fast_served import fast_served
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.app.fast_listener import FastListener, LeanRequest
@@ -110,19 +111,9 @@ def _app(middleware: bool = False) -> web.Application:
     return app
 
 
-async def _served(app: web.Application) -> AsyncIterator[FastListener]:
-    listener = FastListener(app, header_timeout=5, keepalive_timeout=5, shutdown_timeout=2)
-    await listener.setup()
-    await listener.start("127.0.0.1", 0)
-    try:
-        yield listener
-    finally:
-        await listener.cleanup()
-
-
 @pytest.fixture
 async def served() -> AsyncIterator[FastListener]:
-    async for listener in _served(_app()):
+    async with fast_served(_app()) as listener:
         yield listener
 
 
@@ -191,7 +182,7 @@ async def test_a_path_no_route_matches_is_answered_by_the_router(served: FastLis
 
 
 async def test_an_application_with_a_middleware_never_gets_a_lean_request() -> None:
-    async for listener in _served(_app(middleware=True)):
+    async with fast_served(_app(middleware=True)) as listener:
         assert not listener.lean
         out = await exchange(listener, post("/mcp/files", b"{}"))
         assert out.endswith(b"Request|{'upstream': 'files'}|2") and b"Lean" not in out, out
@@ -228,7 +219,7 @@ def _undated(out: bytes) -> bytes:
 async def test_a_plain_answer_is_written_as_its_web_response_would_be(name: str, extra: tuple[str, ...]) -> None:
     app = web.Application()
     app.router.add_route("*", "/mcp/{upstream}", _answer)
-    async for listener in _served(app):
+    async with fast_served(app) as listener:
         RETURNED.clear()
         lean = await exchange(listener, post(f"/mcp/{name}", b"{}", *extra, close=False)
                               + post(f"/mcp/{name}", b"[1]"))
@@ -249,6 +240,6 @@ async def test_a_plain_answer_with_a_line_break_in_a_header_is_a_500() -> None:
 
     app = web.Application()
     app.router.add_route("*", "/mcp/{upstream}", broken)
-    async for listener in _served(app):
+    async with fast_served(app) as listener:
         out = await exchange(listener, post("/mcp/a", b"{}"))
         assert out.startswith(b"HTTP/1.1 500 ") and b"Set-Cookie" not in out, out
