@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -40,23 +40,24 @@ class LruCache(Generic[K, V]):
             self._weights.clear()
             self._total = 0
 
+    def _find(self, key: K) -> tuple[bool, V | None]:
+        """(True, the value kept for `key`, now the most recent) or (False, None); counted."""
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                self.hits += 1
+                return True, self._data[key]
+            self.misses += 1
+        return False, None
+
     def get(self, key: K) -> V | None:
         """The value kept for `key` (now the most recent), or None."""
-        with self._lock:
-            if key in self._data:
-                self._data.move_to_end(key)
-                self.hits += 1
-                return self._data[key]
-            self.misses += 1
-        return None
+        return self._find(key)[1]
 
     def get_or_build(self, key: K, build: Callable[[], V]) -> V:
-        with self._lock:
-            if key in self._data:
-                self._data.move_to_end(key)
-                self.hits += 1
-                return self._data[key]
-            self.misses += 1
+        found, kept = self._find(key)
+        if found:
+            return cast(V, kept)  # found: the kept value
         value = build()
         self.put(key, value)
         return value

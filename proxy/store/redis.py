@@ -379,20 +379,23 @@ class RedisStore(Store):
             for field, field_value in also[1].items():
                 args += (field, field_value)
 
-        async def append() -> Any:
-            if self._lane is not None:
-                try:
-                    return await self._lane.call("EVALSHA", self._log_append.sha, len(keys), *keys, *args)
-                except LaneError:
-                    # As for `hash_since`. An entry the server took before the connection
-                    # dropped is appended again by redis-py (which also retries once on a
-                    # dropped connection): the same fingerprints twice, which a view holds
-                    # once and the cap counts twice (the run overflows sooner, never later).
-                    pass
-            return await self._log_append(keys=keys, args=args)
-
-        done = await self._call("hash_append", append)
+        # An entry the server took before the lane's connection dropped is appended again by
+        # redis-py (which also retries once on a dropped connection): the same fingerprints
+        # twice, which a view holds once and the cap counts twice (the run overflows sooner,
+        # never later).
+        done = await self._call("hash_append", lambda: self._script(self._log_append, keys, args))
         return int(done)
+
+    async def _script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run a registered script over the raw RESP lane (EVALSHA), else through redis-py:
+        the script not loaded (a restarted or flushed server), a dropped connection, any lane
+        error, and redis-py answers (it loads the script, retries, maps errors)."""
+        if self._lane is not None:
+            try:
+                return await self._lane.call("EVALSHA", script.sha, len(keys), *keys, *args)
+            except LaneError:
+                pass
+        return await script(keys=keys, args=args)
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:
@@ -401,17 +404,7 @@ class RedisStore(Store):
             keys.append(self._hash_key(with_hash, key))
         args = [max(0, after), max(0, limit)]
 
-        async def since() -> Any:
-            if self._lane is not None:
-                try:
-                    return await self._lane.call("EVALSHA", self._log_since.sha, len(keys), *keys, *args)
-                except LaneError:
-                    # Not loaded (a restarted or flushed server), a dropped connection, any
-                    # error: redis-py answers (it loads the script, retries, maps errors).
-                    pass
-            return await self._log_since(keys=keys, args=args)
-
-        found = await self._call("hash_since", since)
+        found = await self._call("hash_since", lambda: self._script(self._log_since, keys, args))
         flat = [_bytes(v) for v in found[1]]
         return LogRead(int(found[0]), [_bytes(v) for v in found[2:]], dict(zip(flat[::2], flat[1::2], strict=True)))
 

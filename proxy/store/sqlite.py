@@ -168,17 +168,24 @@ def _transaction(conn: sqlite3.Connection, begin: str, fn: Callable[[], T]) -> T
     return result
 
 
+def _writable_meta(conn: sqlite3.Connection, now: float, ns: str, key: str) -> tuple[Any, ...] | None:
+    """A hash's (expires, size) row before a write in the caller's transaction, or None when
+    it has none; an expired hash is cleared first (it starts afresh: no fields, no expiry,
+    before the write counts anything)."""
+    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
+    if meta is not None and not _live(meta[0], now):
+        conn.execute(_HASH_CLEAR, (ns, key))
+        conn.execute(_HASH_DROP_META, (ns, key))
+        return None
+    return tuple(meta) if meta is not None else None
+
+
 def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Mapping[bytes, bytes],
               ttl: float | None, replace: bool = True, cap: int | None = None) -> HashPut:
     """`Store.hash_put` inside the caller's write transaction."""
     items = list(fields.items())
     names = [field for field, _ in items]
-    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-    if meta is not None and not _live(meta[0], now):
-        # Expired: starts afresh (no fields, no expiry) before this put counts anything.
-        conn.execute(_HASH_CLEAR, (ns, key))
-        conn.execute(_HASH_DROP_META, (ns, key))
-        meta = None
+    meta = _writable_meta(conn, now, ns, key)
     expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
     if cap is None and len(items) <= _SMALL_PUT:
         # A few fields (a ledger's flags and sources, mostly unchanged since the run's last
@@ -228,11 +235,7 @@ def _hash_append(conn: sqlite3.Connection, now: float, ns: str, key: str, value:
                  weight: int, cap: int | None, also: tuple[str, Mapping[bytes, bytes]] | None,
                  drop: Sequence[bytes]) -> int:
     """`Store.hash_append` inside the caller's write transaction."""
-    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-    if meta is not None and not _live(meta[0], now):
-        conn.execute(_HASH_CLEAR, (ns, key))
-        conn.execute(_HASH_DROP_META, (ns, key))
-        meta = None
+    meta = _writable_meta(conn, now, ns, key)
     expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
     expires = expires if ttl is None else now + ttl
     row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
