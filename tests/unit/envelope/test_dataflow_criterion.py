@@ -102,17 +102,7 @@ def _revision(**dataflow: Any) -> Any:
 async def _book(hotel: str, said: str, page: str = INJECTED, **dataflow: Any) -> tuple[Decision | None, ToolCall]:
     """`web.book(hotel)` in a run that read HOTELS (trusted) and `page` (untrusted), with `said`
     as the run's intent."""
-    store = MemoryStore()
-    check = DataflowCheck(_revision(**dataflow), None,  # type: ignore[arg-type]
-                          Services(store=store, metrics=None, settings=Config()))
-    for source, text, label in (("web.hotels", HOTELS, TRUSTED), ("web.fetch", page, UNTRUSTED)):
-        delta = LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True,
-                               min_value=check.policy.min_value)
-        await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
-    await intents.append(store, RUN_KEY, said, max_chars=16384, ttl=60)
-    call = make_call("book", {"hotel": hotel}, upstream="web")
-    call.effect = Effect.EXTERNAL
-    return await check.decide(call), call
+    return await _reserve(hotel, said, page, HOTELS, **dataflow)
 
 
 async def test_the_criterion_endorses_the_extreme_entry_with_its_source_audited() -> None:
