@@ -104,18 +104,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for p in procs:
         p.start()
     try:
-        _supervise(procs)
+        failed = _supervise(procs)
     except KeyboardInterrupt:
         for p in procs:
             p.join()
-    return max((p.exitcode or 0) for p in procs)
+        failed = 0
+    return failed or max(_exit_status(p.exitcode) for p in procs)
 
 
-def _supervise(procs: list[Any]) -> None:
+def _exit_status(code: int | None) -> int:
+    """A worker's exit code as a shell would report it: killed by signal N is 128 + N."""
+    return 0 if code is None else (128 - code if code < 0 else code)
+
+
+def _supervise(procs: list[Any]) -> int:
     """Wait for the workers; when one fails (a non-zero exit: its address taken, its policy
-    unloadable, a crash), stop the others and return, so the process exits with that code and
-    its orchestrator sees it, instead of serving on fewer workers than configured while looking
-    healthy."""
+    unloadable, a crash or a kill), stop the others and return its exit status, so the process
+    exits with it and its orchestrator sees it, instead of serving on fewer workers than
+    configured while looking healthy. 0 when every worker ended cleanly."""
     running = list(procs)
     while running:
         mp_connection.wait([p.sentinel for p in running])
@@ -127,7 +133,8 @@ def _supervise(procs: list[Any]) -> None:
                     other.terminate()  # SIGTERM: the worker's graceful shutdown
                 for other in running:
                     other.join()
-                return
+                return _exit_status(p.exitcode)
+    return 0
 
 
 def _free_port() -> int:

@@ -282,3 +282,52 @@ def test_a_worker_that_cannot_start_stops_the_whole_process(tmp_path: Path) -> N
     assert f"127.0.0.1:{taken}: address already in use" in done.stderr, done.stderr
     assert "worker 1 exited with 2; stopping the other workers" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_worker_killed_stops_the_whole_process_with_its_status(tmp_path: Path) -> None:
+    # A crash (here SIGKILL) of one worker is a failure too: the others stop and the process
+    # exits 128 + 9, not 0 because the survivors shut down cleanly.
+    admin = free_port()
+    while not _port_free(admin + 1):
+        admin = free_port()
+    listen = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
+                             "--admin", f"127.0.0.1:{admin}", "--workers", "2",
+                             "--state-dir", str(tmp_path / "state")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_port(admin + 1, proc)  # worker 1 serves its admin listener: both are up
+        worker = _listener_pid(admin + 1)
+        os.kill(worker, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        stop(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert "worker 1 exited with -9; stopping the other workers" in err, err
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _listener_pid(port: int) -> int:
+    """The pid of the process listening on loopback `port` (from /proc/net/tcp and fd links)."""
+    inode = ""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # LISTEN
+            inode = fields[9]
+    assert inode, f"nothing listens on {port}"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if f"socket:[{inode}]" in links:
+            return int(pid)
+    raise AssertionError(f"no process holds the socket of port {port}")
