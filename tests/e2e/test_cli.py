@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from e2e_helpers import CLI, ROOT, cli
 
-from tests.harness import FIXTURE_POLICIES, free_port, mcp_client, stop, wait_port
+from tests.harness import FIXTURE_POLICIES, admin_ports, free_port, mcp_client, stop, wait_port
 
 SERVE_FLAGS = ("--policies", "--listen", "--admin", "--state-dir")
 
@@ -287,10 +287,7 @@ def test_a_worker_that_cannot_start_stops_the_whole_process(tmp_path: Path) -> N
 def test_a_worker_killed_stops_the_whole_process_with_its_status(tmp_path: Path) -> None:
     # A crash (here SIGKILL) of one worker is a failure too: the others stop and the process
     # exits 128 + 9, not 0 because the survivors shut down cleanly.
-    admin = free_port()
-    while not _port_free(admin + 1):
-        admin = free_port()
-    listen = free_port()
+    admin, listen = admin_ports(2), free_port()
     proc = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
                              "--admin", f"127.0.0.1:{admin}", "--workers", "2",
                              "--state-dir", str(tmp_path / "state")],
@@ -304,15 +301,6 @@ def test_a_worker_killed_stops_the_whole_process_with_its_status(tmp_path: Path)
         stop(proc)
     assert proc.returncode == 128 + signal.SIGKILL, err
     assert "worker 1 exited with -9; stopping the other workers" in err, err
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def _listener_pid(port: int) -> int:
