@@ -273,10 +273,13 @@ def test_a_worker_that_cannot_start_stops_the_whole_process(tmp_path: Path) -> N
     # Worker i serves its admin listener on the admin port + i. When worker 1's is taken, the
     # process must not go on serving with one worker while looking healthy: it stops worker 0
     # and exits non-zero, naming the address.
-    holder, taken = _occupied()
-    with holder:
+    admin = admin_ports(2)  # admin and admin + 1 both free, so only the holder below takes one
+    taken = admin + 1
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
         done = cli("serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{free_port()}",
-                   "--admin", f"127.0.0.1:{taken - 1}", "--workers", "2",
+                   "--admin", f"127.0.0.1:{admin}", "--workers", "2",
                    "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"127.0.0.1:{taken}: address already in use" in done.stderr, done.stderr
