@@ -67,9 +67,13 @@ def corpus() -> list[str]:
     found: set[str] = set()
     for folder in ("policies", "examples", "tests", "bench"):
         for path in sorted((ROOT / folder).rglob("*.y*ml")):
+            if "node_modules" in path.parts:
+                continue
             found.update(_yaml_strings(path.read_text(encoding="utf-8")))
     for folder in ("tests", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
+            if "node_modules" in path.parts:  # Node's own files, installed by CI beside the tests
+                continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
                     found.add(node.value)
