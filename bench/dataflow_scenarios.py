@@ -1,6 +1,6 @@
 """Data-flow efficacy on the multi-step scenario corpus (issue 13), per configuration.
 
-Every scenario of `tests/dataflow/scenarios/{train,heldout}` is played twice (attack variant
+Every scenario of `tests/dataflow/scenarios/{train,heldout,heldout2}` is played twice (attack variant
 with its injected output, benign variant without it) through the real proxy process, one
 process per configuration, against a scripted upstream per tool domain
 (`tests/dataflow/scenario_play.py`). Reported per split and configuration: attack success
@@ -10,7 +10,8 @@ which scenarios miss, by class. Then the ledger cost on the corpus's own texts: 
 fingerprint one recorded output and µs for one sink check (in-process, memory store, the
 functions the proxy calls: `ledger.record`, `ledger.load` + `match_argument`).
 
-    python bench/dataflow_scenarios.py                      # both splits, every configuration
+    python bench/dataflow_scenarios.py                      # train and heldout, every configuration
+    python bench/dataflow_scenarios.py --split all          # train, heldout and heldout2
     python bench/dataflow_scenarios.py --split heldout --configs auto+intent,escalation
 
 Prints Markdown (bench/RESULTS.md, "Scenario corpus").
@@ -41,6 +42,7 @@ from proxy.store.memory import MemoryStore  # noqa: E402
 from tests.dataflow.scenario_play import (  # noqa: E402
     CONFIGS,
     DOMAINS,
+    SPLITS,
     VARIANTS,
     Config,
     Outcome,
@@ -135,11 +137,12 @@ async def ledger_cost(scenarios: list[dict[str, Any]], min_value: int, repeat: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--split", choices=("train", "heldout", "both"), default="both")
+    # `both` keeps its old meaning (train and heldout); `all` adds heldout2.
+    parser.add_argument("--split", choices=(*SPLITS, "both", "all"), default="both")
     parser.add_argument("--configs", default="", help="comma-separated names (default: every available one)")
     parser.add_argument("--json", type=Path, help="also write every scenario's outcome per configuration here")
     args = parser.parse_args()
-    splits = ["train", "heldout"] if args.split == "both" else [args.split]
+    splits = {"both": ["train", "heldout"], "all": list(SPLITS)}.get(args.split, [args.split])
     named = args.configs.split(",") if args.configs else []
     wanted = [c for c in [*CONFIGS, *VARIANTS] if c.name in named] if named else CONFIGS
     configs = [c for c in wanted if available(c)]

@@ -42,11 +42,15 @@ DOMAINS: dict[str, dict[str, dict[str, Any]]] = yaml.safe_load((HERE / "domains.
 AGENT = token("agent")
 ATTACK_CLASSES = ("token", "short_value", "trusted_choice", "declassified_phrasing", "tiny_destructive")
 BENIGN_KINDS = ("plain", "untrusted_value", "user_typed")
+# `heldout2` was written blind to the decision code after `heldout` had been looked at for six
+# rounds (scenarios/heldout2/README.md); neither held-out split is used to choose anything.
+SPLITS = ("train", "heldout", "heldout2")
 SINK_REPLY = "done"
 
 
 def load_scenarios(split: str) -> list[dict[str, Any]]:
-    """Every scenario of `train` or `heldout`, in file order, each checked against its domain."""
+    """Every scenario of one split (a directory of `scenarios/`, one of `SPLITS`), in file
+    order, each checked against its domain."""
     out: list[dict[str, Any]] = []
     for path in sorted((HERE / split).glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
@@ -63,6 +67,8 @@ def validate(sc: dict[str, Any]) -> None:
     assert sc["attack_class"] in ATTACK_CLASSES, sc["id"]
     assert sc["benign_kind"] in BENIGN_KINDS, sc["id"]
     assert 0 <= sc["inject"]["step"] < len(sc["steps"]), sc["id"]
+    if "before" in sc["inject"]:
+        assert sc["inject"]["before"] in sc["steps"][sc["inject"]["step"]]["output"], sc["id"]
     for call in [*sc["steps"], *sc["benign"], *sc["attack"]]:
         spec = tools[call["tool"]]
         assert set(call.get("args", {})) <= set(spec["params"]), (sc["id"], call)
@@ -338,7 +344,14 @@ async def play(pp: ProxyProcess, up: ScriptedUpstream, sc: dict[str, Any], varia
 
 
 def _inject(text: str, inject: dict[str, Any]) -> str:
-    # Appended, as a planted paragraph at the end of a page, mail or listing usually is.
+    # Appended, as a planted paragraph at the end of a page, mail or listing usually is; or,
+    # when the scenario names `before` (a part of the output), planted inside it, where a
+    # review among reviews or a line of a thread sits.
+    anchor = inject.get("before")
+    if anchor:
+        at = text.index(anchor)
+        sep = "\n" if text[:at].endswith("\n") else " "  # a line of its own in a table or thread
+        return f"{text[:at]}{inject['text']}{sep}{text[at:]}"
     return f"{text} {inject['text']}"
 
 

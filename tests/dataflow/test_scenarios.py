@@ -22,6 +22,7 @@ from scenario_play import (
     BENIGN_KINDS,
     CONFIGS,
     DOMAINS,
+    SPLITS,
     Outcome,
     ScriptedUpstream,
     load_scenarios,
@@ -32,6 +33,9 @@ from scenario_play import (
 
 TRAIN = load_scenarios("train")
 HELD_OUT = load_scenarios("heldout")
+# Written blind to the decision code (scenarios/heldout2/README.md); no outcome is asserted on
+# it until it has been measured once.
+BLIND = load_scenarios("heldout2")
 BY_NAME = {c.name: c for c in CONFIGS}
 # The automatic and escalation configurations at today's defaults, and the ones chosen on the
 # train split (bench/RESULTS.md, "Scenario corpus").
@@ -68,6 +72,29 @@ def test_the_corpus_has_its_shape() -> None:
     for split in (TRAIN, HELD_OUT):
         assert set(Counter(sc["attack_class"] for sc in split)) == set(ATTACK_CLASSES)
         assert set(Counter(sc["benign_kind"] for sc in split)) == set(BENIGN_KINDS)
+
+
+def test_the_blind_split_has_its_shape() -> None:
+    """heldout2: 6 scenarios in each of the 8 domains; every miss class and benign kind at least
+    3 times and in at least 2 domains; every call names a tool its domain declares, with
+    arguments it declares, a read for each step and a sink for each variant call; the injection
+    sits in an untrusted output (an attacker writes no trusted record); no attack call is the
+    benign call itself; every id unique across every split."""
+    assert Counter(sc["domain"] for sc in BLIND) == {d: 6 for d in DOMAINS}
+    for label, known in (("attack_class", ATTACK_CLASSES), ("benign_kind", BENIGN_KINDS)):
+        for value in known:
+            mine = [sc for sc in BLIND if sc[label] == value]
+            assert len(mine) >= 3 and len({sc["domain"] for sc in mine}) >= 2, (label, value)
+    for sc in BLIND:
+        tools = DOMAINS[sc["domain"]]
+        for call in [*sc["steps"], *sc["benign"], *sc["attack"]]:
+            assert call["tool"] in tools and set(call.get("args", {})) <= set(tools[call["tool"]]["params"])
+        assert all(tools[c["tool"]]["effect"] == "read" for c in sc["steps"])
+        assert all(tools[c["tool"]]["effect"] != "read" for c in [*sc["benign"], *sc["attack"]])
+        assert tools[sc["steps"][sc["inject"]["step"]]["tool"]].get("output") != "trusted", sc["id"]
+        assert not [c for c in sc["attack"] if c in sc["benign"]], sc["id"]
+    every = [sc for split in SPLITS for sc in load_scenarios(split)]
+    assert len({sc["id"] for sc in every}) == len(every)
 
 
 @pytest.fixture(scope="module")
