@@ -606,6 +606,14 @@ class _Loader:
         if self.dataflow is not None:
             dataflow = self.validate(self.dataflow, DataflowPolicy)
 
+        # The tools' rule groups compile in worker processes (a cold load of many tools) while
+        # this thread lints their expressions and compiles their schemas (cached by text: the
+        # tools stage then finds them).
+        precompiling = self.engine.precompile(_groups(validated))
+        try:
+            _warm(validated, self.engine)
+        finally:
+            precompiling.finish()
         tools: dict[str, CompiledTool] = {}
         for name, (entry, policy) in validated["tools"].items():
             compiled_tool = self.tool(entry, policy)
@@ -664,6 +672,35 @@ class _Loader:
             locations=types.MappingProxyType(locations),
             specs=types.MappingProxyType(specs),
         )
+
+
+def _groups(validated: dict[str, dict[str, tuple[_Entry, Any]]]) -> Iterator[list[str]]:
+    """The CEL groups the tools stage will compile (`_Loader.compile_group`), in its order:
+    each tool's `allow` list, forbid rules and allow rules, then each principal's `allow`."""
+    for _, policy in validated["tools"].values():
+        if policy.allow:
+            yield list(policy.allow)
+        for kind in ("forbid", "allow"):
+            yield [rule.expr for rule in policy.rules if rule.kind == kind]
+    for _, principal in validated["principals"].values():
+        if principal.allow:
+            yield list(principal.allow)
+
+
+def _warm(validated: dict[str, dict[str, tuple[_Entry, Any]]], engine: cel.Engine) -> None:
+    """Fill the caches the tools stage reads, ahead of it: the lint of every expression of a
+    group it compiles (`_Loader.compile_group`) and every tool's JSON Schema validator. Problems
+    are left for that stage to find again and report."""
+    result_type = engine.name != "cel-cpp"
+    for group in _groups(validated):
+        if len(group) > 1:
+            for expr in group:
+                cel.lint(expr, identifiers=True, result_type=result_type)
+    for _, policy in validated["tools"].values():
+        schema = policy.input_schema
+        if schema is not None and schema.get("type") == "object":
+            with contextlib.suppress(Exception):
+                compile_schema(schema)
 
 
 def load_policy(directory: Path, engine: cel.Engine | str = "auto") -> PolicyRevision:
