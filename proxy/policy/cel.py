@@ -373,15 +373,16 @@ class CppEngine:
                      for src in sources)
 
     def precompile(self, groups: Iterable[Sequence[str]]) -> Precompiling:
-        """Start compiling, in worker processes, the joined programs `compile_group` will ask
-        for; `finish()` on the answer keeps them as `compile_group` would.
+        """Start compiling, in worker processes, the programs the loader will ask for (each
+        group's joined program, or its one source's); `finish()` on the answer keeps them as
+        `compile_group` and `compile` would.
 
         cel-cpp holds the GIL while it compiles, so threads cannot share the work (bench/
         RESULTS.md, round 4); processes can, and a serialized program deserializes here in a
-        seventh of a compile. The caller does other work between the two calls. Only the
-        groups `compile_group` would compile are sent (two sources or more, self-contained,
-        patterns that RE2 accepts), and only from `PRECOMPILE_MIN_GROUPS` uncompiled groups
-        up, on a machine with a core to spare. A group a worker cannot compile, a worker that
+        seventh of a compile. The caller does other work between the two calls. Only what
+        `compile_group` and `compile` would compile is sent (self-contained groups, patterns
+        that RE2 accepts, in the environment they use), and only from
+        `PRECOMPILE_MIN_GROUPS` uncompiled groups up, on a machine with a core to spare. A group a worker cannot compile, a worker that
         fails or runs past `PRECOMPILE_TIMEOUT`, a program that does not deserialize: that
         group is simply not kept, and `compile_group` compiles it here, reporting what is
         wrong exactly as without this step. Never raises.
@@ -392,30 +393,46 @@ class CppEngine:
         seen: set[tuple[str, ...]] = set()
         for group in groups:
             key = tuple(group)
-            if len(key) > 1 and key not in seen and self._joined.get(key) is None:
-                seen.add(key)
+            if not key or key in seen:
+                continue
+            seen.add(key)
+            cache: LruCache[Any, Any] = self._joined if len(key) > 1 else self._programs
+            if cache.get(key if len(key) > 1 else key[0]) is None:
                 keys.append(key)
         if len(keys) < PRECOMPILE_MIN_GROUPS:
             return _Done()
         # Started first: a worker's start-up overlaps the rewriting below.
         workers = _Workers(min(2, _spare_cores() + 1))
-        sent: list[tuple[tuple[str, ...], str, int]] = []
+        sent: list[tuple[tuple[str, ...], str, bool, int]] = []
         for key in keys:
-            if any(_RE_FUNCTION in src or not _self_contained(src) for src in key):
-                continue
+            if any(_RE_FUNCTION in src for src in key):
+                continue  # `compile` or `compile_group` says what is wrong with it
             try:
-                text = join_any([self._fast(src) or src for src in key])
-            except Exception:  # a bad literal pattern: `compile_group` reports it
+                if len(key) > 1:
+                    if not all(_self_contained(src) for src in key):
+                        continue
+                    text, fast = join_any([self._fast(src) or src for src in key]), True
+                else:  # what `_compile` compiles first
+                    rewritten = self._fast(key[0])
+                    text, fast = rewritten or key[0], rewritten is not None
+            except Exception:  # a bad literal pattern: `compile` reports it
                 continue
-            sent.append((key, text, workers.send(text)))
+            sent.append((key, text, fast, workers.send(text, fast)))
         return _Collect(self, workers, sent)
 
-    def _keep_serialized(self, key: tuple[str, ...], text: str, blob: bytes) -> bool:
+    def _keep_serialized(self, key: tuple[str, ...], text: str, fast: bool, blob: bytes) -> bool:
+        """Keep what a worker compiled where `compile_group` (a group) or `compile` (a single
+        source) would have: only a bool single, as `compile` checks."""
         try:
-            expr = self._fast_env.deserialize(blob)
-        except Exception:  # not what this library wrote: `compile_group` compiles it here
+            expr = (self._fast_env if fast else self._env).deserialize(blob)
+            if len(key) == 1:
+                _bool(expr)
+        except Exception:  # not what this library wrote, or not a bool: compiled here instead
             return False
-        self._joined.put(key, _CppProgram(text, expr))
+        if len(key) > 1:
+            self._joined.put(key, _CppProgram(text, expr))
+        else:
+            self._programs.put(key[0], _CppProgram(key[0], expr))
         return True
 
     def activation(self, variables: Mapping[str, Any]) -> Any:
@@ -453,14 +470,14 @@ class _Collect:
     """Groups sent to workers: each key, its joined text, its ticket."""
 
     def __init__(self, engine: CppEngine, workers: _Workers,
-                 sent: list[tuple[tuple[str, ...], str, int]]):
+                 sent: list[tuple[tuple[str, ...], str, bool, int]]):
         self._engine, self._workers, self._sent = engine, workers, sent
 
     def finish(self) -> int:
         blobs = self._workers.results()
         return sum(
-            self._engine._keep_serialized(key, text, blobs[ticket])
-            for key, text, ticket in self._sent if blobs[ticket]
+            self._engine._keep_serialized(key, text, fast, blobs[ticket])
+            for key, text, fast, ticket in self._sent if blobs[ticket]
         )
 
 
@@ -512,8 +529,9 @@ class _Workers:
         except (OSError, ValueError):
             pass
 
-    def send(self, text: str) -> int:
-        """Queue `text` for the next worker; its ticket (a place in `results`)."""
+    def send(self, text: str, fast: bool) -> int:
+        """Queue `text`, to compile in the rewrite environment or the plain one, for the next
+        worker; its ticket (a place in `results`)."""
         ticket = len(self._tickets)
         if not self._procs:
             self._tickets.append((-1, 0))
@@ -521,7 +539,8 @@ class _Workers:
         worker = ticket % len(self._procs)
         self._tickets.append((worker, self._counts[worker]))
         self._counts[worker] += 1
-        self._queues[worker].put(celworker.frame(text.encode("utf-8", "surrogatepass")))
+        env = b"F" if fast else b"P"
+        self._queues[worker].put(celworker.frame(env + text.encode("utf-8", "surrogatepass")))
         return ticket
 
     def results(self) -> list[bytes]:

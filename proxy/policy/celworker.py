@@ -13,7 +13,8 @@ another tree's `proxy`. The declarations live here so that the engine and the wo
 same environment from one definition.
 
 Wire format, both ways: frames of a 4-byte little-endian length and that many bytes. In: one
-frame per text (UTF-8), until stdin closes. Out: one frame per text, in order: the serialized
+frame per text until stdin closes: `F` (the rewrite environment, with the search function) or
+`P` (the plain one), then the text in UTF-8. Out: one frame per text, in order: the serialized
 program, or an empty frame when the text does not compile (the caller then compiles it itself,
 to report why).
 """
@@ -70,11 +71,14 @@ def main() -> None:
     stdin closes."""
     from cel_expr_python import cel
 
-    env = cel.NewEnv(variables=variables(cel), functions=functions(cel, _never))
+    envs = {
+        b"F"[0]: cel.NewEnv(variables=variables(cel), functions=functions(cel, _never)),
+        b"P"[0]: cel.NewEnv(variables=variables(cel)),
+    }
     source, out = sys.stdin.buffer, sys.stdout.buffer
     while (payload := read_frame(source)) is not None:
         try:
-            blob = env.compile(payload.decode("utf-8")).serialize()
+            blob = envs[payload[0]].compile(payload[1:].decode("utf-8")).serialize()
         except Exception:  # the caller compiles it itself and reports what is wrong
             blob = b""
         out.write(frame(blob))

@@ -688,14 +688,13 @@ def _groups(validated: dict[str, dict[str, tuple[_Entry, Any]]]) -> Iterator[lis
 
 
 def _warm(validated: dict[str, dict[str, tuple[_Entry, Any]]], engine: cel.Engine) -> None:
-    """Fill the caches the tools stage reads, ahead of it: the lint of every expression of a
-    group it compiles (`_Loader.compile_group`) and every tool's JSON Schema validator. Problems
+    """Fill the caches the tools stage reads, ahead of it: the lint of every expression it
+    compiles (`_Loader.compile_group`) and every tool's JSON Schema validator. Problems
     are left for that stage to find again and report."""
     result_type = engine.name != "cel-cpp"
     for group in _groups(validated):
-        if len(group) > 1:
-            for expr in group:
-                cel.lint(expr, identifiers=True, result_type=result_type)
+        for expr in group:
+            cel.lint(expr, identifiers=True, result_type=result_type)
     for _, policy in validated["tools"].values():
         schema = policy.input_schema
         if schema is not None and schema.get("type") == "object":

@@ -172,6 +172,45 @@ def test_broken_rules_read_the_same_when_groups_compile_in_workers(
     assert kept == [2]  # demo.ok's allow list and forbid rules; the broken groups were not kept
 
 
+SINGLES = """
+version: 1
+upstreams:
+  demo: {url: "http://127.0.0.1:9/mcp"}
+tools:
+  demo.int:
+    allow: ['size(args.a) + 1']
+  demo.ok:
+    allow: ['args.a == "x"']
+    rules:
+      - {forbid: 'args.b.matches("^b+$")'}
+  demo.pattern:
+    rules:
+      - {forbid: 'args.b.matches("[")'}
+"""
+
+
+def test_single_expressions_compiled_in_workers_read_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "policy"
+    directory.mkdir()
+    (directory / "p.yaml").write_text(SINGLES, encoding="utf-8")
+
+    def load() -> list[str]:
+        with pytest.raises(PolicyError) as exc:
+            load_policy(directory, engine=cel.get_engine("cel-cpp"))
+        return [str(p).rsplit("/", 1)[-1] for p in exc.value.problems]
+
+    here = load()
+    kept = in_workers(monkeypatch)
+    assert load() == here
+    assert kept == [2]  # demo.ok's two; an int is not kept, a bad pattern never sent
+    assert here == [
+        "p.yaml:7:14: CEL: expression must be a bool, it is int",
+        "p.yaml:14:34: CEL: invalid regular expression \"[\": b'missing ]: ['",
+    ]
+
+
 # --- Calls decide as with eager programs --------------------------------------------------------
 
 
@@ -220,7 +259,7 @@ def revisions(
     with pytest.MonkeyPatch.context() as m:
         kept = in_workers(m)
         precompiled = load_policy(directory, engine=cel.get_engine("cel-cpp"))
-    assert kept == [2 * TOOLS]  # each tool's forbid and allow groups came from the workers
+    assert kept == [3 * TOOLS]  # each tool's forbid and allow groups and its `allow` expression
     return grouped, alone, precompiled
 
 
