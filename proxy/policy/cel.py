@@ -810,19 +810,22 @@ def _string_literal(node: Any) -> tuple[int, int] | None:
 
 def _apply_sites(expr: str, sites: list[Site]) -> str:
     """Render `expr` with every site replaced, innermost sites inside receivers included."""
+    return _render(expr, sorted(sites), 0, len(expr))
 
-    def render(start: int, end: int) -> str:
-        out, pos = [], start
-        for call, recv, lit in sorted(sites):
-            if call[0] < pos or call[1] > end:  # outside this span, or inside a site already done
-                continue
-            out.append(expr[pos:call[0]])
-            out.append(f"{_RE_FUNCTION}({render(recv[0], recv[1])}, {expr[lit[0]:lit[1]]})")
-            pos = call[1]
-        out.append(expr[pos:end])
-        return "".join(out)
 
-    return render(0, len(expr))
+def _render(expr: str, sites: list[Site], start: int, end: int) -> str:
+    """`expr[start:end]` with the sites inside it replaced. (A module function, not a closure
+    calling itself: that would be a reference cycle per expression, left for the collector.)"""
+    out, pos = [], start
+    for call, recv, lit in sites:
+        if call[0] < pos or call[1] > end:  # outside this span, or inside a site already done
+            continue
+        out.append(expr[pos:call[0]])
+        out.append(f"{_RE_FUNCTION}({_render(expr, sites, recv[0], recv[1])}, "
+                   f"{expr[lit[0]:lit[1]]})")
+        pos = call[1]
+    out.append(expr[pos:end])
+    return "".join(out)
 
 
 class _PyProgram:

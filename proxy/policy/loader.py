@@ -702,11 +702,16 @@ def _warm(validated: dict[str, dict[str, tuple[_Entry, Any]]], engine: cel.Engin
                 compile_schema(schema)
 
 
-def load_policy(directory: Path, engine: cel.Engine | str = "auto") -> PolicyRevision:
+def load_policy(
+    directory: Path, engine: cel.Engine | str = "auto", *, freeze: bool = False
+) -> PolicyRevision:
     """Load, validate and compile every policy file under `directory`.
 
     `engine` is the CEL engine to compile with (the runtime passes the one it keeps, so every
     revision shares it), or its name (`auto`, `cel-cpp`, `cel-python`: a new engine is built).
+    `freeze`: for the load a process keeps for its whole life (the start-up revision, frozen
+    before serving anyway): what the load allocated is moved out of the collector's sight
+    (`gc.freeze()`) instead of traversed by a collection at the end (`collector_paused`).
     Raises `PolicyError` carrying every problem found, each with file, 1-based line and column
     (an unknown or missing engine is one at the directory); never returns a partial revision.
     """
@@ -716,7 +721,7 @@ def load_policy(directory: Path, engine: cel.Engine | str = "auto") -> PolicyRev
             engine = cel.get_engine(engine)
         except CelCompileError as exc:
             raise PolicyError([PolicyProblem(str(directory), 1, 1, str(exc))]) from exc
-    with collector_paused():
+    with collector_paused(freeze=freeze):
         revision = _Loader(directory, engine).run()
         join_groups(revision)
     return revision
@@ -745,10 +750,11 @@ def join_groups(revision: PolicyRevision) -> None:
 _PAUSE = threading.Lock()
 _pauses = 0
 _resume = False
+_freeze = False
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(freeze: bool = False) -> Iterator[None]:
     """No cyclic garbage collection for the duration, process-wide.
 
     A 1,000-tool load allocates ~750,000 container objects that all stay alive, and the
@@ -760,22 +766,33 @@ def collector_paused() -> Iterator[None]:
     reload of one small file, little; 0.7-1.3 s after 1,000 tools), and left to the
     thresholds it would run on the next allocation, often the event loop building the chain.
     Full collections stay with the thresholds, as without the pause.
+
+    With `freeze` (any of the concurrent pauses asking), the last to end moves everything
+    alive out of the collector's sight (`gc.freeze()`) instead: no traversal (0.2-0.35 s
+    after a cold 1,000-tool load), and cyclic garbage made meanwhile is kept for good, so only
+    for objects kept for the process's life: the start-up revision.
     """
-    global _pauses, _resume
+    global _pauses, _resume, _freeze
     with _PAUSE:
         if _pauses == 0:
             _resume = gc.isenabled()
+            _freeze = False
             gc.disable()
         _pauses += 1
+        _freeze = _freeze or freeze
     try:
         yield
     finally:
         with _PAUSE:
             _pauses -= 1
-            resume = _pauses == 0 and _resume
+            last = _pauses == 0
+            frozen = last and _freeze
+            if frozen:
+                gc.freeze()  # before the collector can run again
+            resume = last and _resume
             if resume:
                 gc.enable()
-        if resume:
+        if resume and not frozen:
             gc.collect(1)
 
 
