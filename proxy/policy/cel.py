@@ -454,6 +454,8 @@ def _worker_command() -> list[str]:
 
 
 class Precompiling(Protocol):
+    started: bool  # whether anything was sent to workers (time for the caller to do other work)
+
     def finish(self) -> int:
         """Wait for the workers and keep what they compiled; the number of groups kept."""
         ...
@@ -462,12 +464,16 @@ class Precompiling(Protocol):
 class _Done:
     """Nothing was sent to workers."""
 
+    started = False
+
     def finish(self) -> int:
         return 0
 
 
 class _Collect:
     """Groups sent to workers: each key, its joined text, its ticket."""
+
+    started = True
 
     def __init__(self, engine: CppEngine, workers: _Workers,
                  sent: list[tuple[tuple[str, ...], str, bool, int]]):

@@ -608,10 +608,12 @@ class _Loader:
 
         # The tools' rule groups compile in worker processes (a cold load of many tools) while
         # this thread lints their expressions and compiles their schemas (cached by text: the
-        # tools stage then finds them).
+        # tools stage then finds them). A reload that changed little sends nothing: its tools
+        # stage rebuilds only the changed entries, and warming all would be wasted.
         precompiling = self.engine.precompile(_groups(validated))
         try:
-            _warm(validated, self.engine)
+            if precompiling.started:
+                _warm(validated, self.engine)
         finally:
             precompiling.finish()
         tools: dict[str, CompiledTool] = {}
