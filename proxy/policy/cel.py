@@ -381,11 +381,11 @@ class CppEngine:
         RESULTS.md, round 4); processes can, and a serialized program deserializes here in a
         seventh of a compile. The caller does other work between the two calls. Only what
         `compile_group` and `compile` would compile is sent (self-contained groups, patterns
-        that RE2 accepts, in the environment they use), and only from
-        `PRECOMPILE_MIN_GROUPS` uncompiled groups up, on a machine with a core to spare. A group a worker cannot compile, a worker that
-        fails or runs past `PRECOMPILE_TIMEOUT`, a program that does not deserialize: that
-        group is simply not kept, and `compile_group` compiles it here, reporting what is
-        wrong exactly as without this step. Never raises.
+        that RE2 accepts, in the environment they use), to two workers, and only from
+        `PRECOMPILE_MIN_GROUPS` uncompiled groups up on a machine with a core to spare. A
+        group a worker cannot compile, a worker that fails or runs past `PRECOMPILE_TIMEOUT`,
+        a program that does not deserialize: that group is simply not kept, and the loader
+        compiles it here, reporting what is wrong exactly as without this step. Never raises.
         """
         if self._fast_env is None or _spare_cores() < 1:
             return _Done()
@@ -402,7 +402,7 @@ class CppEngine:
         if len(keys) < PRECOMPILE_MIN_GROUPS:
             return _Done()
         # Started first: a worker's start-up overlaps the rewriting below.
-        workers = _Workers(min(2, _spare_cores() + 1))
+        workers = _Workers(2)
         sent: list[tuple[tuple[str, ...], str, bool, int]] = []
         for key in keys:
             if any(_RE_FUNCTION in src for src in key):

@@ -4,8 +4,8 @@ compiles texts and answers with their serialized checked programs.
 cel-expr-python holds the GIL while it compiles (two threads compile no faster than one,
 bench/RESULTS.md "Policy load at scale", round 4), and compiling is the largest stage of a cold
 load; but a compiled `Expression` serializes, and `Env.deserialize` costs about a seventh of a
-compile. So a cold load hands its joined rule groups to worker processes, one per spare core,
-and only deserializes here (`proxy.policy.cel.CppEngine.precompile`).
+compile. So a cold load hands its rule groups to two worker processes (on a machine with a
+second core) and only deserializes in the loading thread (`proxy.policy.cel.CppEngine.precompile`).
 
 The worker runs as a script (`python -I <this file>`): it imports the standard library and
 cel-expr-python only, not the `proxy` package, so it starts in ~70 ms of CPU and cannot pick up
