@@ -382,3 +382,19 @@ def test_a_failing_worker_leaves_the_groups_to_compile_here(
             run=RunContext("run-1", "bench-agent"), request=RequestInfo("tools/call"),
         )
         assert verdicts(revision, call) == verdicts(grouped, call)
+
+
+def test_workers_start_only_for_many_groups_and_with_a_core_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    groups = [[f"args.a == {i}", f"args.b == {i}"] for i in range(3)]
+    engine = cel.get_engine("cel-cpp")
+    assert cel.PRECOMPILE_MIN_GROUPS > len(groups)
+    assert not engine.precompile(groups).started  # a reload that changed a few tools
+    monkeypatch.setattr(cel, "PRECOMPILE_MIN_GROUPS", 1)
+    monkeypatch.setattr(cel, "_spare_cores", lambda: 0)
+    assert not engine.precompile(groups).started  # one core: nothing to share it with
+    monkeypatch.setattr(cel, "_spare_cores", lambda: 1)
+    job = engine.precompile(groups)
+    assert job.started and job.finish() == 3
+    assert not engine.precompile(groups).started  # compiled: nothing left to send
