@@ -56,8 +56,8 @@ from proxy.policy.yamlload import (
     Converter,
     YamlFile,
     child,
-    duplicate_keys,
-    has_alias,
+    file_duplicate_keys,
+    file_has_alias,
     locate,
     mapping_items,
     parse_file,
@@ -122,7 +122,7 @@ def _content_key(entry: _Entry) -> tuple[Any, ...] | None:
     whole = file.memo.get("text_is_whole")
     if whole is None:
         whole = file.memo["text_is_whole"] = not (
-            (file.root is not None and has_alias(file.root))
+            file_has_alias(file)
             or re.search(r"^%TAG", file.text, re.M) is not None
         )
     if not whole:
@@ -137,7 +137,7 @@ def _parse_cached(name: str, text: str) -> tuple[YamlFile | None, tuple[PolicyPr
     def build() -> tuple[YamlFile | None, tuple[PolicyProblem, ...]]:
         parsed, problems = parse_file(name, text)
         if parsed is not None and parsed.root is not None:
-            problems += duplicate_keys(name, parsed.root)
+            problems += file_duplicate_keys(parsed)
         return parsed, tuple(problems)
 
     return _PARSED.get_or_build((name, text), build)
