@@ -30,18 +30,25 @@ evaluation: a load compiles 3 programs a tool instead of 17 (bench/RESULTS.md, r
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import importlib
+import io
+import os
+import queue
 import re
+import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from proxy.errors import CelCompileError, CelEvalError
+from proxy.policy import celworker
 from proxy.policy.cache import LruCache
-
-# Variables visible to CEL, all maps of string to dyn except `now`.
-VARIABLES = ("principal", "tool", "args", "run", "request", "now")
+from proxy.policy.celworker import RE_FUNCTION as _RE_FUNCTION
+from proxy.policy.celworker import VARIABLES as VARIABLES  # declared with the worker's env
 
 
 class Program(Protocol):
@@ -59,10 +66,18 @@ class Engine(Protocol):
 
     def compile_group(self, sources: Sequence[str]) -> tuple[Program, ...] | None: ...
 
+    def precompile(self, groups: Iterable[Sequence[str]]) -> Precompiling: ...
+
     def activation(self, variables: Mapping[str, Any]) -> Any: ...
 
 
 _LOCATION = re.compile(r"<input>:(\d+):(\d+):")
+
+# `CppEngine.precompile` hands groups to worker processes only from this many uncompiled groups
+# up (a worker starts in ~0.25 s wall; a reload that changed a few tools compiles them here), and
+# gives the workers this long before it compiles here instead.
+PRECOMPILE_MIN_GROUPS = 200
+PRECOMPILE_TIMEOUT = 120.0
 
 # Programs kept per engine: ~17,000 is one 1,000-tool policy with 15 rules a tool; twice that
 # holds a revision and the next one while everything changes.
@@ -204,9 +219,9 @@ class _CppProgram:
         )
 
 
-# The function literal `.matches("...")` calls are rewritten to: cel-cpp recompiles a regex on
-# every `matches` evaluation (~40 us); this one looks the precompiled RE2 pattern up instead.
-_RE_FUNCTION = "envelope_re_search"
+# `_RE_FUNCTION` (from `celworker`) is the function literal `.matches("...")` calls are
+# rewritten to: cel-cpp recompiles a regex on every `matches` evaluation (~40 us); this one looks
+# the precompiled RE2 pattern up instead.
 
 
 class CppEngine:
@@ -218,9 +233,7 @@ class CppEngine:
         from cel_expr_python import cel
 
         self._cel = cel
-        dyn_map = cel.Type.Map(cel.Type.STRING, cel.Type.DYN)
-        variables = {v: dyn_map for v in VARIABLES if v != "now"}
-        variables["now"] = cel.Type.TIMESTAMP
+        variables = celworker.variables(cel)
         self._env = cel.NewEnv(variables=variables)
         self._programs: LruCache[str, _CppProgram] = LruCache(PROGRAM_CACHE_SIZE)
         self._joined: LruCache[tuple[str, ...], Program] = LruCache(PROGRAM_CACHE_SIZE)
@@ -234,11 +247,7 @@ class CppEngine:
             self._re2 = re2
             impl = self._re_search
             self._fast_env = cel.NewEnv(
-                variables=variables,
-                functions=[cel.FunctionDecl(_RE_FUNCTION, [cel.Overload(
-                    f"{_RE_FUNCTION}_string_string", cel.Type.BOOL,
-                    [cel.Type.STRING, cel.Type.STRING], is_member=False, impl=impl,
-                )])],
+                variables=variables, functions=celworker.functions(cel, impl)
             )
         except ImportError:  # pragma: no cover - google-re2 has wheels where cel-cpp has
             pass
@@ -363,8 +372,220 @@ class CppEngine:
         return tuple(self._deferred.get_or_build(src, functools.partial(_LazyProgram, src, self))
                      for src in sources)
 
+    def precompile(self, groups: Iterable[Sequence[str]]) -> Precompiling:
+        """Start compiling, in worker processes, the programs the loader will ask for (each
+        group's joined program, or its one source's); `finish()` on the answer keeps them as
+        `compile_group` and `compile` would.
+
+        cel-cpp holds the GIL while it compiles, so threads cannot share the work (bench/
+        RESULTS.md, round 4); processes can, and a serialized program deserializes here in a
+        seventh of a compile. The caller does other work between the two calls. Only what
+        `compile_group` and `compile` would compile is sent (self-contained groups, patterns
+        that RE2 accepts, in the environment they use), to two workers, and only from
+        `PRECOMPILE_MIN_GROUPS` uncompiled groups up on a machine with a core to spare. A
+        group a worker cannot compile, a worker that fails or runs past `PRECOMPILE_TIMEOUT`,
+        a program that does not deserialize: that group is simply not kept, and the loader
+        compiles it here, reporting what is wrong exactly as without this step. Never raises.
+        """
+        if self._fast_env is None or _spare_cores() < 1:
+            return _Done()
+        keys: list[tuple[str, ...]] = []
+        seen: set[tuple[str, ...]] = set()
+        for group in groups:
+            key = tuple(group)
+            if not key or key in seen:
+                continue
+            seen.add(key)
+            cache: LruCache[Any, Any] = self._joined if len(key) > 1 else self._programs
+            if cache.get(key if len(key) > 1 else key[0]) is None:
+                keys.append(key)
+        if len(keys) < PRECOMPILE_MIN_GROUPS:
+            return _Done()
+        # Started first: a worker's start-up overlaps the rewriting below.
+        workers = _Workers(2)
+        sent: list[tuple[tuple[str, ...], str, bool, int]] = []
+        for key in keys:
+            if any(_RE_FUNCTION in src for src in key):
+                continue  # `compile` or `compile_group` says what is wrong with it
+            try:
+                if len(key) > 1:
+                    if not all(_self_contained(src) for src in key):
+                        continue
+                    text, fast = join_any([self._fast(src) or src for src in key]), True
+                else:  # what `_compile` compiles first
+                    rewritten = self._fast(key[0])
+                    text, fast = rewritten or key[0], rewritten is not None
+            except Exception:  # a bad literal pattern: `compile` reports it
+                continue
+            sent.append((key, text, fast, workers.send(text, fast)))
+        return _Collect(self, workers, sent)
+
+    def _keep_serialized(self, key: tuple[str, ...], text: str, fast: bool, blob: bytes) -> bool:
+        """Keep what a worker compiled where `compile_group` (a group) or `compile` (a single
+        source) would have: only a bool single, as `compile` checks."""
+        try:
+            expr = (self._fast_env if fast else self._env).deserialize(blob)
+            if len(key) == 1:
+                _bool(expr)
+        except Exception:  # not what this library wrote, or not a bool: compiled here instead
+            return False
+        if len(key) > 1:
+            self._joined.put(key, _CppProgram(text, expr))
+        else:
+            self._programs.put(key[0], _CppProgram(key[0], expr))
+        return True
+
     def activation(self, variables: Mapping[str, Any]) -> Any:
         return self._env.Activation(dict(variables))
+
+
+def _spare_cores() -> int:
+    """Cores this process may run on besides the one it loads on."""
+    try:
+        return len(os.sched_getaffinity(0)) - 1
+    except AttributeError:  # pragma: no cover - not Linux
+        return (os.cpu_count() or 1) - 1
+
+
+def _worker_command() -> list[str]:
+    """How a compile worker is started: this interpreter, isolated (`-I`: no PYTHONPATH, no
+    user site; the environment's packages only), running `celworker` as a script."""
+    return [sys.executable, "-I", celworker.__file__]
+
+
+class Precompiling(Protocol):
+    started: bool  # whether anything was sent to workers (time for the caller to do other work)
+
+    def finish(self) -> int:
+        """Wait for the workers and keep what they compiled; the number of groups kept."""
+        ...
+
+
+class _Done:
+    """Nothing was sent to workers."""
+
+    started = False
+
+    def finish(self) -> int:
+        return 0
+
+
+class _Collect:
+    """Groups sent to workers: each key, its joined text, its ticket."""
+
+    started = True
+
+    def __init__(self, engine: CppEngine, workers: _Workers,
+                 sent: list[tuple[tuple[str, ...], str, bool, int]]):
+        self._engine, self._workers, self._sent = engine, workers, sent
+
+    def finish(self) -> int:
+        blobs = self._workers.results()
+        return sum(
+            self._engine._keep_serialized(key, text, fast, blobs[ticket])
+            for key, text, fast, ticket in self._sent if blobs[ticket]
+        )
+
+
+class _Workers:
+    """`celworker` processes compiling texts as they are sent, dealt out in turn; a writer and a
+    reader thread each, so that sending never waits for a worker to catch up."""
+
+    def __init__(self, count: int):
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._queues: list[queue.SimpleQueue[bytes | None]] = []
+        self._outputs: list[bytes | None] = []
+        self._threads: list[threading.Thread] = []
+        self._tickets: list[tuple[int, int]] = []  # (worker, frame number) per text sent
+        self._counts: list[int] = []
+        for _ in range(count):
+            try:
+                proc = subprocess.Popen(
+                    _worker_command(),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                )
+            except OSError:
+                break
+            index = len(self._procs)
+            self._procs.append(proc)
+            self._queues.append(queue.SimpleQueue())
+            self._outputs.append(None)
+            self._counts.append(0)
+            for target in (self._write, self._read):
+                thread = threading.Thread(target=target, args=(index,), daemon=True,
+                                          name=f"cel-worker-{index}")
+                thread.start()
+                self._threads.append(thread)
+
+    def _write(self, index: int) -> None:
+        proc, items = self._procs[index], self._queues[index]
+        assert proc.stdin is not None
+        try:
+            while (item := items.get()) is not None:
+                proc.stdin.write(item)
+            proc.stdin.close()
+        except (OSError, ValueError):  # the worker is gone (or was stopped): its texts come
+            pass  # back uncompiled
+
+    def _read(self, index: int) -> None:
+        proc = self._procs[index]
+        assert proc.stdout is not None
+        try:
+            self._outputs[index] = proc.stdout.read()
+        except (OSError, ValueError):
+            pass
+
+    def send(self, text: str, fast: bool) -> int:
+        """Queue `text`, to compile in the rewrite environment or the plain one, for the next
+        worker; its ticket (a place in `results`)."""
+        ticket = len(self._tickets)
+        if not self._procs:
+            self._tickets.append((-1, 0))
+            return ticket
+        worker = ticket % len(self._procs)
+        self._tickets.append((worker, self._counts[worker]))
+        self._counts[worker] += 1
+        env = b"F" if fast else b"P"
+        self._queues[worker].put(celworker.frame(env + text.encode("utf-8", "surrogatepass")))
+        return ticket
+
+    def results(self) -> list[bytes]:
+        """The serialized program per ticket, b"" where none came back (a text that does not
+        compile, a worker that failed or ran past `PRECOMPILE_TIMEOUT`)."""
+        for items in self._queues:
+            items.put(None)
+        deadline = time.monotonic() + PRECOMPILE_TIMEOUT
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        frames: list[list[bytes] | None] = []
+        for index, proc in enumerate(self._procs):
+            if proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+            if proc.returncode is None:  # past the deadline
+                proc.kill()
+                proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            frames.append(self._frames(index) if proc.returncode == 0 else None)
+        out = []
+        for worker, number in self._tickets:
+            got = frames[worker] if worker >= 0 else None
+            out.append(got[number] if got is not None else b"")
+        return out
+
+    def _frames(self, index: int) -> list[bytes] | None:
+        """What worker `index` answered, one frame per text sent to it, or None."""
+        data = self._outputs[index]
+        if data is None:
+            return None
+        stream = io.BytesIO(data)
+        frames = []
+        while (payload := celworker.read_frame(stream)) is not None:
+            frames.append(payload)
+        return frames if len(frames) == self._counts[index] and stream.tell() == len(data) else None
 
 
 class _LazyProgram:
@@ -595,19 +816,22 @@ def _string_literal(node: Any) -> tuple[int, int] | None:
 
 def _apply_sites(expr: str, sites: list[Site]) -> str:
     """Render `expr` with every site replaced, innermost sites inside receivers included."""
+    return _render(expr, sorted(sites), 0, len(expr))
 
-    def render(start: int, end: int) -> str:
-        out, pos = [], start
-        for call, recv, lit in sorted(sites):
-            if call[0] < pos or call[1] > end:  # outside this span, or inside a site already done
-                continue
-            out.append(expr[pos:call[0]])
-            out.append(f"{_RE_FUNCTION}({render(recv[0], recv[1])}, {expr[lit[0]:lit[1]]})")
-            pos = call[1]
-        out.append(expr[pos:end])
-        return "".join(out)
 
-    return render(0, len(expr))
+def _render(expr: str, sites: list[Site], start: int, end: int) -> str:
+    """`expr[start:end]` with the sites inside it replaced. (A module function, not a closure
+    calling itself: that would be a reference cycle per expression, left for the collector.)"""
+    out, pos = [], start
+    for call, recv, lit in sites:
+        if call[0] < pos or call[1] > end:  # outside this span, or inside a site already done
+            continue
+        out.append(expr[pos:call[0]])
+        out.append(f"{_RE_FUNCTION}({_render(expr, sites, recv[0], recv[1])}, "
+                   f"{expr[lit[0]:lit[1]]})")
+        pos = call[1]
+    out.append(expr[pos:end])
+    return "".join(out)
 
 
 class _PyProgram:
@@ -704,6 +928,10 @@ class PyEngine:
     def compile_group(self, sources: Sequence[str]) -> tuple[Program, ...] | None:
         """None: cel-python joins nothing, so each source is compiled (and checked) alone."""
         return None
+
+    def precompile(self, groups: Iterable[Sequence[str]]) -> Precompiling:
+        """Nothing: cel-python's programs do not serialize; each is compiled when needed."""
+        return _Done()
 
     def activation(self, variables: Mapping[str, Any]) -> Any:
         from celpy import celtypes

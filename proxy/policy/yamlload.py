@@ -49,6 +49,43 @@ class YamlFile:
     # What the loader derived from this file's nodes (validated entries, compiled tools), by
     # node: a file unchanged since the last load is parsed, validated and compiled once.
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    # What composing with libyaml noted on the way (`_Facts`), sparing the walks of
+    # `has_alias` and `duplicate_keys` over every node; None: the pure parser composed it.
+    facts: _Facts | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(slots=True)
+class _Facts:
+    """Noted while converting libyaml's nodes: whether a node is reached twice (an alias), the
+    repeated keys (first, repeat) of every mapping, and the empty values of mappings."""
+
+    aliased: bool = False
+    duplicates: list[tuple[Node, Node]] = field(default_factory=list)
+    empties: list[Node] = field(default_factory=list)
+    flow_empty: bool = False  # an empty value in a flow mapping: `{a: , b: 1}`
+
+
+def file_has_alias(file: YamlFile) -> bool:
+    """`has_alias` of the file's root, from what composing noted when it can."""
+    if file.root is None:
+        return False
+    return file.facts.aliased if file.facts is not None else has_alias(file.root)
+
+
+def file_duplicate_keys(file: YamlFile) -> list[PolicyProblem]:
+    """`duplicate_keys` of the file's root (the same problems, in document order), from what
+    composing noted when it can."""
+    if file.root is None:
+        return []
+    if file.facts is None:
+        return duplicate_keys(file.name, file.root)
+    repeats = sorted(file.facts.duplicates, key=lambda pair: pair[1].start_mark.index)
+    return [_duplicate(file.name, first, key) for first, key in repeats]
+
+
+def _duplicate(file: str, first: Node, key: Node) -> PolicyProblem:
+    line, col = position(first)
+    return problem(file, key, f"duplicate key '{key.value}' (first at {file}:{line}:{col})")
 
 
 def position(node: Node) -> tuple[int, int]:
@@ -64,9 +101,9 @@ def problem(file: str, node: Node | None, message: str) -> PolicyProblem:
 
 def parse_file(name: str, text: str) -> tuple[YamlFile | None, list[PolicyProblem]]:
     """Compose `text`; a syntax error or more than one document is a problem, not an exception."""
-    fast = _compose_fast(text)
-    if fast is not None:
-        return _one_document(name, text, fast)
+    composed = _compose_fast_noting(text)
+    if composed is not None:
+        return _one_document(name, text, *composed)
     yaml = YAML(typ="safe", pure=True)
     try:
         docs = list(yaml.compose_all(text))
@@ -81,12 +118,12 @@ def parse_file(name: str, text: str) -> tuple[YamlFile | None, list[PolicyProble
 
 
 def _one_document(
-    name: str, text: str, docs: list[Node | None]
+    name: str, text: str, docs: list[Node | None], facts: _Facts | None = None
 ) -> tuple[YamlFile | None, list[PolicyProblem]]:
     docs = [d for d in docs if d is not None]
     if len(docs) > 1:
         return None, [problem(name, docs[1], "a policy file holds one YAML document, found more")]
-    return YamlFile(name, text, docs[0] if docs else None), []
+    return YamlFile(name, text, docs[0] if docs else None, facts=facts), []
 
 
 _KINDS: dict[Any, type[Node]] = {}
@@ -102,6 +139,13 @@ def _compose_fast(text: str) -> list[Node | None] | None:
     """Every document of `text` composed by libyaml as ruamel nodes; None to use the pure parser
     (no libyaml, a `%YAML` directive, a byte-order mark (libyaml counts marks from after it),
     or anything libyaml rejects)."""
+    composed = _compose_fast_noting(text)
+    return composed[0] if composed is not None else None
+
+
+def _compose_fast_noting(text: str) -> tuple[list[Node | None], _Facts] | None:
+    """`_compose_fast`, and what converting the nodes noted on the way (the facts apply to
+    every document: a policy file holds one)."""
     if _CParser is None or "%YAML" in text or text.startswith("\ufeff"):
         return None
     parser = _FastParser(text)
@@ -114,14 +158,13 @@ def _compose_fast(text: str) -> list[Node | None] | None:
     finally:
         parser.dispose()
     converted: dict[int, Node] = {}
-    nodes = [_ruamel_node(d, converted) if d is not None else None for d in docs]
-    mappings = [n for n in converted.values() if isinstance(n, MappingNode)]
-    if any(_empty_scalar(v) for n in mappings if n.flow_style for _, v in n.value):
+    facts = _Facts()
+    nodes = [_ruamel_node(d, converted, facts) if d is not None else None for d in docs]
+    if facts.flow_empty:
         return None  # `{a: , b: 1}`: libyaml and ruamel place the empty value differently
-    empties = [v for n in mappings for _, v in n.value if _empty_scalar(v)]
-    if empties:
-        _place_empty(text, empties)
-    return nodes
+    if facts.empties:
+        _place_empty(text, facts.empties)
+    return nodes, facts
 
 
 def _empty_scalar(node: Node) -> bool:
@@ -196,11 +239,14 @@ def _tag(tag: Tag | str) -> Tag:
     return found
 
 
-def _ruamel_node(node: Any, converted: dict[int, Node]) -> Node:
+def _ruamel_node(node: Any, converted: dict[int, Node], facts: _Facts) -> Node:
     """`node` (PyYAML's) as the ruamel node the pure parser builds; an alias stays one shared
-    node. The marks are libyaml's: `line`, `column` and `index` (in characters) as ruamel's."""
+    node. The marks are libyaml's: `line`, `column` and `index` (in characters) as ruamel's.
+    Notes in `facts` what `has_alias`, `duplicate_keys` and the empty values' placing would
+    otherwise walk every node again to find."""
     done = converted.get(id(node))
     if done is not None:
+        facts.aliased = True
         return done
     out: Node
     if isinstance(node, _pyyaml.ScalarNode):
@@ -210,13 +256,23 @@ def _ruamel_node(node: Any, converted: dict[int, Node]) -> Node:
         out = SequenceNode(_tag(node.tag), [], node.start_mark, node.end_mark,
                            flow_style=node.flow_style)
         converted[id(node)] = out
-        out.value = [_ruamel_node(item, converted) for item in node.value]
+        out.value = [_ruamel_node(item, converted, facts) for item in node.value]
     else:
         out = MappingNode(_tag(node.tag), [], node.start_mark, node.end_mark,
                           flow_style=node.flow_style)
         converted[id(node)] = out
-        out.value = [(_ruamel_node(k, converted), _ruamel_node(v, converted))
+        out.value = [(_ruamel_node(k, converted, facts), _ruamel_node(v, converted, facts))
                      for k, v in node.value]
+        first: dict[Any, Node] = {}
+        for key, value in out.value:
+            if isinstance(key, ScalarNode) and key.tag != _MERGE_TAG:  # as `duplicate_keys`
+                if key.value in first:
+                    facts.duplicates.append((first[key.value], key))
+                else:
+                    first[key.value] = key
+            if _empty_scalar(value):
+                facts.empties.append(value)
+                facts.flow_empty = facts.flow_empty or bool(out.flow_style)
     converted[id(node)] = out
     return out
 
@@ -273,12 +329,26 @@ class Converter:
         # Scalars by (tag, text): a policy repeats `string`, `read`, `100` thousands of times
         # and ruamel's constructor costs ~20 us a scalar. Only immutable results are kept.
         self._scalars: dict[tuple[str | None, str], Any] = {}
+        # Tag texts by tag object: `node.tag` builds the text on every read (~1 us, 175,000
+        # reads for 1,000 tools), and libyaml's nodes share one object per tag. The objects are
+        # kept so that their ids stay theirs while this converter lives.
+        self._tag_texts: dict[int, str | None] = {}
+        self._tags: list[Any] = []
+
+    def _tag(self, node: Node) -> str | None:
+        ctag = node.ctag
+        try:
+            return self._tag_texts[id(ctag)]
+        except KeyError:
+            self._tags.append(ctag)
+            text = self._tag_texts[id(ctag)] = node.tag
+            return text
 
     def value(self, node: Node) -> Any:
         if isinstance(node, MappingNode):
             out: dict[Any, Any] = {}
             for key, val in node.value:
-                if isinstance(key, ScalarNode) and key.tag == _MERGE_TAG:
+                if isinstance(key, ScalarNode) and self._tag(key) == _MERGE_TAG:
                     merged = self.value(val)
                     for m in merged if isinstance(merged, list) else [merged]:
                         if isinstance(m, dict):
@@ -292,7 +362,7 @@ class Converter:
             return out
         if isinstance(node, SequenceNode):
             return [self.value(item) for item in node.value]
-        tag = node.tag
+        tag = self._tag(node)
         if tag == _STR_TAG:
             return node.value
         key = (tag, node.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.util
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,56 @@ def test_broken_rules_are_reported_as_when_each_compiled_alone(
     assert len(grouped) == 9
 
 
+def test_broken_rules_read_the_same_when_groups_compile_in_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The workers compile what they can; every group they cannot is compiled here, rule by
+    # rule, and reported with its file:line:column exactly as without them.
+    here = problems(tmp_path, cel.get_engine("cel-cpp"))
+    kept = in_workers(monkeypatch)
+    assert problems(tmp_path, cel.get_engine("cel-cpp")) == here
+    assert kept == [2]  # demo.ok's allow list and forbid rules; the broken groups were not kept
+
+
+SINGLES = """
+version: 1
+upstreams:
+  demo: {url: "http://127.0.0.1:9/mcp"}
+tools:
+  demo.int:
+    allow: ['size(args.a) + 1']
+  demo.ok:
+    allow: ['args.a == "x"']
+    rules:
+      - {forbid: 'args.b.matches("^b+$")'}
+  demo.pattern:
+    rules:
+      - {forbid: 'args.b.matches("[")'}
+"""
+
+
+def test_single_expressions_compiled_in_workers_read_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "policy"
+    directory.mkdir()
+    (directory / "p.yaml").write_text(SINGLES, encoding="utf-8")
+
+    def load() -> list[str]:
+        with pytest.raises(PolicyError) as exc:
+            load_policy(directory, engine=cel.get_engine("cel-cpp"))
+        return [str(p).rsplit("/", 1)[-1] for p in exc.value.problems]
+
+    here = load()
+    kept = in_workers(monkeypatch)
+    assert load() == here
+    assert kept == [2]  # demo.ok's two; an int is not kept, a bad pattern never sent
+    assert here == [
+        "p.yaml:7:14: CEL: expression must be a bool, it is int",
+        "p.yaml:14:34: CEL: invalid regular expression \"[\": b'missing ]: ['",
+    ]
+
+
 # --- Calls decide as with eager programs --------------------------------------------------------
 
 
@@ -174,16 +225,42 @@ def _bench() -> Any:
 TOOLS = 6
 
 
+def in_workers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every group `precompile` may send goes to worker processes, whatever the machine; the
+    returned list receives the number of groups each load kept from them."""
+    monkeypatch.setattr(cel, "PRECOMPILE_MIN_GROUPS", 1)
+    monkeypatch.setattr(cel, "_spare_cores", lambda: 1)
+    kept: list[int] = []
+    finish = cel._Collect.finish
+
+    def counted(self: Any) -> int:
+        kept.append(finish(self))
+        return kept[-1]
+
+    monkeypatch.setattr(cel._Collect, "finish", counted)
+    return kept
+
+
 @pytest.fixture(scope="module")
-def revisions(tmp_path_factory: pytest.TempPathFactory) -> tuple[PolicyRevision, PolicyRevision]:
-    """The bench generator's policy loaded with groups proven, and with every rule alone."""
+def revisions(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[PolicyRevision, PolicyRevision, PolicyRevision]:
+    """The bench generator's policy loaded with groups proven here, with every rule alone, and
+    with the groups compiled in worker processes."""
     directory = tmp_path_factory.mktemp("bench-policy")
     _bench().write_policy(directory, TOOLS, 15)
-    grouped = load_policy(directory, engine=cel.get_engine("cel-cpp"))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cel, "PRECOMPILE_MIN_GROUPS", 10**9)
+        grouped = load_policy(directory, engine=cel.get_engine("cel-cpp"))
     with pytest.MonkeyPatch.context() as m:
         eager(m)
+        m.setattr(cel, "PRECOMPILE_MIN_GROUPS", 10**9)
         alone = load_policy(directory, engine=cel.get_engine("cel-cpp"))
-    return grouped, alone
+    with pytest.MonkeyPatch.context() as m:
+        kept = in_workers(m)
+        precompiled = load_policy(directory, engine=cel.get_engine("cel-cpp"))
+    assert kept == [3 * TOOLS]  # each tool's forbid and allow groups and its `allow` expression
+    return grouped, alone, precompiled
 
 
 def verdicts(revision: PolicyRevision, call: ToolCall) -> list[str]:
@@ -212,7 +289,7 @@ words = st.sampled_from(["corp/secret-1", "corp/docs-2", "oss/x", "corp/vault3",
     limit=st.one_of(st.none(), st.integers(-5, 400)),
 )
 def test_calls_decide_as_with_every_rule_compiled_alone(
-    revisions: tuple[PolicyRevision, PolicyRevision], tool: int, principal: str, repo: str,
+    revisions: tuple[PolicyRevision, PolicyRevision, PolicyRevision], tool: int, principal: str, repo: str,
     query: str, labels: list[str] | None, limit: int | None,
 ) -> None:
     args: dict[str, Any] = {"repo": repo, "query": query}
@@ -225,8 +302,8 @@ def test_calls_decide_as_with_every_rule_compiled_alone(
         principal=Principal(principal), run=RunContext("run-1", principal),
         request=RequestInfo("tools/call"),
     )
-    grouped, alone = revisions
-    assert verdicts(grouped, call) == verdicts(alone, call)
+    grouped, alone, precompiled = revisions
+    assert verdicts(grouped, call) == verdicts(alone, call) == verdicts(precompiled, call)
 
 
 # --- Fail closed --------------------------------------------------------------------------------
@@ -264,3 +341,60 @@ def test_a_single_program_that_cannot_compile_refuses_the_call(
     decision = ArgRulesCheck(revision, ToolRegistry()).decide(call)
     assert decision is not None and decision.code == "capability_blocked"
     assert decision.rule == "first" and "does not compile: simulated" in decision.reason
+
+
+# --- Workers that fail change nothing but the time ------------------------------------------------
+
+_COUNT_FRAMES = (
+    "import sys\n"
+    "d = sys.stdin.buffer.read(); n = i = 0\n"
+    "while i < len(d):\n"
+    "    i += 4 + int.from_bytes(d[i:i + 4], 'little'); n += 1\n"
+)
+
+
+@pytest.mark.parametrize("script", [
+    "import sys; sys.stdin.buffer.read(); sys.exit(3)",  # dies
+    "import sys; sys.stdin.buffer.read(); sys.stdout.buffer.write(b'\\x07\\0\\0\\0garbage')",
+    _COUNT_FRAMES + "sys.stdout.buffer.write(b'\\x07\\0\\0\\0garbage' * n)",  # not programs
+    _COUNT_FRAMES + "sys.stdout.buffer.write(b'\\0\\0\\0\\0' * n)",  # "does not compile"
+    "import time; time.sleep(60)",  # hangs: stopped at PRECOMPILE_TIMEOUT
+], ids=["exits", "short", "garbage", "empty", "hangs"])
+def test_a_failing_worker_leaves_the_groups_to_compile_here(
+    revisions: tuple[PolicyRevision, PolicyRevision, PolicyRevision], script: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    directory = tmp_path / "policy"
+    directory.mkdir()
+    _bench().write_policy(directory, TOOLS, 15)
+    kept = in_workers(monkeypatch)
+    monkeypatch.setattr(cel, "_worker_command", lambda: [sys.executable, "-c", script])
+    monkeypatch.setattr(cel, "PRECOMPILE_TIMEOUT", 1.0)
+    revision = load_policy(directory, engine=cel.get_engine("cel-cpp"))
+    assert kept == [0]
+    grouped = revisions[0]
+    for tool, repo, query in [(0, "corp/secret-0x0x0", "q"), (1, "corp/docs-1x0x0", "q"),
+                              (2, "oss/a", "password2x0x0 = 1"), (3, "design3x0x0/abc", "q"),
+                              (4, "corp/x", "q"), (5, "other/x", "")]:
+        call = ToolCall(
+            decision_id="d-1", upstream="bench", tool=f"tool_{tool}",
+            arguments={"repo": repo, "query": query}, principal=Principal("bench-agent"),
+            run=RunContext("run-1", "bench-agent"), request=RequestInfo("tools/call"),
+        )
+        assert verdicts(revision, call) == verdicts(grouped, call)
+
+
+def test_workers_start_only_for_many_groups_and_with_a_core_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    groups = [[f"args.a == {i}", f"args.b == {i}"] for i in range(3)]
+    engine = cel.get_engine("cel-cpp")
+    assert cel.PRECOMPILE_MIN_GROUPS > len(groups)
+    assert not engine.precompile(groups).started  # a reload that changed a few tools
+    monkeypatch.setattr(cel, "PRECOMPILE_MIN_GROUPS", 1)
+    monkeypatch.setattr(cel, "_spare_cores", lambda: 0)
+    assert not engine.precompile(groups).started  # one core: nothing to share it with
+    monkeypatch.setattr(cel, "_spare_cores", lambda: 1)
+    job = engine.precompile(groups)
+    assert job.started and job.finish() == 3
+    assert not engine.precompile(groups).started  # compiled: nothing left to send

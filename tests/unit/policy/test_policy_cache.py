@@ -350,3 +350,21 @@ def test_an_alias_is_read_from_its_anchor_after_an_edit(tmp_path: Path, engine: 
         ])
         revision = load_policy(directory, engine=eng)
         assert revision.tools["demo.b"].rules[0].program.source == f"args.n > {limit}"
+
+
+def test_a_load_asked_to_freeze_leaves_its_objects_out_of_the_collector(tmp_path: Path) -> None:
+    directory = tmp_path / "policy"
+    write_policy(directory)
+    gc.collect()
+    before = gc.get_freeze_count()
+    try:
+        revision = load_policy(directory, freeze=True)
+        assert gc.isenabled()
+        assert gc.get_freeze_count() > before
+        alive = {id(o) for o in gc.get_objects()}  # every generation but the frozen one
+        assert id(revision.tools) not in alive and id(revision.document) not in alive
+        # Without it, the load ends with a collection: its revision is in a generation.
+        other = load_policy(directory)
+        assert id(other.document) in {id(o) for o in gc.get_objects()}
+    finally:
+        gc.unfreeze()

@@ -76,3 +76,45 @@ def test_syntax_errors_keep_the_pure_parsers_words_and_place() -> None:
     assert parsed is None
     assert [(p.line, p.column) for p in problems] == [(3, 2)]
     assert problems[0].message.startswith("YAML syntax error: while parsing a flow sequence")
+
+
+FACTS = {
+    **CASES,
+    "duplicates": "a: 1\nb:\n  x: 1\n  x: 2\na: 3\nc: [{k: 1, k: 2}]\n",
+    "duplicates under an alias": "base: &b\n  x: 1\n  x: 2\nuse: *b\nm:\n  <<: *b\n  <<: *b\n  y: 1\n",
+    "no alias": "a: {b: [1, 2], c: {d: e}}\n",
+    "merge keys are not duplicates": "a: &a {x: 1}\nb:\n  <<: *a\n  <<: *a\n",
+}
+
+
+@pytest.mark.parametrize("text", FACTS.values(), ids=FACTS.keys())
+def test_what_composing_notes_is_what_the_walks_find(text: str) -> None:
+    parsed, problems = parse_file("p.yaml", text)
+    assert parsed is not None and not problems and parsed.root is not None
+    assert parsed.facts is not None  # composed by libyaml
+    assert yamlload.file_has_alias(parsed) == yamlload.has_alias(parsed.root)
+    assert yamlload.file_duplicate_keys(parsed) == yamlload.duplicate_keys("p.yaml", parsed.root)
+
+
+def test_the_repository_policies_note_the_same_as_the_walks() -> None:
+    files = sorted((ROOT / "policies").rglob("*.yaml")) + sorted((ROOT / "tests").rglob("*.yaml"))
+    checked = 0
+    for path in files:
+        parsed, _ = parse_file(str(path), path.read_text(encoding="utf-8"))
+        if parsed is None or parsed.root is None or parsed.facts is None:
+            continue
+        checked += 1
+        assert yamlload.file_has_alias(parsed) == yamlload.has_alias(parsed.root), path
+        assert (yamlload.file_duplicate_keys(parsed)
+                == yamlload.duplicate_keys(str(path), parsed.root)), path
+    assert checked > 10
+
+
+def test_duplicate_keys_are_reported_in_document_order_with_both_places() -> None:
+    parsed, _ = parse_file("p.yaml", FACTS["duplicates"])
+    assert parsed is not None
+    assert [str(p) for p in yamlload.file_duplicate_keys(parsed)] == [
+        "p.yaml:4:3: duplicate key 'x' (first at p.yaml:3:3)",
+        "p.yaml:5:1: duplicate key 'a' (first at p.yaml:1:1)",
+        "p.yaml:6:12: duplicate key 'k' (first at p.yaml:6:6)",
+    ]
