@@ -19,7 +19,9 @@ choice is decided by the listing itself, deterministically and without reading t
 - **its conditions** (`Criterion.conditions`): the modifiers of the noun phrase the
   superlative heads (every word before its head: "italian" of "a well-reviewed Italian place
   in Porto", the phrase ending at a preposition, conjunction or punctuation) and the words
-  after "with", "that has"... ("with a pool and parking"), inflections folded as
+  after "with", "that has"... ("with a pool and parking"), and the noun phrase of a partitive
+  before the superlative in its sentence ("Of the Italian places, book the best-reviewed")
+  or right after it ("the cheapest of the hotels with a pool"), inflections folded as
   `endorse.words_of` folds them. Only the intent states conditions: untrusted text never does.
   A numeric bound ("under 40 euros") or a modifier without a word of 3 letters ("4K") makes
   the criterion `opaque`: it endorses nothing.
@@ -46,8 +48,9 @@ all, so it is the extreme among the entries meeting every condition). The opposi
 any entry in between, is not endorsed: the attacker who asks for "the most expensive option"
 gets the approval gate, and so does one who picks the whole listing's best for "the
 best-reviewed Portuguese place". What this cannot decide: a numeric bound ("the best-reviewed
-hub under 40 euros": endorses nothing), a condition stated before the superlative ("of the
-Italian places, the best-reviewed": the whole listing's extreme is endorsed), a criterion over
+hub under 40 euros": endorses nothing), a condition stated before the superlative other than
+as a partitive ("I want Italian; book the best-reviewed place": the whole listing's extreme is
+endorsed), a criterion over
 values no trusted listing writes (ratings only in untrusted reviews), and listings as
 structured JSON records (only text entries are compared). With several condition words, each
 word's extreme is looked up in the run's ledger, not per listing: two trusted listings writing
@@ -132,7 +135,15 @@ after into onto of as than when while where since until till""".split())
 _WITH = frozenset("with that which who having including featuring offering".split())
 _BOUND = frozenset("""under below less over above more least most max maximum min minimum within up
 cheaper pricier lower higher no fewer""".split())
-_SKIP = frozenset("a an the one some any my our your their his her its this these those has have is are".split())
+_SKIP = frozenset("""a an the one ones some any my our your their his her its this these those has have is are
+all both two three four five six""".split())
+# What opens a partitive ("of the Italian places", "among the hotels with a pool"): the noun
+# phrase after it states conditions of a superlative, whether it comes before the superlative
+# ("Of the Italian places, book the best-reviewed") or after it ("the cheapest of the hotels
+# with a pool"). Not "from": "from the search results" names a source, not a condition.
+_PARTITIVE = frozenset("of among amongst".split())
+_PRE_PARTITIVE = re.compile(r"(?:^|\s)(?:out of|of|among|amongst)\s+(?:(?:all|both)\s+)?(?:the|these|those|my|our|your)\s+")
+_SENTENCE_END = re.compile(r"[.;!?\n]")
 _PHRASE_END = re.compile(r"[,.;:!?()\[\]\n]")
 _TOKEN = re.compile(r"[^\W_][\w'-]*")
 
@@ -162,6 +173,8 @@ def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
     opaque = False
     toks = _TOKEN.findall(tail)
     for i, tok in enumerate(toks):
+        if tok in _PARTITIVE and not noun and not having:
+            continue  # "the cheapest of the hotels with a pool": the phrase after "of" is the noun's
         if tok in _BOUND and any(ch.isdigit() for t in toks[i + 1:i + 4] for ch in t):
             opaque = True
             break
@@ -185,6 +198,19 @@ def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
     return tuple(dict.fromkeys(out)), opaque
 
 
+def _partitive(head: str) -> tuple[tuple[str, ...], bool]:
+    """(condition words, opaque) of a partitive opening the superlative's sentence before it:
+    "Of the Italian places, book the best-reviewed" -> ("italian",); read as `_conditions`
+    reads the phrase after a superlative (up to a comma), so a numeric bound in it ("of the
+    hotels under 100 euros") makes the criterion opaque. None: no conditions."""
+    sentence = _SENTENCE_END.split(head)[-1]
+    found = list(_PRE_PARTITIVE.finditer(sentence))
+    if not found:
+        return (), False
+    phrase = sentence[found[-1].end():]
+    return _conditions(phrase) if phrase.strip() else ((), False)
+
+
 def criteria(texts: Iterable[str]) -> list[Criterion]:
     """The criteria the intent's (normalised) texts state, in order, without repeats."""
     out: dict[tuple[str, str, tuple[str, ...], bool], Criterion] = {}
@@ -195,7 +221,10 @@ def criteria(texts: Iterable[str]) -> list[Criterion]:
             for m in pattern.finditer(rest):
                 if _NEGATION.search(rest[:m.start()]):
                     continue
-                conditions, opaque = _conditions(norm[m.end():])
+                after, opaque_after = _conditions(norm[m.end():])
+                before, opaque_before = _partitive(norm[:m.start()])
+                conditions = tuple(dict.fromkeys(before + after))
+                opaque = opaque_after or opaque_before
                 for field in fields:
                     out.setdefault((field, direction, conditions, opaque),
                                    Criterion(m.group(), field, direction, conditions, opaque))
