@@ -18,6 +18,7 @@ from proxy.envelope.dataflow.endorse import (
     entry_key,
     entry_value_forms,
     id_argument,
+    label_key,
     names_object,
     pick_key,
 )
@@ -447,10 +448,40 @@ class DataflowCheck:
                 endorsed.append(entry)
         return still
 
+    async def _labelled(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
+                        endorsed: list[dict[str, Any]]) -> list[Critical]:
+        """Of `left`, those that no read the intent pointed at writes as its one value under a
+        label whose word the intent writes (`endorse.label_key`: "update their address to the
+        one they wrote" and the ticket's "New address: ..."); the others are added to
+        `endorsed` (`by: pointed_read+label`, the word and the read as source). One more ledger
+        read, only for string values still unendorsed; past MAX_PICK_KEYS lookups nothing is
+        endorsed this way."""
+        said = [w for w in words.words() if not w.startswith("#") and len(w) >= 4]
+        strings = [c for c in left if c.norm and c.number is None]
+        wanted = [label_key(w, c.norm) for w in said for c in strings]
+        if not wanted or len(wanted) > MAX_PICK_KEYS:
+            return left
+        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
+                            ttl=self._ttl)
+        if ledger is None:
+            return left
+        still = []
+        for critical in left:
+            hit = next(((w, found[len("trusted|"):]) for w in said
+                        if critical in strings and (found := ledger.find(label_key(w, critical.norm))) is not None
+                        and found.startswith("trusted|")), None)
+            if hit is None:
+                still.append(critical)
+            else:
+                endorsed.append({"arg": critical.pointer, "by": "pointed_read+label", "label": hit[0],
+                                 "source": hit[1]})
+        return still
+
     async def _chosen(self, store: Store, call: ToolCall, flagged: list[Finding],
                       criticals: list[Critical]) -> list[Finding]:
         """`flagged` without the findings on a critical argument whose whole value the intent's
-        criterion picks from a trusted listing (`_criterion`): the user chose it, whatever
+        criterion picks from a trusted listing (`_criterion`), or that a read the user pointed
+        at writes under a label the intent names (`_labelled`): the user chose it, whatever
         untrusted output also writes it ("Casa Alfama" in its reviews). Audited
         `extra.endorsed`. Reads the intent only when a flagged argument is critical."""
         on = [c for c in criticals if any(f.argument == c.pointer for f in flagged)]
@@ -460,7 +491,9 @@ class DataflowCheck:
         if not texts:
             return flagged
         endorsed: list[dict[str, Any]] = []
-        still = await self._criterion(store, call, IntentWords.of(texts), on, endorsed)
+        words = IntentWords.of(texts)
+        still = await self._criterion(store, call, words, on, endorsed)
+        still = await self._labelled(store, call, words, still, endorsed) if still else still
         chosen = {c.pointer for c in on} - {c.pointer for c in still}
         if not chosen:
             return flagged
@@ -510,6 +543,7 @@ class DataflowCheck:
                     still.append(critical)
             left = await self._picked(store, call, words, still, endorsed) if still else still
             left = await self._criterion(store, call, words, left, endorsed) if left else left
+            left = await self._labelled(store, call, words, left, endorsed) if left else left
         unendorsed = list(dict.fromkeys(c.pointer for c in left))
         if cut:
             unendorsed.append("(more values than are checked)")

@@ -50,7 +50,10 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   amount (with decimals, or written as money: "140.00"), also
   against a data-flow flag. An output that writes several
   distinct tokens (the document's own account and an injected "use this one instead") is a
-  choice the user did not make: it endorses none. What this cannot tell apart: a pointed
+  choice the user did not make: it endorses none. Likewise the one value it writes under a
+  label ("New address: 12 Elm Row, Leeds LS1 4AB") whose word (4 letters or more) the intent
+  writes ("update their address to the one they wrote": `label_key`); a second value under a
+  label with the same word endorses neither. What this cannot tell apart: a pointed
   source whose only token is the attacker's (an injection in a document that had none, a
   thread where only the attacker wrote an address). The user did point there; a person must.
 
@@ -87,6 +90,7 @@ MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
 MAX_DEPTH = 32
 MAX_WORDS = 256  # most distinct words of an intent that pick entries of trusted listings
+MAX_LABEL_WORDS = 3  # longest label of a "label: value" entry of a pointed read (words)
 IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
 
 # Stripped from both ends of a value and of a phrase: "pay Acme Ltd." names "acme ltd".
@@ -244,7 +248,34 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     keys = {pointed_key(kind, value) for kind, value in found} if len(distinct) == 1 else set()
     if len(sums) == 1:
         keys.add(pointed_key("n", next(iter(sums))))
+    labelled: dict[str, set[str]] = {}
+    for text in texts:
+        for word, value in labelled_values(text):
+            labelled.setdefault(word, set()).add(value)
+    keys |= {label_key(word, next(iter(held))) for word, held in labelled.items() if len(held) == 1}
     return keys
+
+
+def label_key(word: str, value: str) -> bytes:
+    """The endorsing key of the one value a read the intent pointed at labels with `word`
+    ("New address: 12 Elm Row, Leeds LS1 4AB" -> "address")."""
+    return pointed_key("l", f"{word}|{value}")
+
+
+def labelled_values(text: str) -> Iterator[tuple[str, str]]:
+    """(label word, value) of a text's "label: value" entries (`records`' entries) whose label
+    is a short phrase (up to MAX_LABEL_WORDS words, a sentence is no label) and whose value,
+    normalised and edge-stripped, is up to MAX_PHRASE_CHARS: one pair per word of 4 letters or
+    more of the label (`words_of`)."""
+    for part in _RECORDS.split(text):
+        label, sep, value = part.rpartition(": ")
+        if not sep or not 0 < len(label.split()) <= MAX_LABEL_WORDS:
+            continue
+        key = _strip(normalise(value))
+        if key and len(key) <= MAX_PHRASE_CHARS:
+            for word in words_of(normalise(label)):
+                if len(word) >= 4:
+                    yield word, key
 
 
 def distinctive(number: str) -> bool:
