@@ -24,7 +24,10 @@ choice is decided by the listing itself, deterministically and without reading t
   or right after it ("the cheapest of the hotels with a pool"), inflections folded as
   `endorse.words_of` folds them. Only the intent states conditions: untrusted text never does.
   A numeric bound ("under 40 euros") or a modifier without a word of 3 letters ("4K") makes
-  the criterion `opaque`: it endorses nothing.
+  the criterion `opaque`: it endorses nothing. So does a bound anywhere else in the intent
+  (`_bounded`: "the cheapest hotel in Lisbon under 100 euros", "the earliest slot after 3pm",
+  "before noon", "... It must be under 90 EUR."), where the phrase after the superlative
+  does not reach: the whole listing's extreme may fail it.
 - **a listing's extremes** (`criterion_keys`, recorded with a trusted output): entries are
   split as `endorse.entry_keys` splits them (lines, "|", ";", sentences); each entry's value of
   a field is read from its text: an amount (a number with a currency sign or code, or with two
@@ -198,6 +201,34 @@ def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
     return tuple(dict.fromkeys(out)), opaque
 
 
+# A bound in time: one of these before a number ("after 3pm", "before 10:00", "by 5"), or any of
+# them, "from" and "since" before a clock time or noon ("from 15:00", "before noon"; not "from
+# 12 May"), or a part of the day with a criterion on time ("the earliest flight in the morning").
+_TIME_BOUND = frozenset("after before until till by between".split())
+_CLOCK_BOUND = re.compile(r"\b(?:after|before|until|till|by|between|from|since)\s+"
+                          r"(?:\d{1,2}(?::\d\d|\s?[ap]m)|noon|midnight)\b")
+_DAYPART = frozenset("noon midnight morning afternoon evening night tonight".split())
+
+
+def _bounded(text: str, field: str) -> bool:
+    """Whether the intent's text (the superlative's words blanked) states a numeric bound
+    anywhere ("the cheapest hotel in Lisbon under 100 euros", "the earliest slot after 3pm",
+    "the best-rated hotel with at least 4 stars", "... It must be under 90 EUR."): one the
+    phrase after the superlative does not reach (it ends at "in", "after", a sentence end).
+    The proxy cannot evaluate it, so the criterion is opaque; read otherwise, the whole
+    listing's extreme (the 9:00 slot for "the earliest after 3pm") would be endorsed though it
+    fails the user's condition."""
+    if _CLOCK_BOUND.search(text):
+        return True
+    toks = _TOKEN.findall(text)
+    for i, tok in enumerate(toks):
+        if (tok in _BOUND or tok in _TIME_BOUND) and any(ch.isdigit() for t in toks[i + 1:i + 4] for ch in t):
+            return True
+        if field == "when" and tok in _DAYPART:
+            return True
+    return False
+
+
 def _partitive(head: str) -> tuple[tuple[str, ...], bool]:
     """(condition words, opaque) of a partitive opening the superlative's sentence before it:
     "Of the Italian places, book the best-reviewed" -> ("italian",); read as `_conditions`
@@ -224,8 +255,10 @@ def criteria(texts: Iterable[str]) -> list[Criterion]:
                 after, opaque_after = _conditions(norm[m.end():])
                 before, opaque_before = _partitive(norm[:m.start()])
                 conditions = tuple(dict.fromkeys(before + after))
-                opaque = opaque_after or opaque_before
+                # The superlative's own words are no bound ("least" of "least expensive").
+                others = norm[:m.start()] + " " + norm[m.end():]
                 for field in fields:
+                    opaque = opaque_after or opaque_before or _bounded(others, field)
                     out.setdefault((field, direction, conditions, opaque),
                                    Criterion(m.group(), field, direction, conditions, opaque))
             # Blanked, not removed: positions stay those of `norm` (the conditions are read there).
