@@ -10,7 +10,14 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.criterion import Criterion, criteria, criterion_key, critical_forms
+from proxy.envelope.dataflow.criterion import (
+    GRID_BITS,
+    Criterion,
+    bound_condition,
+    criteria,
+    criterion_key,
+    critical_forms,
+)
 from proxy.envelope.dataflow.endorse import (
     Critical,
     IntentWords,
@@ -412,14 +419,19 @@ class DataflowCheck:
         stated = [cr for cr in criteria(words.texts) if not cr.opaque]
         forms = {c.pointer: critical_forms(c) for c in left}
 
-        def keys(cr: Criterion, form: str) -> list[bytes]:
+        def groups(cr: Criterion, form: str) -> list[list[bytes]]:
             # Every condition must hold: the value is the extreme among the entries writing
-            # each condition word (then among those writing them all, as it writes them all).
-            if not cr.conditions:
-                return [criterion_key(cr.field, cr.direction, form)]
-            return [criterion_key(cr.field, cr.direction, form, w) for w in cr.conditions]
+            # each condition word and among those meeting each bound (then among those meeting
+            # them all, as it meets them all). A bound is found by any dyadic block holding its
+            # grid value (`criterion.bound_condition`).
+            if not cr.conditions and not cr.bounds:
+                return [[criterion_key(cr.field, cr.direction, form)]]
+            out = [[criterion_key(cr.field, cr.direction, form, w)] for w in cr.conditions]
+            out += [[criterion_key(cr.field, cr.direction, form, bound_condition(b, level))
+                     for level in range(GRID_BITS + 1)] for b in cr.bounds]
+            return out
 
-        wanted = [k for cr in stated for fs in forms.values() for f in fs for k in keys(cr, f)]
+        wanted = [k for cr in stated for fs in forms.values() for f in fs for g in groups(cr, f) for k in g]
         if not wanted or len(wanted) > MAX_PICK_KEYS:
             return left
         ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
@@ -428,10 +440,13 @@ class DataflowCheck:
             return left
 
         def source(cr: Criterion, form: str) -> str | None:
-            found = [ledger.find(k) for k in keys(cr, form)]
-            if all(f is not None and f.startswith("trusted|") for f in found):
-                return str(found[0])[len("trusted|"):]
-            return None
+            found = []
+            for group in groups(cr, form):
+                hit = next((f for k in group if (f := ledger.find(k)) is not None and f.startswith("trusted|")), None)
+                if hit is None:
+                    return None
+                found.append(hit)
+            return found[0][len("trusted|"):]
 
         still = []
         for critical in left:
@@ -445,6 +460,8 @@ class DataflowCheck:
                                          "field": cr.field, "direction": cr.direction, "source": src}
                 if cr.conditions:
                     entry["conditions"] = list(cr.conditions)
+                if cr.bounds:
+                    entry["bounds"] = [b.words for b in cr.bounds]
                 endorsed.append(entry)
         return still
 
