@@ -549,8 +549,6 @@ class DataflowCheck:
             for critical in left:
                 if words.endorses(critical):
                     endorsed.append({"arg": critical.pointer, "by": "intent"})
-                elif words.self_reference(critical):
-                    endorsed.append({"arg": critical.pointer, "by": "intent+self"})
                 elif (critical.candidate is not None and words.names(critical)
                       and (found := ledger.find(critical.candidate)) is not None
                       and found.startswith("trusted|")):

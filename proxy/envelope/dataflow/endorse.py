@@ -31,9 +31,6 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   (`gated_effects`), not by endorsement.
 - the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine"); and any
   intent endorses 1, the count "add the hub" implies.
-- the **user themself**: "me" (or "myself") in an argument named for people ("participants",
-  "to", "guest_name"...: `people_argument`) when the intent is written in the first person
-  (`by: intent+self`); like the count of one, it names nobody an injection can steer to.
 - a **read by id made while the run was clean**: the values of a read's identifier arguments,
   when the run had read no untrusted content at the time of the read (nothing read through the
   proxy can have chosen them) and the upstream answered it without an error (the id names a
@@ -175,23 +172,6 @@ def number_words(norm: str) -> set[str]:
         else:
             out.add(str(_TENS[m.group(1)] + (_UNITS.index(m.group(2)) if m.group(2) else 0)))
     return out
-
-
-# An argument named for the people a call involves ("participants", "to", "guest_name",
-# "assigneeId"): its value "me" is the user the run acts for (`IntentWords.self_reference`).
-_PEOPLE_NAMES = frozenset("""participant participants attendee attendees invitee invitees guest guests to cc bcc
-recipient recipients user users member members assignee assignees agent owner passenger passengers
-traveller travellers traveler travelers person people""".split())
-_NAME_PARTS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
-_SELF = frozenset({"me", "myself"})
-# The user speaking of themselves: an intent in the first person singular.
-_FIRST_PERSON = re.compile(r"(?<![\w'])(?:i|me|my|mine|myself|i'm|i've|i'd|i'll)(?![\w'])")
-
-
-def people_argument(name: str) -> bool:
-    """Whether an argument's name says it holds people ("participants", "guest_name",
-    "assigneeId"; not "password", "email" or "name")."""
-    return any(part.lower() in _PEOPLE_NAMES for part in _NAME_PARTS.findall(name))
 
 
 def id_argument(name: str) -> bool:
@@ -621,17 +601,6 @@ class IntentWords:
             if len(stem) >= 4 and any(stem in _WORD.findall(text) for text in self.texts):
                 return True
         return False
-
-    def self_reference(self, critical: Critical) -> bool:
-        """Whether the value is the user themself: "me" (or "myself") in an argument named for
-        people (`people_argument`: participants, to, guest...), in a run whose intent the user
-        wrote in the first person ("for my call"). Like the count of one, it is no choice an
-        injection gains by: it names the principal the run acts for, nobody the attacker
-        controls. Not in other arguments ("me" as a password, a country code or a folder)."""
-        if critical.norm not in _SELF:
-            return False
-        top = critical.pointer[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
-        return people_argument(top) and any(_FIRST_PERSON.search(text) for text in self.texts)
 
     def points_at(self, value: Any) -> bool:
         """Whether a read's argument value names one object and the intent names it: a path,
