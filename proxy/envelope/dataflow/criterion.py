@@ -277,6 +277,7 @@ _BOUND_EXPR = re.compile(
     rf"|(?:(?P<amt_>{_AMT.replace('(?P<a1>', '(?P<b1>').replace('(?P<a2>', '(?P<b2>')})"
     rf"|(?P<rat_>{_RAT.replace('(?P<r>', '(?P<r_>').replace('(?P<scale>', '(?P<scale_>')}))\s+(?P<post>{_POST_OP})\b")
 _TIME_OPS = frozenset("after before until till by from since".split())
+_NEGATED_BOUND = re.compile(r"\b(?:not|no|never|n't|nothing)\s+$")
 
 
 def _grid(field: str, value: Decimal) -> int | None:
@@ -291,6 +292,8 @@ def _grid(field: str, value: Decimal) -> int | None:
 def _bound(m: re.Match[str]) -> Bound | None:
     """The bound one match of _BOUND_EXPR states, or None when it cannot be read (a rating
     bound stated "under 4 stars" is as readable as "at least 4 stars"; "after 40 euros" is not)."""
+    if _NEGATED_BOUND.search(m.string, 0, m.start()):
+        return None  # "not over 100 euros" is at most 100: read as stated, it would be inverted
     op = _OPS[m.group("op")] if m.group("op") else _POST[m.group("post")]
     word = m.group("op") or ""
     if m.group("clk") is not None:

@@ -310,6 +310,9 @@ SLOTS = "Free slots: 09:00 in Room Alder; 15:30 in Room Birch; 17:00 in Room Ced
     ("the cheapest hotel under 100", True, []),
     ("the earliest flight tomorrow morning", True, []),
     ("the cheapest hotel, book it by 40 euros", True, []),
+    # A negated bound would be read inverted ("not over 100 euros" is at most 100): opaque.
+    ("the cheapest hotel not over 100 euros", True, []),
+    ("the cheapest hotel, no more than 100 euros", False, [("amount", "eur", "le", 10000)]),
     # No bound: counts, dates and the superlative's own words.
     ("the cheapest hotel in Lisbon for 3 nights starting on the 12th", False, []),
     ("book the least expensive hotel from 12 May to 15 May", False, []),
