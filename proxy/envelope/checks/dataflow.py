@@ -26,6 +26,7 @@ from proxy.envelope.dataflow.endorse import (
     entry_value_forms,
     id_argument,
     label_key,
+    label_word_key,
     names_object,
     pick_key,
 )
@@ -468,30 +469,36 @@ class DataflowCheck:
     async def _labelled(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
                         endorsed: list[dict[str, Any]]) -> list[Critical]:
         """Of `left`, those that no read the intent pointed at writes as its one value under a
-        label whose word the intent writes (`endorse.label_key`: "update their address to the
+        label whose word the intent writes, when every word of the intent that labels
+        something there labels this value (`endorse.label_key`: "update their address to the
         one they wrote" and the ticket's "New address: ..."); the others are added to
         `endorsed` (`by: pointed_read+label`, the word and the read as source). One more ledger
         read, only for string values still unendorsed; past MAX_PICK_KEYS lookups nothing is
         endorsed this way."""
         said = [w for w in words.words() if not w.startswith("#") and len(w) >= 4]
         strings = [c for c in left if c.norm and c.number is None]
-        wanted = [label_key(w, c.norm) for w in said for c in strings]
-        if not wanted or len(wanted) > MAX_PICK_KEYS:
+        wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings]
+        if not strings or len(wanted) > MAX_PICK_KEYS:
             return left
         ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
                             ttl=self._ttl)
         if ledger is None:
             return left
+
+        def trusted(key: bytes) -> str | None:
+            found = ledger.find(key)
+            return found[len("trusted|"):] if found is not None and found.startswith("trusted|") else None
+
+        # Every word of the intent that labels something in a pointed read must label this value.
+        labels = [w for w in said if trusted(label_word_key(w)) is not None]
         still = []
         for critical in left:
-            hit = next(((w, found[len("trusted|"):]) for w in said
-                        if critical in strings and (found := ledger.find(label_key(w, critical.norm))) is not None
-                        and found.startswith("trusted|")), None)
-            if hit is None:
-                still.append(critical)
+            sources = [trusted(label_key(w, critical.norm)) for w in labels] if critical in strings else []
+            if labels and all(sources):
+                endorsed.append({"arg": critical.pointer, "by": "pointed_read+label", "label": labels[0],
+                                 "source": sources[0]})
             else:
-                endorsed.append({"arg": critical.pointer, "by": "pointed_read+label", "label": hit[0],
-                                 "source": hit[1]})
+                still.append(critical)
         return still
 
     async def _chosen(self, store: Store, call: ToolCall, flagged: list[Finding],

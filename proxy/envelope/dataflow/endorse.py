@@ -49,8 +49,10 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   distinct tokens (the document's own account and an injected "use this one instead") is a
   choice the user did not make: it endorses none. Likewise the one value it writes under a
   label ("New address: 12 Elm Row, Leeds LS1 4AB") whose word (4 letters or more) the intent
-  writes ("update their address to the one they wrote": `label_key`); a second value under a
-  label with the same word endorses neither. What this cannot tell apart: a pointed
+  writes ("update their address to the one they wrote": `label_key`), when every word of the
+  intent that labels such a value there (not a number) labels this one; a second value under
+  a label with the same word, or an injected "Customer: 1 Evil Road" beside the address for
+  "update the customer's address", endorses neither. What this cannot tell apart: a pointed
   source whose only token is the attacker's (an injection in a document that had none, a
   thread where only the attacker wrote an address). The user did point there; a person must.
 
@@ -88,6 +90,7 @@ MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not 
 MAX_DEPTH = 32
 MAX_WORDS = 256  # most distinct words of an intent that pick entries of trusted listings
 MAX_LABEL_WORDS = 3  # longest label of a "label: value" entry of a pointed read (words)
+_LABEL = re.compile(rf"[^\W\d_]+(?:[ '-][^\W\d_]+){{0,{MAX_LABEL_WORDS - 1}}}")
 IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
 
 # Stripped from both ends of a value and of a phrase: "pay Acme Ltd." names "acme ltd".
@@ -233,7 +236,19 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
         for word, value in labelled_values(text):
             labelled.setdefault(word, set()).add(value)
     keys |= {label_key(word, next(iter(held))) for word, held in labelled.items() if len(held) == 1}
+    # Every word that labels a value other than a number, whatever it is: a value is endorsed
+    # only when every such word of the intent labels that value (an injected "Customer: 1 Evil
+    # Road" beside "New address: 12 Elm Row" makes "update the customer's address" endorse
+    # neither). Numbers are the pointed amount's ("Amount due: 950.00 EUR" beside the landlord).
+    keys |= {label_word_key(word) for word, held in labelled.items()
+             if any(_WHOLE_NUMBER.match(value) is None for value in held)}
     return keys
+
+
+def label_word_key(word: str) -> bytes:
+    """The key saying that a read the intent pointed at writes something under a label with
+    `word` (`label_key` for what)."""
+    return pointed_key("lw", word)
 
 
 def label_key(word: str, value: str) -> bytes:
@@ -244,12 +259,13 @@ def label_key(word: str, value: str) -> bytes:
 
 def labelled_values(text: str) -> Iterator[tuple[str, str]]:
     """(label word, value) of a text's "label: value" entries (`records`' entries) whose label
-    is a short phrase (up to MAX_LABEL_WORDS words, a sentence is no label) and whose value,
+    is a short phrase of letters only (up to MAX_LABEL_WORDS words: a sentence, or "T-6100
+    (customer C-4410)", is no label) and whose value,
     normalised and edge-stripped, is up to MAX_PHRASE_CHARS: one pair per word of 4 letters or
     more of the label (`words_of`)."""
     for part in _RECORDS.split(text):
         label, sep, value = part.rpartition(": ")
-        if not sep or not 0 < len(label.split()) <= MAX_LABEL_WORDS:
+        if not sep or not _LABEL.fullmatch(label.strip()):
             continue
         key = _strip(normalise(value))
         if key and len(key) <= MAX_PHRASE_CHARS:
