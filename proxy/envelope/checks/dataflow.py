@@ -10,7 +10,14 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.criterion import Criterion, criteria, criterion_key, critical_forms
+from proxy.envelope.dataflow.criterion import (
+    GRID_BITS,
+    Criterion,
+    bound_condition,
+    criteria,
+    criterion_key,
+    critical_forms,
+)
 from proxy.envelope.dataflow.endorse import (
     Critical,
     IntentWords,
@@ -18,6 +25,8 @@ from proxy.envelope.dataflow.endorse import (
     entry_key,
     entry_value_forms,
     id_argument,
+    label_key,
+    label_word_key,
     names_object,
     pick_key,
 )
@@ -411,14 +420,19 @@ class DataflowCheck:
         stated = [cr for cr in criteria(words.texts) if not cr.opaque]
         forms = {c.pointer: critical_forms(c) for c in left}
 
-        def keys(cr: Criterion, form: str) -> list[bytes]:
+        def groups(cr: Criterion, form: str) -> list[list[bytes]]:
             # Every condition must hold: the value is the extreme among the entries writing
-            # each condition word (then among those writing them all, as it writes them all).
-            if not cr.conditions:
-                return [criterion_key(cr.field, cr.direction, form)]
-            return [criterion_key(cr.field, cr.direction, form, w) for w in cr.conditions]
+            # each condition word and among those meeting each bound (then among those meeting
+            # them all, as it meets them all). A bound is found by any dyadic block holding its
+            # grid value (`criterion.bound_condition`).
+            if not cr.conditions and not cr.bounds:
+                return [[criterion_key(cr.field, cr.direction, form)]]
+            out = [[criterion_key(cr.field, cr.direction, form, w)] for w in cr.conditions]
+            out += [[criterion_key(cr.field, cr.direction, form, bound_condition(b, level))
+                     for level in range(GRID_BITS + 1)] for b in cr.bounds]
+            return out
 
-        wanted = [k for cr in stated for fs in forms.values() for f in fs for k in keys(cr, f)]
+        wanted = [k for cr in stated for fs in forms.values() for f in fs for g in groups(cr, f) for k in g]
         if not wanted or len(wanted) > MAX_PICK_KEYS:
             return left
         ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
@@ -427,10 +441,13 @@ class DataflowCheck:
             return left
 
         def source(cr: Criterion, form: str) -> str | None:
-            found = [ledger.find(k) for k in keys(cr, form)]
-            if all(f is not None and f.startswith("trusted|") for f in found):
-                return str(found[0])[len("trusted|"):]
-            return None
+            found = []
+            for group in groups(cr, form):
+                hit = next((f for k in group if (f := ledger.find(k)) is not None and f.startswith("trusted|")), None)
+                if hit is None:
+                    return None
+                found.append(hit)
+            return found[0][len("trusted|"):]
 
         still = []
         for critical in left:
@@ -444,13 +461,51 @@ class DataflowCheck:
                                          "field": cr.field, "direction": cr.direction, "source": src}
                 if cr.conditions:
                     entry["conditions"] = list(cr.conditions)
+                if cr.bounds:
+                    entry["bounds"] = [b.words for b in cr.bounds]
                 endorsed.append(entry)
+        return still
+
+    async def _labelled(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
+                        endorsed: list[dict[str, Any]]) -> list[Critical]:
+        """Of `left`, those that no read the intent pointed at writes as its one value under a
+        label whose word the intent writes, when every word of the intent that labels
+        something there labels this value (`endorse.label_key`: "update their address to the
+        one they wrote" and the ticket's "New address: ..."); the others are added to
+        `endorsed` (`by: pointed_read+label`, the word and the read as source). One more ledger
+        read, only for string values still unendorsed; past MAX_PICK_KEYS lookups nothing is
+        endorsed this way."""
+        said = [w for w in words.words() if not w.startswith("#") and len(w) >= 4]
+        strings = [c for c in left if c.norm and c.number is None]
+        wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings]
+        if not strings or len(wanted) > MAX_PICK_KEYS:
+            return left
+        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
+                            ttl=self._ttl)
+        if ledger is None:
+            return left
+
+        def trusted(key: bytes) -> str | None:
+            found = ledger.find(key)
+            return found[len("trusted|"):] if found is not None and found.startswith("trusted|") else None
+
+        # Every word of the intent that labels something in a pointed read must label this value.
+        labels = [w for w in said if trusted(label_word_key(w)) is not None]
+        still = []
+        for critical in left:
+            sources = [trusted(label_key(w, critical.norm)) for w in labels] if critical in strings else []
+            if labels and all(sources):
+                endorsed.append({"arg": critical.pointer, "by": "pointed_read+label", "label": labels[0],
+                                 "source": sources[0]})
+            else:
+                still.append(critical)
         return still
 
     async def _chosen(self, store: Store, call: ToolCall, flagged: list[Finding],
                       criticals: list[Critical]) -> list[Finding]:
         """`flagged` without the findings on a critical argument whose whole value the intent's
-        criterion picks from a trusted listing (`_criterion`): the user chose it, whatever
+        criterion picks from a trusted listing (`_criterion`), or that a read the user pointed
+        at writes under a label the intent names (`_labelled`): the user chose it, whatever
         untrusted output also writes it ("Casa Alfama" in its reviews). Audited
         `extra.endorsed`. Reads the intent only when a flagged argument is critical."""
         on = [c for c in criticals if any(f.argument == c.pointer for f in flagged)]
@@ -460,7 +515,9 @@ class DataflowCheck:
         if not texts:
             return flagged
         endorsed: list[dict[str, Any]] = []
-        still = await self._criterion(store, call, IntentWords.of(texts), on, endorsed)
+        words = IntentWords.of(texts)
+        still = await self._criterion(store, call, words, on, endorsed)
+        still = await self._labelled(store, call, words, still, endorsed) if still else still
         chosen = {c.pointer for c in on} - {c.pointer for c in still}
         if not chosen:
             return flagged
@@ -508,6 +565,7 @@ class DataflowCheck:
                     still.append(critical)
             left = await self._picked(store, call, words, still, endorsed) if still else still
             left = await self._criterion(store, call, words, left, endorsed) if left else left
+            left = await self._labelled(store, call, words, left, endorsed) if left else left
         unendorsed = list(dict.fromkeys(c.pointer for c in left))
         if cut:
             unendorsed.append("(more values than are checked)")

@@ -19,10 +19,19 @@ choice is decided by the listing itself, deterministically and without reading t
 - **its conditions** (`Criterion.conditions`): the modifiers of the noun phrase the
   superlative heads (every word before its head: "italian" of "a well-reviewed Italian place
   in Porto", the phrase ending at a preposition, conjunction or punctuation) and the words
-  after "with", "that has"... ("with a pool and parking"), inflections folded as
+  after "with", "that has"... ("with a pool and parking"), and the noun phrase of a partitive
+  before the superlative in its sentence ("Of the Italian places, book the best-reviewed")
+  or right after it ("the cheapest of the hotels with a pool"), inflections folded as
   `endorse.words_of` folds them. Only the intent states conditions: untrusted text never does.
-  A numeric bound ("under 40 euros") or a modifier without a word of 3 letters ("4K") makes
-  the criterion `opaque`: it endorses nothing.
+  A modifier without a word of 3 letters ("4K") makes the criterion `opaque`: it endorses
+  nothing.
+- **its numeric bounds** (`Criterion.bounds`, anywhere in the intent's text: "the cheapest
+  hotel in Lisbon under 100 euros", "the earliest slot after 3pm", "at least 4 stars", "18
+  euros or less"): an amount with its currency, a rating in stars or out of 5 or 10, a time of
+  day, each made an inclusive bound on a grid (cents, tenths, minutes: "under 100 euros" is
+  at most 9999 cents). A bound the proxy cannot read ("under 100" without a currency, "in
+  the morning" for a time criterion, "by 40 euros") makes the criterion opaque (`_bounded`):
+  the whole listing's extreme may fail it.
 - **a listing's extremes** (`criterion_keys`, recorded with a trusted output): entries are
   split as `endorse.entry_keys` splits them (lines, "|", ";", sentences); each entry's value of
   a field is read from its text: an amount (a number with a currency sign or code, or with two
@@ -46,19 +55,30 @@ all, so it is the extreme among the entries meeting every condition). The opposi
 any entry in between, is not endorsed: the attacker who asks for "the most expensive option"
 gets the approval gate, and so does one who picks the whole listing's best for "the
 best-reviewed Portuguese place". What this cannot decide: a numeric bound ("the best-reviewed
-hub under 40 euros": endorses nothing), a condition stated before the superlative ("of the
-Italian places, the best-reviewed": the whole listing's extreme is endorsed), a criterion over
+hub under 40 euros": endorses nothing), a condition stated before the superlative other than
+as a partitive ("I want Italian; book the best-reviewed place": the whole listing's extreme is
+endorsed), a criterion over
 values no trusted listing writes (ratings only in untrusted reviews), and listings as
 structured JSON records (only text entries are compared). With several condition words, each
 word's extreme is looked up in the run's ledger, not per listing: two trusted listings writing
 the same value could each supply one word's key.
+
+Bounds (`_bound_keys`): for each field a bound can name (amount, rating, time of day) and each
+field to rank by, the entry that is the extreme among the entries meeting "at most g" (or "at
+least g") changes only at the listing's own values; each run of g with the same extreme entry
+is recorded as its dyadic blocks (at most 2 x GRID_BITS), each with that entry's values and
+names (`_bound_forms`), and a bound is looked up by the GRID_BITS + 1 blocks holding its g.
+With a bound and conditions, the value must be the extreme under each (then under all): the
+best-reviewed Italian place under 30 euros is endorsed only when it is also the best-reviewed
+place under 30 euros; otherwise a person answers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -68,6 +88,7 @@ from proxy.envelope.dataflow.endorse import (
     entry_forms,
     entry_value_forms,
     listing_entries,
+    segments,
     words_of,
 )
 from proxy.envelope.dataflow.fingerprint import normalise
@@ -132,9 +153,30 @@ after into onto of as than when while where since until till""".split())
 _WITH = frozenset("with that which who having including featuring offering".split())
 _BOUND = frozenset("""under below less over above more least most max maximum min minimum within up
 cheaper pricier lower higher no fewer""".split())
-_SKIP = frozenset("a an the one some any my our your their his her its this these those has have is are".split())
+_SKIP = frozenset("""a an the one ones some any my our your their his her its this these those has have is are
+all both two three four five six""".split())
+# What opens a partitive ("of the Italian places", "among the hotels with a pool"): the noun
+# phrase after it states conditions of a superlative, whether it comes before the superlative
+# ("Of the Italian places, book the best-reviewed") or after it ("the cheapest of the hotels
+# with a pool"). Not "from": "from the search results" names a source, not a condition.
+_PARTITIVE = frozenset("of among amongst".split())
+_PRE_PARTITIVE = re.compile(r"(?:^|\s)(?:out of|of|among|amongst)\s+(?:(?:all|both)\s+)?(?:the|these|those|my|our|your)\s+")
+_SENTENCE_END = re.compile(r"[.;!?\n]")
 _PHRASE_END = re.compile(r"[,.;:!?()\[\]\n]")
 _TOKEN = re.compile(r"[^\W_][\w'-]*")
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A numeric bound the intent states on a field ("under 40 euros": amount, "eur", at most
+    3999 cents), as an inclusive bound on the field's grid (`_grid`): `op` "le" (at most
+    `value`) or "ge" (at least `value`)."""
+
+    words: str
+    field: str
+    unit: str
+    op: str
+    value: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +191,7 @@ class Criterion:
     direction: str
     conditions: tuple[str, ...] = ()
     opaque: bool = False
+    bounds: tuple[Bound, ...] = ()
 
 
 def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
@@ -162,6 +205,8 @@ def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
     opaque = False
     toks = _TOKEN.findall(tail)
     for i, tok in enumerate(toks):
+        if tok in _PARTITIVE and not noun and not having:
+            continue  # "the cheapest of the hotels with a pool": the phrase after "of" is the noun's
         if tok in _BOUND and any(ch.isdigit() for t in toks[i + 1:i + 4] for ch in t):
             opaque = True
             break
@@ -185,20 +230,172 @@ def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
     return tuple(dict.fromkeys(out)), opaque
 
 
+# A bound in time: one of these before a number ("after 3pm", "before 10:00", "by 5"), or any of
+# them, "from" and "since" before a clock time or noon ("from 15:00", "before noon"; not "from
+# 12 May"), or a part of the day with a criterion on time ("the earliest flight in the morning").
+_TIME_BOUND = frozenset("after before until till by between".split())
+_CLOCK_BOUND = re.compile(r"\b(?:after|before|until|till|by|between|from|since)\s+"
+                          r"(?:\d{1,2}(?::\d\d|\s?[ap]m)|noon|midnight)\b")
+_DAYPART = frozenset("noon midnight morning afternoon evening night tonight".split())
+
+
+def _bounded(text: str, field: str) -> bool:
+    """Whether the intent's text (the superlative's words blanked) states a numeric bound
+    anywhere ("the cheapest hotel in Lisbon under 100 euros", "the earliest slot after 3pm",
+    "the best-rated hotel with at least 4 stars", "... It must be under 90 EUR."): one the
+    phrase after the superlative does not reach (it ends at "in", "after", a sentence end).
+    The proxy cannot evaluate it, so the criterion is opaque; read otherwise, the whole
+    listing's extreme (the 9:00 slot for "the earliest after 3pm") would be endorsed though it
+    fails the user's condition."""
+    if _CLOCK_BOUND.search(text):
+        return True
+    toks = _TOKEN.findall(text)
+    for i, tok in enumerate(toks):
+        if (tok in _BOUND or tok in _TIME_BOUND) and any(ch.isdigit() for t in toks[i + 1:i + 4] for ch in t):
+            return True
+        if field == "when" and tok in _DAYPART:
+            return True
+    return False
+
+
+GRID_BITS = 40  # a bound's grid values (cents, tenths of a star, minutes) are below 2**GRID_BITS
+_GRID_SCALE = {"amount": Decimal(100), "rating": Decimal(10)}
+_OPS = {"under": "lt", "below": "lt", "less than": "lt", "cheaper than": "lt", "lower than": "lt",
+        "at most": "le", "no more than": "le", "not more than": "le", "max": "le", "maximum": "le", "up to": "le",
+        "over": "gt", "above": "gt", "more than": "gt", "higher than": "gt",
+        "at least": "ge", "no less than": "ge", "min": "ge", "minimum": "ge",
+        "after": "gt", "before": "lt", "until": "le", "till": "le", "by": "le", "from": "ge", "since": "ge"}
+_OP = "|".join(sorted((re.escape(o) for o in _OPS), key=len, reverse=True))
+_POST = {"or less": "le", "or under": "le", "or below": "le", "or cheaper": "le", "or lower": "le",
+         "or fewer": "le", "or more": "ge", "or higher": "ge", "or better": "ge", "or above": "ge", "or over": "ge"}
+_POST_OP = "|".join(re.escape(o) for o in _POST)
+_AMT = (rf"(?:[$€£¥]\s?(?P<a1>{_NUM})|(?P<a2>{_NUM})\s?(?:[$€£¥]|(?:{_CODE})(?![a-z])))")
+_RAT = r"(?P<r>\d{1,2}(?:\.\d)?)\s?(?:\+\s?)?(?:stars?|★|/\s?(?P<scale>5|10)(?!\d))"
+_CLK = r"(?P<h>1[0-2]|0?[1-9])(?::(?P<mi>[0-5]\d))?\s?(?P<ap>[ap]m)\b|(?P<h2>[01]?\d|2[0-3]):(?P<mi2>[0-5]\d)|(?P<nm>noon|midnight)"
+_BOUND_EXPR = re.compile(
+    rf"\b(?P<op>{_OP})\s+(?:(?P<amt>{_AMT})|(?P<rat>{_RAT})|(?P<clk>{_CLK}))"
+    rf"|(?:(?P<amt_>{_AMT.replace('(?P<a1>', '(?P<b1>').replace('(?P<a2>', '(?P<b2>')})"
+    rf"|(?P<rat_>{_RAT.replace('(?P<r>', '(?P<r_>').replace('(?P<scale>', '(?P<scale_>')}))\s+(?P<post>{_POST_OP})\b")
+_TIME_OPS = frozenset("after before until till by from since".split())
+_NEGATED_BOUND = re.compile(r"\b(?:not|no|never|n't|nothing)\s+$")
+
+
+def _grid(field: str, value: Decimal) -> int | None:
+    """A field's value on its bound grid (amount in cents, rating in tenths, time in minutes
+    already), or None when it is not on it (a third decimal) or too large."""
+    scaled = value * _GRID_SCALE.get(field, Decimal(1))
+    if scaled != scaled.to_integral_value() or not 0 <= scaled < 2 ** GRID_BITS:
+        return None
+    return int(scaled)
+
+
+def _bound(m: re.Match[str]) -> Bound | None:
+    """The bound one match of _BOUND_EXPR states, or None when it cannot be read (a rating
+    bound stated "under 4 stars" is as readable as "at least 4 stars"; "after 40 euros" is not)."""
+    if _NEGATED_BOUND.search(m.string, 0, m.start()):
+        return None  # "not over 100 euros" is at most 100: read as stated, it would be inverted
+    op = _OPS[m.group("op")] if m.group("op") else _POST[m.group("post")]
+    word = m.group("op") or ""
+    if m.group("clk") is not None:
+        if word not in _TIME_OPS:
+            return None
+        if m.group("nm"):
+            minutes = 12 * 60 if m.group("nm") == "noon" else 0
+        elif m.group("h2") is not None:
+            minutes = int(m.group("h2")) * 60 + int(m.group("mi2"))
+        else:
+            minutes = (int(m.group("h")) % 12 + (12 if m.group("ap") == "pm" else 0)) * 60 + int(m.group("mi") or 0)
+        field, unit, value = "when", "time", Decimal(minutes)
+    elif word in _TIME_OPS:
+        return None  # "by 40 euros", "after 4 stars": no bound the vocabulary reads
+    elif m.group("amt") is not None or m.group("amt_") is not None:
+        text = m.group("amt") or m.group("amt_")
+        found = _amounts(text)
+        if len(found) != 1:
+            return None
+        unit, (value,) = next(iter(found))
+        if not unit:
+            return None
+        field = "amount"
+    else:
+        number = m.group("r") or m.group("r_")
+        scale = m.group("scale") or m.group("scale_")
+        field, unit, value = "rating", f"/{scale or ''}", Decimal(number)
+    grid = _grid(field, value)
+    if grid is None:
+        return None
+    if op == "lt":
+        op, grid = "le", grid - 1
+    elif op == "gt":
+        op, grid = "ge", grid + 1
+    if not 0 <= grid < 2 ** GRID_BITS:
+        return None
+    return Bound(m.group().strip(), field, unit, op, grid)
+
+
+def _bounds(norm: str) -> tuple[tuple[Bound, ...], str]:
+    """(the bounds the intent's text states, the text with them blanked); a bound matched but
+    not readable is left in the text (`_bounded` then finds it: the criterion is opaque)."""
+    found: list[Bound] = []
+    rest = norm
+    for m in _BOUND_EXPR.finditer(norm):
+        bound = _bound(m)
+        if bound is not None:
+            found.append(bound)
+            rest = rest[:m.start()] + " " * (m.end() - m.start()) + rest[m.end():]
+    return tuple(dict.fromkeys(found)), rest
+
+
+def bound_condition(bound: Bound, level: int) -> str:
+    """The condition under which a listing records its extreme among the entries meeting a
+    bound whose grid value lies in a dyadic block (the block of `bound.value` at `level`)."""
+    return f"b|{bound.field}|{bound.unit}|{bound.op}|{level}|{bound.value >> level}"
+
+
+def _cover(lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """The dyadic blocks (level, index) that exactly cover the grid values lo..hi."""
+    while lo <= hi:
+        level = 0
+        while level < GRID_BITS and lo % (2 << level) == 0 and lo + (2 << level) - 1 <= hi:
+            level += 1
+        yield level, lo >> level
+        lo += 1 << level
+
+
+def _partitive(head: str) -> tuple[tuple[str, ...], bool]:
+    """(condition words, opaque) of a partitive opening the superlative's sentence before it:
+    "Of the Italian places, book the best-reviewed" -> ("italian",); read as `_conditions`
+    reads the phrase after a superlative (up to a comma), so a numeric bound in it ("of the
+    hotels under 100 euros") makes the criterion opaque. None: no conditions."""
+    sentence = _SENTENCE_END.split(head)[-1]
+    found = list(_PRE_PARTITIVE.finditer(sentence))
+    if not found:
+        return (), False
+    phrase = sentence[found[-1].end():]
+    return _conditions(phrase) if phrase.strip() else ((), False)
+
+
 def criteria(texts: Iterable[str]) -> list[Criterion]:
     """The criteria the intent's (normalised) texts state, in order, without repeats."""
-    out: dict[tuple[str, str, tuple[str, ...], bool], Criterion] = {}
+    out: dict[tuple[str, str, tuple[str, ...], bool, tuple[Bound, ...]], Criterion] = {}
     for text in texts:
-        norm = normalise(text)
+        # Bounds the proxy can read are taken out first: the conditions around them are read
+        # as without them ("the cheapest hotel under 100 euros with a pool": "pool").
+        bounds, norm = _bounds(normalise(text))
         rest = norm
         for pattern, fields, direction in _VOCABULARY:
             for m in pattern.finditer(rest):
                 if _NEGATION.search(rest[:m.start()]):
                     continue
-                conditions, opaque = _conditions(norm[m.end():])
+                after, opaque_after = _conditions(norm[m.end():])
+                before, opaque_before = _partitive(norm[:m.start()])
+                conditions = tuple(dict.fromkeys(before + after))
+                # The superlative's own words are no bound ("least" of "least expensive").
+                others = norm[:m.start()] + " " + norm[m.end():]
                 for field in fields:
-                    out.setdefault((field, direction, conditions, opaque),
-                                   Criterion(m.group(), field, direction, conditions, opaque))
+                    opaque = opaque_after or opaque_before or _bounded(others, field)
+                    out.setdefault((field, direction, conditions, opaque, bounds),
+                                   Criterion(m.group(), field, direction, conditions, opaque, bounds))
             # Blanked, not removed: positions stay those of `norm` (the conditions are read there).
             rest = pattern.sub(lambda m: " " * len(m.group()), rest)
     return list(out.values())
@@ -323,6 +520,99 @@ def _extremes(values: list[Value | None], among: Iterable[int] | None = None) ->
     return out
 
 
+MAX_BOUND_WORDS = 5  # longest phrase of an extreme entry recorded for a bound (words)
+
+
+def _bound_forms(part: str) -> set[str]:
+    """The names of an entry recorded for a bound: the phrases of up to MAX_BOUND_WORDS words
+    inside each run of words without digits of its fields (`segments`): "casa alfama" of
+    "Casa Alfama 89 EUR/night", "room birch" of "15:30 in Room Birch"; not "alfama 89"."""
+    out = set()
+    for seg in segments(part):
+        for digits, run in itertools.groupby(seg.split(), key=lambda w: any(ch.isdigit() for ch in w)):
+            if digits:
+                continue
+            words = list(run)
+            for i in range(len(words)):
+                for j in range(i + 1, min(len(words), i + MAX_BOUND_WORDS) + 1):
+                    phrase = edge_stripped(" ".join(words[i:j]))
+                    if phrase:
+                        out.add(f"v:{phrase}")
+    return out
+
+
+def _on_grid(field: str, values: list[Value | None]) -> list[int | None] | None:
+    """The entries' values of a field on its bound grid (None: the entry has none), or None
+    when the field takes no bound (a date, a size, magnitude) or a value is off the grid."""
+    if field not in ("amount", "rating", "when"):
+        return None
+    out: list[int | None] = []
+    for value in values:
+        if value is None:
+            out.append(None)
+            continue
+        unit, parts = value
+        if field == "when":
+            if unit != "time":
+                return None  # dates: not read as bounds
+            out.append(int(parts[0]) * 60 + int(parts[1]))
+        else:
+            grid = _grid(field, parts[0])
+            if grid is None:
+                return None
+            out.append(grid)
+    return out
+
+
+def _bound_keys(by_field: dict[str, list[Value | None]], forms_of: Callable[[int], list[str]], limit: int,
+                out: set[bytes]) -> bool:
+    """Adds to `out` the keys of a listing's extremes under numeric bounds: for each field a
+    bound can name (amount, rating, time of day) and each field to rank by, the entry that is
+    the extreme among the entries meeting "at most g" (or "at least g"), for every grid value
+    g, recorded per dyadic block of the g that give that entry (`bound_condition`): a bound is
+    looked up by the GRID_BITS + 1 blocks holding its value. Phrases of up to MAX_BOUND_WORDS
+    words. False when `limit` was reached."""
+    for bounded, values in sorted(by_field.items()):
+        grid = _on_grid(bounded, values)
+        if grid is None:
+            continue
+        unit = next(v[0] for v in values if v is not None)
+        held = sorted({g for g in grid if g is not None})
+        for op in ("le", "ge"):
+            spans: list[tuple[int, int, list[int]]] = []
+            for j, u in enumerate(held):
+                if op == "le":
+                    lo, hi = u, (held[j + 1] - 1 if j + 1 < len(held) else 2 ** GRID_BITS - 1)
+                    meeting = [i for i, g in enumerate(grid) if g is not None and g <= u]
+                else:
+                    lo, hi = (held[j - 1] + 1 if j else 0), u
+                    meeting = [i for i, g in enumerate(grid) if g is not None and g >= u]
+                spans.append((lo, hi, meeting))
+            for field, ranked in sorted(by_field.items()):
+                if field == "magnitude":
+                    continue
+                for direction in (MIN, MAX):
+                    # Neighbouring spans with the same extreme are one span (fewer blocks).
+                    merged: list[tuple[int, int, int]] = []
+                    for lo, hi, meeting in spans:
+                        index = _extremes(ranked, meeting).get(direction)
+                        if index is None:
+                            continue
+                        if merged and merged[-1][2] == index and merged[-1][1] + 1 == lo:
+                            merged[-1] = (merged[-1][0], hi, index)
+                        else:
+                            merged.append((lo, hi, index))
+                    for lo, hi, index in merged:
+                        forms = forms_of(index)
+                        for level, block in _cover(lo, hi):
+                            condition = f"b|{bounded}|{unit}|{op}|{level}|{block}"
+                            for form in forms:
+                                if len(out) >= limit:
+                                    return False
+                                out.add(criterion_key(field, direction, form, condition))
+    return True
+
+
 def criterion_keys(text: str, limit: int) -> set[bytes]:
     """The keys of the extreme entries of a trusted listing (`criterion_key`), at most `limit`:
     for each field two entries or more compare by, the values of the one entry holding its
@@ -370,6 +660,17 @@ def criterion_keys(text: str, limit: int) -> set[bytes]:
                 if len(out) >= limit:
                     return out
                 out.add(criterion_key(field, direction, form))
+    def bound_forms_of(index: int) -> list[str]:
+        # Per dyadic block, only the entry's values and names (`_bound_forms`), not every
+        # phrase no other entry writes ("alfama 89", "89 eur/night"...): a key per form and block.
+        if index not in bound_forms:
+            names = _bound_forms(parts[index]) - {f"v:{p}" for i, ps in enumerate(phrases) if i != index for p in ps}
+            bound_forms[index] = sorted(entry_forms(parts[index]) | names)
+        return bound_forms[index]
+
+    bound_forms: dict[int, list[str]] = {}
+    if not _bound_keys(by_field, bound_forms_of, limit, out):
+        return out
     written: dict[str, list[int]] = {}
     negated: set[str] = set()
     for i, norm in enumerate(entries):

@@ -15,7 +15,8 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   the output, to one of its fields (`segments`: "Grand Palace" of "2. Grand Palace - $1,240.50
   per night", a value after "name:"), or to one of its distinctive tokens;
   a number equal to one the output writes with 3 digits or more or with decimals (a price,
-  an id; "2" of a numbered list endorses nothing: small integers only by the intent);
+  an id; "2" of a numbered list endorses nothing: small integers only by the intent), or
+  written as money with two decimals ("14.00" endorses a critical "14.00", not "14");
 - a **handle** the same upstream handed out in the run: an identifier argument (named `id`,
   `*_id`, `*Id`, or their plurals) whose value is one identifier-shaped word with a digit
   ("m-301", "T-7300", "42") that an output of the call's upstream wrote as a whole word, read
@@ -42,10 +43,16 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   intent ("pay the invoice in
   Documents/invoices/lumen-march.pdf"), its untrusted output endorses the one distinctive
   token it writes (address, account number, URL) and the one amount with decimals it writes
-  (`pointed_keys`), for a *critical* argument whose value is that token or amount, also
+  ("140.00" too: `pointed_keys`), for a *critical* argument whose value is that token or
+  amount (with decimals, or written as money: "140.00"), also
   against a data-flow flag. An output that writes several
   distinct tokens (the document's own account and an injected "use this one instead") is a
-  choice the user did not make: it endorses none. What this cannot tell apart: a pointed
+  choice the user did not make: it endorses none. Likewise the one value it writes under a
+  label ("New address: 12 Elm Row, Leeds LS1 4AB") whose word (4 letters or more) the intent
+  writes ("update their address to the one they wrote": `label_key`), when every word of the
+  intent that labels such a value there (not a number) labels this one; a second value under
+  a label with the same word, or an injected "Customer: 1 Evil Road" beside the address for
+  "update the customer's address", endorses neither. What this cannot tell apart: a pointed
   source whose only token is the attacker's (an injection in a document that had none, a
   thread where only the attacker wrote an address). The user did point there; a person must.
 
@@ -82,6 +89,8 @@ MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
 MAX_DEPTH = 32
 MAX_WORDS = 256  # most distinct words of an intent that pick entries of trusted listings
+MAX_LABEL_WORDS = 3  # longest label of a "label: value" entry of a pointed read (words)
+_LABEL = re.compile(rf"[^\W\d_]+(?:[ '-][^\W\d_]+){{0,{MAX_LABEL_WORDS - 1}}}")
 IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
 
 # Stripped from both ends of a value and of a phrase: "pay Acme Ltd." names "acme ltd".
@@ -143,6 +152,20 @@ def numbers(norm: str) -> set[str]:
     return {canonical_number(m.group(1), m.group(2)) for m in _NUMBER.finditer(norm)}
 
 
+def written_amount(fraction: str | None) -> bool:
+    """Whether a number written with this fraction is written as money: two decimals ("14.00",
+    "1,450.00"). Such a number is an amount however small its value (a list position, a count
+    or a day is never written "2.00"), so it is as distinctive as one with cents."""
+    return fraction is not None and len(fraction) == 2
+
+
+def amounts(norm: str) -> set[str]:
+    """The canonical decimals a normalised text writes that a trusted output endorses
+    (`distinctive`, or written as money: `written_amount`)."""
+    return {number for m in _NUMBER.finditer(norm)
+            if distinctive(number := canonical_number(m.group(1), m.group(2))) or written_amount(m.group(2))}
+
+
 def number_words(norm: str) -> set[str]:
     """The numbers a normalised text writes in words ("two" -> "2", "twenty-five" -> "25")."""
     out: set[str] = set()
@@ -198,17 +221,57 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     host), and of its amount when it writes one number with decimals (the sum an invoice
     asks for); none of several: one of several is a choice the user did not make."""
     found: set[tuple[str, str]] = set()
-    amounts: set[str] = set()
+    sums: set[str] = set()
     for text in texts:
         found |= tokens(text)
-        amounts |= {canonical_number(m.group(1), m.group(2))
-                    for m in _NUMBER.finditer(normalise(text)) if m.group(2) is not None}
+        sums |= {canonical_number(m.group(1), m.group(2))
+                 for m in _NUMBER.finditer(normalise(text)) if m.group(2) is not None}
     values = {v for _, v in found}
     distinct = {v for v in values if not any(v != w and v in w for w in values)}
     keys = {pointed_key(kind, value) for kind, value in found} if len(distinct) == 1 else set()
-    if len(amounts) == 1:
-        keys.add(pointed_key("n", next(iter(amounts))))
+    if len(sums) == 1:
+        keys.add(pointed_key("n", next(iter(sums))))
+    labelled: dict[str, set[str]] = {}
+    for text in texts:
+        for word, value in labelled_values(text):
+            labelled.setdefault(word, set()).add(value)
+    keys |= {label_key(word, next(iter(held))) for word, held in labelled.items() if len(held) == 1}
+    # Every word that labels a value other than a number, whatever it is: a value is endorsed
+    # only when every such word of the intent labels that value (an injected "Customer: 1 Evil
+    # Road" beside "New address: 12 Elm Row" makes "update the customer's address" endorse
+    # neither). Numbers are the pointed amount's ("Amount due: 950.00 EUR" beside the landlord).
+    keys |= {label_word_key(word) for word, held in labelled.items()
+             if any(_WHOLE_NUMBER.match(value) is None for value in held)}
     return keys
+
+
+def label_word_key(word: str) -> bytes:
+    """The key saying that a read the intent pointed at writes something under a label with
+    `word` (`label_key` for what)."""
+    return pointed_key("lw", word)
+
+
+def label_key(word: str, value: str) -> bytes:
+    """The endorsing key of the one value a read the intent pointed at labels with `word`
+    ("New address: 12 Elm Row, Leeds LS1 4AB" -> "address")."""
+    return pointed_key("l", f"{word}|{value}")
+
+
+def labelled_values(text: str) -> Iterator[tuple[str, str]]:
+    """(label word, value) of a text's "label: value" entries (`records`' entries) whose label
+    is a short phrase of letters only (up to MAX_LABEL_WORDS words: a sentence, or "T-6100
+    (customer C-4410)", is no label) and whose value,
+    normalised and edge-stripped, is up to MAX_PHRASE_CHARS: one pair per word of 4 letters or
+    more of the label (`words_of`)."""
+    for part in _RECORDS.split(text):
+        label, sep, value = part.rpartition(": ")
+        if not sep or not _LABEL.fullmatch(label.strip()):
+            continue
+        key = _strip(normalise(value))
+        if key and len(key) <= MAX_PHRASE_CHARS:
+            for word in words_of(normalise(label)):
+                if len(word) >= 4:
+                    yield word, key
 
 
 def distinctive(number: str) -> bool:
@@ -276,13 +339,13 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     held = tokens(text)
     several = candidates(held)
     if any(ch.isdigit() for ch in norm):
-        amounts = {number for number in numbers(norm) if distinctive(number)}
+        held_amounts = amounts(norm)
         # Several amounts are counted as written: "mug 14.00, machine 489.00" is a choice of
-        # two prices though 14.00 is the small integer 14 (which endorses nothing itself).
+        # two prices; "14.5 km" is not money but still makes the string hold two numbers.
         written = {canonical_number(m.group(1), m.group(2)) for m in _NUMBER.finditer(norm)
                    if m.group(2) is not None or len(m.group(1).replace(",", "").lstrip("0")) >= 3}
-        if len(amounts) == 1 and len(written) <= 1:
-            found.update(f"n:{number}" for number in amounts)
+        if len(held_amounts) == 1 and len(written) <= 1:
+            found.update(f"n:{number}" for number in held_amounts)
     found.update(f"t{kind}:{value}" for kind, value in held if value not in several)
     # One of several addresses: endorsed only with the intent naming its owner (`IntentWords`).
     found.update(f"c:{value}" for kind, value in held if kind == "email" and value in several)
@@ -318,7 +381,7 @@ def id_words(text: str) -> set[str]:
 def entry_value_forms(critical: Critical) -> list[str]:
     """The forms under which an entry of a listing records a value (`entry_keys`)."""
     forms = []
-    if critical.number is not None and distinctive(critical.number):
+    if critical.number is not None and (distinctive(critical.number) or critical.amount):
         forms.append(f"n:{critical.number}")
     if critical.token is not None:
         forms.append(f"t:{critical.token}")
@@ -341,7 +404,7 @@ def entry_forms(part: str) -> frozenset[str]:
     """The forms of the values an entry of a listing holds (`entry_value_forms`: addresses,
     account numbers, distinctive amounts, ids)."""
     forms = {f"t:{v}" for _, v in tokens(part)}
-    forms |= {f"n:{n}" for n in numbers(normalise(part)) if distinctive(n)}
+    forms |= {f"n:{n}" for n in amounts(normalise(part))}
     forms |= {f"h:{normalise(m.group())}" for m in _HANDLE.finditer(part)}
     return frozenset(forms)
 
@@ -356,7 +419,7 @@ def _field_forms(part: str) -> frozenset[str]:
     """The forms of the values a field of a record holds: its addresses, account numbers and
     distinctive amounts (an identifier is the record's name, not one of its fields' values)."""
     forms = {f"t:{v}" for _, v in tokens(part)}
-    forms |= {f"n:{n}" for n in numbers(normalise(part)) if distinctive(n)}
+    forms |= {f"n:{n}" for n in amounts(normalise(part))}
     return frozenset(forms)
 
 
@@ -421,6 +484,9 @@ class Critical:
     pointed: bytes | None = None
     # Its longest distinctive token (an address, URL, account number) when it is one.
     token: str | None = None
+    # A string number written as money ("14.00": `written_amount`): endorsed as an amount by a
+    # trusted output writing it, however small.
+    amount: bool = False
 
     @classmethod
     def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
@@ -439,14 +505,16 @@ class Critical:
         keys: list[bytes] = []
         number = None
         candidate = pointed = whole_token = None
+        money = False
         m = _WHOLE_NUMBER.match(norm)
         if m is not None:
             # A number written as a string follows the rules of numbers (not of phrases: "2"
             # of "2. Grand Palace" does not endorse two nights).
             number = canonical_number(m.group(1), m.group(2))
-            if distinctive(number):
+            money = written_amount(m.group(2))
+            if distinctive(number) or money:
                 keys.append(_key("n", number))
-            if "." in number:
+            if "." in number or money:
                 pointed = pointed_key("n", number)
         elif norm:
             keys.append(_key("v", norm))
@@ -461,7 +529,7 @@ class Critical:
                 whole_token = token
                 if kind == "email":
                     candidate = _key("c", token)
-        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate, pointed, whole_token)
+        return cls(pointer, value, norm, number, tuple(keys), handle, sole, candidate, pointed, whole_token, money)
 
 
 def _json_number(value: int | float) -> str | None:
