@@ -60,7 +60,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> None:
         """Start on the current port (or a free one the first time); wait until it answers PING."""
-        for _attempt in range(3 if self.port == 0 else 1):
+        for _attempt in range(3):  # a first start tries other ports, a restart the same one again
             port = self.port or free_port()
             log = self.directory / f"redis-{port}.log"
             self.proc = subprocess.Popen(
