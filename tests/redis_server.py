@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import free_port
+
 
 def redis_server_binary() -> str:
     """The redis-server path; skips the test without one (fails under ENVELOPE_REQUIRE_REDIS=1)."""
@@ -32,12 +34,6 @@ def redis_server_binary() -> str:
     if os.environ.get("ENVELOPE_REQUIRE_REDIS") == "1":
         pytest.fail(f"ENVELOPE_REQUIRE_REDIS=1 but {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pong(port: int) -> bool:
@@ -64,8 +60,8 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> None:
         """Start on the current port (or a free one the first time); wait until it answers PING."""
-        for _attempt in range(3 if self.port == 0 else 1):
-            port = self.port or _free_port()
+        for _attempt in range(3):  # a first start tries other ports, a restart the same one again
+            port = self.port or free_port()
             log = self.directory / f"redis-{port}.log"
             self.proc = subprocess.Popen(
                 [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(self.directory),

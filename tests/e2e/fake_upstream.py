@@ -2,7 +2,9 @@
 
 Enough MCP for raw `tools/call` requests through the proxy: it answers `tools/call` with a JSON
 body (`structuredContent.count` is the tool's call count), after first answering the statuses
-queued in `fail[tool]` (e.g. [503, 503]), and optionally sleeping `delay` seconds per call.
+queued in `fail[tool]` (e.g. [503, 503]), and optionally sleeping `delay` seconds per call or
+holding each call until the test sets `hold` (a call that must stay in flight while the test
+looks, however slow the machine).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class FakeUpstream:
     fail: dict[str, list[int]] = field(default_factory=dict)
     retry_after: str | None = None
     delay: float = 0.0
+    hold: threading.Event | None = None
 
     @property
     def url(self) -> str:
@@ -46,6 +49,8 @@ class FakeUpstream:
             return web.Response(status=status, text="try again", headers=headers)
         if self.delay:
             await asyncio.sleep(self.delay)
+        if self.hold is not None:
+            await asyncio.to_thread(self.hold.wait, 60)
         self.calls[name] += 1
         n = self.calls[name]
         result = {"content": [{"type": "text", "text": f"{name} #{n}"}],

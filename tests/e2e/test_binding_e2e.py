@@ -209,7 +209,7 @@ def test_one_principal_cannot_push_out_anothers_aggregated_session(
     for sid in mallory[2:]:
         assert _post(agg, MALLORY, "tools/list", {}, session=sid).status_code == 200
     # The dropped sessions' upstream sessions were closed: alice's one and mallory's three live.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while _live_upstream_sessions(hostile) != 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _live_upstream_sessions(hostile) == 4, hostile.control.sessions()

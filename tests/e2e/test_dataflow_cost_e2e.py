@@ -77,7 +77,8 @@ async def test_a_60_kb_argument_is_decided_while_healthz_answers(shadowing: Prox
         shadowing, run, {"to": "boss@corp.example", "subject": "Report", "body": body})
     assert not result.is_error, result.content
     assert result.structured_content["sent"] is True
-    assert latencies and max(latencies) < 1.0, latencies
+    # The quadratic scan blocked the loop for 25 s; 5 s leaves a loaded CI machine room.
+    assert latencies and max(latencies) < 5.0, latencies
     record = _sent(shadowing, run)
     assert record["verdict"] == "allow" and "dataflow" not in record["extra"]  # matched: nothing copied
 
@@ -90,7 +91,8 @@ async def test_an_argument_over_the_cap_is_flagged_coarse_in_shadow(shadowing: P
     result, latencies = await _call_watching_health(
         shadowing, run, {"to": "boss@corp.example", "subject": "Dump", "body": "a" * 100_000})
     assert not result.is_error, result.content  # shadow: forwarded, flagged
-    assert latencies and max(latencies) < 1.0, latencies
+    # The quadratic scan blocked the loop for 25 s; 5 s leaves a loaded CI machine room.
+    assert latencies and max(latencies) < 5.0, latencies
     record = _sent(shadowing, run)
     flow = record["extra"]["dataflow"]
     assert record["verdict"] == "allow" and flow["flagged"] and flow["rule"] == "dataflow.coarse"

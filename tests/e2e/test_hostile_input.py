@@ -48,7 +48,7 @@ def test_a_pathological_untrusted_page_is_recorded_while_healthz_keeps_answering
         done = threading.Event()
 
         def probe() -> None:
-            with httpx.Client(timeout=5) as http:
+            with httpx.Client(timeout=60) as http:  # a stall is measured, not a crash of this thread
                 while not done.is_set():
                     started = time.monotonic()
                     assert http.get(f"{pp.admin}/healthz").status_code == 200
@@ -64,7 +64,8 @@ def test_a_pathological_untrusted_page_is_recorded_while_healthz_keeps_answering
         finally:
             done.set()
             prober.join()
-        assert slowest[0] < 1.0, f"/healthz took {slowest[0]:.2f}s while a page was recorded"
+        # The old regexes froze it for tens of seconds; 5 s leaves a loaded CI machine room.
+        assert slowest[0] < 5.0, f"/healthz took {slowest[0]:.2f}s while a page was recorded"
         [first, *_] = records(pp, tool="read_page")
         assert first["extra"]["dataflow_recorded"]["untrusted"] is True
         # The page is in the run's ledger: copying a piece of it into a sink is still flagged.

@@ -207,7 +207,7 @@ def test_slow_waits_and_is_cancelled_by_notification_or_disconnect(up: HostileUp
     with pytest.raises(httpx.ReadTimeout):
         call(up, headers, {"mode": "slow", "delay": 5}, rid="gone", timeout=0.2)
     up.control.wait(lambda log: [e["outcome"] for e in log if e["method"] == "tools/call"][-1] == "client_gone")
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 5  # neither 5 s sleep ran to its end
 
 
 def test_huge_event_is_one_event_of_size_bytes(up: HostileUpstream) -> None:

@@ -55,8 +55,9 @@ async def refusal(pp: ProxyProcess, bearer: str, args: dict[str, Any]) -> dict[s
     return r.meta["envelope/decision"]
 
 
-async def poll(check: Callable[[], Any], within: float = 5.0) -> Any:
-    """Await `check()` until it returns a truthy value (or fail after `within` seconds)."""
+async def poll(check: Callable[[], Any], within: float = 30.0) -> Any:
+    """Await `check()` until it returns a truthy value (or fail after `within` seconds: a reload
+    and an MCP session each can take seconds on a loaded 2-core CI machine)."""
     import anyio
 
     deadline = time.monotonic() + within

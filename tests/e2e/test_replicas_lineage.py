@@ -38,7 +38,8 @@ class Pair:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("replicas-lineage")
     with running_redis(tmp) as server, fake_upstream() as fake:
-        policies = write_policy(tmp / "policies", {"counted": {}}, tools=TOOLS,
+        # A held call (the concurrency test) may wait for B's calls on a slow machine.
+        policies = write_policy(tmp / "policies", {"counted": {"timeout": "60s"}}, tools=TOOLS,
                                 principals={"agent": {"max_concurrent_per_run": 1}})
         (tmp / "a").mkdir()
         (tmp / "b").mkdir()
@@ -50,12 +51,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             yield Pair(fake, a, b)
 
 
-def echo(pp: ProxyProcess, run: str, parent: str | None = None) -> dict[str, Any]:
+def echo(pp: ProxyProcess, run: str, parent: str | None = None,
+         timeout: float = 15) -> dict[str, Any]:
     headers = {"X-Envelope-Run": run}
     if parent:
         headers["X-Envelope-Parent-Run"] = parent
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {}}}
-    resp = rpc(pp.url("counted"), body, headers=headers, timeout=15)
+    resp = rpc(pp.url("counted"), body, headers=headers, timeout=timeout)
     assert resp.status_code == 200, resp.text
     result: dict[str, Any] = resp.json()["result"]
     return result
@@ -79,21 +81,37 @@ def test_lineage_is_shared_across_replicas(pair: Pair) -> None:
     assert (rec["extra"]["run_parent"], rec["extra"]["run_depth"]) == ("L-session", 1)
 
 
+def in_flight(fake: FakeUpstream, call: Any) -> threading.Thread:
+    """Start `call` in a thread and return once it reached the (holding) upstream."""
+    before = fake.attempts["echo"]
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while fake.attempts["echo"] == before:
+        assert time.monotonic() < deadline, "the call never reached the upstream"
+        time.sleep(0.05)
+    return thread
+
+
 def test_concurrency_bound_is_shared_across_replicas(pair: Pair) -> None:
     a, b, fake = pair.a, pair.b, pair.upstream
-    fake.delay = 1.5
+    fake.hold = threading.Event()
     try:
         slow: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: slow.update(echo(a, "C-run")))
-        t.start()
-        time.sleep(0.6)  # A's call is at the upstream, holding the run's one slot
+        t = in_flight(fake, lambda: slow.update(echo(a, "C-run", timeout=60)))
+        # A's call is at the upstream, holding the run's one slot.
         refused = echo(b, "C-run")
         assert code_of(refused) == "rate_limited", refused
         reason = refused["_meta"]["envelope/decision"]["reason"]
         assert "1 call in flight" in reason
-        assert echo(b, "C-other-run")["isError"] is False  # other runs are not affected
-        t.join(10)
+        other: dict[str, Any] = {}
+        o = in_flight(fake, lambda: other.update(echo(b, "C-other-run", timeout=60)))
+        fake.hold.set()
+        for thread in (t, o):
+            thread.join(30)
+        assert other["isError"] is False  # other runs are not affected
         assert slow["isError"] is False
     finally:
-        fake.delay = 0.0
+        fake.hold.set()
+        fake.hold = None
     assert echo(b, "C-run")["isError"] is False  # the slot was released

@@ -113,15 +113,17 @@ def start(tmp: Path, fake: FakeUpstream, policies: Path, grace: float,
 
 def test_sigterm_drains_the_in_flight_call(slow: tuple[Path, FakeUpstream, Path]) -> None:
     tmp, fake, policies = slow
-    fake.delay = 2.0
-    with start(tmp, fake, policies, grace=10) as pp:
+    # The call outlasts the checks below by seconds even on a loaded machine (it used to last 2 s
+    # and the listener had 1.5 s to close: a slow signal handler let the call finish first).
+    fake.delay = 8.0
+    with start(tmp, fake, policies, grace=20) as pp:
         flight = InFlight(pp, "slow", {"n": 1})
         wait_until(lambda: fake.attempts["slow"] == 1, what="the call to reach the upstream")
         signalled = time.monotonic()
         pp.proc.send_signal(signal.SIGTERM)
 
         # New connections are refused while the call drains.
-        wait_until(lambda: refuses_connections(pp.port), within=1.5, what="the listener to close")
+        wait_until(lambda: refuses_connections(pp.port), within=5, what="the listener to close")
         assert pp.proc.poll() is None, "exited before the in-flight call finished"
         with pytest.raises(httpx.TransportError):
             rpc(pp.url("slowup"), call_body("slow", {"n": 2}), timeout=2)
@@ -132,7 +134,7 @@ def test_sigterm_drains_the_in_flight_call(slow: tuple[Path, FakeUpstream, Path]
         assert flight.outcome["content"][0]["text"] == "slow #1"
         code, _ = wait_exit(pp, 10)
         assert code == 0, pp.log()
-        assert time.monotonic() - signalled >= 1.5  # it did wait for the call
+        assert time.monotonic() - signalled >= 5  # it did wait for the call
         assert fake.calls["slow"] == 1  # the refused call never reached the upstream
 
         records = [r for r in pp.audit_records() if r["tool"] == "slow"]
@@ -147,10 +149,11 @@ def test_sigterm_drains_the_in_flight_call(slow: tuple[Path, FakeUpstream, Path]
 # ---- 6. a call longer than the grace is cut off --------------------------------------------------
 
 def cut_off(slow: tuple[Path, FakeUpstream, Path], grace: float) -> tuple[ProxyProcess, int, float, Any]:
-    """Signal a proxy whose one call sleeps 10 s upstream; (proxy, exit code, seconds to exit,
-    the client's outcome)."""
+    """Signal a proxy whose one call sleeps 60 s upstream; (proxy, exit code, seconds to exit,
+    the client's outcome). The call is far longer than the grace plus the slack the callers
+    allow for a loaded machine, so an exit in time can only be a cut-off."""
     tmp, fake, policies = slow
-    fake.delay = 10.0
+    fake.delay = 60.0
     with start(tmp, fake, policies, grace=grace) as pp:
         flight = InFlight(pp, "slow", {"n": 1})
         wait_until(lambda: fake.attempts["slow"] == 1, what="the call to reach the upstream")
@@ -163,7 +166,7 @@ def cut_off(slow: tuple[Path, FakeUpstream, Path], grace: float) -> tuple[ProxyP
 def test_call_longer_than_the_grace_is_cut_off(slow: tuple[Path, FakeUpstream, Path]) -> None:
     pp, code, took, outcome = cut_off(slow, grace=1)
     assert code == 0, pp.log()
-    assert took < 1 + 2, f"exited {took:.1f}s after SIGTERM with a 1s grace"
+    assert took < 1 + 5, f"exited {took:.1f}s after SIGTERM with a 1s grace"
     # The client gets no result: its connection is closed.
     assert isinstance(outcome, httpx.TransportError), outcome
     # The audit log has the call's record (not `ok`), flushed and verifiable.
@@ -179,7 +182,7 @@ def test_call_longer_than_the_grace_exits_soon_after_the_grace(
         slow: tuple[Path, FakeUpstream, Path]) -> None:
     pp, code, took, _ = cut_off(slow, grace=2)
     assert code == 0, pp.log()
-    assert took < 2 + 1, f"exited {took:.1f}s after SIGTERM with a 2s grace"
+    assert took < 2 + 5, f"exited {took:.1f}s after SIGTERM with a 2s grace"
 
 
 def test_cut_off_call_is_named_in_the_log_and_audit(slow: tuple[Path, FakeUpstream, Path]) -> None:
@@ -197,18 +200,18 @@ def test_cut_off_call_is_named_in_the_log_and_audit(slow: tuple[Path, FakeUpstre
 
 def test_second_sigterm_exits_at_once(slow: tuple[Path, FakeUpstream, Path]) -> None:
     tmp, fake, policies = slow
-    fake.delay = 10.0
-    with start(tmp, fake, policies, grace=10) as pp:
+    # The call and the grace (60 s) are far beyond the bound on the exit (10 s, room for a loaded
+    # machine), so an exit within it is the second signal's doing.
+    fake.delay = 60.0
+    with start(tmp, fake, policies, grace=60) as pp:
         InFlight(pp, "slow", {"n": 1})
         wait_until(lambda: fake.attempts["slow"] == 1, what="the call to reach the upstream")
         pp.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: "shutting down" in pp.log(), within=3, what="the drain to start")
+        wait_until(lambda: "shutting down" in pp.log(), within=10, what="the drain to start")
         time.sleep(0.3)
         assert pp.proc.poll() is None, "the drain should still be waiting for the call"
-        second = time.monotonic()
         pp.proc.send_signal(signal.SIGTERM)
-        code, _ = wait_exit(pp, 5)
-        assert time.monotonic() - second < 1.0
+        code, _ = wait_exit(pp, 10)
         assert code != 0  # os._exit(1): not a clean shutdown
         assert "second signal" in pp.log()
 

@@ -229,11 +229,17 @@ async def test_standalone_get_stream_is_relayed(world: World) -> None:
 
         task = asyncio.create_task(listen())
         await asyncio.wait_for(opened.wait(), 10)
-        await asyncio.sleep(0.3)  # the server registers the GET stream once the response started
-        resp = await client.post(world.url, headers=headers, json={
-            "jsonrpc": "2.0", "id": "b-1", "method": "tools/call",
-            "params": {"name": "broadcast", "arguments": {"text": "to everyone"}}})
-        assert resp.status_code == 200
+        # The server registers the GET stream some time after the response started (a fixed
+        # 0.3 s pause was short on a loaded machine): broadcast until the stream relays one.
+        deadline = time.monotonic() + 15
+        for n in range(1000):
+            resp = await client.post(world.url, headers=headers, json={
+                "jsonrpc": "2.0", "id": f"b-{n}", "method": "tools/call",
+                "params": {"name": "broadcast", "arguments": {"text": "to everyone"}}})
+            assert resp.status_code == 200
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done or time.monotonic() > deadline:
+                break
         await asyncio.wait_for(task, 10)
         note = got[-1]["json"]
         assert note["params"]["data"] == "to everyone" and note["params"]["logger"] == "broadcast"

@@ -19,7 +19,9 @@ from tests.harness import ProxyProcess, free_port, metric_value, proxy_process, 
 
 OPS = token("ops", tenant="acme")
 ECHO_ONLY = {"notes.echo": {"effect": "read"}}
-SLOW_SECONDS = 4
+# Far past the `slow` upstream's 1 s timeout, so the bound on the refusal (SLOW_SECONDS - 1)
+# leaves a loaded CI machine seconds of room and still tells the timeout from the answer.
+SLOW_SECONDS = 10
 
 
 class FakeUpstreams:

@@ -478,22 +478,25 @@ async def test_take_burst_then_refused_with_the_wait(store: Store) -> None:
         assert await store.take("rate", [bucket]) == Taken(True)
     refused = await store.take("rate", [bucket])
     assert (refused.granted, refused.bucket) == (False, 0)
-    assert 1.5 < refused.wait <= 2.0  # one token at 0.5/s, less what refilled meanwhile
+    # One token at 0.5/s, less what refilled in the (up to 1 s, on a loaded CI) four takes.
+    assert 1.0 < refused.wait <= 2.0
     # Another key, another namespace: other buckets, full.
     assert (await store.take("rate", [bucket._replace(key="principal/q")])).granted
     assert (await store.take("other", [bucket])).granted
 
 
 async def test_take_refills_at_the_rate_up_to_the_capacity(store: Store) -> None:
-    bucket = Bucket("tool/demo.echo/p", capacity=2, rate=10.0, ttl=60)
+    # 2/s: a take refills half a token only after 0.25 s, so back-to-back takes on a loaded CI
+    # machine still see the bucket empty (at 10/s, 0.1 s between two takes refilled one).
+    bucket = Bucket("tool/demo.echo/p", capacity=2, rate=2.0, ttl=60)
     assert (await store.take("rate", [bucket])).granted
     assert (await store.take("rate", [bucket])).granted
     refused = await store.take("rate", [bucket])
-    assert not refused.granted and 0 < refused.wait <= 0.1
+    assert not refused.granted and 0 < refused.wait <= 0.5
     await asyncio.sleep(refused.wait + 0.05)
     assert (await store.take("rate", [bucket])).granted
-    # A long quiet spell refills to the capacity, never beyond it.
-    await asyncio.sleep(0.5)
+    # A long quiet spell (two tokens' worth and more) refills to the capacity, never beyond it.
+    await asyncio.sleep(1.5)
     assert [(await store.take("rate", [bucket])).granted for _ in range(3)] == [True, True, False]
 
 
@@ -792,7 +795,7 @@ async def test_sqlite_locked_file_is_a_store_error_within_timeout(tmp_path: Path
         started = time.monotonic()
         with pytest.raises(StoreError, match=r"state\.db"):
             await store.put("run", "k", b"blocked")
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 0.5 + 4  # the timeout, not the lock, ends it (slack: a loaded CI)
         assert await store.get("run", "k") == b"before"  # WAL: readers are not blocked
         other.execute("COMMIT")
         await store.put("run", "k", b"after")
@@ -842,9 +845,10 @@ async def assert_every_op_fails_fast(store: Store, limit: float) -> None:
     for name, op in OPS:
         started = time.monotonic()
         with pytest.raises(StoreError) as info:
-            await asyncio.wait_for(op(store), limit * 4)  # a hang fails the test, not CI
+            await asyncio.wait_for(op(store), limit + 10)  # a hang fails the test, not CI
         elapsed = time.monotonic() - started
-        assert elapsed < limit + 0.5, f"{name} took {elapsed:.2f}s"
+        # The store's timeout ends it (measured: limit + 2 ms); the slack is for a loaded CI.
+        assert elapsed < limit + 2, f"{name} took {elapsed:.2f}s"
         assert "redis store redis://127.0.0.1:" in str(info.value), str(info.value)
 
 

@@ -47,7 +47,14 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
+# Set when a /slow request's handler starts (a test waits for its request to be in flight
+# instead of guessing how long that takes).
+SLOW_STARTED: list[asyncio.Event] = []
+
+
 async def _slow(request: web.Request) -> web.Response:
+    for started in SLOW_STARTED:
+        started.set()
     await asyncio.sleep(float(request.query.get("s", "0.3")))
     return web.Response(text="done")
 
@@ -155,8 +162,13 @@ async def test_cleanup_lets_a_request_in_flight_finish_and_closes_idle_connectio
         served: FastListener) -> None:
     port = served.addresses[0][1]
     idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
-    in_flight = asyncio.create_task(exchange(served, b"GET /slow?s=0.5 HTTP/1.1\r\nHost: x\r\n\r\n"))
-    await asyncio.sleep(0.2)
+    started = asyncio.Event()
+    SLOW_STARTED.append(started)
+    try:
+        in_flight = asyncio.create_task(exchange(served, b"GET /slow?s=0.5 HTTP/1.1\r\nHost: x\r\n\r\n"))
+        await asyncio.wait_for(started.wait(), 10)  # the request is in its handler
+    finally:
+        SLOW_STARTED.remove(started)
     await served.cleanup()
     out = await in_flight
     assert out.startswith(b"HTTP/1.1 200 ") and out.endswith(b"done"), out

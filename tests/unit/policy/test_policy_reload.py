@@ -14,7 +14,7 @@ from proxy.policy.reload import RELOAD_SWITCH_INTERVAL, PolicyWatcher, load_stab
 
 
 async def _wait(event: asyncio.Event) -> None:
-    await asyncio.wait_for(event.wait(), timeout=5)
+    await asyncio.wait_for(event.wait(), timeout=30)  # generous: a loaded CI machine
     event.clear()
 
 
