@@ -18,6 +18,7 @@ from proxy.envelope.dataflow.fingerprint import (
     unpacked,
     winnowed,
     winnowed_hashes,
+    winnowed_packed,
 )
 from proxy.envelope.dataflow.ledger import (
     Ledger,
@@ -53,6 +54,20 @@ def test_winnowing_keeps_the_same_fingerprints_in_the_same_order(window: int) ->
         assert winnowed(norm, 32, window) == kept
         ordered = sorted(set(kept), key=lambda fp: int.from_bytes(fp, "little"))
         assert unpacked(packed(winnowed_hashes(norm, 32, window))) == ordered
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 7, 8, 16])
+def test_packed_winnowing_keeps_the_frozen_fingerprints(window: int) -> None:
+    """`winnowed_packed` (window minima, no tie positions) holds exactly the distinct values the
+    frozen round-1 winnowing keeps, on texts full of ties, non-ASCII text and prose."""
+    rng = random.Random(100 + window)
+    for _ in range(150):
+        alphabet = rng.choice(["ab", "ab ", "aaaaaaab", "abcdefghij klmnop", "\u00e9a\u4e2d ", "a\U0001f600"])
+        text = "".join(rng.choice(alphabet) for _ in range(rng.choice([0, 24, 31, 32, 35, 40, 300, 3000])))
+        norm = normalise(text + rng.choice(["", PAGE]))
+        kept = before.winnowed(norm, 32, window)
+        ordered = sorted(set(kept), key=lambda fp: int.from_bytes(fp, "little"))
+        assert unpacked(winnowed_packed(norm, 32, window)) == ordered
 
 
 def _view(fingerprints: dict[bytes, bytes], ledger: Ledger) -> dict[bytes, str | None]:
