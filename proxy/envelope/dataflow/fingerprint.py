@@ -276,8 +276,9 @@ _SCHEME_RUN = re.compile(r"[a-z0-9+.-]*")  # URL scheme characters, read backwar
 
 def _run_start(low: str, backwards: str, run: re.Pattern[str], end: int, floor: int) -> int:
     """Where the run of `run`'s characters that ends just before `end` starts (not before
-    `floor`), read from the reversed text `backwards` in one C match."""
-    found = run.match(backwards, len(low) - end)
+    `floor`), read from the reversed text `backwards` in one C match that stops at `floor` (so
+    each character is read back over at most once by callers that move `floor` forward)."""
+    found = run.match(backwards, len(low) - end, len(low) - floor)
     start = end - (found.end() - found.start()) if found is not None else end
     return max(start, floor)
 
@@ -322,6 +323,10 @@ def _emails_scanned(low: str) -> Iterator[str]:
 # What `[@\w.-]` matches (`re`'s \w on str is str.isalnum() or "_"), and the rest of such a run.
 _RUN_CHARS = "@_.-"
 _RUN_REST = re.compile(r"[@\w.-]*")
+_RUN_BACK = _RUN_REST  # the same run, read backwards (`_run_start`)
+# A dot a label follows, in a text's `_DOTS` classes: `re` scans for the rare "." in C (a
+# `bytes.find` of b".a" tests every "a", most of the text: 3x slower on prose).
+_DOT_LABEL = re.compile(rb"\.a")
 _LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")  # where a host label starts
 
 
@@ -333,19 +338,26 @@ _DOTS = bytes.maketrans(
           for c in range(128)))
 
 
-def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
+def _domains(low: str, dots: bytes | None = None, backwards: str | None = None) -> Iterator[re.Match[str]]:
     """The matches of `_DOMAIN.finditer(low)`, found from the dots of the text: a match starts
     only where a run of [@\\w.-] starts and its host holds a dot of that run, so only the runs
     with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
     every word). Each character is scanned back over at most once: linear time. `dots`: the
-    text's `_DOTS` classes, to find only the dots a label follows in C."""
+    text's `_DOTS` classes, to find only the dots a label follows in C; `backwards`: the text
+    reversed (the scan back is one C match in it, not a Python loop per character)."""
+    if backwards is None:
+        backwards = low[::-1]
     pos = 0
     while True:
         # A dot no label follows is never a match's first (see below), so `dots` skips it and
         # leaves its run to the next dot a label follows: from that one, the scan back reaches
         # the same start, whose first label ends at a skipped dot (no match), and the run is
         # skipped as it would have been (same matches, each character scanned back once).
-        dot = low.find(".", pos) if dots is None else dots.find(b".a", pos)
+        if dots is None:
+            dot = low.find(".", pos)
+        else:
+            at = _DOT_LABEL.search(dots, pos)
+            dot = -1 if at is None else at.start()
         if dot < 0:
             return
         after = low[dot + 1: dot + 2]
@@ -354,9 +366,7 @@ def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
         # a label or the top-level domain follows it: at the end of a sentence (". ") there is
         # no match, and no run to scan back over (most dots of prose).
         if after and after in _LABEL_CHARS:
-            start = dot
-            while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
-                start -= 1
+            start = _run_start(low, backwards, _RUN_BACK, dot, pos)
             # A run that began before `pos` (inside the previous match) has no start to try.
             began_before = start == pos > 0 and (low[pos - 1].isalnum() or low[pos - 1] in _RUN_CHARS)
             found = None if began_before else _DOMAIN.match(low, start)
@@ -460,26 +470,33 @@ def _classes(low: str, ascii_view: bytes) -> bytes | None:
     return bytes(exact)
 
 
-def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor: bytes,
-              offset: int) -> Iterator[re.Match[str]]:
-    """`pattern.finditer(low)` for a pattern that can only match at `offset` characters past
-    an occurrence of `anchor` in the character classes of the text (or at `offset` - 1 from
-    the text's start, where `anchor` begins with " " and the text has no character before).
-    Without classes, or when the anchors are dense, the plain scan."""
-    if classes is None or classes.count(anchor) * ANCHOR_SPACING > len(low):
+# Where the digit and IBAN patterns can start, found in the character classes by one C scan
+# each: the class "0" is a literal first byte, which `re` finds by a fast scan of the rare
+# digits, and the look-behinds test only there (a `bytes.find` of " 0" or " aa0" cost 13-30 µs
+# per 10 KB of prose, as spaces are frequent). A digit after a non-word character (or at the
+# text's start: a look-behind longer than the text before it does not match), and the first
+# digit after two letters after a non-word character (or the text's start).
+_DIGIT_ANCHOR = re.compile(rb"0(?<![^ ]0)")
+_IBAN_ANCHOR = re.compile(rb"0(?<=aa0)(?<![^ ]aa0)")
+
+
+def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None,
+              anchor: re.Pattern[bytes]) -> Iterator[re.Match[str]]:
+    """`pattern.finditer(low)` for a pattern that can only match where `anchor` matches the
+    character classes of the text. Without classes, or when the anchors are dense, the plain
+    scan."""
+    if classes is None:
         yield from pattern.finditer(low)
         return
-    pos = 0
-    # The text's start is a start where the anchor's leading " " would stand before it.
-    first = offset - 1 if classes.startswith(anchor[1:]) else -1
-    while True:
-        if first >= 0:
-            start, first = first, -1
-        else:
-            at = classes.find(anchor, max(0, pos - offset))
-            if at < 0:
-                return
-            start = at + offset
+    pos = tried = 0
+    while (at := anchor.search(classes, pos)) is not None:
+        tried += 1
+        if tried * ANCHOR_SPACING > len(low):
+            # Dense anchors: the plain scan from here on (no match starts before `pos` that
+            # this loop did not find: every start is an anchor, each tried in order).
+            yield from pattern.finditer(low, pos)
+            return
+        start = at.start()
         found = pattern.match(low, start)
         if found is None:
             pos = start + 1
@@ -494,7 +511,7 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
     found: set[tuple[str, str]] = set()
     emails = "@" in low
     urls = "://" in low or "www." in low
-    backwards = low[::-1] if emails or urls else None
+    backwards = low[::-1]  # for the scans back from an "@", a "://" and a dot (C matches)
     # A match shorter than MIN_TOKEN yields no token (every value is a part of the match), so
     # it costs nothing more; matches are iterated, not collected, so the thread that runs this
     # for a large output lets others take the GIL between them.
@@ -512,12 +529,12 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
     # One byte per character (a character that is not ASCII as "?"), for the C finds of the
     # domain, digit and IBAN scans.
     ascii_view = low.encode("ascii", "replace")
-    for match in _domains(low, ascii_view.translate(_DOTS)):
+    for match in _domains(low, ascii_view.translate(_DOTS), backwards):
         if match.end() - match.start() >= MIN_TOKEN:
             found.update(_url_tokens(match.group()))
     classes = _classes(low, ascii_view)
     # A digit run starts at a digit after a non-word character (or at the text's start).
-    for match in _anchored(low, _DIGITS, classes, b" 0", 1):
+    for match in _anchored(low, _DIGITS, classes, _DIGIT_ANCHOR):
         m = match.group()
         if _DATE.match(m):
             continue
@@ -525,7 +542,7 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
         if len(digits) >= MIN_TOKEN:
             found.add(("number", digits))
     # An IBAN's match starts at its first digit, after two letters after a non-word character.
-    for match in _anchored(low, _IBAN_DIGITS, classes, b" aa0", 3):
+    for match in _anchored(low, _IBAN_DIGITS, classes, _IBAN_ANCHOR):
         compact = low[match.start() - 2: match.end()].replace(" ", "")
         if any(ch.isdigit() for ch in compact[4:]):
             found.add(("number", compact))
