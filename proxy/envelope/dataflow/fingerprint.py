@@ -422,19 +422,25 @@ def _urls(low: str, backwards: str | None = None) -> Iterator[str]:
                 www = low.find("www.", pos)
 
 
-def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
+def _url_tokens(raw: str, seen: set[str] | None = None) -> list[tuple[str, str]]:
+    """The host and url tokens of a URL or bare domain match. `seen`: the stripped values
+    already read in this text (a URL's domain match strips to the URL's value: read once)."""
     value = raw.rstrip(_TRAIL)
-    value = _SCHEME.sub("", value)
-    value = value.removeprefix("www.")
-    value = value.rstrip("/")
+    if "://" in value:  # what `_SCHEME` removes holds one (the regex only where it can match)
+        value = _SCHEME.sub("", value)
+    value = value.removeprefix("www.").rstrip("/")
+    if seen is not None:
+        if value in seen:
+            return []
+        seen.add(value)
     host, _, rest = value.partition("/")
-    host = host.split("@")[-1].split(":")[0]
-    if "." not in host or host.rsplit(".", 1)[-1] in _FILE_TLDS:
-        return
-    if len(host) >= MIN_TOKEN:
-        yield "host", host
+    host = host.rpartition("@")[2].partition(":")[0]
+    if "." not in host or host.rpartition(".")[2] in _FILE_TLDS:
+        return []
+    found = [("host", host)] if len(host) >= MIN_TOKEN else []
     if rest:
-        yield "url", f"{host}/{rest}"
+        found.append(("url", f"{host}/{rest}"))
+    return found
 
 
 # Character classes of a text, one byte per character, for finding where the digit patterns can
@@ -522,16 +528,17 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
                 host = e.rsplit("@", 1)[1]
                 if len(host) >= MIN_TOKEN:
                     found.add(("host", host))
+    read: set[str] = set()  # values `_url_tokens` read
     if urls:
         for m in _urls(low, backwards):
             if len(m) >= MIN_TOKEN:
-                found.update(_url_tokens(m))
+                found.update(_url_tokens(m, read))
     # One byte per character (a character that is not ASCII as "?"), for the C finds of the
     # domain, digit and IBAN scans.
     ascii_view = low.encode("ascii", "replace")
     for match in _domains(low, ascii_view.translate(_DOTS), backwards):
         if match.end() - match.start() >= MIN_TOKEN:
-            found.update(_url_tokens(match.group()))
+            found.update(_url_tokens(match.group(), read))
     classes = _classes(low, ascii_view)
     # A digit run starts at a digit after a non-word character (or at the text's start).
     for match in _anchored(low, _DIGITS, classes, _DIGIT_ANCHOR):
