@@ -323,7 +323,6 @@ def _emails_scanned(low: str) -> Iterator[str]:
 # What `[@\w.-]` matches (`re`'s \w on str is str.isalnum() or "_"), and the rest of such a run.
 _RUN_CHARS = "@_.-"
 _RUN_REST = re.compile(r"[@\w.-]*")
-_RUN_BACK = _RUN_REST  # the same run, read backwards (`_run_start`)
 # A dot a label follows, in a text's `_DOTS` classes: `re` scans for the rare "." in C (a
 # `bytes.find` of b".a" tests every "a", most of the text: 3x slower on prose).
 _DOT_LABEL = re.compile(rb"\.a")
@@ -338,15 +337,15 @@ _DOTS = bytes.maketrans(
           for c in range(128)))
 
 
-def _domains(low: str, dots: bytes | None = None, backwards: str | None = None) -> Iterator[re.Match[str]]:
+def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
     """The matches of `_DOMAIN.finditer(low)`, found from the dots of the text: a match starts
     only where a run of [@\\w.-] starts and its host holds a dot of that run, so only the runs
     with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
     every word). Each character is scanned back over at most once: linear time. `dots`: the
-    text's `_DOTS` classes, to find only the dots a label follows in C; `backwards`: the text
-    reversed (the scan back is one C match in it, not a Python loop per character)."""
-    if backwards is None:
-        backwards = low[::-1]
+    text's `_DOTS` classes, to find only the dots a label follows in C."""
+    # Few dots (a memchr count): the next is found by `re`'s scan for the rare "."; many: a
+    # `bytes.find` each, cheaper per call.
+    dense = dots is not None and dots.count(b".") * ANCHOR_SPACING > len(low)
     pos = 0
     while True:
         # A dot no label follows is never a match's first (see below), so `dots` skips it and
@@ -355,6 +354,8 @@ def _domains(low: str, dots: bytes | None = None, backwards: str | None = None) 
         # skipped as it would have been (same matches, each character scanned back once).
         if dots is None:
             dot = low.find(".", pos)
+        elif dense:
+            dot = dots.find(b".a", pos)
         else:
             at = _DOT_LABEL.search(dots, pos)
             dot = -1 if at is None else at.start()
@@ -366,7 +367,9 @@ def _domains(low: str, dots: bytes | None = None, backwards: str | None = None) 
         # a label or the top-level domain follows it: at the end of a sentence (". ") there is
         # no match, and no run to scan back over (most dots of prose).
         if after and after in _LABEL_CHARS:
-            start = _run_start(low, backwards, _RUN_BACK, dot, pos)
+            start = dot
+            while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
+                start -= 1
             # A run that began before `pos` (inside the previous match) has no start to try.
             began_before = start == pos > 0 and (low[pos - 1].isalnum() or low[pos - 1] in _RUN_CHARS)
             found = None if began_before else _DOMAIN.match(low, start)
@@ -486,23 +489,36 @@ _DIGIT_ANCHOR = re.compile(rb"0(?<![^ ]0)")
 _IBAN_ANCHOR = re.compile(rb"0(?<=aa0)(?<![^ ]aa0)")
 
 
-def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None,
-              anchor: re.Pattern[bytes]) -> Iterator[re.Match[str]]:
-    """`pattern.finditer(low)` for a pattern that can only match where `anchor` matches the
-    character classes of the text. Without classes, or when the anchors are dense, the plain
-    scan."""
-    if classes is None:
+def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor: bytes,
+              finder: re.Pattern[bytes]) -> Iterator[re.Match[str]]:
+    """`pattern.finditer(low)` for a pattern that can only match at the last character of an
+    occurrence of `anchor` in the character classes of the text (or, where `anchor` begins with
+    " ", of its rest at the text's start): where `finder` matches them. Without classes, or when
+    the anchors are dense, the plain scan."""
+    # Every anchor ends in a digit: with few digits (a memchr count) the anchors are few too,
+    # and `finder` finds them by `re`'s scan for the rare "0" (a `bytes.find` of " 0" tests
+    # every space: 13-30 µs per 10 KB of prose). With many digits, counted and found by
+    # `bytes` methods, as before.
+    many = classes is not None and classes.count(b"0") * ANCHOR_SPACING > len(low)
+    if classes is None or (many and classes.count(anchor) * ANCHOR_SPACING > len(low)):
         yield from pattern.finditer(low)
         return
-    pos = tried = 0
-    while (at := anchor.search(classes, pos)) is not None:
-        tried += 1
-        if tried * ANCHOR_SPACING > len(low):
-            # Dense anchors: the plain scan from here on (no match starts before `pos` that
-            # this loop did not find: every start is an anchor, each tried in order).
-            yield from pattern.finditer(low, pos)
-            return
-        start = at.start()
+    offset = len(anchor) - 1
+    pos = 0
+    first = offset - 1 if many and classes.startswith(anchor[1:]) else -1
+    while True:
+        if not many:
+            at = finder.search(classes, pos)
+            if at is None:
+                return
+            start = at.start()
+        elif first >= 0:
+            start, first = first, -1
+        else:
+            found_at = classes.find(anchor, max(0, pos - offset))
+            if found_at < 0:
+                return
+            start = found_at + offset
         found = pattern.match(low, start)
         if found is None:
             pos = start + 1
@@ -517,7 +533,7 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
     found: set[tuple[str, str]] = set()
     emails = "@" in low
     urls = "://" in low or "www." in low
-    backwards = low[::-1]  # for the scans back from an "@", a "://" and a dot (C matches)
+    backwards = low[::-1] if emails or urls else None
     # A match shorter than MIN_TOKEN yields no token (every value is a part of the match), so
     # it costs nothing more; matches are iterated, not collected, so the thread that runs this
     # for a large output lets others take the GIL between them.
@@ -536,12 +552,12 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
     # One byte per character (a character that is not ASCII as "?"), for the C finds of the
     # domain, digit and IBAN scans.
     ascii_view = low.encode("ascii", "replace")
-    for match in _domains(low, ascii_view.translate(_DOTS), backwards):
+    for match in _domains(low, ascii_view.translate(_DOTS)):
         if match.end() - match.start() >= MIN_TOKEN:
             found.update(_url_tokens(match.group(), read))
     classes = _classes(low, ascii_view)
     # A digit run starts at a digit after a non-word character (or at the text's start).
-    for match in _anchored(low, _DIGITS, classes, _DIGIT_ANCHOR):
+    for match in _anchored(low, _DIGITS, classes, b" 0", _DIGIT_ANCHOR):
         m = match.group()
         if _DATE.match(m):
             continue
@@ -549,7 +565,7 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
         if len(digits) >= MIN_TOKEN:
             found.add(("number", digits))
     # An IBAN's match starts at its first digit, after two letters after a non-word character.
-    for match in _anchored(low, _IBAN_DIGITS, classes, _IBAN_ANCHOR):
+    for match in _anchored(low, _IBAN_DIGITS, classes, b" aa0", _IBAN_ANCHOR):
         compact = low[match.start() - 2: match.end()].replace(" ", "")
         if any(ch.isdigit() for ch in compact[4:]):
             found.add(("number", compact))
