@@ -346,6 +346,7 @@ def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
     # Few dots (a memchr count): the next is found by `re`'s scan for the rare "."; many: a
     # `bytes.find` each, cheaper per call.
     dense = dots is not None and dots.count(b".") * ANCHOR_SPACING > len(low)
+    backwards = None if dots is None or dense else low[::-1]
     pos = 0
     while True:
         # A dot no label follows is never a match's first (see below), so `dots` skips it and
@@ -367,9 +368,12 @@ def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
         # a label or the top-level domain follows it: at the end of a sentence (". ") there is
         # no match, and no run to scan back over (most dots of prose).
         if after and after in _LABEL_CHARS:
-            start = dot
-            while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
-                start -= 1
+            if backwards is None:  # many dots, short runs: a step back per character
+                start = dot
+                while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
+                    start -= 1
+            else:  # few dots: one C match back over the run, up to `pos`
+                start = _run_start(low, backwards, _RUN_REST, dot, pos)
             # A run that began before `pos` (inside the previous match) has no start to try.
             began_before = start == pos > 0 and (low[pos - 1].isalnum() or low[pos - 1] in _RUN_CHARS)
             found = None if began_before else _DOMAIN.match(low, start)
@@ -487,6 +491,7 @@ def _classes(low: str, ascii_view: bytes) -> bytes | None:
 # digit after two letters after a non-word character (or the text's start).
 _DIGIT_ANCHOR = re.compile(rb"0(?<![^ ]0)")
 _IBAN_ANCHOR = re.compile(rb"0(?<=aa0)(?<![^ ]aa0)")
+_DIGIT_SPACING = 8  # a digit in every 8 characters or more: digits everywhere
 
 
 def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor: bytes,
@@ -495,14 +500,21 @@ def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor:
     occurrence of `anchor` in the character classes of the text (or, where `anchor` begins with
     " ", of its rest at the text's start): where `finder` matches them. Without classes, or when
     the anchors are dense, the plain scan."""
-    # Every anchor ends in a digit: with few digits (a memchr count) the anchors are few too,
-    # and `finder` finds them by `re`'s scan for the rare "0" (a `bytes.find` of " 0" tests
-    # every space: 13-30 µs per 10 KB of prose). With many digits, counted and found by
-    # `bytes` methods, as before.
-    many = classes is not None and classes.count(b"0") * ANCHOR_SPACING > len(low)
-    if classes is None or (many and classes.count(anchor) * ANCHOR_SPACING > len(low)):
+    # Every anchor ends in a digit. With few digits (a one-byte count) the anchors are few
+    # too; with some, `finder` counts them; `finder` then finds them by `re`'s scan for the
+    # rarer "0" (a `bytes.find` of " 0" tests every space: 13-30 µs per 10 KB of prose). With
+    # digits everywhere (hostile runs), `bytes` methods count and find them, as before (cheaper
+    # there than testing the look-behinds at every digit).
+    if classes is None:
         yield from pattern.finditer(low)
         return
+    digits = classes.count(b"0")
+    many = digits * _DIGIT_SPACING > len(low)
+    if digits * ANCHOR_SPACING > len(low):
+        anchors = classes.count(anchor) if many else len(finder.findall(classes))
+        if anchors * ANCHOR_SPACING > len(low):
+            yield from pattern.finditer(low)
+            return
     offset = len(anchor) - 1
     pos = 0
     first = offset - 1 if many and classes.startswith(anchor[1:]) else -1
