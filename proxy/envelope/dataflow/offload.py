@@ -34,8 +34,9 @@ from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CH
 INLINE_CHARS = 8192
 # An output's delta (no `min_value`) is inline up to 12,288 characters: its grams are kept as
 # distinct window minima and its token scans are cheaper since (bench/RESULTS.md, "Recording an
-# output before delivery", round 3), so 12,288 characters of prose cost what 8,192 did (~0.55-0.7
-# ms), and a 10 KB page no longer pays the hop to a thread and back (0.1-0.3 ms measured here).
+# output before delivery", round 3), so 12,288 characters of prose cost about what 8,192 did
+# (0.59-0.61 ms against 0.52-0.54), and a 10 KB page no longer pays the hop to a thread and back
+# (0.1-0.3 ms measured here).
 INLINE_OUTPUT_CHARS = 12288
 # The bound where hashing costs more per character: an output's whole-value phrases
 # (`min_value` on: 3.6-5.4 ms for 4,096 characters, 9-12 ms for 8,192) and the intent's
