@@ -87,7 +87,11 @@ def _window_hashes(norm: str, k: int) -> np.ndarray:
     length = len(norm)
     if length < k:
         return np.empty(0, np.uint64)
-    codes = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+    if norm.isascii():
+        # The same code points from one byte per character (~10x cheaper than UTF-32 here).
+        codes = np.frombuffer(norm.encode("ascii"), dtype=np.uint8).astype(np.uint64)
+    else:
+        codes = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
     parts = []
     for start in range(0, length - k + 1, _SEGMENT):
         seg = codes[start: start + _SEGMENT + k - 1]
@@ -157,6 +161,32 @@ def winnowed_hashes(norm: str, n: int, window: int = DEFAULT_WINNOW) -> np.ndarr
     first[0] = True
     np.not_equal(at[1:], at[:-1], out=first[1:])
     return hashes[at[first]]
+
+
+def winnowed_packed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> bytes:
+    """`packed(winnowed_hashes(norm, n, window))`, cheaper: a packed set holds values, not
+    positions, and what winnowing keeps of a window is its minimum (the tie rule only picks
+    which of equal values' positions), so the kept values are the distinct window minima: no
+    offsets to find, and the minima by doubling spans (two passes for the default window)."""
+    if len(norm) < gram_length(n, window):
+        return b""
+    minima = _window_hashes(norm, gram_length(n, window))
+    if window > 1 and len(minima) >= window:
+        count = len(minima) - window + 1
+        span = 1  # minima[i]: the least of hashes[i: i + span]
+        while span * 2 <= window:
+            minima = np.minimum(minima[:-span], minima[span:])
+            span *= 2
+        if span < window:  # two overlapping spans cover a window
+            minima = np.minimum(minima[:count], minima[window - span: window - span + count])
+        # A window's minimum is usually its neighbour's: drop repeats before sorting.
+        changed = np.empty(len(minima), np.bool_)
+        changed[0] = True
+        np.not_equal(minima[1:], minima[:-1], out=changed[1:])
+        minima = minima[changed]
+    elif window > 1:
+        minima = minima[[int(minima.argmin())]]
+    return packed(minima)
 
 
 def packed(hashes: np.ndarray) -> bytes:
@@ -246,8 +276,9 @@ _SCHEME_RUN = re.compile(r"[a-z0-9+.-]*")  # URL scheme characters, read backwar
 
 def _run_start(low: str, backwards: str, run: re.Pattern[str], end: int, floor: int) -> int:
     """Where the run of `run`'s characters that ends just before `end` starts (not before
-    `floor`), read from the reversed text `backwards` in one C match."""
-    found = run.match(backwards, len(low) - end)
+    `floor`), read from the reversed text `backwards` in one C match that stops at `floor` (so
+    each character is read back over at most once by callers that move `floor` forward)."""
+    found = run.match(backwards, len(low) - end, len(low) - floor)
     start = end - (found.end() - found.start()) if found is not None else end
     return max(start, floor)
 
@@ -292,6 +323,9 @@ def _emails_scanned(low: str) -> Iterator[str]:
 # What `[@\w.-]` matches (`re`'s \w on str is str.isalnum() or "_"), and the rest of such a run.
 _RUN_CHARS = "@_.-"
 _RUN_REST = re.compile(r"[@\w.-]*")
+# A dot a label follows, in a text's `_DOTS` classes: `re` scans for the rare "." in C (a
+# `bytes.find` of b".a" tests every "a", most of the text, one by one).
+_DOT_LABEL = re.compile(rb"\.a")
 _LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")  # where a host label starts
 
 
@@ -309,13 +343,23 @@ def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
     with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
     every word). Each character is scanned back over at most once: linear time. `dots`: the
     text's `_DOTS` classes, to find only the dots a label follows in C."""
+    # Few dots (a memchr count): the next is found by `re`'s scan for the rare "."; many: a
+    # `bytes.find` each, cheaper per call.
+    dense = dots is not None and dots.count(b".") * ANCHOR_SPACING > len(low)
+    backwards = None if dots is None or dense else low[::-1]
     pos = 0
     while True:
         # A dot no label follows is never a match's first (see below), so `dots` skips it and
         # leaves its run to the next dot a label follows: from that one, the scan back reaches
         # the same start, whose first label ends at a skipped dot (no match), and the run is
         # skipped as it would have been (same matches, each character scanned back once).
-        dot = low.find(".", pos) if dots is None else dots.find(b".a", pos)
+        if dots is None:
+            dot = low.find(".", pos)
+        elif dense:
+            dot = dots.find(b".a", pos)
+        else:
+            at = _DOT_LABEL.search(dots, pos)
+            dot = -1 if at is None else at.start()
         if dot < 0:
             return
         after = low[dot + 1: dot + 2]
@@ -324,9 +368,12 @@ def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
         # a label or the top-level domain follows it: at the end of a sentence (". ") there is
         # no match, and no run to scan back over (most dots of prose).
         if after and after in _LABEL_CHARS:
-            start = dot
-            while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
-                start -= 1
+            if backwards is None:  # many dots, short runs: a step back per character
+                start = dot
+                while start > pos and (low[start - 1].isalnum() or low[start - 1] in _RUN_CHARS):
+                    start -= 1
+            else:  # few dots: one C match back over the run, up to `pos`
+                start = _run_start(low, backwards, _RUN_REST, dot, pos)
             # A run that began before `pos` (inside the previous match) has no start to try.
             began_before = start == pos > 0 and (low[pos - 1].isalnum() or low[pos - 1] in _RUN_CHARS)
             found = None if began_before else _DOMAIN.match(low, start)
@@ -382,19 +429,25 @@ def _urls(low: str, backwards: str | None = None) -> Iterator[str]:
                 www = low.find("www.", pos)
 
 
-def _url_tokens(raw: str) -> Iterator[tuple[str, str]]:
+def _url_tokens(raw: str, seen: set[str] | None = None) -> list[tuple[str, str]]:
+    """The host and url tokens of a URL or bare domain match. `seen`: the stripped values
+    already read in this text (a URL's domain match strips to the URL's value: read once)."""
     value = raw.rstrip(_TRAIL)
-    value = _SCHEME.sub("", value)
-    value = value.removeprefix("www.")
-    value = value.rstrip("/")
+    if "://" in value:  # what `_SCHEME` removes holds one (the regex only where it can match)
+        value = _SCHEME.sub("", value)
+    value = value.removeprefix("www.").rstrip("/")
+    if seen is not None:
+        if value in seen:
+            return []
+        seen.add(value)
     host, _, rest = value.partition("/")
-    host = host.split("@")[-1].split(":")[0]
-    if "." not in host or host.rsplit(".", 1)[-1] in _FILE_TLDS:
-        return
-    if len(host) >= MIN_TOKEN:
-        yield "host", host
+    host = host.rpartition("@")[2].partition(":")[0]
+    if "." not in host or host.rpartition(".")[2] in _FILE_TLDS:
+        return []
+    found = [("host", host)] if len(host) >= MIN_TOKEN else []
     if rest:
-        yield "url", f"{host}/{rest}"
+        found.append(("url", f"{host}/{rest}"))
+    return found
 
 
 # Character classes of a text, one byte per character, for finding where the digit patterns can
@@ -430,26 +483,54 @@ def _classes(low: str, ascii_view: bytes) -> bytes | None:
     return bytes(exact)
 
 
+# Where the digit and IBAN patterns can start, found in the character classes by one C scan
+# each: the class "0" is a literal first byte, which `re` finds by a fast scan of the rare
+# digits, and the look-behinds test only there (a `bytes.find` of " 0" or " aa0" cost 13-30 µs
+# per 10 KB of prose, as spaces are frequent). A digit after a non-word character (or at the
+# text's start: a look-behind longer than the text before it does not match), and the first
+# digit after two letters after a non-word character (or the text's start).
+_DIGIT_ANCHOR = re.compile(rb"0(?<![^ ]0)")
+_IBAN_ANCHOR = re.compile(rb"0(?<=aa0)(?<![^ ]aa0)")
+_DIGIT_SPACING = 8  # a digit in every 8 characters or more: digits everywhere
+
+
 def _anchored(low: str, pattern: re.Pattern[str], classes: bytes | None, anchor: bytes,
-              offset: int) -> Iterator[re.Match[str]]:
-    """`pattern.finditer(low)` for a pattern that can only match at `offset` characters past
-    an occurrence of `anchor` in the character classes of the text (or at `offset` - 1 from
-    the text's start, where `anchor` begins with " " and the text has no character before).
-    Without classes, or when the anchors are dense, the plain scan."""
-    if classes is None or classes.count(anchor) * ANCHOR_SPACING > len(low):
+              finder: re.Pattern[bytes]) -> Iterator[re.Match[str]]:
+    """`pattern.finditer(low)` for a pattern that can only match at the last character of an
+    occurrence of `anchor` in the character classes of the text (or, where `anchor` begins with
+    " ", of its rest at the text's start): where `finder` matches them. Without classes, or when
+    the anchors are dense, the plain scan."""
+    # Every anchor ends in a digit. With few digits (a one-byte count) the anchors are few
+    # too; with some, `finder` counts them; `finder` then finds them by `re`'s scan for the
+    # rarer "0" (a `bytes.find` of " 0" tests every space: 13-30 µs per 10 KB of prose). With
+    # digits everywhere (hostile runs), `bytes` methods count and find them, as before (cheaper
+    # there than testing the look-behinds at every digit).
+    if classes is None:
         yield from pattern.finditer(low)
         return
+    digits = classes.count(b"0")
+    many = digits * _DIGIT_SPACING > len(low)
+    if digits * ANCHOR_SPACING > len(low):
+        anchors = classes.count(anchor) if many else len(finder.findall(classes))
+        if anchors * ANCHOR_SPACING > len(low):
+            yield from pattern.finditer(low)
+            return
+    offset = len(anchor) - 1
     pos = 0
-    # The text's start is a start where the anchor's leading " " would stand before it.
-    first = offset - 1 if classes.startswith(anchor[1:]) else -1
+    first = offset - 1 if many and classes.startswith(anchor[1:]) else -1
     while True:
-        if first >= 0:
+        if not many:
+            at = finder.search(classes, pos)
+            if at is None:
+                return
+            start = at.start()
+        elif first >= 0:
             start, first = first, -1
         else:
-            at = classes.find(anchor, max(0, pos - offset))
-            if at < 0:
+            found_at = classes.find(anchor, max(0, pos - offset))
+            if found_at < 0:
                 return
-            start = at + offset
+            start = found_at + offset
         found = pattern.match(low, start)
         if found is None:
             pos = start + 1
@@ -475,19 +556,20 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
                 host = e.rsplit("@", 1)[1]
                 if len(host) >= MIN_TOKEN:
                     found.add(("host", host))
+    read: set[str] = set()  # values `_url_tokens` read
     if urls:
         for m in _urls(low, backwards):
             if len(m) >= MIN_TOKEN:
-                found.update(_url_tokens(m))
+                found.update(_url_tokens(m, read))
     # One byte per character (a character that is not ASCII as "?"), for the C finds of the
     # domain, digit and IBAN scans.
     ascii_view = low.encode("ascii", "replace")
     for match in _domains(low, ascii_view.translate(_DOTS)):
         if match.end() - match.start() >= MIN_TOKEN:
-            found.update(_url_tokens(match.group()))
+            found.update(_url_tokens(match.group(), read))
     classes = _classes(low, ascii_view)
     # A digit run starts at a digit after a non-word character (or at the text's start).
-    for match in _anchored(low, _DIGITS, classes, b" 0", 1):
+    for match in _anchored(low, _DIGITS, classes, b" 0", _DIGIT_ANCHOR):
         m = match.group()
         if _DATE.match(m):
             continue
@@ -495,7 +577,7 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
         if len(digits) >= MIN_TOKEN:
             found.add(("number", digits))
     # An IBAN's match starts at its first digit, after two letters after a non-word character.
-    for match in _anchored(low, _IBAN_DIGITS, classes, b" aa0", 3):
+    for match in _anchored(low, _IBAN_DIGITS, classes, b" aa0", _IBAN_ANCHOR):
         compact = low[match.start() - 2: match.end()].replace(" ", "")
         if any(ch.isdigit() for ch in compact[4:]):
             found.add(("number", compact))

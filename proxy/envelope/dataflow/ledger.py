@@ -34,6 +34,7 @@ from proxy.envelope.dataflow.fingerprint import (
     token_hash,
     unpacked,
     winnowed_hashes,
+    winnowed_packed,
 )
 from proxy.envelope.labels import Piece
 from proxy.errors import StoreError
@@ -167,8 +168,14 @@ class LedgerDelta:
             if most is not None and len(norm) > most:
                 norm = norm[:most]
                 delta.overflow = True
-            grams = winnowed_hashes(norm, n, window)
             toks = [token_hash(kind, value) for kind, value in folded_tokens(low)]
+            if label == "untrusted" and not min_value and delta._grams is None and not delta.packed_grams:
+                # The first piece with grams (most outputs: the only one), kept packed: only its
+                # distinct values are needed, not the positions winnowing kept them at.
+                delta.packed_grams = winnowed_packed(norm, n, window)
+                delta.tokens = _merged(delta.tokens, toks, label)
+                continue
+            grams = winnowed_hashes(norm, n, window)
             if min_value and label == "untrusted":
                 held = delta.count + len(grams) + len(toks)
                 room = None if limit is None else max(0, limit - held)

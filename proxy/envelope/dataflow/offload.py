@@ -5,7 +5,7 @@ one sink call's arguments ask of it (`probes_of`) and what the run's intent endo
 Normalising, token scanning and gram hashing cost time linear in the text, up to the policy's
 caps (`max_output_chars`, `max_argument_chars`): up to about 0.7 s of CPU for the largest output
 the default caps let through. That must not stall every other call and `/healthz`, so an input
-larger than `INLINE_CHARS` is fingerprinted in a worker thread (numpy's hashing releases the
+larger than `INLINE_CHARS` (an output: `INLINE_OUTPUT_CHARS`) is fingerprinted in a worker thread (numpy's hashing releases the
 GIL; the Python code between regex matches hands it back at the switch interval, so the loop
 waits at most for one C call: tens of milliseconds at the default cap). A smaller one stays
 inline: a thread hop costs more than hashing it (bench/RESULTS.md, "Fingerprinting cost").
@@ -32,6 +32,12 @@ from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CH
 # thread and back (more under load), which a 5 KB output no longer pays before delivery
 # (bench/record_bench.py, bench/RESULTS.md "Recording an output before delivery").
 INLINE_CHARS = 8192
+# An output's delta (no `min_value`) is inline up to 12,288 characters: its grams are kept as
+# distinct window minima and its token scans are cheaper since (bench/RESULTS.md, "Recording an
+# output before delivery", round 3), so 12,288 characters of prose cost about what 8,192 did
+# (0.59-0.61 ms against 0.52-0.54), and a 10 KB page no longer pays the hop to a thread and back
+# (0.1-0.3 ms measured here).
+INLINE_OUTPUT_CHARS = 12288
 # The bound where hashing costs more per character: an output's whole-value phrases
 # (`min_value` on: 3.6-5.4 ms for 4,096 characters, 9-12 ms for 8,192) and the intent's
 # endorsement keep the bound they had.
@@ -56,8 +62,8 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
                    min_value: int = 0, trusted: bool = False, handles: tuple[str, ...] = (),
                    pointed: bool = False, executor: Executor | None = None) -> LedgerDelta:
     """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
-    default executor, or `executor`) when its pieces hold more than INLINE_CHARS characters
-    (INLINE_CHARS_SLOW with `min_value`, INLINE_CHARS_TRUSTED when `trusted` keys are taken of
+    default executor, or `executor`) when its pieces hold more than INLINE_OUTPUT_CHARS
+    characters (INLINE_CHARS_SLOW with `min_value`, INLINE_CHARS_TRUSTED when `trusted` keys are taken of
     a trusted piece).
     Raises what `LedgerDelta.of` raises; cancelling the caller does not stop a thread already
     running (its work is bounded by the caps)."""
@@ -68,7 +74,7 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
     if trusted and any(not piece.label.tracked for piece in pieces):
         bound = INLINE_CHARS_TRUSTED
     else:
-        bound = INLINE_CHARS_SLOW if min_value else INLINE_CHARS
+        bound = INLINE_CHARS_SLOW if min_value else INLINE_OUTPUT_CHARS
     if min(size, size if max_chars is None else max_chars) <= bound:
         return work()
     return await _off_loop(work, executor)

@@ -18,6 +18,7 @@ from proxy.envelope.dataflow.fingerprint import (
     unpacked,
     winnowed,
     winnowed_hashes,
+    winnowed_packed,
 )
 from proxy.envelope.dataflow.ledger import (
     Ledger,
@@ -53,6 +54,20 @@ def test_winnowing_keeps_the_same_fingerprints_in_the_same_order(window: int) ->
         assert winnowed(norm, 32, window) == kept
         ordered = sorted(set(kept), key=lambda fp: int.from_bytes(fp, "little"))
         assert unpacked(packed(winnowed_hashes(norm, 32, window))) == ordered
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 7, 8, 16])
+def test_packed_winnowing_keeps_the_frozen_fingerprints(window: int) -> None:
+    """`winnowed_packed` (window minima, no tie positions) holds exactly the distinct values the
+    frozen round-1 winnowing keeps, on texts full of ties, non-ASCII text and prose."""
+    rng = random.Random(100 + window)
+    for _ in range(150):
+        alphabet = rng.choice(["ab", "ab ", "aaaaaaab", "abcdefghij klmnop", "\u00e9a\u4e2d ", "a\U0001f600"])
+        text = "".join(rng.choice(alphabet) for _ in range(rng.choice([0, 24, 31, 32, 35, 40, 300, 3000])))
+        norm = normalise(text + rng.choice(["", PAGE]))
+        kept = before.winnowed(norm, 32, window)
+        ordered = sorted(set(kept), key=lambda fp: int.from_bytes(fp, "little"))
+        assert unpacked(winnowed_packed(norm, 32, window)) == ordered
 
 
 def _view(fingerprints: dict[bytes, bytes], ledger: Ledger) -> dict[bytes, str | None]:
@@ -138,9 +153,9 @@ async def test_a_session_reads_marker_goes_with_its_entry_in_one_write() -> None
 
 async def test_a_5kb_output_is_fingerprinted_inline_unless_whole_values_are_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An output up to 8,192 characters skips the thread hop; with `min_value` (whole-value
-    phrases cost ~10x more per character) the bound stays 4,096, and a larger output goes to a
-    worker thread either way."""
+    """An output up to 12,288 characters (a 10 KB page) skips the thread hop; with `min_value`
+    (whole-value phrases cost ~10x more per character) the bound stays 4,096, and a larger
+    output goes to a worker thread either way."""
     threads: list[int] = []
     real = LedgerDelta.of
 
@@ -150,9 +165,10 @@ async def test_a_5kb_output_is_fingerprinted_inline_unless_whole_values_are_on(
 
     monkeypatch.setattr(LedgerDelta, "of", spying)
     page = (PAGE * 4)[:5000]
-    for min_value, size, inline in ((0, 5000, True), (10, 5000, False), (0, 9000, False)):
+    for min_value, size, inline in ((0, 5000, True), (10, 5000, False), (0, 10_000, True),
+                                    (0, 13_000, False)):
         threads.clear()
-        text = (page * 2)[:size]
+        text = (page * 3)[:size]
         delta = await delta_of("web.fetch", [Piece(text, UNTRUSTED, "t")], 32, min_value=min_value)
         assert delta.untrusted and delta.gram_count
         assert (threads == [threading.get_ident()]) is inline, (min_value, size)
