@@ -54,9 +54,9 @@ def responsive_loop(interval: float = RELOAD_SWITCH_INTERVAL) -> Iterator[None]:
         sys.setswitchinterval(previous)
 
 # A process that froze its policy out of the cyclic collector freezes each reloaded revision too,
-# and sweeps (unfreezes everything for one full collection) once what is frozen has grown by
-# this fraction since the last sweep (see `Collector`).
-SWEEP_GROWTH = 1.0
+# and every this many reloads sweeps: everything unfrozen for one full collection (see
+# `Collector`).
+SWEEP_RELOADS = 100
 
 
 class Collector:
@@ -72,21 +72,19 @@ class Collector:
 
     What that keeps for good is cyclic garbage frozen with it: measured over 30 reloads of a
     1,000-tool policy, ~46 objects a reload (the load's own short-lived cycles, and cached
-    entries evicted later), against ~27,000 objects a one-file reload keeps alive. To keep that
-    bounded, once the frozen set has grown by `growth` since the last sweep (1.0: doubled) the
-    next reload starts with one: everything unfrozen, a full collection (0.6-1.8 s for 1.36
-    million objects, in the reload thread), everything alive frozen again. So the garbage kept
-    never exceeds what was alive at the last sweep; at ~46 objects a reload a sweep comes every
-    ~29,000 reloads. (A quarter, the collector's own bound for full collections, also swept
-    twice in the first 20 reloads of a new process, while the loader's caches fill: the frozen
-    set of that policy grows from ~745,000 to ~1.35 million objects and stays there.)
+    entries evicted later; none of the revisions replaced), against ~27,000 objects a one-file
+    reload keeps alive. To keep that bounded, every `sweep_every` reloads the next one starts
+    with a sweep: everything unfrozen, a full collection (0.6-1.8 s for 1.36 million objects, in
+    the reload thread), everything alive frozen again. The trigger is a count because the
+    frozen set's size is not: `gc.get_freeze_count()` walks the list, 0.2-0.35 s for 1.3
+    million objects holding the GIL (it stalled the loop at the start of every reload).
     """
 
-    def __init__(self, growth: float = SWEEP_GROWTH) -> None:
-        self.growth = growth
+    def __init__(self, sweep_every: int = SWEEP_RELOADS) -> None:
+        self.sweep_every = sweep_every
         self.frozen = False
         self.sweeps = 0
-        self._baseline = 0
+        self._reloads = 0  # frozen since the last sweep
 
     def freeze(self) -> None:
         """Collect everything, then freeze all that is alive (the policy just loaded)."""
@@ -94,7 +92,7 @@ class Collector:
         gc.collect()
         gc.freeze()
         self.frozen = True
-        self._baseline = gc.get_freeze_count()
+        self._reloads = 0
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
@@ -104,12 +102,12 @@ class Collector:
         if not self.frozen:
             yield
             return
-        if gc.get_freeze_count() > self._baseline * (1 + self.growth):
-            started, before = time.perf_counter(), gc.get_freeze_count()
+        if self._reloads >= self.sweep_every:
+            started = time.perf_counter()
             self.freeze()
             self.sweeps += 1
-            log.info("policy reload: swept the frozen objects (%d before, %d after, %.2f s)",
-                     before, gc.get_freeze_count(), time.perf_counter() - started)
+            log.info("policy reload: swept the objects frozen by the last %d reloads (%.2f s)",
+                     self.sweep_every, time.perf_counter() - started)
         enabled = gc.isenabled()
         gc.disable()
         made = False
@@ -119,6 +117,7 @@ class Collector:
         finally:
             if made:
                 gc.freeze()
+                self._reloads += 1
             else:
                 gc.collect(1)
             if enabled:
