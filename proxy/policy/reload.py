@@ -67,7 +67,7 @@ class Collector:
     collection at the end of each load (5-30 ms in the reload thread, holding the GIL) and,
     every few reloads, a full collection over every revision object not frozen (80-440 ms for
     1,000 tools, on whichever thread allocates next): the longest stalls of calls during
-    back-to-back reloads (bench/RESULTS.md "Calls during a reload", round 4). So `loading()`
+    back-to-back reloads (bench/RESULTS.md "Policy load at scale", round 4). So `loading()`
     pauses the collector while a reload loads and builds its chain, then freezes all it made.
 
     What that keeps for good is cyclic garbage frozen with it: measured over 30 reloads of a
