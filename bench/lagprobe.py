@@ -4,7 +4,8 @@ event loop, for bench/policy_load.py --traffic.
 Once the runtime has started, a task sleeps `INTERVAL` seconds over and over; each wake-up later
 than asked is the loop's lag, time nothing else on the loop could run (a callback or a thread
 holding the GIL). Every lag over `FLOOR` is appended to LAGFILE as `<unix time> <seconds>`, so
-the bench reads the longest stall of each phase. Bench-only: the proxy itself carries no probe.
+the bench reads the longest stall of each phase; once a second it writes the process's resident
+set size (pages) to LAGFILE with the suffix `.rss`. Bench-only: the proxy itself carries no probe.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ INTERVAL = 0.002
 FLOOR = 0.001
 
 
+def resident(path: Path) -> None:
+    """Write the process's resident set size (pages) to `path` (a read of /proc: microseconds)."""
+    with open("/proc/self/statm", encoding="ascii") as statm, open(path, "w", encoding="ascii") as now:
+        now.write(statm.read().split()[1])
+
+
 async def probe(path: Path) -> None:
+    rss = path.with_suffix(".rss")
     with path.open("a", buffering=1, encoding="utf-8") as out:
         while True:
             t0 = time.perf_counter()
@@ -27,6 +35,8 @@ async def probe(path: Path) -> None:
             lag = time.perf_counter() - t0 - INTERVAL
             if lag > FLOOR:
                 out.write(f"{time.time():.4f} {lag:.5f}\n")
+            if int(t0) != int(time.perf_counter()):  # once a second
+                resident(rss)
 
 
 def main() -> int:

@@ -300,9 +300,12 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
                          f"{statistics.median(durations):.2f} s (includes the 0.2 s poll)")
             print(f"{phase}: {len(lat)} calls, p50 {p(lat, 0.5):.2f} ms, p99 {p(lat, 0.99):.2f} ms, "
                   f"max {max(lat) * 1000:.1f} ms{extra}", flush=True)
+            rss = lagfile.with_suffix(".rss")
+            resident = (f", resident set {int(rss.read_text()) * os.sysconf('SC_PAGE_SIZE') / 1e6:.0f} MB"
+                        if rss.exists() else "")
             print(f"  loop lag: max {max(stalls, default=0) * 1000:.1f} ms, "
                   f"{sum(1 for x in stalls if x > 0.01)} stalls over 10 ms, "
-                  f"{sum(1 for x in stalls if x > 0.05)} over 50 ms", flush=True)
+                  f"{sum(1 for x in stalls if x > 0.05)} over 50 ms{resident}", flush=True)
         ratio = p(results["reloading"], 0.99) / max(p(results["steady"], 0.99), 1e-9)
         print(f"p99 during reloads / steady p99: {ratio:.2f}x", flush=True)
     finally:
