@@ -11,7 +11,8 @@ then times, in one process with one engine (as the runtime keeps it):
     python bench/policy_load.py --tools 1000 --files 1,20         # one file, or one per 50 tools
     python bench/policy_load.py --tools 1000 --profile 25        # cProfile top functions
     python bench/policy_load.py --tools 1000 --files 20 --traffic 20   # calls through the real proxy:
-                                     # latency steady vs while the policy hot-reloads back to back
+                                     # latency steady vs while the policy hot-reloads back to back,
+                                     # and the proxy's event-loop lag (bench/lagprobe.py)
 
 It prints a Markdown table; bench/RESULTS.md ("Policy load at scale") quotes it.
 """
@@ -224,6 +225,19 @@ def call_loop(port: int, stop: threading.Event, out: list[tuple[float, float]]) 
     conn.close()
 
 
+def loop_lags(path: Path, start: float, end: float) -> list[float]:
+    """The proxy's event-loop lags (seconds, those over 1 ms) between two wall-clock times, as
+    bench/lagprobe.py recorded them."""
+    if not path.exists():
+        return []
+    lags = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        at, _, lag = line.partition(" ")
+        if start <= float(at) <= end:
+            lags.append(float(lag))
+    return lags
+
+
 def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] * 1000 if len(values) > 1 else 0.0
 
@@ -253,8 +267,10 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
         procs.append(subprocess.Popen([sys.executable, str(BENCH / "upstream.py"), "--port",
                                        str(up_port)], stdout=log, stderr=log))
         started = time.perf_counter()
-        procs.append(subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config",
-                                       str(tmp / "config.json")], stdout=log, stderr=log, env=env))
+        lagfile = tmp / "lag.txt"
+        procs.append(subprocess.Popen([sys.executable, str(BENCH / "lagprobe.py"), str(lagfile),
+                                       "serve", "--config", str(tmp / "config.json")],
+                                      stdout=log, stderr=log, env=env))
         wait_port(up_port, procs[0])
         wait_port(admin, procs[1])
         print(f"\nproxy up with {tools} tools in {files} file(s) after "
@@ -264,6 +280,7 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
             out: list[tuple[float, float]] = []
             stop = threading.Event()
             client = threading.Thread(target=call_loop, args=(port, stop, out))
+            window = time.time()
             client.start()
             done, durations = 0, []
             t_end = time.perf_counter() + seconds
@@ -282,6 +299,7 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
                 done += 1
             stop.set()
             client.join()
+            stalls = loop_lags(lagfile, window, time.time())
             lat = [x for _, x in out]
             results[phase] = lat
             extra = ""
@@ -290,6 +308,12 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
                          f"{statistics.median(durations):.2f} s (includes the 0.2 s poll)")
             print(f"{phase}: {len(lat)} calls, p50 {p(lat, 0.5):.2f} ms, p99 {p(lat, 0.99):.2f} ms, "
                   f"max {max(lat) * 1000:.1f} ms{extra}", flush=True)
+            rss = lagfile.with_suffix(".rss")
+            resident = (f", resident set {int(rss.read_text()) * os.sysconf('SC_PAGE_SIZE') / 1e6:.0f} MB"
+                        if rss.exists() else "")
+            print(f"  loop lag: max {max(stalls, default=0) * 1000:.1f} ms, "
+                  f"{sum(1 for x in stalls if x > 0.01)} stalls over 10 ms, "
+                  f"{sum(1 for x in stalls if x > 0.05)} over 50 ms{resident}", flush=True)
         ratio = p(results["reloading"], 0.99) / max(p(results["steady"], 0.99), 1e-9)
         print(f"p99 during reloads / steady p99: {ratio:.2f}x", flush=True)
     finally:

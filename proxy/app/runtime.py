@@ -9,7 +9,6 @@ upstream pool, flush and close the audit log. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -30,7 +29,7 @@ from proxy.approvals.service import ApprovalService
 from proxy.approvals.signer import RequestStateSigner
 from proxy.audit.log import AuditLog
 from proxy.config import Config
-from proxy.envelope.pipeline import Envelope
+from proxy.envelope.pipeline import Chain, Envelope
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Services
 from proxy.errors import ListenError, PolicyError, StoreError
@@ -46,7 +45,7 @@ from proxy.observability.metrics import Metrics
 from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
-from proxy.policy.reload import PolicyWatcher, load_stable, responsive_loop
+from proxy.policy.reload import Collector, PolicyWatcher, load_stable, responsive_loop
 from proxy.store.base import Store
 from proxy.store.factory import open_store
 from proxy.tools.replay import open_recorder
@@ -106,6 +105,8 @@ class Runtime:
         self._targets: dict[str, UpstreamTarget] = {}
         self.last_reload: dict[str, Any] = {}
         self._reload_lock = asyncio.Lock()
+        # Off by default; `serve` freezes the first revision and then each reloaded one.
+        self.collector = Collector()
         self._runners: list[web.AppRunner | FastListener] = []
         self._watcher: PolicyWatcher | None = None
         self._stop = asyncio.Event()
@@ -149,10 +150,11 @@ class Runtime:
 
     # ---- policy ------------------------------------------------------------------------
 
-    def load_policy(self) -> PolicyRevision:
-        """Load and install the policy; raises PolicyError (nothing changes then)."""
+    def load_policy(self, *, freeze: bool = False) -> PolicyRevision:
+        """Load and install the policy; raises PolicyError (nothing changes then). `freeze`:
+        the start-up load of a process that keeps it for life (`load_policy`'s `freeze`)."""
         engine = self._engine()
-        revision = load_stable(self.config.policies, lambda d: load_policy(d, engine=engine))
+        revision = load_stable(self.config.policies, lambda d: load_policy(d, engine=engine, freeze=freeze))
         self.cel = revision.cel
         self._install(revision)
         return revision
@@ -161,7 +163,7 @@ class Runtime:
         """The engine to compile with: the one kept, else the configured name (first load)."""
         return self.cel if self.cel is not None else self.config.cel_engine
 
-    def _install(self, revision: PolicyRevision) -> None:
+    def _install(self, revision: PolicyRevision, chain: Chain | None = None) -> None:
         targets: dict[str, UpstreamTarget] = {}
         specs: dict[str, StdioSpec] = {}
         for name, up in revision.document.upstreams.items():
@@ -182,7 +184,7 @@ class Runtime:
                 connect_timeout=up.connect_timeout, headers=headers,
                 forward_authorization=up.forward_authorization,
             )
-        self.envelope.install(revision)
+        self.envelope.install(revision, chain)
         if self.stdio is not None:
             self.stdio.configure(specs)
         self._commands = {n: s.command[0] for n, s in specs.items()}
@@ -194,16 +196,20 @@ class Runtime:
         self.revision = revision
         self.metrics.set_revision(revision.revision)
 
+    def _prepare(self, engine: Engine | str) -> tuple[PolicyRevision, Chain]:
+        """In the reload's worker thread: the new revision and its chain, built off the event
+        loop (the loop then only swaps them in)."""
+        with self.collector.loading():
+            revision = load_stable(self.config.policies, lambda d: load_policy(d, engine=engine))
+            return revision, self.envelope.build(revision)
+
     async def reload(self, trigger: str = "change") -> bool:
         """Build a whole new chain from the policy directory and swap it in; keep the old on error."""
         async with self._reload_lock:
             started = time.time()
             try:
                 with responsive_loop():
-                    engine = self._engine()
-                    revision = await asyncio.to_thread(
-                        load_stable, self.config.policies, lambda d: load_policy(d, engine=engine)
-                    )
+                    revision, chain = await asyncio.to_thread(self._prepare, self._engine())
             except PolicyError as exc:
                 errors = [str(p) for p in exc.problems]
                 self.metrics.reload("failure")
@@ -217,7 +223,7 @@ class Runtime:
                 log.exception("policy reload failed unexpectedly")
                 return False
             self.cel = revision.cel
-            self._install(revision)
+            self._install(revision, chain)
             if self._runners:  # started: a command upstream new in this revision is served now
                 await self._start_stdio()
             self.metrics.reload("success")
@@ -509,7 +515,7 @@ async def serve(config: Config, worker: int = 0, announce: bool = True,
     `banner`: lines printed after the URLs, once every listener is up."""
     runtime = Runtime(config, worker)
     try:
-        revision = runtime.load_policy()
+        revision = runtime.load_policy(freeze=True)
     except PolicyError as exc:
         for problem in exc.problems:
             log.error("%s", problem)
@@ -518,8 +524,9 @@ async def serve(config: Config, worker: int = 0, announce: bool = True,
     # Everything alive now (the compiled policy, its caches: ~700,000 objects for 1,000 tools)
     # lives for the process: out of the collector's sight, a full collection (which a reload's
     # allocations trigger, holding the GIL) takes milliseconds instead of ~0.5 s of stalled calls.
-    gc.collect()
-    gc.freeze()
+    # Each reloaded revision is frozen the same way (`Collector`). The start-up load froze what
+    # it made itself, without traversing it; the collector only takes over from here.
+    runtime.collector.freeze(collect=False)
     try:
         await runtime.start()
     except ListenError as exc:

@@ -12,8 +12,9 @@ a value provider in the engine's activation) is waste on every call.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,12 +33,28 @@ _NAMES = {name: re.compile(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])") for name
 def referenced(revision: PolicyRevision) -> frozenset[str]:
     """The variables an expression of `revision` may read (tools' and principals' `allow`,
     tools' rules): each whose name appears as a word in some source. Computed once per
-    revision by the checks that build activations."""
-    sources = [p.source for t in revision.tools.values() for p in t.allow]
-    sources += [r.program.source for t in revision.tools.values() for r in t.rules]
-    sources += [p.source for pr in revision.principals.values() for p in pr.allow]
-    text = "\n".join(sources)
-    return frozenset(name for name, word in _NAMES.items() if word.search(text))
+    revision by the checks that build activations, from each source's names kept by text: a
+    reload changes a few sources, and scanning all 16,000 of a 1,000-tool revision again cost
+    ~0.1 s a check, one regex search over a megabyte holding the GIL all along."""
+    found: set[str] = set()
+    for source in _sources(revision):
+        found |= _names_in(source)
+    return frozenset(found)
+
+
+def _sources(revision: PolicyRevision) -> Iterator[str]:
+    for tool in revision.tools.values():
+        yield from (p.source for p in tool.allow)
+        yield from (r.program.source for r in tool.rules)
+    for principal in revision.principals.values():
+        yield from (p.source for p in principal.allow)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _names_in(source: str) -> frozenset[str]:
+    # The same words as one search of the sources joined by newlines found: a newline is not a
+    # name character, so no match spans two sources.
+    return frozenset(name for name, word in _NAMES.items() if word.search(source))
 
 
 def variables(call: ToolCall, names: Collection[str] = VARIABLES) -> dict[str, Any]:

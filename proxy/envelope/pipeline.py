@@ -253,10 +253,20 @@ class Envelope(Completion):
     def chain(self) -> Chain | None:
         return self._chain
 
-    def install(self, revision: PolicyRevision) -> Chain:
-        """Build a whole new chain for `revision` and swap it in."""
+    def build(self, revision: PolicyRevision) -> Chain:
+        """A new chain for `revision`, not installed. Safe in a worker thread: building reads
+        the revision only (the checks keep the registry and services, they do not read them
+        yet), so a hot reload builds it where it loads, off the event loop (1,000 tools: 0.15 s
+        a chain before its scans were kept by text, ~0.05 s since), and `install` swaps it in."""
+        return Chain(revision, self.registry, self.metrics, self.services)
+
+    def install(self, revision: PolicyRevision, chain: Chain | None = None) -> Chain:
+        """Swap in `chain` (built by `build` from `revision`), or a new chain for `revision`."""
+        if chain is None:
+            chain = self.build(revision)
+        elif chain.revision is not revision:
+            raise ValueError("the chain installed was built from another revision")
         self._learn_specs(revision)
-        chain = Chain(revision, self.registry, self.metrics, self.services)
         self._chain = chain
         self.misconfig.loaded()
         self.refresh_catalogue_metrics()

@@ -6,6 +6,7 @@ re-parse YAML or recompile CEL on the request path.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,8 +77,10 @@ class CompiledPrincipal:
 _RUN_TAINT = re.compile(r"""\brun\s*(?:\.\s*(?:tainted|secret)\b|\[\s*["'](?:tainted|secret)["']\s*\])""")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def reads_run_taint(source: str) -> bool:
-    """Whether a CEL expression reads `run.tainted` or `run.secret`."""
+    """Whether a CEL expression reads `run.tainted` or `run.secret`. Kept by text: every chain
+    build asks it of each of a revision's expressions, and a reload changes few of them."""
     return _RUN_TAINT.search(source) is not None
 
 

@@ -1,7 +1,9 @@
-"""Runtime wiring that needs no listener: the CEL engine chosen once and kept across reloads."""
+"""Runtime wiring that needs no listener: the CEL engine chosen once and kept across reloads; a
+reload's chain built off the event loop, and the old one kept when that fails."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,7 +11,10 @@ import pytest
 
 from proxy.app.runtime import Runtime
 from proxy.config import load_config
+from proxy.envelope.pipeline import Chain
+from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, Verdict
 from proxy.policy.cel import available_engines
+from proxy.policy.compiled import PolicyRevision
 
 POLICY = """
 version: 1
@@ -48,3 +53,63 @@ async def test_reloads_compile_with_the_engine_the_first_load_resolved(
     second = runtime.revision
     assert second is not None and second.revision != first.revision
     assert second.cel is first.cel and second.engine == "cel-python"
+
+
+def _call(principal: str) -> ToolCall:
+    return ToolCall(decision_id="d-1", upstream="demo", tool="t", arguments={},
+                    principal=Principal(principal), run=RunContext("run-1", principal),
+                    request=RequestInfo("tools/call"))
+
+
+async def _verdict(runtime: Runtime, principal: str) -> Verdict:
+    return (await runtime.envelope.begin(_call(principal))).decision.verdict
+
+
+def _reloads(runtime: Runtime, result: str) -> float:
+    value = runtime.metrics.registry.get_sample_value("envelope_policy_reloads_total",
+                                                      {"result": result})
+    return value or 0.0
+
+
+async def test_calls_after_a_reload_use_the_chain_built_off_the_event_loop(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime.load_policy()
+    assert await _verdict(runtime, "ops") is Verdict.ALLOW
+    built: list[tuple[Chain, int]] = []
+    build = runtime.envelope.build
+
+    def recording(revision: PolicyRevision) -> Chain:
+        chain = build(revision)
+        built.append((chain, threading.get_ident()))
+        return chain
+
+    monkeypatch.setattr(runtime.envelope, "build", recording)
+    (runtime.config.policies / "policy.yaml").write_text(POLICY.replace('"ops"', '"admin"'))
+    assert await runtime.reload("test")
+    [(chain, thread)] = built
+    assert thread != threading.get_ident()  # built in the reload's worker thread
+    assert runtime.envelope.chain is chain and chain.revision is runtime.revision
+    assert await _verdict(runtime, "admin") is Verdict.ALLOW
+    assert await _verdict(runtime, "ops") is Verdict.DENY
+
+
+async def test_a_reload_that_fails_building_its_chain_keeps_the_old_revision_serving(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = runtime.load_policy()
+    serving = runtime.envelope.chain
+
+    def broken(revision: PolicyRevision) -> Chain:
+        raise RuntimeError("the chain could not be built")
+
+    monkeypatch.setattr(runtime.envelope, "build", broken)
+    (runtime.config.policies / "policy.yaml").write_text(POLICY.replace('"ops"', '"admin"'))
+    assert not await runtime.reload("test")
+    assert runtime.revision is first and runtime.envelope.chain is serving
+    assert runtime.last_reload["result"] == "failure"
+    assert "the chain could not be built" in runtime.last_reload["errors"][0]
+    assert _reloads(runtime, "failure") == 1 and _reloads(runtime, "success") == 0
+    assert "policy reload failed unexpectedly" in caplog.text
+    assert await _verdict(runtime, "ops") is Verdict.ALLOW
+    assert await _verdict(runtime, "admin") is Verdict.DENY

@@ -157,6 +157,17 @@ def test_only_the_variables_the_revision_names_are_built(engine: str) -> None:
     assert set(variables(call, frozenset({"args"}))) == {"args"}
 
 
+
+def test_referenced_is_per_revision_though_each_source_is_scanned_once(engine: str) -> None:
+    # A source's names are kept by its text across revisions: the next revision, without the
+    # rule that read `now`, does not build it; a name at a source's very start or end counts.
+    tools: dict[str, Any] = {"demo.t": {"effect": "read", "allow": "run.tainted == false",
+                                        "rules": [{"forbid": 'args.x == "a" && now > now'}]}}
+    assert referenced(rev(engine, tools)) == {"run", "args", "now"}
+    tools["demo.t"]["rules"] = [{"forbid": 'args.x == "a"'}]
+    assert referenced(rev(engine, tools)) == {"run", "args"}
+
+
 # -- arg_rules ---------------------------------------------------------------------------
 
 RULES = {

@@ -143,6 +143,17 @@ async def test_allowed_call_then_reload_keeps_in_flight_chain(envelope: Envelope
     assert envelope.chain is not old and pending.chain is old
 
 
+def test_a_chain_built_ahead_is_installed_only_with_its_own_revision(envelope: Envelope) -> None:
+    serving = envelope.chain
+    revision = load_policy(POLICIES)
+    chain = envelope.build(revision)
+    assert envelope.chain is serving  # built, not installed
+    with pytest.raises(ValueError):
+        envelope.install(load_policy(POLICIES), chain)
+    assert envelope.chain is serving
+    assert envelope.install(revision, chain) is chain and envelope.chain is chain
+
+
 async def test_a_call_whose_record_cannot_be_serialised_is_refused_never_forwarded(
         envelope: Envelope, tmp_path: Path) -> None:
     """A value the audit log cannot hold (a string decoded from an undecodable byte) refuses

@@ -1,16 +1,26 @@
-"""PolicyWatcher: calls back on a file change and on a git-sync style symlink swap."""
+"""PolicyWatcher: calls back on a file change and on a git-sync style symlink swap; the
+collector around a reload (`Collector`)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from proxy.errors import PolicyError
-from proxy.policy.reload import RELOAD_SWITCH_INTERVAL, PolicyWatcher, load_stable, responsive_loop
+from proxy.policy.reload import (
+    RELOAD_SWITCH_INTERVAL,
+    Collector,
+    PolicyWatcher,
+    load_stable,
+    responsive_loop,
+)
 
 
 async def _wait(event: asyncio.Event) -> None:
@@ -130,3 +140,63 @@ def test_a_directory_that_never_holds_still_is_not_loaded(tmp_path: Path) -> Non
 
     with pytest.raises(PolicyError, match="changed during each of 3 loads"):
         load_stable(tmp_path, load)
+
+
+class _Node:
+    """A cyclic object the collector alone can free (weak-referenceable, to see it go)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    # The freeze is process-wide: whatever a test froze is unfrozen for the next one.
+    enabled = gc.isenabled()
+    try:
+        yield Collector()
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+def test_a_reload_is_not_collected_while_it_loads_then_frozen(collector: Collector) -> None:
+    with collector.loading():  # nothing frozen yet (a process that never froze): no effect
+        assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    collector.freeze()
+    frozen = gc.get_freeze_count()
+    with collector.loading():
+        assert not gc.isenabled()  # no collection over the load's allocations
+        made = [_Node() for _ in range(1000)]
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= frozen + 1000  # the new revision is out of sight too
+    seen = {id(o) for o in gc.get_objects()}
+    assert not any(id(n) in seen for n in made)
+
+
+def test_a_failed_load_freezes_nothing_and_leaves_its_cycles_to_the_collector(
+    collector: Collector,
+) -> None:
+    collector.freeze()
+    frozen = gc.get_freeze_count()
+    with pytest.raises(RuntimeError), collector.loading():
+        garbage = weakref.ref(_Node())
+        raise RuntimeError("a reload that fails mid-way")
+    assert gc.isenabled()
+    assert gc.get_freeze_count() <= frozen
+    assert garbage() is None  # the young collection after the failure freed the cycle
+
+
+def test_frozen_garbage_is_swept_every_so_many_reloads(collector: Collector) -> None:
+    collector.sweep_every = 2
+    collector.freeze()
+    with collector.loading():
+        leaked = weakref.ref(_Node())  # cyclic garbage made during a load: frozen with it
+    with collector.loading():
+        pass
+    assert leaked() is not None and collector.sweeps == 0
+    with collector.loading():  # the third reload starts with a sweep
+        assert leaked() is None
+    assert collector.sweeps == 1 and gc.isenabled() and gc.get_freeze_count() > 0
