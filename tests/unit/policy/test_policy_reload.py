@@ -200,3 +200,16 @@ def test_frozen_garbage_is_swept_every_so_many_reloads(collector: Collector) -> 
     with collector.loading():  # the third reload starts with a sweep
         assert leaked() is None
     assert collector.sweeps == 1 and gc.isenabled() and gc.get_freeze_count() > 0
+
+
+def test_the_start_up_freeze_after_a_frozen_load_traverses_nothing(collector: Collector) -> None:
+    # `serve`: the start-up load froze what it made (`load_policy(freeze=True)`), so the
+    # collector takes over without a full collection; reloads are then frozen as usual.
+    garbage = weakref.ref(_Node())  # a cycle no collection has seen
+    collector.freeze(collect=False)
+    assert collector.frozen
+    assert garbage() is not None  # frozen, not collected: nothing was traversed
+    with collector.loading():
+        assert not gc.isenabled()
+    collector.freeze()  # the sweep's form unfreezes and collects everything
+    assert garbage() is None
