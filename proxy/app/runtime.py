@@ -45,7 +45,14 @@ from proxy.observability.metrics import Metrics
 from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
 from proxy.policy.loader import load_policy
-from proxy.policy.reload import Collector, PolicyWatcher, load_stable, responsive_loop
+from proxy.policy.reload import (
+    Collector,
+    Fingerprint,
+    PolicyWatcher,
+    load_stable,
+    load_stable_at,
+    responsive_loop,
+)
 from proxy.store.base import Store
 from proxy.store.factory import open_store
 from proxy.tools.replay import open_recorder
@@ -109,6 +116,9 @@ class Runtime:
         self.collector = Collector()
         self._runners: list[web.AppRunner | FastListener] = []
         self._watcher: PolicyWatcher | None = None
+        # The files `load_policy` loaded: the watcher's baseline, so that an edit made while the
+        # process was starting (after the load, before the watcher) is reloaded, not missed.
+        self._loaded_from: Fingerprint | None = None
         self._stop = asyncio.Event()
         self.urls: dict[str, str] = {}
         self.mcp_port = 0  # the MCP listener's bound port, once started
@@ -154,7 +164,8 @@ class Runtime:
         """Load and install the policy; raises PolicyError (nothing changes then). `freeze`:
         the start-up load of a process that keeps it for life (`load_policy`'s `freeze`)."""
         engine = self._engine()
-        revision = load_stable(self.config.policies, lambda d: load_policy(d, engine=engine, freeze=freeze))
+        revision, self._loaded_from = load_stable_at(
+            self.config.policies, lambda d: load_policy(d, engine=engine, freeze=freeze))
         self.cel = revision.cel
         self._install(revision)
         return revision
@@ -409,7 +420,7 @@ class Runtime:
 
             self._watcher = PolicyWatcher(self.config.policies, on_change,
                                           interval=self.config.reload_interval)
-            self._watcher.start()
+            self._watcher.start(baseline=self._loaded_from)
 
     async def _start_admin(self) -> None:
         listener = self.config.listener

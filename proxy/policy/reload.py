@@ -158,11 +158,19 @@ def load_stable(directory: Path, load: Callable[[Path], T], attempts: int = LOAD
     """`load(directory)`, accepted only when no policy file changed while it ran (same
     fingerprint before and after); tried again otherwise, up to `attempts` times. Raises
     `PolicyError` when the directory never held still (the caller keeps its revision)."""
+    return load_stable_at(directory, load, attempts)[0]
+
+
+def load_stable_at(
+    directory: Path, load: Callable[[Path], T], attempts: int = LOAD_ATTEMPTS
+) -> tuple[T, Fingerprint]:
+    """`load_stable`, with the fingerprint of the files it loaded (a watcher started later
+    compares against it, so an edit made in between is not taken for the baseline)."""
     for _ in range(attempts):
         before = fingerprint(directory)
         result = load(directory)
         if fingerprint(directory) == before:
-            return result
+            return result, before
         log.info("policy files changed while %s was loading; loading again", directory)
     raise PolicyError([PolicyProblem(str(directory), 1, 1,
                                      f"the policy files changed during each of {attempts} loads; "
@@ -190,11 +198,12 @@ class PolicyWatcher:
         self._task: asyncio.Task[None] | None = None
         self._last: Fingerprint | None = None
 
-    def start(self) -> None:
-        """Take the current fingerprint as the baseline and start polling."""
+    def start(self, baseline: Fingerprint | None = None) -> None:
+        """Start polling from `baseline` (the fingerprint of the files the serving revision was
+        loaded from: a change since then is reloaded), else from the directory as it is now."""
         if self._task is not None:
             return
-        self._last = self._safe_fingerprint()
+        self._last = baseline if baseline is not None else self._safe_fingerprint()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="policy-watcher")
 
     async def stop(self) -> None:

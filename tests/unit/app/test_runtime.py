@@ -3,6 +3,7 @@ reload's chain built off the event loop, and the old one kept when that fails.""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +114,30 @@ async def test_a_reload_that_fails_building_its_chain_keeps_the_old_revision_ser
     assert "policy reload failed unexpectedly" in caplog.text
     assert await _verdict(runtime, "ops") is Verdict.ALLOW
     assert await _verdict(runtime, "admin") is Verdict.DENY
+
+
+async def test_an_edit_made_while_the_process_starts_is_reloaded(tmp_path: Path) -> None:
+    # Between the start-up load and the watcher's first scan, listeners are already accepting:
+    # an edit made then must not become the watcher's baseline (it would never be loaded).
+    if "cel-python" not in available_engines():
+        pytest.skip("cel-python is not installed")
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "policy.yaml").write_text(POLICY)
+    config = load_config(None, {
+        "policies": str(tmp_path / "policies"), "state_dir": str(tmp_path / "state"),
+        "store": {"kind": "memory"}, "cel_engine": "cel-python", "listen": "127.0.0.1:0",
+        "reload_interval": 0.05,
+    }, environ={})
+    runtime = Runtime(config)
+    first = runtime.load_policy()
+    (config.policies / "policy.yaml").write_text(POLICY.replace('"ops"', '"admin"'))
+    await runtime.start(admin=False)
+    try:
+        for _ in range(600):  # up to 30 s on a loaded machine
+            if runtime.revision is not first:
+                break
+            await asyncio.sleep(0.05)
+        assert runtime.revision is not first and runtime.last_reload["trigger"] == "change"
+        assert await _verdict(runtime, "admin") is Verdict.ALLOW
+    finally:
+        await runtime.stop(quiet=True)
