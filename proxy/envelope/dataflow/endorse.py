@@ -75,6 +75,7 @@ escalation, never less). Booleans and null are never critical: they carry no cho
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -403,7 +404,9 @@ def _parallel(parts: list[tuple[str, str]]) -> list[str]:
     return []
 
 
-def listing_parts(text: str) -> list[str]:
+# `trusted_keys` and `entry_keys` (`name_keys`) both ask for the parts of the same string.
+@functools.lru_cache(maxsize=16)
+def listing_parts(text: str) -> tuple[str, ...]:
     """The entries of a trusted string that is a listing of several candidates, decided by
     structure only: two entries or more (`listing_entries`) whose values (after a short
     "label: ") have one shape (`shape`), or two parts or more of one entry's value between
@@ -421,7 +424,7 @@ def listing_parts(text: str) -> list[str]:
     out = _parallel(entries)
     for _, value in entries:
         out += _parallel([("", part) for part in _top_level(value)])
-    return out
+    return tuple(out)
 
 
 def name_pick_key(word: str) -> bytes:
