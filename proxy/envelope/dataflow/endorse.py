@@ -12,8 +12,11 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   of the intent's, or a number / amount whose canonical decimal the intent writes
   ("$1,200.50" = "1200.50" = 1200.5; "twelve hundred" is not a number);
 - a **trusted output** read in the same run: a string equal, normalised, to a whole string of
-  the output, to one of its fields (`segments`: "Grand Palace" of "2. Grand Palace - $1,240.50
-  per night", a value after "name:"), or to one of its distinctive tokens;
+  the output, to one of its fields (`segments`: "Grand Palace" of "Grand Palace - $1,240.50
+  per night, 180 m2", a value after "name:") unless the field is one of a listing's entries
+  (`listing_parts`: entries of one shape; being listed is not being chosen: only a word of the
+  intent picking that entry, `name_keys`, the intent or a criterion endorses it), or to one of
+  its distinctive tokens;
   a number equal to one the output writes with 3 digits or more or with decimals (a price,
   an id; "2" of a numbered list endorses nothing: small integers only by the intent), or
   written as money with two decimals ("14.00" endorses a critical "14.00", not "14");
