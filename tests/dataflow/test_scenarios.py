@@ -55,10 +55,11 @@ TARGETS = {AUTO: AUTO_TARGET, CHOSEN_AUTO: AUTO_TARGET, AUTO_BLOCK: AUTO_TARGET,
 # one measures it); auto+intent+block meets the attack target, not the benign one; their
 # measured 0 attacks through is asserted as such. `escalation` (no declassify_max_copy 40) lets
 # one more class-3 attack through than in round 3 (6, was 5): its sink's id, asked about before
-# by accident, is now endorsed (bench/RESULTS.md, round 4).
+# by accident, is now endorsed (bench/RESULTS.md, round 4). Round 8: 5 (chat-h1's channel, an
+# entry of a trusted listing, is no longer endorsed by being listed).
 MEASURED = {AUTO: (24 / 32, 30 / 32, 0.0), CHOSEN_AUTO: (24 / 32, 30 / 32, 0.0),
             AUTO_BLOCK: (0.0, 23 / 32, 0.0),
-            ESCALATION: (6 / 32, 1.0, 10 / 32), CHOSEN_ESCALATION: (0.0, 1.0, 9 / 32)}
+            ESCALATION: (5 / 32, 1.0, 10 / 32), CHOSEN_ESCALATION: (0.0, 1.0, 9 / 32)}
 MET: set[str] = set()
 
 

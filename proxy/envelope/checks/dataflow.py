@@ -27,6 +27,8 @@ from proxy.envelope.dataflow.endorse import (
     id_argument,
     label_key,
     label_word_key,
+    name_key,
+    name_pick_key,
     names_object,
     pick_key,
 )
@@ -378,9 +380,14 @@ class DataflowCheck:
         is about to be escalated; past MAX_PICK_KEYS lookups nothing is endorsed this way."""
         said = words.words()
         forms = {c.pointer: entry_value_forms(c) for c in left}
+        # A string that is not a number: a name a listing's entry may hold (`name_keys`).
+        names = {c.pointer: c.norm for c in left if c.norm and c.number is None}
         wanted = [pick_key(w) for w in said]
         wanted += [entry_key(w, f) for w in said for fs in forms.values() for f in fs]
-        if not said or len(wanted) > MAX_PICK_KEYS or not any(forms.values()):
+        if names:
+            wanted += [name_pick_key(w) for w in said]
+            wanted += [name_key(w, norm) for w in said for norm in names.values()]
+        if not said or len(wanted) > MAX_PICK_KEYS or not (any(forms.values()) or names):
             return left
         ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
                             ttl=self._ttl)
@@ -391,18 +398,24 @@ class DataflowCheck:
             found = ledger.find(key)
             return found is not None and found.startswith("trusted|")
 
-        picked = [w for w in said if trusted(pick_key(w))]
-        if not picked:
-            return left
-        if ids := [w for w in picked if w.startswith("#")]:
+        def sole_ids(picked: list[str]) -> list[str]:
             # An identifier the user typed names its entry ("refund order O-8812"): a common
             # word of the intent that another entry writes ("Other order: O-8790") does not
             # make the pick ambiguous; two identifiers of different entries still do.
-            picked = ids
+            ids = [w for w in picked if w.startswith("#")]
+            return ids or picked
+
+        picked = sole_ids([w for w in said if trusted(pick_key(w))])
+        # A listed name is the user's choice only when every word of the intent that picks an
+        # entry of a listing picks the one holding it ("book the Tejo Mar").
+        named = sole_ids([w for w in said if trusted(name_pick_key(w))]) if names else []
         still = []
         for critical in left:
-            if any(all(trusted(entry_key(w, f)) for w in picked) for f in forms[critical.pointer]):
+            if picked and any(all(trusted(entry_key(w, f)) for w in picked) for f in forms[critical.pointer]):
                 endorsed.append({"arg": critical.pointer, "by": "intent+trusted_listing", "words": picked[:5]})
+            elif (named and critical.pointer in names
+                  and all(trusted(name_key(w, names[critical.pointer])) for w in named)):
+                endorsed.append({"arg": critical.pointer, "by": "intent+trusted_listing", "words": named[:5]})
             else:
                 still.append(critical)
         return still

@@ -12,8 +12,11 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   of the intent's, or a number / amount whose canonical decimal the intent writes
   ("$1,200.50" = "1200.50" = 1200.5; "twelve hundred" is not a number);
 - a **trusted output** read in the same run: a string equal, normalised, to a whole string of
-  the output, to one of its fields (`segments`: "Grand Palace" of "2. Grand Palace - $1,240.50
-  per night", a value after "name:"), or to one of its distinctive tokens;
+  the output, to one of its fields (`segments`: "Grand Palace" of "Grand Palace - $1,240.50
+  per night, 180 m2", a value after "name:") unless the field is one of a listing's entries
+  (`listing_parts`: entries of one shape; being listed is not being chosen: only a word of the
+  intent picking that entry, `name_keys`, the intent or a criterion endorses it), or to one of
+  its distinctive tokens;
   a number equal to one the output writes with 3 digits or more or with decimals (a price,
   an id; "2" of a numbered list endorses nothing: small integers only by the intent), or
   written as money with two decimals ("14.00" endorses a critical "14.00", not "14");
@@ -75,6 +78,7 @@ escalation, never less). Booleans and null are never critical: they carry no cho
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -105,6 +109,8 @@ _SEPARATORS = re.compile(r"[\n\r\t|;,:()\[\]{}<>\u2022\u00b7]+|\s[-\u2013\u2014/
 # Where an entry of a record ends: a line break, "|", ";", or a sentence end ("." before a space).
 _RECORDS = re.compile(r"[\n\r|;\u2022]+|(?<=[.!?])\s+")
 _WORD = re.compile(r"[^\W\d_]+")
+_SHAPE_WORDS = re.compile(r"[^\W\d_]+(?:\s+[^\W\d_]+)*")
+_SHAPE_DIGITS = re.compile(r"\d(?:[\d,.]*\d)?")
 # Inflections of one word a person may use for a setting's value ("edit access" for "editor").
 _SUFFIX = re.compile(r"(?:or|er|ing|ed|s)$")
 _ENUMERATOR = re.compile(r"^(?:\d{1,3}[.)]|[a-z][.)]|[-*#>])\s+")
@@ -349,15 +355,113 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     found.update(f"t{kind}:{value}" for kind, value in held if value not in several)
     # One of several addresses: endorsed only with the intent naming its owner (`IntentWords`).
     found.update(f"c:{value}" for kind, value in held if kind == "email" and value in several)
+    # The fields of the entries of a listing are its candidates: being listed says a value
+    # exists, not that the user chose it (`listing_parts`; `name_keys` for the intent's picks).
+    listed = {key for part in listing_parts(text) for key in segments(part)}
     for key in records(text):
-        if not any(value in key for value in several):
+        if key not in listed and not any(value in key for value in several):
             found.add(f"v:{key}")
     for key in segments(text):
         if len(found) >= limit:
             break
-        if not any(value in key for value in several):
+        if key not in listed and not any(value in key for value in several):
             found.add(f"v:{key}")
     return {_hash(k) for k in list(found)[:limit]}
+
+
+def shape(text: str) -> str:
+    """The structure of a normalised field or entry: each run of words of letters is "a", each
+    run of digits "9", punctuation kept, spaces dropped ("Heron (2 seats)" and "Executive
+    Suite (16 seats" are both "a(9a"): entries of one listing share it whatever they name."""
+    return re.sub(r"\s+", "", _SHAPE_DIGITS.sub("9", _SHAPE_WORDS.sub("a", _strip(text))))
+
+
+def _top_level(value: str) -> list[str]:
+    """The parts of a value between its commas outside brackets ("Heron (2 seats), Executive
+    Suite (16 seats, approval needed)" is two parts), blank ones left out."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(value):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            parts.append(value[start:i])
+            start = i + 1
+    parts.append(value[start:])
+    return [part for part in parts if part.strip()]
+
+
+def _parallel(parts: list[tuple[str, str]]) -> list[str]:
+    """The values of `parts` ((label, value) each) when two or more share a shape under one
+    label (both without a label, or the same one): then every value is a candidate (fail
+    closed: an entry of another shape, "3. Pension Ruhe - $95" without "per night", is still
+    one of the listing's); else none. Values of one shape under different labels ("Name: Maria
+    Lind. City: Lisbon") are the fields of one record, not a listing."""
+    seen: set[tuple[str, str]] = set()
+    for label, value in parts:
+        key = (label, shape(normalise(value)))
+        if key in seen:
+            return [value for _, value in parts]
+        seen.add(key)
+    return []
+
+
+# `trusted_keys` and `entry_keys` (`name_keys`) both ask for the parts of the same string.
+@functools.lru_cache(maxsize=16)
+def listing_parts(text: str) -> tuple[str, ...]:
+    """The entries of a trusted string that is a listing of several candidates, decided by
+    structure only: two entries or more (`listing_entries`) whose values (after a short
+    "label: ") have one shape (`shape`), or two parts or more of one entry's value between
+    commas outside brackets ("folders: Contracts, Public Share, Archive"; "Heron (2 seats),
+    Finch (4 seats), Executive Suite (16 seats)"). Labels are left out of the parts. A string
+    of one value, or of values of different shapes (a record), has none: its fields are facts,
+    endorsed as before."""
+    entries = []
+    for entry in listing_entries(text):
+        label, sep, value = entry.rpartition(": ")
+        if sep and _LABEL.fullmatch(label.strip()):
+            entries.append((normalise(label.strip()), value))
+        else:
+            entries.append(("", entry))
+    out = _parallel(entries)
+    for _, value in entries:
+        out += _parallel([("", part) for part in _top_level(value)])
+    return tuple(out)
+
+
+def name_pick_key(word: str) -> bytes:
+    """The key saying that `word` picks one entry of some trusted listing (`name_keys`)."""
+    return _key("nw", word)
+
+
+def name_key(word: str, norm: str) -> bytes:
+    """The key saying that the listing entry `word` picks has the field `norm`."""
+    return _key("ne", f"{word}|{norm}")
+
+
+def name_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+    """The keys by which a word of the intent picks a field of a listing's entry (`listing_parts`):
+    for each word (3 letters or more, inflections folded: `words_of`) or identifier (`id_words`)
+    that occurs in exactly one entry, `name_pick_key(word)` and `name_key(word, field)` for each
+    field (`segments`) of that entry ("book the Tejo Mar": "Hotel Tejo Mar 112 EUR/night"). The
+    check endorses a listed name only when every word of the intent that picks an entry of any
+    listing of the run picks the one holding it."""
+    parts = [(words_of(normalise(part)) | id_words(part), list(segments(part))) for part in listing_parts(text)]
+    seen: dict[str, int] = {}
+    for words, _ in parts:
+        for w in words:
+            seen[w] = seen.get(w, 0) + 1
+    out: set[bytes] = set()
+    for words, fields in parts:
+        for w in sorted(words):
+            if seen[w] != 1:
+                continue
+            if len(out) + len(fields) + 1 > limit:
+                return out
+            out.add(name_pick_key(w))
+            out.update(name_key(w, f) for f in fields)
+    return out
 
 
 def words_of(norm: str) -> set[str]:
@@ -452,12 +556,15 @@ def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     whole text (`segments`' separators: "items 129.00, shipping 6.50"), for the words that
     occur in exactly one of its fields and the addresses, accounts and amounts of that field
     ("refund the shipping fee"). A string of one entry with one valued field records nothing
-    (it is not a choice: its values are endorsed as a record's already)."""
+    (it is not a choice: its values are endorsed as a record's already). And the `name_keys`
+    of a listing's entries."""
     out: set[bytes] = set()
     _picks([(words_of(normalise(part)) | id_words(part), entry_forms(part)) for part in listing_entries(text)],
            limit, out)
     _picks([(words_of(normalise(part)), _field_forms(part)) for part in _SEPARATORS.split(text) if part.strip()],
            limit, out)
+    # The names of a listing's entries, which only a pick (or a criterion) endorses.
+    out |= name_keys(text, limit - len(out))
     return out
 
 
