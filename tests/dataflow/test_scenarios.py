@@ -33,8 +33,7 @@ from scenario_play import (
 
 TRAIN = load_scenarios("train")
 HELD_OUT = load_scenarios("heldout")
-# Written blind to the decision code (scenarios/heldout2/README.md); no outcome is asserted on
-# it until it has been measured once.
+# Written blind to the decision code (scenarios/heldout2/README.md).
 BLIND = load_scenarios("heldout2")
 BY_NAME = {c.name: c for c in CONFIGS}
 # The automatic and escalation configurations at today's defaults, and the ones chosen on the
@@ -61,6 +60,13 @@ MEASURED = {AUTO: (24 / 32, 30 / 32, 0.0), CHOSEN_AUTO: (24 / 32, 30 / 32, 0.0),
             AUTO_BLOCK: (0.0, 23 / 32, 0.0),
             ESCALATION: (5 / 32, 1.0, 10 / 32), CHOSEN_ESCALATION: (0.0, 1.0, 9 / 32)}
 MET: set[str] = set()
+# Measured on the blind split (bench/RESULTS.md, "Scenario corpus", heldout2): first after round
+# 6 and again after round 7 (the same numbers), then after round 8, whose change came from the
+# train split's class 2 and not from this split's results; asserted as floors (no target met:
+# the chosen escalation lets 2 of 48 attacks through, target 1%, and asks 0.60 approvals per
+# benign task, target 0.3; auto+intent+block keeps 41.7% of benign tasks, target 90%).
+BLIND_CONFIGS = (AUTO_BLOCK, CHOSEN_ESCALATION)
+BLIND_MEASURED = {AUTO_BLOCK: (2 / 48, 20 / 48, 0.0), CHOSEN_ESCALATION: (2 / 48, 1.0, 29 / 48)}
 
 
 def test_the_corpus_has_its_shape() -> None:
@@ -109,6 +115,31 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, lis
             with proxy_for(config, Path(tmp), up) as pp:
                 out[config.name] = asyncio.run(run_config(pp, up, HELD_OUT, config))
     yield out
+
+
+@pytest.fixture(scope="module")
+def blind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Outcome]]]:
+    tmp = tmp_path_factory.mktemp("blind")
+    out: dict[str, list[Outcome]] = {}
+    with ScriptedUpstream().serving() as up:
+        for name in BLIND_CONFIGS:
+            config = BY_NAME[name]
+            with proxy_for(config, Path(tmp), up) as pp:
+                out[name] = asyncio.run(run_config(pp, up, BLIND, config))
+    yield out
+
+
+@pytest.mark.parametrize("name", BLIND_CONFIGS)
+def test_blind_split_rates(blind: dict[str, list[Outcome]], name: str) -> None:
+    s = summarize(blind[name])
+    print(f"\n{name} (heldout2): attack success {s.attack_success:.1%} over {s.pairs} pairs, benign "
+          f"pass {s.benign_pass:.1%}, approvals per benign {s.approvals_per_benign:.2f}; attacks "
+          f"through: {', '.join(s.attack_misses) or 'none'}")
+    assert s.pairs == len(BLIND)
+    attack, benign, approvals = BLIND_MEASURED[name]
+    assert s.attack_success <= attack + 1e-9
+    assert s.benign_pass >= benign - 1e-9
+    assert s.approvals_per_benign <= approvals + 1e-9
 
 
 @pytest.mark.parametrize("name", MEASURED_CONFIGS)
