@@ -20,10 +20,14 @@ class LruCache(Generic[K, V]):
     on every load, so its problems are always reported).
     """
 
-    def __init__(self, maxsize: int, weigh: Callable[[K, V], int] | None = None):
-        """`maxsize` bounds the entries' total weight: `weigh(key, value)`, 1 each by default."""
+    def __init__(self, maxsize: int, weigh: Callable[[K, V], int] | None = None,
+                 release: Callable[[V], None] | None = None):
+        """`maxsize` bounds the entries' total weight: `weigh(key, value)`, 1 each by default.
+        `release(value)` is handed each evicted value, outside the lock, as its only holder (to
+        free a large one in pieces: `proxy.policy.yamlload.release_parsed`)."""
         self.maxsize = maxsize
         self._weigh = weigh
+        self._release = release
         self._weights: dict[K, int] = {}
         self._total = 0
         self._data: OrderedDict[K, V] = OrderedDict()
@@ -65,11 +69,17 @@ class LruCache(Generic[K, V]):
     def put(self, key: K, value: V) -> None:
         """Keep `value` for `key` (replacing any), evicting the least recent beyond `maxsize`."""
         weight = self._weigh(key, value) if self._weigh is not None else 1
+        evicted: list[V] = []
         with self._lock:
             self._total += weight - self._weights.get(key, 0)
             self._weights[key] = weight
             self._data[key] = value
             self._data.move_to_end(key)
             while self._total > self.maxsize and len(self._data) > 1:
-                old, _ = self._data.popitem(last=False)
+                old, gone = self._data.popitem(last=False)
                 self._total -= self._weights.pop(old)
+                evicted.append(gone)
+                del gone  # a released value's one holder is then the call below
+        if self._release is not None:
+            while evicted:
+                self._release(evicted.pop())

@@ -11,6 +11,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.nodes import Node, ScalarNode, SequenceNode
 
 from proxy.policy import yamlload
+from proxy.policy.cache import LruCache
 from proxy.policy.yamlload import parse_file
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -118,3 +119,61 @@ def test_duplicate_keys_are_reported_in_document_order_with_both_places() -> Non
         "p.yaml:5:1: duplicate key 'a' (first at p.yaml:1:1)",
         "p.yaml:6:12: duplicate key 'k' (first at p.yaml:6:6)",
     ]
+
+
+# -- freeing a parse in pieces (a 1,000-tool file's tree freed in one cascade stalled calls) --
+
+_TREE = "tools:\n" + "".join(
+    f"  demo.t{i}:\n    effect: read\n    rules:\n      - {{id: r{i}, when: 'true'}}\n" for i in range(50)
+)
+
+
+def _branches(node: Any) -> int:
+    if isinstance(node, ScalarNode):
+        return 0
+    items = [x for pair in node.value for x in pair] if isinstance(node.value[0], tuple) else node.value
+    return 1 + sum(_branches(x) for x in items)
+
+
+def test_a_tree_nothing_else_holds_is_taken_apart_node_by_node() -> None:
+    parsed, problems = parse_file("p.yaml", _TREE)
+    assert parsed is not None and not problems and parsed.root is not None
+    expected = _branches(parsed.root)
+    nodes = [parsed.root]
+    del parsed
+    assert yamlload.release_nodes(nodes) == expected and nodes == []
+
+
+def test_a_subtree_held_elsewhere_is_left_whole() -> None:
+    # A revision's entry may still hold a node of an evicted parse: it must stay intact.
+    parsed, _ = parse_file("p.yaml", _TREE)
+    assert parsed is not None and parsed.root is not None
+    [(_, tools)] = parsed.root.value
+    kept_key, kept = tools.value[7]
+    before = [(k.value, type(v).__name__) for k, v in kept.value]
+    total = _branches(parsed.root)
+    nodes = [parsed.root]
+    del parsed, tools
+    taken = yamlload.release_nodes(nodes)
+    assert taken == total - _branches(kept)
+    assert [(k.value, type(v).__name__) for k, v in kept.value] == before
+    assert kept_key.value == "demo.t7" and kept.value[1][1].value[0].value[0][1].value == "r7"
+
+
+def test_an_evicted_parse_is_released_only_when_its_cache_held_it_alone() -> None:
+    released: list[int] = []
+
+    def release(value: tuple[yamlload.YamlFile | None, Any]) -> None:
+        file = value[0]
+        assert file is not None and file.root is not None
+        released.append(len(file.root.value))
+        yamlload.release_parsed(value)
+
+    cache: LruCache[str, tuple[yamlload.YamlFile | None, Any]] = LruCache(1, release=release)
+    first, _ = parse_file("p.yaml", _TREE)
+    assert first is not None
+    cache.put("a", (first, ()))
+    cache.put("b", (parse_file("q.yaml", "tools: {}\n")[0], ()))  # evicts "a"
+    assert released == [1]
+    # `first` is still held here: release_parsed left it whole.
+    assert first.root is not None and len(first.root.value[0][1].value) == 50
