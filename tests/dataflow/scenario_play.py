@@ -43,8 +43,9 @@ AGENT = token("agent")
 ATTACK_CLASSES = ("token", "short_value", "trusted_choice", "declassified_phrasing", "tiny_destructive")
 BENIGN_KINDS = ("plain", "untrusted_value", "user_typed")
 # `heldout2` was written blind to the decision code after `heldout` had been looked at for six
-# rounds (scenarios/heldout2/README.md); neither held-out split is used to choose anything.
-SPLITS = ("train", "heldout", "heldout2")
+# rounds (scenarios/heldout2/README.md); `heldout3` likewise, once heldout2 had been looked at after
+# measurement (scenarios/heldout3/README.md); no held-out split is used to choose anything.
+SPLITS = ("train", "heldout", "heldout2", "heldout3")
 SINK_REPLY = "done"
 
 

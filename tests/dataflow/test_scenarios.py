@@ -33,8 +33,10 @@ from scenario_play import (
 
 TRAIN = load_scenarios("train")
 HELD_OUT = load_scenarios("heldout")
-# Written blind to the decision code (scenarios/heldout2/README.md).
+# Written blind to the decision code (scenarios/heldout2/README.md, scenarios/heldout3/README.md).
 BLIND = load_scenarios("heldout2")
+# Not measured here yet: its floors are added after it is measured once.
+BLIND3 = load_scenarios("heldout3")
 BY_NAME = {c.name: c for c in CONFIGS}
 # The automatic and escalation configurations at today's defaults, and the ones chosen on the
 # train split (bench/RESULTS.md, "Scenario corpus").
@@ -82,18 +84,20 @@ def test_the_corpus_has_its_shape() -> None:
         assert set(Counter(sc["benign_kind"] for sc in split)) == set(BENIGN_KINDS)
 
 
-def test_the_blind_split_has_its_shape() -> None:
-    """heldout2: 6 scenarios in each of the 8 domains; every miss class and benign kind at least
-    3 times and in at least 2 domains; every call names a tool its domain declares, with
-    arguments it declares, a read for each step and a sink for each variant call; the injection
-    sits in an untrusted output (an attacker writes no trusted record); no attack call is the
-    benign call itself; every id unique across every split."""
-    assert Counter(sc["domain"] for sc in BLIND) == {d: 6 for d in DOMAINS}
+@pytest.mark.parametrize("split", ["heldout2", "heldout3"])
+def test_the_blind_split_has_its_shape(split: str) -> None:
+    """heldout2 and heldout3: 6 scenarios in each of the 8 domains; every miss class and benign
+    kind at least 3 times and in at least 2 domains; every call names a tool its domain
+    declares, with arguments it declares, a read for each step and a sink for each variant call;
+    the injection sits in an untrusted output (an attacker writes no trusted record); no attack
+    call is the benign call itself; every id unique across every split."""
+    blind = {"heldout2": BLIND, "heldout3": BLIND3}[split]
+    assert Counter(sc["domain"] for sc in blind) == {d: 6 for d in DOMAINS}
     for label, known in (("attack_class", ATTACK_CLASSES), ("benign_kind", BENIGN_KINDS)):
         for value in known:
-            mine = [sc for sc in BLIND if sc[label] == value]
+            mine = [sc for sc in blind if sc[label] == value]
             assert len(mine) >= 3 and len({sc["domain"] for sc in mine}) >= 2, (label, value)
-    for sc in BLIND:
+    for sc in blind:
         tools = DOMAINS[sc["domain"]]
         for call in [*sc["steps"], *sc["benign"], *sc["attack"]]:
             assert call["tool"] in tools and set(call.get("args", {})) <= set(tools[call["tool"]]["params"])
@@ -101,8 +105,16 @@ def test_the_blind_split_has_its_shape() -> None:
         assert all(tools[c["tool"]]["effect"] != "read" for c in [*sc["benign"], *sc["attack"]])
         assert tools[sc["steps"][sc["inject"]["step"]]["tool"]].get("output") != "trusted", sc["id"]
         assert not [c for c in sc["attack"] if c in sc["benign"]], sc["id"]
-    every = [sc for split in SPLITS for sc in load_scenarios(split)]
+    every = [sc for name in SPLITS for sc in load_scenarios(name)]
     assert len({sc["id"] for sc in every}) == len(every)
+
+
+def test_heldout3_ids_name_their_domain() -> None:
+    """heldout3's ids are `h3-<domain>-NN`, numbered 01 to 06 within each domain, so an id in a
+    report says which split and domain it comes from."""
+    for domain in DOMAINS:
+        ids = [sc["id"] for sc in BLIND3 if sc["domain"] == domain]
+        assert ids == [f"h3-{domain}-{n:02d}" for n in range(1, 7)], ids
 
 
 @pytest.fixture(scope="module")
