@@ -699,15 +699,21 @@ class IntentWords:
     texts: tuple[str, ...]
     token_keys: frozenset[bytes]
     numbers: frozenset[str]
+    # The stems (`_SUFFIX` folded) of the words the intent writes in lower case: common words
+    # ("archives", "forwarded"), not names ("the Palaces tour").
+    common_stems: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> IntentWords:
+        texts = list(texts)
         norms = tuple(normalise(t) for t in texts)
         keys = frozenset(_key(f"t{kind}", value) for t in texts for kind, value in tokens(t))
         said = {n for norm in norms for n in numbers(norm) | number_words(norm)}
+        common = frozenset(_SUFFIX.sub("", w) for t in texts for w in _WORD.findall(t)
+                           if len(w) >= 4 and w.islower())
         # "Add the hub", "book a table": a request for a thing implies one of it. One is the
         # smallest count there is, not a choice an injection gains by steering a sink to.
-        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}))
+        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common)
 
     def endorses(self, critical: Critical) -> bool:
         if critical.number is not None and critical.number in self.numbers:
@@ -723,7 +729,23 @@ class IntentWords:
             stem = _SUFFIX.sub("", critical.norm)
             if len(stem) >= 4 and any(stem in _WORD.findall(text) for text in self.texts):
                 return True
+        if self._setting(critical):
+            return True
         return False
+
+    def _setting(self, critical: Critical) -> bool:
+        """Whether a critical value that is one common word (written in lower case, 4 letters
+        or more: a setting or keyword a tool takes, such as a filter's `archive`, not a name)
+        is a word the user wrote in lower case, inflections folded on both sides: "archives
+        anything mentioning ..." endorses `archive`, "gets forwarded to ..." `forward`. A
+        capitalised word of the intent or of the value is a name ("the Palaces tour" does not
+        endorse `Palace`: round 6); the attacker can pick only a word the user wrote."""
+        value = critical.value
+        if not isinstance(value, str) or not critical.norm or not value.strip().islower():
+            return False
+        if len(critical.norm) < 4 or _WORD.fullmatch(critical.norm) is None:
+            return False
+        return bool({critical.norm, _SUFFIX.sub("", critical.norm)} & self.common_stems)
 
     def points_at(self, value: Any) -> bool:
         """Whether a read's argument value names one object and the intent names it: a path,

@@ -99,6 +99,14 @@ def _blocked(decision: Decision | None) -> Decision:
     ("ops@corp.example", "mail devops@corp.example the notes", False),  # part of an address is not
     ("Grand Palace", "book the grand palace for two nights", True),   # short name: word bounded
     ("Palace", "book the Palaces tour", False),
+    # A setting written in lower case is a common word: the user's inflected word endorses it.
+    ("archive", "Create a filter that archives anything mentioning the Quarterly Digest", True),
+    ("forward", "mail from billing@x.example gets forwarded to my accountant", True),
+    ("Archive", "Create a filter that archives anything mentioning it", False),    # a name
+    ("palace", "book the Palaces tour", False),                      # the user wrote a name
+    ("delete", "Create a filter that archives anything mentioning it", False),   # the attacker's
+    ("label", "Create a filter that labels anything from the auditors", True),
+    ("skip-inbox-and-purge", "Create a filter that labels mail from the auditors", False),
     ("Grand Palace", "book the Grand Hotel", False),
 ])
 def test_what_the_intent_endorses(value: Any, said: str, endorsed: bool) -> None:
@@ -268,6 +276,17 @@ async def test_the_intent_and_a_trusted_record_endorse_with_their_source_audited
     d = _blocked((await _book({"hotel": "Grand Palace", "nights": 3}, listing=True, trusted_text=RECORD,
                               said="find me a hotel for 2 nights"))[0])
     assert d.audit["tainted_run"]["unendorsed"] == ["/nights"]
+
+
+async def test_a_setting_the_user_wrote_inflected_passes_and_the_injected_one_is_refused() -> None:
+    said = "Create a filter that archives anything mentioning the Quarterly Digest"
+    decision, call = await _book({"action": "archive"}, said=said)
+    assert decision is None
+    assert call.audit_extra["tainted_run"]["endorsed"] == [{"arg": "/action", "by": "intent"}]
+    # The page's (the attacker's) setting is no word of the user's; a capitalised value is a name.
+    assert _blocked((await _book({"action": "delete"}, said=said))[0]).audit["tainted_run"]["unendorsed"] == [
+        "/action"]
+    assert _blocked((await _book({"hotel": "Palace"}, said="book the Palaces tour"))[0])
 
 
 async def test_critical_narrows_what_must_be_endorsed() -> None:
