@@ -652,7 +652,9 @@ async def mark_pending(store: Store, run_key: str, decision_id: str, deadline: f
     await store.hash_put(META_NS, run_key, marker, ttl=ttl)
     await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
     if recent is not None:
-        recent.forget(store, run_key)
+        # Both hashes now carry expiry `ttl`: the run is fresh (no output's digest is known), so
+        # the markers of the run's next calls are one write each, not two.
+        recent.refreshed(store, run_key, (), ttl)
 
 
 async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
@@ -676,27 +678,37 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
     if meta or groups:
         digests.append(_digest(b"meta", meta))
         if recent is None or not recent.covers(store, run_key, digests, ttl):
+            # The run stays fresh while this write is in flight: its hashes' expiry was set by
+            # the earlier write that made it fresh, whatever this one does, so the calls that
+            # mark an output pending meanwhile write their marker alone (one write, not two).
+            # A write that fails forgets the run (what the store holds is then unknown).
+            try:
+                seq = 0
+                if groups:
+                    # The entry, the flags and the marker's removal in one step (one round
+                    # trip); the flags only when the entry went in: flags without their
+                    # fingerprints would narrow verdicts.
+                    weight = sum(len(joined) // FP_SIZE for _, _, joined in groups)
+                    seq = await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
+                                                  also=(META_NS, meta), drop=marker)
+                    if seq:
+                        marker = []
+                    # Endorsing keys left out only endorse less (more escalation): no overflow.
+                    if not seq and len(groups) > bool(delta.trusted):
+                        meta[b"o"] = b"1"
+                else:
+                    await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
+                if not seq:
+                    await store.hash_put(META_NS, run_key, meta, ttl=ttl)
+            except BaseException:
+                if recent is not None:
+                    recent.forget(store, run_key)
+                raise
             if recent is not None:
-                recent.forget(store, run_key)
-            seq = 0
-            if groups:
-                # The entry, the flags and the marker's removal in one step (one round trip);
-                # the flags only when the entry went in: flags without their fingerprints would
-                # narrow verdicts.
-                weight = sum(len(joined) // FP_SIZE for _, _, joined in groups)
-                seq = await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
-                                              also=(META_NS, meta), drop=marker)
-                if seq:
-                    marker = []
-                # Endorsing keys left out only endorse less (more escalation): no overflow.
-                if not seq and len(groups) > bool(delta.trusted):
-                    meta[b"o"] = b"1"
-            else:
-                await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
-            if not seq:
-                await store.hash_put(META_NS, run_key, meta, ttl=ttl)
-            if recent is not None and b"o" not in meta:  # an overflow is written again next time
-                recent.refreshed(store, run_key, digests, ttl)
+                if b"o" in meta:  # an overflow is written again next time
+                    recent.forget(store, run_key)
+                else:
+                    recent.refreshed(store, run_key, digests, ttl)
     if marker:
         await store.hash_delete(META_NS, run_key, marker)
 

@@ -346,6 +346,75 @@ async def test_an_output_recorded_moments_ago_is_not_written_again() -> None:
     assert (await load(other, "run", 32)) is not None
 
 
+
+def _logged_store() -> tuple[MemoryStore, list[str], asyncio.Event]:
+    """A memory store whose writes are logged ("<ns>" plus " ttl" when the write sets the
+    expiry) and whose appends wait for `gate` (a record's write in flight)."""
+    store = MemoryStore()
+    writes: list[str] = []
+    gate = asyncio.Event()
+    gate.set()
+    real_put, real_append = store.hash_put, store.hash_append
+
+    async def put(ns: str, key: str, fields: Any, ttl: float | None = None, **kw: Any) -> Any:
+        writes.append(ns + (" ttl" if ttl is not None else ""))
+        return await real_put(ns, key, fields, ttl, **kw)
+
+    async def append(ns: str, key: str, value: bytes, ttl: float | None = None, **kw: Any) -> int:
+        await gate.wait()
+        writes.append(f"{ns}+{kw['also'][0]} ttl")
+        return await real_append(ns, key, value, ttl, **kw)
+
+    store.hash_put = put  # type: ignore[method-assign]
+    store.hash_append = append  # type: ignore[method-assign]
+    return store, writes, gate
+
+
+async def test_a_pending_marker_is_one_write_while_another_output_is_being_recorded() -> None:
+    """A session's calls overlap: the marker of one is written while the output of another is
+    being recorded. The run stays fresh meanwhile, so the marker is one write without a new
+    expiry (it was two, with an expiry each, when the record in flight made the run stale)."""
+    store, writes, gate = _logged_store()
+    recent = RecentWrites()
+    await mark_pending(store, "run", "d1", time.time() + 60, ttl=3600, recent=recent)
+    assert writes == ["ledger ttl", "ledger_log ttl"]  # a new run: both hashes get their expiry
+    await mark_pending(store, "run", "d2", time.time() + 60, ttl=3600, recent=recent)
+    assert writes[2:] == ["ledger"]  # then the run is fresh: the marker alone
+    gate.clear()
+    first = asyncio.create_task(record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, done="d1",
+                                       recent=recent))
+    await asyncio.sleep(0)
+    assert not first.done()  # its write is in flight
+    await mark_pending(store, "run", "d3", time.time() + 60, ttl=3600, recent=recent)
+    assert writes[3:] == ["ledger"]
+    gate.set()
+    await first
+    await record(store, "run", _delta("another page about " + PAGE), n=32, cap=4096, ttl=3600, done="d2",
+                 recent=recent)
+    assert writes[4:] == ["ledger_log+ledger ttl", "ledger_log+ledger ttl"]
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and ledger.untrusted and ledger.pending  # d3 is still on its way
+
+
+async def test_a_record_that_fails_makes_the_next_marker_refresh_the_expiry() -> None:
+    """What a failed write left in the store is unknown: the run is no longer fresh, so the next
+    marker sets both hashes' expiry again."""
+    store, writes, _ = _logged_store()
+    recent = RecentWrites()
+    await record(store, "run", _delta(PAGE), n=32, cap=4096, ttl=3600, recent=recent)
+
+    async def failing(*args: Any, **kw: Any) -> int:
+        raise StoreError("connection lost")
+
+    store.hash_append = failing  # type: ignore[method-assign]
+    with pytest.raises(StoreError):
+        await record(store, "run", _delta("another page about " + PAGE), n=32, cap=4096, ttl=3600,
+                     recent=recent)
+    del writes[:]
+    await mark_pending(store, "run", "d1", time.time() + 60, ttl=3600, recent=recent)
+    assert writes == ["ledger ttl", "ledger_log ttl"]
+
+
 def _read(session: str | None = None) -> Any:
     call = make_call("fetch", {"url": "https://news.example"}, upstream="web")
     call.run = RunContext("run-1", call.principal.id, session=session)
