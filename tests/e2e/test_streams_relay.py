@@ -293,6 +293,8 @@ async def test_resumption_with_last_event_id_of_a_relayed_stream(world: World) -
     assert messages[-1]["result"]["messages"][0]["content"]["text"] == "prompt after 6 steps"
 
 
+# The same upstream race as above, seen once (2026-12-01, load ~3) and not in five reruns.
+@pytest.mark.flaky(reruns=1)
 async def test_resumption_with_last_event_id_of_a_tools_call(world: World) -> None:
     messages = await resume_after_drop(world.url, {
         "jsonrpc": "2.0", "id": "r-1", "method": "tools/call",
