@@ -25,17 +25,21 @@ tools:
 """
 
 
-@pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[Runtime]:
+def _runtime(tmp_path: Path, **settings: object) -> Runtime:
+    """A runtime over POLICY (cel-python, memory store) with `settings` added to its config."""
     if "cel-python" not in available_engines():
         pytest.skip("cel-python is not installed")
     (tmp_path / "policies").mkdir()
     (tmp_path / "policies" / "policy.yaml").write_text(POLICY)
-    config = load_config(None, {
+    return Runtime(load_config(None, {
         "policies": str(tmp_path / "policies"), "state_dir": str(tmp_path / "state"),
-        "store": {"kind": "memory"}, "cel_engine": "cel-python",
-    }, environ={})
-    rt = Runtime(config)
+        "store": {"kind": "memory"}, "cel_engine": "cel-python", **settings,
+    }, environ={}))
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[Runtime]:
+    rt = _runtime(tmp_path)
     try:
         yield rt
     finally:
@@ -119,18 +123,9 @@ async def test_a_reload_that_fails_building_its_chain_keeps_the_old_revision_ser
 async def test_an_edit_made_while_the_process_starts_is_reloaded(tmp_path: Path) -> None:
     # Between the start-up load and the watcher's first scan, listeners are already accepting:
     # an edit made then must not become the watcher's baseline (it would never be loaded).
-    if "cel-python" not in available_engines():
-        pytest.skip("cel-python is not installed")
-    (tmp_path / "policies").mkdir()
-    (tmp_path / "policies" / "policy.yaml").write_text(POLICY)
-    config = load_config(None, {
-        "policies": str(tmp_path / "policies"), "state_dir": str(tmp_path / "state"),
-        "store": {"kind": "memory"}, "cel_engine": "cel-python", "listen": "127.0.0.1:0",
-        "reload_interval": 0.05,
-    }, environ={})
-    runtime = Runtime(config)
+    runtime = _runtime(tmp_path, listen="127.0.0.1:0", reload_interval=0.05)
     first = runtime.load_policy()
-    (config.policies / "policy.yaml").write_text(POLICY.replace('"ops"', '"admin"'))
+    (runtime.config.policies / "policy.yaml").write_text(POLICY.replace('"ops"', '"admin"'))
     await runtime.start(admin=False)
     try:
         for _ in range(600):  # up to 30 s on a loaded machine
