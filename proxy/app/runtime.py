@@ -3,7 +3,8 @@
 Lifecycle (uvicorn-style, logged): load policy (refuse to start on errors), open the audit log,
 start listeners; on SIGHUP or a policy file change build a whole new chain and swap it; on
 SIGTERM/SIGINT stop accepting, let in-flight calls finish within `shutdown_grace`, close the
-upstream pool, flush and close the audit log. A second signal exits at once.
+upstream pool, flush and close the audit log. A second signal (a fifth of a second or more later) exits
+at once.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ from proxy.upstream.transport import FastForwarder
 from proxy.upstream.urls import strip_credentials
 
 log = logging.getLogger("envelope")
+# A stop signal repeated within this many seconds is the same stop delivered twice, not an
+# operator's second signal (which exits at once).
+SIGNAL_ECHO_SECONDS = 0.2
 
 
 class Runtime:
@@ -479,13 +483,18 @@ class Runtime:
             log.info("shutdown complete: store closed, audit log flushed and closed")
 
     async def run_until_signalled(self) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully; a second signal more than
+        `SIGNAL_ECHO_SECONDS` after the first exits at once (one sooner is the same stop reaching
+        this worker twice: from its process group and from `serve --workers`' supervisor)."""
         loop = asyncio.get_running_loop()
-        signals = 0
+        first: float | None = None
 
         def on_term() -> None:
-            nonlocal signals
-            signals += 1
-            if signals > 1:
+            nonlocal first
+            now = time.monotonic()
+            if first is None:
+                first = now
+            elif now - first > SIGNAL_ECHO_SECONDS:
                 log.warning("second signal: exiting now")
                 os._exit(1)
             self._stop.set()

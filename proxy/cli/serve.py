@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -78,10 +80,25 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _serve_worker(config_json: str, worker: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to send this worker SIGTERM (its graceful shutdown) when the supervisor dies, even
+    by SIGKILL: a worker must not serve on, orphaned and unsupervised. Elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _serve_worker(config_json: str, worker: int, parent: int) -> None:
     from proxy.app.runtime import serve
     from proxy.config import Config
 
+    _die_with_parent(parent)
     config = Config.model_validate_json(config_json)
     _setup_logging(config.log_level)
     sys.exit(_run(serve(config, worker)))
@@ -100,15 +117,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.workers == 1:
         return int(_run(serve(config)))
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i)) for i in range(config.workers)]
+    procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i, os.getpid()))
+             for i in range(config.workers)]
+
+    def forward(signum: int, _frame: Any) -> None:
+        # SIGTERM (an orchestrator's stop) or SIGINT reaches the supervisor: every worker gets
+        # it and drains; the supervisor exits when they have. Without this the supervisor died
+        # at once and left its workers serving, orphaned (a worker counts a signal that reaches
+        # it both from here and from its process group as one: `Runtime.run_until_signalled`).
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
     for p in procs:
         p.start()
-    try:
-        failed = _supervise(procs)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.join()
-        failed = 0
+    failed = _supervise(procs)
     return failed or max(_exit_status(p.exitcode) for p in procs)
 
 

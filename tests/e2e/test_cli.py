@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -322,3 +323,66 @@ def _listener_pid(port: int) -> int:
         if f"socket:[{inode}]" in links:
             return int(pid)
     raise AssertionError(f"no process holds the socket of port {port}")
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{p}").exists() and "zombie" not in _state(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "zombie"  # gone while reading
+
+
+def _two_workers(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    admin, listen = admin_ports(2), free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
+                             "--admin", f"127.0.0.1:{admin}", "--workers", "2",
+                             "--state-dir", str(tmp_path / "state")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_port(admin, proc)
+    wait_port(admin + 1, proc)  # both workers are up
+    workers = [_listener_pid(admin), _listener_pid(admin + 1)]
+    assert sorted(workers) == sorted(w for w in _children(proc.pid) if w in workers)
+    return proc, workers
+
+
+def test_sigterm_to_the_supervisor_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
+    # An orchestrator stops `serve --workers N` by signalling its main process. The workers must
+    # shut down with it (gracefully: exit 0), not be left serving, orphaned.
+    proc, workers = _two_workers(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err
+    assert _gone(workers, 10), [(w, _state(w)) for w in workers]
+    assert err.count("shutdown complete") == 2, err  # each worker drained and closed its audit log
+    assert "second signal" not in err, err
+
+
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    # SIGKILL leaves the supervisor no chance to forward anything: the kernel tells each worker
+    # (SIGTERM on its parent's death), and each shuts down instead of serving on unsupervised.
+    proc, workers = _two_workers(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(10)
+        assert _gone(workers, 30), [(w, _state(w)) for w in workers]
+    finally:
+        stop(proc)
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
