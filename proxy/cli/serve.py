@@ -122,7 +122,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def forward(signum: int, _frame: Any) -> None:
         # SIGTERM (an orchestrator's stop) or SIGINT reaches the supervisor: every worker gets
-        # it and drains; the supervisor exits when they have. Without this the supervisor died
+        # it and drains; the supervisor exits when they have. SIGHUP (reload) would otherwise
+        # kill the supervisor, and with it every worker. Without this the supervisor died
         # at once and left its workers serving, orphaned (a worker counts a signal that reaches
         # it both from here and from its process group as one: `Runtime.run_until_signalled`).
         for p in procs:
@@ -130,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: each worker reloads
         signal.signal(sig, forward)
     for p in procs:
         p.start()

@@ -345,7 +345,8 @@ def _state(pid: int) -> str:
         return "zombie"  # gone while reading
 
 
-def _two_workers(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+def _two_workers(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int], int]:
+    """`serve --workers 2` started and both workers up: (process, worker pids, admin port)."""
     admin, listen = admin_ports(2), free_port()
     proc = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
                              "--admin", f"127.0.0.1:{admin}", "--workers", "2",
@@ -355,13 +356,13 @@ def _two_workers(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
     wait_port(admin + 1, proc)  # both workers are up
     workers = [_listener_pid(admin), _listener_pid(admin + 1)]
     assert sorted(workers) == sorted(w for w in _children(proc.pid) if w in workers)
-    return proc, workers
+    return proc, workers, admin
 
 
 def test_sigterm_to_the_supervisor_drains_every_worker_and_exits_0(tmp_path: Path) -> None:
     # An orchestrator stops `serve --workers N` by signalling its main process. The workers must
     # shut down with it (gracefully: exit 0), not be left serving, orphaned.
-    proc, workers = _two_workers(tmp_path)
+    proc, workers, _ = _two_workers(tmp_path)
     try:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -376,7 +377,7 @@ def test_sigterm_to_the_supervisor_drains_every_worker_and_exits_0(tmp_path: Pat
 def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
     # SIGKILL leaves the supervisor no chance to forward anything: the kernel tells each worker
     # (SIGTERM on its parent's death), and each shuts down instead of serving on unsupervised.
-    proc, workers = _two_workers(tmp_path)
+    proc, workers, _ = _two_workers(tmp_path)
     try:
         proc.kill()
         proc.wait(10)
@@ -386,3 +387,27 @@ def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
         for w in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w, signal.SIGKILL)
+
+
+def test_sighup_to_the_supervisor_reloads_every_worker(tmp_path: Path) -> None:
+    # SIGHUP reloads the policy (README); sent to `serve --workers 2` it must reach each worker,
+    # not end the supervisor (the default action of SIGHUP).
+    proc, workers, admin = _two_workers(tmp_path)
+
+    def reloaded(port: int) -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return 'envelope_policy_reloads_total{result="success"} 1.0' in text
+
+    try:
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while not (reloaded(admin) and reloaded(admin + 1)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reloaded(admin) and reloaded(admin + 1)
+        assert proc.poll() is None and all(Path(f"/proc/{w}").exists() for w in workers)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err
+    assert err.count("(SIGHUP,") == 2, err  # "policy revision ... loaded (SIGHUP, N tools)" per worker
