@@ -294,6 +294,11 @@ class DataflowCheck:
             flagged.append(Finding("trifecta", None, ledger.first_source("secret") or "a secret tool", ""))
         return flagged, declassified, endorsed
 
+    async def _read(self, store: Store, call: ToolCall, wanted: list[bytes]) -> Ledger | None:
+        """The run's ledger as far as `wanted` needs it (one store read; `ledger.load`): None
+        when the run has none. StoreError propagates: the check refuses (fail closed)."""
+        return await load(store, call.run.key, self._n, wanted, self._window, self._min_value, ttl=self._ttl)
+
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
         # Large arguments are hashed in a worker thread: the event loop keeps serving.
         probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
@@ -303,8 +308,7 @@ class DataflowCheck:
         criticals, cut = self.criticals(call) if action != "allow" else ([], False)
         wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
         wanted += [k for c in criticals for k in (c.candidate, c.handle, c.sole, c.pointed) if k is not None]
-        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
-                            ttl=self._ttl)
+        ledger = await self._read(store, call, wanted)
         if ledger is None:
             return None
         flagged, declassified, _ = self.findings(call, ledger, probes)
@@ -359,9 +363,8 @@ class DataflowCheck:
         `extra.endorsed` (`by: pointed_read`, the read as source)."""
         endorsed: dict[str, str] = {}
         for critical in criticals:
-            found = ledger.find(critical.pointed) if critical.pointed is not None else None
-            if found is not None and found.startswith("trusted|"):
-                endorsed[critical.pointer] = found[len("trusted|"):]
+            if (source := ledger.trusted_source(critical.pointed)) is not None:
+                endorsed[critical.pointer] = source
         if not endorsed:
             return flagged
         kept = [f for f in flagged if f.argument not in endorsed]
@@ -389,14 +392,12 @@ class DataflowCheck:
             wanted += [name_key(w, norm) for w in said for norm in names.values()]
         if not said or len(wanted) > MAX_PICK_KEYS or not (any(forms.values()) or names):
             return left
-        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
-                            ttl=self._ttl)
+        ledger = await self._read(store, call, wanted)
         if ledger is None:
             return left
 
         def trusted(key: bytes) -> bool:
-            found = ledger.find(key)
-            return found is not None and found.startswith("trusted|")
+            return ledger.trusted_source(key) is not None
 
         def sole_ids(picked: list[str]) -> list[str]:
             # An identifier the user typed names its entry ("refund order O-8812"): a common
@@ -448,19 +449,18 @@ class DataflowCheck:
         wanted = [k for cr in stated for fs in forms.values() for f in fs for g in groups(cr, f) for k in g]
         if not wanted or len(wanted) > MAX_PICK_KEYS:
             return left
-        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
-                            ttl=self._ttl)
+        ledger = await self._read(store, call, wanted)
         if ledger is None:
             return left
 
         def source(cr: Criterion, form: str) -> str | None:
             found = []
             for group in groups(cr, form):
-                hit = next((f for k in group if (f := ledger.find(k)) is not None and f.startswith("trusted|")), None)
+                hit = next((f for k in group if (f := ledger.trusted_source(k)) is not None), None)
                 if hit is None:
                     return None
                 found.append(hit)
-            return found[0][len("trusted|"):]
+            return found[0]
 
         still = []
         for critical in left:
@@ -493,14 +493,11 @@ class DataflowCheck:
         wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings]
         if not strings or len(wanted) > MAX_PICK_KEYS:
             return left
-        ledger = await load(store, call.run.key, self._n, wanted, self._window, self._min_value,
-                            ttl=self._ttl)
+        ledger = await self._read(store, call, wanted)
         if ledger is None:
             return left
 
-        def trusted(key: bytes) -> str | None:
-            found = ledger.find(key)
-            return found[len("trusted|"):] if found is not None and found.startswith("trusted|") else None
+        trusted = ledger.trusted_source
 
         # Every word of the intent that labels something in a pointed read must label this value.
         labels = [w for w in said if trusted(label_word_key(w)) is not None]
@@ -553,9 +550,8 @@ class DataflowCheck:
         for critical in criticals:
             # An external sink's object is what leaves: only a sole id endorses it (`endorse`).
             handle = critical.sole if call.effect is Effect.EXTERNAL else critical.handle
-            hit = next(((k, found[len("trusted|"):]) for k in (*critical.keys, handle, critical.pointed)
-                        if k is not None and (found := ledger.find(k)) is not None
-                        and found.startswith("trusted|")), None)
+            hit = next(((k, source) for k in (*critical.keys, handle, critical.pointed)
+                        if (source := ledger.trusted_source(k)) is not None), None)
             if hit is not None:
                 by = ("trusted_output" if hit[0] in critical.keys
                       else "pointed_read" if hit[0] == critical.pointed else "handle")
@@ -569,11 +565,9 @@ class DataflowCheck:
             for critical in left:
                 if words.endorses(critical):
                     endorsed.append({"arg": critical.pointer, "by": "intent"})
-                elif (critical.candidate is not None and words.names(critical)
-                      and (found := ledger.find(critical.candidate)) is not None
-                      and found.startswith("trusted|")):
+                elif words.names(critical) and (source := ledger.trusted_source(critical.candidate)):
                     endorsed.append({"arg": critical.pointer, "by": "intent+trusted_output",
-                                     "source": found[len("trusted|"):]})
+                                     "source": source})
                 else:
                     still.append(critical)
             left = await self._picked(store, call, words, still, endorsed) if still else still

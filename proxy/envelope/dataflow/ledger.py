@@ -356,6 +356,12 @@ class Ledger:
             return None
         return self.sources.get(sid, "untrusted|an earlier tool")
 
+    def trusted_source(self, fingerprint: bytes | None) -> str | None:
+        """The trusted output a key was recorded from (what endorses a critical value), or
+        None: not recorded, or recorded from untrusted content."""
+        found = self.find(fingerprint) if fingerprint is not None else None
+        return found[len("trusted|"):] if found is not None and found.startswith("trusted|") else None
+
     def first_source(self, label: str) -> str | None:
         prefix = f"{label}|"
         return next((s[len(prefix):] for s in sorted(self.sources.values()) if s.startswith(prefix)), None)
