@@ -3,8 +3,8 @@
 Lifecycle (uvicorn-style, logged): load policy (refuse to start on errors), open the audit log,
 start listeners; on SIGHUP or a policy file change build a whole new chain and swap it; on
 SIGTERM/SIGINT stop accepting, let in-flight calls finish within `shutdown_grace`, close the
-upstream pool, flush and close the audit log. A second signal (a fifth of a second or more later) exits
-at once.
+upstream pool, flush and close the audit log. A second signal (a fifth of a second or more
+later) exits at once.
 """
 
 from __future__ import annotations

@@ -771,10 +771,12 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
     thresholds it would run on the next allocation, often the event loop building the chain.
     Full collections stay with the thresholds, as without the pause.
 
-    With `freeze` (any of the concurrent pauses asking), the last to end moves everything
-    alive out of the collector's sight (`gc.freeze()`) instead: no traversal (0.2-0.35 s
-    after a cold 1,000-tool load), and cyclic garbage made meanwhile is kept for good, so only
-    for objects kept for the process's life: the start-up revision.
+    With `freeze` (any of the concurrent pauses asking, each ending without an exception), the
+    last to end moves everything alive out of the collector's sight (`gc.freeze()`) instead:
+    no traversal (0.2-0.35 s after a cold 1,000-tool load), and cyclic garbage made meanwhile
+    is kept for good, so only for objects kept for life: the start-up revision, or a reloaded
+    one under `reload.Collector` (which sweeps now and then). A pause that raises freezes
+    nothing: its garbage goes to the young collection.
     """
     global _pauses, _resume, _freeze
     with _PAUSE:
@@ -783,11 +785,13 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
             _freeze = False
             gc.disable()
         _pauses += 1
-        _freeze = _freeze or freeze
+    ok = False
     try:
         yield
+        ok = True
     finally:
         with _PAUSE:
+            _freeze = _freeze or (freeze and ok)
             _pauses -= 1
             last = _pauses == 0
             frozen = last and _freeze

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from proxy.errors import PolicyError, PolicyProblem
+from proxy.policy.loader import collector_paused
 
 log = logging.getLogger(__name__)
 
@@ -111,20 +112,9 @@ class Collector:
             self.sweeps += 1
             log.info("policy reload: swept the objects frozen by the last %d reloads (%.2f s)",
                      self.sweep_every, time.perf_counter() - started)
-        enabled = gc.isenabled()
-        gc.disable()
-        made = False
-        try:
+        with collector_paused(freeze=True):  # frozen only if the reload loaded
             yield
-            made = True
-        finally:
-            if made:
-                gc.freeze()
-                self._reloads += 1
-            else:
-                gc.collect(1)
-            if enabled:
-                gc.enable()
+        self._reloads += 1
 
 
 Fingerprint = tuple[tuple[str, int, int], ...]
