@@ -80,10 +80,12 @@ def release_parsed(value: tuple[YamlFile | None, Any]) -> None:
     is taken apart: a file, node or child list something else still references (a revision's
     entry, a memo) is left whole and only this reference is dropped."""
     file = value[0]
-    if file is None or _count(value) != _ONE_HOLDER or _count(file) != _ONE_HOLDER + 1:
-        return  # the tuple or the file is held elsewhere: dropping ours frees nothing
+    if file is None:
+        return
     nodes: list[Any] = [file.root]
-    del value, file  # frees the file (its text, memo, facts); the tree is held by `nodes` now
+    # Frees the file (its text, memo, facts) unless something else holds it; then its root is
+    # not ours alone and `release_nodes` leaves the tree whole.
+    del value, file
     release_nodes(nodes)
 
 
