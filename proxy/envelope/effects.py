@@ -28,6 +28,12 @@ def gated_effect(revision: PolicyRevision, key: str, effect: Effect | None,
     return (effect or Effect.DESTRUCTIVE) in gated_effects
 
 
+def needs_approval(revision: PolicyRevision, call: ToolCall) -> bool:
+    """Whether `call` waits for a person: gated (`gated`) and its gate not waived by the
+    user's intent (`dataflow.waive_gate`, `ToolCall.gate_waived`)."""
+    return not call.gate_waived and gated(revision, call)
+
+
 def gated(revision: PolicyRevision, call: ToolCall) -> bool:
     """Whether `call` has a gated effect, or a check escalated it (needs approval and
     idempotency)."""

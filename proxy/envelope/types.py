@@ -276,6 +276,10 @@ class ToolCall:
     # records them as endorsing keys (`proxy.envelope.dataflow.endorse`).
     read_handles: tuple[str, ...] = ()
     read_pointed: bool = False
+    # Set by the data-flow check when the run's intent asks for this gated call itself
+    # (`dataflow.waive_gate`: `proxy.envelope.dataflow.waiver`): the approval check lets it
+    # through; the idempotency check still claims it.
+    gate_waived: bool = False
     # The canonical JSON of `arguments`, computed once (`args_json`).
     _args_json: bytes | None = field(default=None, repr=False)
     _key: str | None = field(default=None, repr=False)

@@ -109,6 +109,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Gauge, "envelope_approvals_pending", "Approvals waiting for a person's decision (not yet expired)."),
     MetricSpec(Counter, "envelope_dataflow_flagged_total", "Sink calls the data-flow check flagged, by tool and mode (shadow: forwarded; enforce: refused or sent to approval).", ("tool", "mode")),
     MetricSpec(Counter, "envelope_dataflow_tainted_total", "Sink calls in a run that read untrusted content with critical arguments nothing trusted endorses (dataflow.on_tainted), by tool, mode and action (allow is never counted; shadow: forwarded).", ("tool", "mode", "action")),
+    MetricSpec(Counter, "envelope_gates_waived_total", "Gated calls let through without a person because the run's intent asked for the action and named every critical argument (dataflow.waive_gate), by tool.", ("tool",)),
     MetricSpec(Counter, "envelope_approvals_requested_total", "Approvals requested (a new pending approval for a call), by reason (policy, gated_effect, dataflow_flag, tainted_run).", ("reason",)),
     MetricSpec(Counter, "envelope_approval_webhook_failures_total", "Failed approval webhook delivery attempts (each retry counts)."),
     MetricSpec(Counter, "envelope_guardrail_actions_total", "Output guardrail rules that fired on a result, by tool and action (redact, block, warn).", ("tool", "action")),
@@ -332,6 +333,11 @@ class Metrics:
         """Count one tainted-run sink with unendorsed critical arguments; `tool` is a catalogue
         name or "<unknown>", `action` approve or block (what enforce does)."""
         cast(Counter, self.collectors["envelope_dataflow_tainted_total"]).labels(tool, mode, action).inc()
+
+    def gate_waived(self, tool: str) -> None:
+        """Count one gated call whose gate the run's intent waived; `tool` as for
+        `dataflow_flagged`."""
+        cast(Counter, self.collectors["envelope_gates_waived_total"]).labels(tool).inc()
 
     def approval_requested(self, reason: ApprovalReason) -> None:
         """Count one new approval request; raises ValueError outside `APPROVAL_REASONS`."""

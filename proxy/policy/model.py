@@ -402,6 +402,7 @@ class Defaults(_Model):
 
 OnFlag = Literal["block", "approve"]
 OnTainted = Literal["allow", "approve", "block"]
+WaiveGate = Literal["never", "intent"]
 
 
 # The data-flow winnowing window (see DataflowPolicy.winnow).
@@ -462,6 +463,14 @@ class DataflowPolicy(_Model):
     # shadow mode audits and counts, never acts. `default` applies to sinks not listed; a plain
     # string sets the default. Absent: allow (nothing escalates).
     on_tainted: dict[str, OnTainted] = Field(default_factory=lambda: {"default": "allow"})  # type: ignore[arg-type]
+    # Gate waiver: intent (the approval gate of a sink, from gated_effects or its
+    # approval.required, is waived when the run's intent writes the tool's action, not negated,
+    # and names every critical argument itself: written whole, a number written as a
+    # reference ("order 31"), or the one entry of a trusted listing its words or its criterion
+    # pick; a flagged or escalated call never) or never. Audited `extra.gate_waived`, counted
+    # `envelope_gates_waived_total`; the idempotency claim is kept. `default` applies to sinks
+    # not listed; a plain string sets the default. Absent: never (`proxy.envelope.dataflow.waiver`).
+    waive_gate: dict[str, WaiveGate] = Field(default_factory=lambda: {"default": "never"})  # type: ignore[arg-type]
     # The arguments of a sink (`<upstream>.<tool>`: [top-level argument names]) whose values
     # must be endorsed in a tainted run (every string and number inside them; booleans and
     # null never count). Absent for a sink: every argument that is not declassified.
@@ -539,12 +548,12 @@ class DataflowPolicy(_Model):
                 f"{', '.join(sorted(VALIDATED_FORMATS))})")
         return v
 
-    @field_validator("on_flag", "on_tainted", mode="before")
+    @field_validator("on_flag", "on_tainted", "waive_gate", mode="before")
     @classmethod
     def _on_flag(cls, v: object) -> object:
         return {"default": v} if isinstance(v, str) else v
 
-    @field_validator("declassify", "on_flag", "on_tainted", "critical")
+    @field_validator("declassify", "on_flag", "on_tainted", "critical", "waive_gate")
     @classmethod
     def _keys(cls, v: dict[str, object]) -> dict[str, object]:
         for key in v:

@@ -1,6 +1,7 @@
 """A small MCP SDK server for the data-flow tests: a web page reader whose page carries an
 injected instruction, a notice planting a password, a secrets reader, received messages by id,
-and mail/reply/password sinks (the mail sinks record what they sent).
+and mail/reply/password sinks (the mail sinks record what they sent), and a destructive
+`delete_message` (what it deleted: `trash`).
 
     python tests/e2e/mail_server.py --port 9010
 """
@@ -31,6 +32,7 @@ MESSAGES = {"m-301": "From Mei: I passed your name to the team at Corvid Labs. G
 
 def build_server() -> MCPServer:
     sent: list[dict[str, Any]] = []
+    deleted: list[str] = []
     server = MCPServer("mail-fixture")
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True))
@@ -72,6 +74,17 @@ def build_server() -> MCPServer:
         """Reply to a received message."""
         sent.append({"reply_to": message_id, "body": body})
         return {"sent": True, "count": len(sent)}
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
+    def delete_message(message_id: str) -> dict[str, Any]:
+        """Delete a received message (recorded: `trash`)."""
+        deleted.append(message_id)
+        return {"deleted": message_id}
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def trash() -> dict[str, Any]:
+        """The ids of the messages deleted so far, in order."""
+        return {"deleted": list(deleted)}
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
     def outbox() -> dict[str, Any]:

@@ -57,7 +57,7 @@ from proxy.approvals.records import Approval, ApprovalConflict, CallBinding, Inv
 from proxy.approvals.service import ApprovalService
 from proxy.approvals.signer import RequestStateSigner
 from proxy.config import ApprovalsConfig
-from proxy.envelope.effects import gated
+from proxy.envelope.effects import needs_approval
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
     ApprovalPrompt,
@@ -129,8 +129,9 @@ class ApprovalCheck:
     # -- gating (sync, cheap) ---------------------------------------------------------------
 
     def applies(self, call: ToolCall) -> bool:
-        """Whether the call is gated (one definition with idempotency: `effects.gated`)."""
-        return gated(self._revision, call)
+        """Whether the call is gated (one definition with idempotency: `effects.gated`) and
+        its gate is not waived by the user's intent (`effects.needs_approval`)."""
+        return needs_approval(self._revision, call)
 
     def _rule(self, call: ToolCall) -> str:
         if call.escalation is not None:

@@ -505,6 +505,15 @@ def _dataflow_spots(revision: PolicyRevision, registry: ToolRegistry, flow: Data
             "whether the agent framework sends the user's words is not known offline, and "
             "without them every critical value a trusted output does not hold escalates; "
             "set intent: required once the framework sends X-Envelope-Intent for every run"))
+    for key, waive in sorted(flow.waive_gate.items()):
+        if waive == "intent":
+            which = "every gated sink" if key == "default" else f"sink '{key}'"
+            spots.append(WeakSpot(
+                f"dataflow.waive_gate.{key}", "gate_waived_by_intent",
+                f"the approval gate of {which} is waived when the run's intent writes its action "
+                "and names every critical argument: no person confirms those calls, so the intent "
+                "must be the user's own words (X-Envelope-Intent from the agent framework or the "
+                "admin API), never text the model wrote"))
     return spots
 
 

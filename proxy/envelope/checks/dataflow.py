@@ -10,6 +10,7 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
+from proxy.envelope.dataflow import waiver
 from proxy.envelope.dataflow.criterion import (
     GRID_BITS,
     Criterion,
@@ -48,6 +49,7 @@ from proxy.envelope.dataflow.match import (
     oversized,
 )
 from proxy.envelope.dataflow.offload import endorsement_of, probes_of
+from proxy.envelope.effects import gated
 from proxy.envelope.labels import OutputLabels, ToolLabels
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import (
@@ -126,6 +128,13 @@ class DataflowCheck:
 
     def _on_tainted(self, call: ToolCall) -> str:
         return self.policy.on_tainted.get(call.qualified_name) or self.policy.on_tainted.get("default", "allow")
+
+    def _waives(self, call: ToolCall) -> bool:
+        """Whether the call's approval gate may be waived by the intent (`waive_gate: intent`,
+        enforce mode, a gated call nothing escalated): `proxy.envelope.dataflow.waiver`."""
+        waive = self.policy.waive_gate.get(call.qualified_name) or self.policy.waive_gate.get("default", "never")
+        return (waive == "intent" and self.mode == "enforce" and call.escalation is None
+                and gated(self._revision, call))
 
     def criticals(self, call: ToolCall) -> tuple[list[Critical], bool]:
         """The critical values of a sink call (`dataflow.critical`, else every argument that is
@@ -294,10 +303,13 @@ class DataflowCheck:
             flagged.append(Finding("trifecta", None, ledger.first_source("secret") or "a secret tool", ""))
         return flagged, declassified, endorsed
 
-    async def _read(self, store: Store, call: ToolCall, wanted: list[bytes]) -> Ledger | None:
-        """The run's ledger as far as `wanted` needs it (one store read; `ledger.load`): None
-        when the run has none. StoreError propagates: the check refuses (fail closed)."""
-        return await load(store, call.run.key, self._n, wanted, self._window, self._min_value, ttl=self._ttl)
+    async def _read(self, store: Store, call: ToolCall, wanted: list[bytes],
+                    endorsing: bool = False) -> Ledger | None:
+        """The run's ledger as far as `wanted` needs it (one store read; `ledger.load`;
+        `endorsing`: `wanted` are endorsing keys, looked up in a clean run too): None when the
+        run has none. StoreError propagates: the check refuses (fail closed)."""
+        return await load(store, call.run.key, self._n, wanted, self._window, self._min_value, ttl=self._ttl,
+                          endorsing=endorsing)
 
     async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
         # Large arguments are hashed in a worker thread: the event loop keeps serving.
@@ -305,11 +317,14 @@ class DataflowCheck:
                                  window=self._window, max_chars=self._max_argument,
                                  min_value=self._min_value)
         action = self._on_tainted(call) if self._escalates else "allow"
-        criticals, cut = self.criticals(call) if action != "allow" else ([], False)
+        waives = self._waives(call)
+        criticals, cut = self.criticals(call) if action != "allow" or waives else ([], False)
         wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
         wanted += [k for c in criticals for k in (c.candidate, c.handle, c.sole, c.pointed) if k is not None]
         ledger = await self._read(store, call, wanted)
         if ledger is None:
+            if waives:
+                await self._waive(store, call, None, criticals, cut)
             return None
         flagged, declassified, _ = self.findings(call, ledger, probes)
         if flagged or declassified:
@@ -327,9 +342,10 @@ class DataflowCheck:
         if declassified:
             call.audit_extra["dataflow_declassified"] = [f.as_dict() for f in declassified]
         if not flagged:
-            if action == "allow":
-                return None
-            return await self._tainted(store, call, ledger, action, criticals, cut)
+            refused = await self._tainted(store, call, ledger, action, criticals, cut) if action != "allow" else None
+            if refused is None and waives and call.escalation is None:
+                await self._waive(store, call, ledger, criticals, cut)
+            return refused
         evidence = [f.as_dict() for f in flagged]
         reason = "data flow: " + "; ".join(f.describe() for f in flagged[:3])
         if len(flagged) > 3:
@@ -392,7 +408,7 @@ class DataflowCheck:
             wanted += [name_key(w, norm) for w in said for norm in names.values()]
         if not said or len(wanted) > MAX_PICK_KEYS or not (any(forms.values()) or names):
             return left
-        ledger = await self._read(store, call, wanted)
+        ledger = await self._read(store, call, wanted, endorsing=True)
         if ledger is None:
             return left
 
@@ -449,7 +465,7 @@ class DataflowCheck:
         wanted = [k for cr in stated for fs in forms.values() for f in fs for g in groups(cr, f) for k in g]
         if not wanted or len(wanted) > MAX_PICK_KEYS:
             return left
-        ledger = await self._read(store, call, wanted)
+        ledger = await self._read(store, call, wanted, endorsing=True)
         if ledger is None:
             return left
 
@@ -493,7 +509,7 @@ class DataflowCheck:
         wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings]
         if not strings or len(wanted) > MAX_PICK_KEYS:
             return left
-        ledger = await self._read(store, call, wanted)
+        ledger = await self._read(store, call, wanted, endorsing=True)
         if ledger is None:
             return left
 
@@ -533,6 +549,57 @@ class DataflowCheck:
             return flagged
         call.audit_extra.setdefault("endorsed", []).extend(e for e in endorsed if e["arg"] in chosen)
         return [f for f in flagged if f.argument not in chosen]
+
+    async def _waive(self, store: Store, call: ToolCall, ledger: Ledger | None, criticals: list[Critical],
+                     cut: bool) -> None:
+        """Waive the call's approval gate when the intent asks for it (`waiver`): its action,
+        not negated, and every critical value by the user's words (written whole, a number
+        written as a reference, an address whose owner it names, the one entry of a trusted
+        listing its words or its criterion pick). Sets `call.gate_waived`, audited
+        `extra.gate_waived` and counted; otherwise audited `extra.gate_waiver` with what the
+        intent did not name (the call goes to the gate as before)."""
+        if not criticals or cut:
+            return
+        texts = await intents.load(store, call.run.key)
+        if not texts:
+            return
+        asking = waiver.asking_clauses(call.tool, texts)
+        if not asking:
+            call.audit_extra["gate_waiver"] = {"waived": False, "why": "the intent does not ask for the action"}
+            return
+        verb = asking[0][0]
+        # Only the clauses that ask for the action name its objects ("archive the old notes,
+        # then delete f-22" does not ask to delete the old notes).
+        said = [clause for _, clause in asking]
+        words = IntentWords.of(said)
+        endorsed: list[dict[str, Any]] = []
+        left: list[Critical] = []
+        for critical in criticals:
+            if critical.number is not None:
+                named = critical.norm.isdigit() and waiver.names_number(critical.norm, said, call.tool)
+            else:
+                named = words.spells(critical)
+            if named:
+                endorsed.append({"arg": critical.pointer, "by": "intent"})
+            elif words.names(critical) and ledger is not None \
+                    and (source := ledger.trusted_source(critical.candidate)) is not None:
+                endorsed.append({"arg": critical.pointer, "by": "intent+trusted_output", "source": source})
+            else:
+                left.append(critical)
+        if left:
+            left = await self._picked(store, call, words, left, endorsed)
+        if left:
+            left = await self._criterion(store, call, words, left, endorsed)
+        if left:
+            call.audit_extra["gate_waiver"] = {"waived": False, "action": verb,
+                                               "unnamed": list(dict.fromkeys(c.pointer for c in left))}
+            return
+        call.gate_waived = True
+        call.audit_extra["gate_waived"] = {"by": "dataflow.waive_gate", "action": verb, "endorsed": endorsed}
+        metrics = self._services.metrics if self._services is not None else None
+        if metrics is not None:
+            known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
+            metrics.gate_waived(call.tool if known else "<unknown>")
 
     async def _tainted(self, store: Store, call: ToolCall, ledger: Ledger, action: str,
                        criticals: list[Critical], cut: bool) -> Decision | None:

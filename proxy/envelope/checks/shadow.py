@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import orjson
 
 from proxy.audit.record import utc_timestamp
-from proxy.envelope.effects import gated
+from proxy.envelope.effects import needs_approval
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, Verdict
 from proxy.errors import StoreError
@@ -132,7 +132,7 @@ class ShadowCheck:
             "tool": call.tool,
             "effect": (call.effect or Effect.DESTRUCTIVE).value,
             "arguments": call.arguments,
-            "would_need_approval": gated(self._revision, call),
+            "would_need_approval": needs_approval(self._revision, call),
             "idempotency_key": call.idempotency_key,
             "revision": self._revision.revision,
             "rule": rule,

@@ -715,14 +715,21 @@ class IntentWords:
         # smallest count there is, not a choice an injection gains by steering a sink to.
         return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common)
 
-    def endorses(self, critical: Critical) -> bool:
-        if critical.number is not None and critical.number in self.numbers:
-            return True
+    def spells(self, critical: Critical) -> bool:
+        """Whether the intent writes the string itself: its whole normalised value between word
+        boundaries, or one of its distinctive tokens (numbers are `endorses`'). The strict part
+        of `endorses` (no inflection, no setting): part of what waives an approval gate
+        (`proxy.envelope.dataflow.waiver`)."""
         if critical.norm:
             pattern = re.compile(rf"(?<![\w@.\-]){re.escape(critical.norm)}(?![\w@\-]|\.\w)")
             if any(critical.norm in text and pattern.search(text) for text in self.texts):
                 return True
-        if any(k in self.token_keys for k in critical.keys):
+        return any(k in self.token_keys for k in critical.keys)
+
+    def endorses(self, critical: Critical) -> bool:
+        if critical.number is not None and critical.number in self.numbers:
+            return True
+        if self.spells(critical):
             return True
         if critical.norm and _WORD.fullmatch(critical.norm) and len(critical.norm) > 4:
             # One word, inflected: "editor" is what "edit access" asks for.

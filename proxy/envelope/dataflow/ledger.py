@@ -555,13 +555,15 @@ VIEWS = LedgerViews()
 
 async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
                window: int = DEFAULT_WINNOW, min_value: int = 0, *, ttl: float = 24 * 3600.0,
-               views: LedgerViews | None = None) -> Ledger | None:
+               views: LedgerViews | None = None, endorsing: bool = False) -> Ledger | None:
     """The run's flags and the fingerprints among `probes` it holds, or None when the run has
     no ledger. One store read when warm (the flags and what the run's log gained since this
     process last read it, `views`: the process's `VIEWS` by default); the lookup is in memory,
     so the cost follows the probes and what was recorded since, not the ledger. `ttl` is the policy's
-    `ledger_ttl`. Raises StoreError when the store cannot answer or holds an entry this version
-    cannot read (fail closed)."""
+    `ledger_ttl`. A clean run's fingerprints are not looked up (nothing there can flag) unless
+    `endorsing` (the probes are endorsing keys: a gate waiver reads them in any run). Raises
+    StoreError when the store cannot answer or holds an entry this version cannot read (fail
+    closed)."""
     wanted = set(probes)
     held: dict[bytes, bytes] = {}
     if wanted:
@@ -574,7 +576,7 @@ async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
     if not meta:
         return None
     ledger = Ledger.from_meta(n, meta, window, min_value)
-    if ledger.untrusted or ledger.secret:
+    if ledger.untrusted or ledger.secret or endorsing:
         # The intersection in C (iterating the probes, looked up in the view): a clean argument
         # of 300 characters has ~240 probes and no hit, so no Python loop runs over them.
         ledger.fingerprints = {k: held[k] for k in held.keys() & wanted}

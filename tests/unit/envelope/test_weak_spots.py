@@ -80,3 +80,10 @@ def test_escalation_without_a_required_intent_is_reported() -> None:
     assert spots({"dataflow": {"on_tainted": "approve"}}) == [("dataflow.intent", "intent_not_required")]
     assert spots({"dataflow": {"on_tainted": "approve", "intent": "required"}}) == []
     assert spots({"dataflow": {"on_tainted": {"default": "allow"}}}) == []
+
+
+def test_a_gate_the_intent_waives_is_reported() -> None:
+    assert spots({"dataflow": {"waive_gate": "intent"}}) == [("dataflow.waive_gate.default", "gate_waived_by_intent")]
+    assert spots({"dataflow": {"waive_gate": {"default": "never", "demo.book": "intent"}}}) == [
+        ("dataflow.waive_gate.demo.book", "gate_waived_by_intent")]
+    assert spots({"dataflow": {"waive_gate": "never"}}) == []
