@@ -103,6 +103,8 @@ class Config:
     # call is never approved: it stays `approval_pending` until it expires and never reaches
     # its upstream, so a gated effect is refused.
     approver: bool = True
+    # dataflow.waive_gate: intent (a gated call the user's words ask for needs no person).
+    waive: bool = False
 
 
 def policy_doc(config: Config) -> dict[str, Any]:
@@ -133,6 +135,8 @@ def policy_doc(config: Config) -> dict[str, Any]:
     dataflow.update(dict(config.dataflow_extra))
     if config.critical:
         dataflow["critical"] = critical
+    if config.waive:
+        dataflow["waive_gate"] = "intent"
     if on_tainted:
         dataflow["on_tainted"] = {"default": "allow", **on_tainted}
     return {
@@ -175,6 +179,12 @@ CONFIGS = [
     Config("auto+intent/copy100", intent=True, dataflow_extra=(("declassify_max_copy", 100),)),
     Config("escalation+min_value/copy40", intent=True, min_value=10, on_flag="approve", gated=GATED,
            dataflow_extra=(*ESCALATE, ("declassify_max_copy", 40)), critical=True),
+    # The same two with the gate waiver (`waive_gate: intent`): a gated call whose action and
+    # objects the user's words name needs no person (bench/RESULTS.md, "Gate waiver").
+    Config("auto+intent+block/waive", intent=True, min_value=10, gated=GATED, dataflow_extra=BLOCK, critical=True,
+           approver=False, waive=True),
+    Config("escalation+min_value/copy40/waive", intent=True, min_value=10, on_flag="approve", gated=GATED,
+           dataflow_extra=(*ESCALATE, ("declassify_max_copy", 40)), critical=True, waive=True),
 ]
 # Variants tried on the train split only, to choose defaults (bench/RESULTS.md, "Scenario
 # corpus"); run only when named in --configs.
@@ -187,6 +197,7 @@ VARIANTS = [
            critical=True, tainted_effects=("external",)),
     *(Config(f"auto+intent/copy{n}", intent=True, dataflow_extra=(("declassify_max_copy", n),))
       for n in (40, 64)),
+
     *(Config(f"escalation{'+min_value' if mv else ''}/copy{n}", intent=True, min_value=mv, on_flag="approve",
              gated=GATED, dataflow_extra=(*ESCALATE, ("declassify_max_copy", n)), critical=True)
       for n in (40, 64) for mv in (0, 10) if (n, mv) != (40, 10)),

@@ -567,19 +567,27 @@ class DataflowCheck:
         if not asking:
             call.audit_extra["gate_waiver"] = {"waived": False, "why": "the intent does not ask for the action"}
             return
-        verb = asking[0][0]
+        verb = asking[0].word
         # Only the clauses that ask for the action name its objects ("archive the old notes,
         # then delete f-22" does not ask to delete the old notes).
-        said = [clause for _, clause in asking]
+        said = [a.clause for a in asking]
         words = IntentWords.of(said)
+        spelling = [(a, IntentWords.of([a.clause])) for a in asking]
+
+        def named(critical: Critical) -> bool:
+            # An identifier counts only as its sentence's one identifier (`waiver.names_id`).
+            if critical.number is not None:
+                return critical.norm.isdigit() and any(
+                    waiver.names_number(critical.norm, a.clause, call.tool) and waiver.names_id(critical.norm, a)
+                    for a in asking)
+            has_digit = any(ch.isdigit() for ch in critical.norm)
+            return any(w.spells(critical) and (not has_digit or waiver.names_id(critical.norm, a))
+                       for a, w in spelling)
+
         endorsed: list[dict[str, Any]] = []
         left: list[Critical] = []
         for critical in criticals:
-            if critical.number is not None:
-                named = critical.norm.isdigit() and waiver.names_number(critical.norm, said, call.tool)
-            else:
-                named = words.spells(critical)
-            if named:
+            if named(critical):
                 endorsed.append({"arg": critical.pointer, "by": "intent"})
             elif words.names(critical) and ledger is not None \
                     and (source := ledger.trusted_source(critical.candidate)) is not None:

@@ -43,9 +43,10 @@ def test_inflections_share_a_stem() -> None:
 
 @pytest.mark.parametrize(("tool", "said", "asked"), [
     ("delete_file", "Delete f-23, it's a duplicate.", "delete"),
-    ("delete_payee", "Remove the old car lease payee.", "remove"),       # same kind of action
+    ("delete_payee", "Remove the old car lease payee.", None),  # another verb: not this action
+    ("delete_user", "Remove bob from #general.", None),          # (removing is not deleting)
     ("cancel_booking", "cancel my hotel in Porto", "cancel"),
-    ("cancel_order", "Please revoke order 31.", "revoke"),
+    ("cancel_order", "Please cancel order 31.", "cancel"),
     ("delete_file", "Archive f-23 but do not delete it.", None),         # negated
     ("delete_file", "Keep f-23 rather than deleting it.", None),
     ("delete_file", "Don't ever delete f-23.", None),
@@ -55,15 +56,16 @@ def test_inflections_share_a_stem() -> None:
 ])
 def test_which_words_ask_for_the_action(tool: str, said: str, asked: str | None) -> None:
     found = asking_clauses(tool, [said])
-    assert (found[0][0] if found else None) == asked
+    assert (found[0].word if found else None) == asked
 
 
 def test_only_the_clause_that_asks_names_the_objects() -> None:
     assert clauses("Tidy my Drafts folder: delete the file called 'old notes'.") == [
         "Tidy my Drafts folder", "delete the file called 'old notes'"]
-    assert asking_clauses("delete_file", ["Archive the old notes and then delete everything else"]) == [
-        ("delete", "delete everything else")]
-    assert asking_clauses("delete_file", ["delete f-23 but not f-24, thanks"]) == [("delete", "delete f-23")]
+    [asking] = asking_clauses("delete_file", ["Archive the old notes and then delete everything else"])
+    assert (asking.word, asking.clause) == ("delete", "delete everything else")
+    [asking] = asking_clauses("delete_file", ["delete f-23 but not f-24, thanks"])
+    assert (asking.clause, asking.ids) == ("delete f-23", {"f-23", "f-24"})
     # A URL's ":" and an address's "." do not end a clause.
     assert clauses("delete https://x.example/a:b.txt now") == ["delete https://x.example/a:b.txt now"]
 
@@ -79,7 +81,7 @@ def test_only_the_clause_that_asks_names_the_objects() -> None:
 ])
 def test_a_number_named_as_a_reference(number: str, said: str, named: bool) -> None:
     tool = "cancel_event" if "event" in said else "delete_email"
-    assert names_number(number, [said], tool) is named
+    assert names_number(number, said, tool) is named
 
 
 # -- the check --------------------------------------------------------------------------------------
@@ -154,6 +156,9 @@ async def test_an_entry_the_users_words_pick_from_a_trusted_listing_waives() -> 
     ({"file_id": "f-21"}, "Archive the old notes and then delete everything else",
      (("drive.list_files", LISTING, TRUSTED),)),
     ({"file_id": "f-22"}, "Keep f-22; delete f-23", ()),
+    # A choice between identifiers the sentence names is the user's judgment, not a name.
+    ({"file_id": "f-22"}, "delete the older of f-22 and f-23", ()),
+    ({"file_id": "58"}, "cancel event 58 or event 59, whichever is later", ()),
 ])
 async def test_what_does_not_waive(args: dict[str, Any], said: str,
                                    reads: tuple[tuple[str, str, Label], ...]) -> None:
