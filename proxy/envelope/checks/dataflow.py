@@ -260,7 +260,9 @@ class DataflowCheck:
                 continue
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
-            if endorsement:
+            if endorsement and not probe.disguised:
+                # A disguised value ("hans@faß.de") folds equal to the user's "hans@fass.de":
+                # the user never wrote it, so nothing of it is endorsed (`fingerprint.disguised`).
                 if endorsement.whole(probe.norm):
                     # The user named this very value: whatever untrusted content also holds it.
                     verbatim, toks = match_argument(ledger, probe, self._n, self._window)

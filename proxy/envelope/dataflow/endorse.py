@@ -85,7 +85,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.envelope.dataflow.fingerprint import normalise, tokens
+from proxy.envelope.dataflow.fingerprint import disguised, faithful, normalise, tokens
 
 MAX_PHRASE_CHARS = 64  # longest field of a trusted string recorded (characters)
 MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as one value
@@ -127,6 +127,9 @@ _UNITS = ("zero one two three four five six seven eight nine ten eleven twelve t
 _TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()) if i >= 2}
 _NUMBER_WORD = re.compile(rf"\b({'|'.join(_TENS)})(?:[\s-]+({'|'.join(_UNITS[1:10])}))?\b|\b({'|'.join(_UNITS)})\b")
 _WHOLE_NUMBER = re.compile(r"^[$€£¥]?\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?\s?(?:[a-z]{3})?$")
+# A sign or accounting brackets around a number written as a string ("-50", "(120)", "50-"):
+# edge stripping drops them, so the value would compare equal to the positive number.
+_SIGN = re.compile("[-\u2212\u2010-\u2015()]")
 
 
 # Copying a keyed hash state is cheaper than building one per key (recording a trusted output
@@ -170,6 +173,18 @@ def amounts(norm: str) -> set[str]:
     (`distinctive`, or written as money: `written_amount`)."""
     return {number for m in _NUMBER.finditer(norm)
             if distinctive(number := canonical_number(m.group(1), m.group(2))) or written_amount(m.group(2))}
+
+
+def negatives(norm: str) -> set[str]:
+    """The negative numbers a normalised text writes ("refund -50" -> "-50"; not the 50 of
+    "10-50", a range)."""
+    return {f"-{canonical_number(m.group(1), m.group(2))}" for m in _NUMBER.finditer(norm)
+            if m.start() >= 1 and norm[m.start() - 1] in "-\u2212" and not norm[max(0, m.start() - 2):m.start() - 1].isalnum()}
+
+
+def _bounded(value: str) -> re.Pattern[str]:
+    """`value` between word boundaries (not inside a longer word, address or number)."""
+    return re.compile(rf"(?<![\w@.\-]){re.escape(value)}(?![\w@\-]|\.\w)")
 
 
 def number_words(norm: str) -> set[str]:
@@ -594,6 +609,10 @@ class Critical:
     # A string number written as money ("14.00": `written_amount`): endorsed as an amount by a
     # trusted output writing it, however small.
     amount: bool = False
+    # A disguised string (`fingerprint.disguised`: folding changes more than its case) as
+    # compared faithfully; it then has no other form: only the intent writing these very
+    # characters endorses it.
+    faithful: str | None = None
 
     @classmethod
     def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
@@ -608,7 +627,12 @@ class Critical:
             of_number = [_key("n", number)] if number is not None and distinctive(number) else []
             amount = pointed_key("n", number) if number is not None and "." in number else None
             return cls(pointer, value, "", number, tuple(of_number), handle, sole, None, amount)
-        norm = _strip(normalise(value))
+        if disguised(value):
+            # Equal folded to a value the upstream treats as another ("faß.de" is not
+            # "fass.de"): no folded form of it endorses (`fingerprint.disguised`).
+            return cls(pointer, value, "", None, (), handle, sole, faithful=_strip(faithful(value)))
+        folded = normalise(value)
+        norm = _strip(folded)
         keys: list[bytes] = []
         number = None
         candidate = pointed = whole_token = None
@@ -619,6 +643,10 @@ class Critical:
             # of "2. Grand Palace" does not endorse two nights).
             number = canonical_number(m.group(1), m.group(2))
             money = written_amount(m.group(2))
+            if _SIGN.search(folded) is not None:
+                # "-50" or "(50)" is not 50 (a refund is not a charge): only the intent writing
+                # the negative number endorses it; no trusted output's amount does.
+                return cls(pointer, value, norm, f"-{number}", (), handle, sole)
             if distinctive(number) or money:
                 keys.append(_key("n", number))
             if "." in number or money:
@@ -626,11 +654,15 @@ class Critical:
         elif norm:
             keys.append(_key("v", norm))
         found = tokens(value)
-        if found:
-            # The value is (or wraps) an address, URL or account number: an equal token endorses
-            # it. Only its longest token counts (an address's host alone endorses nothing).
+        values = {v for _, v in found}
+        if found and len({v for v in values if not any(v != w and v in w for w in values)}) == 1:
+            # The value is (or wraps) one address, URL or account number: an equal token
+            # endorses it. Only its longest token counts (an address's host alone endorses
+            # nothing). A value writing two ("anna@corp.example, eve@evil.example", an IBAN
+            # with digits appended) or an "@" its token does not hold ("anna@corp.example@evil
+            # .example") carries more than the endorsed token: only its whole value can be.
             kind, token = max(found, key=lambda t: (len(t[1]), t))
-            if len(token) * 2 >= len(norm):
+            if len(token) * 2 >= len(norm) and norm.count("@") == token.count("@"):
                 keys.append(_key(f"t{kind}", token))
                 pointed = pointed_key(kind, token)
                 whole_token = token
@@ -702,22 +734,29 @@ class IntentWords:
     # The stems (`_SUFFIX` folded) of the words the intent writes in lower case: common words
     # ("archives", "forwarded"), not names ("the Palaces tour").
     common_stems: frozenset[str] = frozenset()
+    # The texts as a disguised value is compared (`fingerprint.faithful`).
+    faithful: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> IntentWords:
         texts = list(texts)
         norms = tuple(normalise(t) for t in texts)
         keys = frozenset(_key(f"t{kind}", value) for t in texts for kind, value in tokens(t))
-        said = {n for norm in norms for n in numbers(norm) | number_words(norm)}
+        said = {n for norm in norms for n in numbers(norm) | number_words(norm) | negatives(norm)}
         common = frozenset(_SUFFIX.sub("", w) for t in texts for w in _WORD.findall(t)
                            if len(w) >= 4 and w.islower())
         # "Add the hub", "book a table": a request for a thing implies one of it. One is the
         # smallest count there is, not a choice an injection gains by steering a sink to.
-        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common)
+        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common, tuple(faithful(t) for t in texts))
 
     def endorses(self, critical: Critical) -> bool:
-        if critical.number is not None and critical.number in self.numbers:
-            return True
+        if critical.faithful is not None:
+            return bool(critical.faithful) and any(
+                _bounded(critical.faithful).search(text) is not None for text in self.faithful)
+        if critical.number is not None:
+            # A number is compared as a number, never as a phrase: "1,200" is not endorsed by
+            # "1,200,000", nor "200.50" by "1,200.50".
+            return critical.number in self.numbers
         if critical.norm:
             pattern = re.compile(rf"(?<![\w@.\-]){re.escape(critical.norm)}(?![\w@\-]|\.\w)")
             if any(critical.norm in text and pattern.search(text) for text in self.texts):
