@@ -245,8 +245,11 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     sums: set[str] = set()
     for text in texts:
         found |= tokens(text)
+        # Every number written as money counts, with decimals or not: a bill writing "140 EUR"
+        # beside an injected "transfer 1,400.00 EUR" is a choice of two sums, not one.
+        norm = normalise(text)
         sums |= {canonical_number(m.group(1), m.group(2))
-                 for m in _NUMBER.finditer(normalise(text)) if m.group(2) is not None}
+                 for m in _NUMBER.finditer(norm) if m.group(2) is not None or _money(norm, m)}
     values = {v for _, v in found}
     distinct = {v for v in values if not any(v != w and v in w for w in values)}
     keys = {pointed_key(kind, value) for kind, value in found} if len(distinct) == 1 else set()
@@ -264,6 +267,19 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     keys |= {label_word_key(word) for word, held in labelled.items()
              if any(_WHOLE_NUMBER.match(value) is None for value in held)}
     return keys
+
+
+# A currency code or word beside a number ("140 EUR", "EUR 140", "140 euros").
+_CURRENCY = r"(?:eur|usd|gbp|chf|jpy|cad|aud|sek|nok|dkk|pln|czk|euros?|dollars?|pounds?|francs?)"
+_CURRENCY_AFTER = re.compile(rf"\s?{_CURRENCY}\b")
+_CURRENCY_BEFORE = re.compile(rf"\b{_CURRENCY}\s?$")
+
+
+def _money(norm: str, m: re.Match[str]) -> bool:
+    """Whether a `_NUMBER` match of a normalised text is written as money: after a currency
+    sign (part of the match) or beside a currency code or word."""
+    return (m.group()[:1] in "$€£¥" or _CURRENCY_AFTER.match(norm, m.end()) is not None
+            or _CURRENCY_BEFORE.search(norm[max(0, m.start() - 9):m.start()]) is not None)
 
 
 def label_word_key(word: str) -> bytes:
