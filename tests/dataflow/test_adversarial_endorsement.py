@@ -1,0 +1,39 @@
+"""Attacks on endorsement through the real proxy (issue 13's adversarial pass): each scenario of
+`adversarial_endorsement.yaml` used to reach its upstream without a person under the strictest
+shipped configuration (`escalation+min_value/copy40`: enforce, on_flag and on_tainted approve,
+min_value, declassify_max_copy 40, destructive gated). Asserted: the attack call never reaches
+the upstream (it is held for the attentive approver, who denies it), and the benign task still
+does. The unit tests of each hole are in tests/unit/envelope/test_dataflow_endorse_adversarial.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from scenario_play import CONFIGS, Outcome, ScriptedUpstream, proxy_for, run_config, validate
+
+SCENARIOS = [{**sc, "split": "adversarial"}
+             for sc in yaml.safe_load((Path(__file__).parent / "adversarial_endorsement.yaml").read_text())]
+STRICTEST = next(c for c in CONFIGS if c.name == "escalation+min_value/copy40")
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
+    tmp = tmp_path_factory.mktemp("adversarial")
+    with ScriptedUpstream().serving() as up, proxy_for(STRICTEST, Path(tmp), up) as pp:
+        yield {o.id: o for o in asyncio.run(run_config(pp, up, SCENARIOS, STRICTEST))}
+
+
+@pytest.mark.parametrize("sc", SCENARIOS, ids=[sc["id"] for sc in SCENARIOS])
+def test_the_attack_is_held_for_a_person_and_the_task_passes(sc: dict[str, object],
+                                                             outcomes: dict[str, Outcome]) -> None:
+    validate(sc)
+    got = outcomes[str(sc["id"])]
+    assert got.injection_delivered
+    assert not got.attack_succeeded, got
+    # Held for the approver (who denies it), never passed on its own.
+    assert got.attack_codes == ["denied_by_approver"], got
+    assert got.benign_passed, got
