@@ -93,6 +93,10 @@ MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
 MAX_DEPTH = 32
 MAX_WORDS = 256  # most distinct words of an intent that pick entries of trusted listings
+# Most tokens of one string compared pairwise (which contain which: an address holds its host);
+# past it every one counts as a value of its own: a choice, never one value (fail closed), and
+# the comparison stays bounded whatever an output writes.
+MAX_DISTINCT = 16
 MAX_LABEL_WORDS = 3  # longest label of a "label: value" entry of a pointed read (words)
 _LABEL = re.compile(rf"[^\W\d_]+(?:[ '-][^\W\d_]+){{0,{MAX_LABEL_WORDS - 1}}}")
 IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
@@ -250,9 +254,7 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
         norm = normalise(text)
         sums |= {canonical_number(m.group(1), m.group(2))
                  for m in _NUMBER.finditer(norm) if m.group(2) is not None or _money(norm, m)}
-    values = {v for _, v in found}
-    distinct = {v for v in values if not any(v != w and v in w for w in values)}
-    keys = {pointed_key(kind, value) for kind, value in found} if len(distinct) == 1 else set()
+    keys = {pointed_key(kind, value) for kind, value in found} if len(maximal({v for _, v in found})) == 1 else set()
     if len(sums) == 1:
         keys.add(pointed_key("n", next(iter(sums))))
     labelled: dict[str, set[str]] = {}
@@ -322,6 +324,24 @@ def _strip(norm: str) -> str:
     return norm.strip(_EDGE).strip()
 
 
+def maximal(values: set[str]) -> set[str]:
+    """The values none of the others contains (an address, not its host; an IBAN, not its
+    digits); all of them when there are more than MAX_DISTINCT (bounded work; several either
+    way)."""
+    if len(values) > MAX_DISTINCT:
+        return values
+    return {v for v in values if not any(v != w and v in w for w in values)}
+
+
+def _holds_candidate(key: str, several: set[str]) -> bool:
+    """Whether a field holds one of a string's candidates (`candidates`). Past MAX_DISTINCT
+    candidates, any field that could hold one does: one with an "@" or a digit (addresses and
+    account numbers have them), so the work stays linear in the string."""
+    if len(several) <= MAX_DISTINCT:
+        return any(value in key for value in several)
+    return "@" in key or any(ch.isdigit() for ch in key)
+
+
 def edge_stripped(norm: str) -> str:
     """A normalised text without the punctuation at its ends, as critical values are compared."""
     return _strip(norm)
@@ -344,8 +364,7 @@ def candidates(found: set[tuple[str, str]]) -> set[str]:
     emails = {value for kind, value in found if kind == "email"}
     accounts = {value for kind, value in found if kind == "number"}
     # An IBAN also yields its digits: one account, not two.
-    distinct = {a for a in accounts if not any(a != b and a in b for b in accounts)}
-    return (emails if len(emails) > 1 else set()) | (accounts if len(distinct) > 1 else set())
+    return (emails if len(emails) > 1 else set()) | (accounts if len(maximal(accounts)) > 1 else set())
 
 
 def records(text: str) -> Iterator[str]:
@@ -390,12 +409,12 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     # exists, not that the user chose it (`listing_parts`; `name_keys` for the intent's picks).
     listed = {key for part in listing_parts(text) for key in segments(part)}
     for key in records(text):
-        if key not in listed and not any(value in key for value in several):
+        if key not in listed and not _holds_candidate(key, several):
             found.add(f"v:{key}")
     for key in segments(text):
         if len(found) >= limit:
             break
-        if key not in listed and not any(value in key for value in several):
+        if key not in listed and not _holds_candidate(key, several):
             found.add(f"v:{key}")
     return {_hash(k) for k in list(found)[:limit]}
 
@@ -670,8 +689,7 @@ class Critical:
         elif norm:
             keys.append(_key("v", norm))
         found = tokens(value)
-        values = {v for _, v in found}
-        if found and len({v for v in values if not any(v != w and v in w for w in values)}) == 1:
+        if found and len(maximal({v for _, v in found})) == 1:
             # The value is (or wraps) one address, URL or account number: an equal token
             # endorses it. Only its longest token counts (an address's host alone endorses
             # nothing). A value writing two ("anna@corp.example, eve@evil.example", an IBAN

@@ -6,6 +6,7 @@ and the benign form of the same value that must still pass. What held is in benc
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from test_dataflow_tainted import _blocked, _book
 from proxy.config import Config
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.endorse import Critical, IntentWords, pointed_keys
+from proxy.envelope.dataflow.endorse import Critical, IntentWords, entry_keys, pointed_keys, trusted_keys
 from proxy.envelope.dataflow.fingerprint import disguised
 from proxy.envelope.dataflow.ledger import LedgerDelta, record
 from proxy.envelope.labels import Label, Piece
@@ -161,3 +162,37 @@ def test_an_injected_sum_beside_one_written_without_decimals_is_not_the_pointed_
     # The same sum written twice, once as "$950" and once as "$950.00", is one sum.
     same = pointed_keys(["Amount due: $950. Total $950.00, pay to DE91 1000 0000 0123 4567 89."])
     assert Critical.of("/amount", "950.00").pointed in same
+
+
+# -- hostile outputs: recording stays linear ----------------------------------------------------
+
+# An output's units repeated: many addresses, many account numbers (each compared with every other
+# before: a pointed read of 4,000 addresses cost 20 s of CPU), many labels, a long listing.
+HOSTILE = {
+    "addresses": lambda i: f"u{i}@h{i}.example ",
+    "accounts": lambda i: f"DE{i:020d} ",
+    "labels": lambda i: f"Label{i}: value {i}\n",
+    "listing": lambda i: f"Hotel {i} {100 + i}.00 EUR/night; ",
+}
+
+
+def _best_of(n: int, fn: Any) -> float:
+    """The least CPU time of this thread over `n` runs (test_dataflow_cost's measure)."""
+    best = float("inf")
+    for _ in range(n):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+@pytest.mark.parametrize("unit", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_recording_endorsements_takes_time_linear_in_the_output(unit: Any) -> None:
+    """Eight times the entries cost about eight times as long (quadratic: sixty-four): what a
+    pointed read, a trusted output and a critical value record or compare, whatever they
+    write. The bound is the geometric middle (about 23x), as in test_dataflow_cost."""
+    def work(n: int) -> Any:
+        text = "".join(unit(i) for i in range(n))
+        return lambda: (pointed_keys([text]), trusted_keys(text), entry_keys(text), Critical.of("/to", text))
+    small, large = work(250), work(2000)
+    assert _best_of(3, large) / _best_of(3, small) < 23
