@@ -16,7 +16,13 @@ from test_dataflow_tainted import _blocked, _book
 from proxy.config import Config
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.endorse import Critical, IntentWords, entry_keys, pointed_keys, trusted_keys
+from proxy.envelope.dataflow.endorse import (
+    Critical,
+    IntentWords,
+    entry_keys,
+    pointed_keys,
+    trusted_keys,
+)
 from proxy.envelope.dataflow.fingerprint import disguised
 from proxy.envelope.dataflow.ledger import LedgerDelta, record
 from proxy.envelope.labels import Label, Piece
