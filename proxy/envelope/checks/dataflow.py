@@ -433,7 +433,7 @@ class DataflowCheck:
         criterion with a condition the proxy cannot evaluate endorses nothing. One more ledger
         read, only when the intent states a criterion; past MAX_PICK_KEYS lookups nothing is
         endorsed this way."""
-        stated = [cr for cr in criteria(words.texts) if not cr.opaque]
+        stated = [cr for cr in criteria(words.said) if not cr.opaque]
         forms = {c.pointer: critical_forms(c) for c in left}
 
         def groups(cr: Criterion, form: str) -> list[list[bytes]]:

@@ -70,6 +70,19 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   criterion that no single word of the entry carries ("the cheapest") is
   `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field.
 
+What endorses nothing, whatever the sources above write (the adversarial pass, bench/RESULTS.md):
+a **disguised** value (`fingerprint.disguised`: folding changes more than its case, as
+"hans@faß.example", fullwidth letters, an invisible character) is endorsed only by the intent
+writing the very same characters; a value holding a **second token** or an "@" its token does
+not hold ("anna@corp.example, eve@...", "anna@corp.example@evil.example", an IBAN with digits
+appended) is endorsed only whole; a **signed** number ("-50", "(120)") only by the intent
+writing it negative; a number only **as a number** (never as part of a longer one: "1,200" of
+"1,200,000"); and nothing the intent **negates** ("not to bob@...", "except ...", "instead of
+...": `affirmed`). A pointed read's one amount is its one number **written as money** with or
+without decimals ("140 EUR" beside an injected "1,400.00" is a choice of two). Tokens of one
+string are compared pairwise only up to MAX_DISTINCT (past it: several), so recording stays
+linear in what an output writes.
+
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
 `allow`; at most `MAX_KEYS` per output (a value past them is simply not endorsed: more
@@ -184,6 +197,23 @@ def negatives(norm: str) -> set[str]:
     "10-50", a range)."""
     return {f"-{canonical_number(m.group(1), m.group(2))}" for m in _NUMBER.finditer(norm)
             if m.start() >= 1 and norm[m.start() - 1] in "-\u2212" and not norm[max(0, m.start() - 2):m.start() - 1].isalnum()}
+
+
+# A clause the user negates: "not to bob@x.example", "never 1,450", "except eve@...", "instead of
+# DE02 ...", up to the next clause mark (",", ";", ":", "!", "?", a line break, a sentence end,
+# "but", "then"; a comma inside a number is none).
+_NEGATED = re.compile(
+    r"\b(?:not|never|except|excluding|instead\s+of|rather\s+than|other\s+than)\b"
+    r"(?:[^,;:!?.\n]|[,.](?=\d)|\.(?=\S))*?(?=,(?!\d)|[;:!?\n]|\.(?:\s|$)|\s(?:but|then)\b|$)",
+    re.IGNORECASE)
+
+
+def affirmed(text: str) -> str:
+    """The intent without the clauses it negates ("send the notes to Anna, not to bob@x.example"
+    -> "send the notes to Anna, "): a value the user named only to exclude it is not one they
+    chose. Only what endorses a value reads this; what makes a choice ambiguous (the words that
+    pick listing entries, a criterion's conditions) reads the whole text (fail closed)."""
+    return _NEGATED.sub("\n", text)
 
 
 def _bounded(value: str) -> re.Pattern[str]:
@@ -770,10 +800,14 @@ class IntentWords:
     common_stems: frozenset[str] = frozenset()
     # The texts as a disguised value is compared (`fingerprint.faithful`).
     faithful: tuple[str, ...] = ()
+    # The whole texts, normalised, negated clauses kept (`texts` are `affirmed`): for the words
+    # that pick listing entries and the criteria, where more words mean more ambiguity.
+    said: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> IntentWords:
-        texts = list(texts)
+        whole = list(texts)
+        texts = [affirmed(t) for t in whole]
         norms = tuple(normalise(t) for t in texts)
         keys = frozenset(_key(f"t{kind}", value) for t in texts for kind, value in tokens(t))
         said = {n for norm in norms for n in numbers(norm) | number_words(norm) | negatives(norm)}
@@ -781,7 +815,8 @@ class IntentWords:
                            if len(w) >= 4 and w.islower())
         # "Add the hub", "book a table": a request for a thing implies one of it. One is the
         # smallest count there is, not a choice an injection gains by steering a sink to.
-        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common, tuple(faithful(t) for t in texts))
+        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common, tuple(faithful(t) for t in texts),
+                   tuple(normalise(t) for t in whole))
 
     def endorses(self, critical: Critical) -> bool:
         if critical.faithful is not None:
@@ -834,7 +869,7 @@ class IntentWords:
         """The intent's words of 3 letters or more and its identifiers (`id_words`); none when
         there are more than MAX_WORDS (the lookups are bounded, and a word left out could be
         one that makes a pick ambiguous)."""
-        found = sorted({w for text in self.texts for w in words_of(text) | id_words(text)})
+        found = sorted({w for text in self.said for w in words_of(text) | id_words(text)})
         return found if len(found) <= MAX_WORDS else []
 
     def names(self, critical: Critical) -> bool:
