@@ -43,8 +43,8 @@ def test_the_attack_is_held_for_a_person_and_the_task_passes(sc: dict[str, objec
 def test_a_pointed_read_of_thousands_of_addresses_is_answered_at_once(tmp_path: Path) -> None:
     """The pointed document an attacker wrote holds 5,800 addresses (63 KB: recorded for what it
     endorses, under the 64 KiB bound): recording compared every address with every other
-    (quadratic: about 12 s of CPU per read, each variant reads it once); now both variants are
-    played well under the bound, and the document endorses nothing (a choice of several): the
+    (quadratic: both variants, one read each, took 8.4 s to play before); now they are played
+    well under the bound, and the document endorses nothing (a choice of several): the
     payment is held for the approver."""
     doc = "Invoice 12. Amount due: 84.20 EUR. Contacts: " + " ".join(f"{i:04d}@hh.co" for i in range(5800))
     assert len(doc) < 1 << 16
