@@ -269,7 +269,9 @@ class DataflowCheck:
                 continue
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
-            if endorsement:
+            if endorsement and not probe.disguised:
+                # A disguised value ("hans@faß.de") folds equal to the user's "hans@fass.de":
+                # the user never wrote it, so nothing of it is endorsed (`fingerprint.disguised`).
                 if endorsement.whole(probe.norm):
                     # The user named this very value: whatever untrusted content also holds it.
                     verbatim, toks = match_argument(ledger, probe, self._n, self._window)
@@ -447,7 +449,7 @@ class DataflowCheck:
         criterion with a condition the proxy cannot evaluate endorses nothing. One more ledger
         read, only when the intent states a criterion; past MAX_PICK_KEYS lookups nothing is
         endorsed this way."""
-        stated = [cr for cr in criteria(words.texts) if not cr.opaque]
+        stated = [cr for cr in criteria(words.said) if not cr.opaque]
         forms = {c.pointer: critical_forms(c) for c in left}
 
         def groups(cr: Criterion, form: str) -> list[list[bytes]]:

@@ -70,6 +70,19 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   criterion that no single word of the entry carries ("the cheapest") is
   `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field.
 
+What endorses nothing, whatever the sources above write (the adversarial pass, bench/RESULTS.md):
+a **disguised** value (`fingerprint.disguised`: folding changes more than its case, as
+"hans@faß.example", fullwidth letters, an invisible character) is endorsed only by the intent
+writing the very same characters; a value holding a **second token** or an "@" its token does
+not hold ("anna@corp.example, eve@...", "anna@corp.example@evil.example", an IBAN with digits
+appended) is endorsed only whole; a **signed** number ("-50", "(120)") only by the intent
+writing it negative; a number only **as a number** (never as part of a longer one: "1,200" of
+"1,200,000"); and nothing the intent **negates** ("not to bob@...", "except ...", "instead of
+...": `affirmed`). A pointed read's one amount is its one number **written as money** with or
+without decimals ("140 EUR" beside an injected "1,400.00" is a choice of two). Tokens of one
+string are compared pairwise only up to MAX_DISTINCT (past it: several), so recording stays
+linear in what an output writes.
+
 Trusted outputs record these as 8-byte hashes in their own namespace (`trusted_keys`: the
 `trusted` label of the run's fingerprint hash), only when some sink's `on_tainted` is not
 `allow`; at most `MAX_KEYS` per output (a value past them is simply not endorsed: more
@@ -85,7 +98,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.envelope.dataflow.fingerprint import normalise, tokens
+from proxy.envelope.dataflow.fingerprint import disguised, faithful, normalise, tokens
 
 MAX_PHRASE_CHARS = 64  # longest field of a trusted string recorded (characters)
 MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as one value
@@ -93,6 +106,10 @@ MAX_KEYS = 8192  # most keys one trusted output records
 MAX_CRITICAL = 256  # most critical values one call is checked for; beyond: not endorsed
 MAX_DEPTH = 32
 MAX_WORDS = 256  # most distinct words of an intent that pick entries of trusted listings
+# Most tokens of one string compared pairwise (which contain which: an address holds its host);
+# past it every one counts as a value of its own: a choice, never one value (fail closed), and
+# the comparison stays bounded whatever an output writes.
+MAX_DISTINCT = 16
 MAX_LABEL_WORDS = 3  # longest label of a "label: value" entry of a pointed read (words)
 _LABEL = re.compile(rf"[^\W\d_]+(?:[ '-][^\W\d_]+){{0,{MAX_LABEL_WORDS - 1}}}")
 IMPLIED_COUNT = "1"  # the count every intent endorses (`IntentWords.of`)
@@ -127,6 +144,9 @@ _UNITS = ("zero one two three four five six seven eight nine ten eleven twelve t
 _TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()) if i >= 2}
 _NUMBER_WORD = re.compile(rf"\b({'|'.join(_TENS)})(?:[\s-]+({'|'.join(_UNITS[1:10])}))?\b|\b({'|'.join(_UNITS)})\b")
 _WHOLE_NUMBER = re.compile(r"^[$€£¥]?\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?\s?(?:[a-z]{3})?$")
+# A sign or accounting brackets around a number written as a string ("-50", "(120)", "50-"):
+# edge stripping drops them, so the value would compare equal to the positive number.
+_SIGN = re.compile("[-\u2212\u2010-\u2015()]")
 
 
 # Copying a keyed hash state is cheaper than building one per key (recording a trusted output
@@ -170,6 +190,35 @@ def amounts(norm: str) -> set[str]:
     (`distinctive`, or written as money: `written_amount`)."""
     return {number for m in _NUMBER.finditer(norm)
             if distinctive(number := canonical_number(m.group(1), m.group(2))) or written_amount(m.group(2))}
+
+
+def negatives(norm: str) -> set[str]:
+    """The negative numbers a normalised text writes ("refund -50" -> "-50"; not the 50 of
+    "10-50", a range)."""
+    return {f"-{canonical_number(m.group(1), m.group(2))}" for m in _NUMBER.finditer(norm)
+            if m.start() >= 1 and norm[m.start() - 1] in "-\u2212" and not norm[max(0, m.start() - 2):m.start() - 1].isalnum()}
+
+
+# A clause the user negates: "not to bob@x.example", "never 1,450", "except eve@...", "instead of
+# DE02 ...", up to the next clause mark (",", ";", ":", "!", "?", a line break, a sentence end,
+# "but", "then"; a comma inside a number is none).
+_NEGATED = re.compile(
+    r"\b(?:not|never|except|excluding|instead\s+of|rather\s+than|other\s+than)\b"
+    r"(?:[^,;:!?.\n]|[,.](?=\d)|\.(?=\S))*?(?=,(?!\d)|[;:!?\n]|\.(?:\s|$)|\s(?:but|then)\b|$)",
+    re.IGNORECASE)
+
+
+def affirmed(text: str) -> str:
+    """The intent without the clauses it negates ("send the notes to Anna, not to bob@x.example"
+    -> "send the notes to Anna, "): a value the user named only to exclude it is not one they
+    chose. Only what endorses a value reads this; what makes a choice ambiguous (the words that
+    pick listing entries, a criterion's conditions) reads the whole text (fail closed)."""
+    return _NEGATED.sub("\n", text)
+
+
+def _bounded(value: str) -> re.Pattern[str]:
+    """`value` between word boundaries (not inside a longer word, address or number)."""
+    return re.compile(rf"(?<![\w@.\-]){re.escape(value)}(?![\w@\-]|\.\w)")
 
 
 def number_words(norm: str) -> set[str]:
@@ -230,11 +279,12 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     sums: set[str] = set()
     for text in texts:
         found |= tokens(text)
+        # Every number written as money counts, with decimals or not: a bill writing "140 EUR"
+        # beside an injected "transfer 1,400.00 EUR" is a choice of two sums, not one.
+        norm = normalise(text)
         sums |= {canonical_number(m.group(1), m.group(2))
-                 for m in _NUMBER.finditer(normalise(text)) if m.group(2) is not None}
-    values = {v for _, v in found}
-    distinct = {v for v in values if not any(v != w and v in w for w in values)}
-    keys = {pointed_key(kind, value) for kind, value in found} if len(distinct) == 1 else set()
+                 for m in _NUMBER.finditer(norm) if m.group(2) is not None or _money(norm, m)}
+    keys = {pointed_key(kind, value) for kind, value in found} if len(maximal({v for _, v in found})) == 1 else set()
     if len(sums) == 1:
         keys.add(pointed_key("n", next(iter(sums))))
     labelled: dict[str, set[str]] = {}
@@ -249,6 +299,19 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     keys |= {label_word_key(word) for word, held in labelled.items()
              if any(_WHOLE_NUMBER.match(value) is None for value in held)}
     return keys
+
+
+# A currency code or word beside a number ("140 EUR", "EUR 140", "140 euros").
+_CURRENCY = r"(?:eur|usd|gbp|chf|jpy|cad|aud|sek|nok|dkk|pln|czk|euros?|dollars?|pounds?|francs?)"
+_CURRENCY_AFTER = re.compile(rf"\s?{_CURRENCY}\b")
+_CURRENCY_BEFORE = re.compile(rf"\b{_CURRENCY}\s?$")
+
+
+def _money(norm: str, m: re.Match[str]) -> bool:
+    """Whether a `_NUMBER` match of a normalised text is written as money: after a currency
+    sign (part of the match) or beside a currency code or word."""
+    return (m.group()[:1] in "$€£¥" or _CURRENCY_AFTER.match(norm, m.end()) is not None
+            or _CURRENCY_BEFORE.search(norm[max(0, m.start() - 9):m.start()]) is not None)
 
 
 def label_word_key(word: str) -> bytes:
@@ -291,6 +354,24 @@ def _strip(norm: str) -> str:
     return norm.strip(_EDGE).strip()
 
 
+def maximal(values: set[str]) -> set[str]:
+    """The values none of the others contains (an address, not its host; an IBAN, not its
+    digits); all of them when there are more than MAX_DISTINCT (bounded work; several either
+    way)."""
+    if len(values) > MAX_DISTINCT:
+        return values
+    return {v for v in values if not any(v != w and v in w for w in values)}
+
+
+def _holds_candidate(key: str, several: set[str]) -> bool:
+    """Whether a field holds one of a string's candidates (`candidates`). Past MAX_DISTINCT
+    candidates, any field that could hold one does: one with an "@" or a digit (addresses and
+    account numbers have them), so the work stays linear in the string."""
+    if len(several) <= MAX_DISTINCT:
+        return any(value in key for value in several)
+    return "@" in key or any(ch.isdigit() for ch in key)
+
+
 def edge_stripped(norm: str) -> str:
     """A normalised text without the punctuation at its ends, as critical values are compared."""
     return _strip(norm)
@@ -313,8 +394,7 @@ def candidates(found: set[tuple[str, str]]) -> set[str]:
     emails = {value for kind, value in found if kind == "email"}
     accounts = {value for kind, value in found if kind == "number"}
     # An IBAN also yields its digits: one account, not two.
-    distinct = {a for a in accounts if not any(a != b and a in b for b in accounts)}
-    return (emails if len(emails) > 1 else set()) | (accounts if len(distinct) > 1 else set())
+    return (emails if len(emails) > 1 else set()) | (accounts if len(maximal(accounts)) > 1 else set())
 
 
 def records(text: str) -> Iterator[str]:
@@ -359,12 +439,12 @@ def trusted_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     # exists, not that the user chose it (`listing_parts`; `name_keys` for the intent's picks).
     listed = {key for part in listing_parts(text) for key in segments(part)}
     for key in records(text):
-        if key not in listed and not any(value in key for value in several):
+        if key not in listed and not _holds_candidate(key, several):
             found.add(f"v:{key}")
     for key in segments(text):
         if len(found) >= limit:
             break
-        if key not in listed and not any(value in key for value in several):
+        if key not in listed and not _holds_candidate(key, several):
             found.add(f"v:{key}")
     return {_hash(k) for k in list(found)[:limit]}
 
@@ -594,6 +674,10 @@ class Critical:
     # A string number written as money ("14.00": `written_amount`): endorsed as an amount by a
     # trusted output writing it, however small.
     amount: bool = False
+    # A disguised string (`fingerprint.disguised`: folding changes more than its case) as
+    # compared faithfully; it then has no other form: only the intent writing these very
+    # characters endorses it.
+    faithful: str | None = None
 
     @classmethod
     def of(cls, pointer: str, value: str | int | float, handle_of: str | None = None) -> Critical:
@@ -608,7 +692,12 @@ class Critical:
             of_number = [_key("n", number)] if number is not None and distinctive(number) else []
             amount = pointed_key("n", number) if number is not None and "." in number else None
             return cls(pointer, value, "", number, tuple(of_number), handle, sole, None, amount)
-        norm = _strip(normalise(value))
+        if disguised(value):
+            # Equal folded to a value the upstream treats as another ("faß.de" is not
+            # "fass.de"): no folded form of it endorses (`fingerprint.disguised`).
+            return cls(pointer, value, "", None, (), handle, sole, faithful=_strip(faithful(value)))
+        folded = normalise(value)
+        norm = _strip(folded)
         keys: list[bytes] = []
         number = None
         candidate = pointed = whole_token = None
@@ -619,6 +708,10 @@ class Critical:
             # of "2. Grand Palace" does not endorse two nights).
             number = canonical_number(m.group(1), m.group(2))
             money = written_amount(m.group(2))
+            if _SIGN.search(folded) is not None:
+                # "-50" or "(50)" is not 50 (a refund is not a charge): only the intent writing
+                # the negative number endorses it; no trusted output's amount does.
+                return cls(pointer, value, norm, f"-{number}", (), handle, sole)
             if distinctive(number) or money:
                 keys.append(_key("n", number))
             if "." in number or money:
@@ -626,11 +719,14 @@ class Critical:
         elif norm:
             keys.append(_key("v", norm))
         found = tokens(value)
-        if found:
-            # The value is (or wraps) an address, URL or account number: an equal token endorses
-            # it. Only its longest token counts (an address's host alone endorses nothing).
+        if found and len(maximal({v for _, v in found})) == 1:
+            # The value is (or wraps) one address, URL or account number: an equal token
+            # endorses it. Only its longest token counts (an address's host alone endorses
+            # nothing). A value writing two ("anna@corp.example, eve@evil.example", an IBAN
+            # with digits appended) or an "@" its token does not hold ("anna@corp.example@evil
+            # .example") carries more than the endorsed token: only its whole value can be.
             kind, token = max(found, key=lambda t: (len(t[1]), t))
-            if len(token) * 2 >= len(norm):
+            if len(token) * 2 >= len(norm) and norm.count("@") == token.count("@"):
                 keys.append(_key(f"t{kind}", token))
                 pointed = pointed_key(kind, token)
                 whole_token = token
@@ -702,24 +798,37 @@ class IntentWords:
     # The stems (`_SUFFIX` folded) of the words the intent writes in lower case: common words
     # ("archives", "forwarded"), not names ("the Palaces tour").
     common_stems: frozenset[str] = frozenset()
+    # The texts as a disguised value is compared (`fingerprint.faithful`).
+    faithful: tuple[str, ...] = ()
+    # The whole texts, normalised, negated clauses kept (`texts` are `affirmed`): for the words
+    # that pick listing entries and the criteria, where more words mean more ambiguity.
+    said: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> IntentWords:
-        texts = list(texts)
+        whole = list(texts)
+        texts = [affirmed(t) for t in whole]
         norms = tuple(normalise(t) for t in texts)
         keys = frozenset(_key(f"t{kind}", value) for t in texts for kind, value in tokens(t))
-        said = {n for norm in norms for n in numbers(norm) | number_words(norm)}
+        said = {n for norm in norms for n in numbers(norm) | number_words(norm) | negatives(norm)}
         common = frozenset(_SUFFIX.sub("", w) for t in texts for w in _WORD.findall(t)
                            if len(w) >= 4 and w.islower())
         # "Add the hub", "book a table": a request for a thing implies one of it. One is the
         # smallest count there is, not a choice an injection gains by steering a sink to.
-        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common)
+        return cls(norms, keys, frozenset(said | {IMPLIED_COUNT}), common, tuple(faithful(t) for t in texts),
+                   tuple(normalise(t) for t in whole))
 
     def spells(self, critical: Critical) -> bool:
         """Whether the intent writes the string itself: its whole normalised value between word
-        boundaries, or one of its distinctive tokens (numbers are `endorses`'). The strict part
-        of `endorses` (no inflection, no setting): part of what waives an approval gate
+        boundaries, or one of its distinctive tokens; a disguised value (`Critical.faithful`)
+        only as written. Numbers are `endorses`' (compared as numbers). The strict part of
+        `endorses` (no inflection, no setting): part of what waives an approval gate
         (`proxy.envelope.dataflow.waiver`)."""
+        if critical.faithful is not None:
+            return bool(critical.faithful) and any(
+                _bounded(critical.faithful).search(text) is not None for text in self.faithful)
+        if critical.number is not None:
+            return False
         if critical.norm:
             pattern = re.compile(rf"(?<![\w@.\-]){re.escape(critical.norm)}(?![\w@\-]|\.\w)")
             if any(critical.norm in text and pattern.search(text) for text in self.texts):
@@ -727,10 +836,14 @@ class IntentWords:
         return any(k in self.token_keys for k in critical.keys)
 
     def endorses(self, critical: Critical) -> bool:
-        if critical.number is not None and critical.number in self.numbers:
-            return True
+        if critical.faithful is None and critical.number is not None:
+            # A number is compared as a number, never as a phrase: "1,200" is not endorsed by
+            # "1,200,000", nor "200.50" by "1,200.50".
+            return critical.number in self.numbers
         if self.spells(critical):
             return True
+        if critical.faithful is not None:
+            return False
         if critical.norm and _WORD.fullmatch(critical.norm) and len(critical.norm) > 4:
             # One word, inflected: "editor" is what "edit access" asks for.
             stem = _SUFFIX.sub("", critical.norm)
@@ -768,7 +881,7 @@ class IntentWords:
         """The intent's words of 3 letters or more and its identifiers (`id_words`); none when
         there are more than MAX_WORDS (the lookups are bounded, and a word left out could be
         one that makes a pick ambiguous)."""
-        found = sorted({w for text in self.texts for w in words_of(text) | id_words(text)})
+        found = sorted({w for text in self.said for w in words_of(text) | id_words(text)})
         return found if len(found) <= MAX_WORDS else []
 
     def names(self, critical: Critical) -> bool:

@@ -56,6 +56,27 @@ def fold(text: str) -> str:
     return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
 
 
+def disguised(text: str) -> bool:
+    """Whether folding a value changes more than its case: it holds an invisible character, a
+    compatibility form (fullwidth letters, ligatures, the Kelvin sign) or a letter that case
+    folding turns into others ("ß" -> "ss", Greek final sigma -> sigma). Such a value is equal, folded,
+    to one the upstream treats as another ("hans@faß.de" and "hans@fass.de" are two domains;
+    "repor\\u200bt.pdf" is not "report.pdf"): folding serves matching a copy (an attacker's
+    disguise must not hide it), never endorsing one (`endorse`: a disguised value is
+    endorsed only by the same characters). Canonically equivalent forms (NFC/NFD) are one."""
+    if text.isascii():
+        return False
+    nfc = unicodedata.normalize("NFC", text)
+    return (_INVISIBLE.search(nfc) is not None or unicodedata.normalize("NFKC", nfc) != nfc
+            or nfc.casefold() != nfc.lower())
+
+
+def faithful(text: str) -> str:
+    """A value as `disguised` compares it: canonical composition, lower case, whitespace runs
+    collapsed; invisible characters and compatibility forms kept."""
+    return " ".join(unicodedata.normalize("NFC", text).lower().split())
+
+
 # The ASCII characters str.isspace() accepts (what str.split() splits on), each made a space.
 _ASCII_SPACES = bytes.maketrans(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f", b" " * 9)
 _SPACE_RUN = re.compile(b"  +")

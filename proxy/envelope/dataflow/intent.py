@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from proxy.envelope.dataflow.endorse import affirmed
 from proxy.envelope.dataflow.fingerprint import (
     collapse,
     fold,
@@ -130,7 +131,8 @@ class Endorsement:
         toks: set[bytes] = set()
         grams: set[bytes] = set()
         for text in texts:
-            low = fold(text)  # folded once, for the grams and the tokens
+            # A value the user named only to exclude it ("not to bob@x.example") is not endorsed.
+            low = fold(affirmed(text))  # folded once, for the grams and the tokens
             norm = collapse(low)
             norms.append(norm)
             toks.update(token_hash(kind, value) for kind, value in folded_tokens(low))

@@ -9,6 +9,7 @@ from typing import Any
 from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     collapse,
+    disguised,
     fold,
     folded_tokens,
     gram_hashes,
@@ -146,6 +147,9 @@ class Probe:
     # whole (at least `min_value` characters, at most 4 words, shorter than min_match).
     value: str | None = None
     value_hash: bytes | None = None
+    # Folding changed more than its case (`fingerprint.disguised`): the intent's folded words
+    # must not endorse it (matching it against untrusted content still folds).
+    disguised: bool = False
 
     @classmethod
     def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW,
@@ -162,7 +166,7 @@ class Probe:
             key = None
         return cls(norm, gram_hashes(norm, n, window),
                    [(k, v, token_hash(k, v)) for k, v in sorted(folded_tokens(low))], gram_length(n, window),
-                   value=key, value_hash=None if key is None else phrase_hash(key))
+                   value=key, value_hash=None if key is None else phrase_hash(key), disguised=disguised(text))
 
     def fields(self) -> Iterator[bytes]:
         if self.value_hash is not None:
