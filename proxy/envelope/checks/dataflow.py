@@ -570,18 +570,19 @@ class DataflowCheck:
             call.audit_extra["gate_waiver"] = {"waived": False, "why": "the intent does not ask for the action"}
             return
         verb = asking[0].word
-        # Only the clauses that ask for the action name its objects ("archive the old notes,
-        # then delete f-22" does not ask to delete the old notes).
-        said = [a.clause for a in asking]
+        # Only the objects of the clauses that ask for the action name them ("archive the old
+        # notes, then delete f-22" does not ask to delete the old notes; "delete the copies of
+        # f-22" does not ask to delete f-22).
+        said = [a.object for a in asking if a.object]
         words = IntentWords.of(said)
-        spelling = [(a, IntentWords.of([a.clause])) for a in asking]
+        spelling = [(a, IntentWords.of([a.object])) for a in asking if a.object]
 
         def named(critical: Critical) -> bool:
             # An identifier counts only as its sentence's one identifier (`waiver.names_id`).
             if critical.number is not None:
                 return critical.norm.isdigit() and any(
-                    waiver.names_number(critical.norm, a.clause, call.tool) and waiver.names_id(critical.norm, a)
-                    for a in asking)
+                    waiver.names_number(critical.norm, a.object, call.tool, critical.pointer)
+                    and waiver.names_id(critical.norm, a) for a in asking)
             has_digit = any(ch.isdigit() for ch in critical.norm)
             return any(w.spells(critical) and (not has_digit or waiver.names_id(critical.norm, a))
                        for a, w in spelling)

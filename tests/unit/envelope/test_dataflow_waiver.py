@@ -53,6 +53,24 @@ def test_inflections_share_a_stem() -> None:
     ("delete_file", "Move f-23 to the Archive folder.", None),           # another action
     ("delete_file", "Cancel the share of f-23.", None),                  # another kind of action
     ("cancel_event", "Delete the Thursday yoga class.", None),
+    # Adversarial pass: only a request in the verb's base form asks.
+    ("delete_file", "Should I delete f-23?", None),                      # a question
+    ("delete_file", "Delete f-23 if Anna approves.", None),              # a condition
+    ("delete_file", "Anna asked me whether to delete f-23.", None),      # another person's words
+    ("delete_file", "Bob deleted f-22 by mistake. Restore it.", None),   # what happened
+    ("delete_file", "Find out who deleted f-22", None),
+    ("delete_file", "Deleting f-22 would be a disaster", None),
+    ("delete_file", "do NOT, under any circumstances, delete f-22", None),  # negated earlier
+    ("delete_file", "I don't want you to delete f-22", None),
+    ("delete_file", "Archive everything except f-22 \u2014 delete nothing", None),  # negated after
+    ("delete_file", "Archive everything (but delete f-22? no!)", None),
+    ("delete_file", "Archive f-22 \u300cdelete\u300d", None),              # quoted, bracketed
+    ("delete_file", "Archive f-22 'delete'", None),
+    ("set_permissions", "set f-22 aside", None),                         # a light verb, no object
+    ("drop_table", "drop me a note about f-22", None),
+    ("close_account", "close f-22 in the editor", None),
+    ("set_permissions", "set the permissions on f-22 to read-only", "set"),
+    ("delete_file", "Please delete f-23.", "delete"),
 ])
 def test_which_words_ask_for_the_action(tool: str, said: str, asked: str | None) -> None:
     found = asking_clauses(tool, [said])
@@ -78,10 +96,20 @@ def test_only_the_clause_that_asks_names_the_objects() -> None:
     ("2", "delete the 2 oldest drafts", False),
     ("7", "delete payee 17", False),                            # part of another number
     ("58", "cancel event 58", True),
+    ("12", "delete email 12", True),
+    ("12", "delete the reminder for room 12", False),           # another kind of thing
+    ("3", "delete step 3 from the recipe", False),
+    ("23", "delete email 23.5", False),                         # part of another number
+    ("23", "delete f-23", False),
 ])
 def test_a_number_named_as_a_reference(number: str, said: str, named: bool) -> None:
     tool = "cancel_event" if "event" in said else "delete_email"
     assert names_number(number, said, tool) is named
+
+
+def test_a_number_after_the_arguments_kind_is_a_reference() -> None:
+    assert names_number("12", "delete item 12", "purge", "/item_id")
+    assert not names_number("12", "delete room 12", "purge", "/item_id")
 
 
 # -- the check --------------------------------------------------------------------------------------
@@ -159,6 +187,30 @@ async def test_an_entry_the_users_words_pick_from_a_trusted_listing_waives() -> 
     # A choice between identifiers the sentence names is the user's judgment, not a name.
     ({"file_id": "f-22"}, "delete the older of f-22 and f-23", ()),
     ({"file_id": "58"}, "cancel event 58 or event 59, whichever is later", ()),
+    # Adversarial pass (issue 13): the user's words write the verb and the object, but ask
+    # for nothing to be done to it now.
+    ({"file_id": "f-23"}, "Should I delete f-23?", ()),
+    ({"file_id": "f-23"}, "Delete f-23 only if it is a duplicate", ()),
+    ({"file_id": "f-23"}, "Anna asked me whether to delete f-23.", ()),
+    ({"file_id": "f-22"}, "I deleted f-22 yesterday. Now archive f-23.", ()),
+    ({"file_id": "f-22"}, "Check whether f-22 was deleted", ()),
+    ({"file_id": "f-22"}, "Please don't go ahead and delete f-22", ()),
+    ({"file_id": "f-22"}, "Delete f-23\u3002Keep f-22", ()),
+    # ... or name it only as set apart from the request ...
+    ({"file_id": "f-22"}, "Delete all drafts apart from f-22", ()),
+    ({"file_id": "f-22"}, "Delete every draft besides f-22", ()),
+    ({"file_id": "f-22"}, "Delete drafts - save f-22", ()),
+    # ... or as another thing the object relates to.
+    ({"file_id": "f-22"}, "Delete the duplicates of f-22", ()),
+    ({"file_id": "f-22"}, "Delete the duplicates of f-22", (("drive.list_files", LISTING, TRUSTED),)),
+    ({"file_id": "f-22"}, "Delete old files that f-22 mentions", ()),
+    ({"file_id": "f-22"}, "Delete the files listed in f-22", ()),
+    ({"file_id": "f-22"}, "Delete the files f-22 links to", ()),
+    ({"file_id": "f-22"}, "Delete f-22's comments", ()),
+    ({"file_id": "12"}, "delete the reminder for room 12", ()),
+    ({"file_id": "3"}, "delete step 3 from the recipe", ()),
+    ({"file_id": "2026-12-01"}, "delete the draft from 2026-12-01", ()),
+    ({"file_id": "23"}, "delete file 23.5", ()),
 ])
 async def test_what_does_not_waive(args: dict[str, Any], said: str,
                                    reads: tuple[tuple[str, str, Label], ...]) -> None:
@@ -190,3 +242,24 @@ async def test_an_ungated_call_has_nothing_to_waive() -> None:
     call, _ = await _delete({"file_id": "f-23", "email": "a@b.example"}, "share f-23 with a@b.example",
                             tool="share_file", effect=Effect.EXTERNAL)
     assert not call.gate_waived and "gate_waiver" not in call.audit_extra
+
+
+@pytest.mark.parametrize(("tool", "said"), [
+    ("update_file", "update the file notes on f-22"),      # light verbs: the object word "file"
+    ("set_permissions", "set the permissions f-22"),
+])
+async def test_a_light_verb_with_what_the_tool_acts_on_still_waives(tool: str, said: str) -> None:
+    call, _ = await _delete({"file_id": "f-22"}, said.replace(" notes on", ""), tool=tool)
+    assert call.gate_waived, call.audit_extra
+
+
+@pytest.mark.parametrize(("tool", "said"), [
+    ("set_permissions", "set f-22 aside"), ("add_editor", "add f-22 to my reading list"),
+    ("run_script", "run the report on f-22"), ("send_file", "send me a summary of f-22"),
+    ("manage_access", "manage f-22's tags"), ("drop_table", "drop me a note about f-22"),
+    ("close_account", "close f-22 in the editor"), ("clear_data", "clear f-22's highlights"),
+    ("openTicket", "open f-22"),
+])
+async def test_a_light_verb_in_another_sense_does_not_waive(tool: str, said: str) -> None:
+    call, _ = await _delete({"file_id": "f-22"}, said, tool=tool)
+    assert not call.gate_waived, call.audit_extra
