@@ -13,9 +13,10 @@ framework: `proxy.envelope.dataflow.intent`) asks for the call on its own:
   yesterday", "who deleted f-22", "the deleted items" tell what happened, they ask nothing),
   with no negation before it in its sentence ("do NOT, under any circumstances, delete f-22",
   "I don't want you to delete f-22") nor after it in its clause ("delete nothing"), in a
-  sentence that is a request: not a question, a condition or another person's words ("should
-  I delete f-23?", "delete f-23 if it is a duplicate", "Anna asked me whether to delete f-23":
-  whether the condition holds is what an injection can assert). A light verb ("set", "add",
+  sentence that is a request: no condition anywhere in it ("delete f-23 if it is a duplicate":
+  whether it holds is what an injection can assert), not a question, and no other person's
+  words or guess before the verb or in its clause ("should I delete f-23", "Anna asked me
+  whether to delete f-23"; the user's reason after it, "the seller says ...", is not one). A light verb ("set", "add",
   "send", "run", "drop", "close", "update": `LIGHT_VERBS`) asks only in a clause that also
   writes what the tool acts on ("drop me a note" is not `drop_table`). Another verb does not
   ask ("remove bob from #general" does not ask `delete_user` to delete bob's account);
@@ -60,14 +61,18 @@ NEGATIONS = frozenset({
 })
 # Words that make a sentence something other than the user asking for the action now: a
 # condition the agent would judge ("delete f-23 if it is a duplicate": the attacker's text can
-# say it is), a question ("should I delete f-23?"), another person's words ("Anna asked me
-# whether to delete f-23"), a guess. The judgment stays a person's: the gate holds.
-NOT_A_REQUEST = frozenset({
+# say it is), anywhere in the sentence ...
+CONDITIONS = frozenset({
     "if", "whether", "unless", "when", "whenever", "once", "provided", "assuming", "suppose",
-    "supposing", "case", "maybe", "perhaps", "might", "should", "would", "could", "who", "whom",
-    "whose", "why", "how", "what", "whatever", "whichever", "whoever", "asked", "asks", "said",
-    "says", "told", "tells", "suggested", "suggests", "wonder", "wondering", "think", "thinks",
-    "according", "depending",
+    "supposing", "case", "depending",
+})
+# ... and, before the verb or in its clause, a question, another person's words or a guess
+# ("should I delete f-23", "Anna asked me to delete f-23", "who deleted f-22"); the user's
+# reason after the request ("cancel order 31, the seller says it is out of stock") is not one.
+NOT_A_REQUEST = frozenset({
+    "maybe", "perhaps", "might", "should", "would", "could", "who", "whom", "whose", "why",
+    "how", "what", "whatever", "whichever", "whoever", "asked", "asks", "said", "says", "told",
+    "tells", "suggested", "suggests", "wonder", "wondering", "think", "thinks", "according",
 })
 # Words after the verb that end its object: what follows is another thing the object relates to
 # ("delete the copies of f-22", "the files listed in f-22", "the notes that f-22 mentions").
@@ -237,7 +242,7 @@ def asking_clauses(tool: str, texts: Iterable[str]) -> list[Asking]:
     for text in texts:
         for sentence, question in _sentences(text):
             words = [w.casefold() for w in _WORDS.findall(sentence)]
-            if question or NOT_A_REQUEST & set(words):
+            if question or CONDITIONS & set(words):
                 continue
             ids = frozenset(m.group(0).casefold() for m in _ID.finditer(sentence))
             for start, clause in _clauses(sentence):
@@ -251,7 +256,7 @@ def asking_clauses(tool: str, texts: Iterable[str]) -> list[Asking]:
                     at, end = start + m.start(), start + m.end()
                     quoted = (at > 0 and sentence[at - 1] in _QUOTES) or \
                         (end < len(sentence) and sentence[end] in _QUOTES)
-                    if quoted or NEGATIONS & (before | set(said)):
+                    if quoted or (NEGATIONS | NOT_A_REQUEST) & (before | set(said)):
                         continue
                     if verb in LIGHT_VERBS and not objects & {stem(w) for w in said[i + 1:]}:
                         continue

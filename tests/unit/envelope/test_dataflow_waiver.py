@@ -71,6 +71,8 @@ def test_inflections_share_a_stem() -> None:
     ("close_account", "close f-22 in the editor", None),
     ("set_permissions", "set the permissions on f-22 to read-only", "set"),
     ("delete_file", "Please delete f-23.", "delete"),
+    # The user's reason after the request is not another person's words.
+    ("cancel_order", "cancel order 31, the seller says the throw is out of stock anyway", "cancel"),
 ])
 def test_which_words_ask_for_the_action(tool: str, said: str, asked: str | None) -> None:
     found = asking_clauses(tool, [said])
@@ -250,6 +252,12 @@ async def test_an_ungated_call_has_nothing_to_waive() -> None:
 ])
 async def test_a_light_verb_with_what_the_tool_acts_on_still_waives(tool: str, said: str) -> None:
     call, _ = await _delete({"file_id": "f-22"}, said.replace(" notes on", ""), tool=tool)
+    assert call.gate_waived, call.audit_extra
+
+
+async def test_a_request_with_the_users_reason_after_it_waives() -> None:
+    call, _ = await _delete({"order_id": "31"}, "cancel order 31, the seller says it is out of stock anyway",
+                            tool="cancel_order")
     assert call.gate_waived, call.audit_extra
 
 
