@@ -90,6 +90,7 @@ LIGHT_VERBS = frozenset({
     "move", "open", "patch", "perform", "post", "process", "push", "put", "reset", "run",
     "send", "set", "start", "submit", "take", "trigger", "update", "use", "write",
 })
+_KIND_REACH = 64  # characters before a bare number where the word naming its kind is looked for
 # Words before a bare number that say it is an identifier whatever the kind of thing.
 _ID_WORDS = frozenset({"id", "no", "number", "num", "ref", "reference"})
 # Before a bare number, words that make it a count or an ordinal, not a reference to one object.
@@ -245,8 +246,11 @@ def asking_clauses(tool: str, texts: Iterable[str]) -> list[Asking]:
             if question or CONDITIONS & set(words):
                 continue
             ids = frozenset(m.group(0).casefold() for m in _ID.finditer(sentence))
+            before: set[str] = set()  # the sentence's words before this clause (kept as it goes: linear)
+            upto = 0
             for start, clause in _clauses(sentence):
-                before = {w.casefold() for w in _WORDS.findall(sentence[:start])}
+                before.update(w.casefold() for w in _WORDS.findall(sentence, upto, start))
+                upto = start
                 matches = list(_WORDS.finditer(clause))
                 said = [m.group(0).casefold() for m in matches]
                 for i, m in enumerate(matches):
@@ -286,8 +290,13 @@ def names_number(number: str, clause: str, tool: str, argument: str = "") -> boo
     for m in re.finditer(rf"(?<![\w.,-]){re.escape(number)}(?![\w-]|[.,]\d)", clause):
         if m.start() > 0 and clause[m.start() - 1] == "#":
             return True
-        before = [w.casefold() for w in _WORDS.findall(clause[:m.start()])]
-        if before and before[-1].isalpha() and before[-1] not in _NOT_A_KIND \
-                and (before[-1] in _ID_WORDS or stem(before[-1]) in kinds):
+        # The word right before it, looked for in a bounded window (linear in the clause
+        # however many times it writes the number); a word the window cuts is no kind word.
+        start = max(0, m.start() - _KIND_REACH)
+        before = list(_WORDS.finditer(clause, start, m.start()))
+        if not before or (before[-1].start() == start and start > 0):
+            continue
+        word = before[-1].group(0).casefold()
+        if word.isalpha() and word not in _NOT_A_KIND and (word in _ID_WORDS or stem(word) in kinds):
             return True
     return False

@@ -282,3 +282,14 @@ async def test_a_tools_own_approval_required_is_waived_only_by_its_own_entry() -
     call, _ = await _delete({"file_id": "f-23"}, "purge f-23", tool="purge_file",
                             waive={"default": "never", "drive.purge_file": "intent"})
     assert call.gate_waived, call.audit_extra
+
+
+def test_reading_a_long_intent_is_linear() -> None:
+    """An intent of 16 KiB that writes a number thousands of times, or thousands of clauses,
+    is read in well under a second (looking for the word before each number in the whole
+    clause before it would take about 10 s for this one)."""
+    import time
+    started = time.perf_counter()
+    assert not names_number("23", "delete the " + "23 " * 5300, "delete_file", "/file_id")
+    assert len(asking_clauses("delete_file", ["delete a, " * 1600])) == 1600
+    assert time.perf_counter() - started < 2.0
