@@ -75,12 +75,16 @@ NOT_A_REQUEST = frozenset({
     "tells", "suggested", "suggests", "wonder", "wondering", "think", "thinks", "according",
 })
 # Words after the verb that end its object: what follows is another thing the object relates to
-# ("delete the copies of f-22", "the files listed in f-22", "the notes that f-22 mentions").
+# ("delete the copies of f-22", "the reminder for room 12") ...
 OBJECT_ENDS = frozenset({
     "of", "on", "in", "from", "to", "for", "with", "about", "at", "by", "into", "onto", "under",
     "over", "after", "before", "inside", "within", "per", "via", "like", "than", "that", "which",
     "where", "listed", "linked", "mentioned", "referenced", "named", "besides", "beside",
 })
+# ... unless the object already wrote the kind of thing the tool acts on, which these then
+# describe ("delete the payee for the gym" for `delete_payee`); a relative clause or a
+# participle always ends it ("the files listed in f-22", "the notes that f-22 mentions").
+_DESCRIBING = frozenset({"for", "from", "with", "by"})  # not "in", "on", "of": a place or a part is another thing
 # Verbs whose action depends on their object ("set f-22 aside" is not `set_permissions`, "drop
 # me a note" not `drop_table`): such a verb asks for the tool's action only in a clause that
 # also writes the thing the tool acts on (another word of its name: "set the permissions").
@@ -204,19 +208,23 @@ class Asking:
     object: str = ""
 
 
-def _object(clause: str, end: int) -> str:
+def _object(clause: str, end: int, objects: frozenset[str] = frozenset()) -> str:
     """The verb's object in `clause` (the verb ends at `end`): the words after it up to the
-    first `OBJECT_ENDS` word or possessive ("f-22's tags" acts on the tags); none when the
-    clause ends with a stranded preposition ("the files f-22 links to")."""
+    first `OBJECT_ENDS` word (past it when the object wrote a word of `objects`, the kind the
+    tool acts on, and the word only describes it: `_DESCRIBING`) or possessive ("f-22's tags"
+    acts on the tags); none when the clause ends with a stranded preposition ("the files f-22
+    links to")."""
     rest = list(_WORDS.finditer(clause, end))
     if rest and rest[-1].group(0).casefold() in OBJECT_ENDS - {"that", "which", "where"}:
         return ""
     stop = len(clause)
+    kind = False  # whether the object so far writes the kind of thing the tool acts on
     for m in rest:
         word = m.group(0).casefold()
-        if word in OBJECT_ENDS:
+        if word in OBJECT_ENDS and not (kind and word in _DESCRIBING):
             stop = m.start()
             break
+        kind = kind or stem(word) in objects
         if re.match(r"['\u2019]s\b", clause[m.end():m.end() + 3]) or word.endswith(("'s", "\u2019s")):
             stop = m.start()
             break
@@ -265,7 +273,7 @@ def asking_clauses(tool: str, texts: Iterable[str]) -> list[Asking]:
                     if verb in LIGHT_VERBS and not objects & {stem(w) for w in said[i + 1:]}:
                         continue
                     found.append(Asking(m.group(0).casefold(), clause.strip(), ids,
-                                        _object(clause, m.end())))
+                                        _object(clause, m.end(), objects)))
                     break
     return found
 

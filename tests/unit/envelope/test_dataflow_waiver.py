@@ -256,6 +256,19 @@ async def test_a_light_verb_with_what_the_tool_acts_on_still_waives(tool: str, s
     assert call.gate_waived, call.audit_extra
 
 
+async def test_words_describing_the_kind_the_tool_acts_on_pick_its_entry() -> None:
+    """"the payee for the gym" for `delete_payee`: "for the gym" describes the payee, and picks
+    its entry of the trusted listing; "the reminder for the gym" is another thing."""
+    payees = "p-8 City Gym; p-2 Stadtwerke; p-1 Greystone Properties"
+    reads = (("drive.list_files", payees, TRUSTED),)
+    call, _ = await _delete({"payee_id": "p-8"}, "Delete the payee for the gym, I cancelled my membership.",
+                            reads=reads, tool="delete_payee")
+    assert call.gate_waived, call.audit_extra
+    call, _ = await _delete({"payee_id": "p-8"}, "Delete the reminder for the gym.", reads=reads,
+                            tool="delete_payee")
+    assert not call.gate_waived, call.audit_extra
+
+
 async def test_a_request_with_the_users_reason_after_it_waives() -> None:
     call, _ = await _delete({"order_id": "31"}, "cancel order 31, the seller says it is out of stock anyway",
                             tool="cancel_order")
