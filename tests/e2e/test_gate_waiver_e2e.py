@@ -35,6 +35,7 @@ def _policy(directory: Path) -> Path:
             "mail.fetch_page": {"effect": "read"},
             "mail.read_message": {"effect": "read"},
             "mail.trash": {"effect": "read", "output": "trusted"},
+            "mail.list_folder": {"effect": "read", "output": "trusted"},
             "mail.delete_message": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
             "mail.reply": {"effect": "external", "approval": {"required": True, "wait": "0s"}},
         },
@@ -187,3 +188,27 @@ async def test_words_that_ask_for_nothing_do_not_open_the_gate_to_an_injection(p
     [rec] = _records(proxy, run, "delete_message")
     assert "gate_waived" not in rec["extra"] and rec["extra"]["gate_waiver"]["waived"] is False, rec["extra"]
     assert len(_pending(proxy, run)) == 1
+
+
+async def test_words_that_pick_an_entry_in_each_of_two_listings_pick_none(proxy: ProxyProcess) -> None:
+    """Adversarial pass (issue 13): "Delete the Acme newsletter" picks m-401 of the inbox, and
+    the attacker's m-409 of promotions (its own listing, where it is the one Acme newsletter).
+    The page says to delete m-409: the gate holds it (before the fix it was waived), and holds
+    m-401 too (which one the user meant is a person's call); with the inbox alone, m-401 is
+    the user's pick and waived."""
+    said = "Delete the Acme newsletter."
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "list_folder", {"folder": "inbox"}, intent=said)
+    await _call(proxy, run, "list_folder", {"folder": "promotions"})
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    for target in ("m-409", "m-401"):
+        refused, decision = await _call(proxy, run, "delete_message", {"message_id": target})
+        assert refused and decision["code"] == "approval_pending", (target, decision)
+        assert target not in await _trash(proxy)
+    assert all("gate_waived" not in r["extra"] for r in _records(proxy, run, "delete_message"))
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "list_folder", {"folder": "inbox"}, intent=said)
+    refused, decision = await _call(proxy, run, "delete_message", {"message_id": "m-401"})
+    assert not refused, decision
+    [rec] = _records(proxy, run, "delete_message")
+    assert rec["extra"]["gate_waived"]["endorsed"][0]["by"] == "intent+trusted_listing", rec["extra"]

@@ -286,6 +286,38 @@ async def test_a_light_verb_in_another_sense_does_not_waive(tool: str, said: str
     assert not call.gate_waived, call.audit_extra
 
 
+INBOX = "m-1 Acme newsletter, Nov; m-2 invoice from Bolt"
+PROMOTIONS = "m-9 Acme newsletter special; m-3 lunch with Dana"  # the attacker's m-9
+HOTELS_A, HOTELS_B = "Hotel Tejo Mar; Hotel Aurora", "Tejo Mar Annex; Casa Azul"  # names, no values
+
+
+@pytest.mark.parametrize(("value", "listings", "waived"), [
+    ("m-1", (INBOX,), True),                  # the one entry the words pick
+    ("m-1", (INBOX, INBOX), True),            # the same entry listed twice
+    ("m-9", (INBOX, PROMOTIONS), False),      # one entry in each of two listings: neither
+    ("m-1", (INBOX, PROMOTIONS), False),
+    ("m-9", (PROMOTIONS, INBOX), False),
+])
+async def test_words_that_pick_an_entry_in_each_of_two_listings_pick_none(
+        value: str, listings: tuple[str, ...], waived: bool) -> None:
+    reads = tuple(("drive.list_files", text, TRUSTED) for text in listings)
+    call, _ = await _delete({"file_id": value}, "delete the Acme newsletter", reads=reads)
+    assert call.gate_waived is waived, call.audit_extra
+
+
+@pytest.mark.parametrize(("value", "listings", "waived"), [
+    ("Tejo Mar Annex", (HOTELS_B,), True),
+    ("Tejo Mar Annex", (HOTELS_A, HOTELS_B), False),
+    ("Hotel Tejo Mar", (HOTELS_A, HOTELS_B), False),
+])
+async def test_a_name_picked_in_each_of_two_listings_is_picked_by_neither(
+        value: str, listings: tuple[str, ...], waived: bool) -> None:
+    """The name path (a listed name, not an id): "the Tejo Mar" picks an entry of each."""
+    reads = tuple(("drive.list_files", text, TRUSTED) for text in listings)
+    call, _ = await _delete({"name": value}, "delete the Tejo Mar", reads=reads)
+    assert call.gate_waived is waived, call.audit_extra
+
+
 def test_reading_a_long_intent_is_linear() -> None:
     """An intent of 16 KiB that writes a number thousands of times, or thousands of clauses,
     is read in well under a second (looking for the word before each number in the whole
