@@ -32,8 +32,9 @@ framework: `proxy.envelope.dataflow.intent`) asks for the call on its own:
   `cancel_event`, "order #31"; not another kind: "room 12" for `delete_item`; not a count:
   "the 12 spam mails", "delete 12"), an identifier (a word with a digit) only when it is the one identifier
   its sentence writes ("delete the older of f-22 and f-23" leaves the choice to a person), an address whose owner the intent names and a trusted listing holds,
-  or the one entry of a trusted listing the intent's words pick ("the file called 'old notes'")
-  or its criterion picks ("the oldest draft"). Trusted outputs, handles and pointed reads,
+  or the one entry of a trusted listing the intent's words pick ("the file called 'old notes'";
+  words that pick one entry in each of two listings of the run pick neither: the attacker's
+  mail may be the one of its folder) or its criterion picks ("the oldest draft"). Trusted outputs, handles and pointed reads,
   which endorse a tainted run's sink, do not waive a gate: they say the value exists, not that
   the user asked for this to be done to it.
 
