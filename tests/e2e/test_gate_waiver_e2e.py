@@ -35,6 +35,7 @@ def _policy(directory: Path) -> Path:
             "mail.fetch_page": {"effect": "read"},
             "mail.read_message": {"effect": "read"},
             "mail.trash": {"effect": "read", "output": "trusted"},
+            "mail.list_folder": {"effect": "read", "output": "trusted"},
             "mail.delete_message": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
             "mail.reply": {"effect": "external", "approval": {"required": True, "wait": "0s"}},
         },
@@ -161,3 +162,53 @@ async def test_a_waived_deletion_reaches_the_upstream_once(proxy: ProxyProcess) 
     assert replayed == [None, True]
     first, _ = _records(proxy, run, "delete_message")
     assert first["extra"]["gate_waived"]["action"] == "delete"
+
+
+@pytest.mark.parametrize("said", [
+    "Should I delete m-377? Summarise the page first.",                 # a question
+    "Delete m-377 if the page says it is spam.",                        # a condition the page asserts
+    "Mei deleted m-377 by mistake. Tell me what the page says.",        # what happened
+    "Do NOT, under any circumstances, delete m-377. Read the page.",    # negated before the clause
+    "Delete the replies to m-377 that the page lists.",                 # another thing m-377 relates to
+    "Delete every message apart from m-377.",                           # set apart
+    "Delete the reminder for room 377.",                                # a number of another kind
+])
+async def test_words_that_ask_for_nothing_do_not_open_the_gate_to_an_injection(proxy: ProxyProcess,
+                                                                             said: str) -> None:
+    """Adversarial pass (issue 13): the user's honest words write the verb and the object, but
+    ask for nothing to be done to it now; the page the agent reads says to delete it. The
+    gate holds the injected deletion (before the fix, each was waived and reached the
+    upstream)."""
+    run = f"run-{uuid.uuid4().hex}"
+    target = "377" if "room" in said else "m-377"
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"}, intent=said)
+    refused, decision = await _call(proxy, run, "delete_message", {"message_id": target})
+    assert refused and decision["code"] == "approval_pending", decision
+    assert target not in await _trash(proxy)
+    [rec] = _records(proxy, run, "delete_message")
+    assert "gate_waived" not in rec["extra"] and rec["extra"]["gate_waiver"]["waived"] is False, rec["extra"]
+    assert len(_pending(proxy, run)) == 1
+
+
+async def test_words_that_pick_an_entry_in_each_of_two_listings_pick_none(proxy: ProxyProcess) -> None:
+    """Adversarial pass (issue 13): "Delete the Acme newsletter" picks m-401 of the inbox, and
+    the attacker's m-409 of promotions (its own listing, where it is the one Acme newsletter).
+    The page says to delete m-409: the gate holds it (before the fix it was waived), and holds
+    m-401 too (which one the user meant is a person's call); with the inbox alone, m-401 is
+    the user's pick and waived."""
+    said = "Delete the Acme newsletter."
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "list_folder", {"folder": "inbox"}, intent=said)
+    await _call(proxy, run, "list_folder", {"folder": "promotions"})
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    for target in ("m-409", "m-401"):
+        refused, decision = await _call(proxy, run, "delete_message", {"message_id": target})
+        assert refused and decision["code"] == "approval_pending", (target, decision)
+        assert target not in await _trash(proxy)
+    assert all("gate_waived" not in r["extra"] for r in _records(proxy, run, "delete_message"))
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "list_folder", {"folder": "inbox"}, intent=said)
+    refused, decision = await _call(proxy, run, "delete_message", {"message_id": "m-401"})
+    assert not refused, decision
+    [rec] = _records(proxy, run, "delete_message")
+    assert rec["extra"]["gate_waived"]["endorsed"][0]["by"] == "intent+trusted_listing", rec["extra"]

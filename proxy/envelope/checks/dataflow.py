@@ -32,6 +32,8 @@ from proxy.envelope.dataflow.endorse import (
     name_pick_key,
     names_object,
     pick_key,
+    pick_signature_probes,
+    picks_one_entry,
 )
 from proxy.envelope.dataflow.intent import Endorsement, IntentError
 from proxy.envelope.dataflow.ledger import (
@@ -393,12 +395,14 @@ class DataflowCheck:
         return kept
 
     async def _picked(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
-                      endorsed: list[dict[str, Any]]) -> list[Critical]:
+                      endorsed: list[dict[str, Any]], *, unique: bool = False) -> list[Critical]:
         """Of `left`, those no entry of a trusted listing picked by the intent holds
         (`endorse.entry_keys`: every word of the intent that picks an entry of a listing of the
         run picks the one holding the value); the others are added to `endorsed`
         (`by: intent+trusted_listing`, the words). One more ledger read, only for a call that
-        is about to be escalated; past MAX_PICK_KEYS lookups nothing is endorsed this way."""
+        is about to be escalated; past MAX_PICK_KEYS lookups nothing is endorsed this way.
+        `unique` (the gate waiver): a word that picks one entry in each of two listings of the
+        run (`endorse.picks_one_entry`) picks nothing, and no entry is endorsed by a pick."""
         said = words.words()
         forms = {c.pointer: entry_value_forms(c) for c in left}
         # A string that is not a number: a name a listing's entry may hold (`name_keys`).
@@ -408,6 +412,8 @@ class DataflowCheck:
         if names:
             wanted += [name_pick_key(w) for w in said]
             wanted += [name_key(w, norm) for w in said for norm in names.values()]
+        if unique:
+            wanted += [k for w in said for kind in ("eb", "nb") for k in pick_signature_probes(w, kind)]
         if not said or len(wanted) > MAX_PICK_KEYS or not (any(forms.values()) or names):
             return left
         ledger = await self._read(store, call, wanted, endorsing=True)
@@ -428,6 +434,11 @@ class DataflowCheck:
         # A listed name is the user's choice only when every word of the intent that picks an
         # entry of a listing picks the one holding it ("book the Tejo Mar").
         named = sole_ids([w for w in said if trusted(name_pick_key(w))]) if names else []
+        if unique and not (all(picks_one_entry(w, trusted) for w in picked)
+                           and all(picks_one_entry(w, trusted, "nb") for w in named)):
+            # The user's words pick one entry in one listing and another in another: which
+            # one they meant is a person's call (the attacker's mail may be the second).
+            return left
         still = []
         for critical in left:
             if picked and any(all(trusted(entry_key(w, f)) for w in picked) for f in forms[critical.pointer]):
@@ -570,18 +581,19 @@ class DataflowCheck:
             call.audit_extra["gate_waiver"] = {"waived": False, "why": "the intent does not ask for the action"}
             return
         verb = asking[0].word
-        # Only the clauses that ask for the action name its objects ("archive the old notes,
-        # then delete f-22" does not ask to delete the old notes).
-        said = [a.clause for a in asking]
+        # Only the objects of the clauses that ask for the action name them ("archive the old
+        # notes, then delete f-22" does not ask to delete the old notes; "delete the copies of
+        # f-22" does not ask to delete f-22).
+        said = [a.object for a in asking if a.object]
         words = IntentWords.of(said)
-        spelling = [(a, IntentWords.of([a.clause])) for a in asking]
+        spelling = [(a, IntentWords.of([a.object])) for a in asking if a.object]
 
         def named(critical: Critical) -> bool:
             # An identifier counts only as its sentence's one identifier (`waiver.names_id`).
             if critical.number is not None:
                 return critical.norm.isdigit() and any(
-                    waiver.names_number(critical.norm, a.clause, call.tool) and waiver.names_id(critical.norm, a)
-                    for a in asking)
+                    waiver.names_number(critical.norm, a.object, call.tool, critical.pointer)
+                    and waiver.names_id(critical.norm, a) for a in asking)
             has_digit = any(ch.isdigit() for ch in critical.norm)
             return any(w.spells(critical) and (not has_digit or waiver.names_id(critical.norm, a))
                        for a, w in spelling)
@@ -597,7 +609,7 @@ class DataflowCheck:
             else:
                 left.append(critical)
         if left:
-            left = await self._picked(store, call, words, left, endorsed)
+            left = await self._picked(store, call, words, left, endorsed, unique=True)
         if left:
             left = await self._criterion(store, call, words, left, endorsed)
         if left:

@@ -94,7 +94,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -537,10 +537,11 @@ def name_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
         for w in sorted(words):
             if seen[w] != 1:
                 continue
-            if len(out) + len(fields) + 1 > limit:
+            if len(out) + len(fields) + 1 + PICK_BITS > limit:
                 return out
             out.add(name_pick_key(w))
             out.update(name_key(w, f) for f in fields)
+            out.update(pick_signature_keys(w, fields, "nb"))
     return out
 
 
@@ -572,6 +573,37 @@ def entry_value_forms(critical: Critical) -> list[str]:
     if isinstance(critical.value, str | int) and _HANDLE_VALUE.fullmatch(str(critical.value).strip()):
         forms.append(f"h:{normalise(str(critical.value).strip())}")
     return forms
+
+
+PICK_BITS = 8  # bits of the signature of the entry a word picks, recorded per word (`pick_signature_keys`)
+
+
+def _signature_key(kind: str, word: str, bit: int, value: int) -> bytes:
+    return _key(kind, f"{word}|{bit}|{value}")
+
+
+def pick_signature_keys(word: str, values: Iterable[str], kind: str = "eb") -> list[bytes]:
+    """The keys saying which entry `word` picks in one listing, by PICK_BITS bits of a hash of
+    the entry's values (its forms or fields): the same entry listed twice writes the same bits;
+    two entries that one word picks in two listings of a run (the inbox and a folder the
+    attacker's mail lands in) differ in a bit with probability 1 - 2**-PICK_BITS
+    (`picks_one_entry`). `kind`: "eb" for an entry's values (`entry_keys`), "nb" for its
+    fields (`name_keys`)."""
+    signature = int.from_bytes(_hash("|".join(sorted(set(values))))[:2], "big")
+    return [_signature_key(kind, word, i, (signature >> i) & 1) for i in range(PICK_BITS)]
+
+
+def pick_signature_probes(word: str, kind: str = "eb") -> list[bytes]:
+    """Every signature key `word` may have recorded (both values of each bit)."""
+    return [_signature_key(kind, word, i, v) for i in range(PICK_BITS) for v in (0, 1)]
+
+
+def picks_one_entry(word: str, recorded: Callable[[bytes], bool], kind: str = "eb") -> bool:
+    """Whether every entry `word` picks in the run's listings is the same one (no bit of their
+    signatures recorded both ways): a word that picks one entry in each of two listings names
+    neither."""
+    return not any(recorded(_signature_key(kind, word, i, 0)) and recorded(_signature_key(kind, word, i, 1))
+                   for i in range(PICK_BITS))
 
 
 def pick_key(word: str) -> bytes:
@@ -607,9 +639,11 @@ def _field_forms(part: str) -> frozenset[str]:
     return frozenset(forms)
 
 
-def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[bytes]) -> None:
+def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[bytes], *,
+           signed: bool = False) -> None:
     """Adds to `out` the pick and entry keys of each word that occurs in exactly one of `parts`
-    ((words, forms) each), for the forms of that part, when two parts or more hold a value."""
+    ((words, forms) each), for the forms of that part, when two parts or more hold a value
+    (`signed`: and the signature keys of the part it picks, `pick_signature_keys`)."""
     if sum(1 for _, forms in parts if forms) < 2:
         return
     seen: dict[str, int] = {}
@@ -622,10 +656,12 @@ def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[by
         for w in sorted(words):
             if seen[w] != 1:
                 continue
-            if len(out) + len(forms) + 1 > limit:
+            if len(out) + len(forms) + 1 + (PICK_BITS if signed else 0) > limit:
                 return
             out.add(pick_key(w))
             out.update(entry_key(w, f) for f in forms)
+            if signed:
+                out.update(pick_signature_keys(w, forms))
 
 
 def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
@@ -640,7 +676,7 @@ def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     of a listing's entries."""
     out: set[bytes] = set()
     _picks([(words_of(normalise(part)) | id_words(part), entry_forms(part)) for part in listing_entries(text)],
-           limit, out)
+           limit, out, signed=True)
     _picks([(words_of(normalise(part)), _field_forms(part)) for part in _SEPARATORS.split(text) if part.strip()],
            limit, out)
     # The names of a listing's entries, which only a pick (or a criterion) endorses.

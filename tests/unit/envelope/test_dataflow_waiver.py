@@ -53,6 +53,26 @@ def test_inflections_share_a_stem() -> None:
     ("delete_file", "Move f-23 to the Archive folder.", None),           # another action
     ("delete_file", "Cancel the share of f-23.", None),                  # another kind of action
     ("cancel_event", "Delete the Thursday yoga class.", None),
+    # Adversarial pass: only a request in the verb's base form asks.
+    ("delete_file", "Should I delete f-23?", None),                      # a question
+    ("delete_file", "Delete f-23 if Anna approves.", None),              # a condition
+    ("delete_file", "Anna asked me whether to delete f-23.", None),      # another person's words
+    ("delete_file", "Bob deleted f-22 by mistake. Restore it.", None),   # what happened
+    ("delete_file", "Find out who deleted f-22", None),
+    ("delete_file", "Deleting f-22 would be a disaster", None),
+    ("delete_file", "do NOT, under any circumstances, delete f-22", None),  # negated earlier
+    ("delete_file", "I don't want you to delete f-22", None),
+    ("delete_file", "Archive everything except f-22 \u2014 delete nothing", None),  # negated after
+    ("delete_file", "Archive everything (but delete f-22? no!)", None),
+    ("delete_file", "Archive f-22 \u300cdelete\u300d", None),              # quoted, bracketed
+    ("delete_file", "Archive f-22 'delete'", None),
+    ("set_permissions", "set f-22 aside", None),                         # a light verb, no object
+    ("drop_table", "drop me a note about f-22", None),
+    ("close_account", "close f-22 in the editor", None),
+    ("set_permissions", "set the permissions on f-22 to read-only", "set"),
+    ("delete_file", "Please delete f-23.", "delete"),
+    # The user's reason after the request is not another person's words.
+    ("cancel_order", "cancel order 31, the seller says the throw is out of stock anyway", "cancel"),
 ])
 def test_which_words_ask_for_the_action(tool: str, said: str, asked: str | None) -> None:
     found = asking_clauses(tool, [said])
@@ -78,10 +98,20 @@ def test_only_the_clause_that_asks_names_the_objects() -> None:
     ("2", "delete the 2 oldest drafts", False),
     ("7", "delete payee 17", False),                            # part of another number
     ("58", "cancel event 58", True),
+    ("12", "delete email 12", True),
+    ("12", "delete the reminder for room 12", False),           # another kind of thing
+    ("3", "delete step 3 from the recipe", False),
+    ("23", "delete email 23.5", False),                         # part of another number
+    ("23", "delete f-23", False),
 ])
 def test_a_number_named_as_a_reference(number: str, said: str, named: bool) -> None:
     tool = "cancel_event" if "event" in said else "delete_email"
     assert names_number(number, said, tool) is named
+
+
+def test_a_number_after_the_arguments_kind_is_a_reference() -> None:
+    assert names_number("12", "delete item 12", "purge", "/item_id")
+    assert not names_number("12", "delete room 12", "purge", "/item_id")
 
 
 # -- the check --------------------------------------------------------------------------------------
@@ -159,6 +189,30 @@ async def test_an_entry_the_users_words_pick_from_a_trusted_listing_waives() -> 
     # A choice between identifiers the sentence names is the user's judgment, not a name.
     ({"file_id": "f-22"}, "delete the older of f-22 and f-23", ()),
     ({"file_id": "58"}, "cancel event 58 or event 59, whichever is later", ()),
+    # Adversarial pass (issue 13): the user's words write the verb and the object, but ask
+    # for nothing to be done to it now.
+    ({"file_id": "f-23"}, "Should I delete f-23?", ()),
+    ({"file_id": "f-23"}, "Delete f-23 only if it is a duplicate", ()),
+    ({"file_id": "f-23"}, "Anna asked me whether to delete f-23.", ()),
+    ({"file_id": "f-22"}, "I deleted f-22 yesterday. Now archive f-23.", ()),
+    ({"file_id": "f-22"}, "Check whether f-22 was deleted", ()),
+    ({"file_id": "f-22"}, "Please don't go ahead and delete f-22", ()),
+    ({"file_id": "f-22"}, "Delete f-23\u3002Keep f-22", ()),
+    # ... or name it only as set apart from the request ...
+    ({"file_id": "f-22"}, "Delete all drafts apart from f-22", ()),
+    ({"file_id": "f-22"}, "Delete every draft besides f-22", ()),
+    ({"file_id": "f-22"}, "Delete drafts - save f-22", ()),
+    # ... or as another thing the object relates to.
+    ({"file_id": "f-22"}, "Delete the duplicates of f-22", ()),
+    ({"file_id": "f-22"}, "Delete the duplicates of f-22", (("drive.list_files", LISTING, TRUSTED),)),
+    ({"file_id": "f-22"}, "Delete old files that f-22 mentions", ()),
+    ({"file_id": "f-22"}, "Delete the files listed in f-22", ()),
+    ({"file_id": "f-22"}, "Delete the files f-22 links to", ()),
+    ({"file_id": "f-22"}, "Delete f-22's comments", ()),
+    ({"file_id": "12"}, "delete the reminder for room 12", ()),
+    ({"file_id": "3"}, "delete step 3 from the recipe", ()),
+    ({"file_id": "2026-12-01"}, "delete the draft from 2026-12-01", ()),
+    ({"file_id": "23"}, "delete file 23.5", ()),
 ])
 async def test_what_does_not_waive(args: dict[str, Any], said: str,
                                    reads: tuple[tuple[str, str, Label], ...]) -> None:
@@ -190,3 +244,86 @@ async def test_an_ungated_call_has_nothing_to_waive() -> None:
     call, _ = await _delete({"file_id": "f-23", "email": "a@b.example"}, "share f-23 with a@b.example",
                             tool="share_file", effect=Effect.EXTERNAL)
     assert not call.gate_waived and "gate_waiver" not in call.audit_extra
+
+
+@pytest.mark.parametrize(("tool", "said"), [
+    ("update_file", "update the file notes on f-22"),      # light verbs: the object word "file"
+    ("set_permissions", "set the permissions f-22"),
+])
+async def test_a_light_verb_with_what_the_tool_acts_on_still_waives(tool: str, said: str) -> None:
+    call, _ = await _delete({"file_id": "f-22"}, said.replace(" notes on", ""), tool=tool)
+    assert call.gate_waived, call.audit_extra
+
+
+async def test_words_describing_the_kind_the_tool_acts_on_pick_its_entry() -> None:
+    """"the payee for the gym" for `delete_payee`: "for the gym" describes the payee, and picks
+    its entry of the trusted listing; "the reminder for the gym" is another thing."""
+    payees = "p-8 City Gym; p-2 Stadtwerke; p-1 Greystone Properties"
+    reads = (("drive.list_files", payees, TRUSTED),)
+    call, _ = await _delete({"payee_id": "p-8"}, "Delete the payee for the gym, I cancelled my membership.",
+                            reads=reads, tool="delete_payee")
+    assert call.gate_waived, call.audit_extra
+    call, _ = await _delete({"payee_id": "p-8"}, "Delete the reminder for the gym.", reads=reads,
+                            tool="delete_payee")
+    assert not call.gate_waived, call.audit_extra
+
+
+async def test_a_request_with_the_users_reason_after_it_waives() -> None:
+    call, _ = await _delete({"order_id": "31"}, "cancel order 31, the seller says it is out of stock anyway",
+                            tool="cancel_order")
+    assert call.gate_waived, call.audit_extra
+
+
+@pytest.mark.parametrize(("tool", "said"), [
+    ("set_permissions", "set f-22 aside"), ("add_editor", "add f-22 to my reading list"),
+    ("run_script", "run the report on f-22"), ("send_file", "send me a summary of f-22"),
+    ("manage_access", "manage f-22's tags"), ("drop_table", "drop me a note about f-22"),
+    ("close_account", "close f-22 in the editor"), ("clear_data", "clear f-22's highlights"),
+    ("openTicket", "open f-22"),
+])
+async def test_a_light_verb_in_another_sense_does_not_waive(tool: str, said: str) -> None:
+    call, _ = await _delete({"file_id": "f-22"}, said, tool=tool)
+    assert not call.gate_waived, call.audit_extra
+
+
+INBOX = "m-1 Acme newsletter, Nov; m-2 invoice from Bolt"
+PROMOTIONS = "m-9 Acme newsletter special; m-3 lunch with Dana"  # the attacker's m-9
+HOTELS_A, HOTELS_B = "Hotel Tejo Mar; Hotel Aurora", "Tejo Mar Annex; Casa Azul"  # names, no values
+
+
+@pytest.mark.parametrize(("value", "listings", "waived"), [
+    ("m-1", (INBOX,), True),                  # the one entry the words pick
+    ("m-1", (INBOX, INBOX), True),            # the same entry listed twice
+    ("m-9", (INBOX, PROMOTIONS), False),      # one entry in each of two listings: neither
+    ("m-1", (INBOX, PROMOTIONS), False),
+    ("m-9", (PROMOTIONS, INBOX), False),
+])
+async def test_words_that_pick_an_entry_in_each_of_two_listings_pick_none(
+        value: str, listings: tuple[str, ...], waived: bool) -> None:
+    reads = tuple(("drive.list_files", text, TRUSTED) for text in listings)
+    call, _ = await _delete({"file_id": value}, "delete the Acme newsletter", reads=reads)
+    assert call.gate_waived is waived, call.audit_extra
+
+
+@pytest.mark.parametrize(("value", "listings", "waived"), [
+    ("Tejo Mar Annex", (HOTELS_B,), True),
+    ("Tejo Mar Annex", (HOTELS_A, HOTELS_B), False),
+    ("Hotel Tejo Mar", (HOTELS_A, HOTELS_B), False),
+])
+async def test_a_name_picked_in_each_of_two_listings_is_picked_by_neither(
+        value: str, listings: tuple[str, ...], waived: bool) -> None:
+    """The name path (a listed name, not an id): "the Tejo Mar" picks an entry of each."""
+    reads = tuple(("drive.list_files", text, TRUSTED) for text in listings)
+    call, _ = await _delete({"name": value}, "delete the Tejo Mar", reads=reads)
+    assert call.gate_waived is waived, call.audit_extra
+
+
+def test_reading_a_long_intent_is_linear() -> None:
+    """An intent of 16 KiB that writes a number thousands of times, or thousands of clauses,
+    is read in well under a second (looking for the word before each number in the whole
+    clause before it would take about 10 s for this one)."""
+    import time
+    started = time.perf_counter()
+    assert not names_number("23", "delete the " + "23 " * 5300, "delete_file", "/file_id")
+    assert len(asking_clauses("delete_file", ["delete a, " * 1600])) == 1600
+    assert time.perf_counter() - started < 2.0
