@@ -50,7 +50,7 @@ from proxy.envelope.dataflow.match import (
     match_argument,
     oversized,
 )
-from proxy.envelope.dataflow.offload import endorsement_of, probes_of
+from proxy.envelope.dataflow.offload import asking_of, endorsement_of, probes_of
 from proxy.envelope.effects import gated
 from proxy.envelope.labels import OutputLabels, ToolLabels
 from proxy.envelope.tools import ToolRegistry
@@ -576,7 +576,7 @@ class DataflowCheck:
         texts = await intents.load(store, call.run.key)
         if not texts:
             return
-        asking = waiver.asking_clauses(call.tool, texts)
+        asking = await asking_of(call.tool, texts)
         if not asking:
             call.audit_extra["gate_waiver"] = {"waived": False, "why": "the intent does not ask for the action"}
             return

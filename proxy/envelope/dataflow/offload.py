@@ -22,6 +22,7 @@ from typing import TypeVar
 from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import LedgerDelta
 from proxy.envelope.dataflow.match import Probe
+from proxy.envelope.dataflow.waiver import Asking, asking_clauses
 from proxy.envelope.labels import Piece
 from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
 
@@ -93,6 +94,16 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
         return [(ptr, Probe.of(text, n, window, max_chars, min_value)) for ptr, text in values]
 
     if size <= INLINE_CHARS:
+        return work()
+    return await _off_loop(work, executor)
+
+
+async def asking_of(tool: str, texts: list[str], executor: Executor | None = None) -> list[Asking]:
+    """`waiver.asking_clauses` of the run's intent texts for `tool`, in a worker thread when they
+    hold more than INLINE_CHARS_SLOW characters together (linear, but ~2 ms per KiB: a long
+    intent would stall the event loop for every gated call)."""
+    work = functools.partial(asking_clauses, tool, texts)
+    if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
         return work()
     return await _off_loop(work, executor)
 

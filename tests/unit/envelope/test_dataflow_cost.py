@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from proxy.envelope.checks.dataflow import DataflowCheck
-from proxy.envelope.dataflow import fingerprint
+from proxy.envelope.dataflow import fingerprint, offload
 from proxy.envelope.dataflow.fingerprint import gram_hashes, normalise, tokens
 from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import Ledger, LedgerDelta, load, widen_parent
 from proxy.envelope.dataflow.match import Probe
-from proxy.envelope.dataflow.offload import delta_of, endorsement_of, probes_of
+from proxy.envelope.dataflow.offload import asking_of, delta_of, endorsement_of, probes_of
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.types import Code, Effect, Services
 from proxy.policy.model import DataflowPolicy
@@ -298,6 +298,25 @@ async def test_a_large_intent_is_fingerprinted_off_the_loop_and_a_small_one_inli
     large = await endorsement_of([page], 32)
     assert threads and threading.get_ident() not in threads
     assert large.grams == Endorsement.of([page], 32).grams
+
+
+async def test_a_long_intent_is_read_for_the_gate_waiver_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`waiver.asking_clauses` costs ~2 ms per KiB of intent and `max_intent_chars` allows up to
+    1 MiB: past INLINE_CHARS_SLOW characters a gated call reads it in a worker thread."""
+    threads: list[int] = []
+    real = offload.asking_clauses
+
+    def spying(tool: str, texts: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(tool, texts)
+
+    monkeypatch.setattr(offload, "asking_clauses", spying)
+    [small] = await asking_of("delete_file", ["delete f-23, it is a duplicate"])
+    assert threads == [threading.get_ident()] and small.clause == "delete f-23"
+    threads.clear()
+    long = ["Tidy my drive. " * 400 + "Delete f-23, it is a duplicate."]
+    [found] = await asking_of("delete_file", long)
+    assert threads and threading.get_ident() not in threads and found.clause == "Delete f-23"
 
 
 async def test_a_60_kb_sink_argument_is_decided_while_the_loop_keeps_running() -> None:
