@@ -50,7 +50,7 @@ from proxy.envelope.dataflow.match import (
     match_argument,
     oversized,
 )
-from proxy.envelope.dataflow.offload import asking_of, endorsement_of, probes_of
+from proxy.envelope.dataflow.offload import asking_of, endorsement_of, intent_words_of, probes_of
 from proxy.envelope.effects import gated
 from proxy.envelope.labels import OutputLabels, ToolLabels
 from proxy.envelope.tools import ToolRegistry
@@ -235,7 +235,7 @@ class DataflowCheck:
             values = critical_values(call.arguments, list(call.arguments))[0]
             if any(names_object(c.value) for c in values):
                 texts = await intents.load(store, call.run.key)
-                words = IntentWords.of(texts) if texts else None
+                words = await intent_words_of(texts) if texts else None
                 pointed = [c.pointer for c in values if words is not None and words.points_at(c.value)]
                 if pointed:
                     call.read_pointed = True
@@ -554,7 +554,7 @@ class DataflowCheck:
         if not texts:
             return flagged
         endorsed: list[dict[str, Any]] = []
-        words = IntentWords.of(texts)
+        words = await intent_words_of(texts)
         still = await self._criterion(store, call, words, on, endorsed)
         still = await self._labelled(store, call, words, still, endorsed) if still else still
         chosen = {c.pointer for c in on} - {c.pointer for c in still}
@@ -649,7 +649,7 @@ class DataflowCheck:
                 left.append(critical)
         if left:
             # The intent is read only when trusted outputs left something unendorsed.
-            words = IntentWords.of(await intents.load(store, call.run.key))
+            words = await intent_words_of(await intents.load(store, call.run.key))
             still = []
             for critical in left:
                 if words.endorses(critical):

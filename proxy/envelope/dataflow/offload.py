@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import TypeVar
 
+from proxy.envelope.dataflow.endorse import IntentWords
 from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import LedgerDelta
 from proxy.envelope.dataflow.match import Probe
@@ -94,6 +95,16 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
         return [(ptr, Probe.of(text, n, window, max_chars, min_value)) for ptr, text in values]
 
     if size <= INLINE_CHARS:
+        return work()
+    return await _off_loop(work, executor)
+
+
+async def intent_words_of(texts: list[str], executor: Executor | None = None) -> IntentWords:
+    """`IntentWords.of` the run's intent texts, in a worker thread when they hold more than
+    INLINE_CHARS_SLOW characters together (~0.3 ms per KiB: `max_intent_chars` allows 1 MiB,
+    which would stall the event loop for every sink call of a tainted run)."""
+    work = functools.partial(IntentWords.of, texts)
+    if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
         return work()
     return await _off_loop(work, executor)
 

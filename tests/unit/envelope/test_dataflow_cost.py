@@ -21,11 +21,18 @@ from pydantic import ValidationError
 
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import fingerprint, offload
+from proxy.envelope.dataflow.endorse import IntentWords
 from proxy.envelope.dataflow.fingerprint import gram_hashes, normalise, tokens
 from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import Ledger, LedgerDelta, load, widen_parent
 from proxy.envelope.dataflow.match import Probe
-from proxy.envelope.dataflow.offload import asking_of, delta_of, endorsement_of, probes_of
+from proxy.envelope.dataflow.offload import (
+    asking_of,
+    delta_of,
+    endorsement_of,
+    intent_words_of,
+    probes_of,
+)
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.types import Code, Effect, Services
 from proxy.policy.model import DataflowPolicy
@@ -317,6 +324,22 @@ async def test_a_long_intent_is_read_for_the_gate_waiver_off_the_loop(monkeypatc
     long = ["Tidy my drive. " * 400 + "Delete f-23, it is a duplicate."]
     [found] = await asking_of("delete_file", long)
     assert threads and threading.get_ident() not in threads and found.clause == "Delete f-23"
+
+
+async def test_a_long_intent_is_read_for_endorsement_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[int] = []
+    real = IntentWords.of
+
+    def spying(texts: Any) -> IntentWords:
+        threads.append(threading.get_ident())
+        return real(texts)
+
+    monkeypatch.setattr(IntentWords, "of", spying)
+    small = await intent_words_of(["book the Grand Palace for two nights"])
+    assert threads == [threading.get_ident()] and "2" in small.numbers
+    threads.clear()
+    long = await intent_words_of(["Book the Grand Palace for two nights. " * 200])
+    assert threads and threading.get_ident() not in threads and "2" in long.numbers
 
 
 async def test_a_60_kb_sink_argument_is_decided_while_the_loop_keeps_running() -> None:
