@@ -131,6 +131,12 @@ class DataflowCheck:
     def _on_tainted(self, call: ToolCall) -> str:
         return self.policy.on_tainted.get(call.qualified_name) or self.policy.on_tainted.get("default", "allow")
 
+    def _tool_label(self, call: ToolCall) -> str:
+        """A bounded metric label: the tool's name when the catalogue knows it (as
+        `Chain.tool_label`)."""
+        known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
+        return call.tool if known else "<unknown>"
+
     def _waives(self, call: ToolCall) -> bool:
         """Whether the call's approval gate may be waived by the intent (`waive_gate: intent`,
         enforce mode, a gated call nothing escalated): `proxy.envelope.dataflow.waiver`."""
@@ -325,7 +331,8 @@ class DataflowCheck:
         criticals, cut = self.criticals(call) if action != "allow" or waives else ([], False)
         wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
         wanted += [k for c in criticals for k in (c.candidate, c.handle, c.sole, c.pointed) if k is not None]
-        ledger = await self._read(store, call, wanted)
+        # A gate waiver reads its endorsing keys in a clean run too (`ledger.load`).
+        ledger = await self._read(store, call, wanted, endorsing=waives)
         if ledger is None:
             if waives:
                 await self._waive(store, call, None, criticals, cut)
@@ -357,8 +364,7 @@ class DataflowCheck:
         rule = f"dataflow.{flagged[0].kind}"
         metrics = self._services.metrics if self._services is not None else None
         if metrics is not None:
-            known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
-            metrics.dataflow_flagged(call.tool if known else "<unknown>", self.mode)
+            metrics.dataflow_flagged(self._tool_label(call), self.mode)
         audit: dict[str, Any] = {"flagged": True, "mode": self.mode, "rule": rule,
                                  "evidence": evidence}
         if self.mode == "shadow":
@@ -585,7 +591,7 @@ class DataflowCheck:
         # notes, then delete f-22" does not ask to delete the old notes; "delete the copies of
         # f-22" does not ask to delete f-22).
         said = [a.object for a in asking if a.object]
-        words = IntentWords.of(said)
+        words = await intent_words_of(said)
         spelling = [(a, IntentWords.of([a.object])) for a in asking if a.object]
 
         def named(critical: Critical) -> bool:
@@ -620,8 +626,7 @@ class DataflowCheck:
         call.audit_extra["gate_waived"] = {"by": "dataflow.waive_gate", "action": verb, "endorsed": endorsed}
         metrics = self._services.metrics if self._services is not None else None
         if metrics is not None:
-            known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
-            metrics.gate_waived(call.tool if known else "<unknown>")
+            metrics.gate_waived(self._tool_label(call))
 
     async def _tainted(self, store: Store, call: ToolCall, ledger: Ledger, action: str,
                        criticals: list[Critical], cut: bool) -> Decision | None:
@@ -673,8 +678,7 @@ class DataflowCheck:
             return None
         metrics = self._services.metrics if self._services is not None else None
         if metrics is not None:
-            known = call.qualified_name in self._revision.tools or call.upstream_tool is not None
-            metrics.dataflow_tainted(call.tool if known else "<unknown>", self.mode, action)
+            metrics.dataflow_tainted(self._tool_label(call), self.mode, action)
         shown = ", ".join(unendorsed[:5]) + (f" (and {len(unendorsed) - 5} more)" if len(unendorsed) > 5 else "")
         reason = (f"tainted run: the run has read untrusted content ({audit['untrusted_source']}) and "
                   f"critical arguments {shown} are endorsed neither by the user's intent nor by a "

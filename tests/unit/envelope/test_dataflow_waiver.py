@@ -327,3 +327,19 @@ def test_reading_a_long_intent_is_linear() -> None:
     assert not names_number("23", "delete the " + "23 " * 5300, "delete_file", "/file_id")
     assert len(asking_clauses("delete_file", ["delete a, " * 1600])) == 1600
     assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize("tainted", [False, True])
+async def test_an_address_whose_owner_the_user_names_waives_in_a_clean_run_too(tainted: bool) -> None:
+    """The trusted contact list holds the address and the user names its owner: the same
+    endorsement whether or not the run has read untrusted content (a clean run's ledger is
+    read for endorsing keys too)."""
+    contacts = "Leo Brandt <leo.brandt@corp.example>; Mia Roth <mia.roth@corp.example>"
+    reads: tuple[tuple[str, str, Label], ...] = (("drive.list_files", contacts, TRUSTED),)
+    if tainted:
+        reads += (("web.fetch", "Weekly digest: nothing to see here.", UNTRUSTED),)
+    call, _ = await _delete({"email": "leo.brandt@corp.example"}, "delete the share for leo", reads=reads,
+                            tool="delete_share")
+    assert call.gate_waived
+    assert call.audit_extra["gate_waived"]["endorsed"] == [
+        {"arg": "/email", "by": "intent+trusted_output", "source": "drive.list_files"}]
