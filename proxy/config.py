@@ -184,7 +184,7 @@ class IdempotencyConfig(_Model):
 class RetryConfig(_Model):
     """Bounded retry of transient upstream failures (connect errors, 429, 502, 503, 504).
 
-    Only read-only calls and calls carrying a client idempotency key are retried, only before
+    Only read-only calls and tools the policy declares `idempotent: true` are retried, only before
     any byte reached the client, and always within the upstream's timeout.
     """
 

@@ -158,6 +158,11 @@ class Chain:
         """Every tool that can never run and why (the registry as learned so far)."""
         return catalogue.misconfigurations(self.revision, self.registry, self.dependencies)
 
+    def idempotent(self, call: ToolCall) -> bool:
+        """Whether the policy declares the tool `idempotent: true` (safe to perform twice)."""
+        tool = self.revision.tools.get(call.qualified_name)
+        return tool is not None and tool.policy.idempotent
+
     def tool_label(self, call: ToolCall) -> str:
         """A bounded metric label: the tool's name when the catalogue knows it."""
         if call.qualified_name in self.revision.tools or call.upstream_tool is not None:

@@ -299,15 +299,16 @@ class _Forwarded:
     # -- the upstream exchange ---------------------------------------------------------------
 
     def _retry(self) -> RetryConfig | None:
-        """The retry settings when this request may be repeated: read-only, or carrying the
-        client's idempotency key to an MCP upstream (the envelope claimed it, so a repeat cannot
-        run it twice, and the upstream sees it)."""
-        call = self.pending.call
-        if call.effect is Effect.READ:
+        """The retry settings when this request may be written upstream more than once: a
+        read-only call, or a tool the policy declares `idempotent: true` (promise 3: a writer
+        reaches its upstream at most once unless policy says it is idempotent). A client's
+        idempotency key does not make a writer repeatable: it lets the envelope answer the
+        agent's own repeats from the first result, but says nothing of whether the upstream can
+        take the same request twice."""
+        pending = self.pending
+        if pending.call.effect is Effect.READ:
             return self.x.retry
-        # An MCP upstream receives the key (in `_meta`) and can tell a repeat; an HTTP backend
-        # never sees it, so a writer to one is written at most once, key or not.
-        if call.idempotency_key is not None and self.request.http is None:
+        if pending.chain is not None and pending.chain.idempotent(pending.call):
             return self.x.retry
         return None
 

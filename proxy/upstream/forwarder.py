@@ -7,8 +7,8 @@ it cannot be reached or breaks the connection.
 
 Resending
     A request written to an upstream is written again only when the caller passes
-    `resend=True` (it knows the call is safe to perform twice: read-only, or idempotent by
-    key). Without it, a connection that fails after the write (a pooled keep-alive connection
+    `resend=True` (it knows the call is safe to perform twice: read-only, or a tool the
+    policy declares idempotent). Without it, a connection that fails after the write (a pooled keep-alive connection
     the server closed at that very moment, a reset, EOF) raises `UpstreamError`: the request
     may or may not have been performed, and only the caller can decide what to do. A request
     that provably never left (the TCP connection could not be made) raises an error whose

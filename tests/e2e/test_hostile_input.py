@@ -76,17 +76,27 @@ def test_a_pathological_untrusted_page_is_recorded_while_healthz_keeps_answering
 # -- 2. a write reaches its upstream at most once ---------------------------------------------
 
 
+@pytest.mark.parametrize("key", [None, "drop-k1"], ids=["unkeyed", "client-key"])
 def test_a_write_whose_connection_drops_after_the_read_is_sent_once_and_audited(
-        tmp_path: Path, hostile: HostileUpstream) -> None:
+        tmp_path: Path, hostile: HostileUpstream, key: str | None) -> None:
+    """The drop comes on a pooled connection (a read went first), which looks exactly like a
+    keep-alive connection the upstream closed as the request was written: the transport's one
+    case for resending. A writer is not resent there, with or without the client's idempotency
+    key (the key lets the envelope replay the agent's repeats; only `idempotent: true` in policy
+    says the upstream can take the request twice). Found by the wire fuzz with a keyed write."""
     with proxied(tmp_path, hostile) as pp:
         client = Client(pp.url("h"), stateless=True)
-        reply = client.call("write_note", {"mode": "close_after_read", "text": "pay 100"})
+        assert client.call("read_page", {"text": "warm the pool"})["result"]["isError"] is False
+        extra = {"Idempotency-Key": key} if key is not None else None
+        reply = client.request("tools/call", {"name": "write_note", "arguments": {
+            "mode": "close_after_read", "text": "pay 100"}}, extra)
         decision = reply["result"]["_meta"]["envelope/decision"]
         assert reply["result"]["isError"] is True and decision["code"] == "upstream_error", reply
         assert len(hostile.control.calls("write_note")) == 1  # never resent
         [rec] = records(pp, tool="write_note")
         assert rec["code"] == "upstream_error" and rec["decision_id"] == decision["decision_id"]
         assert "attempts" not in (rec.get("extra") or {})  # retried calls say so: test_retries.py
+        assert (rec.get("extra") or {}).get("idempotency_key") == key
         verify(pp)
 
 

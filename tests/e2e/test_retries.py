@@ -1,7 +1,7 @@
 """Bounded retry of transient upstream failures, through the real proxy process.
 
-Only read-only calls and calls carrying a client idempotency key are retried; a writer without a
-key is never sent twice. Asserted: the reply, the upstream's own request count, the audit
+Only read-only calls and tools the policy declares `idempotent: true` are retried; any other
+writer is sent once, whether or not the client sent an idempotency key (promise 3). Asserted: the reply, the upstream's own request count, the audit
 record's `attempts` and `envelope_upstream_retries_total`.
 """
 
@@ -20,6 +20,7 @@ from tests.harness import ProxyProcess, free_port, metric_value, proxy_process, 
 TOOLS = {
     "notes.echo": {"effect": "read"},
     "notes.write_note": {"effect": "write"},
+    "notes.set_status": {"effect": "write", "idempotent": True},
 }
 
 
@@ -110,14 +111,33 @@ def test_writer_without_key_is_not_retried(world: tuple[ProxyProcess, FakeUpstre
     assert retries(pp, "flaky") == before
 
 
-def test_writer_with_client_key_is_retried(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+def test_writer_with_client_key_is_not_retried(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    # The key lets the envelope replay the agent's own repeats; it does not say the upstream can
+    # take the request twice. Only the policy can (`idempotent: true`, below).
     pp, fake = world
+    before, before_attempts = retries(pp, "flaky"), fake.attempts["write_note"]
     fake.fail["write_note"] = [502]
     result = call(pp, "flaky", "write_note", {"title": "keyed"}, headers={"Idempotency-Key": "retry-k1"})
-    assert result["isError"] is False
-    rec = record_of(pp)
-    assert rec["extra"]["attempts"] == 2
+    fake.fail["write_note"] = []
+    assert result["isError"] is True
+    assert result["_meta"]["envelope/decision"]["code"] == "upstream_error"
+    assert fake.attempts["write_note"] - before_attempts == 1
+    rec = record_of(pp, result)
     assert rec["extra"]["idempotency_key"] == "retry-k1"
+    assert "attempts" not in rec["extra"]
+    assert retries(pp, "flaky") == before
+
+
+def test_writer_the_policy_declares_idempotent_is_retried(world: tuple[ProxyProcess, FakeUpstream]) -> None:
+    pp, fake = world
+    before, before_attempts = retries(pp, "flaky"), fake.attempts["set_status"]
+    fake.fail["set_status"] = [502]
+    result = call(pp, "flaky", "set_status", {"status": "done"})
+    assert result["isError"] is False
+    assert fake.attempts["set_status"] - before_attempts == 2
+    assert fake.calls["set_status"] == 1
+    assert record_of(pp, result)["extra"]["attempts"] == 2
+    assert retries(pp, "flaky") == before + 1
 
 
 def test_connection_refused_is_retried_then_refused(world: tuple[ProxyProcess, FakeUpstream]) -> None:
