@@ -18,8 +18,11 @@ def add_check_parser(sub: Any) -> None:
                                        "tools that can never run (misconfigured) and why: the registry layer "
                                        "from the policy alone, the envelope layer assuming the default runtime "
                                        "(sqlite store, approvals enabled); --strict makes them fail the check. Last, "
-                                       "the weak spots: destructive effects no person confirms and sinks "
-                                       "whose every argument is declassified (reported, never failing).")
+                                       "the weak spots: policy choices that run but let a class of attack through "
+                                       "unasked (destructive effects no person confirms, sinks open to untrusted "
+                                       "text, critical values too short to match, escalation without a required "
+                                       "intent, gates the intent waives, arguments no check judges); reported, "
+                                       "never failing.")
     check.add_argument("directory", type=Path)
     check.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None)
     check.add_argument("--strict", action="store_true",

@@ -174,7 +174,7 @@ async def test_a_declassified_body_repeating_the_injected_order_is_refused(proxy
     assert rec["code"] == "ok" and rec["extra"]["dataflow_declassified"][0]["argument"] == "/body"
 
 
-def test_check_reports_short_critical_values_and_escalation_without_required_intent(tmp_path: Path) -> None:
+def test_check_reports_short_critical_values_escalation_without_required_intent_and_unchecked_arguments(tmp_path: Path) -> None:
     (tmp_path / "p.yaml").write_text("""\
 version: 1
 upstreams:
@@ -183,16 +183,22 @@ tools:
   shop.redeem:
     effect: write
     schema: {type: object, properties: {coupon: {type: string, maxLength: 12}, note: {type: string}}}
+  shop.reschedule:
+    effect: write
+    schema: {type: object, properties: {booking: {type: string}, when: {type: string, format: date-time}}}
 dataflow:
   on_tainted: approve
+  critical: {shop.reschedule: [booking]}
 """)
     done = cli("check", "--strict", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr  # weak spots are choices, not errors
     spots = [line for line in done.stdout.splitlines() if line.startswith("weak spot: ")]
     assert [s.split(":")[1].strip() for s in spots] == [
         "dataflow.critical.shop.redeem.coupon [short_critical_values]",
-        "dataflow.intent [intent_not_required]"], spots
+        "dataflow.intent [intent_not_required]",
+        "dataflow.critical.shop.reschedule [unchecked_arguments]"], spots
     assert "may be 12 characters long (maxLength), shorter than min_match (32)" in spots[0]
+    assert "argument 'when' of sink 'shop.reschedule' is neither critical nor declassified" in spots[2]
 
 
 async def test_shadow_mode_forwards_audits_and_counts(variants: dict[str, ProxyProcess]) -> None:

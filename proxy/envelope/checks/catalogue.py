@@ -12,7 +12,7 @@ upstream tool with no policy under `unknown_tools: deny` is hidden.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -399,8 +399,10 @@ class WeakSpot:
 
 def weak_spots(revision: PolicyRevision, registry: ToolRegistry) -> list[WeakSpot]:
     """What `check` reports beside misconfigurations: destructive effects no person confirms
-    (the only stop for an injected "delete item 12": no text of it is copied from anywhere), and
-    sinks whose every argument accepts untrusted text (the flow check sees only tokens there)."""
+    (the only stop for an injected "delete item 12": no text of it is copied from anywhere),
+    sinks whose every argument accepts untrusted text (the flow check sees only tokens there),
+    and the data-flow choices of `_dataflow_spots` (short critical values, escalation without a
+    required intent, arguments no check judges, gates the intent waives)."""
     doc = revision.document
     spots: list[WeakSpot] = []
     if Effect.DESTRUCTIVE not in doc.defaults.gated_effects:
@@ -505,6 +507,7 @@ def _dataflow_spots(revision: PolicyRevision, registry: ToolRegistry, flow: Data
             "whether the agent framework sends the user's words is not known offline, and "
             "without them every critical value a trusted output does not hold escalates; "
             "set intent: required once the framework sends X-Envelope-Intent for every run"))
+    spots += _unchecked_spots(revision, registry, flow)
     for key, waive in sorted(flow.waive_gate.items()):
         if waive == "intent":
             which = "every gated sink" if key == "default" else f"sink '{key}'"
@@ -514,6 +517,48 @@ def _dataflow_spots(revision: PolicyRevision, registry: ToolRegistry, flow: Data
                 "and names every critical argument: no person confirms those calls, so the intent "
                 "must be the user's own words (X-Envelope-Intent from the agent framework or the "
                 "admin API), never text the model wrote"))
+    return spots
+
+
+def _unchecked_spots(revision: PolicyRevision, registry: ToolRegistry, flow: DataflowPolicy) -> list[WeakSpot]:
+    """Sinks whose explicit `critical` list leaves arguments out while tainted runs escalate or
+    the intent waives their gate: those arguments are judged by neither (an injected meeting
+    time, a quantity, a folder), only a copied run of untrusted text in them still flags. An
+    operator may mean it; `check` says which arguments it leaves to the attacker's choice."""
+    spots: list[WeakSpot] = []
+    for key, critical in sorted(flow.critical.items()):
+        escalates = (flow.on_tainted.get(key) or flow.on_tainted.get("default", "allow")) != "allow"
+        waives = (flow.waive_gate.get(key) or flow.waive_gate.get("default", "never")) == "intent"
+        if not (escalates or waives):
+            continue
+        upstream, _, tool = key.partition(".")
+        compiled = revision.tools.get(key)
+        schema = compiled.policy.input_schema if compiled is not None else None
+        if schema is None:
+            info = registry.get(upstream, tool)
+            schema = info.input_schema if info is not None else None
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        if not isinstance(properties, Mapping):
+            continue
+        entry = flow.declassify.get(key, [])
+        if entry is True:
+            continue
+        declassified = set(entry) if isinstance(entry, list) else set()
+        # Booleans never count as critical values (`critical`); nothing to name there.
+        left = [name for name, spec in properties.items()
+                if name not in critical and name not in declassified
+                and not (isinstance(spec, Mapping) and spec.get("type") == "boolean")]
+        if not left:
+            continue
+        which = " and ".join(w for w, on in (("tainted runs escalate it", escalates),
+                                             ("the intent waives its gate", waives)) if on)
+        names = ", ".join(f"'{name}'" for name in left)
+        spots.append(WeakSpot(
+            f"dataflow.critical.{key}", "unchecked_arguments",
+            f"{which}, but argument{'s' if len(left) > 1 else ''} {names} of sink '{key}' "
+            f"{'are' if len(left) > 1 else 'is'} neither critical nor declassified: an injected "
+            "value there is not escalated (only a copied run of untrusted text flags); name "
+            "every argument that steers the effect in dataflow.critical"))
     return spots
 
 

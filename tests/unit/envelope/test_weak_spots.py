@@ -87,3 +87,32 @@ def test_a_gate_the_intent_waives_is_reported() -> None:
     assert spots({"dataflow": {"waive_gate": {"default": "never", "demo.book": "intent"}}}) == [
         ("dataflow.waive_gate.demo.book", "gate_waived_by_intent")]
     assert spots({"dataflow": {"waive_gate": "never"}}) == []
+
+
+MOVE_SCHEMA = {"type": "object", "properties": {
+    "event_id": {"type": "string"}, "start": {"type": "string", "format": "date-time"},
+    "note": {"type": "string"}, "notify": {"type": "boolean"}}}
+
+
+def test_arguments_a_critical_list_leaves_to_the_attacker_are_reported() -> None:
+    """A meeting moved to the attacker's time: `critical: [event_id]` escalates nothing about
+    `start`. Reported when tainted runs escalate or the intent waives the gate, naming what is
+    left (declassified and boolean arguments are not: the operator chose those)."""
+    def move(**dataflow: Any) -> list[Any]:
+        revision = build_revision({"upstreams": UPSTREAMS,
+                                   "tools": {"demo.move": {"effect": "write", "schema": MOVE_SCHEMA}},
+                                   "dataflow": {"mode": "enforce", "intent": "required", **dataflow}})
+        return [(s.subject, s.kind, s.reason) for s in weak_spots(revision, ToolRegistry())
+                if s.kind == "unchecked_arguments"]
+    critical = {"demo.move": ["event_id"]}
+    [(subject, kind, reason)] = move(critical=critical, on_tainted="approve", declassify={"demo.move": ["note"]})
+    assert (subject, kind) == ("dataflow.critical.demo.move", "unchecked_arguments")
+    assert "argument 'start' of sink 'demo.move' is neither critical nor declassified" in reason
+    assert reason.startswith("tainted runs escalate it,")
+    [(_, _, reason)] = move(critical=critical, waive_gate={"default": "never", "demo.move": "intent"})
+    assert "the intent waives its gate" in reason and "'start', 'note'" in reason
+    assert move(critical=critical) == []                                   # nothing escalates or waives
+    assert move(critical=critical, on_tainted={"default": "approve", "demo.move": "allow"}) == []
+    assert move(critical={"demo.move": ["event_id", "start"]}, on_tainted="block",
+                declassify={"demo.move": ["note"]}) == []
+    assert move(on_tainted="approve") == []                                # absent: every argument counts
