@@ -364,7 +364,8 @@ def test_the_proxy_keeps_its_promises_through_upstream_store_and_disk_faults(
                   if e["method"] == "tools/call" and e.get("status") not in REFUSED_BY_UPSTREAM]
     performed = {key for _, key in performing}
     # A replayed answer came from the store: that call was not performed again. (Within one
-    # life of the upstream: a keyed call may be retried across its crash, by design.)
+    # life of the upstream: a keyed call that failed with the upstream's crash frees its key,
+    # so the agent's next try performs it again, by design.)
     times = Counter(performing)
     twice = [r.nonce for r in run.replies if r.code == "replayed"
              and any(times[(life, r.nonce)] > 1 for life in range(1, upstream.life + 1))]
