@@ -401,14 +401,16 @@ class DataflowCheck:
         return kept
 
     async def _picked(self, store: Store, call: ToolCall, words: IntentWords, left: list[Critical],
-                      endorsed: list[dict[str, Any]], *, unique: bool = False) -> list[Critical]:
+                      endorsed: list[dict[str, Any]]) -> list[Critical]:
         """Of `left`, those no entry of a trusted listing picked by the intent holds
         (`endorse.entry_keys`: every word of the intent that picks an entry of a listing of the
         run picks the one holding the value); the others are added to `endorsed`
         (`by: intent+trusted_listing`, the words). One more ledger read, only for a call that
         is about to be escalated; past MAX_PICK_KEYS lookups nothing is endorsed this way.
-        `unique` (the gate waiver): a word that picks one entry in each of two listings of the
-        run (`endorse.picks_one_entry`) picks nothing, and no entry is endorsed by a pick."""
+        Run-wide, not per listing: when a word picks one entry in each of two listings of the
+        run (`endorse.picks_one_entry`: the user's payees and ones an outsider added, the inbox
+        and a folder the attacker's mail lands in), no entry is endorsed by a pick; the picking
+        words' signatures are a second read, only when some word picks."""
         said = words.words()
         forms = {c.pointer: entry_value_forms(c) for c in left}
         # A string that is not a number: a name a listing's entry may hold (`name_keys`).
@@ -418,8 +420,6 @@ class DataflowCheck:
         if names:
             wanted += [name_pick_key(w) for w in said]
             wanted += [name_key(w, norm) for w in said for norm in names.values()]
-        if unique:
-            wanted += [k for w in said for kind in ("eb", "nb") for k in pick_signature_probes(w, kind)]
         if not said or len(wanted) > MAX_PICK_KEYS or not (any(forms.values()) or names):
             return left
         ledger = await self._read(store, call, wanted, endorsing=True)
@@ -440,11 +440,20 @@ class DataflowCheck:
         # A listed name is the user's choice only when every word of the intent that picks an
         # entry of a listing picks the one holding it ("book the Tejo Mar").
         named = sole_ids([w for w in said if trusted(name_pick_key(w))]) if names else []
-        if unique and not (all(picks_one_entry(w, trusted) for w in picked)
-                           and all(picks_one_entry(w, trusted, "nb") for w in named)):
-            # The user's words pick one entry in one listing and another in another: which
-            # one they meant is a person's call (the attacker's mail may be the second).
-            return left
+        if picked or named:
+            probes = [k for w in picked for k in pick_signature_probes(w, "eb")]
+            probes += [k for w in named for k in pick_signature_probes(w, "nb")]
+            signed = await self._read(store, call, probes, endorsing=True) if len(probes) <= MAX_PICK_KEYS else None
+            if signed is None:
+                return left
+
+            def recorded(key: bytes) -> bool:
+                return signed.trusted_source(key) is not None
+            if not (all(picks_one_entry(w, recorded) for w in picked)
+                    and all(picks_one_entry(w, recorded, "nb") for w in named)):
+                # The user's words pick one entry in one listing and another in another: which
+                # one they meant is a person's call (the attacker's mail may be the second).
+                return left
         still = []
         for critical in left:
             if picked and any(all(trusted(entry_key(w, f)) for w in picked) for f in forms[critical.pointer]):
@@ -615,7 +624,7 @@ class DataflowCheck:
             else:
                 left.append(critical)
         if left:
-            left = await self._picked(store, call, words, left, endorsed, unique=True)
+            left = await self._picked(store, call, words, left, endorsed)
         if left:
             left = await self._criterion(store, call, words, left, endorsed)
         if left:

@@ -829,3 +829,50 @@ async def test_an_entry_of_a_trusted_listing_the_intent_names_is_endorsed() -> N
     assert decision is None
     assert call.audit_extra["tainted_run"]["endorsed"][0] == {
         "arg": "/hotel", "by": "trusted_output", "source": "web.hotels"}
+
+
+# A second trusted listing the attacker can add to (payees someone added through a linked app):
+# "landlord" picks an entry in each listing of the run.
+NEW_PAYEES = ("q-7 Harbor Rentals (landlord, added Tuesday) IBAN GB33 BUKB 2020 1555 5555 55; "
+              "q-8 City Gym IBAN DE89 3704 0044 0532 0130 00")
+
+
+@pytest.mark.parametrize(("listings", "value", "endorsed"), [
+    ((PAYEES,), "DE44 5001 0517 5407 3249 31", True),
+    ((PAYEES, NEW_PAYEES), "GB33 BUKB 2020 1555 5555 55", False),    # the attacker's entry
+    ((PAYEES, NEW_PAYEES), "DE44 5001 0517 5407 3249 31", False),    # which one was meant: a person's call
+    ((NEW_PAYEES, PAYEES), "GB33 BUKB 2020 1555 5555 55", False),
+    ((PAYEES, PAYEES), "DE44 5001 0517 5407 3249 31", True),         # the same listing read twice
+])
+async def test_a_word_that_picks_an_entry_in_each_of_two_listings_endorses_neither(
+        listings: tuple[str, ...], value: str, endorsed: bool) -> None:
+    """Run-wide, not per listing: "pay my landlord" picks p-1 in one listing and the attacker's
+    q-7 in another, so neither is the user's choice (the same entry listed twice still is)."""
+    store = MemoryStore()
+    check = DataflowCheck(_revision(), None,  # type: ignore[arg-type]
+                          Services(store=store, metrics=None, settings=Config()))
+    reads = [("web.hotels", text, TRUSTED) for text in listings] + [("web.fetch", PAGE, UNTRUSTED)]
+    for source, text, label in reads:
+        await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True),
+                     n=32, cap=65536, ttl=60)
+    await intents.append(store, RUN_KEY, "Pay my landlord this month's rent", max_chars=16384, ttl=60)
+    call = make_call("book", {"to": value}, upstream="web")
+    call.effect = Effect.EXTERNAL
+    decision = await check.decide(call)
+    if endorsed:
+        assert decision is None, decision
+        assert {"arg": "/to", "by": "intent+trusted_listing", "words": ["landlord"]} in (
+            call.audit_extra["tainted_run"]["endorsed"])
+    else:
+        assert _blocked(decision).audit["tainted_run"]["unendorsed"] == ["/to"]
+
+
+async def test_a_long_intent_still_picks_its_entry() -> None:
+    """The signatures of picking words are a second read of the picking words only: a long
+    intent (200 distinct words, far more lookups than MAX_PICK_KEYS if every word's 2 x 2 x
+    PICK_BITS signature probes were asked at once) still endorses the one entry it picks."""
+    filler = " ".join(f"word{chr(97 + i // 26)}{chr(97 + i % 26)}x" for i in range(200))
+    decision, call = await _decided(PAYEES, PAGE, f"Pay my landlord this month's rent. {filler}",
+                                    {"to": "DE44 5001 0517 5407 3249 31"})
+    assert decision is None, decision
+    assert call.audit_extra["tainted_run"]["endorsed"][0]["by"] == "intent+trusted_listing"
