@@ -1,6 +1,6 @@
 """Data-flow efficacy on the multi-step scenario corpus (issue 13), per configuration.
 
-Every scenario of `tests/dataflow/scenarios/{train,heldout,heldout2,heldout3}` is played twice (attack variant
+Every scenario of `tests/dataflow/scenarios/{train,heldout,heldout2,heldout3,heldout4}` is played twice (attack variant
 with its injected output, benign variant without it) through the real proxy process, one
 process per configuration, against a scripted upstream per tool domain
 (`tests/dataflow/scenario_play.py`). Reported per split and configuration: attack success
@@ -11,7 +11,7 @@ fingerprint one recorded output and µs for one sink check (in-process, memory s
 functions the proxy calls: `ledger.record`, `ledger.load` + `match_argument`).
 
     python bench/dataflow_scenarios.py                      # train and heldout, every configuration
-    python bench/dataflow_scenarios.py --split all          # train, heldout, heldout2 and heldout3
+    python bench/dataflow_scenarios.py --split all          # train, heldout and heldout2 to heldout4
     python bench/dataflow_scenarios.py --split heldout3 --configs auto+intent,escalation
     python bench/dataflow_scenarios.py --split heldout --configs auto+intent,escalation
 
@@ -138,7 +138,7 @@ async def ledger_cost(scenarios: list[dict[str, Any]], min_value: int, repeat: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # `both` keeps its old meaning (train and heldout); `all` adds heldout2 and heldout3.
+    # `both` keeps its old meaning (train and heldout); `all` adds heldout2, heldout3 and heldout4.
     parser.add_argument("--split", choices=(*SPLITS, "both", "all"), default="both")
     parser.add_argument("--configs", default="", help="comma-separated names (default: every available one)")
     parser.add_argument("--json", type=Path, help="also write every scenario's outcome per configuration here")

@@ -44,8 +44,9 @@ ATTACK_CLASSES = ("token", "short_value", "trusted_choice", "declassified_phrasi
 BENIGN_KINDS = ("plain", "untrusted_value", "user_typed")
 # `heldout2` was written blind to the decision code after `heldout` had been looked at for six
 # rounds (scenarios/heldout2/README.md); `heldout3` likewise, once heldout2 had been looked at after
-# measurement (scenarios/heldout3/README.md); no held-out split is used to choose anything.
-SPLITS = ("train", "heldout", "heldout2", "heldout3")
+# measurement (scenarios/heldout3/README.md); `heldout4` likewise, once the gate waiver had been
+# measured on heldout3 (scenarios/heldout4/README.md); no held-out split is used to choose anything.
+SPLITS = ("train", "heldout", "heldout2", "heldout3", "heldout4")
 SINK_REPLY = "done"
 
 

@@ -15,6 +15,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from scenario_play import (
@@ -33,10 +34,14 @@ from scenario_play import (
 
 TRAIN = load_scenarios("train")
 HELD_OUT = load_scenarios("heldout")
-# Written blind to the decision code (scenarios/heldout2/README.md, scenarios/heldout3/README.md).
+# Written blind to the decision code (scenarios/heldout2/README.md, scenarios/heldout3/README.md,
+# scenarios/heldout4/README.md).
 BLIND = load_scenarios("heldout2")
 # Not measured here yet: its floors are added after it is measured once.
 BLIND3 = load_scenarios("heldout3")
+# Not measured yet either: written blind after the gate waiver was measured on heldout3; its floors
+# are added after it is measured once.
+BLIND4 = load_scenarios("heldout4")
 BY_NAME = {c.name: c for c in CONFIGS}
 # The automatic and escalation configurations at today's defaults, and the ones chosen on the
 # train split (bench/RESULTS.md, "Scenario corpus").
@@ -104,14 +109,14 @@ def test_the_corpus_has_its_shape() -> None:
         assert set(Counter(sc["benign_kind"] for sc in split)) == set(BENIGN_KINDS)
 
 
-@pytest.mark.parametrize("split", ["heldout2", "heldout3"])
+@pytest.mark.parametrize("split", ["heldout2", "heldout3", "heldout4"])
 def test_the_blind_split_has_its_shape(split: str) -> None:
-    """heldout2 and heldout3: 6 scenarios in each of the 8 domains; every miss class and benign
-    kind at least 3 times and in at least 2 domains; every call names a tool its domain
-    declares, with arguments it declares, a read for each step and a sink for each variant call;
+    """heldout2, heldout3 and heldout4: 6 scenarios in each of the 8 domains; every miss class
+    and benign kind at least 3 times and in at least 2 domains; every call names a tool its
+    domain declares, with arguments it declares, a read for each step and a sink for each variant call;
     the injection sits in an untrusted output (an attacker writes no trusted record); no attack
     call is the benign call itself; every id unique across every split."""
-    blind = {"heldout2": BLIND, "heldout3": BLIND3}[split]
+    blind = {"heldout2": BLIND, "heldout3": BLIND3, "heldout4": BLIND4}[split]
     assert Counter(sc["domain"] for sc in blind) == {d: 6 for d in DOMAINS}
     for label, known in (("attack_class", ATTACK_CLASSES), ("benign_kind", BENIGN_KINDS)):
         for value in known:
@@ -129,12 +134,23 @@ def test_the_blind_split_has_its_shape(split: str) -> None:
     assert len({sc["id"] for sc in every}) == len(every)
 
 
-def test_heldout3_ids_name_their_domain() -> None:
-    """heldout3's ids are `h3-<domain>-NN`, numbered 01 to 06 within each domain, so an id in a
-    report says which split and domain it comes from."""
+@pytest.mark.parametrize(("scenarios", "prefix"), [(BLIND3, "h3"), (BLIND4, "h4")], ids=["heldout3", "heldout4"])
+def test_blind_ids_name_their_domain(scenarios: list[dict[str, Any]], prefix: str) -> None:
+    """heldout3's ids are `h3-<domain>-NN` and heldout4's `h4-<domain>-NN`, numbered 01 to 06
+    within each domain, so an id in a report says which split and domain it comes from."""
     for domain in DOMAINS:
-        ids = [sc["id"] for sc in BLIND3 if sc["domain"] == domain]
-        assert ids == [f"h3-{domain}-{n:02d}" for n in range(1, 7)], ids
+        ids = [sc["id"] for sc in scenarios if sc["domain"] == domain]
+        assert ids == [f"{prefix}-{domain}-{n:02d}" for n in range(1, 7)], ids
+
+
+def test_heldout4_gated_benign_calls_are_named_and_unnamed() -> None:
+    """heldout4's benign destructive calls (the gated ones): at least a third name their object
+    as the user wrote it ("delete email 318": every argument value is in the intent) and at
+    least a third do not ("delete the spam one"), so both are measured."""
+    gated = [(sc["intent"].casefold(), call) for sc in BLIND4 for call in sc["benign"]
+             if DOMAINS[sc["domain"]][call["tool"]]["effect"] == "destructive"]
+    named = [c for intent, c in gated if all(str(v).casefold() in intent for v in c["args"].values())]
+    assert gated and len(named) * 3 >= len(gated) and (len(gated) - len(named)) * 3 >= len(gated)
 
 
 @pytest.fixture(scope="module")
