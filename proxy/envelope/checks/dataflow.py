@@ -330,7 +330,7 @@ class DataflowCheck:
         waives = self._waives(call)
         criticals, cut = self.criticals(call) if action != "allow" or waives else ([], False)
         wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
-        wanted += [k for c in criticals for k in (c.candidate, c.handle, c.sole, c.pointed) if k is not None]
+        wanted += [k for c in criticals for k in (c.candidate, c.sole, c.pointed) if k is not None]
         # A gate waiver reads its endorsing keys in a clean run too (`ledger.load`).
         ledger = await self._read(store, call, wanted, endorsing=waives)
         if ledger is None:
@@ -651,9 +651,10 @@ class DataflowCheck:
         endorsed: list[dict[str, Any]] = []
         left: list[Critical] = []
         for critical in criticals:
-            # An external sink's object is what leaves: only a sole id endorses it (`endorse`).
-            handle = critical.sole if call.effect is Effect.EXTERNAL else critical.handle
-            hit = next(((k, source) for k in (*critical.keys, handle, critical.pointed)
+            # Which object a sink acts on is a choice an injection can make among the ids a
+            # listing hands out: only a sole id endorses it (a trusted record read by its id, a
+            # read by id in a clean run; `endorse`).
+            hit = next(((k, source) for k in (*critical.keys, critical.sole, critical.pointed)
                         if (source := ledger.trusted_source(k)) is not None), None)
             if hit is not None:
                 by = ("trusted_output" if hit[0] in critical.keys

@@ -22,14 +22,11 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   written as money with two decimals ("14.00" endorses a critical "14.00", not "14");
 - a **handle** the same upstream handed out in the run: an identifier argument (named `id`,
   `*_id`, `*Id`, or their plurals) whose value is one identifier-shaped word with a digit
-  ("m-301", "T-7300", "42") that an output of the call's upstream wrote as a whole word, read
-  in the same run, whatever that output's label. An id the agent was handed by a listing is
-  the name of an object, not attacker text: the attacker can at most point the agent at
-  another object of the same upstream, and what is done to it (who receives it, how much)
-  is in the call's other critical arguments, still checked. For an `external` sink the
-  object is itself what leaves (which file is shared, which mail forwarded): there only the
-  **sole** id of a trusted output's string endorses (a record read by its id), not one of a
-  listing, nor the one id an untrusted text writes (an injected "reply to m-999" writes one).
+  ("m-301", "T-7300", "42") that a trusted output of the call's upstream wrote as the **sole**
+  id of its string (a record read by its id). Not one id of a listing's several: which object
+  a sink acts on (the product added, the ticket assigned, the event moved) is exactly the
+  choice an injection makes among real entries; the intent picks or names it, or a person
+  does. Nor the one id an untrusted text writes (an injected "reply to m-999" writes one).
   Destructive effects on an object (delete by id) are stopped by the approval gate
   (`gated_effects`), not by endorsement.
 - the intent's **number words**: "two nights" endorses 2 ("zero" to "ninety-nine"); and any
@@ -245,18 +242,17 @@ def handle_key(upstream: str, handle: str, sole: bool = False) -> bytes:
 
 
 def handle_keys(upstream: str, text: str, limit: int = MAX_KEYS, sole: bool = True) -> set[bytes]:
-    """The handle keys of one string of an output of `upstream`: one per identifier-shaped word
-    with a digit it writes, and (with `sole`: trusted text) a `sole` one when it writes only
-    one; at most `limit`."""
+    """The sole-handle key of one string of an output of `upstream`: with `sole` (trusted
+    text), when it writes exactly one identifier-shaped word with a digit; none otherwise (one
+    id of several is a choice; the one id an untrusted text writes may be an injection's)."""
+    if not sole or limit < 1:
+        return set()
     found: set[str] = set()
     for m in _HANDLE.finditer(text):
-        if len(found) >= limit:
-            break
         found.add(m.group())
-    keys = {handle_key(upstream, h) for h in found}
-    if sole and len(found) == 1 and len(keys) < limit:
-        keys.add(handle_key(upstream, next(iter(found)), sole=True))
-    return keys
+        if len(found) > 1:
+            return set()
+    return {handle_key(upstream, next(iter(found)), sole=True)} if found else set()
 
 
 def names_object(value: Any) -> bool:

@@ -115,7 +115,7 @@ class LedgerDelta:
         upstream = source.split(".", 1)[0]  # upstream names hold no "."
         if trusted:
             for handle in list(handles)[:MAX_KEYS // 2]:
-                delta.trusted |= {handle_key(upstream, handle), handle_key(upstream, handle, sole=True)}
+                delta.trusted.add(handle_key(upstream, handle, sole=True))
         pointed_texts: list[str] = []
         budget = max_chars
         shortest = min(MIN_TOKEN, gram_length(n, window))
@@ -124,9 +124,9 @@ class LedgerDelta:
         endorsing = MAX_KEYS - len(delta.trusted)  # endorsing keys this output may still record
         for piece in parts:
             if trusted and endorsing > 0:
-                # The identifiers this output hands out, whatever its label (`endorse`:
-                # handles): recorded with the endorsing keys, they never taint the run. Only
-                # trusted text makes a sole handle: an injected "reply to m-999" writes one id.
+                # The one identifier a trusted piece hands out (`endorse`: handles), recorded
+                # with the endorsing keys: an untrusted one makes none (an injected "reply to
+                # m-999" writes one id), nor one id of several (a choice).
                 keys = handle_keys(upstream, piece.text[:MAX_TRUSTED_CHARS], endorsing,
                                    sole=not piece.label.tracked)
                 delta.trusted.update(keys)
