@@ -68,7 +68,12 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   order O-8812" also picks the entry "Other order of this customer: O-8790 ...", so it
   endorses neither). The attacker can change neither the listing nor the intent; a user
   criterion that no single word of the entry carries ("the cheapest") is
-  `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field.
+  `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field. For the gate waiver
+  a word must pick one entry run-wide: each picking word records the `pick_signature` of its
+  entry, a MAC keyed with the store's pick secret (`proxy.envelope.dataflow.secret`), so that
+  a word picking one entry in each of two listings (the inbox and a folder the attacker's mail
+  lands in) picks none, and the attacker, who never sees the secret, cannot grind an entry
+  whose signature passes for the user's.
 
 What endorses nothing, whatever the sources above write (the adversarial pass, bench/RESULTS.md):
 a **disguised** value (`fingerprint.disguised`: folding changes more than its case, as
@@ -520,13 +525,14 @@ def name_key(word: str, norm: str) -> bytes:
     return _key("ne", f"{word}|{norm}")
 
 
-def name_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+def name_keys(text: str, limit: int = MAX_KEYS, *, secret: bytes) -> set[bytes]:
     """The keys by which a word of the intent picks a field of a listing's entry (`listing_parts`):
     for each word (3 letters or more, inflections folded: `words_of`) or identifier (`id_words`)
     that occurs in exactly one entry, `name_pick_key(word)` and `name_key(word, field)` for each
     field (`segments`) of that entry ("book the Tejo Mar": "Hotel Tejo Mar 112 EUR/night"). The
     check endorses a listed name only when every word of the intent that picks an entry of any
-    listing of the run picks the one holding it."""
+    listing of the run picks the one holding it. `secret`: the store's pick secret
+    (`pick_signature_keys`)."""
     parts = [(words_of(normalise(part)) | id_words(part), list(segments(part))) for part in listing_parts(text)]
     seen: dict[str, int] = {}
     for words, _ in parts:
@@ -537,11 +543,11 @@ def name_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
         for w in sorted(words):
             if seen[w] != 1:
                 continue
-            if len(out) + len(fields) + 1 + PICK_BITS > limit:
+            if len(out) + len(fields) + 1 + PICK_DIGITS > limit:
                 return out
             out.add(name_pick_key(w))
             out.update(name_key(w, f) for f in fields)
-            out.update(pick_signature_keys(w, fields, "nb"))
+            out.update(pick_signature_keys(w, fields, "nb", secret=secret))
     return out
 
 
@@ -575,35 +581,55 @@ def entry_value_forms(critical: Critical) -> list[str]:
     return forms
 
 
-PICK_BITS = 8  # bits of the signature of the entry a word picks, recorded per word (`pick_signature_keys`)
+# The signature of the entry a word picks (`pick_signature_keys`): PICK_BITS bits of a MAC keyed
+# with the store's pick secret, recorded as PICK_DIGITS base-4 digits (one key per digit, four
+# probes). Base 4 records half the keys base 2 would for the same bits and probes as many: 8
+# keys per picking word of a listing entry (as the 8 unkeyed bits did), 32 probes per word and
+# kind for a waiver's check (16 before). 16 bits: without the secret a colliding entry can only
+# be guessed, one run of the user's own per guess (p = 2**-16), never ground offline.
+PICK_BITS = 16
+PICK_DIGITS = PICK_BITS // 2
+PICK_SECRET_BYTES = 32
 
 
-def _signature_key(kind: str, word: str, bit: int, value: int) -> bytes:
-    return _key(kind, f"{word}|{bit}|{value}")
+def _signature_key(kind: str, word: str, position: int, digit: int) -> bytes:
+    return _key(kind, f"{word}|{position}|{digit}")
 
 
-def pick_signature_keys(word: str, values: Iterable[str], kind: str = "eb") -> list[bytes]:
-    """The keys saying which entry `word` picks in one listing, by PICK_BITS bits of a hash of
-    the entry's values (its forms or fields): the same entry listed twice writes the same bits;
-    two entries that one word picks in two listings of a run (the inbox and a folder the
-    attacker's mail lands in) differ in a bit with probability 1 - 2**-PICK_BITS
-    (`picks_one_entry`). `kind`: "eb" for an entry's values (`entry_keys`), "nb" for its
-    fields (`name_keys`)."""
-    signature = int.from_bytes(_hash("|".join(sorted(set(values))))[:2], "big")
-    return [_signature_key(kind, word, i, (signature >> i) & 1) for i in range(PICK_BITS)]
+def pick_signature(values: Iterable[str], secret: bytes) -> int:
+    """PICK_BITS bits of a MAC, keyed with `secret`, of an entry's values (order and repeats
+    ignored): the attacker, who never sees the secret, cannot choose values whose signature
+    equals another entry's."""
+    mac = hashlib.blake2b("|".join(sorted(set(values))).encode(), digest_size=PICK_BITS // 8, key=secret,
+                          person=b"pick-signature")
+    return int.from_bytes(mac.digest(), "big")
+
+
+def pick_signature_keys(word: str, values: Iterable[str], kind: str = "eb", *, secret: bytes) -> list[bytes]:
+    """The keys saying which entry `word` picks in one listing, by its `pick_signature` (keyed
+    with the store's pick secret, `proxy.envelope.dataflow.secret`) as PICK_DIGITS base-4
+    digits: the same entry listed twice, by any process or replica sharing the store, writes
+    the same digits; two entries that one word picks in two listings of a run (the inbox and a
+    folder the attacker's mail lands in) differ in a digit unless their signatures collide
+    (probability 2**-PICK_BITS, which the attacker cannot raise without the secret:
+    `picks_one_entry`). `kind`: "eb" for an entry's values (`entry_keys`), "nb" for its fields
+    (`name_keys`)."""
+    signature = pick_signature(values, secret)
+    return [_signature_key(kind, word, i, (signature >> (2 * i)) & 3) for i in range(PICK_DIGITS)]
 
 
 def pick_signature_probes(word: str, kind: str = "eb") -> list[bytes]:
-    """Every signature key `word` may have recorded (both values of each bit)."""
-    return [_signature_key(kind, word, i, v) for i in range(PICK_BITS) for v in (0, 1)]
+    """Every signature key `word` may have recorded (each value of each digit): no secret is
+    needed to read them."""
+    return [_signature_key(kind, word, i, d) for i in range(PICK_DIGITS) for d in range(4)]
 
 
 def picks_one_entry(word: str, recorded: Callable[[bytes], bool], kind: str = "eb") -> bool:
-    """Whether every entry `word` picks in the run's listings is the same one (no bit of their
-    signatures recorded both ways): a word that picks one entry in each of two listings names
+    """Whether every entry `word` picks in the run's listings is the same one (no digit of their
+    signatures recorded two ways): a word that picks one entry in each of two listings names
     neither."""
-    return not any(recorded(_signature_key(kind, word, i, 0)) and recorded(_signature_key(kind, word, i, 1))
-                   for i in range(PICK_BITS))
+    return not any(sum(1 for d in range(4) if recorded(_signature_key(kind, word, i, d))) > 1
+                   for i in range(PICK_DIGITS))
 
 
 def pick_key(word: str) -> bytes:
@@ -640,10 +666,10 @@ def _field_forms(part: str) -> frozenset[str]:
 
 
 def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[bytes], *,
-           signed: bool = False) -> None:
+           secret: bytes | None = None) -> None:
     """Adds to `out` the pick and entry keys of each word that occurs in exactly one of `parts`
     ((words, forms) each), for the forms of that part, when two parts or more hold a value
-    (`signed`: and the signature keys of the part it picks, `pick_signature_keys`)."""
+    (with `secret`: and the signature keys of the part it picks, `pick_signature_keys`)."""
     if sum(1 for _, forms in parts if forms) < 2:
         return
     seen: dict[str, int] = {}
@@ -656,15 +682,15 @@ def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[by
         for w in sorted(words):
             if seen[w] != 1:
                 continue
-            if len(out) + len(forms) + 1 + (PICK_BITS if signed else 0) > limit:
+            if len(out) + len(forms) + 1 + (PICK_DIGITS if secret is not None else 0) > limit:
                 return
             out.add(pick_key(w))
             out.update(entry_key(w, f) for f in forms)
-            if signed:
-                out.update(pick_signature_keys(w, forms))
+            if secret is not None:
+                out.update(pick_signature_keys(w, forms, secret=secret))
 
 
-def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+def entry_keys(text: str, limit: int = MAX_KEYS, *, secret: bytes | None) -> set[bytes]:
     """The keys of a trusted listing's entries that a word of the intent can pick: for each word
     (3 letters or more) or identifier (`id_words`) that occurs in exactly one entry holding a
     value (an address, account number, distinctive amount or id), `pick_key(word)` and
@@ -673,14 +699,18 @@ def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     occur in exactly one of its fields and the addresses, accounts and amounts of that field
     ("refund the shipping fee"). A string of one entry with one valued field records nothing
     (it is not a choice: its values are endorsed as a record's already). And the `name_keys`
-    of a listing's entries."""
+    of a listing's entries. `secret`: the store's pick secret (`pick_signature_keys`); None
+    (the store could not give it) records neither the entries' picks nor their names, which
+    would otherwise read as picking one entry run-wide: they endorse nothing (fail closed)."""
     out: set[bytes] = set()
-    _picks([(words_of(normalise(part)) | id_words(part), entry_forms(part)) for part in listing_entries(text)],
-           limit, out, signed=True)
+    if secret is not None:
+        _picks([(words_of(normalise(part)) | id_words(part), entry_forms(part)) for part in listing_entries(text)],
+               limit, out, secret=secret)
     _picks([(words_of(normalise(part)), _field_forms(part)) for part in _SEPARATORS.split(text) if part.strip()],
            limit, out)
-    # The names of a listing's entries, which only a pick (or a criterion) endorses.
-    out |= name_keys(text, limit - len(out))
+    if secret is not None:
+        # The names of a listing's entries, which only a pick (or a criterion) endorses.
+        out |= name_keys(text, limit - len(out), secret=secret)
     return out
 
 

@@ -62,7 +62,8 @@ async def _off_loop(work: Callable[[], T], executor: Executor | None) -> T:
 async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | None = None,
                    window: int = DEFAULT_WINNOW, max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
                    min_value: int = 0, trusted: bool = False, handles: tuple[str, ...] = (),
-                   pointed: bool = False, executor: Executor | None = None) -> LedgerDelta:
+                   pointed: bool = False, pick_secret: bytes | None = None,
+                   executor: Executor | None = None) -> LedgerDelta:
     """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
     default executor, or `executor`) when its pieces hold more than INLINE_OUTPUT_CHARS
     characters (INLINE_CHARS_SLOW with `min_value`, INLINE_CHARS_TRUSTED when `trusted` keys are taken of
@@ -72,7 +73,7 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
     pieces = list(parts)
     size = sum(len(piece.text) for piece in pieces)
     work = functools.partial(LedgerDelta.of, source, pieces, n, limit, window, max_chars, min_value,
-                             trusted, handles, pointed)
+                             trusted, handles, pointed, pick_secret)
     if trusted and any(not piece.label.tracked for piece in pieces):
         bound = INLINE_CHARS_TRUSTED
     else:
