@@ -100,10 +100,13 @@ import functools
 import hashlib
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from proxy.envelope.dataflow.fingerprint import disguised, faithful, normalise, tokens
+
+if TYPE_CHECKING:
+    from proxy.envelope.dataflow.criterion import Criterion
 
 MAX_PHRASE_CHARS = 64  # longest field of a trusted string recorded (characters)
 MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as one value
@@ -869,6 +872,11 @@ class IntentWords:
     # The whole texts, normalised, negated clauses kept (`texts` are `affirmed`): for the words
     # that pick listing entries and the criteria, where more words mean more ambiguity.
     said: tuple[str, ...] = ()
+    # `words()` and `criteria()`, each computed once: linear (or worse) in the intent, which
+    # `max_intent_chars` allows up to 1 MiB, so `offload.intent_words_of` computes them in its
+    # worker thread for a long intent, never on the event loop.
+    _words: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    _criteria: tuple[Criterion, ...] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> IntentWords:
@@ -947,8 +955,28 @@ class IntentWords:
         """The intent's words of 3 letters or more and its identifiers (`id_words`); none when
         there are more than MAX_WORDS (the lookups are bounded, and a word left out could be
         one that makes a pick ambiguous)."""
-        found = sorted({w for text in self.said for w in words_of(text) | id_words(text)})
-        return found if len(found) <= MAX_WORDS else []
+        if self._words is None:
+            found = sorted({w for text in self.said for w in words_of(text) | id_words(text)})
+            # Frozen, but a cache: the same value whichever thread computes it first.
+            object.__setattr__(self, "_words", tuple(found) if len(found) <= MAX_WORDS else ())
+        assert self._words is not None
+        return list(self._words)
+
+    def criteria(self) -> list[Criterion]:
+        """The criteria the intent states (`criterion.criteria` of `said`: "the cheapest ..."),
+        computed once."""
+        if self._criteria is None:
+            # Imported here: the criterion module builds on this one.
+            from proxy.envelope.dataflow.criterion import criteria
+            object.__setattr__(self, "_criteria", tuple(criteria(self.said)))
+        assert self._criteria is not None
+        return list(self._criteria)
+
+    def prepared(self) -> IntentWords:
+        """This intent with `words()` and `criteria()` computed (for a worker thread to do)."""
+        self.words()
+        self.criteria()
+        return self
 
     def names(self, critical: Critical) -> bool:
         """Whether the intent names the owner of an address: a word of 3 letters or more of

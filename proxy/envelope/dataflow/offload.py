@@ -100,13 +100,33 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
     return await _off_loop(work, executor)
 
 
-async def intent_words_of(texts: list[str], executor: Executor | None = None) -> IntentWords:
+async def intent_words_of(texts: list[str], executor: Executor | None = None, *,
+                          prepare: bool = True) -> IntentWords:
     """`IntentWords.of` the run's intent texts, in a worker thread when they hold more than
     INLINE_CHARS_SLOW characters together (~0.3 ms per KiB: `max_intent_chars` allows 1 MiB,
-    which would stall the event loop for every sink call of a tainted run)."""
-    work = functools.partial(IntentWords.of, texts)
+    which would stall the event loop for every sink call of a tainted run). With `prepare`
+    (a caller that picks listing entries or reads criteria: `IntentWords.prepared`), its
+    `words()` and `criteria()` are computed there too, so the loop never computes them for a
+    long intent."""
+    def work() -> IntentWords:
+        words = IntentWords.of(texts)
+        return words.prepared() if prepare else words
+
     if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
-        return work()
+        return IntentWords.of(texts)  # small: `words()` and `criteria()` are computed on demand
+    return await _off_loop(work, executor)
+
+
+async def clause_words_of(objects: list[str], executor: Executor | None = None,
+                          ) -> tuple[IntentWords, list[IntentWords]]:
+    """(`IntentWords.of` all `objects`, prepared; `IntentWords.of` each one) for the gate
+    waiver (the objects of the clauses that ask for the action: `waiver.Asking.object`), in a
+    worker thread when they hold more than INLINE_CHARS_SLOW characters together."""
+    def work() -> tuple[IntentWords, list[IntentWords]]:
+        return IntentWords.of(objects).prepared(), [IntentWords.of([o]) for o in objects]
+
+    if sum(map(len, objects)) <= INLINE_CHARS_SLOW:
+        return IntentWords.of(objects), [IntentWords.of([o]) for o in objects]
     return await _off_loop(work, executor)
 
 
