@@ -603,9 +603,16 @@ def pick_signature(values: Iterable[str], secret: bytes) -> int:
     """PICK_BITS bits of a MAC, keyed with `secret`, of an entry's values (order and repeats
     ignored): the attacker, who never sees the secret, cannot choose values whose signature
     equals another entry's."""
-    mac = hashlib.blake2b("|".join(sorted(set(values))).encode(), digest_size=PICK_BITS // 8, key=secret,
-                          person=b"pick-signature")
+    mac = _keyed(secret).copy()
+    mac.update("|".join(sorted(set(values))).encode())
     return int.from_bytes(mac.digest(), "big")
+
+
+@functools.lru_cache(maxsize=8)
+def _keyed(secret: bytes) -> hashlib.blake2b:
+    """The MAC's state keyed with `secret`, copied per signature (keying one costs more than
+    copying it: a listing signs hundreds of entries). One secret per store, few stores."""
+    return hashlib.blake2b(digest_size=PICK_BITS // 8, key=secret, person=b"pick-signature")
 
 
 def pick_signature_keys(word: str, values: Iterable[str], kind: str = "eb", *, secret: bytes) -> list[bytes]:
