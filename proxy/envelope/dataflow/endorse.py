@@ -962,22 +962,24 @@ class IntentWords:
         """The intent's words of 3 letters or more and its identifiers (`id_words`); none when
         there are more than MAX_WORDS (the lookups are bounded, and a word left out could be
         one that makes a pick ambiguous)."""
-        if self._words is None:
+        words = self._words
+        if words is None:
             found = sorted({w for text in self.said for w in words_of(text) | id_words(text)})
+            words = tuple(found) if len(found) <= MAX_WORDS else ()
             # Frozen, but a cache: the same value whichever thread computes it first.
-            object.__setattr__(self, "_words", tuple(found) if len(found) <= MAX_WORDS else ())
-        assert self._words is not None
-        return list(self._words)
+            object.__setattr__(self, "_words", words)
+        return list(words)
 
     def criteria(self) -> list[Criterion]:
         """The criteria the intent states (`criterion.criteria` of `said`: "the cheapest ..."),
         computed once."""
-        if self._criteria is None:
+        stated = self._criteria
+        if stated is None:
             # Imported here: the criterion module builds on this one.
             from proxy.envelope.dataflow.criterion import criteria
-            object.__setattr__(self, "_criteria", tuple(criteria(self.said)))
-        assert self._criteria is not None
-        return list(self._criteria)
+            stated = tuple(criteria(self.said))
+            object.__setattr__(self, "_criteria", stated)
+        return list(stated)
 
     def prepared(self) -> IntentWords:
         """This intent with `words()` and `criteria()` computed (for a worker thread to do)."""
