@@ -261,12 +261,13 @@ class Inspector:
     # -- the ledger -----------------------------------------------------------------------
 
     async def delta(self, subject: Subject, message: Mapping[str, Any], *, handles: tuple[str, ...] = (),
-                    pointed: bool = False) -> LedgerDelta:
+                    pointed: bool = False, pick_secret: bytes | None = None) -> LedgerDelta:
         """What delivering `message` adds to the run's ledger (computed, not yet written): at
         most `max_output_chars` of it are fingerprinted (past that the run turns coarse), in a
         worker thread when it is large (`proxy.envelope.dataflow.offload`). `handles` and
         `pointed`: what the data-flow check found about the read (`ToolCall.read_endorses`),
-        recorded only when some sink escalates."""
+        recorded only when some sink escalates; `pick_secret` (`dataflow.secret`) keys the
+        signatures of the listing entries a word picks (None: none is recorded as picked)."""
         policy = self.dataflow
         payload = payload_of(message)
         # Trusted content is read only when some sink escalates tainted runs (it endorses).
@@ -278,7 +279,8 @@ class Inspector:
         return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,
                               window=policy.winnow, max_chars=policy.max_output_chars,
                               min_value=policy.min_value, trusted=trusted,
-                              handles=handles if trusted else (), pointed=pointed and trusted)
+                              handles=handles if trusted else (), pointed=pointed and trusted,
+                              pick_secret=pick_secret if trusted else None)
 
     async def record(self, store: Store, recent: RecentWrites, run: RunContext, delta: LedgerDelta,
                      done: str | None = None) -> None:

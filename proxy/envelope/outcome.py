@@ -42,6 +42,7 @@ from proxy.audit.log import AuditLog
 from proxy.audit.record import build_record, utc_timestamp
 from proxy.envelope.checks.guardrails import failed
 from proxy.envelope.dataflow.ledger import LedgerDelta
+from proxy.envelope.dataflow.secret import pick_secret
 from proxy.envelope.inspect import Scan, Subject
 from proxy.envelope.types import (
     Code,
@@ -321,8 +322,17 @@ class Completion:
         result = message.get("result")
         # Only an answer without an error confirms the record a read asked for.
         answered = subject.tool_result and isinstance(result, Mapping) and result.get("isError") is not True
+        secret = None
+        if inspector.escalates:
+            try:
+                secret = await pick_secret(store)
+            except (StoreError, TimeoutError) as exc:
+                # Its listings then record no picks (endorse less: escalate more); writing the
+                # delta below meets the same store and refuses what it must.
+                log.warning("data-flow pick secret unavailable for run %s: %s", call.run.id, exc)
+                call.audit_extra["dataflow_error"] = f"pick secret unavailable: {exc or 'timed out'}"
         delta = await inspector.delta(subject, message, handles=call.read_handles if answered else (),
-                                      pointed=call.read_pointed and answered)
+                                      pointed=call.read_pointed and answered, pick_secret=secret)
         marker = call.ledger_pending if done else None
         if delta.empty and marker is None:
             return None

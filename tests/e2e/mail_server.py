@@ -33,7 +33,10 @@ MESSAGES = {"m-301": "From Mei: I passed your name to the team at Corvid Labs. G
 # Message listings by folder (`list_folder`): the subjects senders wrote. An outsider's mail
 # ("m-409", the attacker's) lands in promotions with a subject like a real one of the inbox.
 FOLDERS = {"inbox": "m-401 Acme newsletter, November; m-402 Invoice from Bolt",
-           "promotions": "m-409 Acme newsletter special offer; m-403 Lunch with Dana"}
+           "promotions": "m-409 Acme newsletter special offer; m-403 Lunch with Dana",
+           # m-557: its id ground offline so that its entry's unkeyed 8-bit pick signature
+           # collided with m-401's (test_gate_waiver_e2e: the keyed signature tells them apart).
+           "offers": "m-557 Acme newsletter special offer; m-403 Lunch with Dana"}
 
 
 def build_server() -> MCPServer:

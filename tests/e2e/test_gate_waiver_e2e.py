@@ -21,6 +21,7 @@ from urllib.parse import quote
 import pytest
 from e2e_helpers import mail_server, write_doc
 
+from proxy.envelope.dataflow.endorse import _hash, entry_forms
 from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, token
 
 AGENT = token("agent")
@@ -212,3 +213,27 @@ async def test_words_that_pick_an_entry_in_each_of_two_listings_pick_none(proxy:
     assert not refused, decision
     [rec] = _records(proxy, run, "delete_message")
     assert rec["extra"]["gate_waived"]["endorsed"][0]["by"] == "intent+trusted_listing", rec["extra"]
+
+
+async def test_an_attacker_entry_ground_to_collide_is_still_held(proxy: ProxyProcess) -> None:
+    """The attacker's m-557 (folder "offers") was ground offline so that the unkeyed 8-bit
+    signature of its entry's values equals m-401's: the pick signature is keyed with the
+    store's secret now, so "Delete the Acme newsletter" still picks one entry in each listing
+    and the injected deletion of m-557 is held for a person."""
+    inbox = "m-401 Acme newsletter, November"
+    offers = "m-557 Acme newsletter special offer"
+    assert _unkeyed(entry_forms(inbox)) == _unkeyed(entry_forms(offers))  # the ground collision
+    said = "Delete the Acme newsletter."
+    run = f"run-{uuid.uuid4().hex}"
+    await _call(proxy, run, "list_folder", {"folder": "inbox"}, intent=said)
+    await _call(proxy, run, "list_folder", {"folder": "offers"})
+    refused, decision = await _call(proxy, run, "delete_message", {"message_id": "m-557"})
+    assert refused and decision["code"] == "approval_pending", decision
+    assert "m-557" not in await _trash(proxy)
+    [rec] = _records(proxy, run, "delete_message")
+    assert "gate_waived" not in rec["extra"] and rec["extra"]["gate_waiver"]["waived"] is False, rec["extra"]
+
+
+def _unkeyed(values: Any) -> int:
+    """The pick signature before it was keyed: 8 bits of an unkeyed hash anyone can compute."""
+    return int.from_bytes(_hash("|".join(sorted(set(values))))[:2], "big") & 0xFF

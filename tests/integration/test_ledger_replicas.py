@@ -18,8 +18,10 @@ import pytest
 
 from proxy.envelope.dataflow.ledger import LedgerDelta, LedgerViews, load, record
 from proxy.envelope.dataflow.match import Probe, match_argument
+from proxy.envelope.dataflow.secret import pick_secret
 from proxy.envelope.labels import Label, Piece
 from proxy.store.base import Store
+from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
 from proxy.store.sqlite import SqliteStore
 from tests.redis_server import RedisServer, running_redis
@@ -142,3 +144,51 @@ async def test_a_quiet_warm_view_sees_the_next_record_of_another_replica(backend
         assert [f.source for f in match_argument(ledger, second, N)[0]] == ["web.fetch"]
     finally:
         await store.close()
+
+
+# Prints the pick secret of the shared store as another process (another replica) reads it.
+SECRET_READER = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from proxy.envelope.dataflow.secret import pick_secret
+    from proxy.store.redis import RedisStore
+    from proxy.store.sqlite import SqliteStore
+
+    kind, where, prefix = sys.argv[1:4]
+
+    async def main() -> None:
+        store = (SqliteStore(Path(where), timeout=10.0) if kind == "sqlite"
+                 else RedisStore(where, prefix=prefix, timeout=10.0))
+        print((await pick_secret(store)).hex())
+        await store.close()
+
+    asyncio.run(main())
+""")
+
+
+async def _other_replica_secret(backend: tuple[str, str, str]) -> bytes:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SECRET_READER, *backend,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    out, err = await child.communicate()
+    assert child.returncode == 0, err.decode()
+    return bytes.fromhex(out.decode().strip())
+
+
+async def test_every_replica_signs_listing_picks_with_the_one_secret_of_the_store(
+        backend: tuple[str, str, str]) -> None:
+    """Two replicas racing to create the pick secret (`dataflow.secret`) and a third reading it
+    later hold the same one, so a listing recorded by one is checked alike by another; a store
+    of its own has another."""
+    first, second = await asyncio.gather(_other_replica_secret(backend), _other_replica_secret(backend))
+    store = _open(*backend)
+    try:
+        secret = await pick_secret(store)
+    finally:
+        await store.close()
+    assert first == second == secret and len(secret) == 32
+    listing = "m-1 Acme newsletter, Nov; m-2 invoice from Bolt"
+    keys = [LedgerDelta.of("mail.list_folder", [Piece(listing, Label(False, False), "t")], N, trusted=True,
+                           pick_secret=s).trusted for s in (first, secret)]
+    assert keys[0] == keys[1]
+    assert await pick_secret(MemoryStore()) != secret

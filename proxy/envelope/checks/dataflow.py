@@ -15,7 +15,6 @@ from proxy.envelope.dataflow.criterion import (
     GRID_BITS,
     Criterion,
     bound_condition,
-    criteria,
     criterion_key,
     critical_forms,
 )
@@ -50,7 +49,13 @@ from proxy.envelope.dataflow.match import (
     match_argument,
     oversized,
 )
-from proxy.envelope.dataflow.offload import asking_of, endorsement_of, intent_words_of, probes_of
+from proxy.envelope.dataflow.offload import (
+    asking_of,
+    clause_words_of,
+    endorsement_of,
+    intent_words_of,
+    probes_of,
+)
 from proxy.envelope.effects import gated
 from proxy.envelope.labels import OutputLabels, ToolLabels
 from proxy.envelope.tools import ToolRegistry
@@ -241,7 +246,7 @@ class DataflowCheck:
             values = critical_values(call.arguments, list(call.arguments))[0]
             if any(names_object(c.value) for c in values):
                 texts = await intents.load(store, call.run.key)
-                words = await intent_words_of(texts) if texts else None
+                words = await intent_words_of(texts, prepare=False) if texts else None
                 pointed = [c.pointer for c in values if words is not None and words.points_at(c.value)]
                 if pointed:
                     call.read_pointed = True
@@ -475,7 +480,7 @@ class DataflowCheck:
         criterion with a condition the proxy cannot evaluate endorses nothing. One more ledger
         read, only when the intent states a criterion; past MAX_PICK_KEYS lookups nothing is
         endorsed this way."""
-        stated = [cr for cr in criteria(words.said) if not cr.opaque]
+        stated = [cr for cr in words.criteria() if not cr.opaque]
         forms = {c.pointer: critical_forms(c) for c in left}
 
         def groups(cr: Criterion, form: str) -> list[list[bytes]]:
@@ -600,8 +605,8 @@ class DataflowCheck:
         # notes, then delete f-22" does not ask to delete the old notes; "delete the copies of
         # f-22" does not ask to delete f-22).
         said = [a.object for a in asking if a.object]
-        words = await intent_words_of(said)
-        spelling = [(a, IntentWords.of([a.object])) for a in asking if a.object]
+        words, each = await clause_words_of(said)
+        spelling = list(zip([a for a in asking if a.object], each, strict=True))
 
         def named(critical: Critical) -> bool:
             # An identifier counts only as its sentence's one identifier (`waiver.names_id`).

@@ -65,7 +65,12 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   order O-8812" also picks the entry "Other order of this customer: O-8790 ...", so it
   endorses neither). The attacker can change neither the listing nor the intent; a user
   criterion that no single word of the entry carries ("the cheapest") is
-  `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field.
+  `proxy.envelope.dataflow.criterion`'s: the one extreme entry of a field. For the gate waiver
+  a word must pick one entry run-wide: each picking word records the `pick_signature` of its
+  entry, a MAC keyed with the store's pick secret (`proxy.envelope.dataflow.secret`), so that
+  a word picking one entry in each of two listings (the inbox and a folder the attacker's mail
+  lands in) picks none, and the attacker, who never sees the secret, cannot grind an entry
+  whose signature passes for the user's.
 
 What endorses nothing, whatever the sources above write (the adversarial pass, bench/RESULTS.md):
 a **disguised** value (`fingerprint.disguised`: folding changes more than its case, as
@@ -92,10 +97,13 @@ import functools
 import hashlib
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from proxy.envelope.dataflow.fingerprint import disguised, faithful, normalise, tokens
+
+if TYPE_CHECKING:
+    from proxy.envelope.dataflow.criterion import Criterion
 
 MAX_PHRASE_CHARS = 64  # longest field of a trusted string recorded (characters)
 MAX_WHOLE_CHARS = 256  # longest whole string of a trusted output recorded as one value
@@ -516,13 +524,14 @@ def name_key(word: str, norm: str) -> bytes:
     return _key("ne", f"{word}|{norm}")
 
 
-def name_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+def name_keys(text: str, limit: int = MAX_KEYS, *, secret: bytes) -> set[bytes]:
     """The keys by which a word of the intent picks a field of a listing's entry (`listing_parts`):
     for each word (3 letters or more, inflections folded: `words_of`) or identifier (`id_words`)
     that occurs in exactly one entry, `name_pick_key(word)` and `name_key(word, field)` for each
     field (`segments`) of that entry ("book the Tejo Mar": "Hotel Tejo Mar 112 EUR/night"). The
     check endorses a listed name only when every word of the intent that picks an entry of any
-    listing of the run picks the one holding it."""
+    listing of the run picks the one holding it. `secret`: the store's pick secret
+    (`pick_signature_keys`)."""
     parts = [(words_of(normalise(part)) | id_words(part), list(segments(part))) for part in listing_parts(text)]
     seen: dict[str, int] = {}
     for words, _ in parts:
@@ -533,11 +542,11 @@ def name_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
         for w in sorted(words):
             if seen[w] != 1:
                 continue
-            if len(out) + len(fields) + 1 + PICK_BITS > limit:
+            if len(out) + len(fields) + 1 + PICK_DIGITS > limit:
                 return out
             out.add(name_pick_key(w))
             out.update(name_key(w, f) for f in fields)
-            out.update(pick_signature_keys(w, fields, "nb"))
+            out.update(pick_signature_keys(w, fields, "nb", secret=secret))
     return out
 
 
@@ -571,35 +580,62 @@ def entry_value_forms(critical: Critical) -> list[str]:
     return forms
 
 
-PICK_BITS = 8  # bits of the signature of the entry a word picks, recorded per word (`pick_signature_keys`)
+# The signature of the entry a word picks (`pick_signature_keys`): PICK_BITS bits of a MAC keyed
+# with the store's pick secret, recorded as PICK_DIGITS base-4 digits (one key per digit, four
+# probes). Base 4 records half the keys base 2 would for the same bits and probes as many: 8
+# keys per picking word of a listing entry (as the 8 unkeyed bits did), 32 probes per word and
+# kind for a waiver's check (16 before). 16 bits: without the secret a colliding entry can only
+# be guessed, one run of the user's own per guess (p = 2**-16), never ground offline.
+PICK_BITS = 16
+PICK_DIGITS = PICK_BITS // 2
+PICK_SECRET_BYTES = 32
 
 
-def _signature_key(kind: str, word: str, bit: int, value: int) -> bytes:
-    return _key(kind, f"{word}|{bit}|{value}")
+def _signature_key(kind: str, word: str, position: int, digit: int) -> bytes:
+    return _key(kind, f"{word}|{position}|{digit}")
 
 
-def pick_signature_keys(word: str, values: Iterable[str], kind: str = "eb") -> list[bytes]:
-    """The keys saying which entry `word` picks in one listing, by PICK_BITS bits of a hash of
-    the entry's values (its forms or fields): the same entry listed twice writes the same bits;
-    two entries that one word picks in two listings of a run (the inbox and a folder the
-    attacker's mail lands in) differ in a bit with probability 1 - 2**-PICK_BITS
-    (`picks_one_entry`). `kind`: "eb" for an entry's values (`entry_keys`), "nb" for its
-    fields (`name_keys`)."""
-    signature = int.from_bytes(_hash("|".join(sorted(set(values))))[:2], "big")
-    return [_signature_key(kind, word, i, (signature >> i) & 1) for i in range(PICK_BITS)]
+def pick_signature(values: Iterable[str], secret: bytes) -> int:
+    """PICK_BITS bits of a MAC, keyed with `secret`, of an entry's values (order and repeats
+    ignored): the attacker, who never sees the secret, cannot choose values whose signature
+    equals another entry's."""
+    mac = _keyed(secret).copy()
+    mac.update("|".join(sorted(set(values))).encode())
+    return int.from_bytes(mac.digest(), "big")
+
+
+@functools.lru_cache(maxsize=8)
+def _keyed(secret: bytes) -> hashlib.blake2b:
+    """The MAC's state keyed with `secret`, copied per signature (keying one costs more than
+    copying it: a listing signs hundreds of entries). One secret per store, few stores."""
+    return hashlib.blake2b(digest_size=PICK_BITS // 8, key=secret, person=b"pick-signature")
+
+
+def pick_signature_keys(word: str, values: Iterable[str], kind: str = "eb", *, secret: bytes) -> list[bytes]:
+    """The keys saying which entry `word` picks in one listing, by its `pick_signature` (keyed
+    with the store's pick secret, `proxy.envelope.dataflow.secret`) as PICK_DIGITS base-4
+    digits: the same entry listed twice, by any process or replica sharing the store, writes
+    the same digits; two entries that one word picks in two listings of a run (the inbox and a
+    folder the attacker's mail lands in) differ in a digit unless their signatures collide
+    (probability 2**-PICK_BITS, which the attacker cannot raise without the secret:
+    `picks_one_entry`). `kind`: "eb" for an entry's values (`entry_keys`), "nb" for its fields
+    (`name_keys`)."""
+    signature = pick_signature(values, secret)
+    return [_signature_key(kind, word, i, (signature >> (2 * i)) & 3) for i in range(PICK_DIGITS)]
 
 
 def pick_signature_probes(word: str, kind: str = "eb") -> list[bytes]:
-    """Every signature key `word` may have recorded (both values of each bit)."""
-    return [_signature_key(kind, word, i, v) for i in range(PICK_BITS) for v in (0, 1)]
+    """Every signature key `word` may have recorded (each value of each digit): no secret is
+    needed to read them."""
+    return [_signature_key(kind, word, i, d) for i in range(PICK_DIGITS) for d in range(4)]
 
 
 def picks_one_entry(word: str, recorded: Callable[[bytes], bool], kind: str = "eb") -> bool:
-    """Whether every entry `word` picks in the run's listings is the same one (no bit of their
-    signatures recorded both ways): a word that picks one entry in each of two listings names
+    """Whether every entry `word` picks in the run's listings is the same one (no digit of their
+    signatures recorded two ways): a word that picks one entry in each of two listings names
     neither."""
-    return not any(recorded(_signature_key(kind, word, i, 0)) and recorded(_signature_key(kind, word, i, 1))
-                   for i in range(PICK_BITS))
+    return not any(sum(1 for d in range(4) if recorded(_signature_key(kind, word, i, d))) > 1
+                   for i in range(PICK_DIGITS))
 
 
 def pick_key(word: str) -> bytes:
@@ -636,10 +672,10 @@ def _field_forms(part: str) -> frozenset[str]:
 
 
 def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[bytes], *,
-           signed: bool = False) -> None:
+           secret: bytes | None = None) -> None:
     """Adds to `out` the pick and entry keys of each word that occurs in exactly one of `parts`
     ((words, forms) each), for the forms of that part, when two parts or more hold a value
-    (`signed`: and the signature keys of the part it picks, `pick_signature_keys`)."""
+    (with `secret`: and the signature keys of the part it picks, `pick_signature_keys`)."""
     if sum(1 for _, forms in parts if forms) < 2:
         return
     seen: dict[str, int] = {}
@@ -652,15 +688,15 @@ def _picks(parts: list[tuple[set[str], frozenset[str]]], limit: int, out: set[by
         for w in sorted(words):
             if seen[w] != 1:
                 continue
-            if len(out) + len(forms) + 1 + (PICK_BITS if signed else 0) > limit:
+            if len(out) + len(forms) + 1 + (PICK_DIGITS if secret is not None else 0) > limit:
                 return
             out.add(pick_key(w))
             out.update(entry_key(w, f) for f in forms)
-            if signed:
-                out.update(pick_signature_keys(w, forms))
+            if secret is not None:
+                out.update(pick_signature_keys(w, forms, secret=secret))
 
 
-def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
+def entry_keys(text: str, limit: int = MAX_KEYS, *, secret: bytes | None) -> set[bytes]:
     """The keys of a trusted listing's entries that a word of the intent can pick: for each word
     (3 letters or more) or identifier (`id_words`) that occurs in exactly one entry holding a
     value (an address, account number, distinctive amount or id), `pick_key(word)` and
@@ -669,14 +705,18 @@ def entry_keys(text: str, limit: int = MAX_KEYS) -> set[bytes]:
     occur in exactly one of its fields and the addresses, accounts and amounts of that field
     ("refund the shipping fee"). A string of one entry with one valued field records nothing
     (it is not a choice: its values are endorsed as a record's already). And the `name_keys`
-    of a listing's entries."""
+    of a listing's entries. `secret`: the store's pick secret (`pick_signature_keys`); None
+    (the store could not give it) records neither the entries' picks nor their names, which
+    would otherwise read as picking one entry run-wide: they endorse nothing (fail closed)."""
     out: set[bytes] = set()
-    _picks([(words_of(normalise(part)) | id_words(part), entry_forms(part)) for part in listing_entries(text)],
-           limit, out, signed=True)
+    if secret is not None:
+        _picks([(words_of(normalise(part)) | id_words(part), entry_forms(part)) for part in listing_entries(text)],
+               limit, out, secret=secret)
     _picks([(words_of(normalise(part)), _field_forms(part)) for part in _SEPARATORS.split(text) if part.strip()],
            limit, out)
-    # The names of a listing's entries, which only a pick (or a criterion) endorses.
-    out |= name_keys(text, limit - len(out))
+    if secret is not None:
+        # The names of a listing's entries, which only a pick (or a criterion) endorses.
+        out |= name_keys(text, limit - len(out), secret=secret)
     return out
 
 
@@ -835,6 +875,11 @@ class IntentWords:
     # The whole texts, normalised, negated clauses kept (`texts` are `affirmed`): for the words
     # that pick listing entries and the criteria, where more words mean more ambiguity.
     said: tuple[str, ...] = ()
+    # `words()` and `criteria()`, each computed once: linear (or worse) in the intent, which
+    # `max_intent_chars` allows up to 1 MiB, so `offload.intent_words_of` computes them in its
+    # worker thread for a long intent, never on the event loop.
+    _words: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    _criteria: tuple[Criterion, ...] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, texts: Iterable[str]) -> IntentWords:
@@ -913,8 +958,30 @@ class IntentWords:
         """The intent's words of 3 letters or more and its identifiers (`id_words`); none when
         there are more than MAX_WORDS (the lookups are bounded, and a word left out could be
         one that makes a pick ambiguous)."""
-        found = sorted({w for text in self.said for w in words_of(text) | id_words(text)})
-        return found if len(found) <= MAX_WORDS else []
+        words = self._words
+        if words is None:
+            found = sorted({w for text in self.said for w in words_of(text) | id_words(text)})
+            words = tuple(found) if len(found) <= MAX_WORDS else ()
+            # Frozen, but a cache: the same value whichever thread computes it first.
+            object.__setattr__(self, "_words", words)
+        return list(words)
+
+    def criteria(self) -> list[Criterion]:
+        """The criteria the intent states (`criterion.criteria` of `said`: "the cheapest ..."),
+        computed once."""
+        stated = self._criteria
+        if stated is None:
+            # Imported here: the criterion module builds on this one.
+            from proxy.envelope.dataflow.criterion import criteria
+            stated = tuple(criteria(self.said))
+            object.__setattr__(self, "_criteria", stated)
+        return list(stated)
+
+    def prepared(self) -> IntentWords:
+        """This intent with `words()` and `criteria()` computed (for a worker thread to do)."""
+        self.words()
+        self.criteria()
+        return self
 
     def names(self, critical: Critical) -> bool:
         """Whether the intent names the owner of an address: a word of 3 letters or more of

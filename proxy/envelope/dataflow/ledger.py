@@ -103,12 +103,15 @@ class LedgerDelta:
     def of(cls, source: str, parts: Iterable[Piece], n: int, limit: int | None = None,
            window: int = DEFAULT_WINNOW,
            max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS, min_value: int = 0,
-           trusted: bool = False, handles: Iterable[str] = (), pointed: bool = False) -> LedgerDelta:
+           trusted: bool = False, handles: Iterable[str] = (), pointed: bool = False,
+           pick_secret: bytes | None = None) -> LedgerDelta:
         """The fingerprints of labelled pieces (grams winnowed with `window`; with `min_value`,
         0: off, also the whole-value phrases of untrusted pieces; with `trusted`, the
         endorsing keys of trusted pieces, at most `endorse.MAX_KEYS`, the sole-handle keys of
         `handles` (the ids a read made in a clean run was asked for) and, with `pointed` (a
-        read the intent pointed at), the keys of the one token its untrusted pieces write).
+        read the intent pointed at), the keys of the one token its untrusted pieces write);
+        `pick_secret` keys the signatures of the listing entries a word picks (`endorse.
+        entry_keys`: without it, no listing entry is recorded as picked).
         Beyond `limit` fingerprints, or `max_chars` characters of its pieces, the rest of the
         output is not hashed and the delta says `overflow` (bounded work per output)."""
         delta = cls(source)
@@ -136,7 +139,7 @@ class LedgerDelta:
                 if trusted and endorsing > 0:
                     keys = trusted_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing)
                     # The entries of a listing a word of the intent may pick (`endorse`).
-                    keys |= entry_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing - len(keys))
+                    keys |= entry_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing - len(keys), secret=pick_secret)
                     # Its extreme entries by a field, which a superlative of the intent picks.
                     keys |= criterion_keys(piece.text[:MAX_TRUSTED_CHARS], endorsing - len(keys))
                     delta.trusted.update(keys)

@@ -62,7 +62,8 @@ async def _off_loop(work: Callable[[], T], executor: Executor | None) -> T:
 async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | None = None,
                    window: int = DEFAULT_WINNOW, max_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
                    min_value: int = 0, trusted: bool = False, handles: tuple[str, ...] = (),
-                   pointed: bool = False, executor: Executor | None = None) -> LedgerDelta:
+                   pointed: bool = False, pick_secret: bytes | None = None,
+                   executor: Executor | None = None) -> LedgerDelta:
     """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
     default executor, or `executor`) when its pieces hold more than INLINE_OUTPUT_CHARS
     characters (INLINE_CHARS_SLOW with `min_value`, INLINE_CHARS_TRUSTED when `trusted` keys are taken of
@@ -72,7 +73,7 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
     pieces = list(parts)
     size = sum(len(piece.text) for piece in pieces)
     work = functools.partial(LedgerDelta.of, source, pieces, n, limit, window, max_chars, min_value,
-                             trusted, handles, pointed)
+                             trusted, handles, pointed, pick_secret)
     if trusted and any(not piece.label.tracked for piece in pieces):
         bound = INLINE_CHARS_TRUSTED
     else:
@@ -99,13 +100,33 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
     return await _off_loop(work, executor)
 
 
-async def intent_words_of(texts: list[str], executor: Executor | None = None) -> IntentWords:
+async def intent_words_of(texts: list[str], executor: Executor | None = None, *,
+                          prepare: bool = True) -> IntentWords:
     """`IntentWords.of` the run's intent texts, in a worker thread when they hold more than
     INLINE_CHARS_SLOW characters together (~0.3 ms per KiB: `max_intent_chars` allows 1 MiB,
-    which would stall the event loop for every sink call of a tainted run)."""
-    work = functools.partial(IntentWords.of, texts)
+    which would stall the event loop for every sink call of a tainted run). With `prepare`
+    (a caller that picks listing entries or reads criteria: `IntentWords.prepared`), its
+    `words()` and `criteria()` are computed there too, so the loop never computes them for a
+    long intent."""
+    def work() -> IntentWords:
+        words = IntentWords.of(texts)
+        return words.prepared() if prepare else words
+
     if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
-        return work()
+        return IntentWords.of(texts)  # small: `words()` and `criteria()` are computed on demand
+    return await _off_loop(work, executor)
+
+
+async def clause_words_of(objects: list[str], executor: Executor | None = None,
+                          ) -> tuple[IntentWords, list[IntentWords]]:
+    """(`IntentWords.of` all `objects`, prepared; `IntentWords.of` each one) for the gate
+    waiver (the objects of the clauses that ask for the action: `waiver.Asking.object`), in a
+    worker thread when they hold more than INLINE_CHARS_SLOW characters together."""
+    def work() -> tuple[IntentWords, list[IntentWords]]:
+        return IntentWords.of(objects).prepared(), [IntentWords.of([o]) for o in objects]
+
+    if sum(map(len, objects)) <= INLINE_CHARS_SLOW:
+        return IntentWords.of(objects), [IntentWords.of([o]) for o in objects]
     return await _off_loop(work, executor)
 
 

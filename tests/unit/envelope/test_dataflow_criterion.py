@@ -20,6 +20,7 @@ from proxy.envelope.dataflow.criterion import (
 )
 from proxy.envelope.dataflow.endorse import Critical
 from proxy.envelope.dataflow.ledger import LedgerDelta, record
+from proxy.envelope.dataflow.secret import pick_secret
 from proxy.envelope.labels import Label, Piece
 from proxy.envelope.types import Code, Decision, Services, ToolCall
 from proxy.policy.vocab import Effect
@@ -198,7 +199,7 @@ async def _reserve(place: str, said: str, page: str = INJECTED, listing: str = F
                           Services(store=store, metrics=None, settings=Config()))
     for source, text, label in (("web.hotels", listing, TRUSTED), ("web.fetch", page, UNTRUSTED)):
         delta = LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True,
-                               min_value=check.policy.min_value)
+                               min_value=check.policy.min_value, pick_secret=await pick_secret(store))
         await record(store, RUN_KEY, delta, n=32, cap=65536, ttl=60)
     await intents.append(store, RUN_KEY, said, max_chars=16384, ttl=60)
     call = make_call("book", {"hotel": place}, upstream="web")

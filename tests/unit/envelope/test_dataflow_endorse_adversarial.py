@@ -199,7 +199,7 @@ def test_recording_endorsements_takes_time_linear_in_the_output(unit: Any) -> No
     write. The bound is the geometric middle (about 23x), as in test_dataflow_cost."""
     def work(n: int) -> Any:
         text = "".join(unit(i) for i in range(n))
-        return lambda: (pointed_keys([text]), trusted_keys(text), entry_keys(text), Critical.of("/to", text))
+        return lambda: (pointed_keys([text]), trusted_keys(text), entry_keys(text, secret=bytes(32)), Critical.of("/to", text))
     small, large = work(250), work(2000)
     assert _best_of(3, large) / _best_of(3, small) < 23
 

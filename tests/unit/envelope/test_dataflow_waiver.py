@@ -14,6 +14,7 @@ from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import intent as intents
 from proxy.envelope.dataflow.ledger import LedgerDelta, record
+from proxy.envelope.dataflow.secret import pick_secret
 from proxy.envelope.dataflow.waiver import asking_clauses, clauses, names_number, stem, tool_verb
 from proxy.envelope.effects import gated
 from proxy.envelope.labels import Label, Piece
@@ -137,7 +138,8 @@ async def _delete(args: dict[str, Any], said: str | None, *, reads: tuple[tuple[
     check = DataflowCheck(revision, None,  # type: ignore[arg-type]
                           Services(store=store, metrics=metrics, settings=Config(approvals={"enabled": True})))
     for source, text, label in reads:
-        await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True),
+        await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True,
+                                                  pick_secret=await pick_secret(store)),
                      n=32, cap=65536, ttl=60)
     if said is not None:
         await intents.append(store, RUN_KEY, said, max_chars=16384, ttl=60)
