@@ -572,16 +572,16 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
     else:
         return found  # no digit: no number, no IBAN
     # A digit run starts at a digit after a non-word character (or at the text's start).
-    for match in digit_runs:
-        m = low[match.start(): match.end()]
+    for run in digit_runs:
+        m = low[run.start(): run.end()]
         if _DATE.match(m):
             continue
         digits = _NOT_DIGIT.sub("", m)
         if len(digits) >= MIN_TOKEN:
             found.add(("number", digits))
     # An IBAN's match starts at its first digit, after two letters after a non-word character.
-    for match in ibans:
-        compact = low[match.start() - 2: match.end()].replace(" ", "")
+    for iban in ibans:
+        compact = low[iban.start() - 2: iban.end()].replace(" ", "")
         if any(ch.isdigit() for ch in compact[4:]):
             found.add(("number", compact))
     return found
