@@ -94,3 +94,10 @@ def test_arbitrary_text_makes_the_same_tokens_as_the_frozen_scans(text: str) -> 
 @pytest.mark.parametrize("text", ["", "?", "٣٣٣٣٣٣٣٣٣", "call 4111 1111 1111 1111 now", "de89 3704 0044 0532 0130 00"])
 def test_edge_texts_make_the_same_tokens(text: str) -> None:
     _assert_same(text)
+
+
+def test_token_and_phrase_hashes_are_the_frozen_ones() -> None:
+    rng = random.Random(3)
+    for text in [""] + ["".join(rng.choice(_PIECES) for _ in range(rng.randint(1, 30))) for _ in range(300)]:
+        assert fingerprint.token_hash("url", text) == before.token_hash("url", text)
+        assert fingerprint.phrase_hash(text) == before.phrase_hash(text)
