@@ -360,16 +360,21 @@ _DOTS = bytes.maketrans(
           for c in range(128)))
 
 
-def _domains(low: str, dots: bytes | None = None) -> Iterator[re.Match[str]]:
+def _domains(low: str, dots: bytes | None = None,
+             backwards: str | None = None) -> Iterator[re.Match[str]]:
     """The matches of `_DOMAIN.finditer(low)`, found from the dots of the text: a match starts
     only where a run of [@\\w.-] starts and its host holds a dot of that run, so only the runs
     with a dot are tried, each at its start (on prose, 2-3x faster than testing the look-behind at
     every word). Each character is scanned back over at most once: linear time. `dots`: the
-    text's `_DOTS` classes, to find only the dots a label follows in C."""
+    text's `_DOTS` classes, to find only the dots a label follows in C; `backwards`: the text
+    reversed, when the caller has it."""
     # Few dots (a memchr count): the next is found by `re`'s scan for the rare "."; many: a
     # `bytes.find` each, cheaper per call.
     dense = dots is not None and dots.count(b".") * ANCHOR_SPACING > len(low)
-    backwards = None if dots is None or dense else low[::-1]
+    if dots is None or dense:
+        backwards = None
+    elif backwards is None:
+        backwards = low[::-1]
     pos = 0
     while True:
         # A dot no label follows is never a match's first (see below), so `dots` skips it and
@@ -558,7 +563,7 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
     # One byte per character (a character that is not ASCII as "?"), for the C finds of the
     # domain scan and the classes the digit and IBAN patterns scan.
     ascii_view = low.encode("ascii", "replace")
-    for match in _domains(low, ascii_view.translate(_DOTS)):
+    for match in _domains(low, ascii_view.translate(_DOTS), backwards):
         if match.end() - match.start() >= MIN_TOKEN:
             found.update(_url_tokens(match.group(), read))
     classes = _classes(low, ascii_view)
