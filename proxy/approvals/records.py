@@ -109,6 +109,10 @@ class Approval:
     # {kind, argument, source, snippet}, shown to the approver beside the arguments. None: gated
     # by effect only (and records written before the field existed).
     evidence: list[dict[str, Any]] | None = None
+    # The audit record of the person's decision (`<approval>`, written before it was stored),
+    # which the released call's record names as `extra.approval_record`. None: undecided, decided
+    # in-band (the call's own record carries it), or a record written before the field existed.
+    decision_record: str | None = None
 
     @property
     def binding(self) -> CallBinding:

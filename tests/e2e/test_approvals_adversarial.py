@@ -1,0 +1,153 @@
+"""The approval gate under attack, through the wire: the real proxy process, the official SDK
+client, the demo notes server (its `delete_note` answers `existed`, so a second deletion would
+show) and the admin API.
+
+Each test is an attack an adversarial review tried: what it proves is in its name. Those that
+broke were fixed as a class: decisions were not audited (now an `<approval>` record before the
+decision is stored, linked from the released call), and the approver was shown arguments whose
+invisible characters (bidi overrides, zero-width) hid what would run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import upstream_server, write_doc
+
+from tests.harness import ProxyProcess, mcp_client, proxy_process, token
+
+OPS = token("ops", tenant="acme")
+DEV = token("dev", tenant="acme")
+ALICE_TOKEN = "alice-approver-token"
+ALICE = {"Authorization": f"Bearer {ALICE_TOKEN}"}
+
+
+def _policy(directory: Path) -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {"notes": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {
+            "notes.delete_note": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
+            "notes.write_note": {"effect": "write"},
+            "notes.search_notes": {"effect": "read"},
+        },
+    })
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    tmp = tmp_path_factory.mktemp("approvals_adversarial")
+    config = {"approvals": {"poll_interval": "100ms", "approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+    with upstream_server("sse") as up, proxy_process(
+            tmp, {"notes": up.url}, policies=_policy(tmp / "policies"), config=config) as pp:
+        yield pp
+
+
+async def call(proxy: ProxyProcess, tool: str, args: dict[str, Any], bearer: str = OPS,
+               run: str | None = None) -> Any:
+    headers = {"X-Envelope-Run": run} if run is not None else None
+    async with mcp_client(proxy.url("notes"), "auto", bearer=bearer, headers=headers) as c:
+        return await c.call_tool(tool, args)
+
+
+def meta(result: Any) -> dict[str, Any]:
+    return dict((result.meta or {})["envelope/decision"])
+
+
+async def admin(proxy: ProxyProcess, method: str, path: str, **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+        return await http.request(method, path, headers=ALICE, **kw)
+
+
+async def pending(proxy: ProxyProcess, title: str) -> list[dict[str, Any]]:
+    r = await admin(proxy, "GET", "/v1/approvals?state=pending")
+    assert r.status_code == 200, r.text
+    return [a for a in r.json()["approvals"] if a["arguments"].get("title") == title]
+
+
+async def held(proxy: ProxyProcess, title: str, **kw: Any) -> dict[str, Any]:
+    """Make the gated call, see it held, and return its (one) pending approval."""
+    result = await call(proxy, "delete_note", {"title": title}, **kw)
+    assert meta(result)["code"] == "approval_pending", meta(result)
+    for _ in range(50):
+        found = await pending(proxy, title)
+        if found:
+            return found[-1]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no pending approval for {title}")
+
+
+async def approve(proxy: ProxyProcess, approval: dict[str, Any], reason: str = "ok") -> dict[str, Any]:
+    r = await admin(proxy, "POST", f"/v1/approvals/{approval['id']}/approve", json={"reason": reason})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+# -- binding: an approval releases its own call only (held) ------------------------------------
+
+
+async def test_an_approval_releases_no_other_arguments_run_or_principal(proxy: ProxyProcess) -> None:
+    approval = await held(proxy, "b1", run="run-b")
+    await approve(proxy, approval)
+    # Other arguments (an extra key, a number form, a look-alike), another run, another principal:
+    # each is held for its own approval, none is released by this one.
+    for args, kw in (({"title": "b1", "force": True}, {"run": "run-b"}),
+                     ({"title": "b1\u200b"}, {"run": "run-b"}),
+                     ({"title": "b1"}, {"run": "run-b-child"}),
+                     ({"title": "b1"}, {"run": "run-b", "bearer": DEV})):
+        result = await call(proxy, "delete_note", args, **kw)
+        assert meta(result)["code"] in ("approval_pending", "schema_invalid"), (args, kw, meta(result))
+        assert meta(result).get("decision_id") is not None
+    performed = [r for r in proxy.audit_records()
+                 if r["tool"] == "delete_note" and r["upstream_status"] == 200]
+    assert performed == []
+    # The call itself is released once, its retry replays.
+    first = await call(proxy, "delete_note", {"title": "b1"}, run="run-b")
+    again = await call(proxy, "delete_note", {"title": "b1"}, run="run-b")
+    assert first.is_error is False and again.structured_content == first.structured_content
+
+
+# -- audit: every decision has its record, and the released call links to it (broke) ----------
+
+
+async def test_every_decision_is_audited_and_the_released_call_names_it(proxy: ProxyProcess) -> None:
+    approved = await held(proxy, "a1", run="run-a")
+    denied = await held(proxy, "a2", run="run-a")
+    decided = await approve(proxy, approved, "ticket 42")
+    r = await admin(proxy, "POST", f"/v1/approvals/{denied['id']}/deny", json={"reason": "not this"})
+    assert r.status_code == 200, r.text
+
+    records = {r["decision_id"]: r for r in proxy.audit_records()}
+    yes = records[decided["decision_record"]]
+    assert (yes["method"], yes["check"], yes["verdict"], yes["principal"], yes["run"], yes["tool"]) == (
+        "<approval>", "approval", "allow", "ops", "run-a", "delete_note")
+    assert yes["args_digest"] == approved["args_digest"]
+    assert yes["extra"] == {"approver": "alice", "approval_id": approved["id"], "decision": "approved"}
+    assert "ticket 42" in yes["reason"]
+    no = [rec for rec in records.values()
+          if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == denied["id"]]
+    assert len(no) == 1 and no[0]["verdict"] == "deny" and no[0]["extra"]["decision"] == "denied"
+
+    released = await call(proxy, "delete_note", {"title": "a1"}, run="run-a")
+    assert released.is_error is False
+    rec = [r for r in proxy.audit_records()
+           if r["tool"] == "delete_note" and r["upstream_status"] == 200 and r["run"] == "run-a"]
+    assert len(rec) == 1
+    assert rec[0]["extra"]["approval_id"] == approved["id"]
+    assert rec[0]["extra"]["approval_record"] == yes["decision_id"]
+
+    # A decision that cannot be made (no longer pending) is audited as refused, naming the request.
+    r = await admin(proxy, "POST", f"/v1/approvals/{denied['id']}/approve", json={"reason": "changed my mind"})
+    assert r.status_code == 409
+    late = [rec for rec in proxy.audit_records()
+            if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == denied["id"]]
+    assert [(x["verdict"], x["extra"]["decision"], x["extra"].get("refused")) for x in late] == [
+        ("deny", "denied", None), ("deny", "approved", True)]
