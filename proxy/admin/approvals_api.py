@@ -7,6 +7,9 @@
     POST /v1/approvals/{id}/deny      {"reason": "..."}
     GET  /v1/grants
 
+An approval's JSON carries its `arguments` and, for people to read, `arguments_text` (hidden
+and text-reordering characters escaped) and `hidden_characters` (`proxy.approvals.reveal`).
+
 Every route needs `Authorization: Bearer <approver token>` (tokens from `approvals.approvers`
 of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
 arguments. Answers: 401 no or unknown token, 403 an approver deciding their own call, 404

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,3 +152,24 @@ async def test_every_decision_is_audited_and_the_released_call_names_it(proxy: P
             if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == denied["id"]]
     assert [(x["verdict"], x["extra"]["decision"], x["extra"].get("refused")) for x in late] == [
         ("deny", "denied", None), ("deny", "approved", True)]
+
+
+# -- what the approver reads is what runs (broke: hidden characters were shown raw) ------------
+
+
+async def test_the_approver_reads_hidden_characters_escaped_and_is_warned(proxy: ProxyProcess) -> None:
+    # "report\u202efdp.exe" shows as "reportexe.pdf" where bidi is honoured; a zero-width space
+    # makes "a1" and "a\u200b1" look the same.
+    title = "report\u202efdp.exe"
+    approval = await held(proxy, title, run="run-h")
+    assert approval["arguments"] == {"title": title}  # the exact arguments stay in the record
+    text = approval["arguments_text"]
+    assert "\u202e" not in text and '"report\\u202efdp.exe"' in text
+    assert json.loads(text) == approval["arguments"]
+    assert approval["hidden_characters"] == [{"path": "/title", "characters": ["U+202E"]}]
+    plain = await held(proxy, "plain title", run="run-h")
+    assert plain["hidden_characters"] == [] and '"plain title"' in plain["arguments_text"]
+    # The page's script shows `arguments_text` and the warning, never the raw arguments.
+    async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+        script = (await http.get("/review/static/review.js")).text
+    assert "a.arguments_text" in script and "hidden_characters" in script

@@ -155,12 +155,24 @@
     const recent = el("div", { className: "table-wrap", dataset: { role: "recent" } },
       el("p", { className: "empty" }, "Loading…"));
     const card = el("div", { className: "approval", dataset: { approvalId: a.id } },
-      info, el("h4", {}, "Arguments"), el("pre", { dataset: { role: "arguments" } }, json(a.arguments)),
+      info, el("h4", {}, "Arguments"), hiddenWarning(a.hidden_characters),
+      el("pre", { dataset: { role: "arguments" } },
+        typeof a.arguments_text === "string" ? a.arguments_text : json(a.arguments)),
       el("h4", {}, "Data-flow evidence"), evidenceBlock(a.evidence, "approval"),
       el("h4", {}, "Recent calls in this run"), recent,
       el("div", { className: "actions" }, reason, approve, deny), result);
     loadRecent(a.id, recent);
     return card;
+  }
+
+  // The arguments are shown as `arguments_text`: characters a screen hides or that reorder text
+  // (bidi overrides, zero-width, odd spaces) are escaped, so what is approved is what runs; where
+  // there are any, the approver is told before deciding.
+  function hiddenWarning(found) {
+    if (!Array.isArray(found) || found.length === 0) return null;
+    return el("p", { className: "error", dataset: { role: "hidden-characters" } },
+      "Warning: the arguments hold characters that are invisible or reorder text, shown escaped: " +
+      found.map((h) => show(h.path) + " (" + (h.characters || []).join(", ") + ")").join("; "));
   }
 
   // Evidence rows ({kind, argument, source, snippet}): what the data-flow check matched.
