@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,26 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
+def has_duplicate_names(body: bytes) -> bool:
+    """Whether some JSON object in `body` (already parsed by orjson) names a member twice, its
+    escapes decoded (`"\\u006dethod"` is `"method"`). The proxy reads the last of two; an
+    upstream may read the first, so the method the envelope saw, or the arguments a person
+    approved, could differ from what runs. JSON that the second parser cannot take counts as
+    duplicated (fail closed)."""
+    found = False
+
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        nonlocal found
+        if not found and len({name for name, _ in items}) != len(items):
+            found = True
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return True
+    return found
+
+
 def parse_message(body: bytes, max_depth: int) -> Message:
     """Parse one JSON-RPC message; BadMessage with the JSON-RPC error to send otherwise."""
     try:
@@ -93,6 +114,10 @@ def parse_message(body: bytes, max_depth: int) -> Message:
         raise BadMessage(
             INVALID_REQUEST, f"JSON nested deeper than {max_depth} levels", "too_deep", id=_safe_id(value)
         )
+    if has_duplicate_names(body):
+        raise BadMessage(
+            INVALID_REQUEST, "Invalid Request: a JSON object names a member twice (the proxy and "
+            "the upstream could read different values)", "invalid_request", id=_safe_id(value))
     if value.get("jsonrpc") != "2.0":
         raise BadMessage(INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"', "invalid_request", id=_safe_id(value))
     method = value.get("method")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from e2e_helpers import upstream_server, write_doc
 
-from tests.harness import ProxyProcess, mcp_client, proxy_process, token
+from tests.harness import ProxyProcess, mcp_client, proxy_process, rpc, token
 
 OPS = token("ops", tenant="acme")
 DEV = token("dev", tenant="acme")
@@ -173,3 +173,27 @@ async def test_the_approver_reads_hidden_characters_escaped_and_is_warned(proxy:
     async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
         script = (await http.get("/review/static/review.js")).text
     assert "a.arguments_text" in script and "hidden_characters" in script
+
+
+# -- the envelope and the upstream read the same message (broke: duplicate names) --------------
+
+
+@pytest.mark.parametrize("raw", [
+    # The proxy read the last "method" (ping: relayed byte for byte, no envelope, no approval);
+    # an upstream reading the first would delete the note.
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome"}},"method":"ping"}',
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome"}},"\\u006dethod":"ping"}',
+    # The approver would see (and approve) "harmless"; an upstream reading the first deletes
+    # "welcome".
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome","title":"harmless"}}}',
+])
+def test_a_message_naming_a_member_twice_is_refused_not_relayed(proxy: ProxyProcess, raw: bytes) -> None:
+    before = len(proxy.audit_records())
+    resp = rpc(proxy.url("notes"), None, bearer=OPS, raw=raw)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == -32600 and "names a member twice" in error["message"]
+    assert len(proxy.audit_records()) == before  # refused at the front: no call, no approval
