@@ -83,11 +83,17 @@
 
   function flash(text) { $("flash").textContent = text; }
 
+  // Characters a screen hides or that reorder text (bidi overrides, zero-width, odd spaces),
+  // written as \u{...}: a run id or a reason cannot make the page read as something else.
+  const HIDDEN = /[\p{Cf}\p{Co}\p{Cn}\p{Zl}\p{Zp}\u007f-\u009f]|(?! )\p{Zs}/gu;
+  const visible = (text) => String(text).replace(HIDDEN,
+    (c) => "\\u{" + c.codePointAt(0).toString(16).padStart(4, "0") + "}");
+
   function fields(dl, pairs) {
     dl.replaceChildren();
     for (const [name, value] of pairs) {
       dl.appendChild(el("dt", {}, name));
-      dl.appendChild(el("dd", { dataset: { field: name } }, show(value)));
+      dl.appendChild(el("dd", { dataset: { field: name } }, visible(show(value))));
     }
   }
 
@@ -180,7 +186,7 @@
     return (items || []).map((e) => el("tr", { className: "evidence-row" },
       el("td", { dataset: { col: "argument" } }, show(e.argument)),
       el("td", { dataset: { col: "source" } }, show(e.source)),
-      el("td", { className: "snippet", dataset: { col: "snippet" } }, show(e.snippet)),
+      el("td", { className: "snippet", dataset: { col: "snippet" } }, visible(show(e.snippet))),
       el("td", { dataset: { col: "kind" } }, show(e.kind)),
       el("td", { dataset: { col: "outcome" } }, outcome)));
   }
