@@ -4,8 +4,10 @@ show) and the admin API.
 
 Each test is an attack an adversarial review tried: what it proves is in its name. Those that
 broke were fixed as a class: decisions were not audited (now an `<approval>` record before the
-decision is stored, linked from the released call), and the approver was shown arguments whose
-invisible characters (bidi overrides, zero-width) hid what would run.
+decision is stored, linked from the released call); the approver was shown arguments whose
+invisible characters (bidi overrides, zero-width) hid what would run; and a message the proxy
+and the upstream could read differently (a member named twice, a number read rounded) was
+judged on one reading and forwarded as sent.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ async def test_the_approver_reads_hidden_characters_escaped_and_is_warned(proxy:
     assert "a.arguments_text" in script and "hidden_characters" in script
 
 
-# -- the envelope and the upstream read the same message (broke: duplicate names) --------------
+# -- the envelope and the upstream read the same message (broke: duplicate names, big numbers) -
 
 
 @pytest.mark.parametrize("raw", [
@@ -189,11 +191,19 @@ async def test_the_approver_reads_hidden_characters_escaped_and_is_warned(proxy:
     # "welcome".
     b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
     b'"arguments":{"title":"welcome","title":"harmless"}}}',
+    # Read rounded, two different numbers share one digest: approving one would release the
+    # other, which a big-number upstream reads as it was sent.
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome","version":18446744073709551617}}}',
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome","version":1.00000000000000000001}}}',
 ])
-def test_a_message_naming_a_member_twice_is_refused_not_relayed(proxy: ProxyProcess, raw: bytes) -> None:
+def test_a_message_the_upstream_could_read_otherwise_is_refused_not_relayed(
+        proxy: ProxyProcess, raw: bytes) -> None:
     before = len(proxy.audit_records())
     resp = rpc(proxy.url("notes"), None, bearer=OPS, raw=raw)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["code"] == -32600 and "names a member twice" in error["message"]
+    assert error["code"] == -32600
+    assert "the proxy and the upstream could read different values" in error["message"]
     assert len(proxy.audit_records()) == before  # refused at the front: no call, no approval
