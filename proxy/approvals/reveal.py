@@ -36,6 +36,12 @@ def _escape(char: str) -> str:
     return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
+def visible(text: str) -> str:
+    """`text` for a terminal or a page: control characters (which a terminal obeys: colours,
+    cursor moves, window titles) and hidden ones written as `\\uXXXX` escapes."""
+    return "".join(_escape(c) if c < " " or is_hidden(c) else c for c in text)
+
+
 def revealed_json(value: Any, indent: int | None = 2) -> str:
     """`value` as JSON (keys in their order; `indent` None: on one line) with every hidden
     character escaped."""

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import upstream_server, write_doc
+from e2e_helpers import cli, upstream_server, write_doc
 
 from tests.harness import ProxyProcess, mcp_client, proxy_process, rpc, token
 
@@ -207,3 +208,31 @@ def test_a_message_the_upstream_could_read_otherwise_is_refused_not_relayed(
     assert error["code"] == -32600
     assert "the proxy and the upstream could read different values" in error["message"]
     assert len(proxy.audit_records()) == before  # refused at the front: no call, no approval
+
+
+# -- the approver's terminal obeys nothing a caller wrote (broke: escape sequences) ------------
+
+
+def test_a_callers_escape_sequences_never_reach_the_approvers_terminal(proxy: ProxyProcess) -> None:
+    # A stateless call without X-Envelope-Run is in the run its client names: the client's name
+    # comes from the request body, so it can hold anything (here: a window-title and a
+    # clear-screen sequence, and a right-to-left override).
+    name = "agent\x1b]0;approved\x07\x1b[2J\u202ekcatta"
+    body = {"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {
+        "name": "delete_note", "arguments": {"title": "esc-1"},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                  "io.modelcontextprotocol/clientInfo": {"name": name, "version": "1"}}}}
+    resp = rpc(proxy.url("notes"), body, bearer=OPS,
+               headers={"Mcp-Method": "tools/call", "Mcp-Name": "delete_note"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["result"]["_meta"]["envelope/decision"]["code"] == "approval_pending"
+    env = {**os.environ, "ENVELOPE_APPROVER_TOKEN": ALICE_TOKEN}
+    listed = cli("approvals", "--admin", proxy.admin, "list", env=env)
+    assert listed.returncode == 0, listed.stderr
+    line = [x for x in listed.stdout.splitlines() if "kcatta" in x]
+    assert len(line) == 1
+    assert "\x1b" not in listed.stdout and "\x07" not in listed.stdout and "\u202e" not in listed.stdout
+    assert "agent\\u001b]0;approved\\u0007\\u001b[2J\\u202ekcatta@1" in line[0]
+    table = cli("audit", "query", str(proxy.audit_dir), "--tool", "delete_note")
+    assert table.returncode == 0, table.stderr
+    assert "\x1b" not in table.stdout and "\u202e" not in table.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.approvals.reveal import hidden_characters, is_hidden, revealed_json
+from proxy.approvals.reveal import hidden_characters, is_hidden, revealed_json, visible
 
 # A right-to-left override makes "/tmp/x\u202efdsa.sh" read as "/tmp/xhs.asdf"; a zero-width
 # space makes two different keys and values look equal.
@@ -31,3 +31,8 @@ def test_hidden_characters_name_where_they_are() -> None:
     ]
     assert hidden_characters({"body": "two\nlines\tand tabs", "n": 1, "a/b": ["~"]}) == []
     assert hidden_characters("\u2066x\u2069") == [{"path": "/", "characters": ["U+2066", "U+2069"]}]
+
+
+def test_visible_escapes_what_a_terminal_would_obey_or_hide() -> None:
+    assert visible("run\x1b[2J\x07\u202eok é\t") == "run\\u001b[2J\\u0007\\u202eok é\\u0009"
+    assert visible("plain text / 1.5") == "plain text / 1.5"
