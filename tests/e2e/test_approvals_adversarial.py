@@ -236,3 +236,31 @@ def test_a_callers_escape_sequences_never_reach_the_approvers_terminal(proxy: Pr
     table = cli("audit", "query", str(proxy.audit_dir), "--tool", "delete_note")
     assert table.returncode == 0, table.stderr
     assert "\x1b" not in table.stdout and "\u202e" not in table.stdout
+
+
+# -- the admin listener against a browser and a guesser (held) ---------------------------------
+
+
+async def test_no_cross_site_request_framing_or_token_guess_decides_an_approval(proxy: ProxyProcess) -> None:
+    approval = await held(proxy, "csrf-1", run="run-c")
+    path = f"/v1/approvals/{approval['id']}/approve"
+    async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+        # What a page elsewhere can make a browser send: a simple form POST (no Authorization),
+        # a preflight, a rebound name; and a token one character off.
+        form = await http.post(path, content=b'{"reason":"x"}', headers={
+            "Origin": "https://evil.example", "Content-Type": "text/plain"})
+        assert form.status_code == 401
+        preflight = await http.request("OPTIONS", path, headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert "access-control-allow-origin" not in preflight.headers
+        rebound = await http.post(path, json={"reason": "x"},
+                                  headers={**ALICE, "Host": "evil.example"})
+        assert rebound.status_code == 421
+        near = await http.post(path, json={"reason": "x"},
+                               headers={"Authorization": f"Bearer {ALICE_TOKEN[:-1]}X"})
+        assert near.status_code == 401
+        page = await http.get("/review")
+        assert page.headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
+    assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"
