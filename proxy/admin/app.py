@@ -108,7 +108,8 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
     if approvals is not None:
         from proxy.admin import approvals_api
 
-        approvals_api.add_routes(app, approvals, status.approvers)  # type: ignore[attr-defined]
+        approvals_api.add_routes(app, approvals, status.approvers,  # type: ignore[attr-defined]
+                                 getattr(status, "envelope", None))
     # Shadow records (GET /v1/shadow), read from the provider's state store.
     from proxy.admin.shadow_api import add_shadow_routes
 

@@ -7,10 +7,20 @@
     POST /v1/approvals/{id}/deny      {"reason": "..."}
     GET  /v1/grants
 
+An approval's JSON carries its `arguments` and, for people to read, `arguments_text` (hidden
+and text-reordering characters escaped) and `hidden_characters` (`proxy.approvals.reveal`).
+
 Every route needs `Authorization: Bearer <approver token>` (tokens from `approvals.approvers`
 of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
 arguments. Answers: 401 no or unknown token, 403 an approver deciding their own call, 404
-unknown id, 409 no longer pending, 400 bad body, 503 the store cannot answer (fail closed).
+unknown id, 409 no longer pending, 400 bad body, 503 the store or the audit log cannot answer
+(fail closed).
+
+Every approve or deny is audited before it is stored (`Envelope.note_approval`: a record of
+method `<approval>` naming the call, the approver, the decision and the reason): a decision
+the audit log cannot take is not made (503). A decision that then fails (403, 404, 409, 503)
+gets a second record saying so (`extra.request`: the first one's id). The approval keeps the
+record's id (`decision_record`), and the call it releases names it (`extra.approval_record`).
 """
 
 from __future__ import annotations
@@ -21,9 +31,17 @@ import orjson
 from aiohttp import web
 
 from proxy.approvals.approvers import Approvers
-from proxy.approvals.records import STATES, ApprovalError, GrantRequest, State
+from proxy.approvals.records import (
+    STATES,
+    ApprovalConflict,
+    ApprovalError,
+    GrantRequest,
+    SelfApproval,
+    State,
+)
 from proxy.approvals.service import ApprovalService
-from proxy.errors import StoreError
+from proxy.envelope.types import Code, Verdict
+from proxy.errors import AuditError, StoreError
 
 _NO_STORE = {"Cache-Control": "no-store"}
 _MAX_BODY = 64 * 1024
@@ -54,8 +72,10 @@ def unauthorized(request: web.Request) -> web.Response:
     return _error(401, message, **{"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
 
 
-def add_routes(app: web.Application, service: ApprovalService, approvers: Approvers) -> None:
-    """Mount the approvals routes on the admin application."""
+def add_routes(app: web.Application, service: ApprovalService, approvers: Approvers,
+               envelope: Any = None) -> None:
+    """Mount the approvals routes on the admin application. `envelope` (`proxy.envelope.
+    pipeline.Envelope`) audits every decision; without one, approve and deny answer 503."""
 
     def approver_of(request: web.Request) -> str | web.Response:
         name = approvers.authenticate(_bearer(request))
@@ -110,16 +130,65 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         unknown = set(body) - {"reason", "grant"}
         if unknown or (not approve and "grant" in body):
             return _error(400, f"unexpected field(s): {', '.join(sorted(unknown or {'grant'}))}")
+        approval_id = request.match_info["id"]
         try:
             grant = (GrantRequest.parse(body["grant"], service.config.max_grant_duration)
                      if body.get("grant") is not None else None)
-            approval, granted = await service.decide(
-                request.match_info["id"], approver=who, approve=approve, reason=reason.strip(),
-                grant=grant,
-            )
+            asked = await service.get(approval_id)
         except ApprovalError as exc:
             return _error(exc.status, str(exc))
         except StoreError as exc:
+            return unavailable(exc)
+        if asked is None:
+            return _error(404, f"no approval {approval_id}")
+        if envelope is None:
+            return _error(503, "no audit log: a decision cannot be recorded, so none is made")
+        verb = "approved" if approve else "denied"
+
+        def note(verdict: Verdict, code: Code, why: str, **extra: Any) -> str:
+            assert asked is not None
+            decided: str = envelope.note_approval(
+                principal=asked.principal, run=asked.run, upstream=asked.upstream, tool=asked.tool,
+                args_digest=asked.args_digest, approver=who, verdict=verdict, code=code,
+                reason=why, extra={"approval_id": asked.id, "decision": verb, **extra})
+            return decided
+
+        # What `service.decide` would refuse is refused (and audited as refused) before a record
+        # says the decision was made; `decide` checks again against the stored record.
+        problem: ApprovalError | None = None
+        if asked.principal == who:
+            problem = SelfApproval(f"{who} cannot decide a call made by {who}")
+        elif (state := asked.effective_state(service.clock())) != "pending":
+            problem = ApprovalConflict(f"approval {approval_id} is {state}, not pending")
+        if problem is not None:
+            try:
+                note(Verdict.DENY, Code.INVALID_REQUEST, f"approval {approval_id} not {verb}: {problem}",
+                     refused=True)
+            except AuditError as exc:
+                return _error(503, f"the audit log cannot take the request ({exc})")
+            return _error(problem.status, str(problem))
+        try:
+            record_id = note(Verdict.ALLOW if approve else Verdict.DENY,
+                             Code.OK if approve else Code.APPROVAL_DENIED,
+                             f"approval {approval_id} {verb} by {who}: {reason.strip()}",
+                             **({"grant": {"scope": grant.scope, "duration": grant.duration}}
+                                if grant is not None else {}))
+        except AuditError as exc:
+            return _error(503, f"the audit log cannot take the decision ({exc}); nothing was decided")
+        try:
+            approval, granted = await service.decide(
+                approval_id, approver=who, approve=approve, reason=reason.strip(),
+                grant=grant, record=record_id,
+            )
+        except (ApprovalError, StoreError) as exc:
+            try:  # best effort: the record above said it was asked for; say it was not made
+                note(Verdict.DENY if isinstance(exc, ApprovalError) else Verdict.ERROR,
+                     Code.INVALID_REQUEST if isinstance(exc, ApprovalError) else Code.STORE_UNAVAILABLE,
+                     f"approval {approval_id} not {verb}: {exc}", refused=True, request=record_id)
+            except AuditError:
+                pass
+            if isinstance(exc, ApprovalError):
+                return _error(exc.status, str(exc))
             return unavailable(exc)
         now = service.clock()
         data = approval.view(now)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import orjson
 
+from proxy.approvals.reveal import hidden_characters, revealed_json
 from proxy.errors import EnvelopeError
 from proxy.policy.vocab import parse_duration
 
@@ -109,6 +110,10 @@ class Approval:
     # {kind, argument, source, snippet}, shown to the approver beside the arguments. None: gated
     # by effect only (and records written before the field existed).
     evidence: list[dict[str, Any]] | None = None
+    # The audit record of the person's decision (`<approval>`, written before it was stored),
+    # which the released call's record names as `extra.approval_record`. None: undecided, decided
+    # in-band (the call's own record carries it), or a record written before the field existed.
+    decision_record: str | None = None
 
     @property
     def binding(self) -> CallBinding:
@@ -128,8 +133,12 @@ class Approval:
         return cls(**orjson.loads(raw))
 
     def view(self, now: float) -> dict[str, Any]:
-        """The JSON shape of the admin API (state as of `now`)."""
-        return {**asdict(self), "state": self.effective_state(now)}
+        """The JSON shape of the admin API (state as of `now`), with the arguments as the
+        approver must read them (`arguments_text`: hidden characters escaped) and where such
+        characters are (`hidden_characters`; see `proxy.approvals.reveal`)."""
+        return {**asdict(self), "state": self.effective_state(now),
+                "arguments_text": revealed_json(self.arguments),
+                "hidden_characters": hidden_characters(self.arguments)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,9 +158,10 @@ class ApprovalService:
 
     async def decide(
         self, approval_id: str, *, approver: str, approve: bool, reason: str,
-        grant: GrantRequest | None = None,
+        grant: GrantRequest | None = None, record: str | None = None,
     ) -> tuple[Approval, Grant | None]:
-        """Approve or deny a pending approval (with an optional grant when approving).
+        """Approve or deny a pending approval (with an optional grant when approving); `record`
+        is the decision's audit record id, kept on the approval (`decision_record`).
 
         Raises ApprovalNotFound, SelfApproval (the approver made the call), ApprovalConflict
         (no longer pending: decided, consumed or expired), StoreError.
@@ -187,6 +188,7 @@ class ApprovalService:
                 current, state="approved" if approve else "denied", approver=approver,
                 decision_reason=reason, decided_at=now,
                 grant_id=grant_obj.id if grant_obj is not None else None,
+                decision_record=record,
             )
 
         decided = await self._transition(approval_id, change)

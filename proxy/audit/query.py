@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from proxy.approvals.reveal import visible
 from proxy.audit.log import _TS_FORMAT, ROTATED_RE, rotated_files
 
 _CURRENT_RE = re.compile(r"^(?P<name>.+)\.jsonl$")
@@ -354,7 +355,9 @@ _COLUMNS = (
 
 
 def _cut(text: str, width: int) -> str:
-    text = " ".join(text.split())  # one line per record, whatever the reason holds
+    # One line per record, whatever the reason holds; nothing a terminal would obey (escape
+    # sequences in a run id or an argument quoted in a reason) or that hides text.
+    text = visible(" ".join(text.split()))
     if width <= 0 or len(text) <= width:
         return text
     return text[: width - 1] + "…"

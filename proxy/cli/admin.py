@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from proxy.approvals.reveal import visible
 from proxy.cli.admin_client import AdminClient, default_admin_url
 from proxy.errors import AdminApiError
 
@@ -97,9 +98,12 @@ def add_approvals_parser(sub: Any) -> None:
 
 def _approval_line(a: dict[str, Any]) -> str:
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(a["expires_at"]))
-    who = f" by {a['approver']}" if a.get("approver") else ""
-    return (f"{a['id']}  {a['state']:<8}  {a['principal']} -> {a['upstream']}.{a['tool']}  "
-            f"run {a['run']}  {a['args_digest'][:19]}  expires {when}{who}")
+    who = f" by {visible(str(a['approver']))}" if a.get("approver") else ""
+    # Run ids (a client's name, for stateless calls) and principals come from the callers:
+    # nothing in them reaches the terminal as an escape sequence or hides text.
+    return (f"{a['id']}  {a['state']:<8}  {visible(str(a['principal']))} -> "
+            f"{visible(str(a['upstream']))}.{visible(str(a['tool']))}  "
+            f"run {visible(str(a['run']))}  {a['args_digest'][:19]}  expires {when}{who}")
 
 
 def cmd_approvals(args: argparse.Namespace) -> int:
@@ -143,8 +147,9 @@ def cmd_approvals(args: argparse.Namespace) -> int:
             print(f"no {'' if args.state == 'all' else args.state + ' '}approvals")
     elif command == "grants":
         for g in data["grants"]:
-            run = f" run {g['run']}" if g.get("run") else ""
-            print(f"{g['id']}  {g['scope']:<4}  {g['principal']} -> {g['upstream']}.{g['tool']}{run}  "
+            run = f" run {visible(str(g['run']))}" if g.get("run") else ""
+            print(f"{g['id']}  {g['scope']:<4}  {visible(str(g['principal']))} -> "
+                  f"{visible(str(g['upstream']))}.{visible(str(g['tool']))}{run}  "
                   f"args {json.dumps(g['args'], sort_keys=True)}  by {g['approver']}")
         if not data["grants"]:
             print("no active grants")

@@ -497,6 +497,33 @@ class Completion:
                               Code.INVALID_REQUEST.value)
         return decision_id
 
+    def note_approval(self, *, principal: str, run: str, upstream: str, tool: str, args_digest: str,
+                      approver: str, verdict: Verdict, code: Code, reason: str,
+                      extra: Mapping[str, Any]) -> str:
+        """Audit a person's decision on an approval (the admin API's approve or deny): one record
+        of method `<approval>`, check `approval`, the approved call's principal, run, upstream,
+        tool and argument digest, written before the decision is stored. Returns its decision id;
+        raises AuditError when the audit log cannot take it (the caller then decides nothing: a
+        decision releases a gated call, so it is never made unaudited)."""
+        chain = self.chain
+        decision_id = uuid.uuid4().hex
+        record = build_record(
+            decision_id=decision_id, revision=chain.revision.revision if chain is not None else "none",
+            principal=principal, session=None, run=run, upstream=upstream, tool=tool,
+            verdict=verdict, code=code, check="approval", rule=None, reason=reason, arguments={},
+            log_args=False, latency={}, upstream_status=None,
+            extra={"approver": approver, **extra}, method="<approval>", canonical=b"{}")
+        # The record names the call the decision is about by its digest (the canonical
+        # arguments are not at hand here, and the approval keeps them).
+        record["args_digest"] = args_digest
+        try:
+            self.audit.write(record)
+        except AuditError:
+            self.metrics.audit_write_failure()
+            raise
+        self.metrics.audit_record()
+        return decision_id
+
     def note_intent(self, *, principal: str, run: str, approver: str, verdict: Verdict, code: Code,
                     reason: str, extra: Mapping[str, Any]) -> str:
         """Audit an intent set for a run through the admin API (`proxy.envelope.dataflow.intent`):

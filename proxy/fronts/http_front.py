@@ -32,7 +32,7 @@ from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
-from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds
+from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds, ambiguity
 from proxy.upstream.forwarder import UpstreamResponse
 from proxy.upstream.openapi import HttpCall, arguments_from
 
@@ -179,6 +179,10 @@ class HttpFront:
         if _depth_exceeds(value, self.ctx.settings.max_json_depth):
             raise BadMessage(0, f"Bad Request: the body nests deeper than "
                              f"{self.ctx.settings.max_json_depth} levels", "too_deep")
+        why = ambiguity(body)
+        if why is not None:
+            raise BadMessage(0, f"Bad Request: {why} (the proxy and the upstream could read "
+                             "different values)", "invalid_request")
         return value
 
     def _request(self, request: web.Request, target: UpstreamTarget, http: HttpCall) -> UpstreamRequest:

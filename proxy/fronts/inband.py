@@ -30,6 +30,7 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
+from proxy.approvals.reveal import hidden_characters, revealed_json
 from proxy.approvals.signer import STATE_PREFIX
 from proxy.envelope.types import ApprovalPrompt, InBandAnswer
 from proxy.fronts.sessions import OwnedLRU
@@ -103,9 +104,14 @@ def stateless_elicitation(params: dict[str, Any]) -> bool:
 
 def elicitation_params(prompt: ApprovalPrompt) -> dict[str, Any]:
     """The form-mode `elicitation/create` params asking to approve one call."""
-    preview = orjson.dumps(dict(prompt.arguments)).decode()
+    # Hidden characters (bidi overrides, zero-width) escaped: the person reads what will run.
+    preview = revealed_json(dict(prompt.arguments), indent=None)
+    hidden = hidden_characters(dict(prompt.arguments))
     if len(preview) > PREVIEW_CHARS:
-        preview = preview[:PREVIEW_CHARS] + "…"
+        preview = preview[:PREVIEW_CHARS] + f"… (cut: {len(preview):,} characters in all)"
+    if hidden:
+        preview += " WARNING: hidden characters, shown escaped, at " + ", ".join(
+            h["path"][:80] for h in hidden[:5]) + (" and more" if len(hidden) > 5 else "")
     message = (
         f"Approve the tool call {prompt.tool} on upstream {prompt.upstream}? "
         f"Arguments (digest {prompt.args_digest}): {preview} "

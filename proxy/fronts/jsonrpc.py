@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +70,58 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
+# orjson reads integers in this range exactly, and any other as a (rounded) float.
+_EXACT_INTS = range(-(2**63), 2**64)
+# The most significant digits any double needs to be written so that it reads back the same:
+# serializers never write more, and a literal with more names a value the proxy reads rounded.
+_MAX_DIGITS = 17
+# A number past either bound has a run of 18 digits and dots (a C-speed search): bodies without
+# one skip the per-number hooks.
+_LONG_NUMBER = re.compile(rb"[0-9.]{18}")
+
+
+def _significant_digits(literal: str) -> int:
+    mantissa = literal.lstrip("-+").lower().partition("e")[0].replace(".", "")
+    return len(mantissa.strip("0"))
+
+
+def ambiguity(body: bytes) -> str | None:
+    """Why `body` (JSON orjson already took) could read differently to the proxy than to an
+    upstream, or None. The proxy checks the values it read and forwards the body as sent, so
+    two readings would let the method the envelope saw, or the arguments a person approved
+    (their digest), differ from what runs:
+
+    - an object naming a member twice, escapes decoded (`"\\u006dethod"` is `"method"`): the
+      proxy reads the last, an upstream may read the first;
+    - a number the proxy reads rounded: an integer outside 64 bits, or a literal with more than
+      17 significant digits (two such numbers can share one digest while a big-number upstream
+      tells them apart).
+
+    JSON that the second parser cannot take counts as ambiguous (fail closed)."""
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        if len(items) > 1 and not found and len({name for name, _ in items}) != len(items):
+            found.append("a JSON object names a member twice")
+
+    def integer(literal: str) -> None:
+        if not found and int(literal) not in _EXACT_INTS:
+            found.append(f"the integer {literal[:40]} is beyond 64 bits")
+
+    def number(literal: str) -> None:
+        if not found and _significant_digits(literal) > _MAX_DIGITS:
+            found.append(f"the number {literal[:40]} has more than {_MAX_DIGITS} significant digits")
+
+    try:
+        if _LONG_NUMBER.search(body) is None:
+            json.loads(body, object_pairs_hook=pairs)
+        else:
+            json.loads(body, object_pairs_hook=pairs, parse_int=integer, parse_float=number)
+    except (ValueError, RecursionError):
+        return "the JSON cannot be read twice the same way"
+    return found[0] if found else None
+
+
 def parse_message(body: bytes, max_depth: int) -> Message:
     """Parse one JSON-RPC message; BadMessage with the JSON-RPC error to send otherwise."""
     try:
@@ -93,6 +147,11 @@ def parse_message(body: bytes, max_depth: int) -> Message:
         raise BadMessage(
             INVALID_REQUEST, f"JSON nested deeper than {max_depth} levels", "too_deep", id=_safe_id(value)
         )
+    why = ambiguity(body)
+    if why is not None:
+        raise BadMessage(
+            INVALID_REQUEST, f"Invalid Request: {why} (the proxy and the upstream could read "
+            "different values)", "invalid_request", id=_safe_id(value))
     if value.get("jsonrpc") != "2.0":
         raise BadMessage(INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"', "invalid_request", id=_safe_id(value))
     method = value.get("method")

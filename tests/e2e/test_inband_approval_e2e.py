@@ -330,3 +330,36 @@ def test_stateless_without_elicitation_falls_back(world: World) -> None:
     result = resp.json()["result"]
     assert result.get("resultType") == "complete"
     assert result["_meta"]["envelope/decision"]["code"] == "approval_pending"
+
+
+def test_stateless_state_replayed_in_another_run_or_by_another_principal_is_refused(world: World) -> None:
+    """A state minted for one run and principal releases nothing elsewhere: the same call (same
+    arguments) in another run, or by another principal, is refused and reaches no upstream."""
+    accept = {"envelope/approval": {"action": "accept", "content": {"approve": True}}}
+
+    def call(id: str, bearer: str, run: str, **params: Any) -> Any:
+        body = {"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+            "name": "delete_note", "arguments": {"title": "inband-x"},
+            "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS,
+                      "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
+                      "io.modelcontextprotocol/clientCapabilities": {"elicitation": {"form": {}}}},
+            **params}}
+        resp = rpc(world.proxy.url("rec"), body, bearer=bearer,
+                   headers={"Mcp-Method": "tools/call", "Mcp-Name": "delete_note", "X-Envelope-Run": run})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["result"]
+
+    first = call("x-1", OPS, "run-x")
+    assert first["resultType"] == "input_required"
+    state = first["requestState"]
+    before = len(world.recorder.calls())
+    for id, bearer, run in (("x-2", OPS, "run-y"), ("x-3", token("dev"), "run-x")):
+        r = call(id, bearer, run, inputResponses=accept, requestState=state)
+        assert r["isError"] is True, r
+        assert r["_meta"]["envelope/decision"]["code"] == "approval_denied"
+        assert "could not be verified" in r["content"][0]["text"]
+    assert world.recorder.calls()[before:] == []
+    # Its own run and principal still take it, once.
+    r = call("x-4", OPS, "run-x", inputResponses=accept, requestState=state)
+    assert r.get("isError") is False, r
+    assert len(world.recorder.calls()[before:]) == 1

@@ -83,11 +83,17 @@
 
   function flash(text) { $("flash").textContent = text; }
 
+  // Characters a screen hides or that reorder text (bidi overrides, zero-width, odd spaces),
+  // written as \u{...}: a run id or a reason cannot make the page read as something else.
+  const HIDDEN = /[\p{Cf}\p{Co}\p{Cn}\p{Zl}\p{Zp}\u007f-\u009f]|(?! )\p{Zs}/gu;
+  const visible = (text) => String(text).replace(HIDDEN,
+    (c) => "\\u{" + c.codePointAt(0).toString(16).padStart(4, "0") + "}");
+
   function fields(dl, pairs) {
     dl.replaceChildren();
     for (const [name, value] of pairs) {
       dl.appendChild(el("dt", {}, name));
-      dl.appendChild(el("dd", { dataset: { field: name } }, show(value)));
+      dl.appendChild(el("dd", { dataset: { field: name } }, visible(show(value))));
     }
   }
 
@@ -155,7 +161,9 @@
     const recent = el("div", { className: "table-wrap", dataset: { role: "recent" } },
       el("p", { className: "empty" }, "Loading…"));
     const card = el("div", { className: "approval", dataset: { approvalId: a.id } },
-      info, el("h4", {}, "Arguments"), el("pre", { dataset: { role: "arguments" } }, json(a.arguments)),
+      info, el("h4", {}, "Arguments"), hiddenWarning(a.hidden_characters),
+      el("pre", { dataset: { role: "arguments" } },
+        typeof a.arguments_text === "string" ? a.arguments_text : json(a.arguments)),
       el("h4", {}, "Data-flow evidence"), evidenceBlock(a.evidence, "approval"),
       el("h4", {}, "Recent calls in this run"), recent,
       el("div", { className: "actions" }, reason, approve, deny), result);
@@ -163,12 +171,22 @@
     return card;
   }
 
+  // The arguments are shown as `arguments_text`: characters a screen hides or that reorder text
+  // (bidi overrides, zero-width, odd spaces) are escaped, so what is approved is what runs; where
+  // there are any, the approver is told before deciding.
+  function hiddenWarning(found) {
+    if (!Array.isArray(found) || found.length === 0) return null;
+    return el("p", { className: "error", dataset: { role: "hidden-characters" } },
+      "Warning: the arguments hold characters that are invisible or reorder text, shown escaped: " +
+      found.map((h) => show(h.path) + " (" + (h.characters || []).join(", ") + ")").join("; "));
+  }
+
   // Evidence rows ({kind, argument, source, snippet}): what the data-flow check matched.
   function evidenceRows(items, outcome) {
     return (items || []).map((e) => el("tr", { className: "evidence-row" },
       el("td", { dataset: { col: "argument" } }, show(e.argument)),
       el("td", { dataset: { col: "source" } }, show(e.source)),
-      el("td", { className: "snippet", dataset: { col: "snippet" } }, show(e.snippet)),
+      el("td", { className: "snippet", dataset: { col: "snippet" } }, visible(show(e.snippet))),
       el("td", { dataset: { col: "kind" } }, show(e.kind)),
       el("td", { dataset: { col: "outcome" } }, outcome)));
   }

@@ -325,11 +325,15 @@ class ApprovalCheck:
         state = approval.effective_state(service.clock())
         if state == "approved":
             call.audit_extra.update(approval_id=approval.id, approver=approval.approver)
+            if approval.decision_record is not None:
+                call.audit_extra["approval_record"] = approval.decision_record
             call.spend_approval = functools.partial(self._spend, service, call, approval)
             return None
         if state == "consumed":
             call.audit_extra.update(approval_id=approval.id, approver=approval.approver,
                                     approval_state="consumed")
+            if approval.decision_record is not None:
+                call.audit_extra["approval_record"] = approval.decision_record
             return None
         return self._settled(call, approval, state)
 

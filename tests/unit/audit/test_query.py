@@ -181,6 +181,12 @@ def test_follower_picks_up_a_log_created_later(tmp_path: Path) -> None:
         assert _ids(f.poll()) == [3]
 
 
+def test_table_row_shows_no_escape_sequence_or_hidden_character() -> None:
+    row = q.table_row(_rec(1, reason="'\x1b]0;ok\x07\u202e' is not valid", principal="p\x1b[2J"), width=200)
+    assert "\x1b" not in row and "\x07" not in row and "\u202e" not in row
+    assert "p\\u001b[2J" in row and "'\\u001b]0;ok\\u0007\\u202e' is not valid" in row
+
+
 def test_table_row_truncates() -> None:
     row = q.table_row(_rec(1, reason="x" * 500, principal="p" * 40), width=120)
     cells = row.split()

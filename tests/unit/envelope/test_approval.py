@@ -29,7 +29,7 @@ from proxy.config import ApprovalsConfig, Config
 from proxy.envelope.checks.approval import ApprovalCheck
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, RunContext, Services, ToolCall, Verdict
-from proxy.errors import StoreError
+from proxy.errors import AuditError, StoreError
 from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
 
@@ -379,13 +379,32 @@ def test_approvers_authenticate_by_digest_and_env() -> None:
     assert Approvers(config, environ={}).authenticate("b-token") is None
 
 
+class Notes:
+    """The envelope's `note_approval` as the approvals API calls it: records kept in a list, or
+    an AuditError while `fail` is set."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.fail = False
+
+    def note_approval(self, **record: Any) -> str:
+        if self.fail:
+            raise AuditError("disk full")
+        self.records.append(record)
+        return f"rec-{len(self.records)}"
+
+
+NOTES: dict[int, Notes] = {}
+
+
 @pytest.fixture
 async def api() -> AsyncIterator[tuple[TestClient, World]]:
     config = ApprovalsConfig(poll_interval=0.01, approvers={  # type: ignore[dict-item]
         "alice": {"token_sha256": sha("alice-token")}, "agent": {"token_sha256": sha("agent-token")}})
     w = World(config=config)
     app = web.Application()
-    add_routes(app, w.service, Approvers(config, environ={}))
+    notes = NOTES[id(w)] = Notes()
+    add_routes(app, w.service, Approvers(config, environ={}), notes)
     async with TestClient(TestServer(app)) as client:
         yield client, w
 
@@ -452,6 +471,32 @@ async def test_api_refuses(api: tuple[TestClient, World]) -> None:
     w.store.fail = StoreError("down")
     r = await client.get("/v1/approvals", headers=ALICE)
     assert r.status == 503 and "memory" in (await r.json())["error"]
+
+
+async def test_api_audits_every_decision_before_it_is_made(api: tuple[TestClient, World]) -> None:
+    client, w = api
+    notes = NOTES[id(w)]
+    await w.decide(w.call(args={"title": "x"}))
+    approval = await w.only_approval()
+    notes.fail = True
+    r = await client.post(f"/v1/approvals/{approval.id}/approve", headers=ALICE, json={"reason": "ok"})
+    assert r.status == 503 and "nothing was decided" in (await r.json())["error"]
+    assert (await w.service.get(approval.id)).state == "pending"  # type: ignore[union-attr]
+    notes.fail = False
+    r = await client.post(f"/v1/approvals/{approval.id}/approve", headers=ALICE, json={"reason": "ok"})
+    assert r.status == 200
+    assert (await r.json())["decision_record"] == "rec-1"
+    first = notes.records[0]
+    assert (first["approver"], first["verdict"], first["principal"], first["tool"]) == (
+        "alice", Verdict.ALLOW, "agent", approval.tool)
+    assert first["args_digest"] == approval.args_digest
+    assert first["extra"] == {"approval_id": approval.id, "decision": "approved"}
+    # A decision that cannot be made is audited as refused.
+    r = await client.post(f"/v1/approvals/{approval.id}/deny", headers=ALICE, json={"reason": "no"})
+    assert r.status == 409
+    assert len(notes.records) == 2
+    assert (notes.records[1]["verdict"], notes.records[1]["extra"]) == (
+        Verdict.DENY, {"approval_id": approval.id, "decision": "denied", "refused": True})
 
 
 def test_binding_key_separates_fields() -> None:

@@ -274,6 +274,17 @@ def test_elicitation_params_name_the_call_and_preview_bounded() -> None:
     assert params["requestedSchema"]["required"] == ["approve"]
 
 
+def test_elicitation_preview_shows_hidden_characters_escaped_and_says_where_it_is_cut() -> None:
+    prompt = ApprovalPrompt("apr-1", "notes", "delete_note", "sha256:abc",
+                            {"title": "keep\u202egpj.exe"}, 0)
+    message = elicitation_params(prompt)["message"]
+    assert "\u202e" not in message and '"keep\\u202egpj.exe"' in message
+    assert "WARNING: hidden characters, shown escaped, at /title" in message
+    long = elicitation_params(ApprovalPrompt("apr-1", "notes", "delete_note", "sha256:abc",
+                                             {"title": "t" * 1000}, 0))["message"]
+    assert "(cut: 1,012 characters in all)" in long
+
+
 def test_parse_answer() -> None:
     assert parse_answer({"action": "accept", "content": {"approve": True}}) == InBandAnswer(
         True, "approved by the user at the client", "accept")

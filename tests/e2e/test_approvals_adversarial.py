@@ -1,0 +1,266 @@
+"""The approval gate under attack, through the wire: the real proxy process, the official SDK
+client, the demo notes server (its `delete_note` answers `existed`, so a second deletion would
+show) and the admin API.
+
+Each test is an attack an adversarial review tried: what it proves is in its name. Those that
+broke were fixed as a class: decisions were not audited (now an `<approval>` record before the
+decision is stored, linked from the released call); the approver was shown arguments whose
+invisible characters (bidi overrides, zero-width) hid what would run; and a message the proxy
+and the upstream could read differently (a member named twice, a number read rounded) was
+judged on one reading and forwarded as sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e_helpers import cli, upstream_server, write_doc
+
+from tests.harness import ProxyProcess, mcp_client, proxy_process, rpc, token
+
+OPS = token("ops", tenant="acme")
+DEV = token("dev", tenant="acme")
+ALICE_TOKEN = "alice-approver-token"
+ALICE = {"Authorization": f"Bearer {ALICE_TOKEN}"}
+
+
+def _policy(directory: Path) -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {"notes": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {
+            "notes.delete_note": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
+            "notes.write_note": {"effect": "write"},
+            "notes.search_notes": {"effect": "read"},
+        },
+    })
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    tmp = tmp_path_factory.mktemp("approvals_adversarial")
+    config = {"approvals": {"poll_interval": "100ms", "approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+    with upstream_server("sse") as up, proxy_process(
+            tmp, {"notes": up.url}, policies=_policy(tmp / "policies"), config=config) as pp:
+        yield pp
+
+
+async def call(proxy: ProxyProcess, tool: str, args: dict[str, Any], bearer: str = OPS,
+               run: str | None = None) -> Any:
+    headers = {"X-Envelope-Run": run} if run is not None else None
+    async with mcp_client(proxy.url("notes"), "auto", bearer=bearer, headers=headers) as c:
+        return await c.call_tool(tool, args)
+
+
+def meta(result: Any) -> dict[str, Any]:
+    return dict((result.meta or {})["envelope/decision"])
+
+
+async def admin(proxy: ProxyProcess, method: str, path: str, **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+        return await http.request(method, path, headers=ALICE, **kw)
+
+
+async def pending(proxy: ProxyProcess, title: str) -> list[dict[str, Any]]:
+    r = await admin(proxy, "GET", "/v1/approvals?state=pending")
+    assert r.status_code == 200, r.text
+    return [a for a in r.json()["approvals"] if a["arguments"].get("title") == title]
+
+
+async def held(proxy: ProxyProcess, title: str, **kw: Any) -> dict[str, Any]:
+    """Make the gated call, see it held, and return its (one) pending approval."""
+    result = await call(proxy, "delete_note", {"title": title}, **kw)
+    assert meta(result)["code"] == "approval_pending", meta(result)
+    for _ in range(50):
+        found = await pending(proxy, title)
+        if found:
+            return found[-1]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no pending approval for {title}")
+
+
+async def approve(proxy: ProxyProcess, approval: dict[str, Any], reason: str = "ok") -> dict[str, Any]:
+    r = await admin(proxy, "POST", f"/v1/approvals/{approval['id']}/approve", json={"reason": reason})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+# -- binding: an approval releases its own call only (held) ------------------------------------
+
+
+async def test_an_approval_releases_no_other_arguments_run_or_principal(proxy: ProxyProcess) -> None:
+    approval = await held(proxy, "b1", run="run-b")
+    await approve(proxy, approval)
+    # Other arguments (an extra key, a number form, a look-alike), another run, another principal:
+    # each is held for its own approval, none is released by this one.
+    for args, kw in (({"title": "b1", "force": True}, {"run": "run-b"}),
+                     ({"title": "b1\u200b"}, {"run": "run-b"}),
+                     ({"title": "b1"}, {"run": "run-b-child"}),
+                     ({"title": "b1"}, {"run": "run-b", "bearer": DEV})):
+        result = await call(proxy, "delete_note", args, **kw)
+        assert meta(result)["code"] in ("approval_pending", "schema_invalid"), (args, kw, meta(result))
+        assert meta(result).get("decision_id") is not None
+    performed = [r for r in proxy.audit_records()
+                 if r["tool"] == "delete_note" and r["upstream_status"] == 200]
+    assert performed == []
+    # The call itself is released once, its retry replays.
+    first = await call(proxy, "delete_note", {"title": "b1"}, run="run-b")
+    again = await call(proxy, "delete_note", {"title": "b1"}, run="run-b")
+    assert first.is_error is False and again.structured_content == first.structured_content
+
+
+# -- audit: every decision has its record, and the released call links to it (broke) ----------
+
+
+async def test_every_decision_is_audited_and_the_released_call_names_it(proxy: ProxyProcess) -> None:
+    approved = await held(proxy, "a1", run="run-a")
+    denied = await held(proxy, "a2", run="run-a")
+    decided = await approve(proxy, approved, "ticket 42")
+    r = await admin(proxy, "POST", f"/v1/approvals/{denied['id']}/deny", json={"reason": "not this"})
+    assert r.status_code == 200, r.text
+
+    records = {r["decision_id"]: r for r in proxy.audit_records()}
+    yes = records[decided["decision_record"]]
+    assert (yes["method"], yes["check"], yes["verdict"], yes["principal"], yes["run"], yes["tool"]) == (
+        "<approval>", "approval", "allow", "ops", "run-a", "delete_note")
+    assert yes["args_digest"] == approved["args_digest"]
+    assert yes["extra"] == {"approver": "alice", "approval_id": approved["id"], "decision": "approved"}
+    assert "ticket 42" in yes["reason"]
+    no = [rec for rec in records.values()
+          if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == denied["id"]]
+    assert len(no) == 1 and no[0]["verdict"] == "deny" and no[0]["extra"]["decision"] == "denied"
+
+    released = await call(proxy, "delete_note", {"title": "a1"}, run="run-a")
+    assert released.is_error is False
+    rec = [r for r in proxy.audit_records()
+           if r["tool"] == "delete_note" and r["upstream_status"] == 200 and r["run"] == "run-a"]
+    assert len(rec) == 1
+    assert rec[0]["extra"]["approval_id"] == approved["id"]
+    assert rec[0]["extra"]["approval_record"] == yes["decision_id"]
+
+    # A decision that cannot be made (no longer pending) is audited as refused, naming the request.
+    r = await admin(proxy, "POST", f"/v1/approvals/{denied['id']}/approve", json={"reason": "changed my mind"})
+    assert r.status_code == 409
+    late = [rec for rec in proxy.audit_records()
+            if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == denied["id"]]
+    assert [(x["verdict"], x["extra"]["decision"], x["extra"].get("refused")) for x in late] == [
+        ("deny", "denied", None), ("deny", "approved", True)]
+
+
+# -- what the approver reads is what runs (broke: hidden characters were shown raw) ------------
+
+
+async def test_the_approver_reads_hidden_characters_escaped_and_is_warned(proxy: ProxyProcess) -> None:
+    # "report\u202efdp.exe" shows as "reportexe.pdf" where bidi is honoured; a zero-width space
+    # makes "a1" and "a\u200b1" look the same.
+    title = "report\u202efdp.exe"
+    approval = await held(proxy, title, run="run-h")
+    assert approval["arguments"] == {"title": title}  # the exact arguments stay in the record
+    text = approval["arguments_text"]
+    assert "\u202e" not in text and '"report\\u202efdp.exe"' in text
+    assert json.loads(text) == approval["arguments"]
+    assert approval["hidden_characters"] == [{"path": "/title", "characters": ["U+202E"]}]
+    plain = await held(proxy, "plain title", run="run-h")
+    assert plain["hidden_characters"] == [] and '"plain title"' in plain["arguments_text"]
+    # The page's script shows `arguments_text` and the warning, never the raw arguments.
+    async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+        script = (await http.get("/review/static/review.js")).text
+    assert "a.arguments_text" in script and "hidden_characters" in script
+
+
+# -- the envelope and the upstream read the same message (broke: duplicate names, big numbers) -
+
+
+@pytest.mark.parametrize("raw", [
+    # The proxy read the last "method" (ping: relayed byte for byte, no envelope, no approval);
+    # an upstream reading the first would delete the note.
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome"}},"method":"ping"}',
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome"}},"\\u006dethod":"ping"}',
+    # The approver would see (and approve) "harmless"; an upstream reading the first deletes
+    # "welcome".
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome","title":"harmless"}}}',
+    # Read rounded, two different numbers share one digest: approving one would release the
+    # other, which a big-number upstream reads as it was sent.
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome","version":18446744073709551617}}}',
+    b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"delete_note",'
+    b'"arguments":{"title":"welcome","version":1.00000000000000000001}}}',
+])
+def test_a_message_the_upstream_could_read_otherwise_is_refused_not_relayed(
+        proxy: ProxyProcess, raw: bytes) -> None:
+    before = len(proxy.audit_records())
+    resp = rpc(proxy.url("notes"), None, bearer=OPS, raw=raw)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == -32600
+    assert "the proxy and the upstream could read different values" in error["message"]
+    assert len(proxy.audit_records()) == before  # refused at the front: no call, no approval
+
+
+# -- the approver's terminal obeys nothing a caller wrote (broke: escape sequences) ------------
+
+
+def test_a_callers_escape_sequences_never_reach_the_approvers_terminal(proxy: ProxyProcess) -> None:
+    # A stateless call without X-Envelope-Run is in the run its client names: the client's name
+    # comes from the request body, so it can hold anything (here: a window-title and a
+    # clear-screen sequence, and a right-to-left override).
+    name = "agent\x1b]0;approved\x07\x1b[2J\u202ekcatta"
+    body = {"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {
+        "name": "delete_note", "arguments": {"title": "esc-1"},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                  "io.modelcontextprotocol/clientInfo": {"name": name, "version": "1"}}}}
+    resp = rpc(proxy.url("notes"), body, bearer=OPS,
+               headers={"Mcp-Method": "tools/call", "Mcp-Name": "delete_note"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["result"]["_meta"]["envelope/decision"]["code"] == "approval_pending"
+    env = {**os.environ, "ENVELOPE_APPROVER_TOKEN": ALICE_TOKEN}
+    listed = cli("approvals", "--admin", proxy.admin, "list", env=env)
+    assert listed.returncode == 0, listed.stderr
+    line = [x for x in listed.stdout.splitlines() if "kcatta" in x]
+    assert len(line) == 1
+    assert "\x1b" not in listed.stdout and "\x07" not in listed.stdout and "\u202e" not in listed.stdout
+    assert "agent\\u001b]0;approved\\u0007\\u001b[2J\\u202ekcatta@1" in line[0]
+    table = cli("audit", "query", str(proxy.audit_dir), "--tool", "delete_note")
+    assert table.returncode == 0, table.stderr
+    assert "\x1b" not in table.stdout and "\u202e" not in table.stdout
+
+
+# -- the admin listener against a browser and a guesser (held) ---------------------------------
+
+
+async def test_no_cross_site_request_framing_or_token_guess_decides_an_approval(proxy: ProxyProcess) -> None:
+    approval = await held(proxy, "csrf-1", run="run-c")
+    path = f"/v1/approvals/{approval['id']}/approve"
+    async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+        # What a page elsewhere can make a browser send: a simple form POST (no Authorization),
+        # a preflight, a rebound name; and a token one character off.
+        form = await http.post(path, content=b'{"reason":"x"}', headers={
+            "Origin": "https://evil.example", "Content-Type": "text/plain"})
+        assert form.status_code == 401
+        preflight = await http.request("OPTIONS", path, headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert "access-control-allow-origin" not in preflight.headers
+        rebound = await http.post(path, json={"reason": "x"},
+                                  headers={**ALICE, "Host": "evil.example"})
+        assert rebound.status_code == 421
+        near = await http.post(path, json={"reason": "x"},
+                               headers={"Authorization": f"Bearer {ALICE_TOKEN[:-1]}X"})
+        assert near.status_code == 401
+        page = await http.get("/review")
+        assert page.headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
+    assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"

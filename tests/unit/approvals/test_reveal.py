@@ -1,0 +1,38 @@
+"""What an approver reads of a call's arguments: hidden characters escaped, and listed."""
+
+from __future__ import annotations
+
+import json
+
+from proxy.approvals.reveal import hidden_characters, is_hidden, revealed_json, visible
+
+# A right-to-left override makes "/tmp/x\u202efdsa.sh" read as "/tmp/xhs.asdf"; a zero-width
+# space makes two different keys and values look equal.
+TRICKY = {"path": "/tmp/x\u202efdsa.sh", "na\u200bme": ["a\u00a0b", "line\nbreak", "\U000e0041", "\x7f"]}
+
+
+def test_revealed_json_escapes_every_hidden_character_and_stays_the_same_json() -> None:
+    text = revealed_json(TRICKY)
+    assert json.loads(text) == TRICKY
+    assert not any(is_hidden(c) for c in text)
+    assert '"/tmp/x\\u202efdsa.sh"' in text and '"na\\u200bme"' in text
+    assert '"a\\u00a0b"' in text and '"\\udb40\\udc41"' in text and '"\\u007f"' in text
+    assert '"line\\nbreak"' in text  # control characters are JSON escapes already
+    assert revealed_json({"a": "plain", "é": "ü 1"}, indent=None) == '{"a":"plain","é":"ü 1"}'
+
+
+def test_hidden_characters_name_where_they_are() -> None:
+    assert hidden_characters(TRICKY) == [
+        {"path": "/path", "characters": ["U+202E"]},
+        {"path": "/na\\u200bme (key)", "characters": ["U+200B"]},
+        {"path": "/na\\u200bme/0", "characters": ["U+00A0"]},
+        {"path": "/na\\u200bme/2", "characters": ["U+E0041"]},
+        {"path": "/na\\u200bme/3", "characters": ["U+007F"]},
+    ]
+    assert hidden_characters({"body": "two\nlines\tand tabs", "n": 1, "a/b": ["~"]}) == []
+    assert hidden_characters("\u2066x\u2069") == [{"path": "/", "characters": ["U+2066", "U+2069"]}]
+
+
+def test_visible_escapes_what_a_terminal_would_obey_or_hide() -> None:
+    assert visible("run\x1b[2J\x07\u202eok é\t") == "run\\u001b[2J\\u0007\\u202eok é\\u0009"
+    assert visible("plain text / 1.5") == "plain text / 1.5"
