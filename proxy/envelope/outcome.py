@@ -501,18 +501,19 @@ class Completion:
                       approver: str, verdict: Verdict, code: Code, reason: str,
                       extra: Mapping[str, Any]) -> str:
         """Audit a person's decision on an approval (the admin API's approve or deny): one record
-        of method `<approval>`, check `approval`, the approved call's principal, run, upstream,
-        tool and argument digest, written before the decision is stored. Returns its decision id;
+        of method and tool `<approval>` (as `<intent>`: never counted as a call of the tool),
+        check `approval`, the approved call's principal, run, upstream and argument digest, its
+        tool in `extra.tool`, written before the decision is stored. Returns its decision id;
         raises AuditError when the audit log cannot take it (the caller then decides nothing: a
         decision releases a gated call, so it is never made unaudited)."""
         chain = self.chain
         decision_id = uuid.uuid4().hex
         record = build_record(
             decision_id=decision_id, revision=chain.revision.revision if chain is not None else "none",
-            principal=principal, session=None, run=run, upstream=upstream, tool=tool,
+            principal=principal, session=None, run=run, upstream=upstream, tool="<approval>",
             verdict=verdict, code=code, check="approval", rule=None, reason=reason, arguments={},
             log_args=False, latency={}, upstream_status=None,
-            extra={"approver": approver, **extra}, method="<approval>", canonical=b"{}")
+            extra={"approver": approver, "tool": tool, **extra}, method="<approval>", canonical=b"{}")
         # The record names the call the decision is about by its digest (the canonical
         # arguments are not at hand here, and the approval keeps them).
         record["args_digest"] = args_digest

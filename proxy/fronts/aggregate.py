@@ -192,7 +192,7 @@ class AggregateFront:
         ctx = self.ctx
         try:
             body = await read_body(request, ctx.settings.max_body_bytes)
-            msg = jsonrpc.parse_post(body, ctx.settings.max_json_depth, request.headers.get("Mcp-Method"))
+            msg = await jsonrpc.parse_post(body, ctx.settings.max_json_depth, request.headers.get("Mcp-Method"))
         except BadMessage as exc:
             ctx.metrics.rejected(exc.reason)
             return _error(exc.status, exc.id, exc.code, exc.message)

@@ -32,7 +32,7 @@ from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
-from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds, ambiguity
+from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds, read_twice
 from proxy.upstream.forwarder import UpstreamResponse
 from proxy.upstream.openapi import HttpCall, arguments_from
 
@@ -117,7 +117,7 @@ class HttpFront:
         try:
             # (A request without a body, e.g. `Content-Length: 0`, has nothing to read.)
             body = await read_body(request, self.ctx.settings.max_body_bytes) if request.can_read_body else b""
-            payload = self._json(request, body)
+            payload = await self._json(request, body)
         except BadMessage as exc:
             self.metrics.rejected(exc.reason)
             return render.problem(exc.status, "invalid_request", exc.message,
@@ -163,7 +163,7 @@ class HttpFront:
         outcome = await self.ctx.executor.run(pending, upstream, downstream)
         return render.http_response(outcome, downstream.response_headers)
 
-    def _json(self, request: web.Request, body: bytes) -> Any | None:
+    async def _json(self, request: web.Request, body: bytes) -> Any | None:
         """The request's JSON body (None when empty); BadMessage (400) when it is not JSON or
         nests deeper than the limit, 415 when it is in another media type."""
         if not body:
@@ -179,7 +179,7 @@ class HttpFront:
         if _depth_exceeds(value, self.ctx.settings.max_json_depth):
             raise BadMessage(0, f"Bad Request: the body nests deeper than "
                              f"{self.ctx.settings.max_json_depth} levels", "too_deep")
-        why = ambiguity(body)
+        why = await read_twice(body)
         if why is not None:
             raise BadMessage(0, f"Bad Request: {why} (the proxy and the upstream could read "
                              "different values)", "invalid_request")

@@ -174,7 +174,7 @@ class McpFront:
         settings = self.ctx.settings
         try:
             body = await read_body(request, settings.max_body_bytes)
-            msg = jsonrpc.parse_post(body, settings.max_json_depth, request.headers.get("Mcp-Method"))
+            msg = await jsonrpc.parse_post(body, settings.max_json_depth, request.headers.get("Mcp-Method"))
         except BadMessage as exc:
             self.metrics.rejected(exc.reason)
             response = render.rpc_error(exc.status, exc.id, exc.code, exc.message)

@@ -132,9 +132,10 @@ async def test_every_decision_is_audited_and_the_released_call_names_it(proxy: P
     records = {r["decision_id"]: r for r in proxy.audit_records()}
     yes = records[decided["decision_record"]]
     assert (yes["method"], yes["check"], yes["verdict"], yes["principal"], yes["run"], yes["tool"]) == (
-        "<approval>", "approval", "allow", "ops", "run-a", "delete_note")
+        "<approval>", "approval", "allow", "ops", "run-a", "<approval>")
     assert yes["args_digest"] == approved["args_digest"]
-    assert yes["extra"] == {"approver": "alice", "approval_id": approved["id"], "decision": "approved"}
+    assert yes["extra"] == {"approver": "alice", "tool": "delete_note", "approval_id": approved["id"],
+                            "decision": "approved"}
     assert "ticket 42" in yes["reason"]
     no = [rec for rec in records.values()
           if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == denied["id"]]

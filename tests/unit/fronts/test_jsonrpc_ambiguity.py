@@ -33,3 +33,32 @@ def test_what_every_serializer_writes_is_fine() -> None:
             b'"e":1.7976931348623157e308,"z":0.000,"t":1E-7}}')
     assert ambiguity(body) is None
     assert parse_message(body, 64).method == "x"
+
+
+async def test_a_large_body_is_read_twice_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past INLINE_REREAD_BYTES the second reading (~10x orjson's cost) runs in a worker
+    thread, and still refuses: a 4 MiB body of small objects must not stall the loop."""
+    import threading
+
+    from proxy.fronts import jsonrpc
+    seen: list[bool] = []
+    real = jsonrpc.ambiguity
+
+    def spy(body: bytes) -> str | None:
+        seen.append(threading.current_thread() is threading.main_thread())
+        return real(body)
+    monkeypatch.setattr(jsonrpc, "ambiguity", spy)
+    pad = ",".join(f'{{"k":{i}}}' for i in range(800))
+    big = (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t","arguments":'
+           b'{"l":[' + pad.encode() + b'],"a":1,"a":2}}}')
+    assert len(big) > jsonrpc.INLINE_REREAD_BYTES
+    with pytest.raises(BadMessage) as exc:
+        await jsonrpc.parse_post(big, 64, None)
+    assert "names a member twice" in exc.value.message and exc.value.id == 1
+    assert seen == [False]
+    fine = big.replace(b',"a":2', b"")
+    assert (await jsonrpc.parse_post(fine, 64, None)).method == "tools/call"
+    small = b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"a":1,"a":2}}'
+    with pytest.raises(BadMessage):
+        await jsonrpc.parse_post(small, 64, None)
+    assert seen == [False, False, True]
