@@ -200,6 +200,8 @@ def _conditions(tail: str) -> tuple[tuple[str, ...], bool]:
     the words after "with", "that has"...; opaque when a numeric bound follows ("under 40
     euros") or a modifier has no word of 3 letters ("4k")."""
     tail = _PHRASE_END.split(tail, 1)[0]
+    if len(tail) > _PHRASE_REACH:
+        return (), True  # a phrase longer than any noun phrase: not read, so nothing it picks
     noun: list[str] = []
     having: list[str] = []
     opaque = False
@@ -237,6 +239,22 @@ _TIME_BOUND = frozenset("after before until till by between".split())
 _CLOCK_BOUND = re.compile(r"\b(?:after|before|until|till|by|between|from|since)\s+"
                           r"(?:\d{1,2}(?::\d\d|\s?[ap]m)|noon|midnight)\b")
 _DAYPART = frozenset("noon midnight morning afternoon evening night tonight".split())
+
+
+def _bound_sites(text: str, field: str) -> list[int]:
+    """Where `_bounded` finds a numeric bound in `text`: the start of each bound word with a
+    digit in the three tokens after it, of each clock bound, and (for `when`) of each part of
+    the day. Found once per text: a superlative's criterion is bounded by any site outside its
+    own words (`criteria`), instead of a pass over the text per superlative."""
+    sites = [m.start() for m in _CLOCK_BOUND.finditer(text)]
+    toks = list(_TOKEN.finditer(text))
+    words = [t.group() for t in toks]
+    for i, tok in enumerate(words):
+        if (tok in _BOUND or tok in _TIME_BOUND) and any(ch.isdigit() for t in words[i + 1:i + 4] for ch in t):
+            sites.append(toks[i].start())
+        elif field == "when" and tok in _DAYPART:
+            sites.append(toks[i].start())
+    return sites
 
 
 def _bounded(text: str, field: str) -> bool:
@@ -292,7 +310,9 @@ def _grid(field: str, value: Decimal) -> int | None:
 def _bound(m: re.Match[str]) -> Bound | None:
     """The bound one match of _BOUND_EXPR states, or None when it cannot be read (a rating
     bound stated "under 4 stars" is as readable as "at least 4 stars"; "after 40 euros" is not)."""
-    if _NEGATED_BOUND.search(m.string, 0, m.start()):
+    # The negation is the word right before the bound (`_NEGATED_BOUND` ends at it): looking
+    # further back than a word and its spaces finds nothing more, and costs a pass per bound.
+    if _NEGATED_BOUND.search(m.string, max(0, m.start() - _NEGATION_REACH), m.start()):
         return None  # "not over 100 euros" is at most 100: read as stated, it would be inverted
     op = _OPS[m.group("op")] if m.group("op") else _POST[m.group("post")]
     word = m.group("op") or ""
@@ -337,13 +357,18 @@ def _bounds(norm: str) -> tuple[tuple[Bound, ...], str]:
     """(the bounds the intent's text states, the text with them blanked); a bound matched but
     not readable is left in the text (`_bounded` then finds it: the criterion is opaque)."""
     found: list[Bound] = []
-    rest = norm
+    pieces: list[str] = []
+    at = 0
     for m in _BOUND_EXPR.finditer(norm):
+        if len(found) >= MAX_SUPERLATIVES:
+            break  # the rest stay in the text: `_bounded` finds them, so criteria there are opaque
         bound = _bound(m)
         if bound is not None:
             found.append(bound)
-            rest = rest[:m.start()] + " " * (m.end() - m.start()) + rest[m.end():]
-    return tuple(dict.fromkeys(found)), rest
+            pieces += [norm[at:m.start()], " " * (m.end() - m.start())]
+            at = m.end()
+    pieces.append(norm[at:])
+    return tuple(dict.fromkeys(found)), "".join(pieces)
 
 
 def bound_condition(bound: Bound, level: int) -> str:
@@ -362,12 +387,16 @@ def _cover(lo: int, hi: int) -> Iterator[tuple[int, int]]:
         lo += 1 << level
 
 
-def _partitive(head: str) -> tuple[tuple[str, ...], bool]:
+def _partitive(head: str, cut: bool = False) -> tuple[tuple[str, ...], bool]:
     """(condition words, opaque) of a partitive opening the superlative's sentence before it:
     "Of the Italian places, book the best-reviewed" -> ("italian",); read as `_conditions`
     reads the phrase after a superlative (up to a comma), so a numeric bound in it ("of the
-    hotels under 100 euros") makes the criterion opaque. None: no conditions."""
+    hotels under 100 euros") makes the criterion opaque. None: no conditions. `cut`: `head`
+    is the last _PHRASE_REACH characters before the superlative; when its sentence starts
+    further back, its partitive cannot be read, so the criterion is opaque."""
     sentence = _SENTENCE_END.split(head)[-1]
+    if cut and len(sentence) == len(head):
+        return (), True
     found = list(_PRE_PARTITIVE.finditer(sentence))
     if not found:
         return (), False
@@ -375,25 +404,46 @@ def _partitive(head: str) -> tuple[tuple[str, ...], bool]:
     return _conditions(phrase) if phrase.strip() else ((), False)
 
 
+# Most superlatives read per intent text: each reads its sentence and the text around it, so
+# an intent of thousands of them ("the cheapest the earliest ...", 16 KiB: 4 s) would cost
+# quadratic time. Those past it state nothing (fewer criteria endorse less, never more).
+MAX_SUPERLATIVES = 16
+# How far a superlative's noun phrase (after it) or its sentence's partitive (before it) is read:
+# a phrase running further is not read (the criterion is opaque: it endorses nothing).
+_PHRASE_REACH = 400
+# How far before a superlative a negation is looked for (`_NEGATION`: a negation word and at most
+# one word between it and the superlative; normalised text has single spaces).
+_NEGATION_REACH = 160
+
+
 def criteria(texts: Iterable[str]) -> list[Criterion]:
-    """The criteria the intent's (normalised) texts state, in order, without repeats."""
+    """The criteria the intent's (normalised) texts state, in order, without repeats; at most
+    MAX_SUPERLATIVES superlatives read per text."""
     out: dict[tuple[str, str, tuple[str, ...], bool, tuple[Bound, ...]], Criterion] = {}
     for text in texts:
         # Bounds the proxy can read are taken out first: the conditions around them are read
         # as without them ("the cheapest hotel under 100 euros with a pool": "pool").
         bounds, norm = _bounds(normalise(text))
         rest = norm
+        read = 0
+        sites: dict[str, list[int]] = {}
         for pattern, fields, direction in _VOCABULARY:
             for m in pattern.finditer(rest):
-                if _NEGATION.search(rest[:m.start()]):
+                read += 1
+                if read > MAX_SUPERLATIVES:
+                    break
+                if _NEGATION.search(rest[max(0, m.start() - _NEGATION_REACH):m.start()]):
                     continue
-                after, opaque_after = _conditions(norm[m.end():])
-                before, opaque_before = _partitive(norm[:m.start()])
+                after, opaque_after = _conditions(norm[m.end():m.end() + _PHRASE_REACH + 1])
+                head_from = max(0, m.start() - _PHRASE_REACH)
+                before, opaque_before = _partitive(norm[head_from:m.start()], cut=head_from > 0)
                 conditions = tuple(dict.fromkeys(before + after))
-                # The superlative's own words are no bound ("least" of "least expensive").
-                others = norm[:m.start()] + " " + norm[m.end():]
                 for field in fields:
-                    opaque = opaque_after or opaque_before or _bounded(others, field)
+                    if field not in sites:
+                        sites[field] = _bound_sites(norm, field)
+                    # The superlative's own words are no bound ("least" of "least expensive").
+                    bounded = any(not m.start() <= at < m.end() for at in sites[field])
+                    opaque = opaque_after or opaque_before or bounded
                     out.setdefault((field, direction, conditions, opaque, bounds),
                                    Criterion(m.group(), field, direction, conditions, opaque, bounds))
             # Blanked, not removed: positions stay those of `norm` (the conditions are read there).

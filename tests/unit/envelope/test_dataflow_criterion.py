@@ -367,3 +367,34 @@ def test_bound_keys_are_bounded() -> None:
     """A listing records its bound keys within the output's limit (the rest: nothing endorsed)."""
     keys = criterion_keys(PRICED, 8192)
     assert len(criterion_keys(PRICED, 100)) == 100 and len(keys) < 8192
+
+
+def test_reading_an_intent_of_superlatives_is_linear() -> None:
+    """16 KiB (the default max_intent_chars) of superlatives and bounds took 4 s to read (every
+    superlative re-read the whole text around it, every bound searched the text before it):
+    now at most MAX_SUPERLATIVES are read per text, each within its phrase, and the text's
+    bounds are found once. Loose bound for a loaded CI machine; it was 20-200x over."""
+    import time
+
+    from proxy.envelope.dataflow.criterion import MAX_SUPERLATIVES
+    for unit in ("the cheapest the earliest the best ", "book the cheapest hotel under 100 euros, "):
+        text = (unit * (16384 // len(unit) + 1))[:16384]
+        started = time.process_time()
+        criteria([text])
+        assert time.process_time() - started < 0.5, unit
+    # Past the cap, superlatives state nothing (fewer criteria endorse less, never more).
+    filler = "the cheapest hotel. " * MAX_SUPERLATIVES
+    assert [c.field for c in criteria([filler + "the earliest flight"])] == ["amount"]
+    assert {c.field for c in criteria(["the cheapest hotel. the earliest flight"])} == {"amount", "when"}
+
+
+def test_a_phrase_or_sentence_too_long_to_read_makes_its_criterion_opaque() -> None:
+    """A superlative's noun phrase or its sentence's partitive longer than the proxy reads: the
+    criterion is opaque (it endorses nothing) rather than read without its conditions."""
+    long_words = " ".join(f"word{i}x" for i in range(120))
+    [after] = criteria([f"book the cheapest {long_words} hotel"])
+    assert after.opaque
+    [before] = criteria([f"of the italian places {long_words} book the best-reviewed one"])
+    assert before.opaque
+    [short] = criteria(["of the italian places, book the best-reviewed one"])
+    assert not short.opaque and short.conditions == ("italian",)
