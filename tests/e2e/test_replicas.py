@@ -160,8 +160,11 @@ def test_approval_granted_on_a_releases_the_call_retried_on_b(cluster: Cluster) 
     assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("allow", "ok", 200)
     assert rec["extra"]["approval_id"] == approval
     assert rec["extra"]["approver"] == "alice"
-    # The decision is A's, the release is B's: A's own log has no record of the release.
-    assert not [r for r in a.audit_records() if r.get("run") == run]
+    # The decision is A's, the release is B's: A's own log has the decision's `<approval>`
+    # record and no record of the release; B's release names that decision.
+    on_a = [r for r in a.audit_records() if r.get("run") == run]
+    assert [(r["method"], r["extra"]["decision"]) for r in on_a] == [("<approval>", "approved")]
+    assert rec["extra"]["approval_record"] == on_a[0]["decision_id"]
 
     # Retried again, on either replica: replayed, never performed a second time.
     again_b = call(b, "delete_note", args, run)
