@@ -505,25 +505,11 @@ class Completion:
         check `approval`, the approved call's principal, run, upstream and argument digest, its
         tool in `extra.tool`, written before the decision is stored. Returns its decision id;
         raises AuditError when the audit log cannot take it (the caller then decides nothing: a
-        decision releases a gated call, so it is never made unaudited)."""
-        chain = self.chain
-        decision_id = uuid.uuid4().hex
-        record = build_record(
-            decision_id=decision_id, revision=chain.revision.revision if chain is not None else "none",
-            principal=principal, session=None, run=run, upstream=upstream, tool="<approval>",
-            verdict=verdict, code=code, check="approval", rule=None, reason=reason, arguments={},
-            log_args=False, latency={}, upstream_status=None,
-            extra={"approver": approver, "tool": tool, **extra}, method="<approval>", canonical=b"{}")
-        # The record names the call the decision is about by its digest (the canonical
-        # arguments are not at hand here, and the approval keeps them).
-        record["args_digest"] = args_digest
-        try:
-            self.audit.write(record)
-        except AuditError:
-            self.metrics.audit_write_failure()
-            raise
-        self.metrics.audit_record()
-        return decision_id
+        decision releases a gated call, so it is never made unaudited). The record names the
+        call by its digest (the canonical arguments are not at hand here; the approval keeps
+        them)."""
+        return self._note_admin("<approval>", "approval", principal, run, upstream, verdict, code, reason,
+                                {"approver": approver, "tool": tool, **extra}, args_digest)
 
     def note_intent(self, *, principal: str, run: str, approver: str, verdict: Verdict, code: Code,
                     reason: str, extra: Mapping[str, Any]) -> str:
@@ -531,14 +517,24 @@ class Completion:
         one record of method and tool `<intent>`, check `intent`, before the intent is stored.
         Returns its decision id; raises AuditError when the audit log cannot take it (the
         caller then stores nothing: an intent narrows verdicts, so it is never set unaudited)."""
+        return self._note_admin("<intent>", "intent", principal, run, "-", verdict, code, reason,
+                                {"approver": approver, **extra})
+
+    def _note_admin(self, method: str, check: str, principal: str, run: str, upstream: str,
+                    verdict: Verdict, code: Code, reason: str, extra: dict[str, Any],
+                    args_digest: str | None = None) -> str:
+        """One audit record of an admin API action (`method` is also its tool), written now;
+        its decision id. AuditError propagates (counted) so the caller acts on nothing."""
         chain = self.chain
         decision_id = uuid.uuid4().hex
         record = build_record(
             decision_id=decision_id, revision=chain.revision.revision if chain is not None else "none",
-            principal=principal, session=None, run=run, upstream="-", tool="<intent>",
-            verdict=verdict, code=code, check="intent", rule=None, reason=reason, arguments={},
-            log_args=False, latency={}, upstream_status=None,
-            extra={"approver": approver, **extra}, method="<intent>", canonical=b"{}")
+            principal=principal, session=None, run=run, upstream=upstream, tool=method,
+            verdict=verdict, code=code, check=check, rule=None, reason=reason, arguments={},
+            log_args=False, latency={}, upstream_status=None, extra=extra, method=method,
+            canonical=b"{}")
+        if args_digest is not None:
+            record["args_digest"] = args_digest
         try:
             self.audit.write(record)
         except AuditError:
