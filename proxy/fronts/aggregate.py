@@ -147,7 +147,7 @@ class AggregateFront:
 
     def routes(self, guard: Guard) -> list[web.RouteDef]:
         """The route, every request through `guard` first."""
-        return [web.route("*", "/mcp", guard.wrap(self.handle))]
+        return [web.route("*", "/mcp", guard.wrap(self.handle), expect_handler=guard.expect_handler())]
 
     async def shutdown(self, app: web.Application | None = None) -> None:
         """End every open GET stream (called before the listener drains)."""

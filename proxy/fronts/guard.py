@@ -30,7 +30,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 
 from proxy.envelope.pipeline import Envelope
 from proxy.fronts import jsonrpc
@@ -94,6 +95,30 @@ class Guard:
             return await tracing.server(request, handler)
 
         return guarded
+
+    def expect_handler(self, shown: Callable[[web.Response], web.StreamResponse] | None = None
+                       ) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+        """aiohttp's `Expect` handler for a guarded route (`expect_handler=` of its route). aiohttp
+        runs it before the route's handler, so the guard runs here first: a request whose header
+        values are not field values is refused (400, audited) instead of reaching aiohttp's
+        default handler, which fails on a non-ASCII expectation (a 500). Then, as that default
+        does, `100-continue` on HTTP/1.1 is answered 100; any other expectation gets 417 (RFC
+        9110). `shown`: how the route renders a refusal (problem details on the HTTP front)."""
+
+        async def expect(request: web.Request) -> web.StreamResponse | None:
+            refused = self.check(request)
+            if refused is None and request.version == HttpVersion11:
+                if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    request.writer.output_size = 0  # the response proper has not started
+                else:
+                    refused = rpc_error(417, None, jsonrpc.INVALID_REQUEST,
+                                        "Expectation Failed: only 100-continue is supported")
+            if refused is None:
+                return None
+            return shown(refused) if shown is not None else refused
+
+        return expect
 
     def check(self, request: web.Request) -> web.Response | None:
         """None when the request may be read; else the refusal to send."""

@@ -102,7 +102,8 @@ class HttpFront:
             refused = guard.check(request)
             return _as_problem(refused) if refused is not None else await self.handle(request)
 
-        return [web.route("*", PREFIX + "/{upstream}/{path:.*}", guarded)]
+        return [web.route("*", PREFIX + "/{upstream}/{path:.*}", guarded,
+                          expect_handler=guard.expect_handler(_as_problem))]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["upstream"]

@@ -138,7 +138,7 @@ class McpFront:
 
     def routes(self, guard: Guard) -> list[web.RouteDef]:
         """The route, every request through `guard` first."""
-        return [web.route("*", "/mcp/{upstream}", guard.wrap(self.handle))]
+        return [web.route("*", "/mcp/{upstream}", guard.wrap(self.handle), expect_handler=guard.expect_handler())]
 
     # ---- entry -------------------------------------------------------------------------
 

@@ -326,3 +326,35 @@ def test_two_workers_share_the_port(tmp_path: Path, hostile: HostileUpstream, ki
             time.sleep(0.1)
         # Every call answered has its one audit record, and both workers served.
         assert sum(counts()) == calls and min(counts()) > 0, (counts(), calls, pp.log()[-4000:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_expect_header_is_guarded_first_and_answered_as_http_says(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    """aiohttp answers an `Expect` before the route's handler, so its default handler saw header
+    bytes the guard never checked: `Expect: \\xc1` made it fail with a 500 (found by the wire
+    fuzz). Now the guard runs first (400, audited `invalid_request`), `100-continue` gets its
+    100 and then the answer, and any other expectation 417; the process keeps serving."""
+    body = call_body(21, text="expected")
+    with served(tmp_path, hostile, kind) as pp:
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(head(pp.port, len(body), "Expect: \xc1\r\n").replace(b"\xc3\x81", b"\xc1") + body)
+            status, _, answer = read_response(f)
+            assert status == 400, answer
+            decision = json.loads(answer)["error"]["data"]["envelope/decision"]
+            assert decision["code"] == "invalid_request" and decision["check"] == "guard"
+        [refusal] = [r for r in pp.audit_records() if r["decision_id"] == decision["decision_id"]]
+        assert refusal["extra"]["header"].lower() == "expect" and refusal["extra"]["value"] == "\\xc1"
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(head(pp.port, len(body), "Expect: 100-continue\r\n"))
+            assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"
+            sock.sendall(body)
+            status, _, answer = read_response(f)
+            assert status == 200 and result_of(answer, 21)["content"][0]["text"] == "expected"
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(head(pp.port, len(body), "Expect: teapot\r\n") + body)
+            assert read_response(f)[0] == 417
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(request(pp.port, 22, text="still here"))
+            status, _, answer = read_response(f)
+            assert status == 200 and result_of(answer, 22)["content"][0]["text"] == "still here"
