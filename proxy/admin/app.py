@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from proxy.admin.protect import LOOPBACK_HOSTS, host_guard
+from proxy.admin.protect import LOOPBACK_HOSTS, expect, host_guard
 from proxy.observability.metrics import Metrics
 
 _JSON = "application/json"
@@ -83,10 +83,10 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
 
     # The Host check runs first, for every route (the review page's token guard comes after).
     app = web.Application(middlewares=[host_guard(allowed_hosts)])
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/v1/policy", policy)
+    app.router.add_get("/healthz", healthz, expect_handler=expect)
+    app.router.add_get("/readyz", readyz, expect_handler=expect)
+    app.router.add_get("/metrics", metrics_handler, expect_handler=expect)
+    app.router.add_get("/v1/policy", policy, expect_handler=expect)
     misconfigurations = getattr(status, "misconfigurations", None)
     if misconfigurations is not None:
         async def misconfigured(request: web.Request) -> web.Response:
@@ -96,13 +96,13 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
             except Exception as e:
                 return _json({"error": f"{type(e).__name__}: {e}"}, status=500)
 
-        app.router.add_get("/v1/misconfigurations", misconfigured)
+        app.router.add_get("/v1/misconfigurations", misconfigured, expect_handler=expect)
     upstream_status = getattr(status, "upstream_status", None)
     if upstream_status is not None:
         async def upstreams(request: web.Request) -> web.Response:
             return _json({"upstreams": upstream_status()})
 
-        app.router.add_get("/v1/upstreams", upstreams)
+        app.router.add_get("/v1/upstreams", upstreams, expect_handler=expect)
     # The approvals API, when the provider runs an approval gate (see approvals_api).
     approvals = getattr(status, "approvals", None)
     if approvals is not None:

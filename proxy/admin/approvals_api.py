@@ -30,6 +30,7 @@ from typing import Any, get_args
 import orjson
 from aiohttp import web
 
+from proxy.admin.protect import expect
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.records import (
     STATES,
@@ -213,8 +214,8 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         now = service.clock()
         return _json({"grants": [g.view(now) for g in found if now < g.expires_at]})
 
-    app.router.add_get("/v1/approvals", list_approvals)
-    app.router.add_get("/v1/approvals/{id}", show)
-    app.router.add_post("/v1/approvals/{id}/approve", approve)
-    app.router.add_post("/v1/approvals/{id}/deny", deny)
-    app.router.add_get("/v1/grants", grants)
+    app.router.add_get("/v1/approvals", list_approvals, expect_handler=expect)
+    app.router.add_get("/v1/approvals/{id}", show, expect_handler=expect)
+    app.router.add_post("/v1/approvals/{id}/approve", approve, expect_handler=expect)
+    app.router.add_post("/v1/approvals/{id}/deny", deny, expect_handler=expect)
+    app.router.add_get("/v1/grants", grants, expect_handler=expect)

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.admin.protect import expect
 from proxy.admin.review import authenticate
 from proxy.envelope.dataflow import intent as intents
 from proxy.envelope.types import Code, Verdict, run_key
@@ -93,4 +94,4 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
             return _json({"error": f"the state store cannot answer: {exc or 'timed out'}"}, 503)
         return _json({"run": run, "principal": principal, "appended": appended, "decision_id": decision_id})
 
-    app.router.add_post("/v1/runs/{run}/intent", set_intent)
+    app.router.add_post("/v1/runs/{run}/intent", set_intent, expect_handler=expect)

@@ -40,6 +40,7 @@ import orjson
 from aiohttp import web
 
 from proxy.admin.approvals_api import unauthorized
+from proxy.admin.protect import expect
 from proxy.audit.query import iter_records, matcher, parse_time, query_records
 from proxy.audit.stats import MAX_SCAN, window_stats
 from proxy.errors import StoreError
@@ -212,12 +213,12 @@ def add_review_routes(app: web.Application, status: Any) -> None:
             return _json({"error": f"the audit log cannot be read: {exc}"}, 503)
         return _json({**data, "window": window, "filters": filters})
 
-    app.router.add_get("/review", page)
-    app.router.add_get("/review/", page)
-    app.router.add_get("/review/static/{name}", asset)
-    app.router.add_get("/v1/decisions", decisions)
-    app.router.add_get("/v1/decisions/{id}", decision)
-    app.router.add_get("/v1/decision-stats", stats)
+    app.router.add_get("/review", page, expect_handler=expect)
+    app.router.add_get("/review/", page, expect_handler=expect)
+    app.router.add_get("/review/static/{name}", asset, expect_handler=expect)
+    app.router.add_get("/v1/decisions", decisions, expect_handler=expect)
+    app.router.add_get("/v1/decisions/{id}", decision, expect_handler=expect)
+    app.router.add_get("/v1/decision-stats", stats, expect_handler=expect)
     approvals = getattr(status, "approvals", None)
     if approvals is not None:
         _add_recent_route(app, status, approvals)
@@ -276,4 +277,4 @@ def _add_recent_route(app: web.Application, status: Any, approvals: Any) -> None
         return _json({"approval": approval.id, "principal": approval.principal,
                       "run": approval.run, **found})
 
-    app.router.add_get("/v1/approvals/{id}/recent", recent)
+    app.router.add_get("/v1/approvals/{id}/recent", recent, expect_handler=expect)

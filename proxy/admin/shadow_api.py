@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.admin.protect import expect
 from proxy.envelope.checks.shadow import list_records
 from proxy.errors import StoreError
 
@@ -43,4 +44,4 @@ def add_shadow_routes(app: web.Application, status: Any) -> None:
             return _json({"error": f"the state store cannot answer: {exc}"}, 503)
         return _json({"records": records, "count": len(records)})
 
-    app.router.add_get("/v1/shadow", shadow_list)
+    app.router.add_get("/v1/shadow", shadow_list, expect_handler=expect)

@@ -358,3 +358,11 @@ def test_an_expect_header_is_guarded_first_and_answered_as_http_says(
             sock.sendall(request(pp.port, 22, text="still here"))
             status, _, answer = read_response(f)
             assert status == 200 and result_of(answer, 22)["content"][0]["text"] == "still here"
+        # The admin listener: its routes answer an expectation without echoing it.
+        admin = int(pp.admin.rsplit(":", 1)[1])
+        for expect, wanted in ((b"\xc1", 417), (b"100-continue", 200)):
+            with socket.create_connection(("127.0.0.1", admin), timeout=20) as sock, sock.makefile("rb") as f:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: " + expect + b"\r\n\r\n")
+                if expect == b"100-continue":
+                    assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"
+                assert read_response(f)[0] == wanted, expect
