@@ -236,6 +236,12 @@ class LeanRequest:
             self._writer = StreamWriter(self._conn, self._conn._loop)
         return self._writer
 
+    @property
+    def writer(self) -> StreamWriter:
+        # As `web.Request.writer` (what an `Expect` answer writes on; the hot route never
+        # carries an Expect, but the request the fronts read has every attribute of aiohttp's).
+        return self._payload_writer
+
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         return  # the application has no on_response_prepare hooks (checked at setup)
 
