@@ -4,9 +4,13 @@ number the proxy reads rounded (two of them could share one approval's digest)."
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from proxy.fronts.jsonrpc import INVALID_REQUEST, BadMessage, ambiguity, parse_message
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.fronts.jsonrpc import INVALID_REQUEST, BadMessage, ambiguity, long_number, parse_message
 
 
 @pytest.mark.parametrize(("body", "why"), [
@@ -62,3 +66,14 @@ async def test_a_large_body_is_read_twice_off_the_event_loop(monkeypatch: pytest
     with pytest.raises(BadMessage):
         await jsonrpc.parse_post(small, 64, None)
     assert seen == [False, False, True]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.one_of(
+    st.sampled_from([b"0", b"9", b".", b"5.", b"-", b"e", b"x", b'"', b" ", b"\xc3\xa9", b"\x00", b"/"]),
+    st.builds(bytes.__mul__, st.sampled_from([b"7", b".", b"1."]), st.integers(7, 10))), max_size=40))
+def test_long_numbers_are_found_as_the_class_search_finds_them(pieces: list[bytes]) -> None:
+    """`long_number` (two C passes over a translated copy) finds exactly what `[0-9.]{18}`
+    finds: a body with such a run takes the number hooks, one without skips them."""
+    body = b"".join(pieces)
+    assert long_number(body) == (re.search(rb"[0-9.]{18}", body) is not None)
