@@ -16,9 +16,10 @@ import ipaddress
 from collections.abc import Awaitable, Callable, Iterable
 
 import orjson
-from aiohttp import hdrs, web
-from aiohttp.http import HttpVersion11
+from aiohttp import web
 from aiohttp.typedefs import Middleware
+
+from proxy.expect import UNSUPPORTED, continue_or_refuse
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -70,15 +71,8 @@ def host_guard(allowed: frozenset[str]) -> Middleware:
 
 
 async def expect(request: web.Request) -> web.StreamResponse | None:
-    """The `Expect` handler of every admin route (`expect_handler=`): aiohttp runs it before the
-    middlewares and the route, and its default answers an expectation it does not know with a
-    text holding the header's value, which fails (a 500) on a non-ASCII byte. Here
-    `100-continue` on HTTP/1.1 gets its 100 as there, and any other expectation 417 without
-    echoing it."""
-    if request.version != HttpVersion11:
+    """The `Expect` handler of every admin route (`expect_handler=`; `proxy.expect`): 417 in the
+    admin API's JSON for an expectation other than `100-continue`."""
+    if await continue_or_refuse(request):
         return None
-    if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the response proper has not started
-        return None
-    return web.json_response({"error": "Expectation Failed: only 100-continue is supported"}, status=417)
+    return web.json_response({"error": UNSUPPORTED}, status=417)

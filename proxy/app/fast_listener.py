@@ -242,6 +242,12 @@ class LeanRequest:
         # carries an Expect, but the request the fronts read has every attribute of aiohttp's).
         return self._payload_writer
 
+    def get(self, key: object, default: Any = None) -> Any:
+        # As `web.Request`'s storage, which nothing fills before the route's handler on this
+        # path: the one key read there is set by an `Expect` handler, and the hot route never
+        # carries an Expect.
+        return default
+
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         return  # the application has no on_response_prepare hooks (checked at setup)
 

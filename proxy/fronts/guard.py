@@ -30,10 +30,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from aiohttp import hdrs, web
-from aiohttp.http import HttpVersion11
+from aiohttp import web
 
 from proxy.envelope.pipeline import Envelope
+from proxy.expect import UNSUPPORTED, continue_or_refuse
 from proxy.fronts import jsonrpc
 from proxy.fronts.jsonrpc import BadMessage
 from proxy.fronts.render import rpc_error
@@ -41,6 +41,8 @@ from proxy.observability import tracing
 from proxy.observability.metrics import Metrics
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+# Set on a request the route's `expect_handler` checked and let go on (`Guard.wrap` skips it).
+_PASSED = web.RequestKey("envelope.guard.passed", bool)
 # Bytes a header value may hold: HTAB, SP and visible ASCII.
 _FIELD_VALUE = bytes([0x09, *range(0x20, 0x7F)])
 
@@ -84,12 +86,14 @@ class Guard:
         self.metrics = metrics
 
     def wrap(self, handler: Handler) -> Handler:
-        """`handler`, run only for requests that pass the guard."""
+        """`handler`, run only for requests that pass the guard (once: a request the route's
+        `expect_handler` passed is not checked again)."""
 
         async def guarded(request: web.Request) -> web.StreamResponse:
-            refused = self.check(request)
-            if refused is not None:
-                return refused
+            if not request.get(_PASSED, False):
+                refused = self.check(request)
+                if refused is not None:
+                    return refused
             if tracing.TRACER is None or request.method != "POST":  # GET streams, DELETE: no MCP request
                 return await handler(request)
             return await tracing.server(request, handler)
@@ -100,22 +104,17 @@ class Guard:
                        ) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
         """aiohttp's `Expect` handler for a guarded route (`expect_handler=` of its route). aiohttp
         runs it before the route's handler, so the guard runs here first: a request whose header
-        values are not field values is refused (400, audited) instead of reaching aiohttp's
-        default handler, which fails on a non-ASCII expectation (a 500). Then, as that default
-        does, `100-continue` on HTTP/1.1 is answered 100; any other expectation gets 417 (RFC
-        9110). `shown`: how the route renders a refusal (problem details on the HTTP front)."""
+        values are not field values is refused (400, audited) before anything answers its
+        expectation (`proxy.expect.continue_or_refuse`: 100 for `100-continue`, else 417 in
+        JSON-RPC). `shown`: how the route renders a refusal (problem details on the HTTP front)."""
 
         async def expect(request: web.Request) -> web.StreamResponse | None:
             refused = self.check(request)
-            if refused is None and request.version == HttpVersion11:
-                if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
-                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    request.writer.output_size = 0  # the response proper has not started
-                else:
-                    refused = rpc_error(417, None, jsonrpc.INVALID_REQUEST,
-                                        "Expectation Failed: only 100-continue is supported")
             if refused is None:
-                return None
+                if await continue_or_refuse(request):
+                    request[_PASSED] = True
+                    return None
+                refused = rpc_error(417, None, jsonrpc.INVALID_REQUEST, UNSUPPORTED)
             return shown(refused) if shown is not None else refused
 
         return expect
