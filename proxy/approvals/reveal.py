@@ -7,16 +7,59 @@ as another path than the one the upstream gets. The approval is bound to the exa
 so the person approving must see them exactly: `revealed_json` writes every such character as a
 JSON escape (`\\u202e`; still JSON, equal to the arguments), and `hidden_characters` lists where
 they are so the page can say so before anyone clicks.
+
+Look-alike letters count too: `"p\\u0430ypal.com"` with a Cyrillic "a" (U+0430) reads as the Latin
+address and is another one. Within a run of text without spaces or quotes (an address, a path,
+a word) whose letters come from more than one of the scripts that share letter shapes (Latin,
+Cyrillic, Greek, Armenian, Cherokee, Coptic), the letters of every script but the run's most
+common one are escaped and listed. A word written in one script is left alone whatever the
+scripts around it ("Мария" in a Latin sentence, Japanese mixing kana and kanji); a whole word
+spelled in look-alike Cyrillic ("раурал") is not found: no script is mixed in it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
+from collections import Counter
 from typing import Any
 
 # Format, control, private-use, unassigned, surrogate, line and paragraph separators.
 _HIDDEN_CATEGORIES = frozenset({"Cf", "Cc", "Co", "Cn", "Cs", "Zl", "Zp"})
+# Scripts with letters shaped like each other's (Unicode's confusables are mostly among these).
+_LOOKALIKE_SCRIPTS = frozenset({"LATIN", "CYRILLIC", "GREEK", "ARMENIAN", "CHEROKEE", "COPTIC"})
+# A run a look-alike letter hides in: no space (JSON's quotes end a string's run too).
+_RUN = re.compile(r'[^\s"]+')
+
+
+def _lookalike_script(char: str) -> str | None:
+    if char.isascii():
+        return "LATIN" if char.isalpha() else None
+    if not char.isalpha():
+        return None
+    script = unicodedata.name(char, "").partition(" ")[0]
+    return script if script in _LOOKALIKE_SCRIPTS else None
+
+
+def disguised(text: str) -> set[int]:
+    """Where `text` holds look-alike letters: in each run without spaces or quotes whose letters
+    come from more than one look-alike script, the positions of the letters not of the run's most
+    common script (the first met wins a tie)."""
+    if text.isascii():
+        return set()
+    found: set[int] = set()
+    for run in _RUN.finditer(text):
+        word = run.group()
+        if word.isascii():
+            continue
+        scripts = [_lookalike_script(c) for c in word]
+        counts = Counter(script for script in scripts if script is not None)
+        if len(counts) > 1:
+            main = counts.most_common(1)[0][0]
+            start = run.start()
+            found.update(start + i for i, script in enumerate(scripts) if script not in (None, main))
+    return found
 
 
 def is_hidden(char: str) -> bool:
@@ -38,25 +81,30 @@ def _escape(char: str) -> str:
 
 def visible(text: str) -> str:
     """`text` for a terminal or a page: control characters (which a terminal obeys: colours,
-    cursor moves, window titles) and hidden ones written as `\\uXXXX` escapes."""
-    return "".join(_escape(c) if c < " " or is_hidden(c) else c for c in text)
+    cursor moves, window titles), hidden ones and look-alike letters written as `\\uXXXX`
+    escapes."""
+    marked = disguised(text)
+    return "".join(_escape(c) if c < " " or is_hidden(c) or i in marked else c for i, c in enumerate(text))
 
 
 def revealed_json(value: Any, indent: int | None = 2) -> str:
     """`value` as JSON (keys in their order; `indent` None: on one line) with every hidden
-    character escaped."""
+    character and look-alike letter escaped."""
     text = json.dumps(value, indent=indent, ensure_ascii=False,
                       separators=None if indent is not None else (",", ":"))
-    return "".join(_escape(c) if is_hidden(c) else c for c in text)
+    marked = disguised(text)
+    return "".join(_escape(c) if is_hidden(c) or i in marked else c for i, c in enumerate(text))
 
 
 def hidden_characters(value: Any, path: str = "") -> list[dict[str, Any]]:
-    """Each string (value or key) holding hidden characters: `{"path": <JSON pointer>,
-    "characters": ["U+202E", ...]}` (distinct, in order of appearance)."""
+    """Each string (value or key) holding hidden characters or look-alike letters: `{"path":
+    <JSON pointer>, "characters": ["U+202E", ...]}` (distinct, in order of appearance)."""
     found: list[dict[str, Any]] = []
 
     def note(where: str, text: str) -> None:
-        chars = list(dict.fromkeys(f"U+{ord(c):04X}" for c in text if is_hidden(c)))
+        marked = disguised(text)
+        chars = list(dict.fromkeys(f"U+{ord(c):04X}" for i, c in enumerate(text)
+                                   if is_hidden(c) or i in marked))
         if chars:
             found.append({"path": where or "/", "characters": chars})
 
@@ -64,8 +112,9 @@ def hidden_characters(value: Any, path: str = "") -> list[dict[str, Any]]:
         note(path, value)
     elif isinstance(value, dict):
         for key, item in value.items():
-            # The pointer shows the key's hidden characters escaped too.
-            shown = "".join(_escape(c) if is_hidden(c) else c for c in str(key))
+            # The pointer shows the key's hidden characters and look-alike letters escaped too.
+            marked = disguised(str(key))
+            shown = "".join(_escape(c) if is_hidden(c) or i in marked else c for i, c in enumerate(str(key)))
             where = f"{path}/{shown.replace('~', '~0').replace('/', '~1')}"
             note(where + " (key)", str(key))
             found.extend(hidden_characters(item, where))

@@ -104,13 +104,14 @@ def stateless_elicitation(params: dict[str, Any]) -> bool:
 
 def elicitation_params(prompt: ApprovalPrompt) -> dict[str, Any]:
     """The form-mode `elicitation/create` params asking to approve one call."""
-    # Hidden characters (bidi overrides, zero-width) escaped: the person reads what will run.
+    # Hidden characters (bidi overrides, zero-width) and look-alike letters escaped: the person
+    # reads what will run.
     preview = revealed_json(dict(prompt.arguments), indent=None)
     hidden = hidden_characters(dict(prompt.arguments))
     if len(preview) > PREVIEW_CHARS:
         preview = preview[:PREVIEW_CHARS] + f"… (cut: {len(preview):,} characters in all)"
     if hidden:
-        preview += " WARNING: hidden characters, shown escaped, at " + ", ".join(
+        preview += " WARNING: hidden or look-alike characters, shown escaped, at " + ", ".join(
             h["path"][:80] for h in hidden[:5]) + (" and more" if len(hidden) > 5 else "")
     message = (
         f"Approve the tool call {prompt.tool} on upstream {prompt.upstream}? "

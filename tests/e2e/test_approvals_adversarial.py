@@ -179,6 +179,18 @@ async def test_the_approver_reads_hidden_characters_escaped_and_is_warned(proxy:
     assert "a.arguments_text" in script and "hidden_characters" in script
 
 
+async def test_the_approver_sees_a_look_alike_letter_escaped_and_is_warned(proxy: ProxyProcess) -> None:
+    # "invoice-p\u0430ypal" (a Cyrillic "a", U+0430) reads as the Latin name on any screen.
+    title = "invoice-p\u0430ypal"
+    approval = await held(proxy, title, run="run-l")
+    assert approval["arguments"] == {"title": title}
+    assert '"invoice-p\\u0430ypal"' in approval["arguments_text"]
+    assert json.loads(approval["arguments_text"]) == approval["arguments"]
+    assert approval["hidden_characters"] == [{"path": "/title", "characters": ["U+0430"]}]
+    honest = await held(proxy, "Счёт за март", run="run-l")  # one script: shown as written
+    assert honest["hidden_characters"] == [] and "Счёт за март" in honest["arguments_text"]
+
+
 # -- the envelope and the upstream read the same message (broke: duplicate names, big numbers) -
 
 

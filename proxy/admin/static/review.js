@@ -177,7 +177,7 @@
   function hiddenWarning(found) {
     if (!Array.isArray(found) || found.length === 0) return null;
     return el("p", { className: "error", dataset: { role: "hidden-characters" } },
-      "Warning: the arguments hold characters that are invisible or reorder text, shown escaped: " +
+      "Warning: the arguments hold characters that are invisible, reorder text or look like letters of another script, shown escaped: " +
       found.map((h) => show(h.path) + " (" + (h.characters || []).join(", ") + ")").join("; "));
   }
 

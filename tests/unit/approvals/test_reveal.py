@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.approvals.reveal import hidden_characters, is_hidden, revealed_json, visible
+from proxy.approvals.reveal import disguised, hidden_characters, is_hidden, revealed_json, visible
 
 # A right-to-left override makes "/tmp/x\u202efdsa.sh" read as "/tmp/xhs.asdf"; a zero-width
 # space makes two different keys and values look equal.
@@ -36,3 +36,24 @@ def test_hidden_characters_name_where_they_are() -> None:
 def test_visible_escapes_what_a_terminal_would_obey_or_hide() -> None:
     assert visible("run\x1b[2J\x07\u202eok é\t") == "run\\u001b[2J\\u0007\\u202eok é\\u0009"
     assert visible("plain text / 1.5") == "plain text / 1.5"
+
+
+def test_look_alike_letters_are_escaped_and_listed_where_scripts_mix() -> None:
+    """A Cyrillic "a" (U+0430) in a Latin address reads as the address the user knows and is another one:
+    escaped and listed. Text written in one script, however the scripts around it, is left as
+    written: a Cyrillic name in a Latin message, Japanese mixing kana, kanji and a Latin letter."""
+    tricky = {"to": "billing@p\u0430ypal.com", "p\u0430th": "/srv/ok", "list": ["\u0430pple.com/x"]}
+    text = revealed_json(tricky, indent=None)
+    assert json.loads(text) == tricky
+    assert '"billing@p\\u0430ypal.com"' in text and '"\\u0430pple.com/x"' in text and '"p\\u0430th"' in text
+    assert hidden_characters(tricky) == [
+        {"path": "/to", "characters": ["U+0430"]},
+        {"path": "/p\\u0430th (key)", "characters": ["U+0430"]},
+        {"path": "/list/0", "characters": ["U+0430"]},
+    ]
+    # The minority script is the one escaped: a Latin "a" in a Cyrillic word too.
+    assert disguised("\u043c\u0061\u043c\u0430") == {1}
+    assert visible("ok p\u0430ypal") == "ok p\\u0430ypal"
+    honest = {"name": "Мария", "note": "Привет, Bob", "jp": "Tシャツを買う", "fr": "déjà vu", "el": "Αθήνα"}
+    assert hidden_characters(honest) == []
+    assert revealed_json(honest, indent=None) == json.dumps(honest, ensure_ascii=False, separators=(",", ":"))

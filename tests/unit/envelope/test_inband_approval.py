@@ -279,7 +279,7 @@ def test_elicitation_preview_shows_hidden_characters_escaped_and_says_where_it_i
                             {"title": "keep\u202egpj.exe"}, 0)
     message = elicitation_params(prompt)["message"]
     assert "\u202e" not in message and '"keep\\u202egpj.exe"' in message
-    assert "WARNING: hidden characters, shown escaped, at /title" in message
+    assert "WARNING: hidden or look-alike characters, shown escaped, at /title" in message
     long = elicitation_params(ApprovalPrompt("apr-1", "notes", "delete_note", "sha256:abc",
                                              {"title": "t" * 1000}, 0))["message"]
     assert "(cut: 1,012 characters in all)" in long
