@@ -109,6 +109,11 @@ class ApproverConfig(_Model):
     token_sha256: str | None = None
     # Name of an environment variable holding the token (a mounted secret). Either or both.
     token_env: str | None = None
+    # Which calls this approver may approve or deny: `<upstream>.<tool>` patterns (`*` and `?`
+    # as in shell globs: `github.*`, `*.delete_*`). Absent: every call; `[]`: none (a reviewer
+    # who reads approvals and decisions but decides nothing). A scoped approver cannot set a
+    # run's intent either: an intent endorses values for every tool of the run.
+    scope: list[str] | None = None
 
     @field_validator("token_sha256")
     @classmethod
@@ -116,6 +121,15 @@ class ApproverConfig(_Model):
         if v is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", v):
             raise ValueError("token_sha256 must be 64 hex digits (sha256 of the token)")
         return v.lower() if v else v
+
+    @field_validator("scope")
+    @classmethod
+    def _patterns(cls, v: list[str] | None) -> list[str] | None:
+        for pattern in v or ():
+            if not re.fullmatch(r"[^.\s]+\.[^\s]+", pattern):
+                raise ValueError(f"scope pattern {pattern!r} must be <upstream>.<tool> (globs allowed: "
+                                 "github.*, *.delete_*)")
+        return v
 
     @model_validator(mode="after")
     def _some_token(self) -> ApproverConfig:

@@ -12,7 +12,8 @@ and text-reordering characters escaped) and `hidden_characters` (`proxy.approval
 
 Every route needs `Authorization: Bearer <approver token>` (tokens from `approvals.approvers`
 of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
-arguments. Answers: 401 no or unknown token, 403 an approver deciding their own call, 404
+arguments. Answers: 401 no or unknown token, 403 an approver deciding their own call or a call
+outside their `scope` (`<upstream>.<tool>` patterns of the config; such refusals are audited), 404
 unknown id, 409 no longer pending, 400 bad body, 503 the store or the audit log cannot answer
 (fail closed).
 
@@ -37,6 +38,7 @@ from proxy.approvals.records import (
     ApprovalConflict,
     ApprovalError,
     GrantRequest,
+    OutOfScope,
     SelfApproval,
     State,
 )
@@ -159,6 +161,9 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         problem: ApprovalError | None = None
         if asked.principal == who:
             problem = SelfApproval(f"{who} cannot decide a call made by {who}")
+        elif not approvers.may_decide(who, asked.upstream, asked.tool):
+            problem = OutOfScope(f"{who} may not decide calls of {asked.upstream}.{asked.tool} "
+                                 f"(scope: {approvers.scope_text(who)})")
         elif (state := asked.effective_state(service.clock())) != "pending":
             problem = ApprovalConflict(f"approval {approval_id} is {state}, not pending")
         if problem is not None:

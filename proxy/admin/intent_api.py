@@ -2,8 +2,9 @@
 
     POST /v1/runs/{run}/intent   {"principal": "<principal id>", "text": "<the user's words>"}
 
-Needs `Authorization: Bearer <approver token>` (401 otherwise): an intent endorses values for
-the data-flow check, so setting one is an approver's act. The text is appended to the run's
+Needs `Authorization: Bearer <approver token>` (401 otherwise) of an approver without a `scope`
+(403 otherwise): an intent endorses values for the data-flow check, for every tool of the run, so
+setting one is an act of an approver who may decide every call. The text is appended to the run's
 intent (`proxy.envelope.dataflow.intent`; the run of that principal, as `X-Envelope-Intent`
 would), after an audit record of method `<intent>` (check `intent`, the approver, the text's
 length and digest, never the text) is written: an intent is never set unaudited. Answers 200
@@ -44,6 +45,10 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
         if approver is None:
             return _json({"error": "an approver token is required (Authorization: Bearer <token>)"}, 401,
                          {"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
+        if status.approvers.scoped(approver):
+            return _json({"error": f"{approver} has a scope ({status.approvers.scope_text(approver)}): an "
+                                   "intent endorses values for every tool of a run, so only an approver "
+                                   "without a scope may set one"}, 403)
         raw = await request.content.read(_MAX_BODY + 1)
         if len(raw) > _MAX_BODY:
             return _json({"error": "body too large"}, 413)

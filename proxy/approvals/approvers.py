@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
 import logging
@@ -19,6 +20,8 @@ class Approvers:
     def __init__(self, config: ApprovalsConfig, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
         self._digests: list[tuple[str, bytes]] = []
+        self._scopes: dict[str, tuple[str, ...]] = {
+            name: tuple(approver.scope) for name, approver in config.approvers.items() if approver.scope is not None}
         for name, approver in config.approvers.items():
             if approver.token_sha256:
                 self._digests.append((name, bytes.fromhex(approver.token_sha256)))
@@ -44,4 +47,20 @@ class Approvers:
                 found = name
         return found
 
+    def scoped(self, name: str) -> bool:
+        """Whether approver `name` may decide only some calls (`scope` in the config)."""
+        return name in self._scopes
 
+    def may_decide(self, name: str, upstream: str, tool: str) -> bool:
+        """Whether approver `name` may approve or deny a call of `tool` on `upstream`: unscoped,
+        or a pattern of its scope matches `<upstream>.<tool>` (case-sensitive globs)."""
+        patterns = self._scopes.get(name)
+        if patterns is None:
+            return True
+        target = f"{upstream}.{tool}"
+        return any(fnmatch.fnmatchcase(target, pattern) for pattern in patterns)
+
+    def scope_text(self, name: str) -> str:
+        """The approver's scope as the config writes it, for refusals."""
+        patterns = self._scopes.get(name)
+        return "every call" if patterns is None else (", ".join(patterns) or "no call")

@@ -49,6 +49,12 @@ class SelfApproval(ApprovalError):
     status = 403
 
 
+class OutOfScope(ApprovalError):
+    """An approver tried to decide a call outside their `scope`."""
+
+    status = 403
+
+
 class InvalidGrant(ApprovalError):
     """The grant in an approve request is malformed or too long."""
 

@@ -30,6 +30,8 @@ OPS = token("ops", tenant="acme")
 DEV = token("dev", tenant="acme")
 ALICE_TOKEN = "alice-approver-token"
 ALICE = {"Authorization": f"Bearer {ALICE_TOKEN}"}
+# Approvers who may decide only some calls (`scope`); each one's token is "<name>-token".
+SCOPED = {"carol": ["notes.delete_*"], "erin": ["notes.write_*", "other.*"], "dave": []}
 
 
 def _policy(directory: Path) -> Path:
@@ -49,7 +51,9 @@ def _policy(directory: Path) -> Path:
 def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     tmp = tmp_path_factory.mktemp("approvals_adversarial")
     config = {"approvals": {"poll_interval": "100ms", "approvers": {
-        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()},
+        **{name: {"token_sha256": hashlib.sha256(f"{name}-token".encode()).hexdigest(), "scope": scope}
+           for name, scope in SCOPED.items()}}}}
     with upstream_server("sse") as up, proxy_process(
             tmp, {"notes": up.url}, policies=_policy(tmp / "policies"), config=config) as pp:
         yield pp
@@ -156,6 +160,40 @@ async def test_every_decision_is_audited_and_the_released_call_names_it(proxy: P
             if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == denied["id"]]
     assert [(x["verdict"], x["extra"]["decision"], x["extra"].get("refused")) for x in late] == [
         ("deny", "denied", None), ("deny", "approved", True)]
+
+
+# -- an approver decides only within their scope (was: any approver decided any call) ----------
+
+
+async def test_an_approver_decides_only_the_calls_their_scope_names(proxy: ProxyProcess) -> None:
+    approval = await held(proxy, "s1", run="run-s")
+
+    async def decide(name: str, verb: str = "approve") -> httpx.Response:
+        async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+            return await http.post(f"/v1/approvals/{approval['id']}/{verb}", json={"reason": "mine"},
+                                   headers={"Authorization": f"Bearer {name}-token"})
+
+    for name in ("erin", "dave"):  # other tools' approver; a reviewer who decides nothing
+        for verb in ("approve", "deny"):
+            r = await decide(name, verb)
+            assert r.status_code == 403 and "may not decide calls of notes.delete_note" in r.json()["error"], r.text
+    refused = [rec for rec in proxy.audit_records()
+               if rec.get("method") == "<approval>" and rec["extra"]["approval_id"] == approval["id"]]
+    assert sorted(x["extra"]["approver"] for x in refused) == ["dave", "dave", "erin", "erin"]
+    assert all(x["verdict"] == "deny" and x["extra"]["refused"] for x in refused)
+    assert (await pending(proxy, "s1"))[0]["id"] == approval["id"]  # still waiting
+    r = await decide("carol")  # `notes.delete_*` covers it
+    assert r.status_code == 200 and r.json()["approver"] == "carol"
+    released = await call(proxy, "delete_note", {"title": "s1"}, run="run-s")
+    assert released.is_error is False
+
+    # A run's intent endorses values for every tool of the run: no scoped approver sets one.
+    async with httpx.AsyncClient(base_url=proxy.admin, timeout=10) as http:
+        body = {"principal": "ops", "text": "delete s2"}
+        r = await http.post("/v1/runs/run-s/intent", json=body, headers={"Authorization": "Bearer carol-token"})
+        assert r.status_code == 403 and "only an approver without a scope" in r.json()["error"]
+        r = await http.post("/v1/runs/run-s/intent", json=body, headers=ALICE)
+        assert r.status_code == 200, r.text
 
 
 # -- what the approver reads is what runs (broke: hidden characters were shown raw) ------------

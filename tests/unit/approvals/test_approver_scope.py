@@ -1,0 +1,36 @@
+"""Approver scopes: which calls an approver may decide (`approvals.approvers.<name>.scope`)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from pydantic import ValidationError
+
+from proxy.approvals.approvers import Approvers
+from proxy.config import ApprovalsConfig, ApproverConfig
+
+DIGEST = hashlib.sha256(b"t").hexdigest()
+
+
+def _approvers(**scopes: list[str] | None) -> Approvers:
+    return Approvers(ApprovalsConfig(approvers={
+        name: ApproverConfig(token_sha256=DIGEST, scope=scope) for name, scope in scopes.items()}), environ={})
+
+
+def test_a_scope_names_upstream_dot_tool_patterns() -> None:
+    approvers = _approvers(all=None, files=["files.*"], deletes=["*.delete_*", "mail.send"], none=[])
+    assert approvers.may_decide("all", "anything", "at_all") and not approvers.scoped("all")
+    assert approvers.may_decide("files", "files", "delete_file")
+    assert not approvers.may_decide("files", "filesystem", "read")  # the dot is part of the pattern
+    assert approvers.may_decide("deletes", "notes", "delete_note") and approvers.may_decide("deletes", "mail", "send")
+    assert not approvers.may_decide("deletes", "mail", "send_all") and not approvers.may_decide("deletes", "Notes", "DELETE_x")
+    assert not approvers.may_decide("none", "notes", "delete_note") and approvers.scoped("none")
+    assert approvers.scope_text("none") == "no call" and approvers.scope_text("all") == "every call"
+    assert approvers.scope_text("deletes") == "*.delete_*, mail.send"
+
+
+@pytest.mark.parametrize("pattern", ["github", "", "github .x", ".tool"])
+def test_a_scope_pattern_without_upstream_and_tool_is_refused(pattern: str) -> None:
+    with pytest.raises(ValidationError, match=r"must be <upstream>\.<tool>"):
+        ApproverConfig(token_sha256=DIGEST, scope=[pattern])
