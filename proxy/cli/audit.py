@@ -21,7 +21,7 @@ def add_audit_parser(sub: Any) -> None:
                     "proxy published at /v1/audit/head and in its process log), exit 1 also names "
                     "each anchor that is not in the chain, and otherwise says how many records "
                     "follow it. Exit 2 for an anchor that is not a hash, or an anchors file that "
-                    "cannot be read.")
+                    "cannot be read or has a line that is not a head.")
     verify.add_argument("path", type=Path)
     verify.add_argument("--anchor", action="append", default=[], metavar="HASH",
                         help="a head's hash (sha256:...) that must be in the chain; repeatable")

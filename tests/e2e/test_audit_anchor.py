@@ -18,7 +18,15 @@ import pytest
 from e2e_helpers import cli
 
 from proxy.audit.log import GENESIS, record_hash
-from tests.harness import ADMIN_TOKEN, ProxyProcess, mcp_client, proxy_process, stop, token
+from tests.harness import (
+    ADMIN_TOKEN,
+    ProxyProcess,
+    mcp_client,
+    proxy_process,
+    stop,
+    token,
+    wait_port,
+)
 
 OPS = token("ops", tenant="acme")
 CONFIG = {"approvals": {"enabled": False}}
@@ -171,6 +179,7 @@ def test_a_log_cut_under_the_running_proxy_keeps_its_served_head(tmp_path: Path,
 def test_each_worker_serves_its_own_chain(tmp_path: Path, sse_upstream: Any) -> None:
     with proxy_process(tmp_path, {"notes": sse_upstream.url},
                        config={**CONFIG, "workers": 2}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)  # the second worker is up too
         heads = [_head(pp, f"http://127.0.0.1:{pp.admin_port + i}") for i in range(2)]
         assert [h["chain"] for h in heads] == ["audit-w0", "audit-w1"]
         assert all(h["hash"] == GENESIS and h["file"] is None for h in heads)  # no call yet
