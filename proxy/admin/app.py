@@ -5,9 +5,10 @@ that raises makes the proxy unready, with the error as the reason. Every route s
 one Host check (`proxy.admin.protect.host_guard`: 421 for a name that is not loopback, the
 listen address or configured); `/healthz`, `/readyz`, `/metrics` and the review page's files
 are open, every `/v1/` route but `/v1/misconfigurations` needs an approver token (see
-`proxy.admin.review`), `/v1/audit/head` serves this process's audit chain head (503 while the
-log is not writable; with several workers each worker's admin listener serves its own), and upstream URLs are shown without credentials (the provider strips
-them with `proxy.upstream.urls.strip_credentials`).
+`proxy.admin.review`), and upstream URLs are shown without credentials (the provider strips
+them with `proxy.upstream.urls.strip_credentials`). `/v1/audit/head` serves this process's
+audit chain head (`proxy.audit.anchor`; 503 while the log is not writable): with several
+workers each worker's admin listener serves its own chain.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
 def build_admin_app(status: StatusProvider, metrics: Metrics,
                     allowed_hosts: frozenset[str] = LOOPBACK_HOSTS) -> web.Application:
     """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy (+ /v1/upstreams,
-    /v1/misconfigurations, /v1/audit/head when the provider has them), answering only requests whose Host is in
-    `allowed_hosts` (see `proxy.admin.protect.admin_hosts`)."""
+    /v1/misconfigurations, /v1/audit/head when the provider has them), answering only requests
+    whose Host is in `allowed_hosts` (see `proxy.admin.protect.admin_hosts`)."""
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})

@@ -22,8 +22,8 @@
 Audit records and shadow records carry call arguments (`args` with `log_args`; shadow records
 always), so `/v1/decisions*` and `/v1/shadow` need `Authorization: Bearer <approver token>` like
 the approvals API (401 otherwise); so do `/v1/policy` and `/v1/upstreams` (they name the
-upstreams and where they are, and show their health) and `/v1/audit/head`. `/v1/misconfigurations` (tools, principals
-and reasons) stays open. The page itself embeds no data and no secret: everything it shows comes from
+upstreams and where they are, and show their health) and `/v1/audit/head`.
+`/v1/misconfigurations` (tools, principals and reasons) stays open. The page itself embeds no data and no secret: everything it shows comes from
 these APIs with the token the person typed, kept in the tab's sessionStorage.
 """
 

@@ -27,7 +27,7 @@ from proxy.errors import AuditError
 
 log = logging.getLogger(__name__)
 
-HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
 # What precedes the head's JSON on a process log line.
 HEAD_MESSAGE = "audit head"
 
@@ -38,7 +38,6 @@ class Anchor:
 
     hash: str
     chain: str | None = None
-    records: int | None = None
     ts: str | None = None
     source: str | None = None  # `file:line` of an anchors file, None for `--anchor`
 
@@ -53,7 +52,7 @@ class Anchor:
 def parse_hash(text: str) -> str:
     """An anchor given as a bare hash (`--anchor`); ValueError unless `sha256:` + 64 hex digits."""
     value = text.strip()
-    if not HASH_RE.match(value):
+    if not HASH_RE.fullmatch(value):
         raise ValueError(f"not an audit hash: {text!r} (expected sha256: and 64 lower-case hex digits)")
     return value
 
@@ -73,9 +72,8 @@ def parse_line(line: str, source: str | None = None) -> Anchor:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(head, dict) or not isinstance(head.get("hash"), str):
         raise ValueError("no \"hash\" in the object")
-    chain, records, ts = head.get("chain"), head.get("records"), head.get("ts")
+    chain, ts = head.get("chain"), head.get("ts")
     return Anchor(hash=parse_hash(head["hash"]), chain=chain if isinstance(chain, str) else None,
-                  records=records if isinstance(records, int) else None,
                   ts=ts if isinstance(ts, str) else None, source=source)
 
 

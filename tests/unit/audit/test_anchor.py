@@ -88,7 +88,7 @@ def test_parse_line_reads_a_head_as_served_and_as_logged() -> None:
     head = {"chain": "audit-w1", "records": 7, "hash": HASH, "file": "audit-w1.jsonl",
             "ts": "2026-01-02T03:04:05.000006Z"}
     served = orjson.dumps(head).decode()
-    expected = Anchor(HASH, "audit-w1", 7, "2026-01-02T03:04:05.000006Z", "a:1")
+    expected = Anchor(HASH, "audit-w1", "2026-01-02T03:04:05.000006Z", "a:1")
     assert parse_line(served, "a:1") == expected
     logged = f"2026-01-02 03:04:05,000 INFO proxy.audit.anchor: audit head {served}"
     assert parse_line(logged, "a:1") == expected
