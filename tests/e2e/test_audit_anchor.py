@@ -183,3 +183,23 @@ def test_each_worker_serves_its_own_chain(tmp_path: Path, sse_upstream: Any) -> 
         heads = [_head(pp, f"http://127.0.0.1:{pp.admin_port + i}") for i in range(2)]
         assert [h["chain"] for h in heads] == ["audit-w0", "audit-w1"]
         assert all(h["hash"] == GENESIS and h["file"] is None for h in heads)  # no call yet
+
+
+def test_the_head_logged_at_shutdown_catches_a_cut_made_while_the_proxy_was_down(
+        tmp_path: Path, sse_upstream: Any) -> None:
+    config = {**CONFIG, "audit": {"anchor_interval": "1h"}}  # no periodic line in this test
+    with proxy_process(tmp_path, {"notes": sse_upstream.url}, config=config) as first:
+        _calls(first, 2)
+        stop(first.proc)
+    heads = _logged_heads(first)
+    assert len(heads) == 1 and _head_of(heads[0])["records"] == 2  # the final head, at shutdown
+    path = first.audit_dir / "audit.jsonl"
+    os.truncate(path, len(path.read_bytes().splitlines(keepends=True)[0]))
+    # Restarted on the cut log, the proxy continues its chain from what is left.
+    with proxy_process(tmp_path, {"notes": sse_upstream.url}, config=config) as second:
+        _calls(second, 1)
+    assert _verify(first.audit_dir) == (0, "ok: 2 records in 1 file(s), hash chain intact\n")
+    shipped = tmp_path / "heads.log"
+    shipped.write_text(heads[0] + "\n")
+    rc, out = _verify(first.audit_dir, "--anchors", str(shipped))
+    assert rc == 1 and f"TAMPERED: anchor {_head_of(heads[0])['hash']}" in out, out
