@@ -84,6 +84,11 @@ class AuditConfig(_Model):
     # aligned to the Unix epoch), before the first record written in it; the chain continues.
     # Absent: no time rotation.
     rotate_interval: Duration | None = Field(default=None, gt=0)
+    # Log the chain head (`audit head {...}`, INFO, to the process log a log shipper carries
+    # off the machine) this often when it moved, and once more at shutdown: the anchors
+    # `audit verify --anchors` checks. 0: never logged (still served at /v1/audit/head).
+    # Absent: 60 s.
+    anchor_interval: Duration = 60.0
 
 
 class StoreConfig(_Model):

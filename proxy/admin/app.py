@@ -6,7 +6,9 @@ one Host check (`proxy.admin.protect.host_guard`: 421 for a name that is not loo
 listen address or configured); `/healthz`, `/readyz`, `/metrics` and the review page's files
 are open, every `/v1/` route but `/v1/misconfigurations` needs an approver token (see
 `proxy.admin.review`), and upstream URLs are shown without credentials (the provider strips
-them with `proxy.upstream.urls.strip_credentials`).
+them with `proxy.upstream.urls.strip_credentials`). `/v1/audit/head` serves this process's
+audit chain head (`proxy.audit.anchor`; 503 while the log is not writable): with several
+workers each worker's admin listener serves its own chain.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from proxy.admin.protect import LOOPBACK_HOSTS, expect, host_guard
+from proxy.errors import AuditError
 from proxy.observability.metrics import Metrics
 
 _JSON = "application/json"
@@ -45,8 +48,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
 def build_admin_app(status: StatusProvider, metrics: Metrics,
                     allowed_hosts: frozenset[str] = LOOPBACK_HOSTS) -> web.Application:
     """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy (+ /v1/upstreams,
-    /v1/misconfigurations when the provider has them), answering only requests whose Host is in
-    `allowed_hosts` (see `proxy.admin.protect.admin_hosts`)."""
+    /v1/misconfigurations, /v1/audit/head when the provider has them), answering only requests
+    whose Host is in `allowed_hosts` (see `proxy.admin.protect.admin_hosts`)."""
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -103,6 +106,17 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
             return _json({"upstreams": upstream_status()})
 
         app.router.add_get("/v1/upstreams", upstreams, expect_handler=expect)
+    audit = getattr(status, "audit", None)
+    if audit is not None:
+        async def audit_head(request: web.Request) -> web.Response:
+            # The writer's own head (never re-read from the file, which is what an anchor
+            # guards); none while the log is not writable (`AuditLog.head`).
+            try:
+                return _json(audit.head())
+            except AuditError as e:
+                return _json({"error": str(e)}, status=503)
+
+        app.router.add_get("/v1/audit/head", audit_head, expect_handler=expect)
     # The approvals API, when the provider runs an approval gate (see approvals_api).
     approvals = getattr(status, "approvals", None)
     if approvals is not None:

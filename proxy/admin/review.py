@@ -22,8 +22,8 @@
 Audit records and shadow records carry call arguments (`args` with `log_args`; shadow records
 always), so `/v1/decisions*` and `/v1/shadow` need `Authorization: Bearer <approver token>` like
 the approvals API (401 otherwise); so do `/v1/policy` and `/v1/upstreams` (they name the
-upstreams and where they are, and show their health). `/v1/misconfigurations` (tools, principals
-and reasons) stays open. The page itself embeds no data and no secret: everything it shows comes from
+upstreams and where they are, and show their health) and `/v1/audit/head`.
+`/v1/misconfigurations` (tools, principals and reasons) stays open. The page itself embeds no data and no secret: everything it shows comes from
 these APIs with the token the person typed, kept in the tab's sessionStorage.
 """
 
@@ -70,9 +70,9 @@ _STATIC_TYPES = {
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
 }
-# Routes outside this module that need an approver token too: argument-bearing (shadow), and
-# those that describe the upstreams (policy status, upstream health).
-PROTECTED_PREFIXES = ("/v1/shadow", "/v1/policy", "/v1/upstreams")
+# Routes outside this module that need an approver token too: argument-bearing (shadow),
+# those that describe the upstreams (policy status, upstream health), and the audit chain head.
+PROTECTED_PREFIXES = ("/v1/shadow", "/v1/policy", "/v1/upstreams", "/v1/audit")
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

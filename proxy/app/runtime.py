@@ -28,6 +28,7 @@ from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.service import ApprovalService
 from proxy.approvals.signer import RequestStateSigner
+from proxy.audit.anchor import HeadPublisher
 from proxy.audit.log import AuditLog
 from proxy.config import Config
 from proxy.envelope.pipeline import Chain, Envelope
@@ -81,6 +82,8 @@ class Runtime:
         self.audit = AuditLog(config.audit_dir, name=audit_name, fsync=config.audit.fsync,
                               max_bytes=config.audit.max_bytes,
                               rotate_interval=config.audit.rotate_interval)
+        self.heads = HeadPublisher(self.audit)
+        self._head_publisher: asyncio.Task[None] | None = None
         self.store: Store | None = open_store(config)
         self.store_error: str | None = None  # last store ping failure (readiness)
         self._store_pinger: asyncio.Task[None] | None = None
@@ -374,6 +377,9 @@ class Runtime:
         if self.approvals is not None:
             self._approvals_gauge = asyncio.get_running_loop().create_task(
                 self._refresh_approvals_gauge())
+        if self.config.audit.anchor_interval > 0:
+            self._head_publisher = asyncio.get_running_loop().create_task(
+                self.heads.run(self.config.audit.anchor_interval))
         if not self.audit.healthy:
             log.error("audit log %s is not writable (%s): every call will be refused until it is",
                       self.audit.path, self.audit.last_error)
@@ -475,6 +481,9 @@ class Runtime:
         await self.approval_notifier.close()
         if self.store is not None:
             await self.store.close()
+        if self._head_publisher is not None:
+            self._head_publisher.cancel()
+            self.heads.publish()  # the final head: every record this process wrote
         self.audit.close()
         if self.envelope.recorder is not None:
             self.envelope.recorder.close()

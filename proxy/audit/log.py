@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from proxy.audit.record import utc_timestamp
 from proxy.errors import AuditError
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,28 @@ class AuditLog:
     @property
     def last_hash(self) -> str:
         return self._last
+
+    def head(self) -> dict[str, Any]:
+        """The chain head to anchor elsewhere (`proxy.audit.anchor`): `chain` (the log's name),
+        `records` (written by this instance), `hash` (of the last record; the genesis hash
+        for an empty log), `file` (the name of the file holding that record; None for an
+        empty log) and `ts` (now).
+
+        Raises `AuditError` when the log is closed or not writable: what the file holds then
+        is not known, so no head is vouched for.
+        """
+        if self._closed or not self._healthy:
+            state = "closed" if self._closed else f"not writable ({self._last_error})"
+            raise AuditError(f"audit log {self._path} is {state}: its head is unknown")
+        if self._size:
+            file: str | None = self._path.name
+        elif self._last == GENESIS:
+            file = None
+        else:  # reopened right after a rotation: the head is the newest rotated file's last record
+            rotated = rotated_files(self._dir, self._name)
+            file = rotated[-1].name if rotated else None
+        return {"chain": self._name, "records": self._records, "hash": self._last, "file": file,
+                "ts": utc_timestamp()}
 
     def write(self, record: Mapping[str, Any]) -> str:
         """Append one record (adds `prev` and `hash`) and return its hash.

@@ -8,8 +8,9 @@ What a hash chain proves, and what it cannot:
   start of a log (the first `prev` is not the genesis hash) are all detected.
 - Removing records from the END of the newest file (or the newest file whole) leaves a
   shorter but intact chain: a hash chain alone cannot detect it. Neither can a wholesale
-  rewrite by someone who recomputes every hash. Both need an anchor kept elsewhere (ship the
-  log, or record `AuditLog.last_hash` periodically in another system).
+  rewrite by someone who recomputes every hash. Both need an anchor kept elsewhere: a head the
+  proxy published (`proxy.audit.anchor`), given to `verify` as `anchors`, must be the hash of
+  a record in the chain; one that is not means the log was cut below it or rewritten.
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ class VerifyResult:
     problem: str | None = None
     file: str | None = None
     line: int | None = None
+    # Per anchor found in an intact chain: how many records of its chain follow it.
+    after: dict[str, int] = field(default_factory=dict)
 
 
-def verify(path: Path) -> VerifyResult:
+def verify(path: Path, anchors: Iterable[str] = ()) -> VerifyResult:
     """Verify one file or every log in a directory; stop at the first bad record.
 
     A single file may start anywhere (it may be a rotated continuation). In a directory each
     log (`<name>-<ts>.jsonl`... then `<name>.jsonl`) must start at genesis and continue from
     file to file. Never raises for a damaged log; an unreadable file is reported as a problem.
+    `anchors` (record hashes kept elsewhere) found in the chain are in `after`; one missing
+    there while `ok` is the log cut below it or rewritten (the caller reports it).
     """
     path = Path(path)
     if path.is_dir():
@@ -55,17 +60,21 @@ def verify(path: Path) -> VerifyResult:
     else:
         return VerifyResult(False, 0, [], f"no such file or directory: {path}")
 
+    wanted = frozenset(anchors)
     result = VerifyResult(True, 0, [])
     for chain in chains:
         # A directory holds whole logs: they start at genesis. A lone file may not.
         expected: str | None = GENESIS if path.is_dir() else None
         prev_file: str | None = None
+        # Anchor -> records verified (over every chain) up to and including it.
+        found = {GENESIS: result.records} if expected in wanted else {}
         for file in chain:
             result.files.append(str(file))
-            expected = _verify_file(file, expected, prev_file, result)
+            expected = _verify_file(file, expected, prev_file, result, wanted, found)
             if not result.ok:
                 return result
             prev_file = file.name
+        result.after.update((h, result.records - at) for h, at in found.items())
     return result
 
 
@@ -87,9 +96,11 @@ def _chains(directory: Path) -> list[list[Path]]:
 
 
 def _verify_file(
-    file: Path, expected: str | None, prev_file: str | None, result: VerifyResult
+    file: Path, expected: str | None, prev_file: str | None, result: VerifyResult,
+    wanted: frozenset[str], found: dict[str, int],
 ) -> str | None:
-    """Check one file, continuing from `expected` (None: accept any first prev).
+    """Check one file, continuing from `expected` (None: accept any first prev); note in
+    `found` where each `wanted` hash is.
 
     Returns the hash the next file must continue from; on a problem sets it on `result`.
     """
@@ -143,6 +154,8 @@ def _verify_file(
                 return expected
             expected = rec["hash"]
             result.records += 1
+            if expected in wanted:
+                found[expected] = result.records
     return expected
 
 

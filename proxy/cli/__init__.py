@@ -43,6 +43,8 @@ examples:
   envelope-proxy test policies/ --coverage     run the policy tests kept beside the policies
   envelope-proxy scaffold github --url http://127.0.0.1:9001/mcp   draft a policy from a live server
   envelope-proxy audit verify .envelope-state/audit   prove the audit log untouched
+  envelope-proxy audit verify .envelope-state/audit --anchors heads.log
+                                               ... and not cut or rewritten since those heads were published
   envelope-proxy audit query .envelope-state/audit --since 1h --verdict deny    recent refusals
   envelope-proxy audit tail -f .envelope-state/audit  follow decisions as they are made
   envelope-proxy approvals list                pending approvals (token: ENVELOPE_APPROVER_TOKEN)"""

@@ -13,24 +13,54 @@ from typing import Any
 def add_audit_parser(sub: Any) -> None:
     audit = sub.add_parser("audit", help="audit log tools")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True, metavar="SUBCOMMAND")
-    verify = audit_sub.add_parser("verify", help="prove an audit log untouched",
-                                  description="Check the hash chain of an audit file or directory. Exit 0 when intact; "
-                                              "exit 1 naming the first bad record otherwise.")
+    verify = audit_sub.add_parser(
+        "verify", help="prove an audit log untouched",
+        description="Check the hash chain of an audit file or directory. Exit 0 when intact; exit 1 "
+                    "naming the first bad record otherwise. A chain alone cannot show records cut "
+                    "from its end, or a rewrite that recomputed every hash: with anchors (heads the "
+                    "proxy published at /v1/audit/head and in its process log), exit 1 also names "
+                    "each anchor that is not in the chain, and otherwise says how many records "
+                    "follow it. Exit 2 for an anchor that is not a hash, or an anchors file that "
+                    "cannot be read or has a line that is not a head.")
     verify.add_argument("path", type=Path)
+    verify.add_argument("--anchor", action="append", default=[], metavar="HASH",
+                        help="a head's hash (sha256:...) that must be in the chain; repeatable")
+    verify.add_argument("--anchors", action="append", default=[], type=Path, metavar="FILE",
+                        help="a file of heads, one a line, as /v1/audit/head serves them or as the "
+                             "process log's 'audit head {...}' lines; repeatable")
     verify.set_defaults(handler=cmd_audit_verify)
     _add_audit_read_parsers(audit_sub)
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
+    """Exit 0 intact (every anchor in the chain), 1 tampered or an anchor missing, 2 bad anchors."""
+    from proxy.audit import anchor
     from proxy.audit.verify import verify
 
-    result = verify(args.path)
-    if result.ok:
-        print(f"ok: {result.records} records in {len(result.files)} file(s), hash chain intact")
-        return 0
-    where = f"{result.file}:{result.line}" if result.file and result.line else str(args.path)
-    print(f"TAMPERED: {where}: {result.problem}")
-    return 1
+    try:
+        anchors = [anchor.Anchor(anchor.parse_hash(h)) for h in args.anchor]
+        for file in args.anchors:
+            anchors += anchor.read_anchors(file)
+    except ValueError as exc:
+        print(f"envelope-proxy audit verify: {exc}", file=sys.stderr)
+        return 2
+    result = verify(args.path, [a.hash for a in anchors])
+    if not result.ok:
+        where = f"{result.file}:{result.line}" if result.file and result.line else str(args.path)
+        print(f"TAMPERED: {where}: {result.problem}")
+        return 1
+    missing = [a for a in anchors if a.hash not in result.after]
+    for a in missing:
+        print(f"TAMPERED: anchor {a.describe()} is not in the log: records were cut from its end "
+              "(the anchored one among them), or the log was rewritten")
+    summary = f"{result.records} records in {len(result.files)} file(s)"
+    if missing:
+        print(f"{summary}: hash chain intact, but it is not the chain that was anchored")
+        return 1
+    print(f"ok: {summary}, hash chain intact")
+    for a in anchors:
+        print(f"anchor {a.describe()}: in the chain, {result.after[a.hash]} records after the anchor")
+    return 0
 
 
 def _add_audit_read_parsers(audit_sub: Any) -> None:

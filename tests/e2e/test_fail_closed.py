@@ -28,6 +28,10 @@ def test_unwritable_audit_log_refuses_calls_and_fails_readiness(tmp_path: Path, 
         ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
         assert ready.status_code == 503
         assert "audit log not writable" in ready.json()["reasons"][0]
+        # Its head is unknown: no head is served as if it were current.
+        head = proxy.admin_get("/v1/audit/head")
+        assert head.status_code == 503 and "its head is unknown" in head.json()["error"]
+        assert "hash" not in head.json()
 
         ops = token("ops", ["writers"], tenant="acme")
         body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",

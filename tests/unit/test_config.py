@@ -17,6 +17,7 @@ from tests.duration_fields import duration_fields
 # Every duration field of the config; the walk below must find exactly these.
 CONFIG_DURATIONS = [
     ("audit", "rotate_interval"),
+    ("audit", "anchor_interval"),
     ("approvals", "ttl"),
     ("approvals", "poll_interval"),
     ("approvals", "retention"),
@@ -90,6 +91,7 @@ def test_duration_field_refuses_naming_the_field(tmp_path: Path, path: tuple[str
 def test_absent_durations_keep_their_defaults() -> None:
     config = load_config(None, environ={})
     assert config.audit.rotate_interval is None
+    assert config.audit.anchor_interval == 60.0
     assert (config.approvals.ttl, config.approvals.poll_interval, config.approvals.retention,
             config.approvals.max_grant_duration, config.approvals.in_band_state_ttl) == (
         3600.0, 0.2, 86400.0, 86400.0, 600.0)
@@ -107,6 +109,14 @@ def test_rotate_interval_stays_positive_and_optional(tmp_path: Path) -> None:
         load_config(file, environ={})
     assert load_config(_config_file(tmp_path, ("audit", "rotate_interval"), None),
                        environ={}).audit.rotate_interval is None
+
+
+def test_anchor_interval_zero_turns_the_head_log_off(tmp_path: Path) -> None:
+    file = _config_file(tmp_path, ("audit", "anchor_interval"), 0)
+    assert load_config(file, environ={}).audit.anchor_interval == 0.0
+    file = _config_file(tmp_path, ("audit", "anchor_interval"), None)
+    with pytest.raises(ConfigError, match=r"audit\.anchor_interval: "):
+        load_config(file, environ={})
 
 
 def test_cel_engine_setting_has_the_precedence_of_load_config() -> None:

@@ -1,10 +1,11 @@
-"""Admin API: health, readiness (fail closed), metrics exposition, policy status (approver
-token), the Host check of the whole listener."""
+"""Admin API: health, readiness (fail closed), metrics exposition, policy status and the audit
+chain head (approver token), the Host check of the whole listener."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.admin.app import build_admin_app
 from proxy.admin.protect import admin_hosts
 from proxy.approvals.approvers import Approvers
+from proxy.audit.log import AuditLog
 from proxy.config import ApprovalsConfig, ApproverConfig
 from proxy.observability.metrics import Metrics
 
@@ -25,6 +27,7 @@ class FakeStatus:
         self.reasons: list[str] = []
         self.policy: dict[str, Any] = {"revision": "rev-a", "misconfigured": []}
         self.fail = False
+        self.audit: AuditLog | None = None  # none: no /v1/audit/head
         self.approvers = Approvers(ApprovalsConfig(approvers={
             "op": ApproverConfig(token_sha256=hashlib.sha256(TOKEN.encode()).hexdigest())}))
 
@@ -138,3 +141,25 @@ async def test_loopback_listen_and_configured_hosts_are_served(status: FakeStatu
                      "admin.internal", "ADMIN.INTERNAL:9090", "10.244.1.7:9090", "[fd00::7]:9090"):
             assert (await c.get("/healthz", headers={"Host": host})).status == 200, host
         assert (await c.get("/healthz", headers={"Host": "other.internal"})).status == 421
+
+
+async def test_audit_head_is_the_writers_own_and_refused_when_unknown(
+        status: FakeStatus, metrics: Metrics, tmp_path: Path) -> None:
+    audit = status.audit = AuditLog(tmp_path)
+    written = audit.write({"tool": "echo"})
+    async with TestClient(TestServer(build_admin_app(status, metrics))) as c:
+        assert (await c.get("/v1/audit/head")).status == 401
+        resp = await c.get("/v1/audit/head", headers=AUTH)
+        assert resp.status == 200 and resp.headers["Cache-Control"] == "no-store"
+        head = await resp.json()
+        assert (head["chain"], head["records"], head["hash"], head["file"]) == (
+            "audit", 1, written, "audit.jsonl")
+        # The file cut under the writer: the head served is still the one it wrote.
+        (tmp_path / "audit.jsonl").write_bytes(b"")
+        assert (await (await c.get("/v1/audit/head", headers=AUTH)).json())["hash"] == written
+        # Not writable: 503, never the last head as if it were current.
+        audit._fail(OSError("disk full"))
+        resp = await c.get("/v1/audit/head", headers=AUTH)
+        assert resp.status == 503
+        assert "disk full" in (await resp.json())["error"] and written not in await resp.text()
+    audit.close()
