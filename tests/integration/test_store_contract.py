@@ -980,7 +980,8 @@ def test_redis_warm_read_uses_its_own_connection_under_uvloop(own_redis: RedisSe
             assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (1, [b"a"], {b"u": b"1"})
             lane = store._lane
             assert lane is not None and lane._protocol is not None and not lane._protocol.lost
-            assert await lane.call("PING") in (b"PONG", "PONG")
+            deadline = asyncio.get_running_loop().time() + 2.0
+            assert await lane.call("PING", deadline=deadline) in (b"PONG", "PONG")
         finally:
             await store.close()
 
