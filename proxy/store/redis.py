@@ -417,8 +417,9 @@ class RedisStore(Store):
         args = [max(0, after), max(0, limit)]
 
         found = await self._script("hash_since", self._log_since, keys, args)
-        flat = [_bytes(v) for v in found[1]]
-        return LogRead(int(found[0]), [_bytes(v) for v in found[2:]], dict(zip(flat[::2], flat[1::2], strict=True)))
+        # Bytes as read (neither client decodes replies): used as they are.
+        flat = found[1]
+        return LogRead(int(found[0]), found[2:], dict(zip(flat[::2], flat[1::2], strict=True)))
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:
