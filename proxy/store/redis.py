@@ -286,6 +286,9 @@ class RedisStore(Store):
     def _hash_key(self, ns: str, key: str) -> str:
         return f"{self.prefix}#hash:{ns}:{key}"
 
+    def _timed_out(self, what: str) -> StoreError:
+        return StoreError(f"redis store {self.url}: {what} timed out after {self.timeout}s")
+
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]], deadline: float | None = None) -> T:
         """`fn()` within the store's timeout (or by `deadline`, the loop's time); a failure or
         the timeout is StoreError."""
@@ -390,9 +393,6 @@ class RedisStore(Store):
         done = await self._script("hash_append", self._log_append, keys, args)
         return int(done)
 
-    def _timed_out(self, what: str) -> StoreError:
-        return StoreError(f"redis store {self.url}: {what} timed out after {self.timeout}s")
-
     async def _script(self, what: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run a registered script as `_call` does (one deadline, StoreError): over the raw RESP
         lane (EVALSHA), else through redis-py: the script not loaded (a restarted or flushed
@@ -402,7 +402,8 @@ class RedisStore(Store):
         deadline = asyncio.get_running_loop().time() + self.timeout
         if self._lane is not None:
             try:
-                return await self._lane.call("EVALSHA", script.sha, len(keys), *keys, *args, deadline=deadline)
+                return await self._lane.call("EVALSHA", script.sha, len(keys), *keys, *args,
+                                             deadline=deadline)
             except LaneError:
                 pass
             except TimeoutError as exc:
