@@ -17,7 +17,9 @@ kept as fingerprints), then two operations are timed:
 
 With `--code DIR`, the `proxy` package is imported from DIR (another checkout, e.g. the code
 before a change: `git archive <commit> proxy | tar -x -C DIR`), so one run of this script
-measures both sides.
+measures both sides. With `--uvloop`, everything runs on uvloop, the event loop
+`envelope-proxy serve` uses when it is installed (asyncio's own loop otherwise, and here by
+default).
 
 With `--trusted`, what tainted-run escalation (`dataflow.on_tainted` not `allow`) adds: the
 CPU cost of a trusted output's endorsing keys (`LedgerDelta.of(..., trusted=True)`, 1,000 and
@@ -28,7 +30,7 @@ three critical values' keys.
 Usage (from the repository root, venv active):
 
     python bench/ledger_bench.py [--sizes 1000,64000,256000,1000000] [--repeat 200] [--trusted]
-                                 [--code DIR]
+                                 [--code DIR] [--uvloop]
 
 Prints a Markdown table (median µs per operation); bench/RESULTS.md quotes it.
 """
@@ -252,8 +254,14 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--trusted", action="store_true", help="measure what tainted-run escalation adds")
     parser.add_argument("--code", metavar="DIR", help="import the proxy package from DIR (another checkout)")
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop (as `envelope-proxy serve` does)")
     args = parser.parse_args()
-    if args.trusted:
-        asyncio.run(main_trusted(args.repeat))
+    if args.uvloop:
+        import uvloop
+        run = uvloop.run
     else:
-        asyncio.run(main([int(x) for x in args.sizes.split(",")], args.repeat))
+        run = asyncio.run
+    if args.trusted:
+        run(main_trusted(args.repeat))
+    else:
+        run(main([int(x) for x in args.sizes.split(",")], args.repeat))

@@ -286,12 +286,19 @@ class RedisStore(Store):
     def _hash_key(self, ns: str, key: str) -> str:
         return f"{self.prefix}#hash:{ns}:{key}"
 
-    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    def _timed_out(self, what: str) -> StoreError:
+        return StoreError(f"redis store {self.url}: {what} timed out after {self.timeout}s")
+
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]], deadline: float | None = None) -> T:
+        """`fn()` within the store's timeout (or by `deadline`, the loop's time); a failure or
+        the timeout is StoreError."""
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout_at(deadline):
                 return await fn()
         except TimeoutError as exc:
-            raise StoreError(f"redis store {self.url}: {what} timed out after {self.timeout}s") from exc
+            raise self._timed_out(what) from exc
         except (RedisError, OSError) as exc:
             raise StoreError(f"redis store {self.url}: {what} failed: {exc}") from exc
 
@@ -383,19 +390,25 @@ class RedisStore(Store):
         # redis-py (which also retries once on a dropped connection): the same fingerprints
         # twice, which a view holds once and the cap counts twice (the run overflows sooner,
         # never later).
-        done = await self._call("hash_append", lambda: self._script(self._log_append, keys, args))
+        done = await self._script("hash_append", self._log_append, keys, args)
         return int(done)
 
-    async def _script(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run a registered script over the raw RESP lane (EVALSHA), else through redis-py:
-        the script not loaded (a restarted or flushed server), a dropped connection, any lane
-        error, and redis-py answers (it loads the script, retries, maps errors)."""
+    async def _script(self, what: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run a registered script as `_call` does (one deadline, StoreError): over the raw RESP
+        lane (EVALSHA), else through redis-py: the script not loaded (a restarted or flushed
+        server), a dropped connection, any lane error, and redis-py answers (it loads the
+        script, retries, maps errors) in the time left. The lane bounds its own wait (no
+        `asyncio.timeout` per call: `proxy.store.resp`)."""
+        deadline = asyncio.get_running_loop().time() + self.timeout
         if self._lane is not None:
             try:
-                return await self._lane.call("EVALSHA", script.sha, len(keys), *keys, *args)
+                return await self._lane.call("EVALSHA", script.sha, len(keys), *keys, *args,
+                                             deadline=deadline)
             except LaneError:
                 pass
-        return await script(keys=keys, args=args)
+            except TimeoutError as exc:
+                raise self._timed_out(what) from exc
+        return await self._call(what, lambda: script(keys=keys, args=args), deadline)
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:
@@ -404,9 +417,10 @@ class RedisStore(Store):
             keys.append(self._hash_key(with_hash, key))
         args = [max(0, after), max(0, limit)]
 
-        found = await self._call("hash_since", lambda: self._script(self._log_since, keys, args))
-        flat = [_bytes(v) for v in found[1]]
-        return LogRead(int(found[0]), [_bytes(v) for v in found[2:]], dict(zip(flat[::2], flat[1::2], strict=True)))
+        found = await self._script("hash_since", self._log_since, keys, args)
+        # Bytes as read (neither client decodes replies): used as they are.
+        flat = found[1]
+        return LogRead(int(found[0]), found[2:], dict(zip(flat[::2], flat[1::2], strict=True)))
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:

@@ -12,6 +12,11 @@ It is only a fast path: it serves plain `redis://` (TCP) servers, and any failur
 (a dropped connection, an error reply, a closed loop) is `LaneError`, after which the caller
 asks redis-py instead, which reconnects, retries once and maps errors to `StoreError` as for
 every other command. The connection is dropped on any failure and made again on the next call.
+
+The lane bounds each call by the caller's deadline itself (`TimeoutError`): one timer per
+connection, armed at the earliest deadline of the calls not yet answered, instead of an
+`asyncio.timeout` per call (a timer handle pushed on and cancelled off the loop's heap, and the
+task's cancellation bookkeeping: ~6 µs of a ~20 µs call on the benchmark machine).
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ class LaneError(Exception):
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
-        self.waiting: deque[asyncio.Future[Any]] = deque()
+        # Callers in the order their commands were written, with their deadlines (loop time).
+        self.waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's `TCPTransport` is one without subclassing
@@ -48,8 +55,8 @@ class _Protocol(asyncio.Protocol):
             while (reply := self.reader.gets()) is not False:
                 if not self.waiting:
                     raise LaneError("a reply nobody asked for")
-                waiter = self.waiting.popleft()
-                if not waiter.done():  # a caller that was cancelled still had its reply read
+                waiter, _ = self.waiting.popleft()
+                if not waiter.done():  # a caller cancelled or timed out still had its reply read
                     waiter.set_result(reply)
         except (hiredis.ProtocolError, LaneError) as exc:
             self._fail(LaneError(f"unreadable reply: {exc}"))
@@ -57,10 +64,36 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(LaneError(f"connection lost: {exc or 'closed by the server'}"))
 
+    def watch(self, deadline: float) -> None:
+        """Make sure a caller waiting until `deadline` is timed out then."""
+        if self.timer is None or deadline < self.timer.when():
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        # The callers past their deadline fail; their replies are still read when they come
+        # (and dropped), so the connection stays in step.
+        self.timer = None
+        now = asyncio.get_running_loop().time()
+        later: list[float] = []
+        for waiter, deadline in self.waiting:
+            if waiter.done():
+                continue
+            if deadline <= now:
+                waiter.set_exception(TimeoutError())
+            else:
+                later.append(deadline)
+        if later:
+            self.watch(min(later))
+
     def _fail(self, exc: LaneError) -> None:
         self.lost = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         while self.waiting:
-            waiter = self.waiting.popleft()
+            waiter, _ = self.waiting.popleft()
             if not waiter.done():
                 waiter.set_exception(exc)
         if self.transport is not None:
@@ -80,14 +113,15 @@ class Lane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Lock | None = None
 
-    async def call(self, *args: str | bytes | int) -> Any:
+    async def call(self, *args: str | bytes | int, deadline: float) -> Any:
         """The server's reply to one command. Raises LaneError when the lane cannot answer
-        (connection, protocol or error reply); the caller bounds the wait."""
+        (connection, protocol or error reply), TimeoutError at `deadline` (the loop's time),
+        connecting included."""
         protocol = self._protocol
         if protocol is None or protocol.lost or self._loop is not asyncio.get_running_loop():
-            protocol = await self._connected()
+            protocol = await self._connected(deadline)
         # (hiredis's stub types the argument as a 1-tuple; any tuple of these is packed)
-        reply = await self._send(protocol, hiredis.pack_command(args))  # type: ignore[arg-type]
+        reply = await self._send(protocol, hiredis.pack_command(args), deadline)  # type: ignore[arg-type]
         if isinstance(reply, hiredis.ReplyError):
             raise LaneError(str(reply))
         return reply
@@ -98,7 +132,7 @@ class Lane:
                 and not self._loop.is_closed():
             protocol.transport.close()
 
-    def _send(self, protocol: _Protocol, packed: bytes) -> asyncio.Future[Any]:
+    def _send(self, protocol: _Protocol, packed: bytes, deadline: float) -> asyncio.Future[Any]:
         if len(protocol.waiting) >= MAX_WAITING:
             # A server that stopped answering: the replies owed (also to callers that gave up)
             # are not awaited for ever; the connection goes and the next call makes another.
@@ -107,11 +141,12 @@ class Lane:
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if protocol.transport is None or protocol.lost:
             raise LaneError("not connected")
-        protocol.waiting.append(waiter)
+        protocol.waiting.append((waiter, deadline))
+        protocol.watch(deadline)
         protocol.transport.write(packed)
         return waiter
 
-    async def _connected(self) -> _Protocol:
+    async def _connected(self, deadline: float) -> _Protocol:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             # Another event loop (a new one in this process): the old connection is not ours.
@@ -120,7 +155,7 @@ class Lane:
         if protocol is not None and not protocol.lost:
             return protocol
         assert self._connecting is not None
-        async with self._connecting:
+        async with asyncio.timeout_at(deadline), self._connecting:
             if self._protocol is not None and not self._protocol.lost:
                 return self._protocol
             self.close()
@@ -133,7 +168,8 @@ class Lane:
                 setup.append(("SELECT", str(self.db)))
             try:
                 for command in setup:
-                    reply = await self._send(made, hiredis.pack_command(command))  # type: ignore[arg-type]
+                    packed = hiredis.pack_command(command)  # type: ignore[arg-type]
+                    reply = await self._send(made, packed, deadline)
                     if isinstance(reply, hiredis.ReplyError):
                         raise LaneError(f"{command[0]} refused: {reply}")
             except BaseException:  # refused, or the caller's deadline: no half-made lane

@@ -948,6 +948,38 @@ async def test_redis_warm_read_answers_through_its_own_connection_and_falls_back
         await store.close()
 
 
+async def test_redis_warm_read_connection_times_out_each_call_at_its_own_deadline(
+        own_redis: RedisServer) -> None:
+    """The raw connection (`resp.Lane`) bounds each call itself, with one timer for the
+    connection: on a hung server every caller fails at its own deadline (whatever the order
+    they were sent in), and once the server answers again each later call gets its own reply."""
+    store = RedisStore(own_redis.url, prefix="deadline:", timeout=2.0)
+    try:
+        await store.hash_append("ledger_log", "r", b"a")  # the connection is made
+        lane = store._lane
+        assert lane is not None
+        loop = asyncio.get_running_loop()
+        own_redis.pause()
+        try:
+            start = loop.time()
+
+            async def hung(after: float) -> float:
+                with pytest.raises(TimeoutError):
+                    await lane.call("PING", deadline=start + after)
+                return loop.time() - start
+
+            took = await asyncio.gather(*(hung(after) for after in (1.5, 0.3, 0.9)))
+        finally:
+            own_redis.resume()
+        # Each at its deadline, not at another caller's (slack: a loaded CI, under the spacing).
+        for after, elapsed in zip((1.5, 0.3, 0.9), took, strict=True):
+            assert after <= elapsed < after + 0.5, (after, elapsed)
+        assert await lane.call("ECHO", "mine", deadline=loop.time() + 2) == b"mine"
+        assert await store.hash_since("ledger_log", "r", 0) == (1, [b"a"], {})
+    finally:
+        await store.close()
+
+
 async def test_redis_log_append_goes_through_its_own_connection_and_falls_back(
         own_redis: RedisServer) -> None:
     """`hash_append` (recording an output) is sent on the raw connection too; a server that lost
@@ -980,7 +1012,8 @@ def test_redis_warm_read_uses_its_own_connection_under_uvloop(own_redis: RedisSe
             assert await store.hash_since("ledger_log", "r", 0, with_hash="ledger") == (1, [b"a"], {b"u": b"1"})
             lane = store._lane
             assert lane is not None and lane._protocol is not None and not lane._protocol.lost
-            assert await lane.call("PING") in (b"PONG", "PONG")
+            deadline = asyncio.get_running_loop().time() + 2.0
+            assert await lane.call("PING", deadline=deadline) in (b"PONG", "PONG")
         finally:
             await store.close()
 
