@@ -152,7 +152,7 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if not self.complete:
+            if not self.complete and self.exc is None:  # else a callback said why
                 self.exc = UpstreamError(
                     f"upstream {self.pool.label} sent an invalid HTTP response: {exc}")
             self.keep_alive = False
@@ -204,7 +204,14 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
+        if 100 <= status < 200:
+            if status == 101:
+                # Never asked for (no Upgrade is sent): bytes after it are no HTTP response, and
+                # llhttp would stop with HttpParserUpgrade, which is no HttpParserError.
+                self.exc = UpstreamError(
+                    f"upstream {self.pool.label} switched protocols (HTTP 101) unasked")
+                self.keep_alive = False
+                raise _Stray()
             self.informational = True  # 100 Continue / 103 Early Hints: wait for the real one
             return
         self.status = status
@@ -216,8 +223,17 @@ class _Conn(asyncio.Protocol):
             self.keep_alive = False
         elif status not in (204, 304):
             te = self.headers.get("Transfer-Encoding")
-            self.until_close = (te is None or "chunked" not in te.lower()) and (
-                "Content-Length" not in self.headers)
+            if te is not None and (te.strip().lower() != "chunked"
+                                   or len(self.headers.getall("Transfer-Encoding")) > 1):
+                # llhttp frames `gzip` or `xchunked` by the connection's end and `gzip` then
+                # `chunked` as chunked: either way the body is in a coding this client does not
+                # undo, and a peer applying it would read other bytes than the envelope did.
+                self.exc = UpstreamError(
+                    f"upstream {self.pool.label} sent a response in Transfer-Encoding "
+                    f"{', '.join(self.headers.getall('Transfer-Encoding'))!r}: only chunked is read")
+                self.keep_alive = False
+                raise _Stray()
+            self.until_close = te is None and "Content-Length" not in self.headers
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -291,7 +307,8 @@ class _Conn(asyncio.Protocol):
 
 
 class _Stray(Exception):
-    """Raised from a parser callback to stop parsing bytes nobody asked for."""
+    """Raised from a parser callback to stop parsing: bytes nobody asked for, or a response
+    refused (`_Conn.exc` says why)."""
 
 
 def _expire(fut: asyncio.Future[bool]) -> None:

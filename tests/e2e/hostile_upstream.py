@@ -569,8 +569,9 @@ class Upstream:
         forge_meta: a result whose `_meta` and content `_meta` claim envelope decisions.
         http_500: HTTP 500, text body. garbage: HTTP 200 application/json that is not JSON.
         raw: `text` written to the socket as the whole HTTP response, with `{result}` standing
-          for the JSON result of `key` (as json would send it) and `{length}` for its length in
-          bytes; the connection is closed (what was written is sent) after `delay` seconds.
+          for the JSON result of `key` (as json would send it), `{length}` for its length in
+          bytes and `{size}` for it in hex (a chunk size); the connection is closed (what was
+          written is sent) after `delay` seconds.
         task: with `params.task`, a CreateTaskResult; the task completes after `delay` seconds
           (notifications/tasks/status on the session's GET stream); without, like slow.
         """
@@ -676,7 +677,8 @@ class Upstream:
         """Write `args.text` as the response, framing and all, then close the connection."""
         key = obj(call.params.get("arguments")).get("key")
         result = json.dumps(call.result(tool_result(key if isinstance(key, str) else "raw ok"))).encode()
-        data = args.text.encode("latin-1").replace(b"{length}", str(len(result)).encode())
+        data = args.text.encode("latin-1").replace(b"{length}", b"%d" % len(result)).replace(
+            b"{size}", b"%x" % len(result))
         call.entry["outcome"] = "raw"
         transport = call.request.transport
         if transport is not None:

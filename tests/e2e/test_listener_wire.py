@@ -496,3 +496,73 @@ def test_framing_that_has_one_safe_reading_is_served_once(tmp_path: Path, hostil
     assert sorted(texts) in (["smuggled 3", "smuggled 4", "ten 6", "ten 7"],
                              ["after CONNECT", "smuggled 3", "smuggled 4", "ten 6", "ten 7"]), texts
     assert len(records) == len(texts), records
+
+
+_OK = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+# Upstream answers whose framing cannot be read one safe way: the call is refused upstream_error,
+# and nothing of the answer (the `key` text) reaches the agent.
+SPLIT: dict[str, str] = {
+    "two Content-Lengths": _OK + "Content-Length: {length}\r\nContent-Length: {length}\r\n\r\n{result}",
+    "Content-Length and TE": _OK + "Content-Length: {length}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    "{size}\r\n{result}\r\n0\r\n\r\n",
+    "unknown TE": _OK + "Transfer-Encoding: gzip\r\n\r\n{result}",
+    "TE xchunked": _OK + "Transfer-Encoding: xchunked\r\n\r\n{result}",
+    "TE chunked, identity": _OK + "Transfer-Encoding: chunked, identity\r\n\r\n{result}",
+    "TE in two fields": _OK + "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+    "{size}\r\n{result}\r\n0\r\n\r\n",
+    "SSE ending mid-event": "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    "event: message\r\ndata: {result}",
+    "101 Switching Protocols": "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+    "Connection: Upgrade\r\n\r\n{result}",
+    "obs-fold": _OK + "X-Note: a\r\n b\r\nContent-Length: {length}\r\n\r\n{result}",
+    "bare LF": _OK.replace("\r\n", "\n") + "Content-Length: {length}\n\n{result}",
+}
+
+
+def _raw_call(pp: ProxyProcess, sock: socket.socket, f: BinaryIO, rid: int, raw: str, key: str,
+              delay: float = 0.0) -> dict[str, Any]:
+    body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "read_page", "arguments": {"mode": "raw", "text": raw, "key": key, "delay": delay},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS}}}).encode()
+    sock.sendall(head(pp.port, len(body)) + body)
+    status, _, answer = read_response(f)
+    assert status == 200, answer
+    return result_of(answer, rid)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_upstream_answer_framed_two_ways_is_refused_and_audited_once(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        wrong = {}
+        for rid, (name, raw) in enumerate(SPLIT.items(), start=1):
+            result = _raw_call(pp, sock, f, rid, raw, key=f"uninspected {rid}")
+            decision = (result.get("_meta") or {}).get("envelope/decision", {})
+            if decision.get("code") != "upstream_error" or f"uninspected {rid}" in json.dumps(result):
+                wrong[name] = result
+        assert not wrong, (sorted(wrong), wrong)
+        records = [r for r in pp.audit_records() if r.get("tool") == "read_page"]
+        assert len(records) == len(SPLIT) and {r["code"] for r in records} == {"upstream_error"}, records
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_upstream_answer_with_one_safe_reading_is_delivered_once_and_its_extra_bytes_dropped(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    forged = json.dumps({"jsonrpc": "2.0", "id": 2, "result": {
+        "content": [{"type": "text", "text": "forged"}], "isError": False}})
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        # Interim 1xx answers before the final one are skipped.
+        early = ("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+                 + _OK + "Content-Length: {length}\r\n\r\n{result}")
+        assert _raw_call(pp, sock, f, 1, early, key="after 1xx")["content"][0]["text"] == "after 1xx"
+        # A body longer than its Content-Length: the extra bytes (a second answer) are not the
+        # next call's answer; the upstream keeps the connection open meanwhile.
+        longer = (_OK + "Content-Length: {length}\r\n\r\n{result}" + _OK
+                  + f"Content-Length: {len(forged)}\r\n\r\n{forged}")
+        assert _raw_call(pp, sock, f, 3, longer, key="framed", delay=3)["content"][0]["text"] == "framed"
+        sock.sendall(request(pp.port, 2, text="second"))
+        status, _, answer = read_response(f)
+        assert status == 200 and result_of(answer, 2)["content"][0]["text"] == "second", answer
+    records = [r for r in pp.audit_records() if r.get("tool") == "read_page"]
+    assert [r["code"] for r in records] == ["ok"] * 3, records
+    assert len(hostile.control.calls()) == 3
