@@ -51,7 +51,13 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
-from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse, counted
+from proxy.upstream.forwarder import (
+    REPLY_SETTING,
+    Forwarder,
+    UpstreamResponse,
+    counted,
+    refused_response,
+)
 from proxy.upstream.urls import strip_credentials
 
 __all__ = ["FastForwarder", "FastResponse"]
@@ -204,16 +210,16 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200:
-            if status == 101:
-                # Never asked for (no Upgrade is sent): bytes after it are no HTTP response, and
-                # llhttp would stop with HttpParserUpgrade, which is no HttpParserError.
-                self.exc = UpstreamError(
-                    f"upstream {self.pool.label} switched protocols (HTTP 101) unasked")
-                self.keep_alive = False
-                raise _Stray()
+        if 100 <= status < 200 and status != 101:
             self.informational = True  # 100 Continue / 103 Early Hints: wait for the real one
             return
+        # (A 101 is refused here: llhttp would go on to stop with HttpParserUpgrade, which is
+        # no HttpParserError.)
+        refused = refused_response(status, self.headers)
+        if refused is not None:
+            self.exc = UpstreamError(f"upstream {self.pool.label} {refused}")
+            self.keep_alive = False
+            raise _Stray()
         self.status = status
         self.headers_done = True
         if self.head_only:
@@ -222,18 +228,9 @@ class _Conn(asyncio.Protocol):
             self.complete = True
             self.keep_alive = False
         elif status not in (204, 304):
-            te = self.headers.get("Transfer-Encoding")
-            if te is not None and (te.strip().lower() != "chunked"
-                                   or len(self.headers.getall("Transfer-Encoding")) > 1):
-                # llhttp frames `gzip` or `xchunked` by the connection's end and `gzip` then
-                # `chunked` as chunked: either way the body is in a coding this client does not
-                # undo, and a peer applying it would read other bytes than the envelope did.
-                self.exc = UpstreamError(
-                    f"upstream {self.pool.label} sent a response in Transfer-Encoding "
-                    f"{', '.join(self.headers.getall('Transfer-Encoding'))!r}: only chunked is read")
-                self.keep_alive = False
-                raise _Stray()
-            self.until_close = te is None and "Content-Length" not in self.headers
+            # `chunked` alone, if anything (refused_response)
+            self.until_close = ("Transfer-Encoding" not in self.headers
+                                and "Content-Length" not in self.headers)
         self._wake()
 
     def on_body(self, body: bytes) -> None:

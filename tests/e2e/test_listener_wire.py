@@ -516,6 +516,12 @@ SPLIT: dict[str, str] = {
     "Connection: Upgrade\r\n\r\n{result}",
     "obs-fold": _OK + "X-Note: a\r\n b\r\nContent-Length: {length}\r\n\r\n{result}",
     "bare LF": _OK.replace("\r\n", "\n") + "Content-Length: {length}\n\n{result}",
+    # Header values are relayed to the agent: nothing there may split or smuggle.
+    "LF in a header value": _OK + "X-Note: a\nSet-Cookie: s=1\r\nContent-Length: {length}\r\n\r\n{result}",
+    "CR in a header value": _OK + "X-Note: a\rSet-Cookie: s=1\r\nContent-Length: {length}\r\n\r\n{result}",
+    "control byte in a header value": _OK + "X-Note: a\x01b\r\nContent-Length: {length}\r\n\r\n{result}",
+    "obs-text in a header value": _OK + "X-Note: a\xffb\r\nContent-Length: {length}\r\n\r\n{result}",
+    "UTF-8 session id": _OK + "Mcp-Session-Id: s\xc3\xa9\r\nContent-Length: {length}\r\n\r\n{result}",
 }
 
 
