@@ -572,3 +572,31 @@ def test_an_upstream_answer_with_one_safe_reading_is_delivered_once_and_its_extr
     records = [r for r in pp.audit_records() if r.get("tool") == "read_page"]
     assert [r["code"] for r in records] == ["ok"] * 3, records
     assert len(hostile.control.calls()) == 3
+
+
+def test_the_admin_listener_refuses_ambiguous_framing_and_closes(tmp_path: Path,
+                                                                 hostile: HostileUpstream) -> None:
+    with served(tmp_path, hostile, "fast") as pp:
+        admin = int(pp.admin.rsplit(":", 1)[1])
+        line = "POST /v1/approvals/x/approve HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        attacks = {
+            "CL and TE": line + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "two CLs": line + "Content-Length: 2\r\nContent-Length: 5\r\n\r\n{}",
+            "TE gzip, chunked": line + "Transfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            "TE in two fields": line + "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+            "2\r\n{}\r\n0\r\n\r\n",
+            "obs-fold": line + "X-Note: a\r\n b\r\nContent-Length: 2\r\n\r\n{}",
+            "two Host fields": line + "Host: evil.example\r\nContent-Length: 2\r\n\r\n{}",
+            "HTTP/2.0": "GET /healthz HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n",
+            "chunk size 0x": line + "Transfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
+        }
+        wrong = {}
+        for name, attack in attacks.items():
+            # A second request behind each: never answered on that connection.
+            with socket.create_connection(("127.0.0.1", admin), timeout=20) as sock, \
+                    sock.makefile("rb") as f:
+                sock.sendall(attack.encode() + b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                status = read_response(f)[0]
+                if status != 400 or closed_within(sock, 3) is None:
+                    wrong[name] = status
+        assert not wrong, wrong
