@@ -11,8 +11,8 @@ one `transport.write`; anything else (a `StreamResponse` relaying SSE, cookies, 
 a `Payload` body, `on_response_prepare` hooks) goes through aiohttp's `prepare`/`write_eof` on
 the same writer, so streaming and backpressure are aiohttp's.
 
-The hot route (a POST to `/mcp` or `/mcp/<name>` with a fixed Content-Length up to 64 KiB and
-no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's request side: its
+The hot route (a POST to `/mcp` or `/mcp/<name>` in origin form with a fixed Content-Length up to
+64 KiB and no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's request side: its
 body is buffered whole, and the route's guarded handler (found by the application's own router,
 once per distinct path) is called with a `LeanRequest` (the attributes the guard and the fronts
 read, and what `StreamResponse.prepare` needs for SSE) instead of a `web.Request` over a
@@ -470,12 +470,14 @@ class _Connection(BaseProtocol):
                                     not parser.should_keep_alive(), compression, upgrade,
                                     chunked, url)
         if (method == "POST" and length is not None and not upgrade and self._listener.lean
-                and url.raw_path.startswith("/mcp") and length.isdigit()
+                and target.startswith("/mcp") and length.isdigit()
                 and int(length) <= _LEAN_BODY and headers.get(hdrs.HOST)
                 and hdrs.CONTENT_ENCODING not in headers and hdrs.TRANSFER_ENCODING not in headers
                 and hdrs.EXPECT not in headers):
             # Maybe the hot route (the router decides, in `_respond_lean`): the body, bounded
-            # by its Content-Length, is received whole before the request is answered.
+            # by its Content-Length, is received whole before the request is answered. Origin
+            # form only: for an absolute-form target the host the guard checks is the
+            # target's authority (aiohttp's `request.host`), not the Host header.
             self._lean = message
             self._lean_body = bytearray()
             self._sink = None

@@ -472,6 +472,12 @@ def test_framing_that_has_one_safe_reading_is_served_once(tmp_path: Path, hostil
                      f"{len(inner)}\r\n\r\n".encode() + inner)
         status, _, _ = read_response(f)
         assert 400 <= status < 500, status
+        # An absolute-form target names the host the guard checks, whatever the Host header says.
+        body = call_body(9, text="absolute")
+        sock.sendall(head(pp.port, len(body)).replace(b"POST /mcp/h", b"POST http://evil.example/mcp/h", 1)
+                     + body)
+        status, _, answer = read_response(f)
+        assert status == 421, answer
         # OPTIONS * is answered, not routed to an upstream.
         sock.sendall(f"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1:{pp.port}\r\n\r\n".encode())
         status, _, _ = read_response(f)
