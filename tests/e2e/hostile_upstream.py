@@ -570,8 +570,9 @@ class Upstream:
         http_500: HTTP 500, text body. garbage: HTTP 200 application/json that is not JSON.
         raw: `text` written to the socket as the whole HTTP response, with `{result}` standing
           for the JSON result of `key` (as json would send it), `{length}` for its length in
-          bytes and `{size}` for it in hex (a chunk size); the connection is closed (what was
-          written is sent) after `delay` seconds.
+          bytes and `{size}` for it in hex (a chunk size); the parts between `{pause}` marks are
+          written `delay` seconds apart, and the connection closed (what was written is sent)
+          `delay` seconds after the last.
         task: with `params.task`, a CreateTaskResult; the task completes after `delay` seconds
           (notifications/tasks/status on the session's GET stream); without, like slow.
         """
@@ -682,8 +683,9 @@ class Upstream:
         call.entry["outcome"] = "raw"
         transport = call.request.transport
         if transport is not None:
-            transport.write(data.replace(b"{result}", result))
-            await asyncio.sleep(args.delay)
+            for part in data.replace(b"{result}", result).split(b"{pause}"):
+                transport.write(part)
+                await asyncio.sleep(args.delay)
             transport.close()
         await asyncio.sleep(0)
         raise ConnectionResetError("connection closed after a raw response")
