@@ -15,6 +15,13 @@ Connection pool
     connection. Idle connections are dropped when the server closes them (EOF / transport lost
     is noticed at once) and after `keepalive_timeout` seconds unused.
 
+Framing
+    llhttp refuses two Content-Lengths, Content-Length with Transfer-Encoding, obs-fold and bare
+    LF; a response `proxy.upstream.forwarder.refused_response` refuses (another
+    Transfer-Encoding, an unasked 101, a header value that is not ASCII) raises `UpstreamError`
+    before `open` returns. 1xx answers before the final one are skipped. Bytes after a complete
+    response (in the same read or while the connection is idle) abort the connection.
+
 Long-lived streams
     `open(..., long_lived=True)` (standalone GET streams) never uses the pool: it opens a fresh
     connection counted against the host's `stream_limit_per_host`, refused at once with
