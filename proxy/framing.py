@@ -1,11 +1,12 @@
 """Request framing the proxy refuses that aiohttp's request parser lets through.
 
 A front proxy or an upstream that reads a request's framing another way than the proxy does can
-be handed a request the envelope never saw (request smuggling). aiohttp's parser (and llhttp
-under the fast listener) already refuses `Content-Length` with `Transfer-Encoding`, duplicated
-`Content-Length`, `Host` or `Transfer-Encoding` fields, obs-fold lines, bare LF and malformed chunk
-sizes; it accepts two things this module refuses, for every listener (the fast listener in its
-parser callback, aiohttp's in `proxy.app.listener`'s server, before the application):
+be handed a request the envelope never saw (request smuggling). aiohttp's parser and llhttp
+(under the fast listener) already refuse `Content-Length` with `Transfer-Encoding`, two
+`Content-Length`s, obs-fold lines, bare LF and malformed chunk sizes (a second `Host`: aiohttp's
+parser, and the fast listener itself); both accept two things this module refuses, for every
+listener (the fast listener in its parser callback, aiohttp's in `proxy.app.listener`'s server,
+before the application):
 
 - a `Transfer-Encoding` other than `chunked` alone (`gzip, chunked`, `identity, chunked`): the
   proxy would read the chunked bytes as the body while a peer that applies the other coding reads

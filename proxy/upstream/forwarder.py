@@ -47,7 +47,7 @@ REPLY_SETTING = "limits.max_upstream_reply_bytes"
 
 def refused_response(status: int, headers: MultiMapping[str]) -> str | None:
     """Why a response with this status and these headers is refused before its body is read
-    (the caller raises `UpstreamError` and never reuses the connection), or None.
+    (the caller raises `UpstreamError`; the lean transport never reuses the connection), or None.
 
     - 101: no Upgrade is ever sent, so what follows is no HTTP answer to the call.
     - A `Transfer-Encoding` other than `chunked` alone: the body is in a coding neither client
@@ -288,7 +288,7 @@ class Forwarder:
                     f"upstream request failed: {exc}"), attempts + 1) from exc
             refused = refused_response(resp.status, resp.headers)
             if refused is not None:
-                resp.close()  # the connection too: its framing is in doubt
+                resp.close()  # and its connection, unless aiohttp pooled it on reading the end
                 raise counted(UpstreamError(f"upstream {refused} ({strip_credentials(url)})"),
                               attempts + 1)
             return UpstreamResponse(resp, attempts + 1)

@@ -20,7 +20,8 @@ Framing
     LF; a response `proxy.upstream.forwarder.refused_response` refuses (another
     Transfer-Encoding, an unasked 101, a header value that is not ASCII) raises `UpstreamError`
     before `open` returns. 1xx answers before the final one are skipped. Bytes after a complete
-    response (in the same read or while the connection is idle) abort the connection.
+    response (in the same read or while the connection is idle) abort the connection; once it
+    carries the next request, HTTP/1.1 cannot tell them from that request's answer.
 
 Long-lived streams
     `open(..., long_lived=True)` (standalone GET streams) never uses the pool: it opens a fresh
