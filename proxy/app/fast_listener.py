@@ -11,8 +11,8 @@ one `transport.write`; anything else (a `StreamResponse` relaying SSE, cookies, 
 a `Payload` body, `on_response_prepare` hooks) goes through aiohttp's `prepare`/`write_eof` on
 the same writer, so streaming and backpressure are aiohttp's.
 
-The hot route (a POST to `/mcp` or `/mcp/<name>` with a fixed Content-Length up to 64 KiB and
-no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's request side: its
+The hot route (a POST to `/mcp` or `/mcp/<name>` in origin form with a fixed Content-Length up to
+64 KiB and no Content-Encoding, Transfer-Encoding, Expect or upgrade) skips aiohttp's request side: its
 body is buffered whole, and the route's guarded handler (found by the application's own router,
 once per distinct path) is called with a `LeanRequest` (the attributes the guard and the fronts
 read, and what `StreamResponse.prepare` needs for SSE) instead of a `web.Request` over a
@@ -43,7 +43,9 @@ What a connection does, as aiohttp's `RequestHandler` does it:
   that arrive while the reader is full wait, undecoded, in a backlog bounded by one read);
   other codings are left undecoded for the guard to refuse (415).
 - A request line longer than 8,190 bytes answers 400, a header field longer than 8,190 bytes,
-  more than 128 headers or a head over 64 KiB answer 431; a malformed request answers 400.
+  more than 128 headers or a head over 64 KiB answer 431; a malformed request answers 400, and
+  so do framings llhttp accepts that the proxy refuses (`proxy.framing`: a Transfer-Encoding
+  other than `chunked`, an HTTP version other than 1.0 and 1.1) and a second Host field.
   Each closes the connection after the responses before it.
 - An upgrade request is answered by its route like any other request; the connection then
   closes (nothing after it is read: no protocol switch is offered).
@@ -85,6 +87,7 @@ from aiohttp.web_urldispatcher import AbstractResource, DynamicResource, PlainRe
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy.framing import bad_framing
 from proxy.fronts.plain import PlainAnswer
 
 __all__ = ["FastListener", "LeanRequest"]
@@ -445,26 +448,36 @@ class _Connection(BaseProtocol):
              for n, v in raw]))
         method = parser.get_method().decode("ascii", "surrogateescape")
         version = _VERSIONS.get(parser.get_http_version())
-        if version is None:
-            major, _, minor = parser.get_http_version().partition(".")
-            version = HttpVersion(int(major), int(minor or 0))
+        coding = headers.get(hdrs.TRANSFER_ENCODING)
+        if version is None or coding is not None:  # framing llhttp accepts and the proxy refuses
+            if version is None:
+                major, _, minor = parser.get_http_version().partition(".")
+                version = HttpVersion(int(major), int(minor or 0))
+            refused = bad_framing(version, coding)
+            if refused is not None:
+                raise _HeadError(400, refused)
+        if len(headers.getall(hdrs.HOST, ())) > 1:
+            # As aiohttp's parser: a front proxy may route by the other one.
+            raise _HeadError(400, "Bad Request: more than one Host header")
         target = self._url.decode("utf-8", "surrogateescape")
         url = _url(target)
         encoding = headers.get(hdrs.CONTENT_ENCODING, "").lower()
         compression = encoding if encoding in _DECODED else None
-        chunked = "chunked" in headers.get(hdrs.TRANSFER_ENCODING, "").lower()
+        chunked = coding is not None  # `chunked` alone: bad_framing refused any other
         length = headers.get(hdrs.CONTENT_LENGTH)
         upgrade = parser.should_upgrade()
         message = RawRequestMessage(method, target, version, headers, raw,
                                     not parser.should_keep_alive(), compression, upgrade,
                                     chunked, url)
         if (method == "POST" and length is not None and not upgrade and self._listener.lean
-                and url.raw_path.startswith("/mcp") and length.isdigit()
+                and target.startswith("/mcp") and length.isdigit()
                 and int(length) <= _LEAN_BODY and headers.get(hdrs.HOST)
                 and hdrs.CONTENT_ENCODING not in headers and hdrs.TRANSFER_ENCODING not in headers
                 and hdrs.EXPECT not in headers):
             # Maybe the hot route (the router decides, in `_respond_lean`): the body, bounded
-            # by its Content-Length, is received whole before the request is answered.
+            # by its Content-Length, is received whole before the request is answered. Origin
+            # form only: for an absolute-form target the host the guard checks is the
+            # target's authority (aiohttp's `request.host`), not the Host header.
             self._lean = message
             self._lean_body = bytearray()
             self._sink = None

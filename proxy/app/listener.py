@@ -12,6 +12,11 @@ parsed. When it fires first, the connection is closed (nothing is sent: the clie
 reading a reply to a request it never finished). A connection in the middle of a request or a
 response (a body being read, a stream being written) is never touched by it.
 
+Its server also refuses, before the application sees them, the request framings aiohttp's parser
+accepts and the proxy does not (`proxy.framing`): 400, and the connection closed. This covers the
+MCP listener under `listener: aiohttp` and the admin listener; the fast listener refuses the same
+in its parser callback.
+
 Cost: one timer per connection (set on open, cancelled at the first head); on a keep-alive
 connection whose head arrives in one read (every client's usual case), nothing but two
 attribute reads per `data_received`.
@@ -20,13 +25,17 @@ attribute reads per `data_received`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from proxy.framing import request_bad_framing
+
 __all__ = ["ListenerRunner"]
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 class _HeadTimedHandler(RequestHandler):
@@ -72,12 +81,27 @@ class _HeadTimedHandler(RequestHandler):
         self.force_close()
 
 
+def _framed(handler: Handler) -> Handler:
+    """`handler`, run only for a request whose framing the proxy accepts (`proxy.framing`)."""
+
+    async def framed(request: web.BaseRequest) -> web.StreamResponse:
+        refused = request_bad_framing(request)
+        if refused is None:
+            return await handler(request)
+        response = web.Response(status=400, text=refused)
+        response.force_close()  # the bytes after this request cannot be framed with certainty
+        return response
+
+    return framed
+
+
 class _HeadTimedServer(web.Server):
-    """`web.Server` whose connections are `_HeadTimedHandler`s."""
+    """`web.Server` whose connections are `_HeadTimedHandler`s, and which refuses the framings
+    `proxy.framing` names."""
 
     def __init__(self, base: web.Server, head_timeout: float,
                  on_head_timeout: Callable[[], None] | None):
-        super().__init__(base.request_handler, request_factory=base.request_factory,
+        super().__init__(_framed(base.request_handler), request_factory=base.request_factory,
                          handler_cancellation=base.handler_cancellation, **base._kwargs)
         self.head_timeout = head_timeout
         self.on_head_timeout = on_head_timeout

@@ -444,10 +444,6 @@ class _Forwarded:
                     found = await self._event(ev)
                     if found is not None:
                         return found
-            for ev in parser.flush():
-                found = await self._event(ev)
-                if found is not None:
-                    return found
             if self.last_event_id is None:
                 return self._failure("error", f"upstream {self.target.name!r} closed the stream "
                                      "without a result")

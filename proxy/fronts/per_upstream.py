@@ -392,8 +392,6 @@ class McpFront:
                     async for chunk in resp.chunks():
                         for ev in parser.feed(chunk):
                             await out.write(await scope.event(ev))
-                    for ev in parser.flush():
-                        await out.write(await scope.event(ev))
                     await out.write_eof()
                     return out
                 data = await resp.read(settings.max_upstream_reply_bytes)

@@ -3,7 +3,10 @@
 The relay forwards each event's bytes unchanged and only looks inside the ones it must read
 (a `tools/call` response, a `tools/list` result). Parsing follows the WHATWG rules: lines end
 in CRLF, LF or CR; an empty line ends an event; `:` starts a comment; multi-line `data:` joins
-with LF; a missing `data` still yields an event (the 2025-11-25 priming event: id, empty data).
+with LF; a missing `data` still yields an event (the 2025-11-25 priming event: id, empty data);
+bytes after the last blank line when the stream ends are no event (WHATWG: "if the file ends in
+the middle of an event, before the final empty line, the incomplete event is not dispatched"):
+the upstream never finished it, and a client reading the relayed stream would drop it too.
 """
 
 from __future__ import annotations
@@ -94,12 +97,6 @@ class SSEParser:
         if len(self._buf) > self._max:
             raise ReplyTooLarge(self._max, self._setting)
         return events
-
-    def flush(self) -> list[SSEEvent]:
-        """What is left at end of stream (an unterminated last event)."""
-        rest = bytes(self._buf)
-        self._buf.clear()
-        return [parse_event(rest)] if rest.strip() else []
 
     @property
     def pending(self) -> int:

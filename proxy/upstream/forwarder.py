@@ -36,13 +36,35 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDictProxy, MultiMapping
 
 from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
 from proxy.upstream.urls import scrub, strip_credentials
 
 # The setting a capped `read` names when the body is larger (callers pass theirs).
 REPLY_SETTING = "limits.max_upstream_reply_bytes"
+
+
+def refused_response(status: int, headers: MultiMapping[str]) -> str | None:
+    """Why a response with this status and these headers is refused before its body is read
+    (the caller raises `UpstreamError`; the lean transport never reuses the connection), or None.
+
+    - 101: no Upgrade is ever sent, so what follows is no HTTP answer to the call.
+    - A `Transfer-Encoding` other than `chunked` alone: the body is in a coding neither client
+      undoes (llhttp frames `gzip` by the connection's end, `gzip` then `chunked` as chunked),
+      and a peer that applies the coding reads other bytes than the envelope inspected.
+    - A header value that is not ASCII: header values go to the client as they are (MCP sends
+      non-ASCII values base64-encoded); the listeners could not write it back (the fast one
+      failed with a 500) or wrote bytes nobody inspected."""
+    if status == 101:
+        return "switched protocols (HTTP 101) unasked"
+    codings = headers.getall("Transfer-Encoding", ())
+    if codings and (len(codings) > 1 or codings[0].strip().lower() != "chunked"):
+        return f"sent a response in Transfer-Encoding {', '.join(codings)!r}: only chunked is read"
+    for name, value in headers.items():
+        if not value.isascii():
+            return f"sent a {name} header value that is not ASCII"
+    return None
 
 
 def counted(exc: UpstreamError, attempts: int) -> UpstreamError:
@@ -264,6 +286,11 @@ class Forwarder:
             except (aiohttp.ClientError, OSError) as exc:
                 raise counted(UpstreamError(
                     f"upstream request failed: {exc}"), attempts + 1) from exc
+            refused = refused_response(resp.status, resp.headers)
+            if refused is not None:
+                resp.close()  # and its connection, unless aiohttp pooled it on reading the end
+                raise counted(UpstreamError(f"upstream {refused} ({strip_credentials(url)})"),
+                              attempts + 1)
             return UpstreamResponse(resp, attempts + 1)
 
 

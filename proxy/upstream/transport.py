@@ -15,6 +15,14 @@ Connection pool
     connection. Idle connections are dropped when the server closes them (EOF / transport lost
     is noticed at once) and after `keepalive_timeout` seconds unused.
 
+Framing
+    llhttp refuses two Content-Lengths, Content-Length with Transfer-Encoding, obs-fold and bare
+    LF; a response `proxy.upstream.forwarder.refused_response` refuses (another
+    Transfer-Encoding, an unasked 101, a header value that is not ASCII) raises `UpstreamError`
+    before `open` returns. 1xx answers before the final one are skipped. Bytes after a complete
+    response (in the same read or while the connection is idle) abort the connection; once it
+    carries the next request, HTTP/1.1 cannot tell them from that request's answer.
+
 Long-lived streams
     `open(..., long_lived=True)` (standalone GET streams) never uses the pool: it opens a fresh
     connection counted against the host's `stream_limit_per_host`, refused at once with
@@ -51,7 +59,13 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
-from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse, counted
+from proxy.upstream.forwarder import (
+    REPLY_SETTING,
+    Forwarder,
+    UpstreamResponse,
+    counted,
+    refused_response,
+)
 from proxy.upstream.urls import strip_credentials
 
 __all__ = ["FastForwarder", "FastResponse"]
@@ -152,7 +166,7 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if not self.complete:
+            if not self.complete and self.exc is None:  # else a callback said why
                 self.exc = UpstreamError(
                     f"upstream {self.pool.label} sent an invalid HTTP response: {exc}")
             self.keep_alive = False
@@ -207,6 +221,13 @@ class _Conn(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:
             self.informational = True  # 100 Continue / 103 Early Hints: wait for the real one
             return
+        # (A 101 is refused here: llhttp would go on to stop with HttpParserUpgrade, which is
+        # no HttpParserError.)
+        refused = refused_response(status, self.headers)
+        if refused is not None:
+            self.exc = UpstreamError(f"upstream {self.pool.label} {refused}")
+            self.keep_alive = False
+            raise _Stray()
         self.status = status
         self.headers_done = True
         if self.head_only:
@@ -215,9 +236,9 @@ class _Conn(asyncio.Protocol):
             self.complete = True
             self.keep_alive = False
         elif status not in (204, 304):
-            te = self.headers.get("Transfer-Encoding")
-            self.until_close = (te is None or "chunked" not in te.lower()) and (
-                "Content-Length" not in self.headers)
+            # `chunked` alone, if anything (refused_response)
+            self.until_close = ("Transfer-Encoding" not in self.headers
+                                and "Content-Length" not in self.headers)
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -291,7 +312,8 @@ class _Conn(asyncio.Protocol):
 
 
 class _Stray(Exception):
-    """Raised from a parser callback to stop parsing bytes nobody asked for."""
+    """Raised from a parser callback to stop parsing: bytes nobody asked for, or a response
+    refused (`_Conn.exc` says why)."""
 
 
 def _expire(fut: asyncio.Future[bool]) -> None:

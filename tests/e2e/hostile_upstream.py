@@ -23,7 +23,8 @@ Wire (endpoint `/mcp`):
 - `tools/list`: `TOOLS` (annotations per name; `--tools` adds or replaces entries). Every tool
   takes `mode`, `text`, `delay`, `size`, `notes`, `key`, `sampling` and obeys `mode`:
   `json` (default), `sse`, `close_after_read`, `slow`, `rpc_error`, `huge_event`,
-  `drop_resumable`, `forge_meta`, `http_500`, `garbage`, `task` (see `Upstream.tools_call`).
+  `drop_resumable`, `forge_meta`, `http_500`, `garbage`, `task`, `raw` (see
+  `Upstream.tools_call`).
 - `resources/list|read`, `resources/templates/list`, `prompts/list|get` (texts settable through
   `/_texts`), `tasks/get|result|list|cancel`, `logging/setLevel`, `ping`.
 
@@ -82,7 +83,7 @@ MAX_DELAY = 300.0
 MAX_NOTES = 1000
 
 MODES = ("json", "sse", "close_after_read", "slow", "rpc_error", "huge_event", "drop_resumable",
-         "forge_meta", "http_500", "garbage", "task")
+         "forge_meta", "http_500", "garbage", "task", "raw")
 
 INPUT_SCHEMA: JSON = {
     "type": "object",
@@ -567,6 +568,11 @@ class Upstream:
           ends; after `delay` seconds the sse sequence is stored for a GET with Last-Event-ID.
         forge_meta: a result whose `_meta` and content `_meta` claim envelope decisions.
         http_500: HTTP 500, text body. garbage: HTTP 200 application/json that is not JSON.
+        raw: `text` written to the socket as the whole HTTP response, with `{result}` standing
+          for the JSON result of `key` (as json would send it), `{length}` for its length in
+          bytes and `{size}` for it in hex (a chunk size); the parts between `{pause}` marks are
+          written `delay` seconds apart, and the connection closed (what was written is sent)
+          `delay` seconds after the last.
         task: with `params.task`, a CreateTaskResult; the task completes after `delay` seconds
           (notifications/tasks/status on the session's GET stream); without, like slow.
         """
@@ -601,6 +607,8 @@ class Upstream:
             case "http_500":
                 call.entry.update(status=500, outcome="http_500")
                 return web.Response(status=500, text=f"internal error: {args.text}", headers=call.headers)
+            case "raw":
+                return await self.raw(call, args)
             case "garbage":
                 call.entry.update(status=200, outcome="garbage")
                 return web.Response(status=200, body=b'{"jsonrpc": "2.0", "result": <<' + args.text.encode(),
@@ -665,6 +673,22 @@ class Upstream:
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         raise ConnectionResetError("connection aborted on request")
+
+    async def raw(self, call: Call, args: Args) -> web.StreamResponse:
+        """Write `args.text` as the response, framing and all, then close the connection."""
+        key = obj(call.params.get("arguments")).get("key")
+        result = json.dumps(call.result(tool_result(key if isinstance(key, str) else "raw ok"))).encode()
+        data = args.text.encode("latin-1").replace(b"{length}", b"%d" % len(result)).replace(
+            b"{size}", b"%x" % len(result))
+        call.entry["outcome"] = "raw"
+        transport = call.request.transport
+        if transport is not None:
+            for part in data.replace(b"{result}", result).split(b"{pause}"):
+                transport.write(part)
+                await asyncio.sleep(args.delay)
+            transport.close()
+        await asyncio.sleep(0)
+        raise ConnectionResetError("connection closed after a raw response")
 
     async def slow(self, call: Call, args: Args, cancelled: asyncio.Event) -> web.StreamResponse:
         with contextlib.suppress(TimeoutError):

@@ -366,3 +366,255 @@ def test_an_expect_header_is_guarded_first_and_answered_as_http_says(
                 if expect == b"100-continue":
                     assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"
                 assert read_response(f)[0] == wanted, expect
+
+
+# ---- request smuggling and response splitting ------------------------------------------------
+
+def _framed(port: int, rid: int, extra: str, chunks: bytes | None = None,
+            length: int | None = None) -> bytes:
+    """A call whose text says it was smuggled, framed by `extra` headers and `chunks` (or by its
+    Content-Length when `length` is given)."""
+    body = call_body(rid, text=f"smuggled {rid}")
+    payload = body if chunks is None else chunks.replace(b"{body}", body).replace(
+        b"{size}", b"%x" % len(body))
+    return head(port, length if length is None else len(body), extra) + payload
+
+
+_CHUNK = b"{size}\r\n{body}\r\n0\r\n\r\n"
+# Requests whose framing a front proxy and the upstream could read two ways: each must be refused
+# 400-class and its connection closed, never answered as a call.
+SMUGGLED: dict[str, Any] = {
+    "CL and TE": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\r\n", _CHUNK, length=0),
+    "TE then CL": lambda p, r: head(p, None, "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n")
+    + _CHUNK.replace(b"{body}", call_body(r)).replace(b"{size}", b"%x" % len(call_body(r))),
+    "two equal CLs": lambda p, r: _framed(p, r, f"Content-Length: {len(call_body(r, text=f'smuggled {r}'))}\r\n",
+                                          length=0),
+    "two different CLs": lambda p, r: _framed(p, r, "Content-Length: 2\r\n", length=0),
+    "CL list": lambda p, r: head(p, None, "Content-Length: 3, 3\r\n") + b"abc",
+    "CL with +": lambda p, r: head(p, None, "Content-Length: +3\r\n") + b"abc",
+    "TE chunked, identity": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked, identity\r\n", _CHUNK),
+    "TE xchunked": lambda p, r: _framed(p, r, "Transfer-Encoding: xchunked\r\n", _CHUNK),
+    "TE identity": lambda p, r: _framed(p, r, "Transfer-Encoding: identity\r\n", b"{body}"),
+    "TE gzip, chunked": lambda p, r: _framed(p, r, "Transfer-Encoding: gzip, chunked\r\n", _CHUNK),
+    "TE in two fields": lambda p, r: _framed(p, r, "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+                                             _CHUNK),
+    "TE obs-fold": lambda p, r: _framed(p, r, "Transfer-Encoding: x\r\n chunked\r\n", _CHUNK),
+    "obs-fold": lambda p, r: _framed(p, r, "X-Note: a\r\n b\r\n", length=0),
+    "chunk size 0x": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\r\n", b"0x" + _CHUNK),
+    "chunk size +": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\r\n", b"+" + _CHUNK),
+    "chunk size huge": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\r\n",
+                                            b"1000000000000000" + _CHUNK),
+    "chunk bare LF": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\r\n",
+                                          b"{size}\n{body}\n0\n\n"),
+    "head bare LF": lambda p, r: _framed(p, r, "", length=0).replace(b"\r\n", b"\n"),
+    "NUL in the head": lambda p, r: _framed(p, r, "X-Note: a\x00b\r\n", length=0),
+    "space before colon": lambda p, r: _framed(p, r, "Transfer-Encoding : chunked\r\n", _CHUNK),
+    "HTTP/2.0 request line": lambda p, r: _framed(p, r, "", length=0).replace(b"HTTP/1.1", b"HTTP/2.0", 1),
+    "HTTP/1.2 request line": lambda p, r: _framed(p, r, "", length=0).replace(b"HTTP/1.1", b"HTTP/1.2", 1),
+    "two Host fields": lambda p, r: _framed(p, r, "Host: evil.example\r\n", length=0),
+    "lower-case method": lambda p, r: _framed(p, r, "", length=0).replace(b"POST", b"post", 1),
+    "space after the version": lambda p, r: _framed(p, r, "", length=0).replace(b"HTTP/1.1", b"HTTP/1.1 ", 1),
+    "HTTP/0.9": lambda p, r: b"GET /mcp/h\r\n\r\n" + _framed(p, r, "", length=0),
+}
+
+
+def _exchange(pp: ProxyProcess, data: bytes) -> tuple[int | None, bool]:
+    """Send `data` on a new connection: the first answer's status (None: none) and whether the
+    proxy closed the connection after it."""
+    with connect(pp) as sock, sock.makefile("rb") as f:
+        sock.sendall(data)
+        try:
+            status: int | None = read_response(f)[0]
+        except (EOFError, ConnectionResetError):
+            return None, True
+        return status, closed_within(sock, 3) is not None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ambiguous_request_framing_is_refused_and_closed_and_never_reaches_the_upstream(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp:
+        answers = {name: _exchange(pp, build(pp.port, rid))
+                   for rid, (name, build) in enumerate(SMUGGLED.items(), start=100)}
+        wrong = {name: answer for name, answer in answers.items()
+                 if not (answer[0] is None or 400 <= answer[0] < 500) or not answer[1]}
+        assert not wrong, wrong
+        assert hostile.control.calls() == []
+        # The process keeps serving.
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(request(pp.port, 1, text="after"))
+            status, _, body = read_response(f)
+            assert status == 200 and result_of(body, 1)["content"][0]["text"] == "after"
+
+
+def _hits_and_records(pp: ProxyProcess, hostile: HostileUpstream) -> tuple[list[str], list[str]]:
+    texts = [c["params"]["arguments"]["text"] for c in hostile.control.calls()]
+    records = [r["decision_id"] for r in pp.audit_records() if r.get("tool") == "read_page"]
+    return texts, records
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_framing_that_has_one_safe_reading_is_served_once(tmp_path: Path, hostile: HostileUpstream,
+                                                          kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        # A second request hidden in the first one's declared body is body, not a request.
+        hidden = request(pp.port, 2, text="hidden")
+        body = call_body(1, text="outer")
+        sock.sendall(head(pp.port, len(body) + len(hidden)) + body + hidden)
+        status, _, answer = read_response(f)
+        assert status == 400, answer
+        # Chunk extensions, `chunked` in another case or with trailing space: one chunked body.
+        for rid, extra, size in ((3, "Transfer-Encoding: chunked\r\n", b"{size};ext=1"),
+                                 (4, "Transfer-Encoding: Chunked \r\n", b"{size}")):
+            sock.sendall(_framed(pp.port, rid, extra, _CHUNK.replace(b"{size}", size)))
+            status, _, answer = read_response(f)
+            assert status == 200 and result_of(answer, rid)["content"][0]["text"] == f"smuggled {rid}"
+        # A body on GET is read (and the GET answered as a GET): nothing in it is a call.
+        inner = request(pp.port, 5, text="in a GET")
+        sock.sendall(f"GET /mcp/h HTTP/1.1\r\nHost: 127.0.0.1:{pp.port}\r\nContent-Length: "
+                     f"{len(inner)}\r\n\r\n".encode() + inner)
+        status, _, _ = read_response(f)
+        assert 400 <= status < 500, status
+        # An absolute-form target names the host the guard checks, whatever the Host header says.
+        body = call_body(9, text="absolute")
+        sock.sendall(head(pp.port, len(body)).replace(b"POST /mcp/h", b"POST http://evil.example/mcp/h", 1)
+                     + body)
+        status, _, answer = read_response(f)
+        assert status == 421, answer
+        # OPTIONS * is answered, not routed to an upstream.
+        sock.sendall(f"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1:{pp.port}\r\n\r\n".encode())
+        status, _, _ = read_response(f)
+        assert 400 <= status < 500, status
+        # CONNECT is no tunnel: refused; what follows it is a request of its own (or is not read).
+        with connect(pp) as other, other.makefile("rb") as g:
+            other.sendall(f"CONNECT 127.0.0.1:{pp.port} HTTP/1.1\r\nHost: 127.0.0.1:{pp.port}\r\n\r\n"
+                          .encode() + request(pp.port, 8, text="after CONNECT"))
+            status, _, _ = read_response(g)
+            assert 400 <= status < 500, status
+            with contextlib.suppress(EOFError, ConnectionResetError):
+                status, _, answer = read_response(g)
+                assert status == 200 and result_of(answer, 8)["content"][0]["text"] == "after CONNECT"
+        # HTTP/1.0 keep-alive: answered as 1.0, kept open, the next request served.
+        for rid in (6, 7):
+            body = call_body(rid, text=f"ten {rid}")
+            sock.sendall(head(pp.port, len(body), "Connection: keep-alive\r\n", version="1.0") + body)
+            status, headers, answer = read_response(f)
+            assert status == 200 and headers.get("connection", "").lower() == "keep-alive", headers
+            assert result_of(answer, rid)["content"][0]["text"] == f"ten {rid}"
+    texts, records = _hits_and_records(pp, hostile)
+    assert sorted(texts) in (["smuggled 3", "smuggled 4", "ten 6", "ten 7"],
+                             ["after CONNECT", "smuggled 3", "smuggled 4", "ten 6", "ten 7"]), texts
+    assert len(records) == len(texts), records
+
+
+_OK = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+# Upstream answers whose framing cannot be read one safe way: the call is refused upstream_error,
+# and nothing of the answer (the `key` text) reaches the agent.
+SPLIT: dict[str, str] = {
+    "two Content-Lengths": _OK + "Content-Length: {length}\r\nContent-Length: {length}\r\n\r\n{result}",
+    "Content-Length and TE": _OK + "Content-Length: {length}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    "{size}\r\n{result}\r\n0\r\n\r\n",
+    "unknown TE": _OK + "Transfer-Encoding: gzip\r\n\r\n{result}",
+    "TE xchunked": _OK + "Transfer-Encoding: xchunked\r\n\r\n{result}",
+    "TE chunked, identity": _OK + "Transfer-Encoding: chunked, identity\r\n\r\n{result}",
+    "TE in two fields": _OK + "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+    "{size}\r\n{result}\r\n0\r\n\r\n",
+    "SSE ending mid-event": "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    "event: message\r\ndata: {result}",
+    "101 Switching Protocols": "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+    "Connection: Upgrade\r\n\r\n{result}",
+    "obs-fold": _OK + "X-Note: a\r\n b\r\nContent-Length: {length}\r\n\r\n{result}",
+    "bare LF": _OK.replace("\r\n", "\n") + "Content-Length: {length}\n\n{result}",
+    # Header values are relayed to the agent: nothing there may split or smuggle.
+    "LF in a header value": _OK + "X-Note: a\nSet-Cookie: s=1\r\nContent-Length: {length}\r\n\r\n{result}",
+    "CR in a header value": _OK + "X-Note: a\rSet-Cookie: s=1\r\nContent-Length: {length}\r\n\r\n{result}",
+    "control byte in a header value": _OK + "X-Note: a\x01b\r\nContent-Length: {length}\r\n\r\n{result}",
+    "obs-text in a header value": _OK + "X-Note: a\xffb\r\nContent-Length: {length}\r\n\r\n{result}",
+    "UTF-8 session id": _OK + "Mcp-Session-Id: s\xc3\xa9\r\nContent-Length: {length}\r\n\r\n{result}",
+}
+
+
+def _raw_call(pp: ProxyProcess, sock: socket.socket, f: BinaryIO, rid: int, raw: str, key: str,
+              delay: float = 0.0) -> dict[str, Any]:
+    body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {
+        "name": "read_page", "arguments": {"mode": "raw", "text": raw, "key": key, "delay": delay},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS}}}).encode()
+    sock.sendall(head(pp.port, len(body)) + body)
+    status, _, answer = read_response(f)
+    assert status == 200, answer
+    return result_of(answer, rid)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_upstream_answer_framed_two_ways_is_refused_and_audited_once(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        wrong = {}
+        for rid, (name, raw) in enumerate(SPLIT.items(), start=1):
+            result = _raw_call(pp, sock, f, rid, raw, key=f"uninspected {rid}")
+            decision = (result.get("_meta") or {}).get("envelope/decision", {})
+            if decision.get("code") != "upstream_error" or f"uninspected {rid}" in json.dumps(result):
+                wrong[name] = result
+        assert not wrong, (sorted(wrong), wrong)
+        records = [r for r in pp.audit_records() if r.get("tool") == "read_page"]
+        assert len(records) == len(SPLIT) and {r["code"] for r in records} == {"upstream_error"}, records
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_upstream_answer_with_one_safe_reading_is_delivered_once_and_its_extra_bytes_dropped(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    forged = json.dumps({"jsonrpc": "2.0", "id": 2, "result": {
+        "content": [{"type": "text", "text": "forged"}], "isError": False}})
+    with served(tmp_path, hostile, kind) as pp, connect(pp) as sock, sock.makefile("rb") as f:
+        # Interim 1xx answers before the final one are skipped.
+        early = ("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+                 + _OK + "Content-Length: {length}\r\n\r\n{result}")
+        assert _raw_call(pp, sock, f, 1, early, key="after 1xx")["content"][0]["text"] == "after 1xx"
+        # A body longer than its Content-Length: the extra bytes (a second answer) are not the
+        # next call's answer; the upstream keeps the connection open meanwhile.
+        longer = (_OK + "Content-Length: {length}\r\n\r\n{result}" + _OK
+                  + f"Content-Length: {len(forged)}\r\n\r\n{forged}")
+        assert _raw_call(pp, sock, f, 3, longer, key="framed", delay=3)["content"][0]["text"] == "framed"
+        sock.sendall(request(pp.port, 2, text="second"))
+        status, _, answer = read_response(f)
+        assert status == 200 and result_of(answer, 2)["content"][0]["text"] == "second", answer
+        # The second answer coming a moment later, once the connection may be pooled again:
+        # HTTP/1.1 cannot tell it from the next call's answer, but its JSON-RPC id is not that
+        # call's, so it is never that call's result (one carrying the next call's id would be).
+        stray = forged.replace('"id": 2', '"id": 99')
+        later = (_OK + "Content-Length: {length}\r\n\r\n{result}{pause}"
+                 + _OK + f"Content-Length: {len(stray)}\r\n\r\n{stray}")
+        assert _raw_call(pp, sock, f, 4, later, key="framed", delay=1)["content"][0]["text"] == "framed"
+        sock.sendall(request(pp.port, 5, text="fifth"))
+        status, _, answer = read_response(f)
+        assert status == 200 and "forged" not in answer.decode(), answer
+    records = [r for r in pp.audit_records() if r.get("tool") == "read_page"]
+    assert len(records) == 5 and [r["code"] for r in records][:4] == ["ok"] * 4, records
+
+
+def test_the_admin_listener_refuses_ambiguous_framing_and_closes(tmp_path: Path,
+                                                                 hostile: HostileUpstream) -> None:
+    with served(tmp_path, hostile, "fast") as pp:
+        admin = int(pp.admin.rsplit(":", 1)[1])
+        line = "POST /v1/approvals/x/approve HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        attacks = {
+            "CL and TE": line + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "two CLs": line + "Content-Length: 2\r\nContent-Length: 5\r\n\r\n{}",
+            "TE gzip, chunked": line + "Transfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            "TE in two fields": line + "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+            "2\r\n{}\r\n0\r\n\r\n",
+            "obs-fold": line + "X-Note: a\r\n b\r\nContent-Length: 2\r\n\r\n{}",
+            "two Host fields": line + "Host: evil.example\r\nContent-Length: 2\r\n\r\n{}",
+            "HTTP/2.0": "GET /healthz HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n",
+            "chunk size 0x": line + "Transfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
+        }
+        wrong = {}
+        for name, attack in attacks.items():
+            # A second request behind each: never answered on that connection.
+            with socket.create_connection(("127.0.0.1", admin), timeout=20) as sock, \
+                    sock.makefile("rb") as f:
+                sock.sendall(attack.encode() + b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                status = read_response(f)[0]
+                if status != 400 or closed_within(sock, 3) is None:
+                    wrong[name] = status
+        assert not wrong, wrong

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
+from proxy.upstream.forwarder import Forwarder
 from proxy.upstream.transport import HIGH_WATER, FastForwarder, FastResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -647,3 +648,29 @@ async def test_a_capped_read_stops_before_the_body_arrives(fwd: FastForwarder) -
             with pytest.raises(ReplyTooLarge, match=r"reply exceeds 65536 bytes"):
                 await asyncio.wait_for(resp.read(65536), 1)
         assert fwd._hosts[("127.0.0.1", srv.port)].count == 0  # aborted, not pooled
+
+
+@pytest.mark.parametrize("transport", ["fast", "aiohttp"])
+@pytest.mark.parametrize("response", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, identity\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\nX-Note: a\xffb\r\nContent-Length: 2\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\nMcp-Session-Id: \xc3\xa9\r\nContent-Length: 2\r\n\r\nok",
+], ids=["gzip", "gzip-then-chunked", "chunked-identity", "101", "obs-text", "utf-8"])
+async def test_a_response_framed_or_headed_beyond_what_is_relayed_is_refused(
+        transport: str, response: bytes) -> None:
+    """Both forwarders refuse it before the body is read (`refused_response`); the lean one
+    never reuses its connection (aiohttp's pools it again when the body it framed had arrived
+    whole)."""
+    f = FastForwarder() if transport == "fast" else Forwarder()
+    await f.start()
+    try:
+        async with await serve_fixed(response) as srv:
+            for _ in range(2):
+                with pytest.raises(UpstreamError, match=r"unasked|Transfer-Encoding|not ASCII"):
+                    await f.open("POST", srv.url, {}, b"{}", connect_timeout=2.0, read_timeout=5.0)
+            assert srv.connections == 2 or transport == "aiohttp"
+    finally:
+        await f.close()

@@ -25,7 +25,6 @@ def _all(parser: SSEParser, chunks: list[bytes]) -> list[tuple[bytes, str, str, 
     events = []
     for chunk in chunks:
         events += parser.feed(chunk)
-    events += parser.flush()
     return [(e.raw, e.event, e.data, e.id, e.retry) for e in events]
 
 
