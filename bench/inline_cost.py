@@ -23,7 +23,10 @@ Milliseconds: the least CPU time of `--repeat` runs (the thread hop: wall time, 
 90th percentile of 2,000). The machine's load average is printed first and last: quote it
 with the numbers.
 
-    python bench/inline_cost.py [--repeat 9]
+    PYTHONPATH=. python bench/inline_cost.py [--repeat 9] [--chars N] [--path NAME ...]
+
+PYTHONPATH selects the tree measured (another checkout: the tree before a change, at its own
+bounds); `--chars` measures every path at N characters instead of its bound.
 """
 
 from __future__ import annotations
@@ -128,16 +131,21 @@ def trusted_delta(text: str) -> None:
                    pick_secret=b"k" * 32)
 
 
+# Bounds as an older tree named them (one bound for all intent reading, a separate one for
+# outputs), so that the same script measures it at its own bounds.
+INTENT_BOUND = getattr(offload, "INLINE_INTENT_CHARS", offload.INLINE_CHARS_SLOW)
+OUTPUT_BOUND = getattr(offload, "INLINE_OUTPUT_CHARS", offload.INLINE_CHARS)
+
 # (name, inline bound, the work for one text: a function of the text, or `prepare(text)` returning
 # the function to time).
 PATHS: list[tuple[str, int, Callable[[str], object]]] = [
-    ("intent words", offload.INLINE_INTENT_CHARS, intent_words),
-    ("waiver clauses", offload.INLINE_INTENT_CHARS, lambda t: waiver.asking_clauses(TOOL, [t])),
-    ("clause words", offload.INLINE_INTENT_CHARS, clause_words),  # prepares
+    ("intent words", INTENT_BOUND, intent_words),
+    ("waiver clauses", INTENT_BOUND, lambda t: waiver.asking_clauses(TOOL, [t])),
+    ("clause words", INTENT_BOUND, clause_words),  # prepares
     ("endorsement", offload.INLINE_CHARS_SLOW, lambda t: Endorsement.of([t], 32)),
     ("probe", offload.INLINE_CHARS, lambda t: Probe.of(t, 32)),
     ("probe, min_value", offload.INLINE_CHARS, lambda t: Probe.of(t, 32, min_value=10)),
-    ("delta", offload.INLINE_CHARS,
+    ("delta", OUTPUT_BOUND,
      lambda t: LedgerDelta.of("web.fetch", [Piece(t, Label(True, False), "t")], 32, 65536)),
     ("delta, min_value", offload.INLINE_CHARS_SLOW,
      lambda t: LedgerDelta.of("web.fetch", [Piece(t, Label(True, False), "t")], 32, 65536, min_value=10)),

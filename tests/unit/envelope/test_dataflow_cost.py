@@ -311,8 +311,8 @@ async def test_a_large_intent_is_fingerprinted_off_the_loop_and_a_small_one_inli
 
 
 async def test_a_long_intent_is_read_for_the_gate_waiver_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`waiver.asking_clauses` costs ~2 ms per KiB of intent and `max_intent_chars` allows up to
-    1 MiB: past INLINE_CHARS_SLOW characters a gated call reads it in a worker thread."""
+    """`waiver.asking_clauses` costs ~1 ms per KiB of intent and `max_intent_chars` allows up to
+    1 MiB: past INLINE_INTENT_CHARS characters a gated call reads it in a worker thread."""
     threads: list[int] = []
     real = offload.asking_clauses
 
@@ -362,7 +362,7 @@ def _spy_on_intent_reading(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 async def test_a_long_intents_picking_words_and_criteria_are_computed_off_the_loop(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past INLINE_CHARS_SLOW characters `intent_words_of` computes `words()` and `criteria()`
+    """Past INLINE_INTENT_CHARS characters `intent_words_of` computes `words()` and `criteria()`
     in its worker thread, once: the loop reads them without computing (a 16 KiB intent took
     ~5 ms on the loop for the words, far more for the criteria); a small intent computes them
     on demand, inline. Same results as computed afresh."""
@@ -422,7 +422,7 @@ async def test_a_tainted_run_with_a_long_intent_picks_a_listing_entry_off_the_lo
         await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True,
                                                     pick_secret=secret), n=32, cap=65536, ttl=60)
     said = "Pay my landlord this month's rent. " + "Thanks a lot, see you soon. " * 320
-    assert len(said) > offload.INLINE_CHARS_SLOW
+    assert len(said) > offload.INLINE_INTENT_CHARS
     await intents.append(store, RUN_KEY, said, max_chars=16384, ttl=60)
     threads = _spy_on_intent_reading(monkeypatch)
     call = make_call("pay", {"to": "DE44 5001 0517 5407 3249 31"}, upstream="bank")
