@@ -562,7 +562,8 @@ async def test_the_check_decides_the_same_inline_and_off_the_loop(monkeypatch: p
                    + "Thanks, see you soon. " * 200):
         seen = []
         for bound in (0, 1 << 30):
-            for name in ("INLINE_CHARS", "INLINE_CHARS_SLOW", "INLINE_CHARS_TRUSTED", "INLINE_INTENT_CHARS"):
+            for name in ("INLINE_CHARS", "INLINE_CHARS_SLOW", "INLINE_CHARS_TRUSTED", "INLINE_INTENT_CHARS",
+                         "INLINE_LOOKUPS"):
                 monkeypatch.setattr(offload, name, bound)
             seen.append(await _decided(intent))
         assert seen[0] == seen[1]
@@ -588,3 +589,81 @@ def test_critical_values_are_looked_up_in_a_long_intent_without_reading_it_again
     assert not any(words.endorses(c) or words.names(c) for c in criticals)
     assert words.endorses(Critical.of("/a", "landlords")) and words.endorses(Critical.of("/a", "Porto"))
     assert words.names(Critical.of("/to", "landlord@corp.example"))
+
+
+async def test_many_critical_values_against_a_long_intent_are_looked_up_off_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lookup of a critical value can search the whole intent (~0.33 ms per 16 KiB for a
+    value found only inside longer words): a tainted-run sink call with 200 values against a
+    16 KiB intent looks them up in a worker thread, a call with a few values against a short
+    intent on the loop; the same endorsements either way."""
+    threads: list[int] = []
+    real = IntentWords.endorses
+
+    def spying(self: IntentWords, critical: Any) -> bool:
+        threads.append(threading.get_ident())
+        return real(self, critical)
+
+    monkeypatch.setattr(IntentWords, "endorses", spying)
+
+    async def pay(intent: str, count: int) -> Any:
+        store = MemoryStore()
+        revision = build_revision({
+            "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
+            "tools": {"bank.fetch": {"effect": "read"},
+                      "bank.pay": {"effect": "external", "approval": {"required": False}}},
+            "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
+        })
+        check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
+        await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+        await intents.append(store, RUN_KEY, intent, max_chars=16384, ttl=60)
+        call = make_call("pay", {"to": ["aaa" * (i % 7 + 1) for i in range(count)] + ["rent"]}, upstream="bank")
+        call.effect = Effect.EXTERNAL
+        assert await check.decide(call) is None  # shadow: audited
+        return call.audit_extra["tainted_run"]
+
+    long = "Pay the rent. " + "a" * 16_000
+    audit = await pay(long, 200)
+    assert threads and threading.get_ident() not in threads
+    assert audit["endorsed"] == [{"arg": "/to/200", "by": "intent"}] and len(audit["unendorsed"]) == 200
+    threads.clear()
+    monkeypatch.setattr(offload, "INLINE_LOOKUPS", 1 << 40)
+    assert await pay(long, 200) == audit and set(threads) == {threading.get_ident()}
+    monkeypatch.undo()
+    monkeypatch.setattr(IntentWords, "endorses", spying)
+    threads.clear()
+    await pay("Pay the rent.", 3)
+    assert threads and set(threads) == {threading.get_ident()}
+
+
+async def test_picks_past_their_key_budget_hash_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tainted-run call with 256 values against an intent of 200 words and a criterion: the
+    picks, labels and criteria it would look up number more than MAX_PICK_KEYS, so none of
+    them endorses, and none of their keys is hashed on the loop (they were all hashed first,
+    then dropped: over 50,000 per call)."""
+    from proxy.envelope.checks import dataflow as check_module
+    hashed: list[str] = []
+    for name in ("entry_key", "label_key", "name_key", "criterion_key"):
+        real = getattr(check_module, name)
+
+        def counting(*args: Any, real: Any = real, name: str = name) -> Any:
+            hashed.append(name)
+            return real(*args)
+
+        monkeypatch.setattr(check_module, name, counting)
+    store = MemoryStore()
+    revision = build_revision({
+        "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"bank.fetch": {"effect": "read"},
+                  "bank.pay": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
+    })
+    check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
+    await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+    words = " ".join(f"w{chr(97 + i // 26)}{chr(97 + i % 26)}zz" for i in range(200))
+    await intents.append(store, RUN_KEY, f"Pay the cheapest {words}.", max_chars=16384, ttl=60)
+    call = make_call("pay", {"to": [f"value {i} of many" for i in range(256)]}, upstream="bank")
+    call.effect = Effect.EXTERNAL
+    assert await check.decide(call) is None
+    assert len(call.audit_extra["tainted_run"]["unendorsed"]) == 256
+    assert hashed == []
