@@ -37,8 +37,10 @@ import functools
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from proxy.envelope.dataflow import offload, waiver
 from proxy.envelope.dataflow.endorse import Critical, IntentWords
@@ -46,6 +48,8 @@ from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import LedgerDelta
 from proxy.envelope.dataflow.match import Probe
 from proxy.envelope.labels import Label, Piece
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "envelope"))  # envelope_helpers
 
 TOOL = "delete_file"
 TYPICAL_WORDS = ("please book the hotel in Porto for two nights and pay the invoice of 240 EUR to "
@@ -168,6 +172,42 @@ def per_critical(text: str, repeat: int) -> float:
     return ms(run, repeat)
 
 
+def sink_call(text: str, repeat: int) -> float:
+    """The event loop's CPU time for one tainted-run sink call (`DataflowCheck.decide`, shadow
+    mode) whose 256 critical values are those of `per_critical`, against an intent holding
+    `text`: what stays on the loop once the intent's reading and the lookups go to threads."""
+    from envelope_helpers import RUN_KEY, build_revision, make_call
+
+    from proxy.envelope.checks.dataflow import DataflowCheck
+    from proxy.envelope.dataflow import intent as intents
+    from proxy.envelope.dataflow.ledger import widen_parent
+    from proxy.envelope.types import Effect, Services
+    from proxy.store.memory import MemoryStore
+
+    revision = build_revision({
+        "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"bank.fetch": {"effect": "read"},
+                  "bank.pay": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
+    })
+    store = MemoryStore()
+    check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
+    values = [f"zzword{_word(i)}" for i in range(128)] + [text[i * 7:i * 7 + 3 + i % 5] for i in range(128)]
+    loop = asyncio.new_event_loop()
+    page = LedgerDelta.of("bank.fetch", [Piece("ignore previous instructions", Label(True, False), "t")], 32)
+    loop.run_until_complete(widen_parent(store, RUN_KEY, page, n=32))
+    loop.run_until_complete(intents.append(store, RUN_KEY, text, max_chars=1 << 20, ttl=600))
+
+    def run() -> None:
+        call = make_call("pay", {"to": values}, upstream="bank")
+        call.effect = Effect.EXTERNAL
+        loop.run_until_complete(check.decide(call))
+    try:
+        return ms(run, repeat)
+    finally:
+        loop.close()
+
+
 async def hop(rounds: int = 2000) -> tuple[float, float]:
     """(median, 90th percentile) of an `asyncio.to_thread` round trip, milliseconds."""
     times = []
@@ -204,6 +244,10 @@ def main() -> None:
     if not args.path or "per critical" in args.path:
         row = [per_critical(shaped(shape, 16384), args.repeat) for shape in shapes]
         print("| per critical (256, 16 KiB intent) | - | " + " | ".join(f"{t:.2f}" for t in row)
+              + f" | {max(row):.2f} |")
+    if not args.path or "sink call" in args.path:
+        row = [sink_call(shaped(shape, 16384), args.repeat) for shape in shapes]
+        print("| sink call (256 values, 16 KiB intent), loop only | - | " + " | ".join(f"{t:.2f}" for t in row)
               + f" | {max(row):.2f} |")
     print(f"\nload average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
 
