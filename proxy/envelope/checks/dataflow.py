@@ -52,6 +52,7 @@ from proxy.envelope.dataflow.match import (
 from proxy.envelope.dataflow.offload import (
     asking_of,
     clause_words_of,
+    each_of,
     endorsement_of,
     intent_words_of,
     probes_of,
@@ -246,8 +247,11 @@ class DataflowCheck:
             values = critical_values(call.arguments, list(call.arguments))[0]
             if any(names_object(c.value) for c in values):
                 texts = await intents.load(store, call.run.key)
-                words = await intent_words_of(texts, prepare=False) if texts else None
-                pointed = [c.pointer for c in values if words is not None and words.points_at(c.value)]
+                pointed = []
+                if texts:
+                    words = await intent_words_of(texts, prepare=False)
+                    at = await each_of(lambda c: words.points_at(c.value), values, sum(map(len, texts)))
+                    pointed = [c.pointer for c, yes in zip(values, at, strict=True) if yes]
                 if pointed:
                     call.read_pointed = True
                     found["pointed_by"] = pointed
@@ -420,13 +424,15 @@ class DataflowCheck:
         forms = {c.pointer: entry_value_forms(c) for c in left}
         # A string that is not a number: a name a listing's entry may hold (`name_keys`).
         names = {c.pointer: c.norm for c in left if c.norm and c.number is None}
+        # Counted before any key is hashed: up to 256 words times 256 values' forms.
+        count = len(said) * (1 + sum(map(len, forms.values())) + (1 + len(names) if names else 0))
+        if not said or count > MAX_PICK_KEYS or not (any(forms.values()) or names):
+            return left
         wanted = [pick_key(w) for w in said]
         wanted += [entry_key(w, f) for w in said for fs in forms.values() for f in fs]
         if names:
             wanted += [name_pick_key(w) for w in said]
             wanted += [name_key(w, norm) for w in said for norm in names.values()]
-        if not said or len(wanted) > MAX_PICK_KEYS or not (any(forms.values()) or names):
-            return left
         ledger = await self._read(store, call, wanted, endorsing=True)
         if ledger is None:
             return left
@@ -495,9 +501,12 @@ class DataflowCheck:
                      for level in range(GRID_BITS + 1)] for b in cr.bounds]
             return out
 
-        wanted = [k for cr in stated for fs in forms.values() for f in fs for g in groups(cr, f) for k in g]
-        if not wanted or len(wanted) > MAX_PICK_KEYS:
+        # Counted before any key is hashed (each criterion has as many keys for every form).
+        per_form = sum(len(cr.conditions) + len(cr.bounds) * (GRID_BITS + 1) or 1 for cr in stated)
+        count = per_form * sum(map(len, forms.values()))
+        if not count or count > MAX_PICK_KEYS:
             return left
+        wanted = [k for cr in stated for fs in forms.values() for f in fs for g in groups(cr, f) for k in g]
         ledger = await self._read(store, call, wanted, endorsing=True)
         if ledger is None:
             return left
@@ -539,9 +548,9 @@ class DataflowCheck:
         endorsed this way."""
         said = [w for w in words.words() if not w.startswith("#") and len(w) >= 4]
         strings = [c for c in left if c.norm and c.number is None]
-        wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings]
-        if not strings or len(wanted) > MAX_PICK_KEYS:
+        if not strings or len(said) * (1 + len(strings)) > MAX_PICK_KEYS:  # counted before hashing
             return left
+        wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings]
         ledger = await self._read(store, call, wanted, endorsing=True)
         if ledger is None:
             return left
@@ -552,7 +561,9 @@ class DataflowCheck:
         labels = [w for w in said if trusted(label_word_key(w)) is not None]
         still = []
         for critical in left:
-            sources = [trusted(label_key(w, critical.norm)) for w in labels] if critical in strings else []
+            # `critical in strings`, without comparing it to every value (quadratic in the values).
+            is_string = bool(critical.norm) and critical.number is None
+            sources = [trusted(label_key(w, critical.norm)) for w in labels] if is_string else []
             if labels and all(sources):
                 endorsed.append({"arg": critical.pointer, "by": "pointed_read+label", "label": labels[0],
                                  "source": sources[0]})
@@ -620,8 +631,9 @@ class DataflowCheck:
 
         endorsed: list[dict[str, Any]] = []
         left: list[Critical] = []
-        for critical in criticals:
-            if named(critical):
+        by_name = await each_of(named, criticals, sum(map(len, said)))
+        for critical, is_named in zip(criticals, by_name, strict=True):
+            if is_named:
                 endorsed.append({"arg": critical.pointer, "by": "intent"})
             elif words.names(critical) and ledger is not None \
                     and (source := ledger.trusted_source(critical.candidate)) is not None:
@@ -669,10 +681,12 @@ class DataflowCheck:
                 left.append(critical)
         if left:
             # The intent is read only when trusted outputs left something unendorsed.
-            words = await intent_words_of(await intents.load(store, call.run.key))
+            texts = await intents.load(store, call.run.key)
+            words = await intent_words_of(texts)
             still = []
-            for critical in left:
-                if words.endorses(critical):
+            endorses = await each_of(words.endorses, left, sum(map(len, texts)))
+            for critical, endorsed_whole in zip(left, endorses, strict=True):
+                if endorsed_whole:
                     endorsed.append({"arg": critical.pointer, "by": "intent"})
                 elif words.names(critical) and (source := ledger.trusted_source(critical.candidate)):
                     endorsed.append({"arg": critical.pointer, "by": "intent+trusted_output",

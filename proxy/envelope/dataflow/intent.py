@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from proxy.envelope.dataflow.endorse import affirmed
+from proxy.envelope.dataflow.endorse import affirmed, bounded
 from proxy.envelope.dataflow.fingerprint import (
     collapse,
     fold,
@@ -147,7 +147,7 @@ class Endorsement:
         longer word, address or number (a part of a token is not endorsed)."""
         if not norm:
             return False
-        pattern = re.compile(rf"(?<![\w@.\-]){re.escape(norm)}(?![\w@\-]|\.\w)")
+        pattern = bounded(norm)
         return any(norm in text and pattern.search(text) is not None for text in self.texts)
 
     def narrow(self, ptr: str, probe: Probe, ledger: Ledger) -> tuple[Probe, list[dict[str, Any]]]:

@@ -1,14 +1,18 @@
-"""Fingerprinting off the event loop: what one output adds to a ledger (`delta_of`), what
-one sink call's arguments ask of it (`probes_of`) and what the run's intent endorses
-(`endorsement_of`).
+"""Fingerprinting and reading the user's words off the event loop: what one output adds to a
+ledger (`delta_of`), what one sink call's arguments ask of it (`probes_of`), what the run's
+intent endorses (`endorsement_of`, `intent_words_of`) and asks for (`asking_of`,
+`clause_words_of`).
 
 Normalising, token scanning and gram hashing cost time linear in the text, up to the policy's
 caps (`max_output_chars`, `max_argument_chars`): up to about 0.7 s of CPU for the largest output
 the default caps let through. That must not stall every other call and `/healthz`, so an input
-larger than `INLINE_CHARS` (an output: `INLINE_OUTPUT_CHARS`) is fingerprinted in a worker thread (numpy's hashing releases the
-GIL; the Python code between regex matches hands it back at the switch interval, so the loop
-waits at most for one C call: tens of milliseconds at the default cap). A smaller one stays
-inline: a thread hop costs more than hashing it (bench/RESULTS.md, "Fingerprinting cost").
+larger than its bound is fingerprinted or read in a worker thread (numpy's hashing releases
+the GIL; the Python code between regex matches hands it back at the switch interval, so the
+loop waits at most for one C call: tens of milliseconds at the default cap). A smaller one
+stays inline. Each bound keeps the worst text of its size (the costliest shape of text for
+that path: addresses, numbers, superlatives, clauses...) at about 1 ms on the loop, against
+~0.03 ms of the loop's time for a hop to a thread and back (0.03-0.2 ms of the call's;
+bench/inline_cost.py, bench/RESULTS.md "Hostile input and bounded resources").
 """
 
 from __future__ import annotations
@@ -27,30 +31,33 @@ from proxy.envelope.dataflow.waiver import Asking, asking_clauses
 from proxy.envelope.labels import Piece
 from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
 
-# Inputs of at most this many characters (all pieces of one output, all matched arguments of
-# one call) are fingerprinted inline: at most ~0.6 ms of work since the packed, branch-free
-# winnowing (a delta or a probe of 8,000 characters of typical text: 0.56-0.61 ms, 4,000: 0.28,
-# on the loaded benchmark machine; 4,096 was ~1 ms before), against ~0.1 ms for the hop to a
-# thread and back (more under load), which a 5 KB output no longer pays before delivery
-# (bench/record_bench.py, bench/RESULTS.md "Recording an output before delivery").
-INLINE_CHARS = 8192
-# An output's delta (no `min_value`) is inline up to 12,288 characters: its grams are kept as
-# distinct window minima and its token scans are cheaper since (bench/RESULTS.md, "Recording an
-# output before delivery", round 3), so 12,288 characters of prose cost about what 8,192 did
-# (0.59-0.61 ms against 0.52-0.54), and a 10 KB page no longer pays the hop to a thread and back
-# (0.1-0.3 ms measured here).
-INLINE_OUTPUT_CHARS = 12288
+# Inputs of at most this many characters (all pieces of one output without `min_value`, all
+# matched arguments of one call) are fingerprinted inline: typical text costs ~0.02 ms per KB,
+# but text dense in tokens (addresses, numbers, non-ASCII words) ~0.17 ms per KB: 6,144
+# characters of it ~1.05 ms (12,288, the output bound before: ~2 ms; 8,192: ~1.4 ms).
+INLINE_CHARS = 6144
 # The bound where hashing costs more per character: an output's whole-value phrases
-# (`min_value` on: 3.6-5.4 ms for 4,096 characters, 9-12 ms for 8,192) and the intent's
-# endorsement keep the bound they had.
-INLINE_CHARS_SLOW = 4096
+# (`min_value` on: 2,048 characters of typical text ~1.0 ms, 4,096 ~1.7 ms) and the intent's
+# endorsement (0.5 ms at 2,048 for the worst text).
+INLINE_CHARS_SLOW = 2048
+# The user's words read for picks, criteria and the gate waiver (`IntentWords` with its words
+# and criteria, `waiver.asking_clauses`, the asking clauses' objects): ~1.7 ms per KB of the
+# worst text (a 4,096-character intent of numbers took 5.8-8.6 ms on the loop, of prose 3.6),
+# so only an intent of a few sentences is read inline (512 characters: 0.4-1.0 ms).
+INLINE_INTENT_CHARS = 512
 # Trusted text when tainted-run escalation records its endorsing keys (`trusted`): every field,
 # entry, phrase and criterion key of a listing costs 2-10x an untrusted output's gram hashing
 # per character (a 1,000-character listing 2-6 ms, 8,000 characters 29-38 ms, measured on this
 # machine), so only a snippet stays inline.
 INLINE_CHARS_TRUSTED = 128
+# Critical values looked up in the user's words (`IntentWords.endorses`, `spells`, `points_at`,
+# the gate waiver's `named`): each lookup can search the whole text, ~20 ns per character when
+# the value is found only inside longer words ("aaa" in "aaaa..."), so values times characters
+# past this run in a worker thread (256 values against a 16 KiB intent: ~40 ms on the loop).
+INLINE_LOOKUPS = 49152
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 async def _off_loop(work: Callable[[], T], executor: Executor | None) -> T:
@@ -65,7 +72,7 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
                    pointed: bool = False, pick_secret: bytes | None = None,
                    executor: Executor | None = None) -> LedgerDelta:
     """`LedgerDelta.of` of one output (same arguments, same result), in a worker thread (the
-    default executor, or `executor`) when its pieces hold more than INLINE_OUTPUT_CHARS
+    default executor, or `executor`) when its pieces hold more than INLINE_CHARS
     characters (INLINE_CHARS_SLOW with `min_value`, INLINE_CHARS_TRUSTED when `trusted` keys are taken of
     a trusted piece).
     Raises what `LedgerDelta.of` raises; cancelling the caller does not stop a thread already
@@ -77,7 +84,7 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
     if trusted and any(not piece.label.tracked for piece in pieces):
         bound = INLINE_CHARS_TRUSTED
     else:
-        bound = INLINE_CHARS_SLOW if min_value else INLINE_OUTPUT_CHARS
+        bound = INLINE_CHARS_SLOW if min_value else INLINE_CHARS
     if min(size, size if max_chars is None else max_chars) <= bound:
         return work()
     return await _off_loop(work, executor)
@@ -103,8 +110,8 @@ async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int
 async def intent_words_of(texts: list[str], executor: Executor | None = None, *,
                           prepare: bool = True) -> IntentWords:
     """`IntentWords.of` the run's intent texts, in a worker thread when they hold more than
-    INLINE_CHARS_SLOW characters together (~0.3 ms per KiB: `max_intent_chars` allows 1 MiB,
-    which would stall the event loop for every sink call of a tainted run). With `prepare`
+    INLINE_INTENT_CHARS characters together (`max_intent_chars` allows 1 MiB, which would
+    stall the event loop for every sink call of a tainted run). With `prepare`
     (a caller that picks listing entries or reads criteria: `IntentWords.prepared`), its
     `words()` and `criteria()` are computed there too, so the loop never computes them for a
     long intent."""
@@ -112,7 +119,7 @@ async def intent_words_of(texts: list[str], executor: Executor | None = None, *,
         words = IntentWords.of(texts)
         return words.prepared() if prepare else words
 
-    if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
+    if sum(map(len, texts)) <= INLINE_INTENT_CHARS:
         return IntentWords.of(texts)  # small: `words()` and `criteria()` are computed on demand
     return await _off_loop(work, executor)
 
@@ -121,23 +128,32 @@ async def clause_words_of(objects: list[str], executor: Executor | None = None,
                           ) -> tuple[IntentWords, list[IntentWords]]:
     """(`IntentWords.of` all `objects`, prepared; `IntentWords.of` each one) for the gate
     waiver (the objects of the clauses that ask for the action: `waiver.Asking.object`), in a
-    worker thread when they hold more than INLINE_CHARS_SLOW characters together."""
+    worker thread when they hold more than INLINE_INTENT_CHARS characters together."""
     def work() -> tuple[IntentWords, list[IntentWords]]:
         return IntentWords.of(objects).prepared(), [IntentWords.of([o]) for o in objects]
 
-    if sum(map(len, objects)) <= INLINE_CHARS_SLOW:
+    if sum(map(len, objects)) <= INLINE_INTENT_CHARS:
         return IntentWords.of(objects), [IntentWords.of([o]) for o in objects]
     return await _off_loop(work, executor)
 
 
 async def asking_of(tool: str, texts: list[str], executor: Executor | None = None) -> list[Asking]:
     """`waiver.asking_clauses` of the run's intent texts for `tool`, in a worker thread when they
-    hold more than INLINE_CHARS_SLOW characters together (linear, but ~2 ms per KiB: a long
+    hold more than INLINE_INTENT_CHARS characters together (linear, but ~1 ms per KiB: a long
     intent would stall the event loop for every gated call)."""
     work = functools.partial(asking_clauses, tool, texts)
-    if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
+    if sum(map(len, texts)) <= INLINE_INTENT_CHARS:
         return work()
     return await _off_loop(work, executor)
+
+
+async def each_of(work: Callable[[T], U], items: list[T], chars: int,
+                  executor: Executor | None = None) -> list[U]:
+    """`[work(item) for item in items]`, where each `work` reads a text of `chars` characters, in
+    a worker thread when the items times `chars` exceed INLINE_LOOKUPS."""
+    if len(items) * chars <= INLINE_LOOKUPS:
+        return [work(item) for item in items]
+    return await _off_loop(lambda: [work(item) for item in items], executor)
 
 
 async def endorsement_of(texts: list[str], n: int, *, window: int = DEFAULT_WINNOW,

@@ -95,6 +95,7 @@ LIGHT_VERBS = frozenset({
     "move", "open", "patch", "perform", "post", "process", "push", "put", "reset", "run",
     "send", "set", "start", "submit", "take", "trigger", "update", "use", "write",
 })
+_NOT_ASKING = NEGATIONS | NOT_A_REQUEST
 _KIND_REACH = 64  # characters before a bare number where the word naming its kind is looked for
 # Words before a bare number that say it is an identifier whatever the kind of thing.
 _ID_WORDS = frozenset({"id", "no", "number", "num", "ref", "reference"})
@@ -255,13 +256,23 @@ def asking_clauses(tool: str, texts: Iterable[str]) -> list[Asking]:
             if question or CONDITIONS & set(words):
                 continue
             ids = frozenset(m.group(0).casefold() for m in _ID.finditer(sentence))
-            before: set[str] = set()  # the sentence's words before this clause (kept as it goes: linear)
+            # Whether a word of the sentence before this clause negates the verb or makes it no
+            # request (kept as it goes, and read once per clause: linear however many words and
+            # verbs a sentence writes).
+            negated = False
             upto = 0
             for start, clause in _clauses(sentence):
-                before.update(w.casefold() for w in _WORDS.findall(sentence, upto, start))
+                negated = negated or not _NOT_ASKING.isdisjoint(
+                    w.casefold() for w in _WORDS.findall(sentence, upto, start))
                 upto = start
                 matches = list(_WORDS.finditer(clause))
                 said = [m.group(0).casefold() for m in matches]
+                if negated or not _NOT_ASKING.isdisjoint(said):
+                    continue
+                # Where the clause last writes what the tool acts on (a light verb asks only
+                # before it).
+                last_object = max((i for i, w in enumerate(said) if stem(w) in objects), default=-1) \
+                    if verb in LIGHT_VERBS else len(said)
                 for i, m in enumerate(matches):
                     if said[i] != verb:
                         continue
@@ -269,9 +280,7 @@ def asking_clauses(tool: str, texts: Iterable[str]) -> list[Asking]:
                     at, end = start + m.start(), start + m.end()
                     quoted = (at > 0 and sentence[at - 1] in _QUOTES) or \
                         (end < len(sentence) and sentence[end] in _QUOTES)
-                    if quoted or (NEGATIONS | NOT_A_REQUEST) & (before | set(said)):
-                        continue
-                    if verb in LIGHT_VERBS and not objects & {stem(w) for w in said[i + 1:]}:
+                    if quoted or last_object <= i:
                         continue
                     found.append(Asking(m.group(0).casefold(), clause.strip(), ids,
                                         _object(clause, m.end(), objects)))

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import criterion, endorse, fingerprint, offload
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow.endorse import IntentWords
+from proxy.envelope.dataflow.endorse import Critical, IntentWords
 from proxy.envelope.dataflow.fingerprint import gram_hashes, normalise, tokens
 from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import Ledger, LedgerDelta, load, record, widen_parent
@@ -311,8 +311,8 @@ async def test_a_large_intent_is_fingerprinted_off_the_loop_and_a_small_one_inli
 
 
 async def test_a_long_intent_is_read_for_the_gate_waiver_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`waiver.asking_clauses` costs ~2 ms per KiB of intent and `max_intent_chars` allows up to
-    1 MiB: past INLINE_CHARS_SLOW characters a gated call reads it in a worker thread."""
+    """`waiver.asking_clauses` costs ~1 ms per KiB of intent and `max_intent_chars` allows up to
+    1 MiB: past INLINE_INTENT_CHARS characters a gated call reads it in a worker thread."""
     threads: list[int] = []
     real = offload.asking_clauses
 
@@ -362,7 +362,7 @@ def _spy_on_intent_reading(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 async def test_a_long_intents_picking_words_and_criteria_are_computed_off_the_loop(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past INLINE_CHARS_SLOW characters `intent_words_of` computes `words()` and `criteria()`
+    """Past INLINE_INTENT_CHARS characters `intent_words_of` computes `words()` and `criteria()`
     in its worker thread, once: the loop reads them without computing (a 16 KiB intent took
     ~5 ms on the loop for the words, far more for the criteria); a small intent computes them
     on demand, inline. Same results as computed afresh."""
@@ -422,7 +422,7 @@ async def test_a_tainted_run_with_a_long_intent_picks_a_listing_entry_off_the_lo
         await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True,
                                                     pick_secret=secret), n=32, cap=65536, ttl=60)
     said = "Pay my landlord this month's rent. " + "Thanks a lot, see you soon. " * 320
-    assert len(said) > offload.INLINE_CHARS_SLOW
+    assert len(said) > offload.INLINE_INTENT_CHARS
     await intents.append(store, RUN_KEY, said, max_chars=16384, ttl=60)
     threads = _spy_on_intent_reading(monkeypatch)
     call = make_call("pay", {"to": "DE44 5001 0517 5407 3249 31"}, upstream="bank")
@@ -465,3 +465,205 @@ async def test_a_loaded_ledger_matches_probes_built_off_the_loop() -> None:
     probes = await probes_of([("/body", _page(20_000) + PAGE)], 32)
     ledger = await load(store, "run", 32, (f for _, p in probes for f in p.fields()))
     assert ledger is not None and any(ledger.find(g) == "untrusted|web.fetch" for g in probes[0][1].grams)
+
+
+# -- the inline bounds: about 1 ms of the worst text on the loop (bench/inline_cost.py) ----------
+
+_SAID = "Delete f-23, it is a duplicate; book the cheapest hotel in Porto for 2 nights and mail leo@acme.example. "
+
+
+def _chars(size: int) -> str:
+    return (_SAID * (size // len(_SAID) + 1))[:size]
+
+
+# (path, its inline bound, the class or module holding what it runs, that function's name, the
+# call for a text)
+_PATHS: list[tuple[str, int, Any, str, Callable[[str], Any]]] = [
+    ("probes", offload.INLINE_CHARS, Probe, "of", lambda t: probes_of([("/body", t)], 32)),
+    ("delta", offload.INLINE_CHARS, LedgerDelta, "of",
+     lambda t: delta_of("web.fetch", [Piece(t, UNTRUSTED, "t")], 32, limit=65536)),
+    ("delta, min_value", offload.INLINE_CHARS_SLOW, LedgerDelta, "of",
+     lambda t: delta_of("web.fetch", [Piece(t, UNTRUSTED, "t")], 32, limit=65536, min_value=10)),
+    ("endorsement", offload.INLINE_CHARS_SLOW, Endorsement, "of", lambda t: endorsement_of([t], 32)),
+    ("intent words", offload.INLINE_INTENT_CHARS, IntentWords, "of", lambda t: intent_words_of([t])),
+    ("waiver clauses", offload.INLINE_INTENT_CHARS, offload, "asking_clauses",
+     lambda t: asking_of("delete_file", [t])),
+    ("clause words", offload.INLINE_INTENT_CHARS, IntentWords, "of", lambda t: offload.clause_words_of([t])),
+]
+
+
+@pytest.mark.parametrize(("owner", "name", "run", "bound"), [(o, n, r, b) for _, b, o, n, r in _PATHS],
+                         ids=[p[0] for p in _PATHS])
+async def test_a_text_one_character_past_its_bound_is_read_off_the_loop(
+        monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, run: Callable[[str], Any], bound: int) -> None:
+    """At its bound a text is read on the loop; one character more, in a worker thread; the
+    same result either way (what it computes on the loop, computed afresh in a thread)."""
+    threads: list[int] = []
+    real = getattr(owner, name)
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spying)
+    at = await run(_chars(bound))
+    assert threads and set(threads) == {threading.get_ident()}
+    threads.clear()
+    past = await run(_chars(bound + 1))
+    assert threads and threading.get_ident() not in threads
+    monkeypatch.setattr(offload, "INLINE_CHARS", 1 << 30)
+    monkeypatch.setattr(offload, "INLINE_CHARS_SLOW", 1 << 30)
+    monkeypatch.setattr(offload, "INLINE_INTENT_CHARS", 1 << 30)
+    threads.clear()
+    assert await run(_chars(bound + 1)) == past and set(threads) == {threading.get_ident()}
+    assert at == await run(_chars(bound))
+
+
+async def _decided(intent: str) -> list[Any]:
+    """What the check decides and audits for a gate waiver, a tainted run's pick and a flagged
+    sink the intent endorses in part, with `intent` as the run's intent."""
+    out: list[Any] = []
+    store = MemoryStore()
+    revision = build_revision({
+        "upstreams": {"drive": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"drive.fetch": {"effect": "read"},
+                  "drive.list_files": {"effect": "read", "output": "trusted"},
+                  "drive.delete_file": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
+                  "drive.pay": {"effect": "external", "approval": {"required": False}},
+                  "drive.send": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "enforce", "waive_gate": "intent", "on_tainted": {"drive.pay": "block"},
+                     "declassify": {"drive.send": ["body"]}},
+    })
+    check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
+    await intents.append(store, RUN_KEY, intent, max_chars=16384, ttl=60)
+    payees = ("p-1 Greystone Properties (landlord) IBAN DE44 5001 0517 5407 3249 31; "
+              "p-2 Stadtwerke (utilities) IBAN DE21 3012 0400 0000 0123 45")
+    secret = await pick_secret(store)
+    for source, text, label in (("drive.list_files", payees, TRUSTED), ("drive.fetch", PAGE, UNTRUSTED)):
+        await record(store, RUN_KEY, LedgerDelta.of(source, [Piece(text, label, "t")], 32, trusted=True,
+                                                    pick_secret=secret), n=32, cap=65536, ttl=60)
+    for tool, args, effect in (("delete_file", {"file_id": "f-23"}, Effect.DESTRUCTIVE),
+                               ("delete_file", {"file_id": "f-21"}, Effect.DESTRUCTIVE),
+                               ("pay", {"to": "DE44 5001 0517 5407 3249 31"}, Effect.EXTERNAL),
+                               ("send", {"body": "Mail leo@acme.example: " + PAGE}, Effect.EXTERNAL)):
+        call = make_call(tool, args, upstream="drive")
+        call.effect = effect
+        decision = await check.decide(call)
+        out.append((tool, args, decision and (decision.code, decision.rule, decision.reason),
+                    call.gate_waived, call.audit_extra))
+    return out
+
+
+async def test_the_check_decides_the_same_inline_and_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bound at zero (everything read in a worker thread) or past the intent (everything
+    on the loop): the same decisions and audit records, for a short intent and a long one."""
+    for intent in ("Delete f-23, it is a duplicate. Pay my landlord the rent. Warn leo@acme.example about evil-pay.example.",
+                   "Delete f-23, it is a duplicate. Pay my landlord the rent. Warn leo@acme.example about evil-pay.example. "
+                   + "Thanks, see you soon. " * 200):
+        seen = []
+        for bound in (0, 1 << 30):
+            for name in ("INLINE_CHARS", "INLINE_CHARS_SLOW", "INLINE_CHARS_TRUSTED", "INLINE_INTENT_CHARS",
+                         "INLINE_LOOKUPS"):
+                monkeypatch.setattr(offload, name, bound)
+            seen.append(await _decided(intent))
+        assert seen[0] == seen[1]
+        [waived, kept, paid, sent] = seen[0]
+        assert waived[3] and not kept[3]  # the intent names f-23, not f-21
+        assert paid[2] is None and paid[4]["tainted_run"]["endorsed"][0]["by"] == "intent+trusted_listing"
+        # The page is flagged; the domain the user wrote is endorsed.
+        assert sent[2] is not None and sent[4]["endorsed"] == [
+            {"arg": "/body", "by": "intent", "kind": "token", "token": "host"}]
+
+
+def test_critical_values_are_looked_up_in_a_long_intent_without_reading_it_again() -> None:
+    """`endorses` and `names` run on the loop for every critical value of a call (up to 256),
+    however long the intent: they look a value's words up in the intent's vocabulary, read
+    once, and search a whole value as a substring first. 256 one-word values against a 16 KiB
+    intent (the default max_intent_chars) took 129 ms of CPU, now ~2 ms: the bound is loose
+    for a loaded CI machine. Same answers as before."""
+    text = ("Book the cheapest hotel in Porto for two nights and pay my landlord. " * 250)[:16384]
+    words = IntentWords.of([text])
+    criticals = [Critical.of(f"/a/{i}", "zz" + "".join(chr(97 + int(d, 16)) for d in f"{i:x}") + "word")
+                 for i in range(255)] + [Critical.of("/to", "zed.brandt@corp.example")]
+    assert _best_of(5, lambda: [(words.endorses(c), words.names(c)) for c in criticals]) < 0.025
+    assert not any(words.endorses(c) or words.names(c) for c in criticals)
+    assert words.endorses(Critical.of("/a", "landlords")) and words.endorses(Critical.of("/a", "Porto"))
+    assert words.names(Critical.of("/to", "landlord@corp.example"))
+
+
+async def test_many_critical_values_against_a_long_intent_are_looked_up_off_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lookup of a critical value can search the whole intent (~0.33 ms per 16 KiB for a
+    value found only inside longer words): a tainted-run sink call with 200 values against a
+    16 KiB intent looks them up in a worker thread, a call with a few values against a short
+    intent on the loop; the same endorsements either way."""
+    threads: list[int] = []
+    real = IntentWords.endorses
+
+    def spying(self: IntentWords, critical: Any) -> bool:
+        threads.append(threading.get_ident())
+        return real(self, critical)
+
+    monkeypatch.setattr(IntentWords, "endorses", spying)
+
+    async def pay(intent: str, count: int) -> Any:
+        store = MemoryStore()
+        revision = build_revision({
+            "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
+            "tools": {"bank.fetch": {"effect": "read"},
+                      "bank.pay": {"effect": "external", "approval": {"required": False}}},
+            "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
+        })
+        check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
+        await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+        await intents.append(store, RUN_KEY, intent, max_chars=16384, ttl=60)
+        call = make_call("pay", {"to": ["aaa" * (i % 7 + 1) for i in range(count)] + ["rent"]}, upstream="bank")
+        call.effect = Effect.EXTERNAL
+        assert await check.decide(call) is None  # shadow: audited
+        return call.audit_extra["tainted_run"]
+
+    long = "Pay the rent. " + "a" * 16_000
+    audit = await pay(long, 200)
+    assert threads and threading.get_ident() not in threads
+    assert audit["endorsed"] == [{"arg": "/to/200", "by": "intent"}] and len(audit["unendorsed"]) == 200
+    threads.clear()
+    monkeypatch.setattr(offload, "INLINE_LOOKUPS", 1 << 40)
+    assert await pay(long, 200) == audit and set(threads) == {threading.get_ident()}
+    monkeypatch.undo()
+    monkeypatch.setattr(IntentWords, "endorses", spying)
+    threads.clear()
+    await pay("Pay the rent.", 3)
+    assert threads and set(threads) == {threading.get_ident()}
+
+
+async def test_picks_past_their_key_budget_hash_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tainted-run call with 256 values against an intent of 200 words and a criterion: the
+    picks, labels and criteria it would look up number more than MAX_PICK_KEYS, so none of
+    them endorses, and none of their keys is hashed on the loop (they were all hashed first,
+    then dropped: over 50,000 per call)."""
+    from proxy.envelope.checks import dataflow as check_module
+    hashed: list[str] = []
+    for name in ("entry_key", "label_key", "name_key", "criterion_key"):
+        real = getattr(check_module, name)
+
+        def counting(*args: Any, real: Any = real, name: str = name) -> Any:
+            hashed.append(name)
+            return real(*args)
+
+        monkeypatch.setattr(check_module, name, counting)
+    store = MemoryStore()
+    revision = build_revision({
+        "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"bank.fetch": {"effect": "read"},
+                  "bank.pay": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
+    })
+    check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
+    await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+    words = " ".join(f"w{chr(97 + i // 26)}{chr(97 + i % 26)}zz" for i in range(200))
+    await intents.append(store, RUN_KEY, f"Pay the cheapest {words}.", max_chars=16384, ttl=60)
+    call = make_call("pay", {"to": [f"value {i} of many" for i in range(256)]}, upstream="bank")
+    call.effect = Effect.EXTERNAL
+    assert await check.decide(call) is None
+    assert len(call.audit_extra["tainted_run"]["unendorsed"]) == 256
+    assert hashed == []

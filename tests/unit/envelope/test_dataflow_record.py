@@ -153,9 +153,10 @@ async def test_a_session_reads_marker_goes_with_its_entry_in_one_write() -> None
 
 async def test_a_5kb_output_is_fingerprinted_inline_unless_whole_values_are_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An output up to 12,288 characters (a 10 KB page) skips the thread hop; with `min_value`
-    (whole-value phrases cost ~10x more per character) the bound stays 4,096, and a larger
-    output goes to a worker thread either way."""
+    """An output up to 6,144 characters (a 5 KB page) skips the thread hop; with `min_value`
+    (whole-value phrases cost ~10x more per character) the bound is 2,048, and a larger output
+    goes to a worker thread either way (a 10 KB page of addresses or numbers would hold the
+    loop ~2 ms: bench/inline_cost.py)."""
     threads: list[int] = []
     real = LedgerDelta.of
 
@@ -165,8 +166,8 @@ async def test_a_5kb_output_is_fingerprinted_inline_unless_whole_values_are_on(
 
     monkeypatch.setattr(LedgerDelta, "of", spying)
     page = (PAGE * 4)[:5000]
-    for min_value, size, inline in ((0, 5000, True), (10, 5000, False), (0, 10_000, True),
-                                    (0, 13_000, False)):
+    for min_value, size, inline in ((0, 5000, True), (10, 2000, True), (10, 5000, False), (0, 6144, True),
+                                    (0, 10_000, False)):
         threads.clear()
         text = (page * 3)[:size]
         delta = await delta_of("web.fetch", [Piece(text, UNTRUSTED, "t")], 32, min_value=min_value)

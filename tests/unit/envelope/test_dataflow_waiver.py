@@ -331,6 +331,39 @@ def test_reading_a_long_intent_is_linear() -> None:
     assert time.perf_counter() - started < 2.0
 
 
+def _distinct_words(count: int) -> str:
+    return "".join(f"delete w{i:x}q, " for i in range(count))
+
+
+def _cpu(fn: Any) -> float:
+    """The least CPU time of this thread over five runs of `fn` (not another process's time)."""
+    import time
+    best = float("inf")
+    for _ in range(5):
+        started = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - started)
+    return best
+
+
+@pytest.mark.parametrize(("tool", "unit", "size"), [
+    ("delete_file", None, 16_000),  # one sentence of clauses, a new word in each
+    ("delete_file", "delete ", 4_000),  # one clause of verbs after a negation ("don't delete delete ...")
+    ("set_permissions", "set ", 4_000),  # one clause of a light verb, never what it acts on
+], ids=["distinct words", "negated verbs", "light verbs"])
+def test_reading_the_clauses_takes_time_linear_in_the_intent(tool: str, unit: str | None, size: int) -> None:
+    """Eight times the intent costs about eight times as long (quadratic would be sixty-four):
+    the words before each clause and after each verb were gathered again for every clause or
+    verb (a 128 KB clause of light verbs took 60 s, in a worker thread holding the interpreter
+    the event loop needs). CPU time ratios, bound at the geometric middle."""
+    def text(chars: int) -> str:
+        if unit is None:
+            return _distinct_words(chars // 10)
+        return ("don't " if tool == "delete_file" else "") + unit * (chars // len(unit))
+    small, large = text(size), text(8 * size)
+    assert _cpu(lambda: asking_clauses(tool, [large])) / _cpu(lambda: asking_clauses(tool, [small])) < 23
+
+
 @pytest.mark.parametrize("tainted", [False, True])
 async def test_an_address_whose_owner_the_user_names_waives_in_a_clean_run_too(tainted: bool) -> None:
     """The trusted contact list holds the address and the user names its owner: the same
