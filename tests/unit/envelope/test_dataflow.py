@@ -415,6 +415,23 @@ async def test_a_record_that_fails_makes_the_next_marker_refresh_the_expiry() ->
     assert writes == ["ledger ttl", "ledger_log ttl"]
 
 
+async def test_an_overflowing_run_records_in_one_write_and_stays_fresh_for_its_markers() -> None:
+    """A run past its cap (a long session reading many pages): each output is one write (the
+    refused entry, the flags with the overflow flag and the marker's removal in one step), and
+    the run stays fresh, so each call's marker is one write without a new expiry; the overflow
+    itself is written again for every output, never skipped as already written."""
+    store, writes, _ = _logged_store()
+    recent = RecentWrites()
+    for i, page in enumerate((PAGE, "another page about " + PAGE, PAGE)):
+        await mark_pending(store, "run", f"d{i}", time.time() + 60, ttl=3600, recent=recent)
+        await record(store, "run", _delta(page), n=32, cap=1, ttl=3600, done=f"d{i}", recent=recent)
+    assert writes == ["ledger ttl", "ledger_log ttl", "ledger_log+ledger ttl",
+                      "ledger", "ledger_log+ledger ttl", "ledger", "ledger_log+ledger ttl"]
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and ledger.overflow and ledger.untrusted and not ledger.pending
+    assert ledger.coarse(time.time(), 32) == "the run's ledger reached its size cap"
+
+
 def _read(session: str | None = None) -> Any:
     call = make_call("fetch", {"url": "https://news.example"}, upstream="web")
     call.run = RunContext("run-1", call.principal.id, session=session)
