@@ -56,8 +56,8 @@ answered with an SSE stream also gets a pending marker before any of the stream 
 which does not know the call's labels: recording the output clears it, and a marker left past
 its deadline makes the run coarse (fail closed: content the agent may have seen was not
 fingerprinted with its labels). A JSON answer reaches the client only through the process that
-forwarded the call, which records it first: no marker. What this process recorded for a run in the last minute
-is not written again (`RecentWrites`, one per process, in `Services.recent`).
+forwarded the call, which records it first: no marker. What this process recorded for a run in
+the last minute is not written again (`RecentWrites`, one per process, in `Services.recent`).
 
 Fail closed: in enforce mode a sink with no store refuses `misconfigured` and a store error
 refuses `store_unavailable`; in shadow mode both are audited (`dataflow_error`) and the call
