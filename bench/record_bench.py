@@ -5,8 +5,8 @@ For each store (memory, SQLite in a temp file, Redis on a redis-server started h
 binary exists) and each output size, distinct prose-like untrusted outputs (ASCII words, a few
 URLs, e-mail addresses and numbers) are recorded in one run's ledger the way `Envelope.complete`
 does it: `offload.delta_of` (fingerprinting, in a worker thread past `INLINE_CHARS`) then
-`ledger.record` with the process's `RecentWrites`; for a session read also with the pending
-marker the call left (`done`), cleared in the same record. Times are medians of the wall time
+`ledger.record` with the process's `RecentWrites`; for a session read answered with an SSE
+stream also with the pending marker the call left (`done`), cleared in the same record. Times are medians of the wall time
 per output, in µs: fingerprinting, the store write, and the two together (what the agent
 waits for); and the CPU time this process spent on one stateless record (every thread; not the
 Redis server's), which a busy shared machine disturbs less than wall time.
@@ -20,7 +20,7 @@ Usage (from the repository root):
     python bench/record_bench.py [--sizes 1000,10000,50000] [--repeat 60] [--code DIR] [--concurrency 32]
 
 With `--concurrency C`, each row also gives the CPU per output when C calls record at once
-(stateless, and session reads that write their pending marker first), which is where the
+(stateless, and streamed session reads that write their pending marker first), which is where the
 SQLite store's group commit of concurrent writes shows.
 
 Prints one Markdown row per store and size on stdout; bench/RESULTS.md quotes them.
@@ -94,7 +94,8 @@ async def measure(store: Store, size: int, repeat: int, rng: random.Random) -> d
         samples["fingerprint"].append(t1 - t0)
         samples["write"].append(t2 - t1)
         samples["total"].append(t2 - t0)
-        # A session read: the marker is written before forwarding (not timed), cleared with the record.
+        # A streamed session read: the marker is written before the stream is relayed (not
+        # timed), cleared with the record.
         marker = f"d{i}"
         await mark_pending(store, run, marker, time.time() + 60, ttl=TTL, recent=recent)
         text = output(rng, size)

@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.envelope.checks.guardrails import UNCHANGED, Guarded, Rule, compiled, scan_payload
-from proxy.envelope.dataflow.ledger import LedgerDelta, RecentWrites, record, widen_parent
+from proxy.envelope.dataflow.ledger import (
+    LedgerDelta,
+    RecentWrites,
+    mark_pending,
+    record,
+    widen_parent,
+)
 from proxy.envelope.dataflow.offload import delta_of
 from proxy.envelope.labels import Label, OutputLabels, Piece, ToolLabels, pieces
 from proxy.envelope.types import RunContext, ToolCall, run_key
@@ -281,6 +287,12 @@ class Inspector:
                               min_value=policy.min_value, trusted=trusted,
                               handles=handles if trusted else (), pointed=pointed and trusted,
                               pick_secret=pick_secret if trusted else None)
+
+    async def mark(self, store: Store, recent: RecentWrites, run: RunContext, decision_id: str,
+                   deadline: float) -> None:
+        """Say in the run's ledger that an output of the call `decision_id` is on its way
+        (`ledger.mark_pending`). Raises StoreError (or TimeoutError) when the store cannot."""
+        await mark_pending(store, run.key, decision_id, deadline, ttl=self.dataflow.ledger_ttl, recent=recent)
 
     async def record(self, store: Store, recent: RecentWrites, run: RunContext, delta: LedgerDelta,
                      done: str | None = None) -> None:

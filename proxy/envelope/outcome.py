@@ -355,6 +355,30 @@ class Completion:
         pending.notes.add_recorded(delta)
         return None
 
+    async def stream_opens(self, pending: Pending) -> Decision | None:
+        """The call's answer is an SSE stream, which its client may resume elsewhere (GET +
+        Last-Event-ID, possibly on another replica): the pending marker the data-flow check asked
+        for (`ToolCall.ledger_due`) goes in the run's ledger before anything of it is relayed.
+        The refusal that withholds the stream when the store cannot take it in enforce mode
+        (shadow notes it and goes on), else None."""
+        call, chain, store = pending.call, pending.chain, self.services.store
+        deadline, call.ledger_due = call.ledger_due, None
+        if deadline is None or chain is None or store is None:
+            return None
+        try:
+            await chain.inspector.mark(store, self.services.recent, call.run, call.decision_id, deadline)
+        except (StoreError, TimeoutError) as exc:
+            log.error("data-flow ledger of run %s cannot take the pending marker of decision %s: %s",
+                      call.run.id, call.decision_id, exc)
+            call.audit_extra["dataflow_error"] = f"pending marker not written: {exc or 'timed out'}"
+            if chain.inspector.dataflow.mode == "enforce":
+                return Decision(Verdict.ERROR, Code.STORE_UNAVAILABLE, "dataflow",
+                                f"the run's data-flow ledger cannot say that this call's stream is on its "
+                                f"way ({exc or 'timed out'}); it is withheld")
+            return None
+        call.ledger_pending = call.decision_id
+        return None
+
     async def _clear_pending(self, pending: Pending) -> None:
         """Nothing will be delivered: clear the call's pending ledger marker (if it left one)."""
         call = pending.call

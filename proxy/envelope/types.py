@@ -267,8 +267,12 @@ class ToolCall:
     # X-Envelope-Intent as sent (percent-encoded): the user's words, decoded and appended to the
     # run's intent by the data-flow check (`proxy.envelope.dataflow.intent`).
     intent: str | None = None
+    # The deadline of the pending marker the data-flow check asks for (a session call whose
+    # output it tracks), written once the answer turns out to be a stream the client may resume
+    # elsewhere (`Envelope.stream_opens`); None: no marker wanted, or written already.
+    ledger_due: float | None = None
     # The decision id of a pending marker in the run's ledger (an output is on its way), set
-    # by the data-flow check: whoever ends the call records the output, or clears the marker.
+    # when it is written: whoever ends the call records the output, or clears the marker.
     ledger_pending: str | None = None
     # Set by the data-flow check on a read when some sink escalates tainted runs: the values
     # of its identifier arguments when the run was clean at the read (`read_handles`), and

@@ -390,6 +390,10 @@ class _Forwarded:
                 return await self._http_answer(resp, ctype)
             if ctype.startswith("text/event-stream") and resp.status == 200:
                 x.observe(target.name, self._seconds(), "ok", None)
+                refusal = await x.envelope.stream_opens(self.pending)
+                if refusal is not None:
+                    x.cancel(self.request, "the proxy withheld the call's stream")
+                    return refusal
                 await self.downstream.open(resp)
                 return await self._stream(resp)
             data = await resp.read(x.max_reply_bytes)

@@ -147,7 +147,8 @@ class Store(ABC):
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
-                          drop: Sequence[bytes] = ()) -> int:
+                          drop: Sequence[bytes] = (),
+                          if_refused: Mapping[bytes, bytes] | None = None) -> int:
         """Append `value` as the log's next entry, atomically; its sequence number, or 0 when
         `weight` would take the log's total weight beyond `cap` (then nothing is written but
         the expiry). With `ttl`, the whole log expires `ttl` seconds after this call. With
@@ -156,7 +157,10 @@ class Store(ABC):
         for a ledger's entry and its flags), and not at all when it is refused; `drop` names
         fields of that hash removed in the same step, after it is set (as `hash_delete`: a
         ledger's pending marker, cleared with the entry that records its output), and only
-        when the entry is appended."""
+        when the entry is appended. With `if_refused` (fields), a refused entry sets those
+        fields of `also`'s hash instead, with the same expiry, and still removes `drop` after
+        them, in the same step (a ledger's flags with its overflow flag, and the marker: one
+        round trip for an output the cap refuses too)."""
 
     @abstractmethod
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,

@@ -128,7 +128,8 @@ class MemoryStore(Store):
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
-                          drop: Sequence[bytes] = ()) -> int:
+                          drop: Sequence[bytes] = (),
+                          if_refused: Mapping[bytes, bytes] | None = None) -> int:
         self._check()
         entry = self._hash(ns, key)
         if entry is None:
@@ -137,16 +138,17 @@ class MemoryStore(Store):
         seq, total = log_counter(values.get(LOG_COUNTER))
         if ttl is not None:
             expiry[0] = self._expiry(ttl)
-        if cap is not None and total + weight > cap:
-            return 0
-        seq += 1
-        values[log_field(seq)] = value
-        values[LOG_COUNTER] = b"%d %d" % (seq, total + weight)
-        if also is not None:
+        refused = cap is not None and total + weight > cap
+        if not refused:
+            seq += 1
+            values[log_field(seq)] = value
+            values[LOG_COUNTER] = b"%d %d" % (seq, total + weight)
+        fields = if_refused if refused else also[1] if also is not None else None
+        if also is not None and fields is not None:
             # One step, as on the others (no await in between: nothing interleaves).
-            await MemoryStore.hash_put(self, also[0], key, also[1], ttl)
+            await MemoryStore.hash_put(self, also[0], key, fields, ttl)
             await MemoryStore.hash_delete(self, also[0], key, drop)
-        return seq
+        return 0 if refused else seq
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:

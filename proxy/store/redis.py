@@ -107,10 +107,11 @@ end
 """
 
 # KEYS[1] the log, KEYS[2] (optional) a hash set with the entry; ARGV: the entry, its weight,
-# cap ("" for none), expiry in ms ("" for none), the number d of the hash's fields to remove, those
-# d fields, then the hash's field, value pairs. The entry's sequence number, or 0 when the weight
-# would exceed the cap (then the hash is left alone). Fields as in `proxy.store.base`
-# (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
+# cap ("" for none), expiry in ms ("" for none), the number d of the hash's fields to remove, the
+# number a of field, value pairs set when the entry is appended, the number r of pairs set instead
+# when it is refused (-1: the hash is then left alone), the d fields, the a pairs, the r pairs.
+# The entry's sequence number, or 0 when the weight would exceed the cap. Fields as in
+# `proxy.store.base` (`log_field`: 8 bytes big-endian; the counter "#": "<seq> <weight>").
 _LOG_APPEND = _LUA_BE + """
 local counter = redis.call('HGET', KEYS[1], '#')
 local seq, total = 0, 0
@@ -119,22 +120,24 @@ if counter then
   seq, total = tonumber(a), tonumber(b)
 end
 local weight, cap = tonumber(ARGV[2]), tonumber(ARGV[3])
-local result = 0
+local drop, appended, refused = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local result, first, pairs = 0, 8 + drop, appended
 if cap == nil or total + weight <= cap then
   seq = seq + 1
   redis.call('HSET', KEYS[1], be(seq), ARGV[1], '#', string.format('%d %d', seq, total + weight))
   result = seq
-  if KEYS[2] then
-    local drop = tonumber(ARGV[5])
-    for i = 6 + drop, #ARGV, 2 do
-      redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
-    end
-    if ARGV[4] ~= '' then
-      redis.call('PEXPIRE', KEYS[2], ARGV[4])
-    end
-    if drop > 0 then
-      redis.call('HDEL', KEYS[2], unpack(ARGV, 6, 5 + drop))
-    end
+else
+  first, pairs = 8 + drop + 2 * appended, refused
+end
+if KEYS[2] and pairs >= 0 then
+  for i = first, first + 2 * pairs - 1, 2 do
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
+  if ARGV[4] ~= '' then
+    redis.call('PEXPIRE', KEYS[2], ARGV[4])
+  end
+  if drop > 0 then
+    redis.call('HDEL', KEYS[2], unpack(ARGV, 8, 7 + drop))
   end
 end
 if ARGV[4] ~= '' then
@@ -375,16 +378,21 @@ class RedisStore(Store):
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
-                          drop: Sequence[bytes] = ()) -> int:
+                          drop: Sequence[bytes] = (),
+                          if_refused: Mapping[bytes, bytes] | None = None) -> int:
         removed = list(drop) if also is not None else []
+        fields = also[1] if also is not None else {}
+        instead = if_refused if also is not None and if_refused is not None else None
         args: list[bytes] = [value, str(weight).encode(), b"" if cap is None else str(cap).encode(),
                              b"" if ttl is None else str(_px(ttl)).encode(), str(len(removed)).encode(),
+                             str(len(fields)).encode(), b"-1" if instead is None else str(len(instead)).encode(),
                              *removed]
         keys = [self._hash_key(ns, key)]
         if also is not None:
             keys.append(self._hash_key(also[0], key))
-            for field, field_value in also[1].items():
-                args += (field, field_value)
+            for pairs in (fields, instead or {}):
+                for field, field_value in pairs.items():
+                    args += (field, field_value)
 
         # An entry the server took before the lane's connection dropped is appended again by
         # redis-py (which also retries once on a dropped connection): the same fingerprints

@@ -233,7 +233,7 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
 
 def _hash_append(conn: sqlite3.Connection, now: float, ns: str, key: str, value: bytes, ttl: float | None,
                  weight: int, cap: int | None, also: tuple[str, Mapping[bytes, bytes]] | None,
-                 drop: Sequence[bytes]) -> int:
+                 drop: Sequence[bytes], if_refused: Mapping[bytes, bytes] | None) -> int:
     """`Store.hash_append` inside the caller's write transaction."""
     meta = _writable_meta(conn, now, ns, key)
     expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
@@ -243,13 +243,15 @@ def _hash_append(conn: sqlite3.Connection, now: float, ns: str, key: str, value:
     if cap is not None and total + weight > cap:
         if ttl is not None and meta is not None:
             conn.execute(_HASH_SET_META, (ns, key, expires, size))
-        return 0
-    seq += 1
-    conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
-    conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
-    conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
-    if also is not None:
-        _hash_put(conn, now, also[0], key, also[1], ttl)
+        seq, fields = 0, if_refused
+    else:
+        seq += 1
+        conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
+        conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
+        conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
+        fields = also[1] if also is not None else None
+    if also is not None and fields is not None:
+        _hash_put(conn, now, also[0], key, fields, ttl)
         if drop:
             _hash_remove(conn, now, also[0], key, drop)
     return seq
@@ -501,9 +503,10 @@ class SqliteStore(Store):
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
-                          drop: Sequence[bytes] = ()) -> int:
+                          drop: Sequence[bytes] = (),
+                          if_refused: Mapping[bytes, bytes] | None = None) -> int:
         return await self._write("hash_append", lambda conn, now: _hash_append(
-            conn, now, ns, key, value, ttl, weight, cap, also, drop))
+            conn, now, ns, key, value, ttl, weight, cap, also, drop, if_refused))
 
     async def _write(self, what: str, work: Callable[[sqlite3.Connection, float], T]) -> T:
         """Group commit: `work` joins the writes that the worker thread takes all at once into

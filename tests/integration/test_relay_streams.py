@@ -5,7 +5,9 @@ header hygiene both ways, and a tools/call whose result arrives after progress e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,10 @@ class Scripted:
         if msg.get("method") == "notifications/cancelled":
             self.cancelled.append(msg["params"])
             return web.Response(status=202)
+        if msg["params"].get("arguments", {}).get("answer") == "json":
+            await asyncio.wait_for(self.release.wait(), 15)
+            return web.json_response({"jsonrpc": "2.0", "id": msg["id"], "result": {
+                "content": [{"type": "text", "text": "done"}], "isError": False}})
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Mcp-Session-Id": "s-1", "Connection": "keep-alive",
         })
@@ -156,6 +162,39 @@ async def test_tools_call_progress_arrives_before_the_upstream_finishes(proxy: A
     _, headers, sent = scripted.seen[-1]
     assert json.loads(sent) == body  # the body reaches the upstream unchanged
     assert headers["Mcp-Param-Region"] == "eu"
+
+
+def pending_markers(state: Path) -> list[bytes]:
+    """The pending markers in the run ledgers of the proxy's SQLite store."""
+    with contextlib.closing(sqlite3.connect(state / "state.db")) as db:
+        return [bytes(f) for (f,) in db.execute("SELECT field FROM hash WHERE ns = 'ledger'")
+                if bytes(f).startswith(b"p:")]
+
+
+@pytest.mark.parametrize("answer", ["sse", "json"])
+async def test_a_session_call_marks_its_output_pending_only_when_the_answer_is_a_stream(
+        proxy: Any, upstream: tuple[Scripted, int], tmp_path: Path, answer: str) -> None:
+    """A session's stream may be resumed with GET + Last-Event-ID, possibly on another replica:
+    while the upstream holds a streamed answer, the run's ledger says an output is on its way
+    (written before the stream reached the client). A JSON answer, which only this process
+    delivers, costs no marker (no store write before the call is forwarded). Once the result
+    is delivered, no marker is left."""
+    scripted, _ = upstream
+    body = {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"answer": answer}}}
+    async with httpx.AsyncClient(timeout=20) as client:
+        call = asyncio.create_task(client.post(proxy.url("raw"), json=body, headers=HEADERS))
+        for _ in range(200):
+            if any(m == "POST" and b'"tools/call"' in b for m, _, b in scripted.seen):
+                break
+            await asyncio.sleep(0.025)
+        await asyncio.sleep(0.3)  # the proxy has the streamed answer's headers by now
+        held = pending_markers(tmp_path / "state")
+        scripted.release.set()
+        resp = await call
+    assert resp.status_code == 200 and "done" in resp.text
+    assert len(held) == (1 if answer == "sse" else 0), held
+    assert pending_markers(tmp_path / "state") == []
 
 
 async def test_delete_is_relayed(proxy: Any, upstream: tuple[Scripted, int]) -> None:

@@ -340,6 +340,24 @@ async def test_log_append_removes_fields_of_the_hash_with_the_entry(store: Store
     assert (await store.hash_since("ledger_log", "r", 0))[:2] == (2, [b"a", b"c"])
 
 
+async def test_log_append_refused_sets_the_fields_given_for_it(store: Store) -> None:
+    """`if_refused`: an entry the cap refuses sets those fields instead (a ledger's flags with
+    its overflow flag), with the expiry, and still removes `drop`, in the same step; an
+    appended entry sets `also`'s fields and never those."""
+    await store.hash_put("ledger", "r", {b"p:d1": b"1", b"p:d2": b"2"})
+    assert await store.hash_append("ledger_log", "r", b"a", weight=2, cap=3, also=("ledger", {b"u": b"1"}),
+                                   drop=[b"p:d1"], if_refused={b"x": b"1"}) == 1
+    assert await store.hash_all("ledger", "r") == {b"u": b"1", b"p:d2": b"2"}
+    assert await store.hash_append("ledger_log", "r", b"b", ttl=TTL, weight=2, cap=3,
+                                   also=("ledger", {b"s": b"1"}), drop=[b"p:d2"],
+                                   if_refused={b"s": b"1", b"o": b"1"}) == 0
+    assert await store.hash_all("ledger", "r") == {b"u": b"1", b"s": b"1", b"o": b"1"}
+    assert (await store.hash_since("ledger_log", "r", 0))[:2] == (1, [b"a"])
+    # The refused step set the expiry of both.
+    await hash_gone(store, "ledger", "r", [b"u", b"s", b"o"])
+    assert (await store.hash_since("ledger_log", "r", 0))[:2] == (0, [])
+
+
 async def test_log_expires_and_starts_again(store: Store) -> None:
     assert await store.hash_append("ledger_log", "r", b"a", ttl=TTL, weight=3, cap=3) == 1
     assert await store.hash_append("ledger_log", "r", b"b", ttl=TTL, weight=1, cap=3) == 0

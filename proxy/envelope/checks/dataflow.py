@@ -38,7 +38,6 @@ from proxy.envelope.dataflow.intent import Endorsement, IntentError
 from proxy.envelope.dataflow.ledger import (
     Ledger,
     load,
-    mark_pending,
     run_flags,
 )
 from proxy.envelope.dataflow.match import (
@@ -108,7 +107,6 @@ class DataflowCheck:
         self._labels = ToolLabels(revision)
         self._timeouts = {name: up.timeout for name, up in revision.document.upstreams.items()}
         self._store: Store | None = services.store if services is not None else None
-        self._recent = services.recent if services is not None else None
         self._gate = self._store is not None and services is not None and services.settings.approvals.enabled
         self._escalates = escalates(self.policy)
 
@@ -215,12 +213,11 @@ class DataflowCheck:
             if decision is None and labels.tracked and call.run.session:
                 # A session's stream may be resumed with GET + Last-Event-ID after the client
                 # drops it, possibly on another replica that does not know this call's labels:
-                # say beforehand that an output is on its way. Recording the output clears the
-                # marker; a marker left past its deadline makes the run coarse (fail closed).
-                deadline = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
-                await mark_pending(store, call.run.key, call.decision_id, deadline, ttl=self._ttl,
-                                   recent=self._recent)
-                call.ledger_pending = call.decision_id
+                # an output is said to be on its way before anything of that stream reaches the
+                # client (`Envelope.stream_opens`; a JSON answer, which only this process
+                # delivers, needs no marker). Recording the output clears the marker; a marker
+                # left past its deadline makes the run coarse (fail closed).
+                call.ledger_due = time.time() + self._timeouts.get(call.upstream, 30.0) + PENDING_GRACE
             return decision
         except (StoreError, TimeoutError) as exc:
             if self.mode == "shadow":

@@ -51,11 +51,13 @@ results, resource and prompt contents, messages relayed in a stream) is recorded
 inspection seam (`proxy.envelope.inspect`, run by `Envelope.complete`) before it is delivered,
 with the labels of its tool, resource or prompt. When the store cannot take it, enforce withholds
 it (refused `store_unavailable`), shadow delivers it and audits `dataflow_error`. A session read
-also gets a pending marker before it is forwarded, because a client may resume a dropped stream
-on another replica, which does not know the call's labels: recording the output clears it, and a
-marker left past its deadline makes the run coarse (fail closed: content the agent may have seen
-was not fingerprinted with its labels). What this process recorded for a run in the last minute
-is not written again (`RecentWrites`, one per process, in `Services.recent`).
+answered with an SSE stream also gets a pending marker before any of the stream is relayed
+(`Envelope.stream_opens`), because a client may resume a dropped stream on another replica,
+which does not know the call's labels: recording the output clears it, and a marker left past
+its deadline makes the run coarse (fail closed: content the agent may have seen was not
+fingerprinted with its labels). A JSON answer reaches the client only through the process that
+forwarded the call, which records it first: no marker. What this process recorded for a run in
+the last minute is not written again (`RecentWrites`, one per process, in `Services.recent`).
 
 Fail closed: in enforce mode a sink with no store refuses `misconfigured` and a store error
 refuses `store_unavailable`; in shadow mode both are audited (`dataflow_error`) and the call

@@ -696,32 +696,30 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
             # mark an output pending meanwhile write their marker alone (one write, not two).
             # A write that fails forgets the run (what the store holds is then unknown).
             try:
-                seq = 0
                 if groups:
                     # The entry, the flags and the marker's removal in one step (one round
-                    # trip); the flags only when the entry went in: flags without their
-                    # fingerprints would narrow verdicts.
+                    # trip). The flags only when the entry went in (flags without their
+                    # fingerprints would narrow verdicts); when the cap refuses it, the flags
+                    # with the overflow flag instead, and the marker's removal, in that step.
                     weight = sum(len(joined) // FP_SIZE for _, _, joined in groups)
-                    seq = await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
-                                                  also=(META_NS, meta), drop=marker)
-                    if seq:
-                        marker = []
                     # Endorsing keys left out only endorse less (more escalation): no overflow.
-                    if not seq and len(groups) > bool(delta.trusted):
-                        meta[b"o"] = b"1"
+                    full = {**meta, b"o": b"1"} if len(groups) > bool(delta.trusted) else meta
+                    if not await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
+                                                   also=(META_NS, meta), drop=marker, if_refused=full):
+                        meta = full
+                    marker = []
                 else:
                     await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)
-                if not seq:
                     await store.hash_put(META_NS, run_key, meta, ttl=ttl)
             except BaseException:
                 if recent is not None:
                     recent.forget(store, run_key)
                 raise
             if recent is not None:
-                if b"o" in meta:  # an overflow is written again next time
-                    recent.forget(store, run_key)
-                else:
-                    recent.refreshed(store, run_key, digests, ttl)
+                # An overflow is written again next time (none of its digests is kept as
+                # written), but both hashes' expiry was just set: the run is fresh, so the
+                # markers of its next calls are one write each, as in a run that fits its cap.
+                recent.refreshed(store, run_key, () if b"o" in meta else digests, ttl)
     if marker:
         await store.hash_delete(META_NS, run_key, marker)
 

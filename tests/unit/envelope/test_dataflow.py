@@ -415,6 +415,23 @@ async def test_a_record_that_fails_makes_the_next_marker_refresh_the_expiry() ->
     assert writes == ["ledger ttl", "ledger_log ttl"]
 
 
+async def test_an_overflowing_run_records_in_one_write_and_stays_fresh_for_its_markers() -> None:
+    """A run past its cap (a long session reading many pages): each output is one write (the
+    refused entry, the flags with the overflow flag and the marker's removal in one step), and
+    the run stays fresh, so each call's marker is one write without a new expiry; the overflow
+    itself is written again for every output, never skipped as already written."""
+    store, writes, _ = _logged_store()
+    recent = RecentWrites()
+    for i, page in enumerate((PAGE, "another page about " + PAGE, PAGE)):
+        await mark_pending(store, "run", f"d{i}", time.time() + 60, ttl=3600, recent=recent)
+        await record(store, "run", _delta(page), n=32, cap=1, ttl=3600, done=f"d{i}", recent=recent)
+    assert writes == ["ledger ttl", "ledger_log ttl", "ledger_log+ledger ttl",
+                      "ledger", "ledger_log+ledger ttl", "ledger", "ledger_log+ledger ttl"]
+    ledger = await load(store, "run", 32)
+    assert ledger is not None and ledger.overflow and ledger.untrusted and not ledger.pending
+    assert ledger.coarse(time.time(), 32) == "the run's ledger reached its size cap"
+
+
 def _read(session: str | None = None) -> Any:
     call = make_call("fetch", {"url": "https://news.example"}, upstream="web")
     call.run = RunContext("run-1", call.principal.id, session=session)
@@ -431,20 +448,51 @@ def _envelope(tmp_path: Path, store: MemoryStore, mode: str = "enforce") -> Enve
 PAGE_REPLY = {"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": PAGE}]}}
 
 
-async def test_a_stateless_read_costs_no_store_write_before_it_is_forwarded(tmp_path: Path) -> None:
-    """Outputs are recorded before they reach the agent (`Envelope.complete`), so a stateless
-    read needs no pending marker; a session's stream can be resumed, possibly on a replica that
-    does not know the call, so a session read has one, cleared when its output is recorded."""
-    for session, before in ((None, set()), ("s-1", {"ledger", "ledger_log"})):
+async def test_a_read_costs_no_store_write_before_it_is_forwarded(tmp_path: Path) -> None:
+    """Outputs are recorded before they reach the agent (`Envelope.complete`), so a read needs
+    no pending marker before it is forwarded, nor at all when its answer is JSON (only this
+    process delivers it). A session's stream can be resumed, possibly on a replica that does
+    not know the call: when the answer is a stream, a session read's marker is written before
+    any of it is relayed (`stream_opens`), and cleared when its output is recorded."""
+    for session, streams, marked in ((None, True, set()), ("s-1", False, set()),
+                                     ("s-1", True, {"ledger", "ledger_log"})):
         store = MemoryStore()
-        envelope = _envelope(tmp_path / (session or "none"), store)
+        envelope = _envelope(tmp_path / f"{session}-{streams}", store)
         pending = await envelope.begin(_read(session))
         assert not pending.decision.refused
-        assert set(store._hashes) == before
+        assert set(store._hashes) == set()
+        if streams:
+            assert await envelope.stream_opens(pending) is None
+            assert set(store._hashes) == marked
+            ledger = await load(store, RUN_KEY, 32)
+            assert (list(ledger.pending) if ledger else []) == ([pending.call.decision_id] if marked else [])
         outcome = await envelope.complete(pending, Reply(dict(PAGE_REPLY)))
         assert outcome.kind == "deliver"
         ledger = await load(store, RUN_KEY, 32)
         assert ledger is not None and ledger.untrusted and not ledger.pending
+
+
+async def test_a_stream_whose_marker_cannot_be_written_is_withheld_in_enforce_only(tmp_path: Path) -> None:
+    """The store fails when a session read's answer turns out to be a stream: enforce ends the
+    call with a refusal before any of it is relayed (one record, saying why); shadow relays it."""
+    for mode in ("enforce", "shadow"):
+        store = MemoryStore()
+        envelope = _envelope(tmp_path / mode, store, mode)
+        pending = await envelope.begin(_read("s-1"))
+        store.fail = StoreError("redis store redis://x: hash_put failed: Connection refused")
+        refusal = await envelope.stream_opens(pending)
+        if mode == "enforce":
+            assert refusal is not None and refusal.code is Code.STORE_UNAVAILABLE
+            outcome = await envelope.complete(pending, refusal)
+            assert outcome.kind == "refuse" and outcome.decision.code is Code.STORE_UNAVAILABLE
+        else:
+            assert refusal is None
+            store.fail = None
+            outcome = await envelope.complete(pending, Reply(dict(PAGE_REPLY)))
+            assert outcome.kind == "deliver"
+        records = (tmp_path / mode / "audit.jsonl").read_text().splitlines()
+        assert len(records) == 1
+        assert "Connection refused" in json.loads(records[0])["extra"]["dataflow_error"]
 
 
 async def test_a_detached_call_keeps_its_marker_until_its_result_is_recorded(tmp_path: Path) -> None:
@@ -455,6 +503,7 @@ async def test_a_detached_call_keeps_its_marker_until_its_result_is_recorded(tmp
     envelope = _envelope(tmp_path, store)
     call = _read("s-1")
     pending = await envelope.begin(call)
+    assert await envelope.stream_opens(pending) is None
     await envelope.complete(pending, Failure("detached", "the client disconnected; resumable"))
     ledger = await load(store, RUN_KEY, 32)
     assert ledger is not None and not ledger.lost and list(ledger.pending) == [call.decision_id]
