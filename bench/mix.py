@@ -380,8 +380,10 @@ def report(cells: list[Cell], unsupported: dict[str, str], args: argparse.Namesp
         "its stdio-to-streamable-HTTP client). Added latency is over `direct` in the same cell; "
         "CPU = utime+stime of the proxy's process tree per call; `x pass` = CPU over the passthrough's "
         "in the same cell. Each size starts the envelope on an empty state directory; within a size "
-        "the run's ledger grows from cell to cell (stateless calls share the principal's run; each "
-        "session cell is a new run), as a real agent's run does.",
+        "the run's ledger grows from cell to cell (stateless calls share the principal's run; the session "
+        "cells share one run too: the bench's upstream hands every `initialize` the same session id), "
+        "as a real agent's run does; a 5 KB output adds ~2,000 fingerprints, so the run reaches "
+        "`ledger_cap` (65,536) after ~32 calls and overflows (coarse) for the rest of the size.",
         "",
         "**Noise.** The machine has 2 cores shared by wrk, the upstream, the proxy (and other engineers' "
         "jobs): compare ratios within this run, not absolute numbers across runs. 2-worker rows compete "
