@@ -58,8 +58,8 @@ def responsive_loop(interval: float = RELOAD_SWITCH_INTERVAL) -> Iterator[None]:
 # How much nicer than the event loop's the reload thread's CPU priority is. Back-to-back reloads
 # keep one core busy (a 1,000-tool policy in one file: ~0.5 s of CPU a reload) while the loop,
 # its clients and its upstreams share the other: at the same priority, calls' p99 during reloads
-# was 3.0-3.5x the steady p99; with the reload thread at +10, 2.2-2.5x, and the reload takes
-# longer instead (bench/RESULTS.md, "Policy load at scale", round 5).
+# was 2.6-3.4x the steady p99; with the reload thread at +10, 2.1-2.4x, and the reload takes
+# longer instead (bench/RESULTS.md, "Policy load at scale", round 5 (reload)).
 RELOAD_NICE = 10
 
 
