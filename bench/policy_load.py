@@ -25,6 +25,7 @@ import cProfile
 import http.client
 import io
 import json
+import multiprocessing
 import os
 import pstats
 import re
@@ -33,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -208,12 +208,17 @@ def reloads(admin: int) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def call_loop(port: int, stop: threading.Event, out: list[tuple[float, float]]) -> None:
-    """Sequential `tools/call`s of the bench tool on one keep-alive connection: (start, latency)."""
+def call_loop(port: int, ready: Any, stop: Any, out: Any) -> None:
+    """Sequential `tools/call`s of the bench tool on one keep-alive connection, in a process of
+    its own (a client thread in the bench's process would wait for the bench's interpreter while
+    it writes the next edit: ~15 ms of policy text each time, counted as the proxy's latency);
+    sends the latencies on `out` once `stop` is set."""
     sys.path.insert(0, str(BENCH))
     from run import BODY, HEADERS  # the same call bench/run.py measures
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    latencies = []
+    ready.set()
     while not stop.is_set():
         t0 = time.perf_counter()
         conn.request("POST", "/mcp/bench", BODY, HEADERS)
@@ -221,8 +226,9 @@ def call_loop(port: int, stop: threading.Event, out: list[tuple[float, float]]) 
         body = resp.read()
         if resp.status != 200 or b'"isError":false' not in body:
             raise SystemExit(f"call refused or failed: {resp.status} {body[:200]!r}")
-        out.append((t0, time.perf_counter() - t0))
+        latencies.append(time.perf_counter() - t0)
     conn.close()
+    out.send(latencies)
 
 
 def loop_lags(path: Path, start: float, end: float) -> list[float]:
@@ -246,6 +252,7 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
     """p50/p99 of calls through the real proxy, steady and while it reloads a `tools`-tool policy
     (one tool edited, the next edit as soon as the last reload is in)."""
     tmp = Path(tempfile.mkdtemp(prefix="policy-traffic-"))
+    spawn = multiprocessing.get_context("spawn")
     procs: list[subprocess.Popen[bytes]] = []
     stack = contextlib.ExitStack()
     try:
@@ -277,17 +284,19 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
               f"{time.perf_counter() - started:.1f} s", flush=True)
         results = {}
         for phase in ("steady", "reloading"):
-            out: list[tuple[float, float]] = []
-            stop = threading.Event()
-            client = threading.Thread(target=call_loop, args=(port, stop, out))
-            window = time.time()
+            ready, stop = spawn.Event(), spawn.Event()
+            receive, send = spawn.Pipe(duplex=False)
+            client = spawn.Process(target=call_loop, args=(port, ready, stop, send))
             client.start()
+            ready.wait(60)
+            window = time.time()
             done, durations = 0, []
             t_end = time.perf_counter() + seconds
             variant = 0
             while time.perf_counter() < t_end:
-                if phase == "steady":
-                    time.sleep(0.2)
+                if phase == "steady":  # the proxy answers the same /metrics polls as below
+                    reloads(admin)
+                    time.sleep(0.05)
                     continue
                 variant += 1
                 before = reloads(admin)
@@ -298,9 +307,9 @@ def run_traffic(tools: int, rules: int, files: int, seconds: float) -> None:
                 durations.append(time.perf_counter() - t0)
                 done += 1
             stop.set()
+            lat = receive.recv()
             client.join()
             stalls = loop_lags(lagfile, window, time.time())
-            lat = [x for _, x in out]
             results[phase] = lat
             extra = ""
             if durations:
@@ -351,8 +360,8 @@ def main() -> None:
                   f"{r['cold_chain']:.2f} s | {r['cold_cpu']:.2f} s | {r['cold_here']:.2f} s | "
                   f"{r['reload_load']:.2f} s | "
                   f"{r['reload_chain']:.2f} s | {r['reload_cpu']:.2f} s |", flush=True)
-    if args.traffic:
-        run_traffic(max(counts), args.rules, int(args.files.split(",")[-1]), args.traffic)
+    for files in [int(f) for f in args.files.split(",")] if args.traffic else []:
+        run_traffic(max(counts), args.rules, files, args.traffic)
 
 
 if __name__ == "__main__":

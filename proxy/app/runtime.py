@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -53,6 +54,7 @@ from proxy.policy.reload import (
     PolicyWatcher,
     load_stable,
     load_stable_at,
+    lower_priority,
     responsive_loop,
 )
 from proxy.store.base import Store
@@ -119,6 +121,8 @@ class Runtime:
         self._targets: dict[str, UpstreamTarget] = {}
         self.last_reload: dict[str, Any] = {}
         self._reload_lock = asyncio.Lock()
+        # Reloads load and build in a thread of their own, at a lower CPU priority than the loop.
+        self._reloader = ThreadPoolExecutor(1, "policy-reload", initializer=lower_priority)
         # Off by default; `serve` freezes the first revision and then each reloaded one.
         self.collector = Collector()
         self._runners: list[web.AppRunner | FastListener] = []
@@ -227,7 +231,8 @@ class Runtime:
             started = time.time()
             try:
                 with responsive_loop():
-                    revision, chain = await asyncio.to_thread(self._prepare, self._engine())
+                    revision, chain = await asyncio.get_running_loop().run_in_executor(
+                        self._reloader, self._prepare, self._engine())
             except PolicyError as exc:
                 errors = [str(p) for p in exc.problems]
                 self.metrics.reload("failure")
@@ -464,6 +469,7 @@ class Runtime:
         if self._watcher is not None:
             await self._watcher.stop()
         await self._prober.stop()
+        self._reloader.shutdown(wait=False)  # a reload under way finishes, never installed
         if self.fronts is not None:
             self.fronts.shutting_down = True  # calls cut off from here on say so
         for runner in self._runners:

@@ -27,6 +27,9 @@ class ToolRegistry:
 
     def __init__(self) -> None:
         self._tools: dict[str, dict[str, ToolInfo]] = {}
+        # Counts changes, each counted once it is complete: what was read from the registry
+        # while the count stayed the same is still what it holds (`Chain.misconfigured`).
+        self.generation = 0
 
     def learn(self, upstream: str, tools: Iterable[Mapping[str, Any]]) -> list[ToolInfo]:
         """Record the tools of one `tools/list` page. Malformed entries are skipped."""
@@ -45,15 +48,18 @@ class ToolRegistry:
             )
             known[name] = info
             learned.append(info)
+        self.generation += 1
         return learned
 
     def replace(self, upstream: str, tools: Iterable[ToolInfo]) -> None:
         """Make `tools` the whole catalogue of `upstream` (an HTTP upstream's spec, per revision)."""
         self._tools[upstream] = {t.name: t for t in tools}
+        self.generation += 1
 
     def forget(self, upstream: str) -> None:
         """Drop what is known of `upstream` (it is no longer an HTTP upstream)."""
         self._tools.pop(upstream, None)
+        self.generation += 1
 
     def get(self, upstream: str, tool: str) -> ToolInfo | None:
         return self._tools.get(upstream, {}).get(tool)

@@ -4,9 +4,12 @@ reload's chain built off the event loop, and the old one kept when that fails.""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +19,7 @@ from proxy.envelope.pipeline import Chain
 from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, Verdict
 from proxy.policy.cel import available_engines
 from proxy.policy.compiled import PolicyRevision
+from proxy.policy.reload import RELOAD_NICE
 
 POLICY = """
 version: 1
@@ -97,6 +101,30 @@ async def test_calls_after_a_reload_use_the_chain_built_off_the_event_loop(
     assert runtime.envelope.chain is chain and chain.revision is runtime.revision
     assert await _verdict(runtime, "admin") is Verdict.ALLOW
     assert await _verdict(runtime, "ops") is Verdict.DENY
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority: Linux")
+async def test_a_reload_loads_at_a_lower_cpu_priority_than_the_event_loop(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Back-to-back reloads keep a core busy: the scheduler serves the loop's calls first.
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    runtime.load_policy()
+    seen: list[int] = []
+    prepare = runtime._prepare
+
+    def recording(engine: Any) -> Any:
+        seen.append(nice())
+        return prepare(engine)
+
+    monkeypatch.setattr(runtime, "_prepare", recording)
+    for admin in ("admin", "root"):
+        (runtime.config.policies / "policy.yaml").write_text(POLICY.replace('"ops"', f'"{admin}"'))
+        assert await runtime.reload("test")
+    assert seen == [min(19, nice() + RELOAD_NICE)] * 2
+    assert await _verdict(runtime, "root") is Verdict.ALLOW
 
 
 async def test_a_reload_that_fails_building_its_chain_keeps_the_old_revision_serving(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from envelope_helpers import build_revision, make_call
 
 from proxy.audit.log import AuditLog
 from proxy.config import ApprovalsConfig, Config
+from proxy.envelope.checks import catalogue
 from proxy.envelope.checks.catalogue import (
     TOOL_RULES,
     CatalogueCheck,
@@ -263,3 +265,38 @@ def test_envelope_publishes_at_install_and_on_tools_list(tmp_path: Path, revisio
     assert len(caplog.records) == logged + 2
     assert envelope.chain is not None
     assert envelope.misconfig.current == tuple(envelope.chain.misconfigured())
+
+
+def test_a_reload_makes_the_report_where_it_builds_the_chain(
+        tmp_path: Path, revision: Any, learned: ToolRegistry,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A hot reload builds the chain in a worker thread; the install on the event loop publishes
+    # the report made there (1,000 tools: 4-17 ms on the loop otherwise).
+    envelope = Envelope(AuditLog(tmp_path), Metrics(), learned, Services())
+    threads: list[str] = []
+    made = catalogue.misconfigurations
+
+    def counted(*args: Any) -> list[Misconfiguration]:
+        threads.append(threading.current_thread().name)
+        return made(*args)
+
+    monkeypatch.setattr(catalogue, "misconfigurations", counted)
+    built: list[Any] = []
+    worker = threading.Thread(target=lambda: built.append(envelope.build(revision)), name="reload")
+    worker.start()
+    worker.join()
+    envelope.install(revision, built[0])
+    assert threads == ["reload"]
+    assert {"not_offered", "unknown_tool"} <= {p.kind for p in envelope.misconfig.current}
+
+
+def test_a_tools_list_learned_between_build_and_install_is_in_the_report(
+        tmp_path: Path, revision: Any) -> None:
+    registry = ToolRegistry()
+    envelope = Envelope(AuditLog(tmp_path), Metrics(), registry, Services())
+    chain = envelope.build(revision)
+    registry.learn("demo", OFFERED)  # the loop learns a tools/list while the reload builds
+    envelope.install(revision, chain)
+    assert {"not_offered", "unknown_tool"} <= {p.kind for p in envelope.misconfig.current}
+    assert envelope.misconfig.current == tuple(catalogue.misconfigurations(
+        revision, registry, chain.dependencies))

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from proxy.policy.reload import (
     Collector,
     PolicyWatcher,
     load_stable,
+    lower_priority,
     responsive_loop,
 )
 
@@ -77,6 +79,25 @@ async def test_watcher_sees_a_symlink_swap(tmp_path: Path) -> None:
         await _wait(changed)
     finally:
         await watcher.stop()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority: Linux")
+def test_lower_priority_lowers_the_calling_threads_priority_only() -> None:
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = nice()
+    seen: list[int] = []
+
+    def reload_thread() -> None:
+        lower_priority(5)
+        seen.append(nice())
+
+    worker = threading.Thread(target=reload_thread)
+    worker.start()
+    worker.join()
+    assert seen == [min(19, before + 5)]
+    assert nice() == before  # the caller (the event loop's thread) keeps its priority
 
 
 def test_responsive_loop_shortens_the_switch_interval_and_puts_it_back() -> None:
