@@ -274,7 +274,12 @@ class Envelope(Completion):
         loop (1,000 tools: 0.15 s a chain before its scans were kept by text, ~0.05 s since),
         and `install` swaps it in."""
         chain = Chain(revision, self.registry, self.metrics, self.services)
-        chain.misconfigured()  # the report `install` publishes, made here too
+        try:
+            chain.misconfigured()  # the report `install` publishes, made here too
+        except RuntimeError:
+            # The loop learned a `tools/list` while this thread read the registry ("changed
+            # size during iteration"): `install` makes the report on the loop instead.
+            chain._report = None
         return chain
 
     def install(self, revision: PolicyRevision, chain: Chain | None = None) -> Chain:

@@ -300,3 +300,24 @@ def test_a_tools_list_learned_between_build_and_install_is_in_the_report(
     assert {"not_offered", "unknown_tool"} <= {p.kind for p in envelope.misconfig.current}
     assert envelope.misconfig.current == tuple(catalogue.misconfigurations(
         revision, registry, chain.dependencies))
+
+
+def test_a_registry_changed_under_the_reload_thread_does_not_fail_the_reload(
+        tmp_path: Path, revision: Any, learned: ToolRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reading the registry while the loop learns a tools/list can raise "dictionary changed size
+    # during iteration" in the reload thread: the chain is still built, the report made at install.
+    envelope = Envelope(AuditLog(tmp_path), Metrics(), learned, Services())
+    made = catalogue.misconfigurations
+    calls: list[int] = []
+
+    def racing(*args: Any) -> list[Misconfiguration]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return made(*args)
+
+    monkeypatch.setattr(catalogue, "misconfigurations", racing)
+    chain = envelope.build(revision)
+    envelope.install(revision, chain)
+    assert len(calls) == 2
+    assert {"not_offered", "unknown_tool"} <= {p.kind for p in envelope.misconfig.current}
