@@ -384,6 +384,11 @@ class AuditLog:
             # Damaged tail (crash mid-write or tampering): keep it for verify to report,
             # continue the chain from the last intact record in a fresh file.
             last_good = next((x for x in (valid_line_hash(ln) for ln in lines if ln) if x), None)
+        if last_good is None:
+            # Not one intact record here (a crash mid-way through the first record after a
+            # rotation): the chain continues from the last rotated file, as from an empty one.
+            rotated = rotated_files(self._dir, self._name)
+            last_good = _last_valid_hash(rotated[-1]) if rotated else None
         self._last = last_good or GENESIS
         aside = self._rotate()
         log.warning(

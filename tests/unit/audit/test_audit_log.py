@@ -214,6 +214,25 @@ def test_damaged_tail_is_moved_aside_and_reported(
     assert verify(path).ok  # the new file on its own is intact
 
 
+def test_a_file_with_no_intact_record_continues_the_chain_of_the_rotated_ones(tmp_path: Path) -> None:
+    # A crash part-way through the first record after a rotation: the new file continues from
+    # the rotated file's last record, not from genesis; set the damaged file aside and the
+    # directory's chain is whole again.
+    _write(tmp_path, 3).close()
+    path = tmp_path / "audit.jsonl"
+    previous = tmp_path / "audit-20260101T000000000000.jsonl"
+    path.rename(previous)
+    last = orjson.loads(_lines(previous)[-1])["hash"]
+    path.write_bytes(b'{"ts": "2026-01-0')
+    _write(tmp_path, 2).close()
+    assert orjson.loads(_lines(path)[0])["prev"] == last
+    [damaged] = [f for f in tmp_path.glob("audit-*.jsonl") if f != previous]
+    assert not verify(tmp_path).ok
+    damaged.unlink()
+    result = verify(tmp_path)
+    assert result.ok and result.records == 5, result
+
+
 def test_missing_final_newline_on_valid_record_is_repaired(tmp_path: Path) -> None:
     _write(tmp_path, 2).close()
     path = tmp_path / "audit.jsonl"
