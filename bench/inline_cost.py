@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import functools
 import os
-import random
 import statistics
 import sys
 import time
@@ -50,6 +49,8 @@ from proxy.envelope.dataflow.match import Probe
 from proxy.envelope.labels import Label, Piece
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "envelope"))  # envelope_helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from short_values_cost import prose
 
 TOOL = "delete_file"
 TYPICAL_WORDS = ("please book the hotel in Porto for two nights and pay the invoice of 240 EUR to "
@@ -71,14 +72,7 @@ SHAPES: dict[str, str] = {
 
 
 def typical(size: int, seed: int = 7) -> str:
-    rng = random.Random(seed)
-    out: list[str] = []
-    length = 0
-    while length < size:
-        sentence = " ".join(rng.choice(TYPICAL_WORDS) for _ in range(rng.randint(6, 16))).capitalize() + ". "
-        out.append(sentence)
-        length += len(sentence)
-    return "".join(out)[:size]
+    return prose(size, seed, TYPICAL_WORDS)
 
 
 def shaped(shape: str, size: int) -> str:

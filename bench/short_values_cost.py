@@ -18,12 +18,13 @@ WORDS = ("the of and to in report revenue customer account password meeting invo
          "Acme Ltd Hotel Miramar payment reference review laptop battery life").split()
 
 
-def prose(chars: int, seed: int = 7) -> str:
+def prose(chars: int, seed: int = 7, words: tuple[str, ...] | list[str] = WORDS) -> str:
+    """`chars` characters of sentences of 6-16 random `words` (the same text for one seed)."""
     rng = random.Random(seed)
     out: list[str] = []
     size = 0
     while size < chars:
-        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 16))).capitalize() + "."
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(6, 16))).capitalize() + "."
         out.append(sentence)
         size += len(sentence) + 1
     return " ".join(out)[:chars]

@@ -591,6 +591,22 @@ def test_critical_values_are_looked_up_in_a_long_intent_without_reading_it_again
     assert words.names(Critical.of("/to", "landlord@corp.example"))
 
 
+async def _tainted_bank(intent: str) -> DataflowCheck:
+    """The check of a bank whose `pay` blocks tainted runs (shadow: audited), for a run that read
+    an untrusted page and whose intent is `intent`."""
+    store = MemoryStore()
+    revision = build_revision({
+        "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"bank.fetch": {"effect": "read"},
+                  "bank.pay": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
+    })
+    check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
+    await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+    await intents.append(store, RUN_KEY, intent, max_chars=16384, ttl=60)
+    return check
+
+
 async def test_many_critical_values_against_a_long_intent_are_looked_up_off_the_loop(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each lookup of a critical value can search the whole intent (~0.33 ms per 16 KiB for a
@@ -607,16 +623,7 @@ async def test_many_critical_values_against_a_long_intent_are_looked_up_off_the_
     monkeypatch.setattr(IntentWords, "endorses", spying)
 
     async def pay(intent: str, count: int) -> Any:
-        store = MemoryStore()
-        revision = build_revision({
-            "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
-            "tools": {"bank.fetch": {"effect": "read"},
-                      "bank.pay": {"effect": "external", "approval": {"required": False}}},
-            "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
-        })
-        check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
-        await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
-        await intents.append(store, RUN_KEY, intent, max_chars=16384, ttl=60)
+        check = await _tainted_bank(intent)
         call = make_call("pay", {"to": ["aaa" * (i % 7 + 1) for i in range(count)] + ["rent"]}, upstream="bank")
         call.effect = Effect.EXTERNAL
         assert await check.decide(call) is None  # shadow: audited
@@ -651,17 +658,8 @@ async def test_picks_past_their_key_budget_hash_no_key(monkeypatch: pytest.Monke
             return real(*args)
 
         monkeypatch.setattr(check_module, name, counting)
-    store = MemoryStore()
-    revision = build_revision({
-        "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
-        "tools": {"bank.fetch": {"effect": "read"},
-                  "bank.pay": {"effect": "external", "approval": {"required": False}}},
-        "dataflow": {"mode": "shadow", "on_tainted": {"bank.pay": "block"}},
-    })
-    check = DataflowCheck(revision, None, Services(store=store))  # type: ignore[arg-type]
-    await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
     words = " ".join(f"w{chr(97 + i // 26)}{chr(97 + i % 26)}zz" for i in range(200))
-    await intents.append(store, RUN_KEY, f"Pay the cheapest {words}.", max_chars=16384, ttl=60)
+    check = await _tainted_bank(f"Pay the cheapest {words}.")
     call = make_call("pay", {"to": [f"value {i} of many" for i in range(256)]}, upstream="bank")
     call.effect = Effect.EXTERNAL
     assert await check.decide(call) is None
