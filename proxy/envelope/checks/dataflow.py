@@ -55,6 +55,7 @@ from proxy.envelope.dataflow.offload import (
     endorsement_of,
     intent_words_of,
     probes_of,
+    sized,
 )
 from proxy.envelope.effects import gated
 from proxy.envelope.labels import OutputLabels, ToolLabels
@@ -332,10 +333,13 @@ class DataflowCheck:
         probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
                                  window=self._window, max_chars=self._max_argument,
                                  min_value=self._min_value)
+        # Matching them walks every gram too: past INLINE_CHARS, in a worker thread (`sized`).
+        chars = sum(len(probe.norm) for _, probe in probes)
         action = self._on_tainted(call) if self._escalates else "allow"
         waives = self._waives(call)
         criticals, cut = self.criticals(call) if action != "allow" or waives else ([], False)
-        wanted = [f for _, probe in probes for f in probe.fields()] + [k for c in criticals for k in c.keys]
+        wanted = await sized(lambda: [f for _, probe in probes for f in probe.fields()], chars)
+        wanted += [k for c in criticals for k in c.keys]
         wanted += [k for c in criticals for k in (c.candidate, c.sole, c.pointed) if k is not None]
         # A gate waiver reads its endorsing keys in a clean run too (`ledger.load`).
         ledger = await self._read(store, call, wanted, endorsing=waives)
@@ -343,13 +347,14 @@ class DataflowCheck:
             if waives:
                 await self._waive(store, call, None, criticals, cut)
             return None
-        flagged, declassified, _ = self.findings(call, ledger, probes)
+        flagged, declassified, _ = await sized(lambda: self.findings(call, ledger, probes), chars)
         if flagged or declassified:
             # Only a call that would flag or declassify reads the run's intent (one store read).
             texts = await intents.load(store, call.run.key)
             if texts:
                 endorsement = await endorsement_of(texts, self._n, window=self._window)
-                flagged, declassified, endorsed = self.findings(call, ledger, probes, endorsement)
+                flagged, declassified, endorsed = await sized(
+                    lambda: self.findings(call, ledger, probes, endorsement), chars)
                 if endorsed:
                     call.audit_extra["endorsed"] = endorsed
         if flagged and criticals:
