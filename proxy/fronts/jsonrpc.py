@@ -145,6 +145,18 @@ def ambiguity(body: bytes) -> str | None:
     return None
 
 
+def _canonical(value: Any, body: bytes) -> bool:
+    """Whether `body` is byte for byte what orjson writes for `value` (what most clients send:
+    compact JSON, members in order). Such a body reads one way only, so the second reading
+    (`ambiguity`, ~5x orjson's parse) is skipped: orjson writes each member of an object once,
+    every integer within 64 bits, every float in at most 17 significant digits, and nests at
+    most 254 levels (far inside the second parser's recursion limit)."""
+    try:
+        return orjson.dumps(value) == body
+    except orjson.JSONEncodeError:
+        return False
+
+
 async def read_twice(body: bytes) -> str | None:
     """`ambiguity(body)`, in a worker thread past INLINE_REREAD_BYTES."""
     if len(body) <= INLINE_REREAD_BYTES:
@@ -155,7 +167,8 @@ async def read_twice(body: bytes) -> str | None:
 def parse_message(body: bytes, max_depth: int) -> Message:
     """Parse one JSON-RPC message; BadMessage with the JSON-RPC error to send otherwise. A body
     past INLINE_REREAD_BYTES is not read the second time here (`ambiguity`): `parse_post`, the
-    fronts' entry, does it off the loop."""
+    fronts' entry, does it off the loop; a smaller one that orjson would write byte for byte
+    (`_canonical`) needs no second reading."""
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -179,7 +192,7 @@ def parse_message(body: bytes, max_depth: int) -> Message:
         raise BadMessage(
             INVALID_REQUEST, f"JSON nested deeper than {max_depth} levels", "too_deep", id=_safe_id(value)
         )
-    if len(body) <= INLINE_REREAD_BYTES:
+    if len(body) <= INLINE_REREAD_BYTES and not _canonical(value, body):
         _refuse_ambiguous(ambiguity(body), value)
     if value.get("jsonrpc") != "2.0":
         raise BadMessage(INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"', "invalid_request", id=_safe_id(value))

@@ -77,3 +77,45 @@ def test_long_numbers_are_found_as_the_class_search_finds_them(pieces: list[byte
     finds: a body with such a run takes the number hooks, one without skips them."""
     body = b"".join(pieces)
     assert long_number(body) == (re.search(rb"[0-9.]{18}", body) is not None)
+
+
+def test_a_compact_body_is_not_read_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that is byte for byte what orjson writes for its value (what most clients send)
+    skips the second reading; the same message with spaces, or naming a member twice, does not."""
+    from proxy.fronts import jsonrpc
+    seen: list[bytes] = []
+    real = jsonrpc.ambiguity
+
+    def spy(body: bytes) -> str | None:
+        seen.append(body)
+        return real(body)
+    monkeypatch.setattr(jsonrpc, "ambiguity", spy)
+    compact = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t","arguments":{"a":1}}}'
+    assert parse_message(compact, 64).method == "tools/call"
+    assert seen == []
+    spaced = compact.replace(b'"a":1', b'"a": 1')
+    assert parse_message(spaced, 64).method == "tools/call"
+    assert seen == [spaced]
+    twice = compact.replace(b'"a":1', b'"a":1,"a":2')
+    with pytest.raises(BadMessage, match="names a member twice"):
+        parse_message(twice, 64)
+    assert seen == [spaced, twice]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_JSON)
+def test_what_orjson_writes_reads_one_way(value: object) -> None:
+    """What `parse_message`'s shortcut relies on: bytes orjson wrote never read two ways."""
+    import orjson
+    try:
+        body = orjson.dumps(value)
+    except orjson.JSONEncodeError:  # a lone surrogate: no bytes, no shortcut
+        return
+    assert ambiguity(body) is None
