@@ -32,20 +32,28 @@ class Approvers:
                 else:
                     log.warning("approver %s: environment variable %s is not set; that token "
                                 "cannot authenticate", name, approver.token_env)
+        owners: dict[bytes, set[str]] = {}
+        for name, digest in self._digests:
+            owners.setdefault(digest, set()).add(name)
+        for names in owners.values():
+            if len(names) > 1:
+                log.error("approvers %s have the same token: it authenticates none of them (it "
+                          "could not tell a scoped approver from the others)", ", ".join(sorted(names)))
 
     def __bool__(self) -> bool:
         return bool(self._digests)
 
     def authenticate(self, token: str | None) -> str | None:
-        """The approver's name for this token, or None. Every digest is compared."""
+        """The approver's name for this token, or None: no approver's, or several approvers'
+        (which one is asking is not known, and their scopes may differ). Every digest is compared."""
         if not token:
             return None
         digest = hashlib.sha256(token.encode()).digest()
-        found: str | None = None
+        found: set[str] = set()
         for name, want in self._digests:
-            if hmac.compare_digest(digest, want) and found is None:
-                found = name
-        return found
+            if hmac.compare_digest(digest, want):
+                found.add(name)
+        return found.pop() if len(found) == 1 else None
 
     def scoped(self, name: str) -> bool:
         """Whether approver `name` may decide only some calls (`scope` in the config)."""

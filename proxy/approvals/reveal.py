@@ -1,8 +1,8 @@
 """Arguments as an approver must see them: no character that hides or reorders what will run.
 
 A string can hold characters a screen does not show (zero-width spaces and joiners, soft
-hyphens, the byte-order mark), shows as something else (a no-break space as a space) or that
-reorder the text around them (bidi overrides and isolates): `{"path": "/tmp/x\u202e/fdsa"}` reads
+hyphens, the byte-order mark, variation selectors, fillers), shows as something else (a
+no-break space as a space) or that reorder the text around them (bidi overrides and isolates): `{"path": "/tmp/x\u202e/fdsa"}` reads
 as another path than the one the upstream gets. The approval is bound to the exact arguments,
 so the person approving must see them exactly: `revealed_json` writes every such character as a
 JSON escape (`\\u202e`; still JSON, equal to the arguments), and `hidden_characters` lists where
@@ -11,7 +11,8 @@ they are so the page can say so before anyone clicks.
 Look-alike letters count too: `"p\\u0430ypal.com"` with a Cyrillic "a" (U+0430) reads as the Latin
 address and is another one. Within a run of text without spaces or quotes (an address, a path,
 a word) whose letters come from more than one of the scripts that share letter shapes (Latin,
-Cyrillic, Greek, Armenian, Cherokee, Coptic), the letters of every script but the run's most
+Cyrillic, Greek, Armenian, Cherokee, Coptic, and the fullwidth and mathematical forms of their
+letters, each a script of its own), the letters of every script but the run's most
 common one are escaped and listed. A word written in one script is left alone whatever the
 scripts around it ("Мария" in a Latin sentence, Japanese mixing kana and kanji); a whole word
 spelled in look-alike Cyrillic ("раурал") is not found: no script is mixed in it.
@@ -27,6 +28,11 @@ from typing import Any
 
 # Format, control, private-use, unassigned, surrogate, line and paragraph separators.
 _HIDDEN_CATEGORIES = frozenset({"Cf", "Cc", "Co", "Cn", "Cs", "Zl", "Zp"})
+# Characters a screen shows as nothing that no category above holds: Unicode's default-ignorable
+# marks and fillers (combining grapheme joiner, Hangul and Khmer fillers, Mongolian and other
+# variation selectors), and the blank Braille pattern.
+_BLANK = re.compile("[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180d\u180f\u2800\u3164"
+                    "\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]")
 # Scripts with letters shaped like each other's (Unicode's confusables are mostly among these).
 _LOOKALIKE_SCRIPTS = frozenset({"LATIN", "CYRILLIC", "GREEK", "ARMENIAN", "CHEROKEE", "COPTIC"})
 # A run a look-alike letter hides in: no space (JSON's quotes end a string's run too).
@@ -39,7 +45,12 @@ def _lookalike_script(char: str) -> str | None:
     if not char.isalpha():
         return None
     script = unicodedata.name(char, "").partition(" ")[0]
-    return script if script in _LOOKALIKE_SCRIPTS else None
+    if script in _LOOKALIKE_SCRIPTS:
+        return script
+    # A compatibility form of such a letter (fullwidth "\uff41", mathematical "\U0001d5ba") is a
+    # script of its own here: it looks like the letter it folds to and is another character.
+    folded = unicodedata.normalize("NFKC", char)
+    return script if folded != char and len(folded) == 1 and _lookalike_script(folded) else None
 
 
 def disguised(text: str) -> set[int]:
@@ -68,7 +79,8 @@ def is_hidden(char: str) -> bool:
     if char < " ":
         return False
     category = unicodedata.category(char)
-    return category in _HIDDEN_CATEGORIES or (category == "Zs" and char != " ")
+    return (category in _HIDDEN_CATEGORIES or (category == "Zs" and char != " ")
+            or _BLANK.match(char) is not None)
 
 
 def _escape(char: str) -> str:

@@ -39,6 +39,10 @@ class VerifyResult:
     line: int | None = None
     # Per anchor found in an intact chain: how many records of its chain follow it.
     after: dict[str, int] = field(default_factory=dict)
+    # Per anchor found in a directory: the names of the logs holding it (every log for the
+    # genesis hash). A head names its log (`chain`): found in another log, it proves nothing
+    # of its own, since whoever rewrites one log can add a copy of it under another name.
+    logs: dict[str, set[str]] = field(default_factory=dict)
 
 
 def verify(path: Path, anchors: Iterable[str] = ()) -> VerifyResult:
@@ -47,22 +51,25 @@ def verify(path: Path, anchors: Iterable[str] = ()) -> VerifyResult:
     A single file may start anywhere (it may be a rotated continuation). In a directory each
     log (`<name>-<ts>.jsonl`... then `<name>.jsonl`) must start at genesis and continue from
     file to file. Never raises for a damaged log; an unreadable file is reported as a problem.
-    `anchors` (record hashes kept elsewhere) found in the chain are in `after`; one missing
-    there while `ok` is the log cut below it or rewritten (the caller reports it).
+    `anchors` (record hashes kept elsewhere) found in the chain are in `after` (and, in a
+    directory, the logs holding them in `logs`); one missing there while `ok`, or found only
+    in a log other than the one its head names, is the log cut below it or rewritten (the
+    caller reports it).
     """
     path = Path(path)
+    chains: dict[str | None, list[Path]]
     if path.is_dir():
-        chains = _chains(path)
+        chains = dict(_chains(path))
         if not chains:
             return VerifyResult(False, 0, [], f"no audit log files (*.jsonl) in {path}")
     elif path.exists():
-        chains = [[path]]
+        chains = {None: [path]}
     else:
         return VerifyResult(False, 0, [], f"no such file or directory: {path}")
 
     wanted = frozenset(anchors)
     result = VerifyResult(True, 0, [])
-    for chain in chains:
+    for name, chain in chains.items():
         # A directory holds whole logs: they start at genesis. A lone file may not.
         expected: str | None = GENESIS if path.is_dir() else None
         prev_file: str | None = None
@@ -75,11 +82,14 @@ def verify(path: Path, anchors: Iterable[str] = ()) -> VerifyResult:
                 return result
             prev_file = file.name
         result.after.update((h, result.records - at) for h, at in found.items())
+        if name is not None:
+            for h in found:
+                result.logs.setdefault(h, set()).add(name)
     return result
 
 
-def _chains(directory: Path) -> list[list[Path]]:
-    """Per log name: rotated files oldest first, then the current file."""
+def _chains(directory: Path) -> list[tuple[str, list[Path]]]:
+    """Per log name (sorted): rotated files oldest first, then the current file."""
     names: set[str] = set()
     for p in directory.glob("*.jsonl"):
         m = ROTATED_RE.match(p.name) or _CURRENT_RE.match(p.name)
@@ -91,7 +101,7 @@ def _chains(directory: Path) -> list[list[Path]]:
         current = directory / f"{name}.jsonl"
         if current.exists():
             files.append(current)
-        chains.append(files)
+        chains.append((name, files))
     return chains
 
 

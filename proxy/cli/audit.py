@@ -19,7 +19,8 @@ def add_audit_parser(sub: Any) -> None:
                     "naming the first bad record otherwise. A chain alone cannot show records cut "
                     "from its end, or a rewrite that recomputed every hash: with anchors (heads the "
                     "proxy published at /v1/audit/head and in its process log), exit 1 also names "
-                    "each anchor that is not in the chain, and otherwise says how many records "
+                    "each anchor that is not in the chain (given a directory, not in the log its "
+                    "head names), and otherwise says how many records "
                     "follow it. Exit 2 for an anchor that is not a hash, or an anchors file that "
                     "cannot be read or has a line that is not a head.")
     verify.add_argument("path", type=Path)
@@ -53,6 +54,13 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     for a in missing:
         print(f"TAMPERED: anchor {a.describe()} is not in the log: records were cut from its end "
               "(the anchored one among them), or the log was rewritten")
+    # An anchor of one log found only in another: its own log was cut or rewritten.
+    moved = [a for a in anchors if a.hash in result.logs and a.chain is not None
+             and a.chain not in result.logs[a.hash]]
+    for a in moved:
+        print(f"TAMPERED: anchor {a.describe()} is not in log {a.chain}, only in "
+              f"{', '.join(sorted(result.logs[a.hash]))}: log {a.chain} was cut below it or rewritten")
+    missing += moved
     summary = f"{result.records} records in {len(result.files)} file(s)"
     if missing:
         print(f"{summary}: hash chain intact, but it is not the chain that was anchored")

@@ -227,6 +227,13 @@ async def test_the_approver_sees_a_look_alike_letter_escaped_and_is_warned(proxy
     assert approval["hidden_characters"] == [{"path": "/title", "characters": ["U+0430"]}]
     honest = await held(proxy, "Счёт за март", run="run-l")  # one script: shown as written
     assert honest["hidden_characters"] == [] and "Счёт за март" in honest["arguments_text"]
+    # What no hidden category and no look-alike script held (was shown raw): a variation
+    # selector, which a screen shows as nothing, and a mathematical "p" (U+1D5C9) among Latin ones.
+    for title, escaped, code in (("invoice-paypal\ufe0f", "invoice-paypal\\ufe0f", "U+FE0F"),
+                                 ("invoice-\U0001d5c9aypal", "invoice-\\ud835\\uddc9aypal", "U+1D5C9")):
+        approval = await held(proxy, title, run="run-l")
+        assert f'"{escaped}"' in approval["arguments_text"], approval["arguments_text"]
+        assert approval["hidden_characters"] == [{"path": "/title", "characters": [code]}]
 
 
 # -- the envelope and the upstream read the same message (broke: duplicate names, big numbers) -

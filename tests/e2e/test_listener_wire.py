@@ -399,6 +399,16 @@ SMUGGLED: dict[str, Any] = {
     "TE in two fields": lambda p, r: _framed(p, r, "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
                                              _CHUNK),
     "TE obs-fold": lambda p, r: _framed(p, r, "Transfer-Encoding: x\r\n chunked\r\n", _CHUNK),
+    "TE chunked, then gzip in a second field": lambda p, r: _framed(
+        p, r, "Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n", _CHUNK),
+    "TE chunked in two fields": lambda p, r: _framed(
+        p, r, "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n", _CHUNK),
+    "TE empty, and CL": lambda p, r: _framed(p, r, "Transfer-Encoding: \r\n", length=0),
+    # What Python's str.lower/strip turn into "chunked" and a byte-wise parser does not: the
+    # Kelvin sign lowers to "k"; a no-break space (UTF-8) strips as a space.
+    "TE with a Kelvin sign": lambda p, r: _framed(p, r, "Transfer-Encoding: chun\u212aed\r\n", _CHUNK),
+    "TE with a no-break space": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\u00a0\r\n", _CHUNK),
+    "TE with a vertical tab": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\x0b\r\n", _CHUNK),
     "obs-fold": lambda p, r: _framed(p, r, "X-Note: a\r\n b\r\n", length=0),
     "chunk size 0x": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\r\n", b"0x" + _CHUNK),
     "chunk size +": lambda p, r: _framed(p, r, "Transfer-Encoding: chunked\r\n", b"+" + _CHUNK),
@@ -519,6 +529,12 @@ SPLIT: dict[str, str] = {
     "TE chunked, identity": _OK + "Transfer-Encoding: chunked, identity\r\n\r\n{result}",
     "TE in two fields": _OK + "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
     "{size}\r\n{result}\r\n0\r\n\r\n",
+    "TE chunked, then gzip in a second field": _OK + "Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n"
+    "{size}\r\n{result}\r\n0\r\n\r\n",
+    # The raw answer is sent as Latin-1: these are the UTF-8 bytes of a Kelvin sign (lowered to
+    # "k" by Python) and of a no-break space (stripped by Python).
+    "TE with a Kelvin sign": _OK + "Transfer-Encoding: chun\xe2\x84\xaaed\r\n\r\n{size}\r\n{result}\r\n0\r\n\r\n",
+    "TE with a no-break space": _OK + "Transfer-Encoding: chunked\xc2\xa0\r\n\r\n{size}\r\n{result}\r\n0\r\n\r\n",
     "SSE ending mid-event": "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
     "event: message\r\ndata: {result}",
     "101 Switching Protocols": "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"

@@ -18,6 +18,20 @@ def _approvers(**scopes: list[str] | None) -> Approvers:
         name: ApproverConfig(token_sha256=DIGEST, scope=scope) for name, scope in scopes.items()}), environ={})
 
 
+def test_a_token_of_several_approvers_authenticates_none(caplog: pytest.LogCaptureFixture) -> None:
+    """A token two approvers share (one digest copied, or two `token_env` naming one secret) would
+    act as whichever the config lists first: a scoped approver's token would decide as an
+    unscoped one. It authenticates nobody, and the log says why."""
+    config = ApprovalsConfig(approvers={
+        "admin": ApproverConfig(token_sha256=DIGEST),
+        "carol": ApproverConfig(token_env="CAROL_TOKEN", scope=["notes.delete_*"]),
+        "dave": ApproverConfig(token_sha256=hashlib.sha256(b"d").hexdigest(), token_env="DAVE_TOKEN")})
+    approvers = Approvers(config, environ={"CAROL_TOKEN": "t", "DAVE_TOKEN": "d"})
+    assert approvers.authenticate("t") is None
+    assert approvers.authenticate("d") == "dave"  # one approver's two ways to one token
+    assert "approvers admin, carol have the same token" in caplog.text
+
+
 def test_a_scope_names_upstream_dot_tool_patterns() -> None:
     approvers = _approvers(all=None, files=["files.*"], deletes=["*.delete_*", "mail.send"], none=[])
     assert approvers.may_decide("all", "anything", "at_all") and not approvers.scoped("all")

@@ -57,3 +57,35 @@ def test_look_alike_letters_are_escaped_and_listed_where_scripts_mix() -> None:
     honest = {"name": "Мария", "note": "Привет, Bob", "jp": "Tシャツを買う", "fr": "déjà vu", "el": "Αθήνα"}
     assert hidden_characters(honest) == []
     assert revealed_json(honest, indent=None) == json.dumps(honest, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_invisible_marks_and_fillers_are_escaped_and_listed() -> None:
+    """Characters no hidden category holds that a screen still shows as nothing: the combining
+    grapheme joiner, variation selectors (an emoji's, a Mongolian one, the supplement's), Hangul
+    and Khmer fillers, the blank Braille pattern. Each makes "paypal" another string."""
+    blanks = ["\u034f", "\ufe0f", "\u180b", "\U000e0100", "\u3164", "\uffa0", "\u115f", "\u17b4", "\u2800"]
+    tricky = {"to": [f"pay{c}pal.com" for c in blanks]}
+    text = revealed_json(tricky, indent=None)
+    assert json.loads(text) == tricky
+    assert '"pay\\u034fpal.com"' in text and '"pay\\udb40\\udd00pal.com"' in text
+    assert not any(is_hidden(c) for c in text)
+    assert hidden_characters(tricky) == [
+        {"path": f"/to/{i}", "characters": [f"U+{ord(c):04X}"]} for i, c in enumerate(blanks)]
+    assert visible("pay\u3164pal") == "pay\\u3164pal"
+
+
+def test_compatibility_letters_are_look_alikes_where_they_mix_with_latin() -> None:
+    """A fullwidth or mathematical letter reads as the Latin one it folds to and is another
+    character: in a Latin run it is escaped and listed; a run written wholly in one such form
+    (Japanese fullwidth text) is left as written."""
+    tricky = {"to": "\uff50aypal.com", "path": "/srv/\U0001d5c9aypal", "cmd": "rm -rf /\U0001d41ctmp"}
+    text = revealed_json(tricky, indent=None)
+    assert json.loads(text) == tricky
+    assert '"\\uff50aypal.com"' in text and '"/srv/\\ud835\\uddc9aypal"' in text
+    assert hidden_characters(tricky) == [
+        {"path": "/to", "characters": ["U+FF50"]},
+        {"path": "/path", "characters": ["U+1D5C9"]},
+        {"path": "/cmd", "characters": ["U+1D41C"]},
+    ]
+    honest = {"jp": "ＡＢＣ社のＴシャツ", "kana": "ｶﾀｶﾅ", "math": "\U0001d6fc = 0.05"}
+    assert hidden_characters(honest) == []

@@ -169,3 +169,37 @@ def test_cli_anchor_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     # No anchors: the output and exit status verify always had.
     rc, out, _ = _cli(str(audit), capsys=capsys)
     assert (rc, out) == (0, "ok: 4 records in 1 file(s), hash chain intact\n")
+
+
+def test_cli_anchor_found_only_in_another_log_is_tampering(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Workers share a directory, one log each. Whoever rewrites one log (here: `audit`, with
+    every hash recomputed) and keeps its old records as a new log of another name still holds
+    the anchored hash in the directory: the head names its log, and that log no longer has it."""
+    audit = tmp_path / "audit"
+    with AuditLog(audit) as log:
+        _write(log, 3)
+        kept = log.head()
+    with AuditLog(audit, name="worker-2") as other:
+        theirs = _write(other, 2)
+        theirs_head = other.head()
+    (audit / "copy.jsonl").write_bytes((audit / "audit.jsonl").read_bytes())
+    (audit / "audit.jsonl").unlink()
+    with AuditLog(audit) as log:
+        _write(log, 1)
+    anchors = tmp_path / "anchors.jsonl"
+    anchors.write_text(orjson.dumps(kept).decode() + "\n" + orjson.dumps(theirs_head).decode() + "\n")
+
+    assert verify(audit).ok  # every log's chain is intact on its own
+    rc, out, _ = _cli(str(audit), "--anchors", str(anchors), capsys=capsys)
+    assert rc == 1
+    assert out.splitlines() == [
+        f"TAMPERED: anchor {kept['hash']} (chain audit, {kept['ts']}, from {anchors}:1) is not in "
+        "log audit, only in copy: log audit was cut below it or rewritten",
+        "6 records in 3 file(s): hash chain intact, but it is not the chain that was anchored",
+    ]
+    # Each head in its own log: intact; a bare hash names no log and is found in any.
+    rc, out, _ = _cli(str(audit), "--anchor", kept["hash"], "--anchor", theirs[-1], capsys=capsys)
+    assert rc == 0, out
+    assert verify(audit, [kept["hash"], GENESIS]).logs == {
+        kept["hash"]: {"copy"}, GENESIS: {"audit", "copy", "worker-2"}}
