@@ -230,8 +230,22 @@ async def test_an_oversized_argument_is_flagged_coarse_in_shadow() -> None:
 # -- off the event loop ---------------------------------------------------------------------------
 
 
+def _threads_calling(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
+                     threads: list[int] | None = None) -> list[int]:
+    """The ids of the threads that call `owner.name` from now on (the list it appends to)."""
+    threads = [] if threads is None else threads
+    real = getattr(owner, name)
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spying)
+    return threads
+
+
 async def _ticks_while(work: Callable[[], Any]) -> tuple[Any, int]:
-    """The result of awaiting `work()`, and how many 5 ms sleeps the loop completed meanwhile
+    """The result of awaiting `work()`, and how many 1 ms sleeps the loop completed meanwhile
     (0 when `work` held the loop throughout: a sleep that ends after it is not counted)."""
     ticks = 0
     done = asyncio.Event()
@@ -239,7 +253,7 @@ async def _ticks_while(work: Callable[[], Any]) -> tuple[Any, int]:
     async def ticker() -> None:
         nonlocal ticks
         while True:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.001)
             if done.is_set():
                 break
             ticks += 1
@@ -264,9 +278,7 @@ async def test_a_4_mb_output_is_fingerprinted_while_the_loop_keeps_running() -> 
     page = _page(4_000_000)
     pieces = [Piece(page, UNTRUSTED, "t")]
     delta, ticks = await _ticks_while(lambda: delta_of("web.fetch", pieces, 32, limit=65536))
-    # Inline, the loop would not have run at all until it was done (0 ticks); off the loop it
-    # runs, though fewer ticks than the work's length allows on a busy machine.
-    assert ticks >= 2
+    assert ticks >= 5  # inline, the loop would not have run at all until it was done (0 ticks)
     assert delta.overflow  # past the 1 MiB default cap
     inline = LedgerDelta.of("web.fetch", pieces, 32, 65536)
     assert (delta.grams, delta.tokens, delta.overflow) == (inline.grams, inline.tokens, inline.overflow)
@@ -274,14 +286,7 @@ async def test_a_4_mb_output_is_fingerprinted_while_the_loop_keeps_running() -> 
 
 async def test_large_arguments_are_hashed_off_the_loop_and_small_ones_inline(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    threads: list[int] = []
-    real = Probe.of
-
-    def spying(text: str, *args: Any) -> Probe:
-        threads.append(threading.get_ident())
-        return real(text, *args)
-
-    monkeypatch.setattr(Probe, "of", spying)
+    threads = _threads_calling(monkeypatch, Probe, "of")
     small = [("/to", "boss@corp.example"), ("/body", "see you on thursday")]
     assert [p for p, _ in await probes_of(small, 32)] == ["/to", "/body"]
     assert set(threads) == {threading.get_ident()}
@@ -298,14 +303,7 @@ async def test_large_arguments_are_hashed_off_the_loop_and_small_ones_inline(
 
 async def test_a_large_intent_is_fingerprinted_off_the_loop_and_a_small_one_inline(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    threads: list[int] = []
-    real = Endorsement.of
-
-    def spying(texts: Any, *args: Any) -> Endorsement:
-        threads.append(threading.get_ident())
-        return real(texts, *args)
-
-    monkeypatch.setattr(Endorsement, "of", spying)
+    threads = _threads_calling(monkeypatch, Endorsement, "of")
     small = await endorsement_of(["pay billing@acme.example the 40 EUR invoice"], 32)
     assert threads == [threading.get_ident()] and small.whole("billing@acme.example")
     threads.clear()
@@ -318,14 +316,7 @@ async def test_a_large_intent_is_fingerprinted_off_the_loop_and_a_small_one_inli
 async def test_a_long_intent_is_read_for_the_gate_waiver_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """`waiver.asking_clauses` costs ~1 ms per KiB of intent and `max_intent_chars` allows up to
     1 MiB: past INLINE_INTENT_CHARS characters a gated call reads it in a worker thread."""
-    threads: list[int] = []
-    real = offload.asking_clauses
-
-    def spying(tool: str, texts: Any) -> Any:
-        threads.append(threading.get_ident())
-        return real(tool, texts)
-
-    monkeypatch.setattr(offload, "asking_clauses", spying)
+    threads = _threads_calling(monkeypatch, offload, "asking_clauses")
     [small] = await asking_of("delete_file", ["delete f-23, it is a duplicate"])
     assert threads == [threading.get_ident()] and small.clause == "delete f-23"
     threads.clear()
@@ -335,14 +326,7 @@ async def test_a_long_intent_is_read_for_the_gate_waiver_off_the_loop(monkeypatc
 
 
 async def test_a_long_intent_is_read_for_endorsement_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    threads: list[int] = []
-    real = IntentWords.of
-
-    def spying(texts: Any) -> IntentWords:
-        threads.append(threading.get_ident())
-        return real(texts)
-
-    monkeypatch.setattr(IntentWords, "of", spying)
+    threads = _threads_calling(monkeypatch, IntentWords, "of")
     small = await intent_words_of(["book the Grand Palace for two nights"])
     assert threads == [threading.get_ident()] and "2" in small.numbers
     threads.clear()
@@ -353,15 +337,8 @@ async def test_a_long_intent_is_read_for_endorsement_off_the_loop(monkeypatch: p
 def _spy_on_intent_reading(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The threads that compute an intent's picking words (`IntentWords.words`: `id_words` of
     each text) or its criteria (`criterion.criteria`)."""
-    threads: list[int] = []
-    for module, name in ((endorse, "id_words"), (criterion, "criteria")):
-        real = getattr(module, name)
-
-        def spying(*args: Any, real: Any = real) -> Any:
-            threads.append(threading.get_ident())
-            return real(*args)
-
-        monkeypatch.setattr(module, name, spying)
+    threads = _threads_calling(monkeypatch, endorse, "id_words")
+    _threads_calling(monkeypatch, criterion, "criteria", threads)
     return threads
 
 
@@ -389,14 +366,8 @@ async def test_a_long_intents_picking_words_and_criteria_are_computed_off_the_lo
 async def test_the_gate_waivers_clause_words_are_computed_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """The waiver's words (all asking clauses' objects, and each one's) for long objects: in a
     worker thread, prepared; short ones inline."""
-    threads: list[int] = []
     real = IntentWords.of
-
-    def spying(texts: Any) -> IntentWords:
-        threads.append(threading.get_ident())
-        return real(texts)
-
-    monkeypatch.setattr(IntentWords, "of", spying)
+    threads = _threads_calling(monkeypatch, IntentWords, "of")
     objects = ["the Acme newsletter " + "and the old drafts " * 250, "f-23"]
     words, each = await offload.clause_words_of(objects)
     assert len(threads) == 3 and threading.get_ident() not in threads
@@ -503,14 +474,7 @@ async def test_a_text_one_character_past_its_bound_is_read_off_the_loop(
         monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, run: Callable[[str], Any], bound: int) -> None:
     """At its bound a text is read on the loop; one character more, in a worker thread; the
     same result either way (what it computes on the loop, computed afresh in a thread)."""
-    threads: list[int] = []
-    real = getattr(owner, name)
-
-    def spying(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.get_ident())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, spying)
+    threads = _threads_calling(monkeypatch, owner, name)
     at = await run(_chars(bound))
     assert threads and set(threads) == {threading.get_ident()}
     threads.clear()
@@ -618,14 +582,7 @@ async def test_many_critical_values_against_a_long_intent_are_looked_up_off_the_
     value found only inside longer words): a tainted-run sink call with 200 values against a
     16 KiB intent looks them up in a worker thread, a call with a few values against a short
     intent on the loop; the same endorsements either way."""
-    threads: list[int] = []
-    real = IntentWords.endorses
-
-    def spying(self: IntentWords, critical: Any) -> bool:
-        threads.append(threading.get_ident())
-        return real(self, critical)
-
-    monkeypatch.setattr(IntentWords, "endorses", spying)
+    threads = _threads_calling(monkeypatch, IntentWords, "endorses")
 
     async def pay(intent: str, count: int) -> Any:
         check = await _tainted_bank(intent)
@@ -642,8 +599,7 @@ async def test_many_critical_values_against_a_long_intent_are_looked_up_off_the_
     monkeypatch.setattr(offload, "INLINE_LOOKUPS", 1 << 40)
     assert await pay(long, 200) == audit and set(threads) == {threading.get_ident()}
     monkeypatch.undo()
-    monkeypatch.setattr(IntentWords, "endorses", spying)
-    threads.clear()
+    threads = _threads_calling(monkeypatch, IntentWords, "endorses")
     await pay("Pay the rent.", 3)
     assert threads and set(threads) == {threading.get_ident()}
 
