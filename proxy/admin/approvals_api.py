@@ -26,6 +26,7 @@ record's id (`decision_record`), and the call it releases names it (`extra.appro
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, get_args
 
 import orjson
@@ -99,7 +100,9 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         except StoreError as exc:
             return unavailable(exc)
         now = service.clock()
-        return _json({"approvals": [a.view(now) for a in found]})
+        # Views escape hidden characters, Python work per character of the arguments (up to
+        # `limits.max_body_bytes` each): made in a worker thread, not on the event loop.
+        return _json({"approvals": await asyncio.to_thread(lambda: [a.view(now) for a in found])})
 
     async def show(request: web.Request) -> web.Response:
         who = approver_of(request)
@@ -112,7 +115,7 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
             return unavailable(exc)
         if approval is None:
             return _error(404, f"no approval {approval_id}")
-        return _json(approval.view(service.clock()))
+        return _json(await asyncio.to_thread(approval.view, service.clock()))
 
     async def decide(request: web.Request, approve: bool) -> web.Response:
         who = approver_of(request)
@@ -197,7 +200,7 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
                 return _error(exc.status, str(exc))
             return unavailable(exc)
         now = service.clock()
-        data = approval.view(now)
+        data = await asyncio.to_thread(approval.view, now)
         if granted is not None:
             data["grant"] = granted.view(now)
         return _json(data)

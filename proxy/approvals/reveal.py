@@ -20,6 +20,7 @@ spelled in look-alike Cyrillic ("раурал") is not found: no script is mixed
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import unicodedata
@@ -39,6 +40,12 @@ _LOOKALIKE_SCRIPTS = frozenset({"LATIN", "CYRILLIC", "GREEK", "ARMENIAN", "CHERO
 _RUN = re.compile(r'[^\s"]+')
 
 
+# What may need an escape: anything but printable ASCII (a C-speed search; the rest of a text
+# is never looked at character by character).
+_NOT_PLAIN = re.compile(r"[^\x20-\x7e]")
+
+
+@functools.lru_cache(maxsize=8192)
 def _lookalike_script(char: str) -> str | None:
     if char.isascii():
         return "LATIN" if char.isalpha() else None
@@ -62,8 +69,8 @@ def disguised(text: str) -> set[int]:
     found: set[int] = set()
     for run in _RUN.finditer(text):
         word = run.group()
-        if word.isascii():
-            continue
+        if word.isascii() or len({_lookalike_script(c) for c in set(word)} - {None}) < 2:
+            continue  # one script (the common case: judged on the run's distinct characters)
         scripts = [_lookalike_script(c) for c in word]
         counts = Counter(script for script in scripts if script is not None)
         if len(counts) > 1:
@@ -73,6 +80,7 @@ def disguised(text: str) -> set[int]:
     return found
 
 
+@functools.lru_cache(maxsize=8192)
 def is_hidden(char: str) -> bool:
     """Whether `char` is invisible, reorders text, or looks like another character (a space
     other than U+0020). Below U+0020 nothing is: JSON writes those as escapes already."""
@@ -91,21 +99,47 @@ def _escape(char: str) -> str:
     return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
+def _escaped_at(text: str, controls: bool = False) -> list[int]:
+    """Where `text` holds a character to escape (hidden, a look-alike letter, and with
+    `controls` a control character), in order."""
+    marked = disguised(text)
+    # Judged once per distinct character, then found where they are (C-speed searches).
+    wanted = [c for c in set(_NOT_PLAIN.findall(text)) if (controls and c < " ") or is_hidden(c)]
+    if wanted:
+        marked.update(found.start() for found in re.finditer("|".join(map(re.escape, wanted)), text))
+    return sorted(marked)
+
+
+def _escaping(text: str, positions: list[int]) -> str:
+    """`text` with the characters at `positions` written as `\\uXXXX` escapes."""
+    if not positions:
+        return text
+    out: list[str] = []
+    last = 0
+    for at in positions:
+        out += (text[last:at], _escape(text[at]))
+        last = at + 1
+    out.append(text[last:])
+    return "".join(out)
+
+
 def visible(text: str) -> str:
     """`text` for a terminal or a page: control characters (which a terminal obeys: colours,
     cursor moves, window titles), hidden ones and look-alike letters written as `\\uXXXX`
     escapes."""
-    marked = disguised(text)
-    return "".join(_escape(c) if c < " " or is_hidden(c) or i in marked else c for i, c in enumerate(text))
+    return _escaping(text, _escaped_at(text, controls=True))
+
+
+def revealed(text: str) -> str:
+    """`text` (JSON, or a piece of it) with every hidden character and look-alike letter escaped."""
+    return _escaping(text, _escaped_at(text))
 
 
 def revealed_json(value: Any, indent: int | None = 2) -> str:
     """`value` as JSON (keys in their order; `indent` None: on one line) with every hidden
     character and look-alike letter escaped."""
-    text = json.dumps(value, indent=indent, ensure_ascii=False,
-                      separators=None if indent is not None else (",", ":"))
-    marked = disguised(text)
-    return "".join(_escape(c) if is_hidden(c) or i in marked else c for i, c in enumerate(text))
+    return revealed(json.dumps(value, indent=indent, ensure_ascii=False,
+                               separators=None if indent is not None else (",", ":")))
 
 
 def hidden_characters(value: Any, path: str = "") -> list[dict[str, Any]]:
@@ -114,9 +148,7 @@ def hidden_characters(value: Any, path: str = "") -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
 
     def note(where: str, text: str) -> None:
-        marked = disguised(text)
-        chars = list(dict.fromkeys(f"U+{ord(c):04X}" for i, c in enumerate(text)
-                                   if is_hidden(c) or i in marked))
+        chars = list(dict.fromkeys(f"U+{ord(text[i]):04X}" for i in _escaped_at(text)))
         if chars:
             found.append({"path": where or "/", "characters": chars})
 
@@ -125,8 +157,7 @@ def hidden_characters(value: Any, path: str = "") -> list[dict[str, Any]]:
     elif isinstance(value, dict):
         for key, item in value.items():
             # The pointer shows the key's hidden characters and look-alike letters escaped too.
-            marked = disguised(str(key))
-            shown = "".join(_escape(c) if is_hidden(c) or i in marked else c for i, c in enumerate(str(key)))
+            shown = _escaping(str(key), _escaped_at(str(key)))
             where = f"{path}/{shown.replace('~', '~0').replace('/', '~1')}"
             note(where + " (key)", str(key))
             found.extend(hidden_characters(item, where))

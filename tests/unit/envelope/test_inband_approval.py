@@ -21,6 +21,7 @@ from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import ApprovalPrompt, Code, InBandAnswer, RunContext, Services, ToolCall
 from proxy.fronts.inband import (
     INPUT_KEY,
+    REVEAL_CHARS,
     DeferChannel,
     SessionCapabilities,
     elicitation_params,
@@ -318,3 +319,18 @@ def test_stateless_capability_and_session_lru() -> None:
     assert sessions.get("u", "s1").elicitation  # type: ignore[union-attr]
     sessions.forget("u", "s1")
     assert sessions.get("u", "s1") is None
+
+
+def test_a_long_preview_is_read_only_as_far_as_it_is_shown_and_says_so() -> None:
+    """Past REVEAL_CHARS the arguments are not searched for hidden characters on the event loop
+    (Python work per character): the preview escapes what it shows and says the rest is
+    unchecked, never that nothing is hidden."""
+    body = "a" * REVEAL_CHARS + "report\u202efdp.exe"
+    params = elicitation_params(ApprovalPrompt("apr-1", "notes", "write_note", "sha256:abc",
+                                               {"title": "x\u202ey", "body": body}, 0))
+    message = params["message"]
+    assert '"title":"x\\u202ey"' in message and "\u202e" not in message
+    assert "too long to be checked here for hidden or look-alike characters" in message
+    short = elicitation_params(ApprovalPrompt("apr-1", "notes", "write_note", "sha256:abc",
+                                              {"title": "plain"}, 0))["message"]
+    assert "WARNING" not in short and '{"title":"plain"}' in short
