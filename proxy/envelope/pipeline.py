@@ -166,6 +166,15 @@ class Chain:
                 self.revision, self.registry, self.dependencies))
         return self._report[1]
 
+    def prepare_report(self) -> None:
+        """Make the misconfiguration report now, off the event loop (`Envelope.build`). When
+        the loop learns a `tools/list` while this thread reads the registry ("changed size
+        during iteration"), the report is left unmade: `misconfigured` makes it on the loop."""
+        try:
+            self.misconfigured()
+        except RuntimeError:
+            pass  # `_report` was not assigned: the next `misconfigured` call makes it
+
     def idempotent(self, call: ToolCall) -> bool:
         """Whether the policy declares the tool `idempotent: true` (safe to perform twice)."""
         tool = self.revision.tools.get(call.qualified_name)
@@ -274,12 +283,7 @@ class Envelope(Completion):
         loop (1,000 tools: 0.15 s a chain before its scans were kept by text, ~0.05 s since),
         and `install` swaps it in."""
         chain = Chain(revision, self.registry, self.metrics, self.services)
-        try:
-            chain.misconfigured()  # the report `install` publishes, made here too
-        except RuntimeError:
-            # The loop learned a `tools/list` while this thread read the registry ("changed
-            # size during iteration"): `install` makes the report on the loop instead.
-            chain._report = None
+        chain.prepare_report()  # the report `install` publishes, made here when it can be
         return chain
 
     def install(self, revision: PolicyRevision, chain: Chain | None = None) -> Chain:
