@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from proxy.admin.approvals_api import add_routes
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.records import (
+    Approval,
     ApprovalConflict,
     CallBinding,
     GrantRequest,
@@ -438,6 +440,31 @@ async def test_api_lists_shows_and_decides(api: tuple[TestClient, World]) -> Non
     assert [a["id"] for a in (await r.json())["approvals"]] == [first]
     r = await client.get("/v1/grants", headers=ALICE)
     assert [g["approval_id"] for g in (await r.json())["grants"]] == [first]
+
+
+async def test_api_makes_every_view_off_the_event_loop(api: tuple[TestClient, World],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A view escapes hidden characters, Python work per character of arguments up to the body
+    # cap (4 MiB): the list, the show and the decision's answer each make it in a worker thread.
+    client, w = api
+    await w.decide(w.call(args={"title": "x"}))
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    real = Approval.view
+
+    def spying(self: Approval, now: float) -> dict[str, Any]:
+        threads.append(threading.get_ident())
+        return real(self, now)
+
+    monkeypatch.setattr(Approval, "view", spying)
+    r = await client.get("/v1/approvals?state=pending", headers=ALICE)
+    assert r.status == 200
+    approval_id = (await r.json())["approvals"][0]["id"]
+    r = await client.get(f"/v1/approvals/{approval_id}", headers=ALICE)
+    assert r.status == 200
+    r = await client.post(f"/v1/approvals/{approval_id}/approve", headers=ALICE, json={"reason": "fine"})
+    assert r.status == 200 and (await r.json())["state"] == "approved"
+    assert len(threads) == 3 and loop_thread not in threads
 
 
 async def test_api_refuses(api: tuple[TestClient, World]) -> None:
