@@ -55,6 +55,11 @@ BENCH = R.BENCH
 SIZES = (200, 5000, 50000)
 CLIENTS = ("stateless", "session")
 CONFIGS = ("direct", "passthrough", "envelope", "fastmcp", "mcp-proxy")
+# Opt-in (`--configs`): the full envelope taken apart, for "where the envelope's CPU goes".
+# `noflow`: the same policy with `dataflow: {mode: off}`; `envelope-memory`: the full envelope
+# with the ledger in process memory (`store: {kind: memory}`) instead of the SQLite file.
+PARTS = ("noflow", "envelope-memory")
+ENVELOPES = ("envelope", *PARTS)
 PEERS = ("fastmcp", "mcp-proxy")
 STATELESS = "2026-07-28"
 SESSION = "2025-11-25"
@@ -204,10 +209,10 @@ def start_peer(config: str, tmp: Path, upstream_url: str) -> R.Route:
     return R.Route(config, 1, f"http://127.0.0.1:{port}/mcp", svc)
 
 
-def fresh_state(tmp: Path, workers: int) -> None:
+def fresh_state(tmp: Path, workers: int, name: str = "envelope") -> None:
     """An empty state directory (the data-flow ledger, audit) for each envelope start: a size's
     cells must not pay for the ledger an earlier size filled."""
-    shutil.rmtree(tmp / f"envelope-state-w{workers}", ignore_errors=True)
+    shutil.rmtree(tmp / f"{name}-state-w{workers}", ignore_errors=True)
 
 
 def start_path(config: str, workers: int, tmp: Path, upstream_url: str) -> R.Route:
@@ -215,9 +220,9 @@ def start_path(config: str, workers: int, tmp: Path, upstream_url: str) -> R.Rou
         return R.Route("direct", 1, upstream_url, None)
     if config == "passthrough":
         return R.start_passthrough(tmp, upstream_url, workers)
-    if config == "envelope":
-        fresh_state(tmp, workers)
-        return R.start_envelope(tmp, upstream_url, workers)
+    if config in ENVELOPES:
+        fresh_state(tmp, workers, config)
+        return R.start_envelope(tmp, upstream_url, workers, config)
     return start_peer(config, tmp, upstream_url)
 
 
@@ -245,7 +250,7 @@ def measure(path: R.Route, client: Client, size: int, concurrency: int, args: ar
     check_call(client, size)
     if args.warmup > 0:
         R.run_wrk(client.url, concurrency, args.warmup, script)
-    before = R.envelope_decisions(path) if path.config == "envelope" else {}
+    before = R.envelope_decisions(path) if path.config in ENVELOPES else {}
     roots = path.service.pids if path.service else []
     p0 = R.tree_cpu(roots)
     result = R.run_wrk(client.url, concurrency, args.duration, script)
@@ -254,7 +259,7 @@ def measure(path: R.Route, client: Client, size: int, concurrency: int, args: ar
     if result.non_2xx or result.socket_errors or result.requests == 0:
         raise R.BenchError(f"{label}: {result.requests} requests, {result.non_2xx} non-2xx, "
                            f"{result.socket_errors} socket errors:\n{result.output}")
-    if path.config == "envelope":
+    if path.config in ENVELOPES:
         after = R.envelope_decisions(path)
         delta = {v: after.get(v, 0.0) - before.get(v, 0.0) for v in after}
         disconnected = delta.pop(R.DISCONNECTED, 0.0)
@@ -456,10 +461,35 @@ def report(cells: list[Cell], unsupported: dict[str, str], args: argparse.Namesp
             ok = R.verdict(env.proxy_cpu_us <= TARGET_CPU_US) if size == min(args.sizes) else "-"
             lines.append(f"| {size:,} | {client} | {fmt(env.proxy_cpu_us)} | "
                          f"{fmt(base.proxy_cpu_us if base else None)} | {ok} |")
+    lines += parts_table(by, args)
     if prof:
         lines += ["", "### Where the full envelope's time goes (py-spy, c=16)", "", prof]
     lines.append(END)
     return "\n".join(lines) + "\n"
+
+
+def parts_table(by: dict[tuple[int, str, str, int, int], Cell], args: argparse.Namespace) -> list[str]:
+    """The full envelope's CPU per call taken apart (1 worker), where the run measured `noflow` and
+    `envelope-memory` beside it: each step over the passthrough's CPU in the same cell."""
+    rows = []
+    for size in args.sizes:
+        for client in args.clients:
+            for conc in args.concurrency:
+                cpu = [getattr(by.get((size, client, c, 1, conc)), "proxy_cpu_us", None)
+                       for c in ("passthrough", "noflow", "envelope-memory", "envelope")]
+                base, noflow, memory, full = cpu
+                if not (base and noflow and memory and full):
+                    continue
+                rows.append(f"| {size:,} | {client} | {conc} | {fmt(base)} | {noflow / base:.2f} "
+                            f"| {(memory - noflow) / base:+.2f} | {(full - memory) / base:+.2f} | {full / base:.2f} |")
+    if not rows:
+        return []
+    return ["", "Where the full envelope's CPU goes (1 worker; each part over the passthrough's CPU per call in "
+            "the same cell: `noflow` is the request path without data flow; + ledger is fingerprinting and "
+            "recording each output in process memory (`envelope-memory` - `noflow`); + SQLite is the same "
+            "ledger in the default SQLite file instead (`envelope` - `envelope-memory`)):", "",
+            "| size | client | c | passthrough CPU µs/call | noflow x pass | + ledger (memory) | + SQLite store "
+            "| envelope x pass |", "|---:|---|---:|---:|---:|---:|---:|---:|", *rows]
 
 
 def write_section(results: Path, section: str) -> None:
@@ -485,7 +515,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", default=",".join(CLIENTS), help="stateless,session")
     p.add_argument("--workers", default="1,2", help="worker counts for passthrough and envelope (default 1,2)")
     p.add_argument("--concurrency", default="1,32", help="wrk connection counts (default 1,32)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"subset of {','.join(CONFIGS)}, plus the opt-in {','.join(PARTS)} (the envelope "
+                        "taken apart: a table of where its CPU goes)")
     p.add_argument("--profile", type=int, default=0, metavar="SECONDS", help="py-spy the envelope under c=16")
     p.add_argument("--profile-size", type=int, default=5000, help="output size while profiling (default 5000)")
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md",
@@ -500,7 +532,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.workers = [int(x) for x in args.workers.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.configs = [x.strip() for x in args.configs.split(",")]
-    bad = (set(args.configs) - set(CONFIGS)) | (set(args.clients) - set(CLIENTS))
+    bad = (set(args.configs) - set(CONFIGS) - set(PARTS)) | (set(args.clients) - set(CLIENTS))
     if bad:
         p.error(f"unknown configs or clients: {', '.join(sorted(bad))}")
     return args

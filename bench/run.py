@@ -301,6 +301,8 @@ def envelope_config(tmp: Path, upstream_url: str, workers: int, name: str = "env
         config["transport"] = TRANSPORT
     if name == "envelope-fast":
         config["listener"] = "fast"
+    elif name == "envelope-memory":  # the same envelope with the ledger in process memory
+        config["store"] = {"kind": "memory"}
     elif LISTENER:
         config["listener"] = LISTENER
     path = tmp / f"{name}-w{workers}.json"

@@ -90,3 +90,19 @@ def test_report_states_the_per_cpu_ratio_against_fastmcp() -> None:
     assert "| 200 | stateless | 32 | 25.0x | 10.00 | - | **MET** |" in text
     assert "| 200 | stateless | 100.0 | 400.0 | **MET** |" in text
     assert text.startswith(mix.BEGIN) and text.rstrip().endswith(mix.END)
+
+
+def test_report_takes_the_envelope_apart_over_the_passthrough() -> None:
+    args = argparse.Namespace(sizes=[200], clients=["stateless"], configs=[*mix.CONFIGS, *mix.PARTS], workers=[1],
+                              concurrency=[32], duration=2.0, warmup=0.5)
+
+    def cell(config: str, cpu: float) -> mix.Cell:
+        return mix.Cell(200, "stateless", config, 1, 32, 1000.0, 1.0, 2.0, 1000, cpu, 100.0)
+
+    cells = [cell("passthrough", 200.0), cell("noflow", 370.0), cell("envelope-memory", 450.0),
+             cell("envelope", 650.0)]
+    text = mix.report(cells, {}, args, None)
+    # request path 1.85x, the ledger in memory +0.40x, the SQLite store +1.00x: 3.25x in all.
+    assert "| 200 | stateless | 32 | 200.0 | 1.85 | +0.40 | +1.00 | 3.25 |" in text
+    # Without the parts measured, no such table.
+    assert "Where the full envelope's CPU goes" not in mix.report(cells[:1] + cells[3:], {}, args, None)
