@@ -100,6 +100,82 @@ static void window_hashes_into(int kind, const void *data, Py_ssize_t length, Py
     }
 }
 
+/* Winnowing while hashing, for windows of 2..STREAM_WINDOW hashes (at least one whole window):
+ * the last `window` hashes in a ring, each run's minimum found by a branch-free scan of it (the
+ * rightmost on ties: `<=` from oldest to newest). The same result as `winnow_in_place` and
+ * `window_minima` over stored hashes, without storing them or passing over them again, and
+ * without the queue's unpredictable branches; the scan does not wait on the rolling hash, so
+ * the two run alongside. With `positions`, a run's minimum is written unless it is the same
+ * position as the previous run's (`winnow_in_place`); without, unless it is the same value
+ * (`window_minima`: what a packed set keeps). */
+#define STREAM_WINDOW 16 /* the policy bounds `winnow` to 16 */
+
+typedef struct {
+    uint64_t recent[2 * STREAM_WINDOW]; /* each hash twice: recent[slot + 1 .. slot + window] */
+    Py_ssize_t window, slot, written, last_at;
+    uint64_t last;
+    uint64_t *out;
+} stream;
+
+ALWAYS_INLINE void stream_push(stream *st, uint64_t hash, Py_ssize_t at, int positions) {
+    Py_ssize_t window = st->window;
+    Py_ssize_t slot = st->slot + 1 == window ? 0 : st->slot + 1;
+    st->slot = slot;
+    st->recent[slot] = hash;
+    st->recent[slot + window] = hash; /* oldest to newest: recent[slot + 1 .. slot + window] */
+    if (at + 1 < window) {
+        return;
+    }
+    const uint64_t *run = st->recent + slot + 1;
+    uint64_t least = run[0];
+    Py_ssize_t offset = 0;
+    for (Py_ssize_t j = 1; j < window; j++) {
+        int better = run[j] <= least;
+        least = better ? run[j] : least;
+        offset = better ? j : offset;
+    }
+    st->out[st->written] = least;
+    if (positions) {
+        Py_ssize_t where = at - window + 1 + offset;
+        st->written += where != st->last_at;
+        st->last_at = where;
+    } else {
+        st->written += (st->written == 0) | (least != st->last);
+        st->last = least;
+    }
+}
+
+ALWAYS_INLINE void stream_kind(int kind, const void *data, Py_ssize_t length, Py_ssize_t k,
+                               stream *st, int positions) {
+    ROLL(kind, data, length, k, stream_push(st, hash, at, positions));
+}
+
+/* Returns how many were written to `out` (at most length - k + 1). */
+static Py_ssize_t stream_winnow(int kind, const void *data, Py_ssize_t length, Py_ssize_t k,
+                                Py_ssize_t window, uint64_t *out, int positions) {
+    stream st = {.window = window, .slot = window - 1, .last_at = -1, .out = out};
+    switch (kind * 2 + (positions != 0)) {
+    case PyUnicode_1BYTE_KIND * 2:
+        stream_kind(PyUnicode_1BYTE_KIND, data, length, k, &st, 0);
+        break;
+    case PyUnicode_1BYTE_KIND * 2 + 1:
+        stream_kind(PyUnicode_1BYTE_KIND, data, length, k, &st, 1);
+        break;
+    case PyUnicode_2BYTE_KIND * 2:
+        stream_kind(PyUnicode_2BYTE_KIND, data, length, k, &st, 0);
+        break;
+    case PyUnicode_2BYTE_KIND * 2 + 1:
+        stream_kind(PyUnicode_2BYTE_KIND, data, length, k, &st, 1);
+        break;
+    case PyUnicode_4BYTE_KIND * 2:
+        stream_kind(PyUnicode_4BYTE_KIND, data, length, k, &st, 0);
+        break;
+    default:
+        stream_kind(PyUnicode_4BYTE_KIND, data, length, k, &st, 1);
+    }
+    return st.written;
+}
+
 /* Winnowing over `count` hashes, in place: for every run of `window` consecutive hashes, its
  * minimum, the rightmost on ties; a position kept by consecutive runs is written once (what
  * fingerprint._numpy_winnowed_hashes keeps, in its order). `queue` and `queued` hold `window`
@@ -140,6 +216,21 @@ static Py_ssize_t winnow_in_place(uint64_t *hashes, Py_ssize_t count, Py_ssize_t
     return written;
 }
 
+/* Each run of equal consecutive values kept once, in place (count >= 1); returns how many remain.
+ * Branch-free, and the previous value stays in a register: reading it back from the array would
+ * chain every step to the last store. */
+static Py_ssize_t distinct_runs(uint64_t *values, Py_ssize_t count) {
+    Py_ssize_t kept = 1;
+    uint64_t last = values[0];
+    for (Py_ssize_t i = 1; i < count; i++) {
+        uint64_t v = values[i];
+        values[kept] = v;
+        kept += v != last;
+        last = v;
+    }
+    return kept;
+}
+
 /* The distinct consecutive window minima of `count` hashes (window > 1, count >= window), in place,
  * as fingerprint._numpy_winnowed_packed finds them: minima of doubling spans, then two
  * overlapping spans per window; branch-free passes, log2(window) + 1 of them. Returns how many
@@ -162,12 +253,7 @@ static Py_ssize_t window_minima(uint64_t *hashes, Py_ssize_t count, Py_ssize_t w
             hashes[i] = b < a ? b : a;
         }
     }
-    Py_ssize_t written = 1;
-    for (Py_ssize_t i = 1; i < runs; i++) {
-        hashes[written] = hashes[i];
-        written += hashes[i] != hashes[written - 1];
-    }
-    return written;
+    return distinct_runs(hashes, runs);
 }
 
 static void insertion_sort(uint64_t *values, Py_ssize_t count) {
@@ -218,18 +304,20 @@ static void radix_sort(uint64_t *values, uint64_t *spare, Py_ssize_t count) {
 
 #define SMALL 32 /* a bucket of at most this many values is insertion-sorted */
 
-/* Sorted in place. Hashes are spread evenly, so one pass distributes them into about as many
- * buckets as values by their top bits and each small bucket is insertion-sorted (~3 passes; an
- * 8-pass radix sort, or qsort's compare calls, cost more than the hashing on 5,000 characters).
- * A text made to crowd its hashes into one bucket cannot make this quadratic: a bucket of more
- * than SMALL values is radix-sorted. Returns 0, or -1 when its buffers cannot be allocated. */
+/* Sorted in place. Hashes are spread evenly, so one pass distributes them into about twice as
+ * many buckets as values by their top bits, after which the array is sorted but for the few
+ * values that share a bucket: one insertion pass finishes it, its compare almost always false
+ * (well predicted; qsort's compare calls, or an 8-pass radix sort, cost more than the hashing).
+ * A text made to crowd its hashes into one bucket cannot make this quadratic: when a bucket holds
+ * more than SMALL values, each bucket is sorted alone, a crowded one by a radix sort.
+ * Returns 0, or -1 when its buffers cannot be allocated. */
 static int sort_u64(uint64_t *values, Py_ssize_t count) {
     if (count <= SMALL) {
         insertion_sort(values, count);
         return 0;
     }
     int bits = 4;
-    while (bits < 16 && ((Py_ssize_t)1 << bits) < count) {
+    while (bits < 14 && ((Py_ssize_t)1 << bits) < 2 * count) {
         bits++;
     }
     Py_ssize_t buckets = (Py_ssize_t)1 << bits;
@@ -244,7 +332,9 @@ static int sort_u64(uint64_t *values, Py_ssize_t count) {
     for (Py_ssize_t i = 0; i < count; i++) {
         ends[(values[i] >> shift) + 1]++;
     }
+    Py_ssize_t crowded = 0;
     for (Py_ssize_t b = 0; b < buckets; b++) {
+        crowded |= ends[b + 1] > SMALL;
         ends[b + 1] += ends[b];
     }
     /* ends[b] is bucket b's start; filling it moves it to the bucket's end */
@@ -253,15 +343,19 @@ static int sort_u64(uint64_t *values, Py_ssize_t count) {
         spare[ends[v >> shift]++] = v;
     }
     memcpy(values, spare, (size_t)count * sizeof(uint64_t));
-    Py_ssize_t begin = 0;
-    for (Py_ssize_t b = 0; b < buckets; b++) {
-        Py_ssize_t size = ends[b] - begin;
-        if (size > SMALL) {
-            radix_sort(values + begin, spare + begin, size);
-        } else if (size > 1) {
-            insertion_sort(values + begin, size);
+    if (!crowded) {
+        insertion_sort(values, count); /* moves each value at most SMALL places */
+    } else {
+        Py_ssize_t begin = 0;
+        for (Py_ssize_t b = 0; b < buckets; b++) {
+            Py_ssize_t size = ends[b] - begin;
+            if (size > SMALL) {
+                radix_sort(values + begin, spare + begin, size);
+            } else if (size > 1) {
+                insertion_sort(values + begin, size);
+            }
+            begin = ends[b];
         }
-        begin = ends[b];
     }
     PyMem_RawFree(ends);
     PyMem_RawFree(spare);
@@ -276,13 +370,7 @@ static Py_ssize_t sort_distinct(uint64_t *values, Py_ssize_t count) {
     if (sort_u64(values, count) < 0) {
         return -1;
     }
-    Py_ssize_t kept = 1;
-    for (Py_ssize_t i = 1; i < count; i++) {
-        if (values[i] != values[kept - 1]) {
-            values[kept++] = values[i];
-        }
-    }
-    return kept;
+    return distinct_runs(values, count);
 }
 
 static uint64_t least_of(const uint64_t *values, Py_ssize_t count) {
@@ -322,7 +410,7 @@ static PyObject *run(PyObject *args, enum mode mode) {
     }
     Py_ssize_t count = length - k + 1;
     int winnowing = mode != WINDOW_HASHES && window > 1 && count >= window;
-    int queueing = winnowing && mode == WINNOWED_HASHES;
+    int queueing = winnowing && mode == WINNOWED_HASHES && window > STREAM_WINDOW;
     if ((size_t)count > PY_SSIZE_T_MAX / sizeof(uint64_t)) {
         return PyErr_NoMemory();
     }
@@ -344,8 +432,16 @@ static PyObject *run(PyObject *args, enum mode mode) {
     const void *data = PyUnicode_DATA(text); /* immutable, and the caller holds a reference */
     Py_ssize_t kept = count;
     PyThreadState *saved = length >= NOGIL_CHARS ? PyEval_SaveThread() : NULL;
-    window_hashes_into(kind, data, length, k, hashes);
-    if (mode != WINDOW_HASHES) {
+    int streaming = winnowing && window <= STREAM_WINDOW;
+    if (streaming) {
+        kept = stream_winnow(kind, data, length, k, window, hashes, mode == WINNOWED_HASHES);
+        if (mode == WINNOWED_PACKED) {
+            kept = sort_distinct(hashes, kept);
+        }
+    } else {
+        window_hashes_into(kind, data, length, k, hashes);
+    }
+    if (mode != WINDOW_HASHES && !streaming) {
         if (winnowing) {
             kept = mode == WINNOWED_PACKED ? window_minima(hashes, count, window)
                                            : winnow_in_place(hashes, count, window, queue, queued);

@@ -111,8 +111,38 @@ def test_native_matches_numpy_past_a_segment(alphabet: str) -> None:
     rolling pass) and long enough that the native code runs without the GIL."""
     rng = random.Random(15)
     text = "".join(rng.choice(alphabet) for _ in range(2 * _SEGMENT + 77))
-    for n, window in ((32, 4), (32, 1), (32, 16), (8, 3)):
+    for n, window in ((32, 4), (32, 1), (32, 16), (32, 17), (40, 24), (8, 3)):
         _assert_same(text, n, window)
+
+
+def _crowded(count: int, k: int, top_bits: int) -> str:
+    """A text whose `count` window hashes all have their top `top_bits` bits zero: each next
+    character chosen so that the window it ends has such a hash (what an attacker who knows the
+    hash could send to crowd one bucket of the native sort)."""
+    mask, b = (1 << 64) - 1, fingerprint._B
+    top, b_inv = pow(b, k - 1, 1 << 64), fingerprint._B_INV
+    text = ["a"] * (k - 1)
+    prefix = sum(ord(c) * pow(b, j, 1 << 64) for j, c in enumerate(text)) & mask  # the first k-1
+    # The first window: prefix + c * B**(k-1); later ones: (previous - first char) / B + c * B**(k-1).
+    current = prefix
+    for i in range(count):
+        base = current if i == 0 else ((current - ord(text[i - 1])) * b_inv) & mask
+        c = next(c for c in range(0x4E00, 0x10FFFF)
+                 if ((base + c * top) & mask) >> (64 - top_bits) == 0 and not 0xD800 <= c < 0xE000)
+        text.append(chr(c))
+        current = (base + c * top) & mask
+    return "".join(text)
+
+
+@needs_native
+def test_a_text_crowding_one_bucket_sorts_right() -> None:
+    """Hashes crowded into one bucket of the native sort's top bits (its quadratic case, were it
+    not bounded) still come out as numpy's: sorted, distinct, the same bytes."""
+    text = _crowded(300, gram_length(32, 1), 10)
+    hashes = _numpy_window_hashes(text, gram_length(32, 1))
+    assert len(hashes) == 300 and int(hashes.max()) >> 54 == 0
+    _assert_same(text, 32, 1)
+    _assert_same(text, 32, 4)
 
 
 @needs_native
