@@ -1,7 +1,7 @@
 """Suite-wide hooks: after a run, name the test tiers that skipped and how to run them.
 
 On a fresh machine dozens of tests skip because a tool is missing (redis-server, promtool,
-chromium, Node 22); `-q` alone hides why. `.ci/run` installs all of them and turns those skips
+chromium, Node 22, a C compiler); `-q` alone hides why. `.ci/run` installs all of them and turns those skips
 into failures (`ENVELOPE_REQUIRE_*`), so a skip here only ever means "not installed locally".
 """
 
@@ -20,6 +20,7 @@ TIERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "apt-get install chromium chromium-driver"),
     ("node", ("node", "npm"), "npm ci --prefix tests/node (brings Node 22 too)"),
     ("otel", ("otel extra",), "pip install -e '.[otel]' (the dev extra has it)"),
+    ("native", ("native winnowing",), "a C compiler (apt-get install gcc), then pip install -e . again"),
 )
 
 

@@ -32,6 +32,7 @@ from proxy.approvals.signer import RequestStateSigner
 from proxy.audit.anchor import HeadPublisher
 from proxy.audit.log import AuditLog
 from proxy.config import Config
+from proxy.envelope.dataflow import fingerprint
 from proxy.envelope.pipeline import Chain, Envelope
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Services
@@ -562,6 +563,7 @@ async def serve(config: Config, worker: int = 0, announce: bool = True,
     # Each reloaded revision is frozen the same way (`Collector`). The start-up load froze what
     # it made itself, without traversing it; the collector only takes over from here.
     runtime.collector.freeze(collect=False)
+    log.debug("data-flow winnowing: %s", fingerprint.WINNOW_IMPL)
     try:
         await runtime.start()
     except ListenError as exc:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
+import os
 import re
 import unicodedata
 from collections.abc import Iterator
+from typing import Any, Final
 
 import numpy as np
 
@@ -102,7 +105,7 @@ def normalise(text: str) -> str:
     return collapse(fold(text))
 
 
-def _window_hashes(norm: str, k: int) -> np.ndarray:
+def _numpy_window_hashes(norm: str, k: int) -> np.ndarray:
     """The hash of every k-character window of a normalised string, in order (computed in
     segments of `_SEGMENT` windows, so the power tables stay small for huge texts)."""
     length = len(norm)
@@ -152,12 +155,12 @@ def winnowed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> list[bytes]:
     return as_fields(winnowed_hashes(norm, n, window))
 
 
-def winnowed_hashes(norm: str, n: int, window: int = DEFAULT_WINNOW) -> np.ndarray:
+def _numpy_winnowed_hashes(norm: str, n: int, window: int = DEFAULT_WINNOW) -> np.ndarray:
     """`winnowed` as one uint64 array, in the same order (no Python object per fingerprint:
     the ledger packs them as they are, `packed`)."""
     if len(norm) < gram_length(n, window):
         return np.empty(0, np.uint64)  # shorter than one gram (most short outputs)
-    hashes = _window_hashes(norm, gram_length(n, window))
+    hashes = _numpy_window_hashes(norm, gram_length(n, window))
     if window <= 1:
         return np.unique(hashes)
     if len(hashes) < window:
@@ -184,14 +187,14 @@ def winnowed_hashes(norm: str, n: int, window: int = DEFAULT_WINNOW) -> np.ndarr
     return hashes[np.compress(first, at)]
 
 
-def winnowed_packed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> bytes:
+def _numpy_winnowed_packed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> bytes:
     """`packed(winnowed_hashes(norm, n, window))`, cheaper: a packed set holds values, not
     positions, and what winnowing keeps of a window is its minimum (the tie rule only picks
     which of equal values' positions), so the kept values are the distinct window minima: no
     offsets to find, and the minima by doubling spans (two passes for the default window)."""
     if len(norm) < gram_length(n, window):
         return b""
-    minima = _window_hashes(norm, gram_length(n, window))
+    minima = _numpy_window_hashes(norm, gram_length(n, window))
     if window > 1 and len(minima) >= window:
         count = len(minima) - window + 1
         span = 1  # minima[i]: the least of hashes[i: i + span]
@@ -223,6 +226,57 @@ def packed(hashes: np.ndarray) -> bytes:
     distinct[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=distinct[1:])
     return bytes(np.compress(distinct, ordered).astype("<u8").data)
+
+
+# -- the native functions -------------------------------------------------------------------------
+#
+# proxy/envelope/dataflow/_winnow.c computes the same hashes, bit for bit, in one pass over the
+# str's own buffer: on a 200-character output the numpy functions above are mostly per-call
+# overhead on tiny arrays (bench/RESULTS.md, "Native winnowing"). The extension is optional
+# (built by `pip install` when a C compiler is there); without it, or with ENVELOPE_NATIVE=0,
+# the numpy functions serve. Both give the same fingerprints, so replicas of mixed builds share
+# ledgers (tests/unit/envelope/test_dataflow_native.py checks it).
+
+
+def _native_module() -> Any:
+    """The native module, or None when it is not built or ENVELOPE_NATIVE=0 turns it off."""
+    if os.environ.get("ENVELOPE_NATIVE") == "0":
+        return None
+    try:
+        return importlib.import_module("proxy.envelope.dataflow._winnow")
+    except ImportError:
+        return None
+
+
+_native = _native_module()
+# Which functions hash and winnow in this process ("native" or "numpy"), for the start-up log.
+WINNOW_IMPL: Final = "numpy" if _native is None else "native"
+
+
+def _native_window_hashes(norm: str, k: int) -> np.ndarray:
+    """`_numpy_window_hashes`, natively."""
+    return np.frombuffer(_native.window_hashes(norm, k), np.uint64)
+
+
+def _native_winnowed_hashes(norm: str, n: int, window: int = DEFAULT_WINNOW) -> np.ndarray:
+    """`_numpy_winnowed_hashes`, natively."""
+    return np.frombuffer(_native.winnowed_hashes(norm, gram_length(n, window), window), np.uint64)
+
+
+def _native_winnowed_packed(norm: str, n: int, window: int = DEFAULT_WINNOW) -> bytes:
+    """`_numpy_winnowed_packed`, natively."""
+    packed_hashes: bytes = _native.winnowed_packed(norm, gram_length(n, window), window)
+    return packed_hashes
+
+
+if _native is None:
+    _window_hashes = _numpy_window_hashes
+    winnowed_hashes = _numpy_winnowed_hashes
+    winnowed_packed = _numpy_winnowed_packed
+else:
+    _window_hashes = _native_window_hashes
+    winnowed_hashes = _native_winnowed_hashes
+    winnowed_packed = _native_winnowed_packed
 
 
 def unpacked(fingerprints: bytes) -> list[bytes]:
