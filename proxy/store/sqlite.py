@@ -27,10 +27,13 @@ range of the primary key.
 Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and the worker
 takes every queued one into a single `BEGIN IMMEDIATE` transaction, applied in the order they
 came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
-Each caller is answered only after that transaction committed, so an output is still recorded
-before it is delivered; concurrent calls share one commit and one thread hop (a batch is handed
-to the worker on the event loop's next turn, so the answers that arrived together share it). A
-batch fails as one: every caller in it gets the StoreError and nothing of it is kept.
+Within the batch, each hash's meta row, a log's counter and a run's flags are read once and the
+meta rows and counters written once, at the end (`_Batch`): a batch of one run's outputs costs
+one statement per output (its entry), not eight. Each caller is answered only after that
+transaction committed, so an output is still recorded before it is delivered; concurrent calls
+share one commit and one thread hop (a batch is handed to the worker on the event loop's next
+turn, so the answers that arrived together share it). A batch fails as one: every caller in it
+gets the StoreError and nothing of it is kept.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
