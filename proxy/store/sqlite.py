@@ -27,10 +27,13 @@ range of the primary key.
 Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and the worker
 takes every queued one into a single `BEGIN IMMEDIATE` transaction, applied in the order they
 came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
-Each caller is answered only after that transaction committed, so an output is still recorded
-before it is delivered; concurrent calls share one commit and one thread hop (a batch is handed
-to the worker on the event loop's next turn, so the answers that arrived together share it). A
-batch fails as one: every caller in it gets the StoreError and nothing of it is kept.
+Within the batch, each hash's meta row, a log's counter and a run's flags are read once and the
+meta rows and counters written once, at the end (`_Batch`): a batch of one run's outputs costs
+one statement per output (its entry), not eight. Each caller is answered only after that
+transaction committed, so an output is still recorded before it is delivered; concurrent calls
+share one commit and one thread hop (a batch is handed to the worker on the event loop's next
+turn, so the answers that arrived together share it). A batch fails as one: every caller in it
+gets the StoreError and nothing of it is kept.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
@@ -105,8 +108,18 @@ _HASH_SET_META = (
     "INSERT INTO hash_meta (ns, key, expires, size) VALUES (?, ?, ?, ?)"
     " ON CONFLICT (ns, key) DO UPDATE SET expires = excluded.expires, size = excluded.size"
 )
-_HASH_SET_SIZE = "UPDATE hash_meta SET size = ? WHERE ns = ? AND key = ?"
 _HASH_DROP_META = "DELETE FROM hash_meta WHERE ns = ? AND key = ?"
+# A hash's meta row with one field (a log's counter) or, completed with `(?, ...)` and
+# `_HASH_HEAD_WHERE`, a few fields: one statement where two reads took two (no meta row, no row).
+_LOG_HEAD = (
+    "SELECT m.expires, m.size, h.value FROM hash_meta AS m LEFT JOIN hash AS h"
+    " ON h.ns = m.ns AND h.key = m.key AND h.field = ? WHERE m.ns = ? AND m.key = ?"
+)
+_HASH_HEAD = (
+    "SELECT m.expires, m.size, h.field, h.value FROM hash_meta AS m LEFT JOIN hash AS h"
+    " ON h.ns = m.ns AND h.key = m.key AND h.field IN "
+)
+_HASH_HEAD_WHERE = " WHERE m.ns = ? AND m.key = ?"
 _HASH_CLEAR = "DELETE FROM hash WHERE ns = ? AND key = ?"
 _HASH_UPSERT = (
     "INSERT INTO hash (ns, key, field, value) VALUES (?, ?, ?, ?)"
@@ -168,41 +181,170 @@ def _transaction(conn: sqlite3.Connection, begin: str, fn: Callable[[], T]) -> T
     return result
 
 
-def _writable_meta(conn: sqlite3.Connection, now: float, ns: str, key: str) -> tuple[Any, ...] | None:
-    """A hash's (expires, size) row before a write in the caller's transaction, or None when
-    it has none; an expired hash is cleared first (it starts afresh: no fields, no expiry,
-    before the write counts anything)."""
-    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-    if meta is not None and not _live(meta[0], now):
-        conn.execute(_HASH_CLEAR, (ns, key))
-        conn.execute(_HASH_DROP_META, (ns, key))
-        return None
-    return tuple(meta) if meta is not None else None
+class _Batch:
+    """One write transaction's view of the hashes its writes touch (`SqliteStore._flush`).
+
+    Each hash's meta row (expiry, size) is read at most once and written at most once, at the
+    end (`finish`, before COMMIT), however many writes of the batch touch it; so is a log's
+    counter field (read with the meta row, one statement). A few fields read or written by a
+    small `hash_put` (a run's flags) are remembered, so the next put of the same fields in the
+    batch reads nothing. Concurrent outputs of one run share a log and a flags hash: a batch of
+    32 of its appends reads each row once and writes each meta row and the counter once, not
+    32 times. What a write reads is what the writes before it left, exactly as if each had its
+    own transaction (any other write to a hash's fields first puts its counter in the table and
+    forgets what was remembered of it); the view dies with the transaction (the next batch
+    reads afresh: another process may have written in between)."""
+
+    __slots__ = ("_counters", "_dirty", "_dirty_counters", "_known", "_metas", "conn", "now")
+
+    def __init__(self, conn: sqlite3.Connection, now: float) -> None:
+        self.conn = conn
+        self.now = now
+        # (ns, key) -> (expires, size), or None: no such hash (absent, expired and cleared,
+        # or dropped by this batch).
+        self._metas: dict[tuple[str, str], tuple[float | None, int] | None] = {}
+        self._dirty: set[tuple[str, str]] = set()
+        # (ns, key) -> a log's counter field (None: absent); written at the end when dirty.
+        self._counters: dict[tuple[str, str], bytes | None] = {}
+        self._dirty_counters: set[tuple[str, str]] = set()
+        # (ns, key) -> values of some of its fields as they now stand (None: absent).
+        self._known: dict[tuple[str, str], dict[bytes, bytes | None]] = {}
+
+    def _seen(self, ns: str, key: str, row: Any) -> tuple[float | None, int] | None:
+        """Remember a meta row just read; an expired hash is cleared first (it starts afresh:
+        no fields, no expiry, before the write counts anything)."""
+        meta = None if row is None else (row[0], int(row[1]))
+        if meta is not None and not _live(meta[0], self.now):
+            self.conn.execute(_HASH_CLEAR, (ns, key))
+            self._dirty.add((ns, key))  # its meta row is dropped at the end
+            self._counters[(ns, key)] = None
+            meta = None
+        self._metas[(ns, key)] = meta
+        return meta
+
+    def meta(self, ns: str, key: str) -> tuple[float | None, int] | None:
+        """A hash's (expires, size) before a write, or None when it has none."""
+        if (ns, key) in self._metas:
+            return self._metas[(ns, key)]
+        return self._seen(ns, key, self.conn.execute(_HASH_META, (ns, key)).fetchone())
+
+    def meta_and_counter(self, ns: str, key: str) -> tuple[tuple[float | None, int] | None, bytes | None]:
+        """A log's meta row and its counter field (None when absent), one statement at most."""
+        if (ns, key) not in self._metas:
+            row = self.conn.execute(_LOG_HEAD, (LOG_COUNTER, ns, key)).fetchone()
+            meta = self._seen(ns, key, row)
+            if (ns, key) not in self._counters:
+                self._counters[(ns, key)] = None if row is None or row[2] is None else bytes(row[2])
+            return meta, self._counters[(ns, key)]
+        meta = self._metas[(ns, key)]
+        if (ns, key) not in self._counters:
+            # A field row exists only while its meta row does: no meta, no counter.
+            row = None if meta is None else self.conn.execute(
+                _HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
+            self._counters[(ns, key)] = None if row is None else bytes(row[1])
+        return meta, self._counters[(ns, key)]
+
+    def meta_and_values(self, ns: str, key: str,
+                        fields: Sequence[bytes]) -> tuple[tuple[float | None, int] | None, dict[bytes, bytes]]:
+        """A hash's meta row and the values it holds of a few `fields`: one statement, none
+        when the batch has read or written them already."""
+        marks = "(" + ", ".join("?" * len(fields)) + ")"
+        if (ns, key) not in self._metas:
+            rows = self.conn.execute(_HASH_HEAD + marks + _HASH_HEAD_WHERE, (*fields, ns, key)).fetchall()
+            meta = self._seen(ns, key, rows[0] if rows else None)
+            if meta is None:
+                return None, {}
+            held = {bytes(f): bytes(v) for _, _, f, v in rows if f is not None}
+        else:
+            meta = self._metas[(ns, key)]
+            if meta is None:
+                return None, {}
+            known = self._known.get((ns, key), {})
+            if all(f in known for f in fields):
+                return meta, {f: v for f in fields if (v := known[f]) is not None}
+            held = {bytes(f): bytes(v) for f, v in self.conn.execute(_HASH_VALUES + marks, (ns, key, *fields))}
+        known = self._known.setdefault((ns, key), {})
+        for f in fields:
+            known[f] = held.get(f)
+        return meta, held
+
+    def wrote(self, ns: str, key: str, values: Mapping[bytes, bytes | None]) -> None:
+        """Fields a small put just set, or a removal took away (None)."""
+        known = self._known.get((ns, key))
+        if known is not None:
+            known.update(values)
+
+    def set_meta(self, ns: str, key: str, expires: float | None, size: int) -> None:
+        self._metas[(ns, key)] = (expires, size)
+        self._dirty.add((ns, key))
+
+    def drop_meta(self, ns: str, key: str) -> None:
+        self._metas[(ns, key)] = None
+        self._dirty.add((ns, key))
+
+    def set_counter(self, ns: str, key: str, value: bytes) -> None:
+        """A log's new counter, written at the end (`finish`) or before any other write to its
+        fields (`fields_changed`)."""
+        self._counters[(ns, key)] = value
+        self._dirty_counters.add((ns, key))
+        self._known.pop((ns, key), None)  # its entries changed: nothing remembered of its fields
+
+    def fields_changed(self, ns: str, key: str, *, forget: bool = True) -> None:
+        """A write to the hash's fields other than an append is about to run: its counter goes
+        into the table first (what that write reads or counts is what an append left) and is
+        read again afterwards; with `forget`, so are the fields remembered of it."""
+        if (ns, key) in self._dirty_counters:
+            self._dirty_counters.discard((ns, key))
+            self.conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, self._counters[(ns, key)]))
+        self._counters.pop((ns, key), None)
+        if forget:
+            self._known.pop((ns, key), None)
+
+    def finish(self) -> None:
+        """Write the counters and meta rows the batch changed (in its transaction, before COMMIT)."""
+        if self._dirty_counters:
+            self.conn.executemany(_HASH_UPSERT, [(ns, key, LOG_COUNTER, self._counters[(ns, key)])
+                                                 for ns, key in self._dirty_counters])
+            self._dirty_counters.clear()
+        sets, drops = [], []
+        for ns, key in self._dirty:
+            meta = self._metas[(ns, key)]
+            if meta is None:
+                drops.append((ns, key))
+            else:
+                sets.append((ns, key, meta[0], meta[1]))
+        if drops:
+            self.conn.executemany(_HASH_DROP_META, drops)
+        if sets:
+            self.conn.executemany(_HASH_SET_META, sets)
+        self._dirty.clear()
 
 
-def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Mapping[bytes, bytes],
+def _hash_put(batch: _Batch, ns: str, key: str, fields: Mapping[bytes, bytes],
               ttl: float | None, replace: bool = True, cap: int | None = None) -> HashPut:
     """`Store.hash_put` inside the caller's write transaction."""
+    conn, now = batch.conn, batch.now
     items = list(fields.items())
     names = [field for field, _ in items]
-    meta = _writable_meta(conn, now, ns, key)
-    expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
-    if cap is None and len(items) <= _SMALL_PUT:
+    small = cap is None and len(items) <= _SMALL_PUT
+    if items or not small:  # a put of no fields (an expiry) reads and writes none
+        batch.fields_changed(ns, key, forget=not small)
+    if small:
         # A few fields (a ledger's flags and sources, mostly unchanged since the run's last
-        # output): one read of what they hold, then only new or changed ones written (three
-        # statements where the passes below take eight: ~50 µs of each recorded output).
-        held: dict[bytes, bytes] = {}
-        if meta is not None and items:
-            marks = "(" + ", ".join("?" * len(names)) + ")"
-            held = {bytes(f): bytes(v) for f, v in conn.execute(_HASH_VALUES + marks, (ns, key, *names))}
+        # output): one read of the meta row and what they hold, then only new or changed ones
+        # written (two statements where the passes below take eight).
+        meta, held = batch.meta_and_values(ns, key, names) if items else (batch.meta(ns, key), {})
+        expires, size = (None, 0) if meta is None else meta
         writes = [(ns, key, f, v) for f, v in items if f not in held or (replace and held[f] != v)]
         if writes:
             conn.executemany(_HASH_UPSERT, writes)
+            batch.wrote(ns, key, {f: v for _, _, f, v in writes})
         added = sum(1 for f in names if f not in held)
         if added or ttl is not None:
-            expires = expires if ttl is None else now + ttl
-            conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
+            batch.set_meta(ns, key, expires if ttl is None else now + ttl, size + added)
         return HashPut(added, 0)
+    meta = batch.meta(ns, key)
+    expires, size = (None, 0) if meta is None else meta
     if cap is None or size + len(items) <= cap:
         # Every field fits: insert the new ones in one pass (changes() counts them), and
         # only when some existed, replace those in a second; no lookup before writing.
@@ -212,8 +354,7 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
         if replace and added < len(items):
             conn.executemany(_HASH_REPLACE, [(v, ns, key, f, v) for f, v in items])
         if added or ttl is not None:
-            expires = expires if ttl is None else now + ttl
-            conn.execute(_HASH_SET_META, (ns, key, expires, size + added))
+            batch.set_meta(ns, key, expires if ttl is None else now + ttl, size + added)
         return HashPut(added, 0)
     existing: set[bytes] = set()
     for marks, chunk in _in_chunks(names):
@@ -226,49 +367,49 @@ def _hash_put(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: M
         writes += [(ns, key, field, value) for field, value in items if field in existing]
     conn.executemany(_HASH_UPSERT, writes)
     if room or ttl is not None:
-        expires = expires if ttl is None else now + ttl
-        conn.execute(_HASH_SET_META, (ns, key, expires, size + room))
+        batch.set_meta(ns, key, expires if ttl is None else now + ttl, size + room)
     return HashPut(room, len(new) - room)
 
 
-def _hash_append(conn: sqlite3.Connection, now: float, ns: str, key: str, value: bytes, ttl: float | None,
+def _hash_append(batch: _Batch, ns: str, key: str, value: bytes, ttl: float | None,
                  weight: int, cap: int | None, also: tuple[str, Mapping[bytes, bytes]] | None,
                  drop: Sequence[bytes], if_refused: Mapping[bytes, bytes] | None) -> int:
     """`Store.hash_append` inside the caller's write transaction."""
-    meta = _writable_meta(conn, now, ns, key)
-    expires, size = (None, 0) if meta is None else (meta[0], int(meta[1]))
-    expires = expires if ttl is None else now + ttl
-    row = conn.execute(_HASH_VALUES + "(?)", (ns, key, LOG_COUNTER)).fetchone()
-    seq, total = log_counter(None if row is None else bytes(row[1]))
+    meta, counter = batch.meta_and_counter(ns, key)
+    expires, size = (None, 0) if meta is None else meta
+    expires = expires if ttl is None else batch.now + ttl
+    seq, total = log_counter(counter)
     if cap is not None and total + weight > cap:
         if ttl is not None and meta is not None:
-            conn.execute(_HASH_SET_META, (ns, key, expires, size))
+            batch.set_meta(ns, key, expires, size)
         seq, fields = 0, if_refused
     else:
         seq += 1
-        conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
-        conn.execute(_HASH_UPSERT, (ns, key, LOG_COUNTER, b"%d %d" % (seq, total + weight)))
-        conn.execute(_HASH_SET_META, (ns, key, expires, size + 1 + (row is None)))
+        batch.conn.execute(_HASH_UPSERT, (ns, key, log_field(seq), value))
+        batch.set_counter(ns, key, b"%d %d" % (seq, total + weight))
+        batch.set_meta(ns, key, expires, size + 1 + (counter is None))
         fields = also[1] if also is not None else None
     if also is not None and fields is not None:
-        _hash_put(conn, now, also[0], key, fields, ttl)
+        _hash_put(batch, also[0], key, fields, ttl)
         if drop:
-            _hash_remove(conn, now, also[0], key, drop)
+            _hash_remove(batch, also[0], key, drop)
     return seq
 
 
-def _hash_remove(conn: sqlite3.Connection, now: float, ns: str, key: str, fields: Sequence[bytes]) -> None:
+def _hash_remove(batch: _Batch, ns: str, key: str, fields: Sequence[bytes]) -> None:
     """`Store.hash_delete` inside the caller's write transaction."""
-    meta = conn.execute(_HASH_META, (ns, key)).fetchone()
-    if meta is None or not _live(meta[0], now):
-        return  # absent, or expired (the next put or purge clears it)
-    expires, size = meta[0], int(meta[1])
+    meta = batch.meta(ns, key)
+    if meta is None:
+        return  # absent, or expired (cleared now)
+    batch.fields_changed(ns, key, forget=False)
+    expires, size = meta
     for marks, chunk in _in_chunks(fields):
-        size -= conn.execute(_HASH_REMOVE + marks, (ns, key, *chunk)).rowcount
+        size -= batch.conn.execute(_HASH_REMOVE + marks, (ns, key, *chunk)).rowcount
+    batch.wrote(ns, key, dict.fromkeys(fields))
     if size <= 0 and expires is None:
-        conn.execute(_HASH_DROP_META, (ns, key))  # an empty hash without expiry is no hash
+        batch.drop_meta(ns, key)  # an empty hash without expiry is no hash
     else:
-        conn.execute(_HASH_SET_SIZE, (max(0, size), ns, key))
+        batch.set_meta(ns, key, expires, max(0, size))
 
 
 def _live(expires: float | None, now: float) -> bool:
@@ -283,7 +424,7 @@ class _Write:
     what: str
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
-    work: Callable[[sqlite3.Connection, float], Any]
+    work: Callable[[_Batch], Any]
 
 
 def _settle(settled: list[tuple[asyncio.Future[Any], Any]], error: Exception | None) -> None:
@@ -296,6 +437,13 @@ def _settle(settled: list[tuple[asyncio.Future[Any], Any]], error: Exception | N
             future.set_exception(error)
         else:
             future.set_result(answer)
+
+
+def _apply(batch: _Batch, jobs: list[_Write]) -> list[Any]:
+    """Every job of a batch in order, then the meta rows they changed (`_Batch.finish`)."""
+    answers = [job.work(batch) for job in jobs]
+    batch.finish()
+    return answers
 
 
 class _TooLarge(Exception):
@@ -497,7 +645,7 @@ class SqliteStore(Store):
 
     async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
                        *, replace: bool = True, cap: int | None = None) -> HashPut:
-        return await self._write("hash_put", lambda conn, now: _hash_put(conn, now, ns, key, fields, ttl,
+        return await self._write("hash_put", lambda batch: _hash_put(batch, ns, key, fields, ttl,
                                                                         replace, cap))
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
@@ -505,10 +653,10 @@ class SqliteStore(Store):
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
                           drop: Sequence[bytes] = (),
                           if_refused: Mapping[bytes, bytes] | None = None) -> int:
-        return await self._write("hash_append", lambda conn, now: _hash_append(
-            conn, now, ns, key, value, ttl, weight, cap, also, drop, if_refused))
+        return await self._write("hash_append", lambda batch: _hash_append(
+            batch, ns, key, value, ttl, weight, cap, also, drop, if_refused))
 
-    async def _write(self, what: str, work: Callable[[sqlite3.Connection, float], T]) -> T:
+    async def _write(self, what: str, work: Callable[[_Batch], T]) -> T:
         """Group commit: `work` joins the writes that the worker thread takes all at once into
         one write transaction (`_flush`); the caller is answered once that transaction has
         committed (so an output is recorded before it is delivered, as with a transaction of
@@ -557,7 +705,7 @@ class SqliteStore(Store):
         try:
             conn = self._connect()
             now = time.time()
-            answers = _transaction(conn, "BEGIN IMMEDIATE", lambda: [job.work(conn, now) for job in batch])
+            answers = _transaction(conn, "BEGIN IMMEDIATE", lambda: _apply(_Batch(conn, now), batch))
             self._maybe_purge(conn, now)
         except Exception as exc:  # every caller of the batch gets it (sqlite, OS or a bug)
             error = exc
@@ -671,7 +819,7 @@ class SqliteStore(Store):
         if not fields:
             return
 
-        await self._write("hash_delete", lambda conn, now: _hash_remove(conn, now, ns, key, fields))
+        await self._write("hash_delete", lambda batch: _hash_remove(batch, ns, key, fields))
 
     # ---- token buckets ------------------------------------------------------------------------
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from proxy.errors import StoreError
-from proxy.store.base import LOG_COUNTER, log_field
+from proxy.store.base import LOG_COUNTER, Store, log_field
+from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SqliteStore
 
 
@@ -121,3 +122,59 @@ async def test_writes_queued_when_the_store_closes_are_committed_first(store: Sq
     await store.close()
     assert await append == 1
     assert _log(store.path, "run")[log_field(1)] == b"last"
+
+
+async def _one_batch_of_writes(store: Store, hold: bool) -> list[object]:
+    """Appends, puts and removals on one run's log and flags hash (and on a hash that expired
+    before them), each reading what the ones before it left: caps, sizes, sequence numbers, a
+    removed and re-added flag, fields written beside a log's counter. With `hold`, all of them
+    are queued behind the busy worker and go in as one batch."""
+    await store.hash_put("meta", "old", {b"z": b"1"}, ttl=0.05)
+    await asyncio.sleep(0.1)
+    writes: list[Callable[[], Awaitable[object]]] = [
+        lambda: store.hash_append("log", "run", b"e1", ttl=60.0, weight=2, cap=5, also=("meta", {b"u": b"1"})),
+        lambda: store.hash_put("meta", "run", {b"p:a": b"9"}),
+        lambda: store.hash_append("log", "run", b"e2", ttl=60.0, weight=2, cap=5,
+                                  also=("meta", {b"u": b"1", b"s": b"1"}), drop=[b"p:a"]),
+        lambda: store.hash_put("meta", "run", {b"p:b": b"9"}),
+        lambda: store.hash_append("log", "run", b"e3", ttl=60.0, weight=2, cap=5, also=("meta", {b"u": b"1"}),
+                                  drop=[b"p:b"], if_refused={b"u": b"1", b"o": b"1"}),
+        lambda: store.hash_put("meta", "run", {b"u": b"1", b"s": b"2"}),
+        lambda: store.hash_delete("meta", "run", [b"s"]),
+        lambda: store.hash_put("meta", "run", {b"s": b"2"}),
+        lambda: store.hash_put("meta", "run", {b"s": b"3", b"x": b"1"}, cap=3),
+        lambda: store.hash_put("meta", "run", {b"s": b"3", b"y": b"1"}),
+        lambda: store.hash_put("log", "run", {b"side": b"1"}),
+        lambda: store.hash_append("log", "run", b"e4", ttl=60.0, weight=1),
+        lambda: store.hash_put("meta", "old", {b"a": b"1"}),
+        lambda: store.hash_delete("meta", "old", [b"a", b"z"]),
+        lambda: store.hash_put("meta", "old", {b"a": b"2"}),
+        lambda: store.hash_put("meta", "old", {b"a": b"2"}, replace=False),
+    ]
+    if hold:
+        assert isinstance(store, SqliteStore)
+        release, held = await _worker_held(store)
+        tasks = [asyncio.create_task(write()) for write in writes]
+        await asyncio.sleep(0.01)
+        assert len(store._writes) == len(writes)  # one batch
+        release.set()
+        await held
+        answers = list(await asyncio.gather(*tasks))
+    else:
+        answers = [await write() for write in writes]
+    since = await store.hash_since("log", "run", 0, with_hash="meta")
+    return [*answers, since, await store.hash_get("log", "run", [LOG_COUNTER, b"side"]),
+            await store.hash_all("meta", "old")]
+
+
+async def test_one_batch_of_writes_answers_as_the_same_writes_one_by_one(store: SqliteStore) -> None:
+    expected = await _one_batch_of_writes(MemoryStore(), hold=False)
+    assert await _one_batch_of_writes(store, hold=True) == expected
+    # Every hash's meta row counts exactly the fields it has (the caps rely on it).
+    conn = sqlite3.connect(store.path)
+    try:
+        sizes = conn.execute("SELECT m.ns, m.key, m.size, (SELECT count(*) FROM hash AS h"
+                             " WHERE h.ns = m.ns AND h.key = m.key) FROM hash_meta AS m").fetchall()
+    finally:
+        conn.close()
+    assert sizes and all(size == rows for _, _, size, rows in sizes), sizes
