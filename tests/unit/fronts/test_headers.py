@@ -1,0 +1,42 @@
+"""proxy/fronts/headers.py: which fields a `Connection` names, which it may not, and underscores."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.fronts.headers import connection_refusal, nominated, protected, relayed, underscored
+
+
+def _headers(*pairs: tuple[str, str]) -> CIMultiDictProxy[str]:
+    return CIMultiDictProxy(CIMultiDict(pairs))
+
+
+def test_every_connection_header_and_token_is_read_case_insensitively() -> None:
+    headers = _headers(("Connection", "Keep-Alive,  X-Foo ,"), ("connection", "x-BAR"))
+    assert nominated(headers) == {"keep-alive", "x-foo", "x-bar"}
+    assert nominated(_headers(("X-Foo", "1"))) == frozenset()
+
+
+def test_naming_a_field_the_proxy_reads_or_sets_is_refused_and_options_are_not() -> None:
+    assert connection_refusal(_headers(("Connection", "keep-alive, close, upgrade, te, x-foo"))) is None
+    for name in ("Authorization", "mcp-session-id", "Mcp-Param-Region", "X-Envelope-Run",
+                 "x-forwarded-for", "Host", "traceparent"):
+        reason = connection_refusal(_headers(("Connection", f"keep-alive, {name}")))
+        assert reason is not None and name.lower() in reason
+    many = ", ".join(f"x-{i}" for i in range(11))
+    assert "more than 10" in (connection_refusal(_headers(("Connection", many))) or "")
+    assert protected("x-envelope-intent") and not protected("x-kept")
+
+
+def test_an_underscore_is_found_in_any_field_name_only() -> None:
+    assert underscored([(b"Host", b"a_b"), (b"X-Run", b"x_y")]) is None
+    assert underscored([(b"Host", b"h"), (b"X_Envelope_Run", b"r")]) == "X_Envelope_Run"
+
+
+def test_relayed_response_headers_lose_hop_by_hop_and_connection_named_fields() -> None:
+    headers = _headers(("Connection", "keep-alive, X-Up-Hop"), ("X-Up-Hop", "1"), ("Keep-Alive", "5"),
+                       ("Transfer-Encoding", "chunked"), ("Server", "up"), ("X-Kept", "1"),
+                       ("X-Kept", "2"))
+    out, dropped = relayed(headers, frozenset({"server"}))
+    assert list(out.items()) == [("X-Kept", "1"), ("X-Kept", "2")]
+    assert dropped == 1
