@@ -29,7 +29,7 @@ from multidict import CIMultiDict, MultiMapping
 
 __all__ = [
     "HOP_BY_HOP", "MAX_NOMINATED", "UnderscoreAction", "connection_refusal", "nominated",
-    "protected", "underscored",
+    "protected", "relayed", "underscored",
 ]
 
 UnderscoreAction = Literal["drop", "reject", "allow"]
@@ -50,6 +50,7 @@ _PROTECTED = frozenset({
 _PROTECTED_PREFIXES = ("mcp-", "x-envelope-", "x-forwarded-")
 # `Connection` options that name no field, and the hop-by-hop fields (dropped anyway).
 _OPTIONS = (HOP_BY_HOP - {"host", "content-length"}) | {"close", "http2-settings"}
+_NONE: frozenset[str] = frozenset()
 
 
 def protected(name: str) -> bool:
@@ -58,17 +59,22 @@ def protected(name: str) -> bool:
 
 
 def nominated(headers: MultiMapping[str]) -> frozenset[str]:
-    """The field names (lower case) every `Connection` header of `headers` names."""
+    """The field names (lower case) every `Connection` header of `headers` names, besides the
+    options and hop-by-hop fields (`close`, `keep-alive`, ...: dropped anyway)."""
     values = headers.getall("Connection", ())
     if not values:
-        return frozenset()
-    return frozenset(t for v in values for t in (p.strip().lower() for p in v.split(",")) if t)
+        return _NONE
+    if len(values) == 1 and values[0].lower() in _OPTIONS:  # `close`, `keep-alive`: most requests
+        return _NONE
+    return frozenset(t for v in values for t in (p.strip().lower() for p in v.split(",")) if t) - _OPTIONS
 
 
 def connection_refusal(headers: MultiMapping[str]) -> str | None:
     """Why the request's `Connection` header is refused (it names a protected field, or too
     many), or None."""
-    named = nominated(headers) - _OPTIONS
+    named = nominated(headers)
+    if not named:
+        return None
     if len(named) > MAX_NOMINATED:
         return f"the Connection header names more than {MAX_NOMINATED} fields"
     for name in sorted(named):
@@ -87,16 +93,16 @@ def underscored(raw_headers: Collection[tuple[bytes, bytes]]) -> str | None:
 
 def relayed(headers: MultiMapping[str], skip: frozenset[str]) -> tuple[CIMultiDict[str], int]:
     """An upstream's response headers as the client gets them: without `skip` (lower-case
-    names), the hop-by-hop fields and what its `Connection` names; and how many fields were
+    names, `HOP_BY_HOP` among them) and what its `Connection` names; and how many fields were
     dropped because its `Connection` named them."""
     named = nominated(headers)
     out: CIMultiDict[str] = CIMultiDict()
     dropped = 0
     for name, value in headers.items():
         lname = name.lower()
-        if lname in skip or lname in HOP_BY_HOP:
+        if lname in skip:
             continue
-        if lname in named:
+        if named and lname in named:
             dropped += 1
             continue
         out.add(name, value)

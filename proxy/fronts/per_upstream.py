@@ -71,7 +71,7 @@ NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cook
                              "x-envelope-shadow", "x-envelope-parent-run", "x-envelope-capability",
                              "x-envelope-agent", "x-envelope-intent"}
 # Response headers the proxy's own server sets.
-NOT_DOWNSTREAM = frozenset({"server", "date"})
+NOT_DOWNSTREAM = HOP_BY_HOP | {"server", "date"}
 # Requests whose answer is content the agent reads: forwarded by the executor and audited.
 READS = frozenset({"resources/read", "prompts/get", "tasks/result"})
 # Requests whose answer is recorded in the run's ledger when relayed (task status messages).
@@ -223,7 +223,7 @@ class McpFront:
             if "_" in lname and not self._underscore_allowed(lname, target):
                 underscores += 1
                 continue
-            if lname in named:
+            if named and lname in named:
                 connection += 1
                 continue
             headers.add(name, value)
