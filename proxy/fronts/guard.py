@@ -132,10 +132,9 @@ class Guard:
         values = b"\t".join(value for _, value in request.raw_headers)
         if values.translate(None, _FIELD_VALUE):  # one pass over every value; then find which
             return self._invalid_header(request)
-        if "Connection" in request.headers:
-            reason = connection_refusal(request.headers)
-            if reason is not None:
-                return self._refused_header(request, "hop_by_hop_header", "Connection", reason)
+        reason = connection_refusal(request.headers)
+        if reason is not None:
+            return self._refused_header(request, "hop_by_hop_header", "Connection", reason)
         if settings.reject_underscores:
             name = underscored(request.raw_headers)
             if name is not None:

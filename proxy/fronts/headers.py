@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal
 
-from multidict import CIMultiDict, MultiMapping
+from multidict import CIMultiDict, MultiMapping, istr
 
 __all__ = [
     "HOP_BY_HOP", "MAX_NOMINATED", "UnderscoreAction", "connection_refusal", "nominated",
@@ -51,6 +51,7 @@ _PROTECTED_PREFIXES = ("mcp-", "x-envelope-", "x-forwarded-")
 # `Connection` options that name no field, and the hop-by-hop fields (dropped anyway).
 _OPTIONS = (HOP_BY_HOP - {"host", "content-length"}) | {"close", "http2-settings"}
 _NONE: frozenset[str] = frozenset()
+_CONNECTION = istr("Connection")  # folded once, not per lookup
 
 
 def protected(name: str) -> bool:
@@ -61,7 +62,7 @@ def protected(name: str) -> bool:
 def nominated(headers: MultiMapping[str]) -> frozenset[str]:
     """The field names (lower case) every `Connection` header of `headers` names, besides the
     options and hop-by-hop fields (`close`, `keep-alive`, ...: dropped anyway)."""
-    values = headers.getall("Connection", ())
+    values = headers.getall(_CONNECTION, ())
     if not values:
         return _NONE
     if len(values) == 1 and values[0].lower() in _OPTIONS:  # `close`, `keep-alive`: most requests
@@ -96,14 +97,11 @@ def relayed(headers: MultiMapping[str], skip: frozenset[str]) -> tuple[CIMultiDi
     names, `HOP_BY_HOP` among them) and what its `Connection` names; and how many fields were
     dropped because its `Connection` named them."""
     named = nominated(headers)
+    if named:  # rare: the common case is the loop alone
+        skip = skip | named
     out: CIMultiDict[str] = CIMultiDict()
-    dropped = 0
     for name, value in headers.items():
-        lname = name.lower()
-        if lname in skip:
-            continue
-        if named and lname in named:
-            dropped += 1
-            continue
-        out.add(name, value)
+        if name.lower() not in skip:
+            out.add(name, value)
+    dropped = sum(1 for name in headers if name.lower() in named) if named else 0
     return out, dropped

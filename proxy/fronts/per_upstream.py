@@ -213,18 +213,20 @@ class McpFront:
         headers: CIMultiDict[str] = CIMultiDict()
         decoded = body_decoded(request)
         named = nominated(request.headers)
+        strip = NOT_UPSTREAM | named if named else NOT_UPSTREAM
         underscores = connection = 0
         for name, value in request.headers.items():
             lname = name.lower()
-            if lname in NOT_UPSTREAM and not (lname == "authorization" and target.forward_authorization):
+            if lname in strip:
+                if lname in named:
+                    connection += 1
+                elif lname == "authorization" and target.forward_authorization:
+                    headers.add(name, value)
                 continue
             if lname == "content-encoding" and decoded:  # the body forwarded is the decoded one
                 continue
             if "_" in lname and not self._underscore_allowed(lname, target):
                 underscores += 1
-                continue
-            if named and lname in named:
-                connection += 1
                 continue
             headers.add(name, value)
         if underscores:
