@@ -40,7 +40,7 @@ from aiohttp import web
 from proxy.envelope.pipeline import Envelope
 from proxy.expect import UNSUPPORTED, continue_or_refuse
 from proxy.fronts import jsonrpc
-from proxy.fronts.headers import connection_refusal, underscored
+from proxy.fronts.headers import connection_refusal, nominated, underscored
 from proxy.fronts.jsonrpc import BadMessage
 from proxy.fronts.render import rpc_error
 from proxy.observability import tracing
@@ -132,9 +132,11 @@ class Guard:
         values = b"\t".join(value for _, value in request.raw_headers)
         if values.translate(None, _FIELD_VALUE):  # one pass over every value; then find which
             return self._invalid_header(request)
-        reason = connection_refusal(request.headers)
-        if reason is not None:
-            return self._refused_header(request, "hop_by_hop_header", "Connection", reason)
+        named = nominated(request.headers)
+        if named:
+            reason = connection_refusal(named)
+            if reason is not None:
+                return self._refused_header(request, "hop_by_hop_header", "Connection", reason)
         if settings.reject_underscores:
             name = underscored(request.raw_headers)
             if name is not None:
