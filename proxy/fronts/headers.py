@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal
 
-from multidict import CIMultiDict, MultiMapping, istr
+from multidict import MultiMapping, istr
 
 __all__ = [
     "HOP_BY_HOP", "MAX_NOMINATED", "UnderscoreAction", "connection_refusal", "nominated",
-    "protected", "relayed", "underscored",
+    "protected", "underscored",
 ]
 
 UnderscoreAction = Literal["drop", "reject", "allow"]
@@ -89,18 +89,3 @@ def underscored(raw_headers: Collection[tuple[bytes, bytes]]) -> str | None:
     if b"_" not in b"\t".join(name for name, _ in raw_headers):
         return None
     return next(name.decode("latin-1") for name, _ in raw_headers if b"_" in name)
-
-
-def relayed(headers: MultiMapping[str], skip: frozenset[str]) -> tuple[CIMultiDict[str], int]:
-    """An upstream's response headers as the client gets them: without `skip` (lower-case
-    names, `HOP_BY_HOP` among them) and what its `Connection` names; and how many fields were
-    dropped because its `Connection` named them."""
-    named = nominated(headers)
-    if named:  # rare: the common case is the loop alone
-        skip = skip | named
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in skip:
-            out.add(name, value)
-    dropped = sum(1 for name in headers if name.lower() in named) if named else 0
-    return out, dropped

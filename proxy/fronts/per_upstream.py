@@ -47,7 +47,7 @@ from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, body_decoded, read_body
-from proxy.fronts.headers import HOP_BY_HOP, nominated, protected, relayed
+from proxy.fronts.headers import HOP_BY_HOP, nominated, protected
 from proxy.fronts.inband import (
     ID_PREFIX,
     DeferChannel,
@@ -264,9 +264,15 @@ class McpFront:
     def _downstream_headers(self, resp: UpstreamResponse) -> CIMultiDict[str]:
         """The upstream's response headers the client gets (hop-by-hop ones, what the
         upstream's `Connection` names and the proxy server's own headers removed)."""
-        headers, dropped = relayed(resp.headers, NOT_DOWNSTREAM)
-        if dropped:
-            self.metrics.headers_dropped("response", "connection", dropped)
+        named = nominated(resp.headers)
+        skip = NOT_DOWNSTREAM | named if named else NOT_DOWNSTREAM
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in resp.headers.items():
+            if name.lower() not in skip:
+                headers.add(name, value)
+        if named:
+            self.metrics.headers_dropped("response", "connection",
+                                        sum(1 for name in resp.headers if name.lower() in named))
         return headers
 
     def _route(self, request: web.Request, target: UpstreamTarget) -> Route:

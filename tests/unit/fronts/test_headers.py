@@ -5,11 +5,9 @@ from __future__ import annotations
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.fronts.headers import (
-    HOP_BY_HOP,
     connection_refusal,
     nominated,
     protected,
-    relayed,
     underscored,
 )
 
@@ -42,12 +40,3 @@ def test_naming_a_field_the_proxy_reads_or_sets_is_refused_and_options_are_not()
 def test_an_underscore_is_found_in_any_field_name_only() -> None:
     assert underscored([(b"Host", b"a_b"), (b"X-Run", b"x_y")]) is None
     assert underscored([(b"Host", b"h"), (b"X_Envelope_Run", b"r")]) == "X_Envelope_Run"
-
-
-def test_relayed_response_headers_lose_hop_by_hop_and_connection_named_fields() -> None:
-    headers = _headers(("Connection", "keep-alive, X-Up-Hop"), ("X-Up-Hop", "1"), ("Keep-Alive", "5"),
-                       ("Transfer-Encoding", "chunked"), ("Server", "up"), ("X-Kept", "1"),
-                       ("X-Kept", "2"))
-    out, dropped = relayed(headers, HOP_BY_HOP | {"server"})
-    assert list(out.items()) == [("X-Kept", "1"), ("X-Kept", "2")]
-    assert dropped == 1
