@@ -258,6 +258,11 @@ class ListenerConfig(_Model):
     # An idle keep-alive connection (no request in progress) is closed after this long.
     # Absent: 75 s.
     keepalive_timeout: Duration = Field(default=75.0, gt=0)
+    # MCP listener: a request header whose name holds `_` (`X_Envelope_Run`, which CGI/WSGI and
+    # other frameworks read as `X-Envelope-Run`): `drop` (not forwarded to upstreams, counted in
+    # `envelope_headers_dropped_total`), `reject` (400, audited) or `allow` (forwarded, except a
+    # spelling of a header the proxy strips or sets). Absent: drop (nginx's default).
+    underscore_headers: Literal["drop", "reject", "allow"] = "drop"
 
     @model_validator(mode="before")
     @classmethod

@@ -353,12 +353,14 @@ class Runtime:
                           max_upstream_event_bytes=limits.max_upstream_event_bytes,
                           max_upstream_reply_bytes=limits.max_upstream_reply_bytes,
                           max_streams_per_principal=limits.max_streams_per_principal,
-                          max_streams_per_upstream=limits.max_streams_per_upstream),
+                          max_streams_per_upstream=limits.max_streams_per_upstream,
+                          underscore_headers=self.config.listener.underscore_headers),
             retry=self.config.retry, on_upstream=self.health.record,
         )
         guard = Guard(
             GuardSettings(max_body_bytes=limits.max_body_bytes, allowed_hosts=self._allowed_hosts(),
-                          allowed_origins=frozenset(self.config.allowed_origins)),
+                          allowed_origins=frozenset(self.config.allowed_origins),
+                          reject_underscores=self.config.listener.underscore_headers == "reject"),
             self.envelope, self.metrics)
         # aiohttp's own body cap is bypassed by the front's streaming reader, which enforces ours.
         app = web.Application(client_max_size=limits.max_body_bytes)

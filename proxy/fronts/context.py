@@ -20,6 +20,7 @@ from proxy.envelope.types import Principal
 from proxy.errors import IdentityError, LimitExceeded
 from proxy.fronts import jsonrpc
 from proxy.fronts.forwarded import Executor, UpstreamTarget
+from proxy.fronts.headers import UnderscoreAction
 from proxy.fronts.streams import StreamBudget, StreamSlot
 from proxy.observability.metrics import Metrics, UpstreamOutcome
 from proxy.upstream.forwarder import Forwarder
@@ -47,6 +48,9 @@ class FrontSettings:
     max_upstream_reply_bytes: int = Limits().max_upstream_reply_bytes
     max_streams_per_principal: int = Limits().max_streams_per_principal
     max_streams_per_upstream: int = Limits().max_streams_per_upstream
+    # Request headers whose name holds `_`: not forwarded (`drop`), or forwarded (`allow`);
+    # `reject` is the guard's (`proxy.fronts.headers`).
+    underscore_headers: UnderscoreAction = "drop"
 
 
 @dataclass(slots=True)

@@ -126,7 +126,11 @@ class Downstream:
 
     async def open(self, resp: UpstreamResponse) -> None:
         if self.stream is None and self.request is not None:
-            out = web.StreamResponse(status=200, headers=self.headers(resp) if self.headers else None)
+            # The headers already kept for this answer (the executor's), else kept now.
+            headers = self.response_headers
+            if headers is None and self.headers is not None:
+                headers = self.headers(resp)
+            out = web.StreamResponse(status=200, headers=headers)
             await out.prepare(self.request)
             self.stream = out
 

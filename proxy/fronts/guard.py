@@ -10,6 +10,11 @@ with callgrind), checking, in this order:
   reads it, and the refusal is audited (`invalid_request`, check `guard`, the header's name and
   its value escaped): an undecodable byte can never reach a check, the upstream or the audit
   log's serialiser.
+- **Header names** (`proxy.fronts.headers`): a `Connection` header that names a field the
+  proxy reads or sets (`Authorization`, `Mcp-*`, `X-Envelope-*`, `X-Forwarded-*`, ...) or
+  more than 10 fields, and, under `listener.underscore_headers: reject`, a field name holding
+  `_`, are refused with HTTP 400 and audited (`invalid_request`, check `guard`, the header's
+  name).
 - **Host** must be a configured or loopback name (421; DNS rebinding).
 - **Origin**, when present, must be configured or loopback (403).
 - A declared body larger than the cap is refused at once (413); `read_body` enforces the cap
@@ -35,10 +40,11 @@ from aiohttp import web
 from proxy.envelope.pipeline import Envelope
 from proxy.expect import UNSUPPORTED, continue_or_refuse
 from proxy.fronts import jsonrpc
+from proxy.fronts.headers import connection_refusal, nominated, underscored
 from proxy.fronts.jsonrpc import BadMessage
 from proxy.fronts.render import rpc_error
 from proxy.observability import tracing
-from proxy.observability.metrics import Metrics
+from proxy.observability.metrics import Metrics, RejectReason
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 # Set on a request the route's `expect_handler` checked and let go on (`Guard.wrap` skips it).
@@ -54,6 +60,7 @@ class GuardSettings:
     max_body_bytes: int
     allowed_hosts: frozenset[str]  # lower-case host names without port; "*" allows any
     allowed_origins: frozenset[str]  # exact origins ("https://app.example"); loopback always ok
+    reject_underscores: bool = False  # `listener.underscore_headers: reject`
 
 
 def invalid_header(request: web.Request) -> tuple[str, bytes] | None:
@@ -125,6 +132,17 @@ class Guard:
         values = b"\t".join(value for _, value in request.raw_headers)
         if values.translate(None, _FIELD_VALUE):  # one pass over every value; then find which
             return self._invalid_header(request)
+        named = nominated(request.headers)
+        if named:
+            reason = connection_refusal(named)
+            if reason is not None:
+                return self._refused_header(request, "hop_by_hop_header", "Connection", reason)
+        if settings.reject_underscores:
+            name = underscored(request.raw_headers)
+            if name is not None:
+                return self._refused_header(
+                    request, "underscore_header", name,
+                    f"header {name[:100]} has an underscore in its name (listener.underscore_headers: reject)")
         host = _host_allowed(request, settings.allowed_hosts)
         if host is not None:
             metrics.rejected("bad_host")
@@ -153,11 +171,18 @@ class Guard:
         shown = value.decode("latin-1").encode("ascii", "backslashreplace").decode("ascii")
         reason = (f"header {name} holds a byte that is not allowed in a field value "
                   f"(0x{value[position]:02x} at position {position}); the request was refused")
-        self.metrics.rejected("invalid_header")
+        return self._refused_header(request, "invalid_header", name, reason, {"value": shown[:200]})
+
+    def _refused_header(self, request: web.Request, metric: RejectReason, name: str, reason: str,
+                        extra: dict[str, str] | None = None) -> web.Response:
+        """Refuse (400) and audit a request for one of its headers (`name`)."""
+        if not reason.endswith("refused"):
+            reason += "; the request was refused"
+        self.metrics.rejected(metric)
         decision_id = self.envelope.reject(
             upstream=request.match_info.get("upstream"), method=request.method,
             path=request.rel_url.raw_path, reason=reason,
-            extra={"header": name[:100], "value": shown[:200]})
+            extra={"header": name[:100], **(extra or {})})
         return rpc_error(400, None, jsonrpc.INVALID_REQUEST, f"Bad Request: {reason}",
                          {"envelope/decision": {"code": "invalid_request", "check": "guard",
                                                 "rule": None, "reason": reason,

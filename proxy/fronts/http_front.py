@@ -32,7 +32,9 @@ from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
+from proxy.fronts.headers import nominated
 from proxy.fronts.jsonrpc import BadMessage, Message, _depth_exceeds, read_twice
+from proxy.observability.metrics import Metrics
 from proxy.upstream.forwarder import UpstreamResponse
 from proxy.upstream.openapi import HttpCall, arguments_from
 
@@ -70,13 +72,20 @@ def _location(value: str, sent_to: str, base: str, mount: str) -> str | None:
     return mount + rest + (f"?{target.query}" if target.query else "")
 
 
-def _downstream_headers(sent_to: str, base: str, mount: str) -> Callable[[UpstreamResponse], CIMultiDict[str]]:
+def _downstream_headers(sent_to: str, base: str, mount: str,
+                        metrics: Metrics) -> Callable[[UpstreamResponse], CIMultiDict[str]]:
     """What of the upstream's response headers an HTTP client may see (`RELAYED_HEADERS`, and
-    `Location` through the proxy), for a request sent to the URL `sent_to`."""
+    `Location` through the proxy; never one the upstream's `Connection` names, counted), for a
+    request sent to the URL `sent_to`."""
     def kept(resp: UpstreamResponse) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict()
+        named = nominated(resp.headers)
         for name, value in resp.headers.items():
             lowered = name.lower()
+            if lowered in named:
+                if lowered in RELAYED_HEADERS or lowered == "location":
+                    metrics.headers_dropped("response", "connection")
+                continue
             if lowered in RELAYED_HEADERS:
                 headers.add(name, value)
             elif lowered == "location":
@@ -160,7 +169,8 @@ class HttpFront:
                 # call refused (allowed but not forwarded) and audits it.
                 log.exception("decision %s: no request for %s", call.decision_id, op.tool)
         sent_to = target.url.rstrip("/") + path
-        downstream = Downstream(None, None, _downstream_headers(sent_to, target.url, f"/http/{name}"))
+        downstream = Downstream(None, None, _downstream_headers(sent_to, target.url, f"/http/{name}",
+                                                                  self.ctx.metrics))
         outcome = await self.ctx.executor.run(pending, upstream, downstream)
         return render.http_response(outcome, downstream.response_headers)
 

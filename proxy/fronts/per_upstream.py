@@ -47,6 +47,7 @@ from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, body_decoded, read_body
+from proxy.fronts.headers import HOP_BY_HOP, nominated, protected
 from proxy.fronts.inband import (
     ID_PREFIX,
     DeferChannel,
@@ -64,14 +65,8 @@ from proxy.upstream.forwarder import UpstreamResponse
 
 log = logging.getLogger("envelope.mcp")
 
-# Never forwarded in either direction (RFC 9110 hop-by-hop, plus what the proxy recomputes).
-HOP_BY_HOP = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "content-length", "host",
-    }
-)
-# Request headers the proxy consumes itself and does not pass upstream.
+# Request headers the proxy consumes itself and does not pass upstream (besides the hop-by-hop
+# ones and what `Connection` names: `proxy.fronts.headers`).
 NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run",
                              "x-envelope-shadow", "x-envelope-parent-run", "x-envelope-capability",
                              "x-envelope-agent", "x-envelope-intent"}
@@ -210,19 +205,46 @@ class McpFront:
     # ---- upstream plumbing -------------------------------------------------------------
 
     def _upstream_headers(self, request: web.Request, target: UpstreamTarget) -> CIMultiDict[str]:
+        """The client's headers the upstream gets: not the hop-by-hop ones, not what the
+        client's `Connection` names, not those the proxy consumes (`NOT_UPSTREAM`), and a name
+        holding `_` only under `underscore_headers: allow` (and never a spelling of a field the
+        proxy strips or sets); then the upstream's configured headers (the proxy's own
+        credential) and trace context, which nothing the client sends removes."""
         headers: CIMultiDict[str] = CIMultiDict()
         decoded = body_decoded(request)
+        named = nominated(request.headers)
+        strip = NOT_UPSTREAM | named if named else NOT_UPSTREAM
+        underscores = connection = 0
         for name, value in request.headers.items():
             lname = name.lower()
-            if lname in NOT_UPSTREAM and not (lname == "authorization" and target.forward_authorization):
+            if lname in strip:
+                if lname in named:
+                    connection += 1
+                elif lname == "authorization" and target.forward_authorization:
+                    headers.add(name, value)
                 continue
             if lname == "content-encoding" and decoded:  # the body forwarded is the decoded one
                 continue
+            if "_" in lname and not self._underscore_allowed(lname, target):
+                underscores += 1
+                continue
             headers.add(name, value)
+        if underscores:
+            self.metrics.headers_dropped("request", "underscore", underscores)
+        if connection:
+            self.metrics.headers_dropped("request", "connection", connection)
         for name, value in target.headers.items():
             headers[name] = value
         # The client's traceparent continues in the proxy's trace: the upstream joins it there.
         return headers if tracing.TRACER is None else tracing.inject(headers)
+
+    def _underscore_allowed(self, lname: str, target: UpstreamTarget) -> bool:
+        """Whether a request header whose (lower-case) name holds `_` goes upstream."""
+        if self.ctx.settings.underscore_headers != "allow":
+            return False
+        folded = lname.replace("_", "-")  # what an upstream that folds `_` reads it as
+        return not (folded in NOT_UPSTREAM or protected(folded)
+                    or any(folded == n.lower() for n in target.headers))
 
     def _session_headers(self, request: web.Request, target: UpstreamTarget) -> dict[str, str] | None:
         """What reaches the client's upstream session (None: stateless, no session)."""
@@ -239,12 +261,18 @@ class McpFront:
         headers.update(target.headers)
         return headers
 
-    @staticmethod
-    def _downstream_headers(resp: UpstreamResponse) -> CIMultiDict[str]:
+    def _downstream_headers(self, resp: UpstreamResponse) -> CIMultiDict[str]:
+        """The upstream's response headers the client gets (hop-by-hop ones, what the
+        upstream's `Connection` names and the proxy server's own headers removed)."""
+        named = nominated(resp.headers)
+        skip = NOT_DOWNSTREAM | named if named else NOT_DOWNSTREAM
         headers: CIMultiDict[str] = CIMultiDict()
         for name, value in resp.headers.items():
-            if name.lower() not in NOT_DOWNSTREAM:
+            if name.lower() not in skip:
                 headers.add(name, value)
+        if named:
+            self.metrics.headers_dropped("response", "connection",
+                                        sum(1 for name in resp.headers if name.lower() in named))
         return headers
 
     def _route(self, request: web.Request, target: UpstreamTarget) -> Route:

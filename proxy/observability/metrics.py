@@ -61,7 +61,13 @@ RejectReason = Literal[
     "too_many_streams",
     "header_timeout",
     "foreign_session",
+    "hop_by_hop_header",
+    "underscore_header",
 ]
+# Header fields the proxy did not forward: the direction, and why (a request field whose name
+# holds `_`, a field the message's own `Connection` header named); see proxy/fronts/headers.py.
+HeaderDirection = Literal["request", "response"]
+HeaderDropReason = Literal["underscore", "connection"]
 # Why an approval was requested: the tool's own `approval: required` (policy), a gated effect
 # (defaults' or the principal's gated_effects), a flagged data flow (`on_flag: approve`), a
 # tainted run's unendorsed critical arguments (`on_tainted: approve`).
@@ -73,6 +79,9 @@ RELOAD_RESULTS: tuple[ReloadResult, ...] = get_args(ReloadResult)
 MISCONFIG_LAYERS: tuple[MisconfigLayer, ...] = get_args(MisconfigLayer)
 REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
 APPROVAL_REASONS: tuple[ApprovalReason, ...] = get_args(ApprovalReason)
+# Response fields are never dropped for an underscore (only requests go to frameworks that fold).
+HEADER_DROPS: tuple[tuple[HeaderDirection, HeaderDropReason], ...] = (
+    ("request", "underscore"), ("request", "connection"), ("response", "connection"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Counter, "envelope_audit_records_total", "Audit records written.", fast=True),
     MetricSpec(Counter, "envelope_check_errors_total", "Checks that raised (the call was refused: fail closed).", ("check",)),
     MetricSpec(Counter, "envelope_rejected_requests_total", "Requests rejected at the front before the envelope.", ("reason",)),
+    MetricSpec(Counter, "envelope_headers_dropped_total", "Header fields not forwarded, by direction (request: toward an upstream; response: toward the client) and reason (underscore: a request field name holding '_'; connection: named by the message's Connection header).", ("direction", "reason")),
     MetricSpec(Gauge, "envelope_catalogue_tools", "Tools in the catalogue per upstream.", ("upstream",)),
     MetricSpec(Gauge, "envelope_upstream_up", "Upstream health: 1 up, 0 down or not yet known.", ("upstream",)),
     MetricSpec(Counter, "envelope_idempotent_replays_total", "Calls answered from the stored first result of the same call (never forwarded twice)."),
@@ -249,6 +259,8 @@ class Metrics:
         self._reloads = {r: reloads.labels(r) for r in RELOAD_RESULTS}
         rejected = cast(Counter, c["envelope_rejected_requests_total"])
         self._rejected = {r: rejected.labels(r) for r in REJECT_REASONS}
+        dropped = cast(Counter, c["envelope_headers_dropped_total"])
+        self._headers_dropped = {key: dropped.labels(*key) for key in HEADER_DROPS}
         requested = cast(Counter, c["envelope_approvals_requested_total"])
         self._approvals_requested = {r: requested.labels(r) for r in APPROVAL_REASONS}
         self._decision_children: dict[tuple[Any, ...], Cell] = {}
@@ -354,6 +366,14 @@ class Metrics:
         except KeyError:
             raise ValueError(f"unknown rejection reason {reason!r}") from None
         child.inc()
+
+    def headers_dropped(self, direction: HeaderDirection, reason: HeaderDropReason, count: int = 1) -> None:
+        """Count header fields not forwarded; raises ValueError outside the fixed label sets."""
+        try:
+            child = self._headers_dropped[(direction, reason)]
+        except KeyError:
+            raise ValueError(f"unknown header drop {(direction, reason)!r}") from None
+        child.inc(count)
 
     # -- policy and catalogue ---------------------------------------------------------------
 

@@ -148,7 +148,8 @@ def test_listener_kind_is_a_name_or_a_mapping_and_the_environment_changes_only_t
     bare = tmp_path / "bare.yaml"
     bare.write_text("listener: fast\n")
     assert load_config(bare, environ={}).listener.model_dump() == {
-        "kind": "fast", "header_timeout": 10.0, "keepalive_timeout": 75.0}
+        "kind": "fast", "header_timeout": 10.0, "keepalive_timeout": 75.0,
+        "underscore_headers": "drop"}
     mapping = tmp_path / "mapping.yaml"
     mapping.write_text("listener: {header_timeout: 2s, keepalive_timeout: 5s}\n")
     merged = load_config(mapping, environ={"ENVELOPE_LISTENER": "fast"}).listener
@@ -156,6 +157,14 @@ def test_listener_kind_is_a_name_or_a_mapping_and_the_environment_changes_only_t
     assert load_config(bare, environ={"ENVELOPE_LISTENER": "aiohttp"}).listener.kind == "aiohttp"
     with pytest.raises(ConfigError, match=r"listener\.kind: Input should be 'fast' or 'aiohttp'"):
         load_config(None, environ={"ENVELOPE_LISTENER": "nginx"})
+
+
+def test_underscore_headers_is_one_of_three_actions(tmp_path: Path) -> None:
+    file = _config_file(tmp_path, ("listener", "underscore_headers"), "reject")
+    assert load_config(file, environ={}).listener.underscore_headers == "reject"
+    file = _config_file(tmp_path, ("listener", "underscore_headers"), "strip")
+    with pytest.raises(ConfigError, match=r"listener\.underscore_headers: Input should be 'drop', 'reject' or 'allow'"):
+        load_config(file, environ={})
 
 
 def test_the_listener_flag_sets_the_kind_and_keeps_the_files_timeouts(tmp_path: Path) -> None:
