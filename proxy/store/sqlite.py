@@ -1,8 +1,9 @@
 """SQLite store: the embedded default. One file in the state directory, shared by every worker.
 
-Every sqlite call runs on one worker thread the store owns (the connection lives there), so the
-event loop never waits on disk or on another process's lock. One exception, the warm sink check's
-read: a small `hash_since` (at most `INLINE_ENTRIES` entries, `INLINE_BYTES`) is answered on the event loop's
+Every sqlite call that may wait runs on one worker thread the store owns (its connection lives
+there), so the event loop never waits on another process's lock. Two exceptions, each on a
+connection of the event loop's own with busy timeout 0, which hands to the worker whatever would
+wait: hash write batches (Group commit, below) and the warm sink check's read: a small `hash_since` (at most `INLINE_ENTRIES` entries, `INLINE_BYTES`) is answered on the event loop's
 thread by a read-only connection of its own with busy timeout 0 (a WAL reader waits for no
 writer; anything that would make it wait goes to the worker), and not read at all while
 `PRAGMA data_version` shows no commit by any connection since its last answer found nothing new
@@ -24,15 +25,23 @@ hash whose fields are 8-byte big-endian sequence numbers plus its counter field:
 one write step (with the hash set alongside, `also`), `hash_since` one read transaction over a
 range of the primary key.
 
-Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and the worker
-takes every queued one into a single `BEGIN IMMEDIATE` transaction, applied in the order they
-came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
+Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and every write
+queued in one turn of the event loop goes into a single `BEGIN IMMEDIATE` transaction, applied in
+the order they came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
 Within the batch, each hash's meta row, a log's counter and a run's flags are read once and the
 meta rows and counters written once, at the end (`_Batch`): a batch of one run's outputs costs
 one statement per output (its entry), not eight. Each caller is answered only after that
 transaction committed, so an output is still recorded before it is delivered; concurrent calls
-share one commit and one thread hop (a batch is handed to the worker on the event loop's next
-turn, so the answers that arrived together share it). A batch fails as one: every caller in it
+share one commit (a batch is committed on the event loop's next turn, so the answers that arrived
+together share it). The loop's thread commits a batch itself (`_flush_inline`: no thread hop, no
+interpreter-lock handoff per statement) unless it holds more than `INLINE_WRITES` writes or
+`INLINE_WRITE_BYTES`, or a batch handed to the worker has not committed yet (order), or
+BEGIN IMMEDIATE answers SQLITE_BUSY (another process, or this one's checkpoint or purge, holds
+the write lock: nothing is written yet, and the worker commits the same batch once, waiting with
+its busy timeout). Those batches go to the worker, which takes the queue as it stands when it
+gets to it. The loop's connection never checkpoints: every `CHECKPOINT_COMMITS` of its commits
+the worker does (`_checkpoint`), and it purges. `ENVELOPE_SQLITE_INLINE=0` (or
+`inline_writes=False`) sends every batch to the worker. A batch fails as one: every caller in it
 gets the StoreError and nothing of it is kept.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
@@ -159,7 +168,7 @@ QUIET_LOGS = 4096
 # so one loop turn spends a bounded time on disk). Every `CHECKPOINT_COMMITS` commits of the
 # loop's connection (which never checkpoints itself), the worker copies the WAL back into the
 # database (`PRAGMA wal_checkpoint(PASSIVE)`), which keeps the WAL file bounded.
-INLINE_WRITES = 64
+INLINE_WRITES = 32
 INLINE_WRITE_BYTES = 64 * 1024
 CHECKPOINT_COMMITS = 256
 _RESTART_WAIT_MS = 100
