@@ -1,8 +1,9 @@
 """SQLite store: the embedded default. One file in the state directory, shared by every worker.
 
-Every sqlite call runs on one worker thread the store owns (the connection lives there), so the
-event loop never waits on disk or on another process's lock. One exception, the warm sink check's
-read: a small `hash_since` (at most `INLINE_ENTRIES` entries, `INLINE_BYTES`) is answered on the event loop's
+Every sqlite call that may wait runs on one worker thread the store owns (its connection lives
+there), so the event loop never waits on another process's lock. Two exceptions, each on a
+connection of the event loop's own with busy timeout 0, which hands to the worker whatever would
+wait: hash write batches (Group commit, below) and the warm sink check's read: a small `hash_since` (at most `INLINE_ENTRIES` entries, `INLINE_BYTES`) is answered on the event loop's
 thread by a read-only connection of its own with busy timeout 0 (a WAL reader waits for no
 writer; anything that would make it wait goes to the worker), and not read at all while
 `PRAGMA data_version` shows no commit by any connection since its last answer found nothing new
@@ -24,15 +25,23 @@ hash whose fields are 8-byte big-endian sequence numbers plus its counter field:
 one write step (with the hash set alongside, `also`), `hash_since` one read transaction over a
 range of the primary key.
 
-Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and the worker
-takes every queued one into a single `BEGIN IMMEDIATE` transaction, applied in the order they
-came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
+Group commit: hash writes (`hash_append`, `hash_put`, `hash_delete`) queue up, and every write
+queued in one turn of the event loop goes into a single `BEGIN IMMEDIATE` transaction, applied in
+the order they came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
 Within the batch, each hash's meta row, a log's counter and a run's flags are read once and the
 meta rows and counters written once, at the end (`_Batch`): a batch of one run's outputs costs
 one statement per output (its entry), not eight. Each caller is answered only after that
 transaction committed, so an output is still recorded before it is delivered; concurrent calls
-share one commit and one thread hop (a batch is handed to the worker on the event loop's next
-turn, so the answers that arrived together share it). A batch fails as one: every caller in it
+share one commit (a batch is committed on the event loop's next turn, so the answers that arrived
+together share it). The loop's thread commits a batch itself (`_flush_inline`: no thread hop, no
+interpreter-lock handoff per statement) unless it holds more than `INLINE_WRITES` writes or
+`INLINE_WRITE_BYTES`, or a batch handed to the worker has not committed yet (order), or
+BEGIN IMMEDIATE answers SQLITE_BUSY (another process, or this one's checkpoint or purge, holds
+the write lock: nothing is written yet, and the worker commits the same batch once, waiting with
+its busy timeout). Those batches go to the worker, which takes the queue as it stands when it
+gets to it. The loop's connection never checkpoints: every `CHECKPOINT_COMMITS` of its commits
+the worker does (`_checkpoint`), and it purges. `ENVELOPE_SQLITE_INLINE=0` (or
+`inline_writes=False`) sends every batch to the worker. A batch fails as one: every caller in it
 gets the StoreError and nothing of it is kept.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
@@ -153,6 +162,16 @@ _HASH_PURGE_META = "DELETE FROM hash_meta WHERE expires IS NOT NULL AND expires 
 INLINE_ENTRIES = 8
 INLINE_BYTES = 64 * 1024
 QUIET_LOGS = 4096
+
+# Largest write batch the event loop's thread commits itself (`SqliteStore._flush_inline`): at most
+# `INLINE_WRITES` writes of `INLINE_WRITE_BYTES` in all (a larger batch goes to the worker thread,
+# so one loop turn spends a bounded time on disk). Every `CHECKPOINT_COMMITS` commits of the
+# loop's connection (which never checkpoints itself), the worker copies the WAL back into the
+# database (`PRAGMA wal_checkpoint(PASSIVE)`), which keeps the WAL file bounded.
+INLINE_WRITES = 32
+INLINE_WRITE_BYTES = 64 * 1024
+CHECKPOINT_COMMITS = 256
+_RESTART_WAIT_MS = 100
 
 # Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
 _IN_CHUNK = 500
@@ -412,6 +431,11 @@ def _hash_remove(batch: _Batch, ns: str, key: str, fields: Sequence[bytes]) -> N
         batch.set_meta(ns, key, expires, max(0, size))
 
 
+def _size_of(fields: Mapping[bytes, bytes]) -> int:
+    """Bytes a write puts in its fields (a value that is not bytes fails in its batch, not here)."""
+    return sum(len(field) + (len(value) if isinstance(value, bytes) else 0) for field, value in fields.items())
+
+
 def _live(expires: float | None, now: float) -> bool:
     return expires is None or expires > now
 
@@ -425,6 +449,7 @@ class _Write:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
     work: Callable[[_Batch], Any]
+    size: int  # bytes it writes (values, fields), for the inline bound
 
 
 def _settle(settled: list[tuple[asyncio.Future[Any], Any]], error: Exception | None) -> None:
@@ -489,9 +514,13 @@ class SqliteStore(Store):
 
     kind = "sqlite"
 
-    def __init__(self, path: Path, timeout: float) -> None:
+    def __init__(self, path: Path, timeout: float, *, inline_writes: bool | None = None) -> None:
         self.path = Path(path)
         self.timeout = timeout
+        # Write batches committed on the event loop's thread (`_flush_inline`); None: on unless
+        # `ENVELOPE_SQLITE_INLINE=0` (every batch then goes to the worker thread, as before).
+        self.inline_writes = (os.environ.get("ENVELOPE_SQLITE_INLINE") != "0"
+                              if inline_writes is None else inline_writes)
         self._executor: ThreadPoolExecutor | None = None
         self._conn: sqlite3.Connection | None = None  # touched only on the executor's thread
         self._pid = os.getpid()
@@ -502,6 +531,15 @@ class SqliteStore(Store):
         self._writes: list[_Write] = []
         self._writes_lock = threading.Lock()
         self._flush_queued = False
+        # Batches handed to the worker and not yet committed there: while there are any, later
+        # batches follow them to the worker (writes commit in the order they came).
+        self._worker_batches = 0
+        # The event loop thread's write connection (`_flush_inline`), its commits since the last
+        # checkpoint, and whether one is queued on the worker.
+        self._write_conn: sqlite3.Connection | None = None
+        self._write_thread: int | None = None
+        self._inline_commits = 0
+        self._checkpoint_queued = False
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
         # number, valid until (wall time), the hash's fields).
@@ -576,6 +614,8 @@ class SqliteStore(Store):
             self._read_conn, self._read_thread = None, None  # not closed: the parent's
             self._quiet.clear()
             self._writes, self._writes_lock, self._flush_queued = [], threading.Lock(), False
+            self._write_conn, self._write_thread, self._worker_batches = None, None, 0  # the parent's
+            self._inline_commits, self._checkpoint_queued = 0, False
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite")
         return self._executor
@@ -646,31 +686,33 @@ class SqliteStore(Store):
     async def hash_put(self, ns: str, key: str, fields: Mapping[bytes, bytes], ttl: float | None = None,
                        *, replace: bool = True, cap: int | None = None) -> HashPut:
         return await self._write("hash_put", lambda batch: _hash_put(batch, ns, key, fields, ttl,
-                                                                        replace, cap))
+                                                                        replace, cap), _size_of(fields))
 
     async def hash_append(self, ns: str, key: str, value: bytes, ttl: float | None = None, *,
                           weight: int = 0, cap: int | None = None,
                           also: tuple[str, Mapping[bytes, bytes]] | None = None,
                           drop: Sequence[bytes] = (),
                           if_refused: Mapping[bytes, bytes] | None = None) -> int:
+        size = len(value) + (0 if also is None else _size_of(also[1])) + _size_of(if_refused or {})
         return await self._write("hash_append", lambda batch: _hash_append(
-            batch, ns, key, value, ttl, weight, cap, also, drop, if_refused))
+            batch, ns, key, value, ttl, weight, cap, also, drop, if_refused), size)
 
-    async def _write(self, what: str, work: Callable[[_Batch], T]) -> T:
-        """Group commit: `work` joins the writes that the worker thread takes all at once into
-        one write transaction (`_flush`); the caller is answered once that transaction has
-        committed (so an output is recorded before it is delivered, as with a transaction of
-        its own). Concurrent calls' writes share one BEGIN/COMMIT and one thread hop."""
+    async def _write(self, what: str, work: Callable[[_Batch], T], size: int) -> T:
+        """Group commit: `work` joins the writes queued in this turn of the event loop, which the
+        next turn commits all at once in one write transaction: on the loop's own thread when
+        it can (`_flush_inline`), else on the worker thread (`_flush`). The caller is answered
+        once that transaction has committed (so an output is recorded before it is delivered, as
+        with a transaction of its own). Concurrent calls' writes share one BEGIN/COMMIT."""
         if self._closed:
             raise StoreError(f"sqlite store {self.path}: closed")
         loop = asyncio.get_running_loop()
         pool = self._pool()
         future: asyncio.Future[T] = loop.create_future()
         with self._writes_lock:
-            self._writes.append(_Write(what, loop, future, work))
+            self._writes.append(_Write(what, loop, future, work, size))
             first, self._flush_queued = not self._flush_queued, True
         if first:
-            # Submitted on the loop's next turn, not now: the calls the loop runs in this turn
+            # Flushed on the loop's next turn, not now: the calls the loop runs in this turn
             # (answers that arrived together) add their writes to the same batch first. A lone
             # call loses nothing: the loop has nothing else to run before it.
             loop.call_soon(self._start_flush, pool)
@@ -683,32 +725,55 @@ class SqliteStore(Store):
             raise StoreError(f"sqlite store {self.path}: {what} failed: {exc}") from exc
 
     def _start_flush(self, pool: ThreadPoolExecutor) -> None:
+        """On the event loop: the queued writes committed here (`_flush_inline`) or handed to
+        the worker thread (`_flush`). Behind a batch the worker has yet to commit, the queue
+        stays for the worker to take when it gets to it (the writes queued until then join)."""
+        if not self.inline_writes or self._worker_batches:
+            self._hand_over(pool, None)
+            return
+        with self._writes_lock:
+            batch, self._writes, self._flush_queued = self._writes, [], False
+        if batch and not self._flush_inline(pool, batch):
+            self._hand_over(pool, batch)
+        # (no batch: `close` took it and commits it itself)
+
+    def _hand_over(self, pool: ThreadPoolExecutor, batch: list[_Write] | None) -> None:
+        """A batch (None: whatever is queued when the worker gets to it) to the worker thread,
+        after every batch it has already."""
+        with self._writes_lock:
+            self._worker_batches += 1
         try:
-            pool.submit(self._flush)
+            pool.submit(self._flush, batch)
         except RuntimeError:  # the store closed in the meantime: its worker takes no more work
             with self._writes_lock:
-                batch, self._writes, self._flush_queued = self._writes, [], False
+                self._worker_batches -= 1
+                if batch is None:
+                    batch, self._writes, self._flush_queued = self._writes, [], False
             error = StoreError(f"sqlite store {self.path}: closed")
             _settle([(job.future, None) for job in batch], error)
 
-    def _flush(self) -> None:
-        """On the worker thread: every queued write in one write transaction, in the order they
-        came, then each caller woken (one wake-up of each event loop for the whole batch). A
-        failure anywhere rolls the whole batch back and every caller in it gets the error: none
-        of their outputs is delivered (fail closed)."""
-        with self._writes_lock:
-            batch, self._writes, self._flush_queued = self._writes, [], False
-        if not batch:
-            return  # taken by an earlier flush (`close` drains the queue itself)
+    def _flush(self, batch: list[_Write] | None) -> None:
+        """On the worker thread: every write of a batch (None: of the queue) in one write
+        transaction, in the order they came, then each caller woken (one wake-up of each event
+        loop for the whole batch). A failure anywhere rolls the whole batch back and every
+        caller in it gets the error: none of their outputs is delivered (fail closed)."""
+        if batch is None:
+            with self._writes_lock:
+                batch, self._writes, self._flush_queued = self._writes, [], False
         answers: list[Any] = []
         error: Exception | None = None
         try:
+            if not batch:
+                return  # taken by an earlier flush (`close` drains the queue itself)
             conn = self._connect()
             now = time.time()
             answers = _transaction(conn, "BEGIN IMMEDIATE", lambda: _apply(_Batch(conn, now), batch))
             self._maybe_purge(conn, now)
         except Exception as exc:  # every caller of the batch gets it (sqlite, OS or a bug)
             error = exc
+        finally:
+            with self._writes_lock:
+                self._worker_batches -= 1
         loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
         for i, job in enumerate(batch):
             loops.setdefault(job.loop, []).append((job.future, answers[i] if answers else None))
@@ -717,6 +782,112 @@ class SqliteStore(Store):
                 loop.call_soon_threadsafe(_settle, settled, error)
             except RuntimeError:
                 pass  # that loop has closed: nobody waits for these answers any more
+
+    def _writer(self) -> sqlite3.Connection | None:
+        """The event loop thread's own write connection, or None where it cannot serve."""
+        if self._closed or self._conn is None or self._pid != os.getpid():
+            return None  # the worker has not set the file up yet, or a fork: the worker path
+        if self._write_conn is not None:
+            return self._write_conn if self._write_thread == threading.get_ident() else None
+        try:
+            # Busy timeout 0: a write lock held elsewhere (another process, a checkpoint) sends
+            # the batch to the worker, which waits for it, instead of stalling the loop. No
+            # automatic checkpoints: the worker runs them (`_checkpoint`). `synchronous` is per
+            # connection: NORMAL as on the worker's (a WAL commit does not fsync).
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.0)
+            conn.execute("PRAGMA wal_autocheckpoint = 0")
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.Error:
+            return None
+        self._write_conn, self._write_thread = conn, threading.get_ident()
+        return conn
+
+    def _flush_inline(self, pool: ThreadPoolExecutor, batch: list[_Write]) -> bool:
+        """On the event loop: a batch committed by the loop's own connection, no thread hop.
+        False when the worker must take it: a batch beyond `INLINE_WRITES`/`INLINE_WRITE_BYTES`,
+        one behind a batch the worker has yet to commit, or no loop connection; also (then
+        handed over here) when another connection holds the write lock (SQLITE_BUSY from
+        BEGIN IMMEDIATE: nothing of it is written yet, the worker waits with its busy timeout).
+        Any other failure rolls the batch back and refuses every caller in it (fail closed),
+        exactly as on the worker."""
+        loop = asyncio.get_running_loop()
+        if (len(batch) > INLINE_WRITES or self._worker_batches
+                or sum(job.size for job in batch) > INLINE_WRITE_BYTES
+                or any(job.loop is not loop for job in batch)):
+            return False
+        conn = self._writer()
+        if conn is None:
+            return False
+        now = time.time()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                self._close_writer()
+            self._hand_over(pool, batch)  # never begun: the worker applies it once, from scratch
+            return True
+        answers: list[Any] = []
+        error: Exception | None = None
+        try:
+            answers = _apply(_Batch(conn, now), batch)
+            conn.execute("COMMIT")
+        except Exception as exc:  # every caller of the batch gets it (sqlite, OS or a bug)
+            error = exc
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                self._close_writer()  # a connection in an unknown state is not used again
+        if error is None:
+            self._after_inline_commit(pool, now)
+        _settle([(job.future, answers[i] if answers else None) for i, job in enumerate(batch)], error)
+        return True
+
+    def _after_inline_commit(self, pool: ThreadPoolExecutor, now: float) -> None:
+        """The worker's share of inline commits: a checkpoint every `CHECKPOINT_COMMITS`, the
+        purge of expired rows every `PURGE_INTERVAL`."""
+        self._inline_commits += 1
+        if self._inline_commits >= CHECKPOINT_COMMITS and not self._checkpoint_queued:
+            self._inline_commits, self._checkpoint_queued = 0, True
+            pool.submit(self._checkpoint)
+        if now >= self._next_purge:
+            self._next_purge = now + PURGE_INTERVAL
+            pool.submit(self._purge, now)
+
+    def _checkpoint(self) -> None:
+        """On the worker: the WAL copied back into the database, and the WAL file started over.
+        PASSIVE first (it blocks no writer, but the loop commits while it copies, so the WAL never
+        ends up fully copied and the next writer never starts it over: 300 MB after 20,000
+        outputs); then RESTART copies the few frames since, holding off writers for that moment
+        (the loop's batches meanwhile go to the worker, behind it) and for at most
+        `_RESTART_WAIT_MS` of a reader's old snapshot (if that is not enough, the next one)."""
+        self._checkpoint_queued = False
+        try:
+            conn = self._connect()
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            conn.execute(f"PRAGMA busy_timeout = {_RESTART_WAIT_MS}")
+            try:
+                conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+            finally:
+                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout() * 1000)}")
+        except sqlite3.Error:
+            pass  # best effort: the next one (or another connection's autocheckpoint) catches up
+
+    def _purge(self, now: float) -> None:
+        """On the worker: expired rows removed (`_maybe_purge`'s work, due after an inline commit)."""
+        try:
+            self._next_purge = 0.0
+            self._maybe_purge(self._connect(), now)
+        except sqlite3.Error:
+            self._next_purge = 0.0  # tried again after the next write
+
+    def _close_writer(self) -> None:
+        conn, self._write_conn, self._write_thread = self._write_conn, None, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass  # closing is best effort: the connection is dropped either way
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:
@@ -819,7 +990,8 @@ class SqliteStore(Store):
         if not fields:
             return
 
-        await self._write("hash_delete", lambda batch: _hash_remove(batch, ns, key, fields))
+        await self._write("hash_delete", lambda batch: _hash_remove(batch, ns, key, fields),
+                          sum(len(field) for field in fields))
 
     # ---- token buckets ------------------------------------------------------------------------
 
@@ -856,12 +1028,17 @@ class SqliteStore(Store):
         self._closed = True
         if self._pid == os.getpid() and self._read_thread == threading.get_ident():
             self._close_reader()
+        if self._pid == os.getpid() and self._write_thread == threading.get_ident():
+            self._close_writer()
         executor, self._executor = self._executor, None
         if executor is None or self._pid != os.getpid():
             return
         loop = asyncio.get_running_loop()
-        if self._flush_queued:
-            executor.submit(self._flush)  # writes queued this turn commit before the connection closes
+        with self._writes_lock:
+            batch, self._writes, self._flush_queued = self._writes, [], False
+            self._worker_batches += bool(batch)
+        if batch:
+            executor.submit(self._flush, batch)  # writes queued this turn commit before the connection closes
         try:
             async with asyncio.timeout(self.timeout):
                 await loop.run_in_executor(executor, self._close_conn)

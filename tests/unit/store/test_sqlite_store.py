@@ -1,28 +1,55 @@
 """SqliteStore's group commit of hash writes (`hash_append`, `hash_put`, `hash_delete`): writes
-queued while the worker is busy go in one transaction, each caller answered only once it
-committed, and a batch that fails refuses every caller in it (nothing of the batch is kept)."""
+queued together go in one transaction, each caller answered only once it committed, and a batch
+that fails refuses every caller in it (nothing of the batch is kept). A batch commits on the event
+loop's thread (inline) unless it is large, or another connection holds the write lock (then the
+worker thread commits it, once); the `store` fixture has inline writes off, to hold batches
+behind a busy worker."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proxy.errors import StoreError
+from proxy.store import sqlite as sqlite_module
 from proxy.store.base import LOG_COUNTER, Store, log_field
 from proxy.store.memory import MemoryStore
-from proxy.store.sqlite import SqliteStore
+from proxy.store.sqlite import INLINE_WRITE_BYTES, INLINE_WRITES, SqliteStore
 
 
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    opened = SqliteStore(tmp_path / "state.db", timeout=10.0)
+    opened = SqliteStore(tmp_path / "state.db", timeout=10.0, inline_writes=False)
     yield opened
     await opened.close()
+
+
+@pytest.fixture
+async def inline(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    opened = SqliteStore(tmp_path / "state.db", timeout=10.0, inline_writes=True)
+    await opened.ping()  # the worker has set the file up: the loop's connection can open
+    yield opened
+    await opened.close()
+
+
+def _threads_applying(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the threads that apply a write batch from now on (one entry per batch)."""
+    threads: list[int] = []
+    real = sqlite_module._apply
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sqlite_module, "_apply", spying)
+    return threads
 
 
 async def _worker_held(store: SqliteStore) -> tuple[threading.Event, asyncio.Task[object]]:
@@ -178,3 +205,110 @@ async def test_one_batch_of_writes_answers_as_the_same_writes_one_by_one(store: 
     finally:
         conn.close()
     assert sizes and all(size == rows for _, _, size, rows in sizes), sizes
+
+
+async def test_one_batch_of_writes_inline_answers_as_the_same_writes_one_by_one(inline: SqliteStore) -> None:
+    expected = await _one_batch_of_writes(MemoryStore(), hold=False)
+    assert await _one_batch_of_writes(inline, hold=False) == expected
+
+
+async def test_a_batch_commits_on_the_event_loops_thread(inline: SqliteStore,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = _threads_applying(monkeypatch)
+    appends = [inline.hash_append("log", "run", b"entry %d" % i, ttl=60.0, weight=1, also=("meta", {b"u": b"1"}))
+               for i in range(5)]
+    assert sorted(await asyncio.gather(*appends)) == [1, 2, 3, 4, 5]
+    assert threads == [threading.get_ident()]  # one batch, no thread hop
+    assert sorted(v for f, v in _log(inline.path, "run").items() if f != LOG_COUNTER) == [
+        b"entry %d" % i for i in range(5)]
+
+
+async def test_the_same_batch_commits_on_the_worker_when_inline_writes_are_off(
+        store: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    await store.ping()
+    threads = _threads_applying(monkeypatch)
+    assert await store.hash_append("log", "run", b"x", ttl=60.0) == 1
+    assert threads and threading.get_ident() not in threads
+
+
+async def test_large_batches_commit_on_the_worker(inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = _threads_applying(monkeypatch)
+    assert await inline.hash_append("log", "big", b"x" * (INLINE_WRITE_BYTES + 1), ttl=60.0) == 1
+    many = [inline.hash_append("log", "many", b"e", ttl=60.0) for _ in range(INLINE_WRITES + 1)]
+    assert sorted(await asyncio.gather(*many)) == list(range(1, INLINE_WRITES + 2))
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    assert await inline.hash_append("log", "big", b"small", ttl=60.0) == 2
+    assert threads[-1] == threading.get_ident()
+
+
+async def test_a_batch_meeting_a_held_write_lock_is_committed_once_by_the_worker(
+        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = _threads_applying(monkeypatch)
+    other = sqlite3.connect(inline.path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # as another process would: the file's write lock
+        first = asyncio.create_task(inline.hash_append("log", "run", b"a", ttl=60.0, also=("meta", {b"u": b"1"})))
+        await asyncio.sleep(0.05)
+        assert not first.done()  # waiting on the worker, not refused, not committed
+        # A later batch follows the first to the worker, never overtakes it on the loop.
+        second = asyncio.create_task(inline.hash_append("log", "run", b"b", ttl=60.0))
+        await asyncio.sleep(0.05)
+        assert not second.done()
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    assert await first == 1 and await second == 2
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    assert _log(inline.path, "run") == {LOG_COUNTER: b"2 0", log_field(1): b"a", log_field(2): b"b"}
+    # Once the worker is done, the loop commits again.
+    assert await inline.hash_append("log", "run", b"c", ttl=60.0) == 3
+    assert threads[-1] == threading.get_ident()
+
+
+async def test_the_wal_stays_bounded_under_many_inline_commits(inline: SqliteStore,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = _threads_applying(monkeypatch)
+    for i in range(20_000):
+        await inline.hash_append("log", "run", b"entry %d " % i + b"x" * 200, ttl=600.0, weight=1,
+                                 also=("meta", {b"u": b"1"}))
+    # The loop commits nearly all of them (a batch meeting the lock of the worker's purge or
+    # checkpoint goes to the worker).
+    assert sum(t == threading.get_ident() for t in threads) > 19_000
+    # Unchecked (or with PASSIVE checkpoints only), 20,000 commits of a few 4 KB pages each leave
+    # a WAL of about 300 MB; checkpointed every 256 commits it peaks at 8-25 MB.
+    assert await asyncio.to_thread(os.path.getsize, f"{inline.path}-wal") < 64 * 1024 * 1024
+
+
+class _FailingWrites:
+    """A connection whose writes to `hash` fail as a full or broken disk makes them fail."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql.startswith("INSERT INTO hash "):
+            raise sqlite3.OperationalError("disk I/O error")
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+async def test_a_failing_inline_batch_refuses_every_caller_and_keeps_nothing(
+        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = _threads_applying(monkeypatch)
+    assert await inline.hash_append("log", "run", b"before", ttl=60.0) == 1
+    real = inline._write_conn
+    assert real is not None
+    monkeypatch.setattr(inline, "_write_conn", _FailingWrites(real))
+    calls = [inline.hash_append("log", "run", b"one", ttl=60.0),
+             inline.hash_put("meta", "run", {b"p:d2": b"1"}, ttl=60.0),
+             inline.hash_append("log", "run", b"two", ttl=60.0)]
+    for result, what in zip(await asyncio.gather(*calls, return_exceptions=True),
+                            ("hash_append", "hash_put", "hash_append"), strict=True):
+        assert isinstance(result, StoreError) and f"{what} failed: disk I/O error" in str(result)
+    assert set(threads) == {threading.get_ident()}
+    assert await inline.hash_all("meta", "run") == {}
+    assert sorted(_log(inline.path, "run").values()) == [b"1 0", b"before"]
+    monkeypatch.setattr(inline, "_write_conn", real)
+    assert await inline.hash_append("log", "run", b"after", ttl=60.0) == 2

@@ -1,0 +1,114 @@
+"""What the SQLite store's inline write batches cost (issue 15; bench/RESULTS.md, "SQLite writes on
+the event loop").
+
+`batch`: the event loop's time for one inline batch (bounds raised to let it in) of N appends of S-byte entries (each with
+its run's flags hash, as a ledger records an output), median over 100 batches: the bound
+`INLINE_WRITES` / `INLINE_WRITE_BYTES` is picked from it.
+
+`checkpoint`: 10,000 sequential outputs with the worker's checkpoint every N inline commits: the
+WAL file's peak size, how many batches met the checkpoint's write lock and went to the worker,
+and the CPU per commit.
+
+Usage (from the repository root):
+
+    python bench/sqlite_inline.py batch [--shapes 64x200,1x50000,1x200]
+    python bench/sqlite_inline.py checkpoint [--every 64,256,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from proxy.store import sqlite as store_module
+
+
+async def batch_cost(count: int, size: int) -> str:
+    """Loop wall and thread CPU of one inline batch of `count` appends of `size` bytes (the
+    inline bounds raised to let it in)."""
+    store_module.INLINE_WRITES = max(store_module.INLINE_WRITES, count)
+    store_module.INLINE_WRITE_BYTES = max(store_module.INLINE_WRITE_BYTES, count * (size + 2))
+    with tempfile.TemporaryDirectory() as tmp:
+        store = store_module.SqliteStore(Path(tmp) / "state.db", timeout=10.0, inline_writes=True)
+        await store.ping()
+        times: list[tuple[float, float]] = []
+        real = store._flush_inline
+
+        def timed(pool: Any, batch: Any) -> bool:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            done = real(pool, batch)
+            times.append((time.perf_counter() - wall, time.thread_time() - cpu))
+            return done
+
+        store._flush_inline = timed  # type: ignore[method-assign]
+        for r in range(100):
+            await asyncio.gather(*[store.hash_append("log", f"run{r % 8}", os.urandom(size), ttl=600.0, weight=1,
+                                                     also=("meta", {b"u": b"1"})) for _ in range(count)])
+        await store.close()
+    wall = statistics.median(t[0] for t in times) * 1e6
+    cpu = statistics.median(t[1] for t in times) * 1e6
+    return (f"{count} x {size} B: {len(times)} inline batches, loop wall {wall:.0f} µs, thread CPU {cpu:.0f} µs,"
+            f" {cpu / count:.0f} µs a write")
+
+
+async def checkpoint_cost(every: int, outputs: int = 10_000) -> str:
+    """WAL peak, batches sent to the worker, CPU per commit with a checkpoint every `every` commits."""
+    store_module.CHECKPOINT_COMMITS = every
+    threads: list[int] = []
+    real = store_module._apply
+
+    def spying(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = store_module.SqliteStore(Path(tmp) / "state.db", timeout=10.0, inline_writes=True)
+        await store.ping()
+        store_module._apply = spying
+        peak = 0
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            for i in range(outputs):
+                await store.hash_append("log", f"run{i % 8}", b"entry %d " % i + os.urandom(200), ttl=600.0,
+                                        weight=1, also=("meta", {b"u": b"1"}))
+                if i % 100 == 0:
+                    peak = max(peak, await asyncio.to_thread(os.path.getsize, f"{store.path}-wal"))
+        finally:
+            store_module._apply = real
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        await store.close()
+    me = threading.get_ident()
+    return (f"every {every}: WAL peak {peak // 1024} KB, batches to the worker {sum(t != me for t in threads)}"
+            f"/{outputs}, {wall / outputs * 1e6:.0f} µs wall, {cpu / outputs * 1e6:.0f} µs CPU per commit")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    b = sub.add_parser("batch")
+    b.add_argument("--shapes", default="64x200,1x50000,1x200", help="COUNTxBYTES,... (default 64x200,1x50000,1x200)")
+    c = sub.add_parser("checkpoint")
+    c.add_argument("--every", default="64,256,1024", help="commits between checkpoints (default 64,256,1024)")
+    args = p.parse_args(argv)
+    if args.what == "batch":
+        for shape in args.shapes.split(","):
+            count, size = (int(x) for x in shape.split("x"))
+            print(asyncio.run(batch_cost(count, size)))
+    else:
+        for every in args.every.split(","):
+            print(asyncio.run(checkpoint_cost(int(every))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
