@@ -16,6 +16,7 @@ from proxy.envelope.types import Code, Verdict
 from proxy.observability.metrics import (
     APPROVAL_REASONS,
     DURATION_BUCKETS,
+    HEADER_DROPS,
     METRICS,
     MISCONFIG_LAYERS,
     REJECT_REASONS,
@@ -64,6 +65,8 @@ class Stock:
             self.c["envelope_misconfigured_tools"].labels(layer)
         for r in APPROVAL_REASONS:
             self.c["envelope_approvals_requested_total"].labels(r)
+        for key in HEADER_DROPS:
+            self.c["envelope_headers_dropped_total"].labels(*key)
 
     def decision(self, upstream: str, tool: str, verdict: Any, code: Any) -> None:
         self.c["envelope_decisions_total"].labels(upstream, tool, str(verdict), str(code)).inc()
