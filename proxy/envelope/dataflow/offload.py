@@ -68,7 +68,8 @@ INLINE_LOOKUPS = 49152
 # intent (16 values 1.1-2.8 ms on the loop, 64 values 4.2-11 ms, measured on this machine with
 # bench/inline_cost.py --path "sink call" --values N), so a value weighs VALUE_WORK characters
 # (~125 µs at ~0.17 µs per character) and about 8 of them stay inline; a call whose values are
-# only fingerprinted (no escalation, no gate waiver: 15-30 µs each) weighs PROBE_WORK per value.
+# only fingerprinted (no escalation, no gate waiver: ~20 µs each, 44 values 0.93 ms, 256 values
+# 5.5 ms) weighs PROBE_WORK per value, so about 40 short ones stay inline.
 INLINE_CALL_WORK = 6144
 VALUE_WORK = 768
 PROBE_WORK = 128
