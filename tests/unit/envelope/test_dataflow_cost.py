@@ -742,3 +742,38 @@ async def test_an_exception_in_a_call_checked_as_a_whole_refuses_it(tmp_path: Pa
     [record] = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert (record["code"], record["verdict"]) == ("internal_error", "error")
     assert 'envelope_check_errors_total{check="dataflow"} 1.0' in metrics.render()[0].decode()
+
+
+async def test_work_run_as_a_whole_that_waits_on_a_loop_raises() -> None:
+    """`offload.whole` runs its coroutine in one send: one that would wait on an event loop (a
+    step that is neither inline there nor a store read sent back with `on_loop`) raises
+    instead of running half-way (the check then refuses the call)."""
+    async def waits() -> int:
+        await asyncio.sleep(0)
+        return 1
+
+    with pytest.raises(RuntimeError, match="waited on an event loop"):
+        await offload.whole(waits)
+
+
+async def test_a_call_cancelled_while_checked_as_a_whole_ends_after_its_thread() -> None:
+    """The thread cannot be stopped and it writes to the call: a cancelled call's task ends
+    only once the thread is done, so nothing touches the call after the cancellation."""
+    started, release = threading.Event(), threading.Event()
+    finished: list[str] = []
+
+    async def work() -> str:
+        started.set()
+        release.wait(5)
+        finished.append("done")
+        return "done"
+
+    task = asyncio.ensure_future(offload.whole(work))
+    assert await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # still waiting for its thread (blocked until released)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == ["done"]
