@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from typing import Any, ParamSpec, TypeVar
 
@@ -76,10 +76,13 @@ PROBE_WORK = 128
 # The intent this call carries is hashed into each value's pick and label keys (a long word of
 # it into every key): one character of it per value costs ~1/32 of a character probed.
 INTENT_WORK_DIVISOR = 32
+# A list or an object among the values: walked for free text and critical values, not hashed.
+CONTAINER_WORK = 16
 
 T = TypeVar("T")
 U = TypeVar("U")
 P = ParamSpec("P")
+_END = object()
 
 # Set in a worker thread that runs a whole call's pipeline (`whole`): the event loop to send its
 # store reads to. There every bounded step runs inline: it already is off the loop.
@@ -210,22 +213,26 @@ def call_work(arguments: Mapping[str, Any], *, per_value: int, intent_chars: int
     """The work a sink call's values ask of the check, in characters of the worst text: each
     scalar value (nested ones included) weighs `per_value` (VALUE_WORK when its critical values
     are checked, else PROBE_WORK), plus its characters, plus `intent_chars` (the intent the call
-    carries) / INTENT_WORK_DIVISOR. Counting stops past `bound` (INLINE_CALL_WORK by default):
-    a hostile call's millions of values are not walked on the loop to learn they are many."""
+    carries) / INTENT_WORK_DIVISOR; each list or object CONTAINER_WORK (the pipeline walks it).
+    Counting stops past `bound` (INLINE_CALL_WORK by default): a hostile call's million values
+    are not walked on the loop to learn they are many."""
     limit = INLINE_CALL_WORK if bound is None else bound
     extra = per_value + intent_chars // INTENT_WORK_DIVISOR
     work = 0
-    stack: list[Any] = list(arguments.values())
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend(value.values())
+    # Iterators, not copies: a list of a million values is read only as far as the bound.
+    stack: list[Iterator[Any]] = [iter(arguments.values())]
+    while stack and work <= limit:
+        value = next(stack[-1], _END)
+        if value is _END:
+            stack.pop()
+        elif isinstance(value, dict):
+            stack.append(iter(value.values()))
+            work += CONTAINER_WORK
         elif isinstance(value, list):
-            stack.extend(value)
+            stack.append(iter(value))
+            work += CONTAINER_WORK
         else:
             work += extra + (len(value) if isinstance(value, str) else 0)
-            if work > limit:
-                break
     return work
 
 
@@ -241,6 +248,8 @@ async def on_loop(read: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kw
         _HOME.set(None)  # this task's own context: the loop's side runs as it would inline
         return await read(*args, **kwargs)
 
+    # No timeout here: the store's own (every store operation has one) ends the read, and the
+    # loop runs it (`whole` keeps the calling task waiting until this thread is done).
     return asyncio.run_coroutine_threadsafe(there(), home).result()
 
 

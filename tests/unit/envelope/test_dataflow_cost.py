@@ -683,8 +683,11 @@ async def test_a_call_with_many_small_values_is_checked_off_the_loop_as_a_whole(
 def test_a_calls_work_is_counted_by_its_values_and_stops_past_the_bound() -> None:
     """`call_work`: each value weighs its characters and a fixed part (nested values too), the
     intent the call carries adds to each; a call past the bound is not walked further."""
-    assert offload.call_work({"a": "abc", "b": [1, {"c": "de"}]}, per_value=10) == 3 * 10 + 5
-    assert offload.call_work({"a": ["x"] * 4}, per_value=0, intent_chars=64) == 4 * (1 + 64 // offload.INTENT_WORK_DIVISOR)
+    assert offload.call_work({"a": "abc", "b": [1, {"c": "de"}]}, per_value=10) == 3 * 10 + 5 + 2 * offload.CONTAINER_WORK
+    assert offload.call_work({"a": ["x"] * 4}, per_value=0, intent_chars=64) \
+        == offload.CONTAINER_WORK + 4 * (1 + 64 // offload.INTENT_WORK_DIVISOR)
+    # Empty lists hash nothing but are walked: a million of them is past the bound too.
+    assert offload.call_work({"a": [[]] * 1_000_000}, per_value=offload.VALUE_WORK) > offload.INLINE_CALL_WORK
     huge = {"to": ["v"] * 1_000_000}
     assert offload.INLINE_CALL_WORK < offload.call_work(huge, per_value=offload.VALUE_WORK) \
         <= offload.INLINE_CALL_WORK + offload.VALUE_WORK + 1
