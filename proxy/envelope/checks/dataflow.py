@@ -10,7 +10,7 @@ import time
 from typing import Any, ClassVar
 
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.dataflow import waiver
+from proxy.envelope.dataflow import offload, waiver
 from proxy.envelope.dataflow.criterion import (
     GRID_BITS,
     Criterion,
@@ -54,8 +54,10 @@ from proxy.envelope.dataflow.offload import (
     each_of,
     endorsement_of,
     intent_words_of,
+    on_loop,
     probes_of,
     sized,
+    whole,
 )
 from proxy.envelope.effects import gated
 from proxy.envelope.labels import OutputLabels, ToolLabels
@@ -210,7 +212,7 @@ class DataflowCheck:
                                 "and the policy requires one before any side effect", "dataflow.intent")
             if not sink and self._escalates:
                 await self._read_endorses(store, call)
-            decision = await self._check_sink(store, call) if sink else None
+            decision = await self._sink(store, call, len(intent or "")) if sink else None
             if decision is None and labels.tracked and call.run.session:
                 # A session's stream may be resumed with GET + Last-Event-ID after the client
                 # drops it, possibly on another replica that does not know this call's labels:
@@ -325,18 +327,28 @@ class DataflowCheck:
         """The run's ledger as far as `wanted` needs it (one store read; `ledger.load`;
         `endorsing`: `wanted` are endorsing keys, looked up in a clean run too): None when the
         run has none. StoreError propagates: the check refuses (fail closed)."""
-        return await load(store, call.run.key, self._n, wanted, self._window, self._min_value, ttl=self._ttl,
-                          endorsing=endorsing)
+        return await on_loop(load, store, call.run.key, self._n, wanted, self._window, self._min_value,
+                             ttl=self._ttl, endorsing=endorsing)
 
-    async def _check_sink(self, store: Store, call: ToolCall) -> Decision | None:
+    async def _sink(self, store: Store, call: ToolCall, intent_chars: int) -> Decision | None:
+        """`_check_sink`, inline, or as a whole in one worker thread when the call's values ask
+        more than INLINE_CALL_WORK of the loop (`offload.call_work`: many small values pass
+        every per-step bound while their sum is milliseconds). Same decision, same audit;
+        raises what `_check_sink` raises."""
+        action = self._on_tainted(call) if self._escalates else "allow"
+        waives = self._waives(call)
+        per_value = offload.VALUE_WORK if action != "allow" or waives else offload.PROBE_WORK
+        if offload.call_work(call.arguments, per_value=per_value, intent_chars=intent_chars) <= offload.INLINE_CALL_WORK:
+            return await self._check_sink(store, call, action, waives)
+        return await whole(lambda: self._check_sink(store, call, action, waives))
+
+    async def _check_sink(self, store: Store, call: ToolCall, action: str, waives: bool) -> Decision | None:
         # Large arguments are hashed in a worker thread: the event loop keeps serving.
         probes = await probes_of(free_text(call.arguments, self._schema(call), self._skip), self._n,
                                  window=self._window, max_chars=self._max_argument,
                                  min_value=self._min_value)
         # Matching them walks every gram too: past INLINE_CHARS, in a worker thread (`sized`).
         chars = sum(len(probe.norm) for _, probe in probes)
-        action = self._on_tainted(call) if self._escalates else "allow"
-        waives = self._waives(call)
         criticals, cut = self.criticals(call) if action != "allow" or waives else ([], False)
         wanted = await sized(lambda: [f for _, probe in probes for f in probe.fields()], chars)
         wanted += [k for c in criticals for k in c.keys]
@@ -350,7 +362,7 @@ class DataflowCheck:
         flagged, declassified, _ = await sized(lambda: self.findings(call, ledger, probes), chars)
         if flagged or declassified:
             # Only a call that would flag or declassify reads the run's intent (one store read).
-            texts = await intents.load(store, call.run.key)
+            texts = await on_loop(intents.load, store, call.run.key)
             if texts:
                 endorsement = await endorsement_of(texts, self._n, window=self._window)
                 flagged, declassified, endorsed = await sized(
@@ -583,7 +595,7 @@ class DataflowCheck:
         on = [c for c in criticals if any(f.argument == c.pointer for f in flagged)]
         if not on:
             return flagged
-        texts = await intents.load(store, call.run.key)
+        texts = await on_loop(intents.load, store, call.run.key)
         if not texts:
             return flagged
         endorsed: list[dict[str, Any]] = []
@@ -606,7 +618,7 @@ class DataflowCheck:
         intent did not name (the call goes to the gate as before)."""
         if not criticals or cut:
             return
-        texts = await intents.load(store, call.run.key)
+        texts = await on_loop(intents.load, store, call.run.key)
         if not texts:
             return
         asking = await asking_of(call.tool, texts)
@@ -683,7 +695,7 @@ class DataflowCheck:
                 left.append(critical)
         if left:
             # The intent is read only when trusted outputs left something unendorsed.
-            texts = await intents.load(store, call.run.key)
+            texts = await on_loop(intents.load, store, call.run.key)
             words = await intent_words_of(texts)
             still = []
             endorses = await each_of(words.endorses, left, sum(map(len, texts)))

@@ -13,15 +13,21 @@ stays inline. Each bound keeps the worst text of its size (the costliest shape o
 that path: addresses, numbers, superlatives, clauses...) at about 1 ms on the loop, against
 ~0.03 ms of the loop's time for a hop to a thread and back (0.03-0.2 ms of the call's;
 bench/inline_cost.py, bench/RESULTS.md "Hostile input and bounded resources").
+
+Each of those bounds one step by its characters, but a sink call with many small values passes
+every one while their sum is milliseconds. Such a call's whole per-value pipeline runs in one
+worker thread (`whole`, sized by `call_work`): there every step above runs inline and the
+store reads it makes are sent back to the event loop (`on_loop`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
-from typing import TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from proxy.envelope.dataflow.endorse import IntentWords
 from proxy.envelope.dataflow.intent import Endorsement
@@ -55,12 +61,38 @@ INLINE_CHARS_TRUSTED = 128
 # the value is found only inside longer words ("aaa" in "aaaa..."), so values times characters
 # past this run in a worker thread (256 values against a 16 KiB intent: ~40 ms on the loop).
 INLINE_LOOKUPS = 49152
+# A sink call's work over all of its values (`call_work`), in characters of the worst text:
+# past this, the call's whole per-value pipeline runs in one worker thread (`whole`). Each value
+# costs its probe, `Critical.of`, findings, ledger keys and the pick, label and criterion keys
+# hashed with the intent's words: 50-170 µs per value of a tainted-run call against a 16 KiB
+# intent (16 values 1.1-2.8 ms on the loop, 64 values 4.2-11 ms, measured on this machine with
+# bench/inline_cost.py --path "sink call" --values N), so a value weighs VALUE_WORK characters
+# (~125 µs at ~0.17 µs per character) and about 8 of them stay inline; a call whose values are
+# only fingerprinted (no escalation, no gate waiver: ~20 µs each, 44 values 0.93 ms, 256 values
+# 5.5 ms) weighs PROBE_WORK per value, so about 40 short ones stay inline.
+INLINE_CALL_WORK = 6144
+VALUE_WORK = 768
+PROBE_WORK = 128
+# The intent this call carries is hashed into each value's pick and label keys (a long word of
+# it into every key): one character of it per value costs ~1/32 of a character probed.
+INTENT_WORK_DIVISOR = 32
+# A list or an object among the values: walked for free text and critical values, not hashed.
+CONTAINER_WORK = 16
 
 T = TypeVar("T")
 U = TypeVar("U")
+P = ParamSpec("P")
+_END = object()
+
+# Set in a worker thread that runs a whole call's pipeline (`whole`): the event loop to send its
+# store reads to. There every bounded step runs inline: it already is off the loop.
+_HOME: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "envelope_offload_home", default=None)
 
 
 async def _off_loop(work: Callable[[], T], executor: Executor | None) -> T:
+    if _HOME.get() is not None:
+        return work()
     if executor is None:
         return await asyncio.to_thread(work)
     return await asyncio.get_running_loop().run_in_executor(executor, work)
@@ -174,3 +206,85 @@ async def endorsement_of(texts: list[str], n: int, *, window: int = DEFAULT_WINN
     if sum(map(len, texts)) <= INLINE_CHARS_SLOW:
         return work()
     return await _off_loop(work, executor)
+
+
+def call_work(arguments: Mapping[str, Any], *, per_value: int, intent_chars: int = 0,
+              bound: int | None = None) -> int:
+    """The work a sink call's values ask of the check, in characters of the worst text: each
+    scalar value (nested ones included) weighs `per_value` (VALUE_WORK when its critical values
+    are checked, else PROBE_WORK), plus its characters, plus `intent_chars` (the intent the call
+    carries) / INTENT_WORK_DIVISOR; each list or object CONTAINER_WORK (the pipeline walks it).
+    Counting stops past `bound` (INLINE_CALL_WORK by default): a hostile call's million values
+    are not walked on the loop to learn they are many."""
+    limit = INLINE_CALL_WORK if bound is None else bound
+    extra = per_value + intent_chars // INTENT_WORK_DIVISOR
+    work = 0
+    # Iterators, not copies: a list of a million values is read only as far as the bound.
+    stack: list[Iterator[Any]] = [iter(arguments.values())]
+    while stack and work <= limit:
+        value = next(stack[-1], _END)
+        if value is _END:
+            stack.pop()
+        elif isinstance(value, dict):
+            stack.append(iter(value.values()))
+            work += CONTAINER_WORK
+        elif isinstance(value, list):
+            stack.append(iter(value))
+            work += CONTAINER_WORK
+        else:
+            work += extra + (len(value) if isinstance(value, str) else 0)
+    return work
+
+
+async def on_loop(read: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`await read(*args, **kwargs)`, on the event loop: from a worker thread running a whole
+    call (`whole`), sent to the loop it came from (the store and the process's ledger views
+    belong to that loop) and waited for; elsewhere, awaited here. Raises what `read` raises."""
+    home = _HOME.get()
+    if home is None:
+        return await read(*args, **kwargs)
+
+    async def there() -> T:
+        _HOME.set(None)  # this task's own context: the loop's side runs as it would inline
+        return await read(*args, **kwargs)
+
+    # No timeout here: the store's own (every store operation has one) ends the read, and the
+    # loop runs it (`whole` keeps the calling task waiting until this thread is done).
+    return asyncio.run_coroutine_threadsafe(there(), home).result()
+
+
+def _drive(coroutine: Coroutine[Any, Any, T]) -> T:
+    # Every await of a pipeline run by `whole` completes without suspending (its steps run
+    # inline, its store reads block on `on_loop`): one send runs it to the end.
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("work sent to a worker thread as a whole waited on an event loop")
+
+
+async def whole(work: Callable[[], Coroutine[Any, Any, T]], executor: Executor | None = None) -> T:
+    """The result of the coroutine `work()`, run in one worker thread from start to end: every
+    bounded step of this module runs inline there, and its store reads are sent back to this
+    loop (`on_loop`). For a call whose values together cost more than INLINE_CALL_WORK: one hop
+    instead of milliseconds on the loop, or one hop per step. Raises what `work()` raises (the
+    caller fails closed as it would inline). Cancelled, it waits for the thread to finish
+    before it lets the cancellation through (the work is bounded, and it writes to the call)."""
+    loop = asyncio.get_running_loop()
+
+    def run() -> T:
+        token = _HOME.set(loop)
+        try:
+            return _drive(work())
+        finally:
+            _HOME.reset(token)
+
+    done = asyncio.ensure_future(_off_loop(run, executor))
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await asyncio.wait([done])
+        if not done.cancelled():
+            done.exception()  # retrieved: nobody waits for the cancelled call's decision
+        raise

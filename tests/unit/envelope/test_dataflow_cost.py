@@ -5,11 +5,13 @@ event loop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from proxy.audit.log import AuditLog
 from proxy.envelope.checks.dataflow import DataflowCheck
 from proxy.envelope.dataflow import criterion, endorse, fingerprint, offload
 from proxy.envelope.dataflow import intent as intents
@@ -36,7 +39,11 @@ from proxy.envelope.dataflow.offload import (
 )
 from proxy.envelope.dataflow.secret import pick_secret
 from proxy.envelope.labels import Label, Piece
+from proxy.envelope.pipeline import Envelope
+from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Effect, Services
+from proxy.errors import StoreError
+from proxy.observability.metrics import Metrics
 from proxy.policy.model import DataflowPolicy
 from proxy.store.memory import MemoryStore
 
@@ -523,17 +530,24 @@ async def _decided(intent: str) -> list[Any]:
     return out
 
 
-async def test_the_check_decides_the_same_inline_and_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every bound at zero (everything read in a worker thread) or past the intent (everything
-    on the loop): the same decisions and audit records, for a short intent and a long one."""
+_BOUNDS = ("INLINE_CHARS", "INLINE_CHARS_SLOW", "INLINE_CHARS_TRUSTED", "INLINE_INTENT_CHARS", "INLINE_LOOKUPS",
+           "INLINE_CALL_WORK")
+
+
+@pytest.mark.parametrize("off", [("INLINE_CALL_WORK",), _BOUNDS[:-1], _BOUNDS],
+                         ids=["whole call in a thread", "each step in a thread", "every bound at zero"])
+async def test_the_check_decides_the_same_inline_and_off_the_loop(monkeypatch: pytest.MonkeyPatch,
+                                                                   off: tuple[str, ...]) -> None:
+    """The bounds `off` at zero (a whole call in one worker thread, or each step in its own)
+    against every bound past the intent (everything on the loop): the same decisions and audit
+    records, for a short intent and a long one."""
     for intent in ("Delete f-23, it is a duplicate. Pay my landlord the rent. Warn leo@acme.example about evil-pay.example.",
                    "Delete f-23, it is a duplicate. Pay my landlord the rent. Warn leo@acme.example about evil-pay.example. "
                    + "Thanks, see you soon. " * 200):
         seen = []
-        for bound in (0, 1 << 30):
-            for name in ("INLINE_CHARS", "INLINE_CHARS_SLOW", "INLINE_CHARS_TRUSTED", "INLINE_INTENT_CHARS",
-                         "INLINE_LOOKUPS"):
-                monkeypatch.setattr(offload, name, bound)
+        for inline in (False, True):
+            for name in _BOUNDS:
+                monkeypatch.setattr(offload, name, 1 << 30 if inline or name not in off else 0)
             seen.append(await _decided(intent))
         assert seen[0] == seen[1]
         [waived, kept, paid, sent] = seen[0]
@@ -597,6 +611,7 @@ async def test_many_critical_values_against_a_long_intent_are_looked_up_off_the_
     assert audit["endorsed"] == [{"arg": "/to/200", "by": "intent"}] and len(audit["unendorsed"]) == 200
     threads.clear()
     monkeypatch.setattr(offload, "INLINE_LOOKUPS", 1 << 40)
+    monkeypatch.setattr(offload, "INLINE_CALL_WORK", 1 << 40)  # nor the whole call
     assert await pay(long, 200) == audit and set(threads) == {threading.get_ident()}
     monkeypatch.undo()
     threads = _threads_calling(monkeypatch, IntentWords, "endorses")
@@ -626,3 +641,142 @@ async def test_picks_past_their_key_budget_hash_no_key(monkeypatch: pytest.Monke
     assert await check.decide(call) is None
     assert len(call.audit_extra["tainted_run"]["unendorsed"]) == 256
     assert hashed == []
+
+
+def _many(count: int) -> Any:
+    """A tainted-run `bank.pay` with `count` short critical values, the last one "rent"."""
+    call = make_call("pay", {"to": [f"payee {i}" for i in range(count - 1)] + ["rent"]}, upstream="bank")
+    call.effect = Effect.EXTERNAL
+    return call
+
+
+async def test_a_call_with_many_small_values_is_checked_off_the_loop_as_a_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 critical values of a few characters pass every per-step bound, while their work
+    together held the loop 3-12 ms: the call's whole per-value pipeline (probes, critical values,
+    lookups, keys) runs in one worker thread, its store reads on the loop. A call with a few
+    values stays on the loop throughout."""
+    loop_thread = threading.get_ident()
+    check = await _tainted_bank("Pay the rent.")
+    values = _threads_calling(monkeypatch, Critical, "of")
+    probes = _threads_calling(monkeypatch, Probe, "of")
+    endorses = _threads_calling(monkeypatch, IntentWords, "endorses")
+    reads = _threads_calling(monkeypatch, check._store, "hash_all")
+    reads = _threads_calling(monkeypatch, check._store, "hash_since", reads)
+    hops = _threads_calling(monkeypatch, offload, "_off_loop")
+    call = _many(256)
+    assert await check.decide(call) is None  # shadow: audited
+    audit = call.audit_extra["tainted_run"]
+    assert audit["endorsed"] == [{"arg": "/to/255", "by": "intent"}] and len(audit["unendorsed"]) == 255
+    assert len(values) == 256 and len(probes) == 256 and endorses
+    assert loop_thread not in {*values, *probes, *endorses}
+    assert reads and set(reads) == {loop_thread}
+    assert len([t for t in hops if t == loop_thread]) == 1  # one hop: the steps run inline in it
+    for spied in (values, probes, endorses, reads, hops):
+        spied.clear()
+    call = _many(3)
+    assert await check.decide(call) is None
+    assert call.audit_extra["tainted_run"]["endorsed"] == [{"arg": "/to/2", "by": "intent"}]
+    assert set(values) == set(probes) == set(endorses) == set(reads) == {loop_thread} and not hops
+
+
+def test_a_calls_work_is_counted_by_its_values_and_stops_past_the_bound() -> None:
+    """`call_work`: each value weighs its characters and a fixed part (nested values too), the
+    intent the call carries adds to each; a call past the bound is not walked further."""
+    assert offload.call_work({"a": "abc", "b": [1, {"c": "de"}]}, per_value=10) == 3 * 10 + 5 + 2 * offload.CONTAINER_WORK
+    assert offload.call_work({"a": ["x"] * 4}, per_value=0, intent_chars=64) \
+        == offload.CONTAINER_WORK + 4 * (1 + 64 // offload.INTENT_WORK_DIVISOR)
+    # Empty lists hash nothing but are walked: a million of them is past the bound too.
+    assert offload.call_work({"a": [[]] * 1_000_000}, per_value=offload.VALUE_WORK) > offload.INLINE_CALL_WORK
+    huge = {"to": ["v"] * 1_000_000}
+    assert offload.INLINE_CALL_WORK < offload.call_work(huge, per_value=offload.VALUE_WORK) \
+        <= offload.INLINE_CALL_WORK + offload.VALUE_WORK + 1
+    # About 8 values of a tainted-run call stay inline, ~40 when they are only fingerprinted.
+    small = {"to": ["payee 1"] * 7}
+    assert offload.call_work(small, per_value=offload.VALUE_WORK) <= offload.INLINE_CALL_WORK
+    assert offload.call_work({"to": ["payee 1"] * 9}, per_value=offload.VALUE_WORK) > offload.INLINE_CALL_WORK
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["inline", "whole call in a thread"])
+async def test_a_store_that_fails_in_a_call_checked_as_a_whole_refuses(monkeypatch: pytest.MonkeyPatch,
+                                                                       whole: bool) -> None:
+    """The store fails under the call (its reads are sent back to the loop): enforce refuses
+    `store_unavailable`, as it does inline."""
+    monkeypatch.setattr(offload, "INLINE_CALL_WORK", 0 if whole else 1 << 40)
+    check = await _tainted_bank("Pay the rent.")
+    check.mode = "enforce"
+    hops = _threads_calling(monkeypatch, offload, "_off_loop")
+    check._store.fail = StoreError("redis store redis://x: hash_since failed: Connection refused")  # type: ignore[union-attr]
+    decision = await check.decide(_many(256))
+    assert decision is not None and decision.code is Code.STORE_UNAVAILABLE
+    assert "Connection refused" in decision.reason
+    assert bool(hops) is whole
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["inline", "whole call in a thread"])
+async def test_an_exception_in_a_call_checked_as_a_whole_refuses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     whole: bool) -> None:
+    """A bug in the per-value work raises in the worker thread: the call is refused
+    `internal_error` by the data-flow check and audited so, as when it raises on the loop."""
+    monkeypatch.setattr(offload, "INLINE_CALL_WORK", 0 if whole else 1 << 40)
+    store = MemoryStore()
+    metrics = Metrics()
+    envelope = Envelope(AuditLog(tmp_path), metrics, ToolRegistry(), Services(store=store, metrics=metrics))
+    envelope.install(build_revision({  # type: ignore[arg-type]
+        "upstreams": {"bank": {"url": "http://127.0.0.1:9/mcp"}},
+        "tools": {"bank.fetch": {"effect": "read"},
+                  "bank.pay": {"effect": "external", "approval": {"required": False}}},
+        "dataflow": {"mode": "enforce", "on_tainted": {"bank.pay": "block"}},
+    }))
+    await widen_parent(store, RUN_KEY, LedgerDelta.of("bank.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32), n=32)
+    loop_thread = threading.get_ident()
+    failed_in: list[int] = []
+
+    def broken(*args: Any, **kwargs: Any) -> Critical:
+        failed_in.append(threading.get_ident())
+        raise RuntimeError("boom in the per-value work")
+
+    monkeypatch.setattr(Critical, "of", broken)
+    pending = await envelope.begin(_many(256))
+    assert pending.decision.refused and pending.decision.code is Code.INTERNAL_ERROR
+    assert pending.decision.check == "dataflow"
+    assert failed_in and (loop_thread not in failed_in) is whole
+    await envelope.complete(pending)
+    [record] = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert (record["code"], record["verdict"]) == ("internal_error", "error")
+    assert 'envelope_check_errors_total{check="dataflow"} 1.0' in metrics.render()[0].decode()
+
+
+async def test_work_run_as_a_whole_that_waits_on_a_loop_raises() -> None:
+    """`offload.whole` runs its coroutine in one send: one that would wait on an event loop (a
+    step that is neither inline there nor a store read sent back with `on_loop`) raises
+    instead of running half-way (the check then refuses the call)."""
+    async def waits() -> int:
+        await asyncio.sleep(0)
+        return 1
+
+    with pytest.raises(RuntimeError, match="waited on an event loop"):
+        await offload.whole(waits)
+
+
+async def test_a_call_cancelled_while_checked_as_a_whole_ends_after_its_thread() -> None:
+    """The thread cannot be stopped and it writes to the call: a cancelled call's task ends
+    only once the thread is done, so nothing touches the call after the cancellation."""
+    started, release = threading.Event(), threading.Event()
+    finished: list[str] = []
+
+    async def work() -> str:
+        started.set()
+        release.wait(5)
+        finished.append("done")
+        return "done"
+
+    task = asyncio.ensure_future(offload.whole(work))
+    assert await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # still waiting for its thread (blocked until released)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == ["done"]
