@@ -379,9 +379,9 @@ def test_reading_an_intent_of_superlatives_is_linear() -> None:
     from proxy.envelope.dataflow.criterion import MAX_SUPERLATIVES
     for unit in ("the cheapest the earliest the best ", "book the cheapest hotel under 100 euros, "):
         text = (unit * (16384 // len(unit) + 1))[:16384]
-        started = time.process_time()
+        started = time.thread_time()  # this thread only: not the worker threads earlier tests left
         criteria([text])
-        assert time.process_time() - started < 0.5, unit
+        assert time.thread_time() - started < 0.5, unit
     # Past the cap, superlatives state nothing (fewer criteria endorse less, never more).
     filler = "the cheapest hotel. " * MAX_SUPERLATIVES
     assert [c.field for c in criteria([filler + "the earliest flight"])] == ["amount"]
