@@ -59,10 +59,9 @@ class FakeUpstream:
 
 
 @contextlib.contextmanager
-def fake_upstream(**runner_options: Any) -> Iterator[FakeUpstream]:
-    """Serve a FakeUpstream on a free port in a thread; `runner_options` go to aiohttp's
-    AppRunner (e.g. handler_cancellation, shutdown_timeout)."""
-    fake = FakeUpstream(port=free_port())
+def serving(handle: Any, port: int, what: str = "the fake upstream", **runner_options: Any) -> Iterator[None]:
+    """Serve `handle` (an aiohttp handler) as `POST /mcp` on 127.0.0.1:`port` in a thread of its
+    own; `runner_options` go to aiohttp's AppRunner (e.g. handler_cancellation, shutdown_timeout)."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
     runner: web.AppRunner | None = None
@@ -70,10 +69,10 @@ def fake_upstream(**runner_options: Any) -> Iterator[FakeUpstream]:
     async def start() -> None:
         nonlocal runner
         app = web.Application()
-        app.router.add_post("/mcp", fake.handle)
+        app.router.add_post("/mcp", handle)
         runner = web.AppRunner(app, access_log=None, **runner_options)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", fake.port).start()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
         started.set()
 
     def run() -> None:
@@ -83,11 +82,20 @@ def fake_upstream(**runner_options: Any) -> Iterator[FakeUpstream]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert started.wait(10), "the fake upstream did not start"
+    assert started.wait(10), f"{what} did not start"
     try:
-        yield fake
+        yield
     finally:
         if runner is not None:
             asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+@contextlib.contextmanager
+def fake_upstream(**runner_options: Any) -> Iterator[FakeUpstream]:
+    """Serve a FakeUpstream on a free port in a thread; `runner_options` go to aiohttp's
+    AppRunner (e.g. handler_cancellation, shutdown_timeout)."""
+    fake = FakeUpstream(port=free_port())
+    with serving(fake.handle, fake.port, **runner_options):
+        yield fake

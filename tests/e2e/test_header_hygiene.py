@@ -15,10 +15,8 @@ with headers of its own, one of them named in its `Connection`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ import httpx
 import pytest
 from aiohttp import web
 from e2e_helpers import write_doc
+from fake_upstream import serving
 
 from tests.harness import ProxyProcess, free_port, metric_value, proxy_process, token
 
@@ -78,34 +77,8 @@ class RecordingUpstream:
 @contextlib.contextmanager
 def recording_upstream() -> Iterator[RecordingUpstream]:
     up = RecordingUpstream(port=free_port())
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    runner: web.AppRunner | None = None
-
-    async def start() -> None:
-        nonlocal runner
-        app = web.Application()
-        app.router.add_post("/mcp", up.handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", up.port).start()
-        started.set()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(start())
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(10), "the recording upstream did not start"
-    try:
+    with serving(up.handle, up.port, "the recording upstream"):
         yield up
-    finally:
-        if runner is not None:
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
