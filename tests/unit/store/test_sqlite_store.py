@@ -223,12 +223,30 @@ async def test_a_batch_commits_on_the_event_loops_thread(inline: SqliteStore,
         b"entry %d" % i for i in range(5)]
 
 
+@pytest.mark.parametrize("switch", ["argument", "environment"])
 async def test_the_same_batch_commits_on_the_worker_when_inline_writes_are_off(
-        store: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    await store.ping()
-    threads = _threads_applying(monkeypatch)
-    assert await store.hash_append("log", "run", b"x", ttl=60.0) == 1
-    assert threads and threading.get_ident() not in threads
+        switch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `inline_writes=False`, or the operator's escape hatch ENVELOPE_SQLITE_INLINE=0 (README).
+    if switch == "environment":
+        monkeypatch.setenv("ENVELOPE_SQLITE_INLINE", "0")
+        store = SqliteStore(tmp_path / "state.db", timeout=10.0)
+    else:
+        store = SqliteStore(tmp_path / "state.db", timeout=10.0, inline_writes=False)
+    try:
+        await store.ping()
+        threads = _threads_applying(monkeypatch)
+        assert await store.hash_append("log", "run", b"x", ttl=60.0) == 1
+        assert threads and threading.get_ident() not in threads
+    finally:
+        await store.close()
+
+
+async def test_inline_writes_are_on_unless_the_environment_turns_them_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ENVELOPE_SQLITE_INLINE", raising=False)
+    assert SqliteStore(tmp_path / "a.db", timeout=1.0).inline_writes
+    monkeypatch.setenv("ENVELOPE_SQLITE_INLINE", "0")
+    assert not SqliteStore(tmp_path / "b.db", timeout=1.0).inline_writes
 
 
 async def test_large_batches_commit_on_the_worker(inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
