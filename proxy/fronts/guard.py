@@ -15,7 +15,8 @@ with callgrind), checking, in this order:
   more than 10 fields, and, under `listener.underscore_headers: reject`, a field name holding
   `_`, are refused with HTTP 400 and audited (`invalid_request`, check `guard`, the header's
   name).
-- **Host** must be a configured or loopback name (421; DNS rebinding).
+- **Host** must be present on an HTTP/1.1 request (400, connection closed: RFC 9112) and be a
+  configured or loopback name (421; DNS rebinding).
 - **Origin**, when present, must be configured or loopback (403).
 - A declared body larger than the cap is refused at once (413); `read_body` enforces the cap
   on what actually arrives.
@@ -35,7 +36,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 
 from proxy.envelope.pipeline import Envelope
 from proxy.expect import UNSUPPORTED, continue_or_refuse
@@ -143,6 +145,14 @@ class Guard:
                 return self._refused_header(
                     request, "underscore_header", name,
                     f"header {name[:100]} has an underscore in its name (listener.underscore_headers: reject)")
+        if request.version >= HttpVersion11 and hdrs.HOST not in request.headers:
+            # RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request with no Host (nginx,
+            # Envoy do); aiohttp would read the listening socket's address as the host instead.
+            metrics.rejected("bad_host")
+            refused = rpc_error(400, None, jsonrpc.INVALID_REQUEST,
+                                "Bad Request: an HTTP/1.1 request must carry a Host header")
+            refused.force_close()
+            return refused
         host = _host_allowed(request, settings.allowed_hosts)
         if host is not None:
             metrics.rejected("bad_host")

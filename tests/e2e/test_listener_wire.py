@@ -422,6 +422,9 @@ SMUGGLED: dict[str, Any] = {
     "HTTP/2.0 request line": lambda p, r: _framed(p, r, "", length=0).replace(b"HTTP/1.1", b"HTTP/2.0", 1),
     "HTTP/1.2 request line": lambda p, r: _framed(p, r, "", length=0).replace(b"HTTP/1.1", b"HTTP/1.2", 1),
     "two Host fields": lambda p, r: _framed(p, r, "Host: evil.example\r\n", length=0),
+    # RFC 9112 3.2: HTTP/1.1 with no Host is a 400 (the listener must not take its own address).
+    "HTTP/1.1 without Host": lambda p, r: _framed(p, r, "", length=0).replace(
+        f"Host: 127.0.0.1:{p}\r\n".encode(), b"", 1),
     "lower-case method": lambda p, r: _framed(p, r, "", length=0).replace(b"POST", b"post", 1),
     "space after the version": lambda p, r: _framed(p, r, "", length=0).replace(b"HTTP/1.1", b"HTTP/1.1 ", 1),
     "HTTP/0.9": lambda p, r: b"GET /mcp/h\r\n\r\n" + _framed(p, r, "", length=0),
