@@ -471,6 +471,53 @@ def _apply(batch: _Batch, jobs: list[_Write]) -> list[Any]:
     return answers
 
 
+class _LoopConnection:
+    """One of the event loop thread's own connections to the file (`SqliteStore._writer`,
+    `SqliteStore._reader`): opened on first use, with a busy timeout of 0 (whatever would make it
+    wait, a lock held elsewhere, a recovery, sends the work to the worker instead of stalling the
+    loop) and `pragmas`, and served only to the thread that opened it."""
+
+    __slots__ = ("conn", "pragmas", "thread")
+
+    def __init__(self, *pragmas: str) -> None:
+        self.pragmas = pragmas
+        self.conn: sqlite3.Connection | None = None
+        self.thread: int | None = None
+
+    def get(self, path: str | Path) -> sqlite3.Connection | None:
+        """The connection, or None on another thread or when it cannot be opened."""
+        if self.conn is not None:
+            return self.conn if self.thread == threading.get_ident() else None
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = sqlite3.connect(path, isolation_level=None, timeout=0.0)
+            for pragma in self.pragmas:
+                conn.execute(pragma)
+        except sqlite3.Error:
+            if conn is not None:
+                conn.close()
+            return None
+        self.conn, self.thread = conn, threading.get_ident()
+        return conn
+
+    def owned(self) -> bool:
+        """Whether this thread opened the connection (only it may close it)."""
+        return self.conn is not None and self.thread == threading.get_ident()
+
+    def close(self) -> None:
+        """Closed and forgotten (best effort: the connection is dropped either way)."""
+        conn, self.conn, self.thread = self.conn, None, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass
+
+    def forget(self) -> None:
+        """Forgotten, not closed: after a fork, the connection is the parent's."""
+        self.conn, self.thread = None, None
+
+
 class _TooLarge(Exception):
     """A read larger than the event loop's thread may do (`SqliteStore._since_inline`)."""
 
@@ -535,16 +582,16 @@ class SqliteStore(Store):
         # batches follow them to the worker (writes commit in the order they came).
         self._worker_batches = 0
         # The event loop thread's write connection (`_flush_inline`), its commits since the last
-        # checkpoint, and whether one is queued on the worker.
-        self._write_conn: sqlite3.Connection | None = None
-        self._write_thread: int | None = None
+        # checkpoint, and whether one is queued on the worker. No automatic checkpoints: the
+        # worker runs them (`_checkpoint`). `synchronous` is per connection: NORMAL as on the
+        # worker's (a WAL commit does not fsync).
+        self._loop_writer = _LoopConnection("PRAGMA wal_autocheckpoint = 0", "PRAGMA synchronous = NORMAL")
         self._inline_commits = 0
         self._checkpoint_queued = False
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
         # number, valid until (wall time), the hash's fields).
-        self._read_conn: sqlite3.Connection | None = None
-        self._read_thread: int | None = None
+        self._loop_reader = _LoopConnection("PRAGMA query_only = 1")
         self._quiet: OrderedDict[tuple[str, str, str | None],
                                  tuple[int, int, float, dict[bytes, bytes]]] = OrderedDict()
 
@@ -611,10 +658,11 @@ class SqliteStore(Store):
         if self._pid != os.getpid():
             # Forked after first use: the parent's thread and connection do not exist here.
             self._pid, self._executor, self._conn = os.getpid(), None, None
-            self._read_conn, self._read_thread = None, None  # not closed: the parent's
+            self._loop_reader.forget()
             self._quiet.clear()
             self._writes, self._writes_lock, self._flush_queued = [], threading.Lock(), False
-            self._write_conn, self._write_thread, self._worker_batches = None, None, 0  # the parent's
+            self._loop_writer.forget()
+            self._worker_batches = 0
             self._inline_commits, self._checkpoint_queued = 0, False
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite")
@@ -783,24 +831,16 @@ class SqliteStore(Store):
             except RuntimeError:
                 pass  # that loop has closed: nobody waits for these answers any more
 
-    def _writer(self) -> sqlite3.Connection | None:
-        """The event loop thread's own write connection, or None where it cannot serve."""
+    def _loop_connection(self, which: _LoopConnection) -> sqlite3.Connection | None:
+        """One of the event loop thread's own connections, or None where it cannot serve."""
         if self._closed or self._conn is None or self._pid != os.getpid():
             return None  # the worker has not set the file up yet, or a fork: the worker path
-        if self._write_conn is not None:
-            return self._write_conn if self._write_thread == threading.get_ident() else None
-        try:
-            # Busy timeout 0: a write lock held elsewhere (another process, a checkpoint) sends
-            # the batch to the worker, which waits for it, instead of stalling the loop. No
-            # automatic checkpoints: the worker runs them (`_checkpoint`). `synchronous` is per
-            # connection: NORMAL as on the worker's (a WAL commit does not fsync).
-            conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.0)
-            conn.execute("PRAGMA wal_autocheckpoint = 0")
-            conn.execute("PRAGMA synchronous = NORMAL")
-        except sqlite3.Error:
-            return None
-        self._write_conn, self._write_thread = conn, threading.get_ident()
-        return conn
+        return which.get(self.path)
+
+    def _writer(self) -> sqlite3.Connection | None:
+        """The event loop thread's write connection: a write lock held elsewhere (another
+        process, a checkpoint) sends the batch to the worker, which waits for it."""
+        return self._loop_connection(self._loop_writer)
 
     def _flush_inline(self, pool: ThreadPoolExecutor, batch: list[_Write]) -> bool:
         """On the event loop: a batch committed by the loop's own connection, no thread hop.
@@ -882,12 +922,7 @@ class SqliteStore(Store):
             self._next_purge = 0.0  # tried again after the next write
 
     def _close_writer(self) -> None:
-        conn, self._write_conn, self._write_thread = self._write_conn, None, None
-        if conn is not None:
-            try:
-                conn.close()
-            except sqlite3.Error:
-                pass  # closing is best effort: the connection is dropped either way
+        self._loop_writer.close()
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:
@@ -901,20 +936,8 @@ class SqliteStore(Store):
             conn, "BEGIN", lambda: _log_since(conn, ns, key, after, limit, with_hash, time.time())[0]))
 
     def _reader(self) -> sqlite3.Connection | None:
-        """The event loop thread's own connection (read-only), or None where it cannot serve."""
-        if self._closed or self._conn is None or self._pid != os.getpid():
-            return None  # the worker has not set the file up yet, or a fork: the worker path
-        if self._read_conn is not None:
-            return self._read_conn if self._read_thread == threading.get_ident() else None
-        try:
-            # Busy timeout 0: a WAL reader waits for no writer; whatever would make it wait
-            # (a recovery, a lock) sends the read to the worker instead of stalling the loop.
-            conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.0)
-            conn.execute("PRAGMA query_only = 1")
-        except sqlite3.Error:
-            return None
-        self._read_conn, self._read_thread = conn, threading.get_ident()
-        return conn
+        """The event loop thread's read-only connection: a WAL reader waits for no writer."""
+        return self._loop_connection(self._loop_reader)
 
     def _since_inline(self, ns: str, key: str, after: int, limit: int,
                       with_hash: str | None) -> LogRead | None:
@@ -951,13 +974,8 @@ class SqliteStore(Store):
         return found
 
     def _close_reader(self) -> None:
-        conn, self._read_conn, self._read_thread = self._read_conn, None, None
+        self._loop_reader.close()
         self._quiet.clear()
-        if conn is not None:
-            try:
-                conn.close()
-            except sqlite3.Error:
-                pass  # closing is best effort: the connection is dropped either way
 
     async def hash_get(self, ns: str, key: str, fields: Sequence[bytes]) -> list[bytes | None]:
         if not fields:
@@ -1026,9 +1044,9 @@ class SqliteStore(Store):
         if self._closed:
             return
         self._closed = True
-        if self._pid == os.getpid() and self._read_thread == threading.get_ident():
+        if self._pid == os.getpid() and self._loop_reader.owned():
             self._close_reader()
-        if self._pid == os.getpid() and self._write_thread == threading.get_ident():
+        if self._pid == os.getpid() and self._loop_writer.owned():
             self._close_writer()
         executor, self._executor = self._executor, None
         if executor is None or self._pid != os.getpid():

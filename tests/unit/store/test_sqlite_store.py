@@ -316,9 +316,9 @@ async def test_a_failing_inline_batch_refuses_every_caller_and_keeps_nothing(
         inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
     threads = _threads_applying(monkeypatch)
     assert await inline.hash_append("log", "run", b"before", ttl=60.0) == 1
-    real = inline._write_conn
+    real = inline._loop_writer.conn
     assert real is not None
-    monkeypatch.setattr(inline, "_write_conn", _FailingWrites(real))
+    monkeypatch.setattr(inline._loop_writer, "conn", _FailingWrites(real))
     calls = [inline.hash_append("log", "run", b"one", ttl=60.0),
              inline.hash_put("meta", "run", {b"p:d2": b"1"}, ttl=60.0),
              inline.hash_append("log", "run", b"two", ttl=60.0)]
@@ -328,5 +328,5 @@ async def test_a_failing_inline_batch_refuses_every_caller_and_keeps_nothing(
     assert set(threads) == {threading.get_ident()}
     assert await inline.hash_all("meta", "run") == {}
     assert sorted(_log(inline.path, "run").values()) == [b"1 0", b"before"]
-    monkeypatch.setattr(inline, "_write_conn", real)
+    monkeypatch.setattr(inline._loop_writer, "conn", real)
     assert await inline.hash_append("log", "run", b"after", ttl=60.0) == 2
