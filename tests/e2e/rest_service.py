@@ -80,11 +80,14 @@ def build_app() -> web.Application:
         invoice = invoices.get(int(request.match_info["invoiceId"]))
         if invoice is None:
             return web.json_response({"error": "no such invoice"}, status=404)
+        # A field its own `Connection` names is hop-by-hop (RFC 9110 7.6.1): meant for the next
+        # hop only, never relayed further (`Cache-Control` here); `ETag` is an end-to-end field.
         return web.json_response({
             **invoice,
             "expand": request.query.get("expand"),
             "fields": request.query.getall("fields", []),
-        })
+        }, headers={"ETag": f'"invoice-{invoice["id"]}"', "Cache-Control": "private, max-age=60",
+                    "Connection": "keep-alive, Cache-Control"})
 
     async def delete_invoice(request: web.Request) -> web.Response:
         ran("deleteInvoice")

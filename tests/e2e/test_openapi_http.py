@@ -143,6 +143,22 @@ def test_get_with_path_and_query_parameters_is_relayed_unchanged(pp: ProxyProces
     assert (rec["tool"], rec["verdict"], rec["code"]) == ("getInvoice", "allow", "ok")
 
 
+def test_a_response_field_the_services_connection_names_is_not_relayed(pp: ProxyProcess,
+                                                                         service: str) -> None:
+    direct = httpx.get(f"{service}/invoices/2", timeout=5)
+    DIRECT["getInvoice"] += 1
+    assert direct.headers["Cache-Control"] == "private, max-age=60"  # the service does send it
+    before = metric_value(pp.metrics(), "envelope_headers_dropped_total", direction="response",
+                          reason="connection")
+    resp = _call(pp, "GET", "/invoices/2")
+    assert resp.status_code == 200 and resp.json()["id"] == 2
+    assert resp.headers["ETag"] == '"invoice-2"'  # end to end: relayed
+    assert "Cache-Control" not in resp.headers  # named in the service's Connection: dropped
+    assert "cache-control" not in resp.headers.get("Connection", "").lower()
+    assert metric_value(pp.metrics(), "envelope_headers_dropped_total", direction="response",
+                        reason="connection") == before + 1
+
+
 def test_an_encoded_slash_stays_inside_its_path_parameter(pp: ProxyProcess, service: str) -> None:
     resp = _call(pp, "GET", "/notes/wel%2Fcome")
     assert resp.status_code == 404  # the service's own answer: no such note
