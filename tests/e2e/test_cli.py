@@ -70,6 +70,20 @@ def test_check_broken_policy_names_every_problem(tmp_path: Path) -> None:
     assert "3 problems" in done.stderr
 
 
+def test_check_reports_a_bad_pattern_once_with_nothing_else_on_stderr(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(
+        'version: 1\nupstreams:\n  notes: {url: "http://127.0.0.1:1/mcp"}\ntools:\n'
+        "  notes.echo:\n    effect: read\n    rules:\n"
+        """      - {id: r1, forbid: 'args.text.matches("(a")', reason: "x"}\n""")
+    done = cli("check", str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        f'{tmp_path / "a.yaml"}:8:45: CEL: invalid regular expression "(a": missing ): (a']
+    # The problem is reported once, by `check`: RE2 logs nothing of its own to stderr (in
+    # `serve`, such a line would sit among the JSON log lines).
+    assert done.stderr.splitlines() == [f"1 problem in {tmp_path}"], done.stderr
+
+
 def test_help() -> None:
     top = cli("--help")
     assert top.returncode == 0

@@ -207,7 +207,7 @@ def test_single_expressions_compiled_in_workers_read_the_same(
     assert kept == [2]  # demo.ok's two; an int is not kept, a bad pattern never sent
     assert here == [
         "p.yaml:7:14: CEL: expression must be a bool, it is int",
-        "p.yaml:14:34: CEL: invalid regular expression \"[\": b'missing ]: ['",
+        "p.yaml:14:34: CEL: invalid regular expression \"[\": missing ]: [",
     ]
 
 
