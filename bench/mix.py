@@ -3,6 +3,8 @@
     python bench/mix.py --quick              # a few seconds per cell (noisy: see the report)
     python bench/mix.py                      # 10 s per cell
     python bench/mix.py --quick --profile 10 # plus py-spy of the full envelope under wrk -c16
+    python bench/mix.py --quick --sizes 5000 --configs passthrough,noflow --concurrency 1 --workers 1 \
+        --profile 15 --profile-config noflow --profile-concurrency 1   # py-spy another part, at c=1
     python bench/run.py --mix --quick        # the same, from run.py
 
 The cells: tool outputs of 200 B, 5 KB and 50 KB of untrusted text (bench/mix_upstream.py, a
@@ -320,22 +322,24 @@ def run_mix(args: argparse.Namespace, tmp: Path) -> tuple[list[Cell], dict[str, 
 
 
 def profile(args: argparse.Namespace, tmp: Path) -> str:
-    """py-spy the full envelope (1 worker) under wrk -c16, stateless client, --profile-size outputs."""
+    """py-spy one envelope configuration (`--profile-config`, default the full envelope; 1 worker)
+    under wrk -c`--profile-concurrency` (default 16), stateless client, --profile-size outputs."""
     pyspy = shutil.which("py-spy") or str(PEERS_VENV / "bin" / "py-spy")
     if not Path(pyspy).exists():
         raise R.BenchError("--profile needs py-spy (bench/.venv-peers has it after the first run)")
-    out = BENCH / "out" / "profile-mix-envelope.speedscope.json"
+    name, conc = args.profile_config, args.profile_concurrency
+    out = BENCH / "out" / f"profile-mix-{name}.speedscope.json"
     out.parent.mkdir(exist_ok=True)
     upstream, upstream_url = start_upstream(tmp, args.profile_size)
     try:
-        fresh_state(tmp, 1)
-        with running(R.start_envelope(tmp, upstream_url, 1)) as path:
+        fresh_state(tmp, 1, name)
+        with running(R.start_envelope(tmp, upstream_url, 1, name)) as path:
             client = make_client("stateless", path.url)
             check_call(client, args.profile_size)
             script = client.script(tmp, "profile")
-            R.run_wrk(path.url, 16, 1, script)
+            R.run_wrk(path.url, conc, 1, script)
             assert path.service is not None
-            load = subprocess.Popen(R.wrk_argv(path.url, 16, args.profile + 4, script),
+            load = subprocess.Popen(R.wrk_argv(path.url, conc, args.profile + 4, script),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 time.sleep(1)
@@ -349,8 +353,8 @@ def profile(args: argparse.Namespace, tmp: Path) -> str:
     finally:
         upstream.stop()
     command = (f"py-spy record --format speedscope --rate 250 --nonblocking --duration {args.profile} "
-               f"--pid <envelope pid>  # under wrk -t1 -c16, stateless client, {args.profile_size} B untrusted output, "
-               "1 worker")
+               f"--pid <{name} pid>  # under wrk -t1 -c{conc}, stateless client, {args.profile_size} B untrusted "
+               "output, 1 worker")
     return f"Command (run by `--profile`): `{command}`\n\n" + R.summarize_speedscope(out, top=15)
 
 
@@ -463,7 +467,8 @@ def report(cells: list[Cell], unsupported: dict[str, str], args: argparse.Namesp
                          f"{fmt(base.proxy_cpu_us if base else None)} | {ok} |")
     lines += parts_table(by, args)
     if prof:
-        lines += ["", "### Where the full envelope's time goes (py-spy, c=16)", "", prof]
+        lines += ["", f"### Where the {args.profile_config} configuration's time goes (py-spy, "
+                      f"c={args.profile_concurrency})", "", prof]
     lines.append(END)
     return "\n".join(lines) + "\n"
 
@@ -519,6 +524,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"subset of {','.join(CONFIGS)}, plus the opt-in {','.join(PARTS)} (the envelope "
                         "taken apart: a table of where its CPU goes)")
     p.add_argument("--profile", type=int, default=0, metavar="SECONDS", help="py-spy the envelope under c=16")
+    p.add_argument("--profile-config", default="envelope", choices=["envelope", *PARTS],
+                   help="what --profile measures (default envelope)")
+    p.add_argument("--profile-concurrency", type=int, default=16, help="wrk connections while profiling (default 16)")
     p.add_argument("--profile-size", type=int, default=5000, help="output size while profiling (default 5000)")
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md",
                    help="file whose mix section is replaced (default bench/RESULTS.md)")
