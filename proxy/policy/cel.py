@@ -49,6 +49,7 @@ from proxy.policy import celworker
 from proxy.policy.cache import LruCache
 from proxy.policy.celworker import RE_FUNCTION as _RE_FUNCTION
 from proxy.policy.celworker import VARIABLES as VARIABLES  # declared with the worker's env
+from proxy.policy.vocab import re2_options, re2_reason
 
 
 class Program(Protocol):
@@ -289,10 +290,8 @@ class CppEngine:
             try:
                 _re2_compile(self._re2, pattern)
             except Exception as exc:
-                reason = exc.args[0] if len(exc.args) == 1 else str(exc)
-                if isinstance(reason, bytes):  # google-re2 gives RE2's message as bytes
-                    reason = reason.decode("utf-8", "replace")
-                raise CelCompileError(f"invalid regular expression {literal}: {reason}", literal_start) from exc
+                raise CelCompileError(f"invalid regular expression {literal}: {re2_reason(exc)}",
+                                      literal_start) from exc
         return _apply_sites(expr, sites)
 
     def compile(self, expr: str) -> _CppProgram:
@@ -625,13 +624,9 @@ def _bool(compiled: Any) -> Any:
 
 @functools.lru_cache(maxsize=4096)
 def _re2_compile(re2: Any, pattern: str) -> Any:
-    """The RE2 program for a `matches` literal (bounded: evicted patterns recompile on use).
-    RE2's defaults, except that a pattern it rejects raises without RE2 also logging the error
-    to the process's stderr (a plain-text line among the proxy's JSON log lines, and noise in
-    `check`'s output, which reports the error itself with its file:line:column)."""
-    options = re2.Options()
-    options.log_errors = False
-    return re2.compile(pattern, options)
+    """The RE2 program for a `matches` literal (bounded: evicted patterns recompile on use),
+    with `re2_options` (an error is raised, not also logged to stderr)."""
+    return re2.compile(pattern, re2_options())
 
 
 _NO_MATCH = (-1, -1)

@@ -100,10 +100,19 @@ class PatternError(ValueError):
     """A guardrail pattern RE2 rejects (or that matches the empty string)."""
 
 
-def _options() -> Any:
+def re2_options() -> Any:
+    """RE2's default options, except that a pattern it rejects is not also logged to stderr:
+    the error is reported as a policy problem (file:line:column), and in `serve` a plain-text
+    line would sit among the JSON log lines."""
     options = re2.Options()
-    options.log_errors = False  # the error is reported as a policy problem, not on stderr
+    options.log_errors = False
     return options
+
+
+def re2_reason(exc: Exception) -> str:
+    """RE2's message for a pattern it rejected (google-re2 gives it as bytes)."""
+    detail = exc.args[0] if len(exc.args) == 1 else str(exc)
+    return detail.decode("utf-8", "replace") if isinstance(detail, bytes) else str(detail)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -112,12 +121,9 @@ def compile_pattern(pattern: str) -> Any:
     around, back-references, bad syntax) or when it matches the empty string (it would fire on
     every string and redact nothing)."""
     try:
-        compiled = re2.compile(pattern, _options())
+        compiled = re2.compile(pattern, re2_options())
     except re2.error as exc:
-        detail = exc.args[0] if exc.args else exc
-        if isinstance(detail, bytes):
-            detail = detail.decode("utf-8", "replace")
-        raise PatternError(f"not a valid RE2 pattern: {detail}") from None
+        raise PatternError(f"not a valid RE2 pattern: {re2_reason(exc)}") from None
     if compiled.search("") is not None:
         raise PatternError("the pattern matches the empty string")
     return compiled
