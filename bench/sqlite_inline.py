@@ -5,14 +5,15 @@ the event loop").
 its run's flags hash, as a ledger records an output), median over 100 batches: the bound
 `INLINE_WRITES` / `INLINE_WRITE_BYTES` is picked from it.
 
-`checkpoint`: 10,000 sequential outputs with the worker's checkpoint every N inline commits: the
-WAL file's peak size, how many batches met the checkpoint's write lock and went to the worker,
-and the CPU per commit.
+`checkpoint`: 10,000 sequential outputs (`--outputs`) of S-byte entries (`--size`; a 200 B output's
+entry is ~500 B, a 5 KB output's ~16 KB) spread over R runs (`--runs`) with the worker's checkpoint
+every N inline commits: the WAL file's peak size, how many batches met the checkpoint's write
+lock and went to the worker, and the wall and CPU (every thread) per commit.
 
 Usage (from the repository root):
 
     python bench/sqlite_inline.py batch [--shapes 64x200,1x50000,1x200]
-    python bench/sqlite_inline.py checkpoint [--every 64,256,1024]
+    python bench/sqlite_inline.py checkpoint [--every 64,256,1024] [--size 200] [--runs 8] [--outputs 10000]
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ async def batch_cost(count: int, size: int) -> str:
             f" {cpu / count:.0f} µs a write")
 
 
-async def checkpoint_cost(every: int, outputs: int = 10_000) -> str:
+async def checkpoint_cost(every: int, outputs: int = 10_000, size: int = 200, runs: int = 8) -> str:
     """WAL peak, batches sent to the worker, CPU per commit with a checkpoint every `every` commits."""
     store_module.CHECKPOINT_COMMITS = every
     threads: list[int] = []
@@ -74,12 +75,12 @@ async def checkpoint_cost(every: int, outputs: int = 10_000) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         store = store_module.SqliteStore(Path(tmp) / "state.db", timeout=10.0, inline_writes=True)
         await store.ping()
-        store_module._apply = spying
+        store_module._apply = spying  # type: ignore[assignment]
         peak = 0
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             for i in range(outputs):
-                await store.hash_append("log", f"run{i % 8}", b"entry %d " % i + os.urandom(200), ttl=600.0,
+                await store.hash_append("log", f"run{i % runs}", b"entry %d " % i + os.urandom(size), ttl=600.0,
                                         weight=1, also=("meta", {b"u": b"1"}))
                 if i % 100 == 0:
                     peak = max(peak, await asyncio.to_thread(os.path.getsize, f"{store.path}-wal"))
@@ -88,7 +89,7 @@ async def checkpoint_cost(every: int, outputs: int = 10_000) -> str:
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         await store.close()
     me = threading.get_ident()
-    return (f"every {every}: WAL peak {peak // 1024} KB, batches to the worker {sum(t != me for t in threads)}"
+    return (f"every {every}, {size} B x {runs} runs: WAL peak {peak // 1024} KB, batches to the worker {sum(t != me for t in threads)}"
             f"/{outputs}, {wall / outputs * 1e6:.0f} µs wall, {cpu / outputs * 1e6:.0f} µs CPU per commit")
 
 
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--shapes", default="64x200,1x50000,1x200", help="COUNTxBYTES,... (default 64x200,1x50000,1x200)")
     c = sub.add_parser("checkpoint")
     c.add_argument("--every", default="64,256,1024", help="commits between checkpoints (default 64,256,1024)")
+    c.add_argument("--size", type=int, default=200, help="bytes per log entry (default 200)")
+    c.add_argument("--runs", type=int, default=8, help="runs the outputs go to, in turn (default 8)")
+    c.add_argument("--outputs", type=int, default=10_000, help="outputs recorded (default 10,000)")
     args = p.parse_args(argv)
     if args.what == "batch":
         for shape in args.shapes.split(","):
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(asyncio.run(batch_cost(count, size)))
     else:
         for every in args.every.split(","):
-            print(asyncio.run(checkpoint_cost(int(every))))
+            print(asyncio.run(checkpoint_cost(int(every), args.outputs, args.size, args.runs)))
     return 0
 
 
