@@ -44,12 +44,19 @@ _WORDS = ("the build of checkout service fails when the payment gateway answers 
           "release owners asked for a rollback plan and a postmortem with action items").split()
 
 
+# Where an output may start in the corpus. 61 and SPAN are coprime, so the window moves through
+# SPAN distinct starts before any output comes back: ~1 M calls, more than any bench sends to one
+# upstream. (It was 4,096: a cell past 4,096 calls got outputs the proxy had recorded seconds
+# before, whose store write the envelope rightly skips, which real tools never give it.)
+SPAN = 1 << 20
+
+
 def corpus(size: int, seed: int = 15) -> str:
     """Deterministic prose, at least `size` characters plus room for the sliding window."""
     rng = random.Random(seed)
     words: list[str] = []
     length = 0
-    while length < size + 4096:
+    while length < size + SPAN:
         w = rng.choice(_WORDS)
         words.append(w)
         length += len(w) + 1
@@ -65,7 +72,7 @@ class Answers:
         self.calls = 0
 
     def call_result(self) -> bytes:
-        start = (self.calls * 61) % 4096
+        start = (self.calls * 61) % SPAN
         self.calls += 1
         text = self.text[start: start + self.size]
         result = {"content": [{"type": "text", "text": text}], "isError": False}
