@@ -152,6 +152,7 @@ def test_scanning_from_threads_is_right(native: Scan) -> None:
     "\ud800" * 10, "x" * 5000 + "@y.zz", "a.bc/def", "a.bc/de", "see x.yz/abc.", "http://a.bc/d",
     "user@a.bc:8/d", "www.a.bc/def", "read notes.txt/x", "www.", "awww.bb.cc/d", "1a://bb.cc",
     "mail abcdef-.com now", "x-y.example-.org", "foo.com@bar.org", "foo.example.1x/y z",
+    "ann@b.-c.de", "ann@b.-.de", "ann@b-.c-.de", "ann@b.c1.dee2", "www.a.bc://d", "foo.com/",
 ])
 def test_edge_texts(native: Scan, text: str) -> None:
     _assert_same(native, text)
