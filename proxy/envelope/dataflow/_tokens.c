@@ -821,6 +821,11 @@ static PyObject *folded_tokens(PyObject *self, PyObject *arg) {
                      Py_TYPE(arg)->tp_name);
         return NULL;
     }
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(arg) < 0) { /* a legacy str built from wchar_t gets its compact form */
+        return NULL;
+    }
+#endif
     scan *sc = PyMem_Malloc(sizeof(scan));
     if (sc == NULL) {
         return PyErr_NoMemory();
