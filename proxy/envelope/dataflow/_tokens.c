@@ -85,17 +85,17 @@ static int in(const char *set, int c) {
 
 static void init_classes(void) {
     for (int c = 0; c < 128; c++) {
-        int cls = 0, lower = c >= 'a' && c <= 'z', digit = c >= '0' && c <= '9';
+        int cls = 0, lower = c >= 'a' && c <= 'z', number = c >= '0' && c <= '9';
         int word = Py_UNICODE_ISALNUM(c) || c == '_', space = Py_UNICODE_ISSPACE(c);
         cls |= word ? C_WORD : 0;
         cls |= Py_UNICODE_ISDECIMAL(c) ? C_DECIMAL : 0;
         cls |= Py_UNICODE_ISDIGIT(c) ? C_DIGIT : 0;
-        cls |= lower || digit || in("._%+-", c) ? C_LOCAL : 0;
-        cls |= lower || digit || c == '-' ? C_HOST : 0;
+        cls |= lower || number || in("._%+-", c) ? C_LOCAL : 0;
+        cls |= lower || number || c == '-' ? C_HOST : 0;
         cls |= lower ? C_LOWER : 0;
-        cls |= lower || digit ? C_ALNUM : 0;
-        cls |= lower || digit || in("+.-", c) ? C_SCHEME : 0;
-        cls |= digit || in("+.-", c) ? C_LEAD : 0;
+        cls |= lower || number ? C_ALNUM : 0;
+        cls |= lower || number || in("+.-", c) ? C_SCHEME : 0;
+        cls |= number || in("+.-", c) ? C_LEAD : 0;
         cls |= !space && !in("<>\"'`()[]{}|\\^", c) ? C_BODY : 0;
         cls |= !space && !in("<>\"'`()[]{}", c) ? C_PATH : 0;
         cls |= in(" .-/()", c) ? C_SEP : 0;
@@ -687,8 +687,8 @@ static Py_ssize_t next_decimal(const uint8_t *v, Py_ssize_t n, Py_ssize_t p) {
             uint64_t x;
             memcpy(&x, v + p, 8);
             uint64_t low = x & ~high; /* each byte's low 7 bits: the sums below never carry */
-            uint64_t digit = (low + ones * (0x80 - '0')) & ~(low + ones * (0x80 - '9' - 1)) & high;
-            if ((digit | (x & high)) != 0) {
+            uint64_t decimal = (low + ones * (0x80 - '0')) & ~(low + ones * (0x80 - '9' - 1)) & high;
+            if ((decimal | (x & high)) != 0) {
                 break;
             }
             p += 8;
