@@ -1,6 +1,7 @@
-"""The optional native winnowing extension (proxy/envelope/dataflow/_winnow.c); pyproject.toml
+"""The optional native extensions of the data-flow ledger: winnowing
+(proxy/envelope/dataflow/_winnow.c) and the distinctive-token scan (_tokens.c); pyproject.toml
 holds the metadata. `optional=True`: without a C compiler the build goes on and fingerprint.py
-uses its numpy functions (same fingerprints)."""
+uses its numpy functions and Python scans (same fingerprints and tokens)."""
 
 from setuptools import Extension, setup
 
@@ -10,6 +11,11 @@ setup(
             "proxy.envelope.dataflow._winnow",
             sources=["proxy/envelope/dataflow/_winnow.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "proxy.envelope.dataflow._tokens",
+            sources=["proxy/envelope/dataflow/_tokens.c"],
+            optional=True,
+        ),
     ]
 )

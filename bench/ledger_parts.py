@@ -10,8 +10,9 @@ outputs, in µs per output:
 - `winnowed_packed`: fold, collapse and the winnowed gram fingerprints (native or numpy);
 - `folded_tokens`, `tokens + hash`: the distinctive-token scans, and with their hashes.
 
-`ENVELOPE_NATIVE=0` makes the same tree use its numpy winnowing (`fingerprint.WINNOW_IMPL` is
-printed): alternate the two to compare them in one run.
+`ENVELOPE_NATIVE=0` makes the same tree use its numpy winnowing and Python token scans
+(`fingerprint.WINNOW_IMPL` and `TOKENS_IMPL` are printed): alternate the two to compare them in
+one run.
 
     python bench/ledger_parts.py --size 200
     ENVELOPE_NATIVE=0 python bench/ledger_parts.py --size 200
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tokens + hash", lambda t: [F.token_hash(k, v) for k, v in F.folded_tokens(F.fold(t))]),
     ]
     print(f"{args.size:,} chars, {args.outputs:,} outputs, best of {args.passes} passes, winnowing: "
-          f"{F.WINNOW_IMPL}\n")
+          f"{F.WINNOW_IMPL}, token scan: {getattr(F, 'TOKENS_IMPL', 'python')}\n")
     print("| part | µs per output |\n|---|---:|")
     for name, fn in parts:
         print(f"| {name} | {best_us(texts, fn, args.passes):.2f} |")

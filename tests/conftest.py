@@ -20,7 +20,8 @@ TIERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "apt-get install chromium chromium-driver"),
     ("node", ("node", "npm"), "npm ci --prefix tests/node (brings Node 22 too)"),
     ("otel", ("otel extra",), "pip install -e '.[otel]' (the dev extra has it)"),
-    ("native", ("native winnowing",), "a C compiler (apt-get install gcc), then pip install -e . again"),
+    ("native", ("native winnowing", "native token"),
+     "a C compiler (apt-get install gcc), then pip install -e . again"),
 )
 
 

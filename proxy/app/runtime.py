@@ -565,7 +565,7 @@ async def serve(config: Config, worker: int = 0, announce: bool = True,
     # Each reloaded revision is frozen the same way (`Collector`). The start-up load froze what
     # it made itself, without traversing it; the collector only takes over from here.
     runtime.collector.freeze(collect=False)
-    log.debug("data-flow winnowing: %s", fingerprint.WINNOW_IMPL)
+    log.debug("data-flow winnowing: %s, token scan: %s", fingerprint.WINNOW_IMPL, fingerprint.TOKENS_IMPL)
     try:
         await runtime.start()
     except ListenError as exc:

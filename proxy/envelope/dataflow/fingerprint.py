@@ -232,23 +232,26 @@ def packed(hashes: np.ndarray) -> bytes:
 #
 # proxy/envelope/dataflow/_winnow.c computes the same hashes, bit for bit, in one pass over the
 # str's own buffer: on a 200-character output the numpy functions above are mostly per-call
-# overhead on tiny arrays (bench/RESULTS.md, "Native winnowing"). The extension is optional
-# (built by `pip install` when a C compiler is there); without it, or with ENVELOPE_NATIVE=0,
-# the numpy functions serve. Both give the same fingerprints, so replicas of mixed builds share
-# ledgers (tests/unit/envelope/test_dataflow_native.py checks it).
+# overhead on tiny arrays (bench/RESULTS.md, "Native winnowing"). proxy/envelope/dataflow/_tokens.c
+# finds the same distinctive tokens as the Python scans below (`folded_tokens`). Both extensions
+# are optional (built by `pip install` when a C compiler is there); without one, or with
+# ENVELOPE_NATIVE=0 (both off), the numpy functions and the Python scans serve. Both give the
+# same fingerprints, so replicas of mixed builds share ledgers
+# (tests/unit/envelope/test_dataflow_native*.py check it).
 
 
-def _native_module() -> Any:
-    """The native module, or None when it is not built or ENVELOPE_NATIVE=0 turns it off."""
+def _native_module(name: str) -> Any:
+    """The native module `name` of this package, or None when it is not built or
+    ENVELOPE_NATIVE=0 turns the native code off."""
     if os.environ.get("ENVELOPE_NATIVE") == "0":
         return None
     try:
-        return importlib.import_module("proxy.envelope.dataflow._winnow")
+        return importlib.import_module(f"proxy.envelope.dataflow.{name}")
     except ImportError:
         return None
 
 
-_native = _native_module()
+_native = _native_module("_winnow")
 # Which functions hash and winnow in this process ("native" or "numpy"), for the start-up log.
 WINNOW_IMPL: Final = "numpy" if _native is None else "native"
 
@@ -589,9 +592,8 @@ _DIGITS_CLASSES = re.compile(rb"0(?<!\w0)(?:[ .]{0,2}0){7,}(?!\w)")
 _IBAN_CLASSES = re.compile(rb"0(?<=\baa0)0(?: ?[a0]{4}){2,7}(?: ?[a0]{1,4})?\b")
 
 
-def folded_tokens(low: str) -> set[tuple[str, str]]:
-    """`tokens` of a text already folded (`fold(text)`: the caller that also normalises it
-    folds it once)."""
+def _python_folded_tokens(low: str) -> set[tuple[str, str]]:
+    """`folded_tokens` in Python: the reference the native scan (`_tokens.c`) reproduces."""
     found: set[tuple[str, str]] = set()
     emails = "@" in low
     # Counted once here for `_urls` (a ":" is looked for first: a C memchr, where "://" is a
@@ -646,6 +648,19 @@ def folded_tokens(low: str) -> set[tuple[str, str]]:
         if any(ch.isdigit() for ch in compact[4:]):
             found.add(("number", compact))
     return found
+
+
+_native_tokens = _native_module("_tokens")
+# Which scan finds the distinctive tokens in this process ("native" or "python"), for the
+# start-up log. The native one costs about a tenth (bench/RESULTS.md, "Native token scan").
+TOKENS_IMPL: Final = "python" if _native_tokens is None else "native"
+
+# folded_tokens(low): `tokens` of a text already folded (`fold(text)`: the caller that also
+# normalises it folds it once). The same set from either scan, for any str.
+if _native_tokens is None:
+    folded_tokens = _python_folded_tokens
+else:
+    folded_tokens = _native_tokens.folded_tokens
 
 
 def tokens(text: str) -> set[tuple[str, str]]:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from proxy.envelope.types import Principal, RequestInfo, RunContext, ToolCall, ToolInfo, run_key
 from proxy.policy.cel import Engine, available_engines, get_engine
@@ -91,3 +94,23 @@ def make_call(
         request=RequestInfo("tools/call"),
         upstream_tool=info,
     )
+
+
+# What each native data-flow module is, for the reason a test skips without it.
+_NATIVE_NAMES = {"_winnow": "native winnowing extension", "_tokens": "native token scan"}
+
+
+def native_or_skip(module: str) -> Any:
+    """The native data-flow module `module` ("_winnow" or "_tokens") as fingerprint.py loaded
+    it. The test skips when it is not built (a machine with no C compiler); under
+    ENVELOPE_REQUIRE_NATIVE=1 (CI, `.ci/run`) it fails instead, so a broken build cannot pass
+    silently."""
+    from proxy.envelope.dataflow import fingerprint
+
+    loaded = {"_winnow": fingerprint._native, "_tokens": fingerprint._native_tokens}[module]
+    if loaded is not None:
+        return loaded
+    reason = f"the {_NATIVE_NAMES[module]} is not built (proxy.envelope.dataflow.{module})"
+    if os.environ.get("ENVELOPE_REQUIRE_NATIVE") == "1":
+        pytest.fail(f"ENVELOPE_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
+    pytest.skip(reason)

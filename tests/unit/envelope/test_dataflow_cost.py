@@ -81,9 +81,11 @@ def _best_of(n: int, fn: Callable[[], object]) -> float:
     return best
 
 
+@pytest.mark.usefixtures("token_scan")
 @pytest.mark.parametrize("unit", list(WORST.values()), ids=list(WORST))
 def test_tokens_take_time_linear_in_the_text(unit: str) -> None:
-    """Eight times the text costs about eight times as long (quadratic would be sixty-four).
+    """Eight times the text costs about eight times as long (quadratic would be sixty-four), with
+    the Python scans and with the native one.
 
     A ratio of best-of-five CPU timings taken back to back, with the bound at the geometric
     middle (about 23x): only a change of complexity fails, not a busy machine."""
@@ -137,9 +139,10 @@ def test_the_dot_driven_domain_scan_finds_what_the_pattern_found(text: str) -> N
     assert [m.span() for m in fingerprint._domains(text)] == \
         [m.span() for m in fingerprint._DOMAIN.finditer(text)]
 
+@pytest.mark.usefixtures("token_scan")
 def test_tokens_on_long_runs_are_still_found() -> None:
     """An address or an account number after a long run is found (the run is skipped, not the
-    rest of the text)."""
+    rest of the text), by either scan."""
     text = ("a" * 100_000 + " mail billing@evil-corp.example, pay 4412 9981 2207 13, upload to "
             "https://files.exfil-drop.example/" + "x@" * 50_000)
     found = tokens(text)

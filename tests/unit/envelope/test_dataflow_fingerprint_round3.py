@@ -3,7 +3,8 @@ per character, the URL anchors counted once, tokens filtered as they are added) 
 tokens the code before them found: the frozen copy `fingerprint_round2`, on a seeded corpus of
 prose, token-dense text, adversarial runs of "@", ".", digits and separators, and text that is
 not ASCII (decimal digits outside ASCII included), whichever scan (classes or plain text) the
-share of characters that are not ASCII picks."""
+share of characters that are not ASCII picks; and so does the native scan (`_tokens.c`), each
+test run on both (the `token_scan` fixture)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 
 import fingerprint_round2 as before
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.envelope.dataflow import fingerprint
@@ -74,18 +75,23 @@ def _corpus(rng: random.Random) -> Iterator[str]:
             yield rng.choice(_WORDS) + " " + unit * length + " " + rng.choice(_PIECES)
 
 
+pytestmark = pytest.mark.usefixtures("token_scan")
+# The scan is set once per test, not per example.
+_ONE_SCAN = [HealthCheck.function_scoped_fixture]
+
+
 def test_a_seeded_corpus_makes_the_same_tokens_as_the_frozen_scans() -> None:
     for text in _corpus(random.Random(15)):
         _assert_same(text)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=2000, deadline=None, suppress_health_check=_ONE_SCAN)
 @given(st.lists(st.sampled_from(_PIECES), max_size=60).map("".join))
 def test_random_pieces_make_the_same_tokens_as_the_frozen_scans(text: str) -> None:
     _assert_same(text)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=500, deadline=None, suppress_health_check=_ONE_SCAN)
 @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=80))
 def test_arbitrary_text_makes_the_same_tokens_as_the_frozen_scans(text: str) -> None:
     _assert_same(text)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from envelope_helpers import native_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,18 +37,9 @@ from proxy.envelope.labels import Label, Piece
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _native_or_skip() -> None:
-    if fingerprint._native is not None:
-        return
-    reason = "the native winnowing extension is not built (proxy.envelope.dataflow._winnow)"
-    if os.environ.get("ENVELOPE_REQUIRE_NATIVE") == "1":
-        pytest.fail(f"ENVELOPE_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def native() -> None:
-    _native_or_skip()
+    native_or_skip("_winnow")
 
 
 needs_native = pytest.mark.usefixtures("native")
@@ -56,21 +48,55 @@ needs_native = pytest.mark.usefixtures("native")
 def test_the_native_functions_serve_when_built() -> None:
     """With the extension built, fingerprinting uses it (and says so). Fails, rather than skips,
     under ENVELOPE_REQUIRE_NATIVE=1."""
-    _native_or_skip()
+    native_or_skip("_winnow")
     assert fingerprint.WINNOW_IMPL == "native"
     assert fingerprint.winnowed_packed is fingerprint._native_winnowed_packed
     assert fingerprint.winnowed_hashes is fingerprint._native_winnowed_hashes
     assert ledger_module.winnowed_packed is fingerprint._native_winnowed_packed
 
 
-def test_envelope_native_0_falls_back_to_numpy() -> None:
-    """ENVELOPE_NATIVE=0 forces the numpy functions (for measuring them, or a suspect build)."""
-    code = ("from proxy.envelope.dataflow import fingerprint as f; "
-            "print(f.WINNOW_IMPL, f.winnowed_packed is f._numpy_winnowed_packed)")
+def test_envelope_native_0_falls_back_to_numpy_and_python() -> None:
+    """ENVELOPE_NATIVE=0 forces the numpy functions and the Python token scans (for measuring
+    them, or a suspect build), whatever is built: one switch for both extensions."""
+    code = ("from proxy.envelope.dataflow import fingerprint as f, ledger; "
+            "print(f.WINNOW_IMPL, f.winnowed_packed is f._numpy_winnowed_packed, "
+            "f.TOKENS_IMPL, f.folded_tokens is f._python_folded_tokens, "
+            "ledger.folded_tokens is f._python_folded_tokens)")
     env = {**os.environ, "ENVELOPE_NATIVE": "0", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
-    assert out.split() == ["numpy", "True"]
+    assert out.split() == ["numpy", "True", "python", "True", "True"]
+
+
+def _pytest_without_extensions(require: bool) -> subprocess.CompletedProcess[str]:
+    """The test of each extension that it serves, run by pytest in a new process where neither
+    can be imported (as on a machine without a C compiler), with ENVELOPE_REQUIRE_NATIVE=1 or
+    not."""
+    tests = ["tests/unit/envelope/test_dataflow_native.py::test_the_native_functions_serve_when_built",
+             "tests/unit/envelope/test_dataflow_native_tokens.py::test_the_native_scan_serves_when_built"]
+    code = ("import sys, pytest; "
+            "sys.modules['proxy.envelope.dataflow._winnow'] = None; "
+            "sys.modules['proxy.envelope.dataflow._tokens'] = None; "
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{tests!r}]))")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("ENVELOPE_NATIVE", "ENVELOPE_REQUIRE_NATIVE")}
+    env["PYTHONPATH"] = str(ROOT)
+    if require:
+        env["ENVELOPE_REQUIRE_NATIVE"] = "1"
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_missing_extensions_fail_under_envelope_require_native() -> None:
+    """Without the extensions, their tests skip on a developer's machine and fail under
+    ENVELOPE_REQUIRE_NATIVE=1 (CI): a build that broke cannot pass as a skip."""
+    strict = _pytest_without_extensions(require=True)
+    assert strict.returncode == 1 and "2 failed" in strict.stdout, strict.stdout
+    assert "ENVELOPE_REQUIRE_NATIVE=1 but the native" in strict.stdout
+    for module in ("_winnow", "_tokens"):
+        assert f"is not built (proxy.envelope.dataflow.{module})" in strict.stdout
+    lenient = _pytest_without_extensions(require=False)
+    assert lenient.returncode == 0 and "2 skipped" in lenient.stdout, lenient.stdout
 
 
 def _assert_same(text: str, n: int, window: int) -> None:
