@@ -246,30 +246,39 @@ class Cell:
     ticks: float  # proxy CPU clock ticks the cell measured (its resolution)
 
 
-def measure(path: R.Route, client: Client, size: int, concurrency: int, args: argparse.Namespace,
-            tmp: Path) -> Cell:
-    script = client.script(tmp, f"{path.config}-{client.mode}")
-    check_call(client, size)
-    if args.warmup > 0:
-        R.run_wrk(client.url, concurrency, args.warmup, script)
-    before = R.envelope_decisions(path) if path.config in ENVELOPES else {}
+def timed_cell(path: R.Route, url: str, script: Path, concurrency: int, seconds: float,
+               label: str) -> tuple[R.WrkResult, float]:
+    """One wrk cell through `path` and the CPU seconds its processes spent. Refused (BenchError)
+    unless every request was answered 2xx and, for an envelope, allowed (at most one
+    `client_disconnected` per connection wrk drops when its time is up)."""
+    envelope = path.config in ENVELOPES
+    before = R.envelope_decisions(path) if envelope else {}
     roots = path.service.pids if path.service else []
     p0 = R.tree_cpu(roots)
-    result = R.run_wrk(client.url, concurrency, args.duration, script)
+    result = R.run_wrk(url, concurrency, seconds, script)
     p1 = R.tree_cpu(roots)
-    label = f"{size:>5} B {client.mode:9} {path.config} w={path.workers} c={concurrency}"
     if result.non_2xx or result.socket_errors or result.requests == 0:
         raise R.BenchError(f"{label}: {result.requests} requests, {result.non_2xx} non-2xx, "
                            f"{result.socket_errors} socket errors:\n{result.output}")
-    if path.config in ENVELOPES:
+    if envelope:
         after = R.envelope_decisions(path)
         delta = {v: after.get(v, 0.0) - before.get(v, 0.0) for v in after}
         disconnected = delta.pop(R.DISCONNECTED, 0.0)
         refused = {v: n for v, n in delta.items() if v != R.ALLOWED and n}
         if refused or disconnected > concurrency or delta.get(R.ALLOWED, 0.0) < result.requests:
             raise R.BenchError(f"{label}: decisions {delta} for {result.requests} requests")
+    return result, R.cpu_delta(p0, p1)
+
+
+def measure(path: R.Route, client: Client, size: int, concurrency: int, args: argparse.Namespace,
+            tmp: Path) -> Cell:
+    script = client.script(tmp, f"{path.config}-{client.mode}")
     check_call(client, size)
-    cpu = R.cpu_delta(p0, p1)
+    if args.warmup > 0:
+        R.run_wrk(client.url, concurrency, args.warmup, script)
+    label = f"{size:>5} B {client.mode:9} {path.config} w={path.workers} c={concurrency}"
+    result, cpu = timed_cell(path, client.url, script, concurrency, args.duration, label)
+    check_call(client, size)
     cell = Cell(size, client.mode, path.config, path.workers, concurrency, result.rps, result.p50_ms,
                 result.p99_ms, result.requests, cpu / result.requests * 1e6 if path.service else None,
                 cpu * R.CLK_TCK)

@@ -136,23 +136,9 @@ def measure(path: R.Route, client: M.Client, tmp: Path, tools: int, runs: int, c
     wrk_script = script(client, tmp, runs)
     M.check_call(client, SIZE)
     R.run_wrk(path.url, concurrency, args.warmup, wrk_script)
-    before = R.envelope_decisions(path)
-    roots = path.service.pids if path.service else []
-    p0 = R.tree_cpu(roots)
-    result = R.run_wrk(path.url, concurrency, args.duration, wrk_script)
-    p1 = R.tree_cpu(roots)
     label = f"{tools:>5} tools {runs:>6} runs c={concurrency}"
-    if result.non_2xx or result.socket_errors or result.requests == 0:
-        raise R.BenchError(f"{label}: {result.requests} requests, {result.non_2xx} non-2xx, "
-                           f"{result.socket_errors} socket errors:\n{result.output}")
-    after = R.envelope_decisions(path)
-    delta = {v: after.get(v, 0.0) - before.get(v, 0.0) for v in after}
-    disconnected = delta.pop(R.DISCONNECTED, 0.0)
-    refused = {v: n for v, n in delta.items() if v != R.ALLOWED and n}
-    if refused or disconnected > concurrency or delta.get(R.ALLOWED, 0.0) < result.requests:
-        raise R.BenchError(f"{label}: decisions {delta} for {result.requests} requests")
+    result, cpu = M.timed_cell(path, path.url, wrk_script, concurrency, args.duration, label)
     M.check_call(client, SIZE)
-    cpu = R.cpu_delta(p0, p1)
     cell = Cell(tools, runs, concurrency, result.rps, result.p50_ms, result.p99_ms, result.requests,
                 cpu / result.requests * 1e6, cpu * R.CLK_TCK)
     print(f"  {label:32} {cell.rps:8.0f} req/s  p50 {cell.p50_ms:7.3f}  p99 {cell.p99_ms:7.3f} ms  "
