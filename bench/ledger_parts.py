@@ -1,7 +1,8 @@
 """What fingerprinting one untrusted output costs, part by part, in this process.
 
 For outputs of `--size` characters of bench/record_bench.py's prose (words with a URL, an e-mail
-address or a number now and then), the best of `--passes` passes over `--outputs` distinct
+address or a number now and then; `--prose mix`: the windows bench/mix.py's upstream sends, with
+none), the best of `--passes` passes over `--outputs` distinct
 outputs, in µs per output:
 
 - `LedgerDelta.of`: everything one output adds to a run's ledger (what `Envelope.complete` runs
@@ -16,6 +17,7 @@ one run.
 
     python bench/ledger_parts.py --size 200
     ENVELOPE_NATIVE=0 python bench/ledger_parts.py --size 200
+    python bench/ledger_parts.py --size 5000 --outputs 300 --prose mix
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from mix_upstream import Answers  # noqa: E402
 from record_bench import output  # noqa: E402
 
 from proxy.envelope.dataflow import fingerprint as F  # noqa: E402
@@ -55,9 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=200, help="characters per output (default 200)")
     p.add_argument("--outputs", type=int, default=2000, help="distinct outputs per pass (default 2000)")
     p.add_argument("--passes", type=int, default=3, help="passes; the best is reported (default 3)")
+    p.add_argument("--prose", choices=["record", "mix"], default="record",
+                   help="record_bench.py's token-dense prose (default), or the windows bench/mix.py's "
+                        "upstream sends (no URLs, addresses or numbers)")
     args = p.parse_args(argv)
-    rng = random.Random(3)
-    texts = [output(rng, args.size) for _ in range(args.outputs)]
+    if args.prose == "mix":
+        answers = Answers(args.size)
+        texts = [answers.window() for _ in range(args.outputs)]
+    else:
+        rng = random.Random(3)
+        texts = [output(rng, args.size) for _ in range(args.outputs)]
     untrusted = Label(True, False)
     parts: list[tuple[str, Callable[[str], object]]] = [
         ("LedgerDelta.of", lambda t: LedgerDelta.of("web.fetch", [Piece(t, untrusted, "t")], N, limit=CAP)),
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         ("folded_tokens (fold + scan)", lambda t: F.folded_tokens(F.fold(t))),
         ("tokens + hash", lambda t: [F.token_hash(k, v) for k, v in F.folded_tokens(F.fold(t))]),
     ]
-    print(f"{args.size:,} chars, {args.outputs:,} outputs, best of {args.passes} passes, winnowing: "
+    print(f"{args.size:,} chars of {args.prose} prose, {args.outputs:,} outputs, best of {args.passes} passes, winnowing: "
           f"{F.WINNOW_IMPL}, token scan: {getattr(F, 'TOKENS_IMPL', 'python')}\n")
     print("| part | µs per output |\n|---|---:|")
     for name, fn in parts:

@@ -71,10 +71,14 @@ class Answers:
         self.text = corpus(size)
         self.calls = 0
 
-    def call_result(self) -> bytes:
+    def window(self) -> str:
+        """The next call's text."""
         start = (self.calls * 61) % SPAN
         self.calls += 1
-        text = self.text[start: start + self.size]
+        return self.text[start: start + self.size]
+
+    def call_result(self) -> bytes:
+        text = self.window()
         result = {"content": [{"type": "text", "text": text}], "isError": False}
         return json.dumps(result, separators=(",", ":")).encode()
 
