@@ -10,10 +10,16 @@ entry is ~500 B, a 5 KB output's ~16 KB) spread over R runs (`--runs`) with the 
 every N inline commits: the WAL file's peak size, how many batches met the checkpoint's write
 lock and went to the worker, and the wall and CPU (every thread) per commit.
 
+`statements`: where one recorded output's inline write goes: each SQL statement kind's time per
+write (the loop's connection wrapped by a timer), against the whole `hash_append`, for S-byte
+entries over R runs (`--size`, `--runs`), and a bare sqlite3 transaction inserting one such
+entry in a table of the same shape (no checkpoint) for comparison.
+
 Usage (from the repository root):
 
     python bench/sqlite_inline.py batch [--shapes 64x200,1x50000,1x200]
     python bench/sqlite_inline.py checkpoint [--every 64,256,1024] [--size 200] [--runs 8] [--outputs 10000]
+    python bench/sqlite_inline.py statements [--size 500] [--runs 1] [--outputs 2000]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -93,6 +100,71 @@ async def checkpoint_cost(every: int, outputs: int = 10_000, size: int = 200, ru
             f"/{outputs}, {wall / outputs * 1e6:.0f} µs wall, {cpu / outputs * 1e6:.0f} µs CPU per commit")
 
 
+class _Timed:
+    """A connection whose `execute`/`executemany` time is summed per statement kind."""
+
+    def __init__(self, conn: Any, totals: dict[str, list[float]]) -> None:
+        self._conn, self._totals = conn, totals
+
+    def _timed(self, many: bool, sql: str, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return (self._conn.executemany if many else self._conn.execute)(sql, *args)
+        finally:
+            kind = ("many " if many else "") + " ".join(sql.split()[:3])
+            self._totals.setdefault(kind, [0.0, 0])
+            self._totals[kind][0] += time.perf_counter() - start
+            self._totals[kind][1] += 1
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        return self._timed(False, sql, *args)
+
+    def executemany(self, sql: str, *args: Any) -> Any:
+        return self._timed(True, sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+async def statement_cost(size: int, runs: int, outputs: int) -> str:
+    """Per write: each statement kind's µs, the SQL in all, and the whole `hash_append`."""
+    totals: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = store_module.SqliteStore(Path(tmp) / "state.db", timeout=10.0, inline_writes=True)
+        await store.ping()
+        for r in range(max(runs, 2)):  # every run exists; the loop's connection is open
+            await store.hash_append("log", f"run{r % runs}", os.urandom(size), ttl=600.0, weight=1,
+                                    also=("meta", {b"u": b"1"}))
+        assert store._loop_writer.conn is not None
+        store._loop_writer.conn = _Timed(store._loop_writer.conn, totals)  # type: ignore[assignment]
+        whole = time.perf_counter()
+        for i in range(outputs):
+            await store.hash_append("log", f"run{(i * 7919) % runs}", os.urandom(size), ttl=600.0,
+                                    weight=1, also=("meta", {b"u": b"1"}))
+        whole = time.perf_counter() - whole
+        await store.close()
+        bare = sqlite3.connect(Path(tmp) / "bare.db", isolation_level=None)
+        bare.execute("PRAGMA journal_mode = WAL")
+        bare.execute("PRAGMA synchronous = NORMAL")
+        bare.execute("PRAGMA wal_autocheckpoint = 0")
+        bare.execute("CREATE TABLE hash (ns TEXT NOT NULL, key TEXT NOT NULL, field BLOB NOT NULL,"
+                     " value BLOB NOT NULL, PRIMARY KEY (ns, key, field)) WITHOUT ROWID")
+        alone = time.perf_counter()
+        for i in range(outputs):
+            bare.execute("BEGIN IMMEDIATE")
+            bare.execute("INSERT INTO hash VALUES ('log', ?, ?, ?)", (f"run{(i * 7919) % runs}", b"%08d" % i,
+                                                                      os.urandom(size)))
+            bare.execute("COMMIT")
+        alone = time.perf_counter() - alone
+        bare.close()
+    rows = [f"  {t / outputs * 1e6:7.1f} µs  {n / outputs:4.2f} per write  {kind}"
+            for kind, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
+    sql = sum(t for t, _ in totals.values())
+    return "\n".join([f"{size} B entries x {runs} runs, {outputs} writes: hash_append {whole / outputs * 1e6:.1f} µs, "
+                      f"of which SQL {sql / outputs * 1e6:.1f} µs; a bare insert transaction "
+                      f"{alone / outputs * 1e6:.1f} µs", *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -103,8 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--size", type=int, default=200, help="bytes per log entry (default 200)")
     c.add_argument("--runs", type=int, default=8, help="runs the outputs go to, in turn (default 8)")
     c.add_argument("--outputs", type=int, default=10_000, help="outputs recorded (default 10,000)")
+    st = sub.add_parser("statements")
+    st.add_argument("--size", type=int, default=500, help="bytes per log entry (default 500)")
+    st.add_argument("--runs", type=int, default=1, help="runs the writes go to (default 1)")
+    st.add_argument("--outputs", type=int, default=2000, help="writes timed (default 2,000)")
     args = p.parse_args(argv)
-    if args.what == "batch":
+    if args.what == "statements":
+        print(asyncio.run(statement_cost(args.size, args.runs, args.outputs)))
+    elif args.what == "batch":
         for shape in args.shapes.split(","):
             count, size = (int(x) for x in shape.split("x"))
             print(asyncio.run(batch_cost(count, size)))
