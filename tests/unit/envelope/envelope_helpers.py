@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -14,6 +16,9 @@ from proxy.policy.cel import Engine, available_engines, get_engine
 from proxy.policy.compiled import CompiledPrincipal, CompiledRule, CompiledTool, PolicyRevision
 from proxy.policy.model import PolicyDocument
 from proxy.policy.schemas import compile_schema
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 ENGINES = available_engines()
 
@@ -114,3 +119,22 @@ def native_or_skip(module: str) -> Any:
     if os.environ.get("ENVELOPE_REQUIRE_NATIVE") == "1":
         pytest.fail(f"ENVELOPE_REQUIRE_NATIVE=1 but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def each_in_a_thread(fn: Callable[[T], R], items: Sequence[T], rounds: int = 5) -> list[R]:
+    """`fn` of every item, in one thread per item, all running at once (`rounds` times each: the
+    native functions release the GIL on large inputs, so the threads overlap); the last results,
+    in the items' order."""
+    got: dict[int, R] = {}
+
+    def work(i: int) -> None:
+        for _ in range(rounds):
+            got[i] = fn(items[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [got[i] for i in range(len(items))]
+

@@ -12,12 +12,11 @@ import os
 import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from envelope_helpers import native_or_skip
+from envelope_helpers import each_in_a_thread, native_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -178,18 +177,7 @@ def test_hashing_from_threads_is_right() -> None:
     rng = random.Random(7)
     texts = ["".join(rng.choice("abc de\u00e9\u4e00") for _ in range(20_000 + i)) for i in range(8)]
     expected = [_numpy_winnowed_packed(t, 32, 4) for t in texts]
-    got: dict[int, bytes] = {}
-
-    def work(i: int) -> None:
-        for _ in range(5):
-            got[i] = fingerprint._native_winnowed_packed(texts[i], 32, 4)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [got[i] for i in range(len(texts))] == expected
+    assert each_in_a_thread(lambda t: fingerprint._native_winnowed_packed(t, 32, 4), texts) == expected
 
 
 PAGE = ("Quarterly report: revenue grew 12% to EUR 4.2m; contact finance@acme-example.com or "

@@ -9,12 +9,10 @@ linear-time tests (test_dataflow_cost.py) run on both scans too (the `token_scan
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-from envelope_helpers import native_or_skip
+from envelope_helpers import each_in_a_thread, native_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -132,18 +130,7 @@ def test_scanning_from_threads_is_right(native: Scan) -> None:
     rng = random.Random(9)
     texts = [_long_text(rng, 30_000) + chr(0x4E00 + i) * (i % 2) for i in range(8)]
     expected = [_python_folded_tokens(t) for t in texts]
-    got: dict[int, Any] = {}
-
-    def work(i: int) -> None:
-        for _ in range(5):
-            got[i] = native(texts[i])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [got[i] for i in range(len(texts))] == expected
+    assert each_in_a_thread(native, texts) == expected
 
 
 @pytest.mark.parametrize("text", [
