@@ -30,7 +30,10 @@ queued in one turn of the event loop goes into a single `BEGIN IMMEDIATE` transa
 the order they came (each exactly as it would be alone: caps and sequence numbers see the writes before it).
 Within the batch, each hash's meta row, a log's counter and a run's flags are read once and the
 meta rows and counters written once, at the end (`_Batch`): a batch of one run's outputs costs
-one statement per output (its entry), not eight. Each caller is answered only after that
+one statement per output (its entry), not eight. The loop's connection also carries from batch to
+batch what the last ones left of the hashes they touched (`_Carried`), and reads none of it again
+while `PRAGMA data_version` shows that no other connection committed since: a run's next output
+then writes without reading (its log's head and its flags were two reads). Each caller is answered only after that
 transaction committed, so an output is still recorded before it is delivered; concurrent calls
 share one commit (a batch is committed on the event loop's next turn, so the answers that arrived
 together share it). The loop's thread commits a batch itself (`_flush_inline`: no thread hop, no
@@ -171,6 +174,8 @@ QUIET_LOGS = 4096
 INLINE_WRITES = 32
 INLINE_WRITE_BYTES = 64 * 1024
 CHECKPOINT_COMMITS = 256
+# Most hashes whose last state the loop's write connection carries from batch to batch (`_Carried`).
+CARRIED_HASHES = 4096
 _RESTART_WAIT_MS = 100
 
 # Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
@@ -214,11 +219,14 @@ class _Batch:
     forgets what was remembered of it); the view dies with the transaction (the next batch
     reads afresh: another process may have written in between)."""
 
-    __slots__ = ("_counters", "_dirty", "_dirty_counters", "_known", "_metas", "conn", "now")
+    __slots__ = ("_carried", "_counters", "_dirty", "_dirty_counters", "_known", "_metas", "conn", "now")
 
-    def __init__(self, conn: sqlite3.Connection, now: float) -> None:
+    def __init__(self, conn: sqlite3.Connection, now: float, carried: _Carried | None = None) -> None:
         self.conn = conn
         self.now = now
+        # What earlier batches of the same connection left, when nothing committed since
+        # (`_Carried`): read from here instead of the table.
+        self._carried = carried
         # (ns, key) -> (expires, size), or None: no such hash (absent, expired and cleared,
         # or dropped by this batch).
         self._metas: dict[tuple[str, str], tuple[float | None, int] | None] = {}
@@ -241,15 +249,31 @@ class _Batch:
         self._metas[(ns, key)] = meta
         return meta
 
+    def _adopt(self, ns: str, key: str) -> bool:
+        """What an earlier batch left of a hash (`_Carried`) taken as read, when it left it: the
+        meta row (an expired hash is cleared as when read), the counter and the fields known."""
+        if (ns, key) in self._metas:
+            return True
+        carried = None if self._carried is None else self._carried.take(ns, key)
+        if carried is None:
+            return False
+        row, counter, known = carried
+        if self._seen(ns, key, row) is not None:
+            if counter is not _UNREAD:
+                self._counters[(ns, key)] = counter
+            if known is not None:
+                self._known[(ns, key)] = dict(known)
+        return True
+
     def meta(self, ns: str, key: str) -> tuple[float | None, int] | None:
         """A hash's (expires, size) before a write, or None when it has none."""
-        if (ns, key) in self._metas:
+        if self._adopt(ns, key):
             return self._metas[(ns, key)]
         return self._seen(ns, key, self.conn.execute(_HASH_META, (ns, key)).fetchone())
 
     def meta_and_counter(self, ns: str, key: str) -> tuple[tuple[float | None, int] | None, bytes | None]:
         """A log's meta row and its counter field (None when absent), one statement at most."""
-        if (ns, key) not in self._metas:
+        if not self._adopt(ns, key):
             row = self.conn.execute(_LOG_HEAD, (LOG_COUNTER, ns, key)).fetchone()
             meta = self._seen(ns, key, row)
             if (ns, key) not in self._counters:
@@ -268,20 +292,19 @@ class _Batch:
         """A hash's meta row and the values it holds of a few `fields`: one statement, none
         when the batch has read or written them already."""
         marks = "(" + ", ".join("?" * len(fields)) + ")"
-        if (ns, key) not in self._metas:
+        if not self._adopt(ns, key):
             rows = self.conn.execute(_HASH_HEAD + marks + _HASH_HEAD_WHERE, (*fields, ns, key)).fetchall()
             meta = self._seen(ns, key, rows[0] if rows else None)
-            if meta is None:
-                return None, {}
-            held = {bytes(f): bytes(v) for _, _, f, v in rows if f is not None}
+            held = {} if meta is None else {bytes(f): bytes(v) for _, _, f, v in rows if f is not None}
         else:
             meta = self._metas[(ns, key)]
-            if meta is None:
-                return None, {}
             known = self._known.get((ns, key), {})
-            if all(f in known for f in fields):
+            if meta is None:
+                held = {}  # no such hash: it holds none of them (known as such from now on)
+            elif all(f in known for f in fields):
                 return meta, {f: v for f in fields if (v := known[f]) is not None}
-            held = {bytes(f): bytes(v) for f, v in self.conn.execute(_HASH_VALUES + marks, (ns, key, *fields))}
+            else:
+                held = {bytes(f): bytes(v) for f, v in self.conn.execute(_HASH_VALUES + marks, (ns, key, *fields))}
         known = self._known.setdefault((ns, key), {})
         for f in fields:
             known[f] = held.get(f)
@@ -337,6 +360,58 @@ class _Batch:
         if sets:
             self.conn.executemany(_HASH_SET_META, sets)
         self._dirty.clear()
+
+    def left(self) -> Iterator[tuple[tuple[str, str], _CarriedHash]]:
+        """After `finish`: what the table now holds of every hash the batch touched (its meta
+        row, counter and fields known), for the next batch of the connection (`_Carried`)."""
+        for name, meta in self._metas.items():
+            known = self._known.get(name)
+            yield name, (meta, self._counters.get(name, _UNREAD), None if known is None else dict(known))
+
+
+# A hash as a batch left it: its meta row (None: no such hash), its counter field (None: absent;
+# `_UNREAD`: not read) and the values of the fields known (None: none known).
+_UNREAD = b"\0unread"
+_CarriedHash = tuple[tuple[float | None, int] | None, bytes | None, dict[bytes, bytes | None] | None]
+
+
+class _Carried:
+    """What the event loop's write connection's last batches left of the hashes they touched
+    (`_Batch.left`), for the next batch to read instead of the table: a batch of a run's output
+    then reads nothing (its log's meta row and counter, its flags), where it read both with two
+    statements. Valid only while no other connection committed: `PRAGMA data_version`, read
+    inside the next batch's write transaction (so it cannot change until COMMIT), must equal
+    the one seen when they were left (the connection's own commits do not change it; another
+    process's, this one's worker's, a purge's do). Anything else (a failed batch, a closed
+    connection) forgets all of it. At most `CARRIED_HASHES` hashes, the least recently
+    written dropped first."""
+
+    __slots__ = ("hashes", "version")
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.hashes: OrderedDict[tuple[str, str], _CarriedHash] = OrderedDict()
+
+    def valid_at(self, version: int) -> bool:
+        """Whether what is carried still holds at `version` (else it is forgotten)."""
+        if version != self.version:
+            self.forget()
+        return bool(self.hashes)
+
+    def take(self, ns: str, key: str) -> _CarriedHash | None:
+        return self.hashes.get((ns, key))
+
+    def keep(self, version: int, batch: _Batch) -> None:
+        self.version = version
+        for name, left in batch.left():
+            self.hashes[name] = left
+            self.hashes.move_to_end(name)
+        while len(self.hashes) > CARRIED_HASHES:
+            self.hashes.popitem(last=False)
+
+    def forget(self) -> None:
+        self.version = None
+        self.hashes.clear()
 
 
 def _hash_put(batch: _Batch, ns: str, key: str, fields: Mapping[bytes, bytes],
@@ -588,6 +663,7 @@ class SqliteStore(Store):
         self._loop_writer = _LoopConnection("PRAGMA wal_autocheckpoint = 0", "PRAGMA synchronous = NORMAL")
         self._inline_commits = 0
         self._checkpoint_queued = False
+        self._carried = _Carried()
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
         # number, valid until (wall time), the hash's fields).
@@ -662,6 +738,7 @@ class SqliteStore(Store):
             self._quiet.clear()
             self._writes, self._writes_lock, self._flush_queued = [], threading.Lock(), False
             self._loop_writer.forget()
+            self._carried.forget()
             self._worker_batches = 0
             self._inline_commits, self._checkpoint_queued = 0, False
         if self._executor is None:
@@ -869,10 +946,14 @@ class SqliteStore(Store):
         answers: list[Any] = []
         error: Exception | None = None
         try:
-            answers = _apply(_Batch(conn, now), batch)
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            work = _Batch(conn, now, self._carried if self._carried.valid_at(version) else None)
+            answers = _apply(work, batch)
             conn.execute("COMMIT")
+            self._carried.keep(version, work)
         except Exception as exc:  # every caller of the batch gets it (sqlite, OS or a bug)
             error = exc
+            self._carried.forget()
             try:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
@@ -923,6 +1004,7 @@ class SqliteStore(Store):
 
     def _close_writer(self) -> None:
         self._loop_writer.close()
+        self._carried.forget()
 
     async def hash_since(self, ns: str, key: str, after: int, limit: int = 256, *,
                          with_hash: str | None = None) -> LogRead:

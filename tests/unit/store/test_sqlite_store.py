@@ -330,3 +330,84 @@ async def test_a_failing_inline_batch_refuses_every_caller_and_keeps_nothing(
     assert sorted(_log(inline.path, "run").values()) == [b"1 0", b"before"]
     monkeypatch.setattr(inline._loop_writer, "conn", real)
     assert await inline.hash_append("log", "run", b"after", ttl=60.0) == 2
+
+
+class _Counted:
+    """A connection that records every statement it runs (first word and table)."""
+
+    def __init__(self, conn: sqlite3.Connection, ran: list[str]) -> None:
+        self._conn, self._ran = conn, ran
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        self._ran.append(sql)
+        return self._conn.execute(sql, *args)
+
+    def executemany(self, sql: str, *args: Any) -> Any:
+        self._ran.append(sql)
+        return self._conn.executemany(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+async def test_a_runs_next_output_reads_nothing_its_last_batch_left(inline: SqliteStore,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ledger records each output of a run as an append to its log with the run's flags beside
+    # it; the next output's batch knows the log's meta row, counter and flags from the last one
+    # (nothing else committed since): it writes, and reads nothing.
+    assert await inline.hash_append("log", "run", b"one", ttl=60.0, weight=1, also=("meta", {b"u": b"1"})) == 1
+    ran: list[str] = []
+    real = inline._loop_writer.conn
+    assert real is not None
+    monkeypatch.setattr(inline._loop_writer, "conn", _Counted(real, ran))
+    assert await inline.hash_append("log", "run", b"two", ttl=60.0, weight=1, also=("meta", {b"u": b"1"})) == 2
+    assert [sql for sql in ran if sql.startswith("SELECT")] == []
+    assert any(sql.startswith("INSERT INTO hash ") for sql in ran)
+    monkeypatch.setattr(inline._loop_writer, "conn", real)
+    assert _log(inline.path, "run") == {LOG_COUNTER: b"2 2", log_field(1): b"one", log_field(2): b"two"}
+
+
+async def test_a_write_by_another_connection_is_read_afresh(inline: SqliteStore, tmp_path: Path) -> None:
+    # Two stores on one file (two worker processes): each one's batches carry what they left,
+    # but a commit by the other makes every carried row stale. Appends interleaved across both
+    # must number the log without a gap or a repeat, total the weights, keep the cap and see
+    # the other's flags, exactly as one store would.
+    other = SqliteStore(tmp_path / "state.db", timeout=10.0, inline_writes=True)
+    await other.ping()
+    try:
+        seqs = []
+        for i in range(12):
+            writer = inline if i % 3 else other
+            seqs.append(await writer.hash_append("log", "run", b"e%d" % i, ttl=60.0, weight=1, cap=10,
+                                                 also=("meta", {b"u": b"1", b"n": b"%d" % (i % 4)})))
+        assert seqs == [*range(1, 11), 0, 0]  # the cap of 10 holds across both
+        assert await inline.hash_all("meta", "run") == {b"u": b"1", b"n": b"1"}
+        assert await other.hash_get("log", "run", [LOG_COUNTER]) == [b"10 10"]
+        # A flag one store drops is gone for the other's next write too.
+        await other.hash_delete("meta", "run", [b"n"])
+        await inline.hash_put("meta", "run", {b"u": b"1"})
+        assert await inline.hash_all("meta", "run") == {b"u": b"1"}
+    finally:
+        await other.close()
+    conn = sqlite3.connect(inline.path)
+    try:
+        sizes = conn.execute("SELECT m.key, m.size, (SELECT count(*) FROM hash AS h"
+                             " WHERE h.ns = m.ns AND h.key = m.key) FROM hash_meta AS m").fetchall()
+    finally:
+        conn.close()
+    assert sizes and all(size == rows for _, size, rows in sizes), sizes
+
+
+async def test_a_hash_that_expired_between_batches_starts_afresh(inline: SqliteStore) -> None:
+    # What a batch carries includes the log's expiry: the next batch, after it passed, finds the
+    # log expired and starts it over, as a store that reads it would (the memory store).
+    memory = MemoryStore()
+    for store in (inline, memory):
+        assert await store.hash_append("log", "run", b"a", ttl=0.2, weight=1, also=("meta", {b"u": b"1"})) == 1
+        assert await store.hash_append("log", "run", b"b", ttl=0.2, weight=1) == 2
+    await asyncio.sleep(0.3)
+    for store in (inline, memory):
+        assert await store.hash_append("log", "run", b"c", ttl=60.0, weight=1, also=("meta", {b"u": b"1"})) == 1
+    assert _log(inline.path, "run") == {LOG_COUNTER: b"1 1", log_field(1): b"c"}
+    assert await inline.hash_since("log", "run", 0, with_hash="meta") == await memory.hash_since(
+        "log", "run", 0, with_hash="meta")
