@@ -217,6 +217,13 @@ def fresh_state(tmp: Path, workers: int, name: str = "envelope") -> None:
     shutil.rmtree(tmp / f"{name}-state-w{workers}", ignore_errors=True)
 
 
+def dataflow_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The `dataflow:` section the envelope configs' policy adds (none: the bench policy as is).
+    A section with no `mode` means enforce, so the bench policy's mode (no section: shadow) is
+    spelled out beside the cap: only the cap moves."""
+    return {} if args.ledger_cap is None else {"mode": "shadow", "ledger_cap": args.ledger_cap}
+
+
 def start_path(config: str, workers: int, tmp: Path, upstream_url: str) -> R.Route:
     if config == "direct":
         return R.Route("direct", 1, upstream_url, None)
@@ -400,8 +407,13 @@ def report(cells: list[Cell], unsupported: dict[str, str], args: argparse.Namesp
         "in the same cell. Each size starts the envelope on an empty state directory; within a size "
         "the run's ledger grows from cell to cell (stateless calls share the principal's run; the session "
         "cells share one run too: the bench's upstream hands every `initialize` the same session id), "
-        "as a real agent's run does; a 5 KB output adds ~2,000 fingerprints, so the run reaches "
-        "`ledger_cap` (65,536) after ~32 calls and overflows (coarse) for the rest of the size.",
+        "as a real agent's run does; "
+        + ("a 5 KB output adds ~2,000 fingerprints, so the run reaches `ledger_cap` (65,536) after ~32 "
+           "calls and overflows (coarse) for the rest of the size: an overflowed run writes its flags, "
+           "not its outputs' fingerprints (`--ledger-cap` measures the writes of a run that fits)."
+           if args.ledger_cap is None else
+           f"`ledger_cap` is raised to {args.ledger_cap:,} (`--ledger-cap`), so a run that stays under "
+           "it writes every output's fingerprints (~16 KB for a 5 KB output)."),
         "",
         "**Noise.** The machine has 2 cores shared by wrk, the upstream, the proxy (and other engineers' "
         "jobs): compare ratios within this run, not absolute numbers across runs. 2-worker rows compete "
@@ -537,6 +549,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="what --profile measures (default envelope)")
     p.add_argument("--profile-concurrency", type=int, default=16, help="wrk connections while profiling (default 16)")
     p.add_argument("--profile-size", type=int, default=5000, help="output size while profiling (default 5000)")
+    p.add_argument("--ledger-cap", type=int, default=None, metavar="N",
+                   help="the envelopes' dataflow.ledger_cap (default the policy's 65,536: a run of 5 KB "
+                        "outputs overflows after ~32 calls and then records only its flags); up to "
+                        "4,000,000 keeps every output's fingerprints written")
     p.add_argument("--results", type=Path, default=BENCH / "RESULTS.md",
                    help="file whose mix section is replaced (default bench/RESULTS.md)")
     args = p.parse_args(argv)
@@ -565,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             ensure_venvs()
         with tempfile.TemporaryDirectory(prefix="envelope-mix-") as tmpdir:
             tmp = Path(tmpdir)
+            R.DATAFLOW = dataflow_settings(args)
             cells, unsupported = run_mix(args, tmp)
             prof = profile(args, tmp) if args.profile else None
     except (R.BenchError, subprocess.CalledProcessError) as exc:

@@ -77,6 +77,9 @@ ALLOWED = "allow/ok"
 DISCONNECTED = "error/client_disconnected"
 TRANSPORT: str | None = None  # --envelope-transport; None: the runtime config default
 LISTENER: str | None = None  # --listener: the envelope configs' MCP listener; None: the default
+# `dataflow:` settings every envelope config's policy adds to the bench policy (mix.py
+# --ledger-cap); empty: the bench policy as it is.
+DATAFLOW: dict[str, object] = {}
 
 
 class BenchError(RuntimeError):
@@ -275,12 +278,25 @@ def noflow_policy(tmp: Path) -> Path:
     """The bench policy plus `dataflow: {mode: off}`: the envelope without data-flow tracking
     (the default, with no `dataflow:` section, is shadow: every call's untrusted output is
     fingerprinted into the run's ledger; all calls share one run, the static principal)."""
-    directory = tmp / "policy-noflow"
+    return policy_with(tmp, "noflow", {**DATAFLOW, "mode": "off"})
+
+
+def policy_with(tmp: Path, name: str, dataflow: dict[str, object]) -> Path:
+    """A copy of the bench policy plus a file holding the `dataflow:` section (the bench policy
+    has none: one file only may)."""
+    directory = tmp / f"policy-{name}"
     directory.mkdir(exist_ok=True)
     for f in POLICY_DIR.glob("*.yaml"):
         (directory / f.name).write_text(f.read_text())
-    (directory / "zz-noflow.yaml").write_text("version: 1\ndataflow:\n  mode: \"off\"\n")
+    (directory / f"zz-{name}.yaml").write_text(json.dumps({"version": 1, "dataflow": dataflow}))
     return directory
+
+
+def envelope_policy(tmp: Path, name: str) -> Path:
+    """The policy directory an envelope config `name` serves."""
+    if name == "noflow":
+        return noflow_policy(tmp)
+    return policy_with(tmp, "dataflow", DATAFLOW) if DATAFLOW else POLICY_DIR
 
 
 def envelope_config(tmp: Path, upstream_url: str, workers: int, name: str = "envelope") -> tuple[Path, int, int]:
@@ -289,7 +305,7 @@ def envelope_config(tmp: Path, upstream_url: str, workers: int, name: str = "env
     config = {
         "listen": f"127.0.0.1:{port}",
         "admin": f"127.0.0.1:{admin}",
-        "policies": str(noflow_policy(tmp) if name == "noflow" else POLICY_DIR),
+        "policies": str(envelope_policy(tmp, name)),
         "state_dir": str(state),
         "identity": {"mode": "static", "principal": "bench-agent", "groups": ["engineering"]},
         "upstreams": {UPSTREAM_NAME: {"url": upstream_url}},

@@ -20,6 +20,9 @@ sys.path.insert(0, str(BENCH))
 
 import mix  # noqa: E402
 import mix_upstream  # noqa: E402
+import run as R  # noqa: E402
+
+from proxy.policy.loader import load_policy  # noqa: E402
 
 
 def _http(raw: bytes) -> tuple[bytes, bytes]:
@@ -88,7 +91,7 @@ def test_write_section_replaces_only_the_mix_section(tmp_path: Path) -> None:
 
 def test_report_states_the_per_cpu_ratio_against_fastmcp() -> None:
     args = argparse.Namespace(sizes=[200], clients=["stateless"], configs=list(mix.CONFIGS), workers=[1],
-                              concurrency=[32], duration=2.0, warmup=0.5)
+                              concurrency=[32], duration=2.0, warmup=0.5, ledger_cap=None)
 
     def cell(config: str, cpu: float | None, rps: float, p50: float) -> mix.Cell:
         return mix.Cell(200, "stateless", config, 1, 32, rps, p50, 2 * p50, 1000, cpu, 100.0)
@@ -103,7 +106,7 @@ def test_report_states_the_per_cpu_ratio_against_fastmcp() -> None:
 
 def test_report_takes_the_envelope_apart_over_the_passthrough() -> None:
     args = argparse.Namespace(sizes=[200], clients=["stateless"], configs=[*mix.CONFIGS, *mix.PARTS], workers=[1],
-                              concurrency=[32], duration=2.0, warmup=0.5)
+                              concurrency=[32], duration=2.0, warmup=0.5, ledger_cap=None)
 
     def cell(config: str, cpu: float) -> mix.Cell:
         return mix.Cell(200, "stateless", config, 1, 32, 1000.0, 1.0, 2.0, 1000, cpu, 100.0)
@@ -115,3 +118,29 @@ def test_report_takes_the_envelope_apart_over_the_passthrough() -> None:
     assert "| 200 | stateless | 32 | 200.0 | 1.85 | +0.40 | +1.00 | 3.25 |" in text
     # Without the parts measured, no such table.
     assert "Where the full envelope's CPU goes" not in mix.report(cells[:1] + cells[3:], {}, args, None)
+
+
+@pytest.mark.parametrize("name", ["envelope", "envelope-memory", "noflow"])
+def test_ledger_cap_reaches_every_envelopes_policy_and_the_policy_loads(name: str, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # --ledger-cap: a run of 5 KB outputs that fits its cap writes every output's fingerprints;
+    # noflow keeps its `mode: off` beside it (one file only may hold `dataflow:`).
+    args = mix.parse_args(["--ledger-cap", "4000000"])
+    monkeypatch.setattr(R, "DATAFLOW", mix.dataflow_settings(args))
+    dataflow = load_policy(R.envelope_policy(tmp_path, name)).document.dataflow
+    assert dataflow is not None and dataflow.ledger_cap == 4_000_000
+    # The bench policy's mode (no section: shadow) stays: only the cap moves.
+    assert dataflow.mode == ("off" if name == "noflow" else "shadow")
+    monkeypatch.setattr(R, "DATAFLOW", {})
+    assert R.envelope_policy(tmp_path, "envelope") == R.POLICY_DIR
+
+
+def test_report_says_whether_the_run_overflows_its_cap() -> None:
+    args = argparse.Namespace(sizes=[5000], clients=["stateless"], configs=["passthrough", "envelope"], workers=[1],
+                              concurrency=[1], duration=2.0, warmup=0.5, ledger_cap=None)
+    cells = [mix.Cell(5000, "stateless", c, 1, 1, 1000.0, 1.0, 2.0, 1000, 500.0, 100.0)
+             for c in ("passthrough", "envelope")]
+    assert "overflows (coarse)" in mix.report(cells, {}, args, None)
+    args.ledger_cap = 4_000_000
+    text = mix.report(cells, {}, args, None)
+    assert "raised to 4,000,000" in text and "overflows (coarse)" not in text
