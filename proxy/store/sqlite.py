@@ -176,6 +176,8 @@ INLINE_WRITE_BYTES = 64 * 1024
 CHECKPOINT_COMMITS = 256
 # Most hashes whose last state the loop's write connection carries from batch to batch (`_Carried`).
 CARRIED_HASHES = 4096
+# Most fields of one hash carried with it (a run's flags and sources are a few).
+CARRIED_FIELDS = 64
 _RESTART_WAIT_MS = 100
 
 # Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
@@ -365,14 +367,18 @@ class _Batch:
         """After `finish`: what the table now holds of every hash the batch touched (its meta
         row, counter and fields known), for the next batch of the connection (`_Carried`)."""
         for name, meta in self._metas.items():
-            known = self._known.get(name)
-            yield name, (meta, self._counters.get(name, _UNREAD), None if known is None else dict(known))
+            # Only fields the hash holds: a field known absent (a pending marker removed, one
+            # per streamed call) is read again if asked for, so a long run's markers do not
+            # pile up here; nor are more than `CARRIED_FIELDS` carried (none then).
+            known = {f: v for f, v in self._known.get(name, {}).items() if v is not None}
+            yield name, (meta, self._counters.get(name, _UNREAD),
+                         known if 0 < len(known) <= CARRIED_FIELDS else None)
 
 
 # A hash as a batch left it: its meta row (None: no such hash), its counter field (None: absent;
-# `_UNREAD`: not read) and the values of the fields known (None: none known).
+# `_UNREAD`: not read) and the values of fields it holds (None: none known).
 _UNREAD = b"\0unread"
-_CarriedHash = tuple[tuple[float | None, int] | None, bytes | None, dict[bytes, bytes | None] | None]
+_CarriedHash = tuple[tuple[float | None, int] | None, bytes | None, dict[bytes, bytes] | None]
 
 
 class _Carried:

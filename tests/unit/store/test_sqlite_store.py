@@ -411,3 +411,17 @@ async def test_a_hash_that_expired_between_batches_starts_afresh(inline: SqliteS
     assert _log(inline.path, "run") == {LOG_COUNTER: b"1 1", log_field(1): b"c"}
     assert await inline.hash_since("log", "run", 0, with_hash="meta") == await memory.hash_since(
         "log", "run", 0, with_hash="meta")
+
+
+async def test_what_a_long_run_carries_stays_as_small_as_its_hashes(inline: SqliteStore) -> None:
+    # Each streamed call puts a pending marker in the run's flags hash and removes it after: a
+    # run of many such calls must not pile up the removed markers in what is carried from batch
+    # to batch (memory growing with the run's calls), only what the hash holds.
+    for i in range(300):
+        await inline.hash_put("meta", "run", {b"p:%d" % i: b"1"}, ttl=60.0)
+        await inline.hash_append("log", "run", b"e", ttl=60.0, weight=1, also=("meta", {b"u": b"1"}),
+                                 drop=[b"p:%d" % i])
+    carried = inline._carried.take("meta", "run")
+    assert carried is not None and carried[0] is not None and carried[0][1] == 1  # one field: u
+    assert carried[2] == {b"u": b"1"}
+    assert await inline.hash_all("meta", "run") == {b"u": b"1"}
