@@ -292,7 +292,8 @@ class _Batch:
     def meta_and_values(self, ns: str, key: str,
                         fields: Sequence[bytes]) -> tuple[tuple[float | None, int] | None, dict[bytes, bytes]]:
         """A hash's meta row and the values it holds of a few `fields`: one statement, none
-        when the batch has read or written them already."""
+        when the batch (or an earlier one, `_Carried`) has read or written them already, or
+        knows every field the hash holds."""
         marks = "(" + ", ".join("?" * len(fields)) + ")"
         if not self._adopt(ns, key):
             rows = self.conn.execute(_HASH_HEAD + marks + _HASH_HEAD_WHERE, (*fields, ns, key)).fetchall()
@@ -303,8 +304,10 @@ class _Batch:
             known = self._known.get((ns, key), {})
             if meta is None:
                 held = {}  # no such hash: it holds none of them (known as such from now on)
-            elif all(f in known for f in fields):
-                return meta, {f: v for f in fields if (v := known[f]) is not None}
+            elif all(f in known for f in fields) or sum(v is not None for v in known.values()) == meta[1]:
+                # Known already, or every field the hash holds is (as many as its size): a
+                # field not among them is absent (a stream's new pending marker reads nothing).
+                return meta, {f: v for f in fields if (v := known.get(f)) is not None}
             else:
                 held = {bytes(f): bytes(v) for f, v in self.conn.execute(_HASH_VALUES + marks, (ns, key, *fields))}
         known = self._known.setdefault((ns, key), {})

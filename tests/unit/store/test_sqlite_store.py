@@ -425,3 +425,30 @@ async def test_what_a_long_run_carries_stays_as_small_as_its_hashes(inline: Sqli
     assert carried is not None and carried[0] is not None and carried[0][1] == 1  # one field: u
     assert carried[2] == {b"u": b"1"}
     assert await inline.hash_all("meta", "run") == {b"u": b"1"}
+
+
+async def test_a_streamed_calls_pending_marker_reads_nothing_when_the_flags_are_all_known(
+        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A streamed call's pending marker is a new field of the run's flags hash. Once the batches
+    # know every field that hash holds (as many as its size), a field not among them is absent:
+    # the marker is written without reading the hash first.
+    await inline.hash_append("log", "run", b"e0", ttl=60.0, weight=1, also=("meta", {b"u": b"1"}))
+    ran: list[str] = []
+    real = inline._loop_writer.conn
+    assert real is not None
+    monkeypatch.setattr(inline._loop_writer, "conn", _Counted(real, ran))
+    for i in range(3):
+        await inline.hash_put("meta", "run", {b"p:%d" % i: b"9"}, ttl=60.0)
+        await inline.hash_append("log", "run", b"e", ttl=60.0, weight=1, also=("meta", {b"u": b"1"}),
+                                 drop=[b"p:%d" % i])
+    assert [sql for sql in ran if sql.startswith("SELECT")] == []
+    monkeypatch.setattr(inline._loop_writer, "conn", real)
+    # And what the hash holds is exactly what one store reading everything would have left.
+    memory = MemoryStore()
+    await memory.hash_append("log", "run", b"e0", ttl=60.0, weight=1, also=("meta", {b"u": b"1"}))
+    for i in range(3):
+        await memory.hash_put("meta", "run", {b"p:%d" % i: b"9"}, ttl=60.0)
+        await memory.hash_append("log", "run", b"e", ttl=60.0, weight=1, also=("meta", {b"u": b"1"}),
+                                 drop=[b"p:%d" % i])
+    assert await inline.hash_since("log", "run", 0, with_hash="meta") == await memory.hash_since(
+        "log", "run", 0, with_hash="meta")
