@@ -460,6 +460,35 @@ def test_ambiguous_request_framing_is_refused_and_closed_and_never_reaches_the_u
             assert status == 200 and result_of(body, 1)["content"][0]["text"] == "after"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_http11_without_host_is_refused_closed_and_counted_bad_host(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    """RFC 9112 3.2: an HTTP/1.1 request with no Host is a 400 and its connection is closed (the
+    smuggling table above checks that much among the other framings). Either listener answers
+    with the guard's JSON-RPC refusal and counts it `bad_host` (under `listener: aiohttp`,
+    aiohttp's parser refuses it before the guard: it was a plain-text 400, never counted), and
+    HTTP/1.0, which has no Host requirement, is still served."""
+    with served(tmp_path, hostile, kind) as pp:
+        host_line = f"Host: 127.0.0.1:{pp.port}\r\n".encode()
+        before = metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host")
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(request(pp.port, 1, text="no host").replace(host_line, b"", 1))
+            status, _, answer = read_response(f)
+            assert status == 400, answer
+            error = json.loads(answer)["error"]
+            assert error["code"] == -32600 and "Host header" in error["message"], error
+            assert closed_within(sock, 5) is not None
+        after = metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host")
+        assert after == before + 1, (before, after)
+        body = call_body(2, text="ten, no host")
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(head(pp.port, len(body), version="1.0").replace(host_line, b"", 1) + body)
+            status, _, answer = read_response(f)
+            assert status == 200 and result_of(answer, 2)["content"][0]["text"] == "ten, no host"
+        assert metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host") == after
+    assert [c["params"]["arguments"]["text"] for c in hostile.control.calls()] == ["ten, no host"]
+
+
 def _hits_and_records(pp: ProxyProcess, hostile: HostileUpstream) -> tuple[list[str], list[str]]:
     texts = [c["params"]["arguments"]["text"] for c in hostile.control.calls()]
     records = [r["decision_id"] for r in pp.audit_records() if r.get("tool") == "read_page"]
