@@ -464,10 +464,11 @@ def test_ambiguous_request_framing_is_refused_and_closed_and_never_reaches_the_u
 def test_http11_without_host_is_refused_closed_and_counted_bad_host(
         tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
     """RFC 9112 3.2: an HTTP/1.1 request with no Host is a 400 and its connection is closed (the
-    smuggling table above checks that much among the other framings). Either listener answers
-    with the guard's JSON-RPC refusal and counts it `bad_host` (under `listener: aiohttp`,
-    aiohttp's parser refuses it before the guard: it was a plain-text 400, never counted), and
-    HTTP/1.0, which has no Host requirement, is still served."""
+    smuggling table above checks that much among the other framings), on the MCP and the HTTP
+    front's routes. Either listener answers with the guard's refusal and counts it `bad_host`
+    (under `listener: aiohttp`, aiohttp's parser refuses it before the guard: it was a plain-text
+    400, never counted; under `listener: fast` the HTTP front's problem details kept the
+    connection open), and HTTP/1.0, which has no Host requirement, is still served."""
     with served(tmp_path, hostile, kind) as pp:
         host_line = f"Host: 127.0.0.1:{pp.port}\r\n".encode()
         before = metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host")
@@ -478,8 +479,15 @@ def test_http11_without_host_is_refused_closed_and_counted_bad_host(
             error = json.loads(answer)["error"]
             assert error["code"] == -32600 and "Host header" in error["message"], error
             assert closed_within(sock, 5) is not None
+        # The same on the HTTP front's route (problem details under `listener: fast`, where the
+        # guard runs in the route; aiohttp's parser refuses it before routing).
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(b"GET /http/h/items HTTP/1.1\r\nAccept: */*\r\n\r\n")
+            status, _, answer = read_response(f)
+            assert status == 400 and b"Host header" in answer, answer
+            assert closed_within(sock, 5) is not None
         after = metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host")
-        assert after == before + 1, (before, after)
+        assert after == before + 2, (before, after)
         body = call_body(2, text="ten, no host")
         with connect(pp) as sock, sock.makefile("rb") as f:
             sock.sendall(head(pp.port, len(body), version="1.0").replace(host_line, b"", 1) + body)
