@@ -494,6 +494,8 @@ def test_http11_without_host_is_refused_closed_and_counted_bad_host(
             status, _, answer = read_response(f)
             assert status == 200 and result_of(answer, 2)["content"][0]["text"] == "ten, no host"
         assert metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host") == after
+        # Like the 421 for a foreign host, the refusal is not audited: no call was read.
+        assert [(r.get("tool"), r["code"]) for r in pp.audit_records()] == [("read_page", "ok")]
     assert [c["params"]["arguments"]["text"] for c in hostile.control.calls()] == ["ten, no host"]
 
 
