@@ -53,6 +53,16 @@ def best_us(texts: list[str], fn: Callable[[str], object], passes: int) -> float
     return best
 
 
+def texts(prose: str, size: int, outputs: int) -> list[str]:
+    """`outputs` distinct outputs of `size` characters: record_bench.py's prose (`record`), or the
+    windows bench/mix.py's upstream sends, in the order it sends them (`mix`)."""
+    if prose == "mix":
+        answers = Answers(size)
+        return [answers.window() for _ in range(outputs)]
+    rng = random.Random(3)
+    return [output(rng, size) for _ in range(outputs)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=200, help="characters per output (default 200)")
@@ -62,12 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="record_bench.py's token-dense prose (default), or the windows bench/mix.py's "
                         "upstream sends (no URLs, addresses or numbers)")
     args = p.parse_args(argv)
-    if args.prose == "mix":
-        answers = Answers(args.size)
-        texts = [answers.window() for _ in range(args.outputs)]
-    else:
-        rng = random.Random(3)
-        texts = [output(rng, args.size) for _ in range(args.outputs)]
+    outputs = texts(args.prose, args.size, args.outputs)
     untrusted = Label(True, False)
     parts: list[tuple[str, Callable[[str], object]]] = [
         ("LedgerDelta.of", lambda t: LedgerDelta.of("web.fetch", [Piece(t, untrusted, "t")], N, limit=CAP)),
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{F.WINNOW_IMPL}, token scan: {getattr(F, 'TOKENS_IMPL', 'python')}\n")
     print("| part | µs per output |\n|---|---:|")
     for name, fn in parts:
-        print(f"| {name} | {best_us(texts, fn, args.passes):.2f} |")
+        print(f"| {name} | {best_us(outputs, fn, args.passes):.2f} |")
     return 0
 
 

@@ -17,6 +17,11 @@ accepts and the proxy does not (`proxy.framing`): 400, and the connection closed
 MCP listener under `listener: aiohttp` and the admin listener; the fast listener refuses the same
 in its parser callback.
 
+An HTTP/1.1 request with no Host goes the other way: aiohttp's parser refuses it (400, plain
+text) before the application, and so the guard, sees it. Given `on_missing_host`, the listener
+answers with what that returns instead (the MCP listener: the guard's refusal, counted
+`bad_host`), as the fast listener's guard does.
+
 Cost: one timer per connection (set on open, cancelled at the first head); on a keep-alive
 connection whose head arrives in one read (every client's usual case), nothing but two
 attribute reads per `data_received`.
@@ -29,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestHandler
 
 from proxy.framing import request_bad_framing
@@ -36,19 +42,32 @@ from proxy.framing import request_bad_framing
 __all__ = ["ListenerRunner"]
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+# What aiohttp's parsers (C and Python) raise for an HTTP/1.1 request with no Host.
+_NO_HOST = "Missing 'Host' header in request."
 
 
 class _HeadTimedHandler(RequestHandler):
-    """aiohttp's connection protocol, closing a connection whose request head is late."""
+    """aiohttp's connection protocol, closing a connection whose request head is late (and
+    answering a request with no Host as `on_missing_host` says)."""
 
-    __slots__ = ("_head_timeout", "_head_timer", "_on_head_timeout")
+    __slots__ = ("_head_timeout", "_head_timer", "_on_head_timeout", "_on_missing_host")
 
     def __init__(self, manager: web.Server, *, head_timeout: float,
-                 on_head_timeout: Callable[[], None] | None, **kwargs: Any):
+                 on_head_timeout: Callable[[], None] | None,
+                 on_missing_host: Callable[[], web.StreamResponse] | None, **kwargs: Any):
         super().__init__(manager, **kwargs)
         self._head_timeout = head_timeout
         self._head_timer: asyncio.TimerHandle | None = None
         self._on_head_timeout = on_head_timeout
+        self._on_missing_host = on_missing_host
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if (self._on_missing_host is not None and isinstance(exc, BadHttpMessage)
+                and exc.message == _NO_HOST):
+            return self._on_missing_host()  # closes the connection, as aiohttp's answer would
+        return super().handle_error(request, status, exc, message)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -100,33 +119,40 @@ class _HeadTimedServer(web.Server):
     `proxy.framing` names."""
 
     def __init__(self, base: web.Server, head_timeout: float,
-                 on_head_timeout: Callable[[], None] | None):
+                 on_head_timeout: Callable[[], None] | None,
+                 on_missing_host: Callable[[], web.StreamResponse] | None):
         super().__init__(_framed(base.request_handler), request_factory=base.request_factory,
                          handler_cancellation=base.handler_cancellation, **base._kwargs)
         self.head_timeout = head_timeout
         self.on_head_timeout = on_head_timeout
+        self.on_missing_host = on_missing_host
 
     def __call__(self) -> RequestHandler:
         return _HeadTimedHandler(self, head_timeout=self.head_timeout,
-                                 on_head_timeout=self.on_head_timeout, loop=self._loop,
+                                 on_head_timeout=self.on_head_timeout,
+                                 on_missing_host=self.on_missing_host, loop=self._loop,
                                  **self._kwargs)
 
 
 class ListenerRunner(web.AppRunner):
     """`web.AppRunner` whose connections must send each request head within `header_timeout`
     seconds and are closed when idle for `keepalive_timeout` seconds (see the module
-    docstring). `on_header_timeout` is told of every connection closed for a late head."""
+    docstring). `on_header_timeout` is told of every connection closed for a late head;
+    `on_missing_host` (None: aiohttp's own 400) answers an HTTP/1.1 request with no Host."""
 
-    __slots__ = ("_header_timeout", "_on_header_timeout")
+    __slots__ = ("_header_timeout", "_on_header_timeout", "_on_missing_host")
 
     def __init__(self, app: web.Application, *, header_timeout: float, keepalive_timeout: float,
-                 on_header_timeout: Callable[[], None] | None = None, **kwargs: Any):
+                 on_header_timeout: Callable[[], None] | None = None,
+                 on_missing_host: Callable[[], web.StreamResponse] | None = None, **kwargs: Any):
         super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._header_timeout = header_timeout
         self._on_header_timeout = on_header_timeout
+        self._on_missing_host = on_missing_host
 
     async def _make_server(self) -> web.Server:
         # The server aiohttp builds (startup hooks run, the app frozen, its handler arguments
         # applied), rebuilt with the same arguments as one whose connections time heads.
         base = await super()._make_server()
-        return _HeadTimedServer(base, self._header_timeout, self._on_header_timeout)
+        return _HeadTimedServer(base, self._header_timeout, self._on_header_timeout,
+                                self._on_missing_host)

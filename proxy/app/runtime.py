@@ -10,6 +10,7 @@ later) exits at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ from proxy.errors import ListenError, PolicyError, StoreError
 from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.context import FrontContext, FrontSettings
 from proxy.fronts.forwarded import UpstreamTarget
-from proxy.fronts.guard import LOOPBACK_HOSTS, Guard, GuardSettings
+from proxy.fronts.guard import LOOPBACK_HOSTS, Guard, GuardSettings, missing_host
 from proxy.fronts.http_front import HttpFront
 from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
@@ -419,6 +420,7 @@ class Runtime:
                 mcp_app, access_log=None, handler_cancellation=True,
                 header_timeout=listener.header_timeout,
                 keepalive_timeout=listener.keepalive_timeout, on_header_timeout=on_header_timeout,
+                on_missing_host=functools.partial(missing_host, self.metrics),
                 # aiohttp waits this long twice (for the handler, then again after cancelling
                 # its body): half makes the whole grace.
                 shutdown_timeout=self.config.shutdown_grace / 2)

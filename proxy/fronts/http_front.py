@@ -223,7 +223,8 @@ _KEPT = ("WWW-Authenticate", "Retry-After", "Connection")
 def _as_problem(response: web.Response, code: str | None = None) -> web.Response:
     """A refusal the guard or the shared context built for the MCP routes (a JSON-RPC error
     body), as problem details: its status, kept headers and message, and the decision's members
-    when it was audited (an invalid header)."""
+    when it was audited (an invalid header); a refusal that closes the connection (no Host)
+    still closes it."""
     try:
         error = orjson.loads(response.body)["error"]  # type: ignore[arg-type]
         message, data = str(error["message"]), error.get("data")
@@ -233,4 +234,7 @@ def _as_problem(response: web.Response, code: str | None = None) -> web.Response
     members = dict(decision) if isinstance(decision, dict) else {}
     code = str(members.pop("code", None) or code or _WIRE_CODES.get(response.status, "refused"))
     headers = {h: response.headers[h] for h in _KEPT if h in response.headers}
-    return render.problem(response.status, code, message, headers, **members)
+    problem = render.problem(response.status, code, message, headers, **members)
+    if response.keep_alive is False:  # force_close() sets no header for `_KEPT` to carry
+        problem.force_close()
+    return problem

@@ -460,6 +460,45 @@ def test_ambiguous_request_framing_is_refused_and_closed_and_never_reaches_the_u
             assert status == 200 and result_of(body, 1)["content"][0]["text"] == "after"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_http11_without_host_is_refused_closed_and_counted_bad_host(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    """RFC 9112 3.2: an HTTP/1.1 request with no Host is a 400 and its connection is closed (the
+    smuggling table above checks that much among the other framings), on the MCP and the HTTP
+    front's routes. Either listener answers with the guard's refusal and counts it `bad_host`
+    (under `listener: aiohttp`, aiohttp's parser refuses it before the guard: it was a plain-text
+    400, never counted; under `listener: fast` the HTTP front's problem details kept the
+    connection open), and HTTP/1.0, which has no Host requirement, is still served."""
+    with served(tmp_path, hostile, kind) as pp:
+        host_line = f"Host: 127.0.0.1:{pp.port}\r\n".encode()
+        before = metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host")
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(request(pp.port, 1, text="no host").replace(host_line, b"", 1))
+            status, _, answer = read_response(f)
+            assert status == 400, answer
+            error = json.loads(answer)["error"]
+            assert error["code"] == -32600 and "Host header" in error["message"], error
+            assert closed_within(sock, 5) is not None
+        # The same on the HTTP front's route (problem details under `listener: fast`, where the
+        # guard runs in the route; aiohttp's parser refuses it before routing).
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(b"GET /http/h/items HTTP/1.1\r\nAccept: */*\r\n\r\n")
+            status, _, answer = read_response(f)
+            assert status == 400 and b"Host header" in answer, answer
+            assert closed_within(sock, 5) is not None
+        after = metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host")
+        assert after == before + 2, (before, after)
+        body = call_body(2, text="ten, no host")
+        with connect(pp) as sock, sock.makefile("rb") as f:
+            sock.sendall(head(pp.port, len(body), version="1.0").replace(host_line, b"", 1) + body)
+            status, _, answer = read_response(f)
+            assert status == 200 and result_of(answer, 2)["content"][0]["text"] == "ten, no host"
+        assert metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="bad_host") == after
+        # Like the 421 for a foreign host, the refusal is not audited: no call was read.
+        assert [(r.get("tool"), r["code"]) for r in pp.audit_records()] == [("read_page", "ok")]
+    assert [c["params"]["arguments"]["text"] for c in hostile.control.calls()] == ["ten, no host"]
+
+
 def _hits_and_records(pp: ProxyProcess, hostile: HostileUpstream) -> tuple[list[str], list[str]]:
     texts = [c["params"]["arguments"]["text"] for c in hostile.control.calls()]
     records = [r["decision_id"] for r in pp.audit_records() if r.get("tool") == "read_page"]

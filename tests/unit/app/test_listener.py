@@ -155,3 +155,41 @@ async def test_a_head_in_pieces_within_the_timeout_is_answered(listener: Listene
     writer.write(GET)
     assert await _answer(reader) == b"ok"
     writer.close()
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["on_missing_host", "aiohttp's own"])
+async def test_an_http11_request_without_host_is_answered_by_on_missing_host(told: bool) -> None:
+    """aiohttp's parser refuses it before any route runs; `on_missing_host` picks the answer
+    (the MCP listener: the guard's refusal), else aiohttp's plain 400. Both close the connection;
+    HTTP/1.0, which needs no Host, is served."""
+    app = web.Application()
+    app.router.add_get("/ok", _ok)
+    refusals: list[str] = []
+
+    def refuse() -> web.Response:
+        refusals.append("no host")
+        response = web.Response(status=400, text="refused here")
+        response.force_close()
+        return response
+
+    runner = ListenerRunner(app, header_timeout=IDLE, keepalive_timeout=IDLE, access_log=None,
+                            on_missing_host=refuse if told else None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /ok HTTP/1.1\r\n\r\n" + GET)  # the second is never answered
+        async with asyncio.timeout(10):
+            answer = await reader.read()  # to the close
+        writer.close()
+        # One answer (aiohttp writes a refusal from its parser as HTTP/1.0, its own too).
+        assert answer.startswith(b"HTTP/1.0 400 ") and answer.count(b"HTTP/1.") == 1, answer
+        assert answer.endswith(b"refused here") == told, answer
+        assert refusals == (["no host"] if told else [])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /ok HTTP/1.0\r\n\r\n")
+        assert await _answer(reader) == b"ok"
+        writer.close()
+    finally:
+        await runner.cleanup()

@@ -283,6 +283,43 @@ async def test_a_batch_meeting_a_held_write_lock_is_committed_once_by_the_worker
     assert threads[-1] == threading.get_ident()
 
 
+class _Tracked(sqlite3.Connection):
+    """A connection that remembers being closed."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+async def test_a_loop_connection_that_cannot_be_set_up_is_closed_and_its_batch_goes_to_the_worker(
+        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = _threads_applying(monkeypatch)
+    opened: list[_Tracked] = []
+    real_connect = sqlite3.connect
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = real_connect(*args, factory=_Tracked, **kwargs)
+        opened.append(conn)
+        return conn
+
+    monkeypatch.setattr(sqlite_module.sqlite3, "connect", connect)
+    pragmas = inline._loop_writer.pragmas
+    # A pragma that fails (as one may on a file the loop's connection cannot set up).
+    monkeypatch.setattr(inline._loop_writer, "pragmas", (*pragmas, "SELECT no_such_function()"))
+    assert await inline.hash_append("log", "run", b"a", ttl=60.0) == 1
+    assert threads and threading.get_ident() not in threads  # committed, by the worker
+    assert [conn.closed for conn in opened] == [True]  # closed, not left open
+    assert inline._loop_writer.conn is None
+    # The next batch tries again, and once the connection sets up the loop commits.
+    monkeypatch.setattr(inline._loop_writer, "pragmas", pragmas)
+    assert await inline.hash_append("log", "run", b"b", ttl=60.0) == 2
+    assert threads[-1] == threading.get_ident()
+    assert inline._loop_writer.conn is opened[-1] and not opened[-1].closed
+    assert _log(inline.path, "run") == {LOG_COUNTER: b"2 0", log_field(1): b"a", log_field(2): b"b"}
+
+
 async def test_the_wal_stays_bounded_under_many_inline_commits(inline: SqliteStore,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     threads = _threads_applying(monkeypatch)
