@@ -20,7 +20,9 @@ of the same run: flat means those ratios stay within 0.9-1.1. Every cell is veri
 bench/mix.py's are (HTTP 200 with the whole output before and after, no non-2xx or socket
 errors, one `allow` decision per request). The policy raises `ledger_cap` to its most
 (4,000,000 fingerprints): at the default one run would overflow after about a thousand calls and
-then record nothing more, which costs less and is not what is compared.
+then record nothing more, which costs less and is not what is compared. Its `dataflow:` section
+makes the data-flow check `enforce` (bench.yaml has none: shadow), the issue's mode: every output
+is recorded before it is delivered either way.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def policy_dir(tmp: Path, tools: int) -> Path:
     shutil.copy(BENCH / "policy" / "bench.yaml", directory / "bench.yaml")
     # A run whose ledger overflowed records nothing more (cheaper, and not what is compared): the
     # cap raised so that the single run of a one-run cell never reaches it.
-    (directory / "zz-scale.yaml").write_text(f"version: 1\ndataflow:\n  ledger_cap: {LEDGER_CAP}\n")
+    (directory / "zz-scale.yaml").write_text(f"version: 1\ndataflow:\n  mode: enforce\n  ledger_cap: {LEDGER_CAP}\n")
     extra = tools - 1
     for f in range(0, extra, 100):
         body = "".join(tool_yaml(i, RULES_PER_TOOL) for i in range(f, min(extra, f + 100)))
