@@ -1,7 +1,8 @@
 """SQLite store: the embedded default. One file in the state directory, shared by every worker.
 
 Every sqlite call that may wait runs on one worker thread the store owns (its connection lives
-there), so the event loop never waits on another process's lock. Two exceptions, each on a
+there; checkpoints have a thread of their own, below), so the event loop never waits on another
+process's lock. Two exceptions, each on a
 connection of the event loop's own with busy timeout 0, which hands to the worker whatever would
 wait: hash write batches (Group commit, below) and the warm sink check's read: a small `hash_since` (at most `INLINE_ENTRIES` entries, `INLINE_BYTES`) is answered on the event loop's
 thread by a read-only connection of its own with busy timeout 0 (a WAL reader waits for no
@@ -35,14 +36,24 @@ transaction committed, so an output is still recorded before it is delivered; co
 share one commit (a batch is committed on the event loop's next turn, so the answers that arrived
 together share it). The loop's thread commits a batch itself (`_flush_inline`: no thread hop, no
 interpreter-lock handoff per statement) unless it holds more than `INLINE_WRITES` writes or
-`INLINE_WRITE_BYTES`, or a batch handed to the worker has not committed yet (order), or
-BEGIN IMMEDIATE answers SQLITE_BUSY (another process, or this one's checkpoint or purge, holds
-the write lock: nothing is written yet, and the worker commits the same batch once, waiting with
-its busy timeout). Those batches go to the worker, which takes the queue as it stands when it
-gets to it. The loop's connection never checkpoints: every `CHECKPOINT_COMMITS` of its commits
-the worker does (`_checkpoint`), and it purges. `ENVELOPE_SQLITE_INLINE=0` (or
+`INLINE_WRITE_BYTES`, or a batch handed to the worker has not committed yet (order). Those
+batches go to the worker, which takes the queue as it stands when it gets to it. When BEGIN
+IMMEDIATE answers SQLITE_BUSY (this process's checkpoint or purge, or another process, holds the
+write lock), nothing is written yet: the batch goes back to the head of the queue and the loop
+tries again `_LOCK_RETRY` later, with the writes queued meanwhile behind it (`_retry_later`), so
+the worker stays free for reads; after `_LOCK_PATIENCE` of that the worker takes it and waits
+with its busy timeout. Either way it is applied once. `ENVELOPE_SQLITE_INLINE=0` (or
 `inline_writes=False`) sends every batch to the worker. A batch fails as one: every caller in it
 gets the StoreError and nothing of it is kept.
+
+Checkpoints: the loop's connection never checkpoints (`wal_autocheckpoint = 0`); every
+`CHECKPOINT_COMMITS` of its commits a thread of the store's own, with its own connection, does
+(`_checkpoint`: on the worker, the tens of ms it takes delayed every read queued there). It
+copies the WAL back with `PASSIVE_PASSES` PASSIVE checkpoints, which block no writer, then a
+RESTART, which holds the write lock while it copies the last frames and syncs the database (the
+loop retries meanwhile), so that the next writer starts the WAL file over: PASSIVE alone never
+finds the WAL fully copied while the loop commits, and the WAL grew to 300 MB in 20,000 outputs.
+The worker purges expired rows.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
@@ -166,12 +177,20 @@ QUIET_LOGS = 4096
 # Largest write batch the event loop's thread commits itself (`SqliteStore._flush_inline`): at most
 # `INLINE_WRITES` writes of `INLINE_WRITE_BYTES` in all (a larger batch goes to the worker thread,
 # so one loop turn spends a bounded time on disk). Every `CHECKPOINT_COMMITS` commits of the
-# loop's connection (which never checkpoints itself), the worker copies the WAL back into the
-# database (`PRAGMA wal_checkpoint(PASSIVE)`), which keeps the WAL file bounded.
+# loop's connection (which never checkpoints itself), the checkpointer thread copies the WAL back
+# into the database and has it started over (`SqliteStore._checkpoint`), which keeps it bounded.
 INLINE_WRITES = 32
 INLINE_WRITE_BYTES = 64 * 1024
 CHECKPOINT_COMMITS = 256
 _RESTART_WAIT_MS = 100
+# PASSIVE copies before the RESTART (`SqliteStore._checkpoint`): each copies what the loop
+# committed while the one before ran, so the RESTART, which holds the write lock, has little left.
+PASSIVE_PASSES = 2
+# A batch that meets a held write lock is tried again on the loop every `_LOCK_RETRY` seconds, for
+# at most `_LOCK_PATIENCE` seconds (a checkpoint's RESTART holds the lock for tens of ms); then the
+# worker takes it and waits with its busy timeout (another process may hold the lock for long).
+_LOCK_RETRY = 0.001
+_LOCK_PATIENCE = 0.25
 
 # Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
 _IN_CHUNK = 500
@@ -588,6 +607,12 @@ class SqliteStore(Store):
         self._loop_writer = _LoopConnection("PRAGMA wal_autocheckpoint = 0", "PRAGMA synchronous = NORMAL")
         self._inline_commits = 0
         self._checkpoint_queued = False
+        # The checkpoints' own thread and connection (`_checkpoint`): a checkpoint takes tens of
+        # ms, which on the worker delayed every read queued behind it. And the first write of the
+        # batch that met a held write lock, with when it first did (`_retry_later`).
+        self._checkpointer: ThreadPoolExecutor | None = None
+        self._checkpoint_conn: sqlite3.Connection | None = None  # touched only on the checkpointer's thread
+        self._busy: tuple[_Write, float] | None = None
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
         # number, valid until (wall time), the hash's fields).
@@ -664,6 +689,7 @@ class SqliteStore(Store):
             self._loop_writer.forget()
             self._worker_batches = 0
             self._inline_commits, self._checkpoint_queued = 0, False
+            self._checkpointer, self._checkpoint_conn, self._busy = None, None, None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite")
         return self._executor
@@ -862,9 +888,11 @@ class SqliteStore(Store):
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+            if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
+                self._retry_later(pool, batch)  # never begun: applied once, from scratch, later
+            else:
                 self._close_writer()
-            self._hand_over(pool, batch)  # never begun: the worker applies it once, from scratch
+                self._hand_over(pool, batch)
             return True
         answers: list[Any] = []
         error: Exception | None = None
@@ -883,35 +911,77 @@ class SqliteStore(Store):
         _settle([(job.future, answers[i] if answers else None) for i, job in enumerate(batch)], error)
         return True
 
+    def _retry_later(self, pool: ThreadPoolExecutor, batch: list[_Write]) -> None:
+        """On the event loop: a batch that met the write lock held by another connection (this
+        process's checkpoint, mostly) back at the head of the queue, tried again on the loop in
+        `_LOCK_RETRY` seconds (the loop runs other work meanwhile); writes queued until then join
+        it behind, in order. After `_LOCK_PATIENCE` seconds of that, the worker takes the queue
+        and waits with its busy timeout. (The worker used to take it at once: behind the
+        checkpoint, then the lock, with every read queued on the worker waiting behind them.)"""
+        now = time.monotonic()
+        if self._busy is None or self._busy[0] is not batch[0]:
+            self._busy = (batch[0], now)  # (a batch that met the lock before has committed since)
+        elif now - self._busy[1] >= _LOCK_PATIENCE:
+            self._busy = None
+            self._hand_over(pool, batch)
+            return
+        with self._writes_lock:
+            self._writes[:0] = batch
+            self._flush_queued = True  # later writes join the queue; the retry flushes it
+        asyncio.get_running_loop().call_later(_LOCK_RETRY, self._start_flush, pool)
+
     def _after_inline_commit(self, pool: ThreadPoolExecutor, now: float) -> None:
-        """The worker's share of inline commits: a checkpoint every `CHECKPOINT_COMMITS`, the
-        purge of expired rows every `PURGE_INTERVAL`."""
+        """The worker's share of inline commits: the purge of expired rows every
+        `PURGE_INTERVAL`; and a checkpoint every `CHECKPOINT_COMMITS`, on a thread of its own."""
+        self._busy = None
         self._inline_commits += 1
         if self._inline_commits >= CHECKPOINT_COMMITS and not self._checkpoint_queued:
             self._inline_commits, self._checkpoint_queued = 0, True
-            pool.submit(self._checkpoint)
+            if self._checkpointer is None:
+                self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite-checkpoint")
+            self._checkpointer.submit(self._checkpoint)
         if now >= self._next_purge:
             self._next_purge = now + PURGE_INTERVAL
             pool.submit(self._purge, now)
 
     def _checkpoint(self) -> None:
-        """On the worker: the WAL copied back into the database, and the WAL file started over.
-        PASSIVE first (it blocks no writer, but the loop commits while it copies, so the WAL never
-        ends up fully copied and the next writer never starts it over: 300 MB after 20,000
-        outputs); then RESTART copies the few frames since, holding off writers for that moment
-        (the loop's batches meanwhile go to the worker, behind it) and for at most
-        `_RESTART_WAIT_MS` of a reader's old snapshot (if that is not enough, the next one)."""
+        """On the checkpointer's thread: the WAL copied back into the database, and the WAL file
+        started over. `PASSIVE_PASSES` PASSIVE copies first (they block no writer, but the loop
+        commits while they copy, so the WAL never ends up fully copied and the next writer never
+        starts it over: 300 MB after 20,000 outputs; each pass copies what came during the one
+        before); then RESTART copies the few frames since and syncs the database, holding off
+        writers for that moment (the loop retries its batch meanwhile, `_retry_later`) and for at
+        most `_RESTART_WAIT_MS` of a reader's old snapshot (if that is not enough, the next one).
+        Best effort: a failure drops the connection, and the next checkpoint catches up."""
         self._checkpoint_queued = False
         try:
-            conn = self._connect()
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            conn.execute(f"PRAGMA busy_timeout = {_RESTART_WAIT_MS}")
-            try:
-                conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
-            finally:
-                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout() * 1000)}")
+            conn = self._checkpoint_connection()
+            for _ in range(PASSIVE_PASSES):
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
         except sqlite3.Error:
-            pass  # best effort: the next one (or another connection's autocheckpoint) catches up
+            self._close_checkpoint_connection()
+
+    def _checkpoint_connection(self) -> sqlite3.Connection:
+        """The checkpointer thread's connection, opened on first use (after the worker set the
+        file up): its busy timeout is RESTART's wait for the write lock and old readers."""
+        if self._checkpoint_conn is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=_RESTART_WAIT_MS / 1000)
+            try:
+                conn.execute("PRAGMA synchronous = NORMAL")  # as the worker's: the same checkpoint
+            except BaseException:
+                conn.close()
+                raise
+            self._checkpoint_conn = conn
+        return self._checkpoint_conn
+
+    def _close_checkpoint_connection(self) -> None:
+        conn, self._checkpoint_conn = self._checkpoint_conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass
 
     def _purge(self, now: float) -> None:
         """On the worker: expired rows removed (`_maybe_purge`'s work, due after an inline commit)."""
@@ -1048,6 +1118,10 @@ class SqliteStore(Store):
             self._close_reader()
         if self._pid == os.getpid() and self._loop_writer.owned():
             self._close_writer()
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None and self._pid == os.getpid():
+            checkpointer.submit(self._close_checkpoint_connection)  # after a checkpoint under way
+            checkpointer.shutdown(wait=False)
         executor, self._executor = self._executor, None
         if executor is None or self._pid != os.getpid():
             return

@@ -259,8 +259,35 @@ async def test_large_batches_commit_on_the_worker(inline: SqliteStore, monkeypat
     assert threads[-1] == threading.get_ident()
 
 
-async def test_a_batch_meeting_a_held_write_lock_is_committed_once_by_the_worker(
+async def test_a_batch_meeting_a_held_write_lock_is_committed_once_in_order_on_the_loop(
         inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint's RESTART holds the write lock for tens of ms: the batch is tried again on the
+    # loop, and the worker stays free for reads meanwhile (it used to wait for the lock there).
+    monkeypatch.setattr(sqlite_module, "_LOCK_PATIENCE", 60.0)
+    threads = _threads_applying(monkeypatch)
+    other = sqlite3.connect(inline.path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # as the checkpoint (or another process) would
+        first = asyncio.create_task(inline.hash_append("log", "run", b"a", ttl=60.0, also=("meta", {b"u": b"1"})))
+        await asyncio.sleep(0.05)
+        assert not first.done()  # waiting, not refused, not committed
+        assert await asyncio.wait_for(inline.hash_all("meta", "run"), 5.0) == {}  # the worker answers
+        # A later batch follows the first, never overtakes it.
+        second = asyncio.create_task(inline.hash_append("log", "run", b"b", ttl=60.0))
+        await asyncio.sleep(0.05)
+        assert not second.done()
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    assert await first == 1 and await second == 2
+    assert threads and set(threads) == {threading.get_ident()}
+    assert _log(inline.path, "run") == {LOG_COUNTER: b"2 0", log_field(1): b"a", log_field(2): b"b"}
+    assert await inline.hash_append("log", "run", b"c", ttl=60.0) == 3
+
+
+async def test_a_batch_meeting_a_write_lock_held_for_long_is_committed_once_by_the_worker(
+        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_module, "_LOCK_PATIENCE", 0.0)  # held past the loop's patience
     threads = _threads_applying(monkeypatch)
     other = sqlite3.connect(inline.path, isolation_level=None)
     try:
@@ -281,6 +308,29 @@ async def test_a_batch_meeting_a_held_write_lock_is_committed_once_by_the_worker
     # Once the worker is done, the loop commits again.
     assert await inline.hash_append("log", "run", b"c", ttl=60.0) == 3
     assert threads[-1] == threading.get_ident()
+
+
+async def test_reads_and_writes_are_answered_while_a_checkpoint_is_under_way(
+        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint takes tens of ms: on the worker, every read queued behind it waited.
+    monkeypatch.setattr(sqlite_module, "CHECKPOINT_COMMITS", 2)
+    started, release = threading.Event(), threading.Event()
+    real = SqliteStore._checkpoint
+
+    def held(self: SqliteStore) -> None:
+        started.set()
+        release.wait(10.0)
+        real(self)
+
+    monkeypatch.setattr(SqliteStore, "_checkpoint", held)
+    try:
+        for i in range(2):
+            assert await inline.hash_append("log", "run", b"e%d" % i, ttl=60.0) == i + 1
+        assert await asyncio.to_thread(started.wait, 5.0)  # the checkpoint is under way, held
+        assert len(await asyncio.wait_for(inline.hash_all("log", "run"), 5.0)) == 3
+        assert await asyncio.wait_for(inline.hash_append("log", "run", b"e2", ttl=60.0), 5.0) == 3
+    finally:
+        release.set()
 
 
 async def test_the_wal_stays_bounded_under_many_inline_commits(inline: SqliteStore,
