@@ -71,10 +71,12 @@ async def batch_cost(count: int, size: int) -> str:
 
 
 def _tail(seconds: list[float]) -> str:
-    """p50, p99 and the largest of some latencies, in µs."""
+    """p50, p99 and the largest of some latencies, in µs, and those over 5 ms (stalls): how many,
+    and their sum."""
     ordered = sorted(seconds)
+    stalls = [s for s in ordered if s > 0.005]
     return (f"p50 {ordered[len(ordered) // 2] * 1e6:.0f}, p99 {ordered[int(len(ordered) * 0.99)] * 1e6:.0f},"
-            f" max {ordered[-1] * 1e6:.0f} µs")
+            f" max {ordered[-1] * 1e6:.0f} µs, {len(stalls)} over 5 ms summing {sum(stalls) * 1e3:.0f} ms")
 
 
 async def checkpoint_cost(every: int, outputs: int = 10_000, size: int = 200, runs: int = 8,
