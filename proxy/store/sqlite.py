@@ -49,11 +49,12 @@ gets the StoreError and nothing of it is kept.
 Checkpoints: the loop's connection never checkpoints (`wal_autocheckpoint = 0`); every
 `CHECKPOINT_COMMITS` of its commits a thread of the store's own, with its own connection, does
 (`_checkpoint`: on the worker, the tens of ms it takes delayed every read queued there). It
-copies the WAL back with `PASSIVE_PASSES` PASSIVE checkpoints, which block no writer, then a
-RESTART, which holds the write lock while it copies the last frames and syncs the database (the
-loop retries meanwhile), so that the next writer starts the WAL file over: PASSIVE alone never
-finds the WAL fully copied while the loop commits, and the WAL grew to 300 MB in 20,000 outputs.
-The worker purges expired rows.
+copies the WAL back with PASSIVE checkpoints, which block no writer, until one finds nothing
+committed since the one before (the WAL is then wholly copied and the loop's next commit starts
+it over); while the loop keeps committing that may never happen (the WAL grew to 300 MB in
+20,000 outputs with PASSIVE alone), so once the WAL holds more than `WAL_RESTART_BYTES` a
+RESTART copies the last frames and syncs the database holding the write lock (tens of ms; the
+loop retries meanwhile), and the next writer starts the WAL over. The worker purges expired rows.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
@@ -183,9 +184,11 @@ INLINE_WRITES = 32
 INLINE_WRITE_BYTES = 64 * 1024
 CHECKPOINT_COMMITS = 256
 _RESTART_WAIT_MS = 100
-# PASSIVE copies before the RESTART (`SqliteStore._checkpoint`): each copies what the loop
-# committed while the one before ran, so the RESTART, which holds the write lock, has little left.
-PASSIVE_PASSES = 2
+# A checkpoint (`SqliteStore._checkpoint`) runs PASSIVE copies, each of what the loop committed
+# while the one before ran, until one finds nothing new (at most `PASSIVE_PASSES`); it falls back
+# to RESTART, which holds the write lock, only when the WAL holds more than `WAL_RESTART_BYTES`.
+PASSIVE_PASSES = 8
+WAL_RESTART_BYTES = 32 * 1024 * 1024
 # A batch that meets a held write lock is tried again on the loop every `_LOCK_RETRY` seconds, for
 # at most `_LOCK_PATIENCE` seconds (a checkpoint's RESTART holds the lock for tens of ms); then the
 # worker takes it and waits with its busy timeout (another process may hold the lock for long).
@@ -945,20 +948,29 @@ class SqliteStore(Store):
             pool.submit(self._purge, now)
 
     def _checkpoint(self) -> None:
-        """On the checkpointer's thread: the WAL copied back into the database, and the WAL file
-        started over. `PASSIVE_PASSES` PASSIVE copies first (they block no writer, but the loop
-        commits while they copy, so the WAL never ends up fully copied and the next writer never
-        starts it over: 300 MB after 20,000 outputs; each pass copies what came during the one
-        before); then RESTART copies the few frames since and syncs the database, holding off
-        writers for that moment (the loop retries its batch meanwhile, `_retry_later`) and for at
-        most `_RESTART_WAIT_MS` of a reader's old snapshot (if that is not enough, the next one).
-        Best effort: a failure drops the connection, and the next checkpoint catches up."""
+        """On the checkpointer's thread: the WAL copied back into the database, and kept under
+        `WAL_RESTART_BYTES`. PASSIVE copies block no writer: each copies what the loop committed
+        while the one before ran, until one finds nothing new (at most `PASSIVE_PASSES`); the
+        whole WAL is then copied and the database synced, and the loop's next commit starts the
+        WAL file over by itself. While the loop keeps committing, no pass may find it so (the WAL
+        grew to 300 MB in 20,000 outputs with PASSIVE alone): once the WAL holds more than
+        `WAL_RESTART_BYTES`, RESTART copies the last frames and syncs the database holding the
+        write lock (tens of ms, during which the loop retries its batch, `_retry_later`), and
+        waits at most `_RESTART_WAIT_MS` for the lock and a reader's old snapshot (if that is not
+        enough, the next checkpoint tries again). Best effort: a failure drops the connection,
+        and the next checkpoint catches up."""
         self._checkpoint_queued = False
         try:
             conn = self._checkpoint_connection()
+            frames, last = 0, -1
             for _ in range(PASSIVE_PASSES):
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+                _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                if frames == copied == last:
+                    break  # nothing committed since the last pass, which copied it all
+                last = copied
+            page = conn.execute("PRAGMA page_size").fetchone()[0]
+            if frames * (page + 24) > WAL_RESTART_BYTES:  # a frame is a page and its 24-byte header
+                conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
         except sqlite3.Error:
             self._close_checkpoint_connection()
 
