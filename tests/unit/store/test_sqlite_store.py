@@ -369,7 +369,7 @@ async def test_a_checkpoint_takes_the_write_lock_only_when_the_wal_passes_its_bo
         # new), no write lock is taken, and the loop's next commit starts the WAL over.
         before = _wal_frames(inline.path)
         await asyncio.to_thread(inline._checkpoint)
-        assert modes == ["PASSIVE", "PASSIVE"]
+        assert modes and set(modes) == {"PASSIVE"}
         assert await inline.hash_append("log", "run0", b"next", ttl=60.0) == 2
         assert _wal_frames(inline.path) < before
         # Past the bound, RESTART (under the write lock) has the WAL started over.
