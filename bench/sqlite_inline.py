@@ -8,7 +8,9 @@ its run's flags hash, as a ledger records an output), median over 100 batches: t
 `checkpoint`: 10,000 sequential outputs (`--outputs`) of S-byte entries (`--size`; a 200 B output's
 entry is ~500 B, a 5 KB output's ~16 KB) spread over R runs (`--runs`) with the worker's checkpoint
 every N inline commits: the WAL file's peak size, how many batches met the checkpoint's write
-lock and went to the worker, and the wall and CPU (every thread) per commit.
+lock and went to the worker, the wall and CPU (every thread) per commit, and each append's
+latency; with `--reads`, a `hash_all` on the worker after each (a cold view's read) and its latency;
+with `--concurrency C`, C callers side by side (their writes share batches).
 
 `statements`: where one recorded output's inline write goes: each SQL statement kind's time per
 write (the loop's connection wrapped by a timer), against the whole `hash_append`, for S-byte
@@ -18,7 +20,7 @@ entry in a table of the same shape (no checkpoint) for comparison.
 Usage (from the repository root):
 
     python bench/sqlite_inline.py batch [--shapes 64x200,1x50000,1x200]
-    python bench/sqlite_inline.py checkpoint [--every 64,256,1024] [--size 200] [--runs 8] [--outputs 10000]
+    python bench/sqlite_inline.py checkpoint [--every 64,256,1024] [--size 200] [--runs 8] [--outputs 10000] [--reads] [--concurrency 1]
     python bench/sqlite_inline.py statements [--size 500] [--runs 1] [--outputs 2000]
 """
 
@@ -69,8 +71,22 @@ async def batch_cost(count: int, size: int) -> str:
             f" {cpu / count:.0f} µs a write")
 
 
-async def checkpoint_cost(every: int, outputs: int = 10_000, size: int = 200, runs: int = 8) -> str:
-    """WAL peak, batches sent to the worker, CPU per commit with a checkpoint every `every` commits."""
+def _tail(seconds: list[float]) -> str:
+    """p50, p99 and the largest of some latencies, in µs, those over 5 ms (stalls): how many, and
+    their sum, and how many over 25 ms (at c=32 a batch's queueing alone passes 5 ms)."""
+    ordered = sorted(seconds)
+    stalls = [s for s in ordered if s > 0.005]
+    return (f"p50 {ordered[len(ordered) // 2] * 1e6:.0f}, p99 {ordered[int(len(ordered) * 0.99)] * 1e6:.0f},"
+            f" max {ordered[-1] * 1e6:.0f} µs, {len(stalls)} over 5 ms summing {sum(stalls) * 1e3:.0f} ms,"
+            f" {sum(s > 0.025 for s in stalls)} over 25 ms")
+
+
+async def checkpoint_cost(every: int, outputs: int = 10_000, size: int = 200, runs: int = 8,
+                          reads: bool = False, concurrency: int = 1) -> str:
+    """WAL peak, batches sent to the worker, CPU per commit with a checkpoint every `every` commits,
+    and each append's latency; with `reads`, a `hash_all` of another run's flags after each append
+    (a cold view's read, on the worker thread), and its latency. With `concurrency` C, C callers
+    record the outputs side by side (their writes share batches), and the costs are per output."""
     store_module.CHECKPOINT_COMMITS = every
     threads: list[int] = []
     real = store_module._apply
@@ -84,20 +100,35 @@ async def checkpoint_cost(every: int, outputs: int = 10_000, size: int = 200, ru
         await store.ping()
         store_module._apply = spying  # type: ignore[assignment]
         peak = 0
+        appends: list[float] = []
+        read_times: list[float] = []
         wall, cpu = time.perf_counter(), time.process_time()
-        try:
-            for i in range(outputs):
+
+        async def caller(first: int) -> None:
+            nonlocal peak
+            for i in range(first, outputs, concurrency):
+                start = time.perf_counter()
                 await store.hash_append("log", f"run{i % runs}", b"entry %d " % i + os.urandom(size), ttl=600.0,
                                         weight=1, also=("meta", {b"u": b"1"}))
+                appends.append(time.perf_counter() - start)
+                if reads:
+                    start = time.perf_counter()
+                    await store.hash_all("meta", f"run{i * 7919 % runs}")
+                    read_times.append(time.perf_counter() - start)
                 if i % 100 == 0:
                     peak = max(peak, await asyncio.to_thread(os.path.getsize, f"{store.path}-wal"))
+
+        try:
+            await asyncio.gather(*[caller(first) for first in range(concurrency)])
         finally:
             store_module._apply = real
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         await store.close()
     me = threading.get_ident()
+    per = "commit" if concurrency == 1 else f"output at c={concurrency}, {len(threads)} batches"
     return (f"every {every}, {size} B x {runs} runs: WAL peak {peak // 1024} KB, batches to the worker {sum(t != me for t in threads)}"
-            f"/{outputs}, {wall / outputs * 1e6:.0f} µs wall, {cpu / outputs * 1e6:.0f} µs CPU per commit")
+            f"/{outputs}, {wall / outputs * 1e6:.0f} µs wall, {cpu / outputs * 1e6:.0f} µs CPU per {per}"
+            f" (append {_tail(appends)}" + (f"; read {_tail(read_times)})" if reads else ")"))
 
 
 class _Timed:
@@ -175,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--size", type=int, default=200, help="bytes per log entry (default 200)")
     c.add_argument("--runs", type=int, default=8, help="runs the outputs go to, in turn (default 8)")
     c.add_argument("--outputs", type=int, default=10_000, help="outputs recorded (default 10,000)")
+    c.add_argument("--reads", action="store_true", help="a hash_all (on the worker) after each output")
+    c.add_argument("--concurrency", type=int, default=1, help="callers recording side by side (default 1)")
     st = sub.add_parser("statements")
     st.add_argument("--size", type=int, default=500, help="bytes per log entry (default 500)")
     st.add_argument("--runs", type=int, default=1, help="runs the writes go to (default 1)")
@@ -188,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             print(asyncio.run(batch_cost(count, size)))
     else:
         for every in args.every.split(","):
-            print(asyncio.run(checkpoint_cost(int(every), args.outputs, args.size, args.runs)))
+            print(asyncio.run(checkpoint_cost(int(every), args.outputs, args.size, args.runs, args.reads,
+                                              args.concurrency)))
     return 0
 
 

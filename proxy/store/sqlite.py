@@ -1,7 +1,8 @@
 """SQLite store: the embedded default. One file in the state directory, shared by every worker.
 
 Every sqlite call that may wait runs on one worker thread the store owns (its connection lives
-there), so the event loop never waits on another process's lock. Two exceptions, each on a
+there; checkpoints have a thread of their own, below), so the event loop never waits on another
+process's lock. Two exceptions, each on a
 connection of the event loop's own with busy timeout 0, which hands to the worker whatever would
 wait: hash write batches (Group commit, below) and the warm sink check's read: a small `hash_since` (at most `INLINE_ENTRIES` entries, `INLINE_BYTES`) is answered on the event loop's
 thread by a read-only connection of its own with busy timeout 0 (a WAL reader waits for no
@@ -38,14 +39,25 @@ transaction committed, so an output is still recorded before it is delivered; co
 share one commit (a batch is committed on the event loop's next turn, so the answers that arrived
 together share it). The loop's thread commits a batch itself (`_flush_inline`: no thread hop, no
 interpreter-lock handoff per statement) unless it holds more than `INLINE_WRITES` writes or
-`INLINE_WRITE_BYTES`, or a batch handed to the worker has not committed yet (order), or
-BEGIN IMMEDIATE answers SQLITE_BUSY (another process, or this one's checkpoint or purge, holds
-the write lock: nothing is written yet, and the worker commits the same batch once, waiting with
-its busy timeout). Those batches go to the worker, which takes the queue as it stands when it
-gets to it. The loop's connection never checkpoints: every `CHECKPOINT_COMMITS` of its commits
-the worker does (`_checkpoint`), and it purges. `ENVELOPE_SQLITE_INLINE=0` (or
+`INLINE_WRITE_BYTES`, or a batch handed to the worker has not committed yet (order). Those
+batches go to the worker, which takes the queue as it stands when it gets to it. When BEGIN
+IMMEDIATE answers SQLITE_BUSY (this process's checkpoint or purge, or another process, holds the
+write lock), nothing is written yet: the batch goes back to the head of the queue and the loop
+tries again `_LOCK_RETRY` later, with the writes queued meanwhile behind it (`_retry_later`), so
+the worker stays free for reads; after `_LOCK_PATIENCE` of that the worker takes it and waits
+with its busy timeout. Either way it is applied once. `ENVELOPE_SQLITE_INLINE=0` (or
 `inline_writes=False`) sends every batch to the worker. A batch fails as one: every caller in it
 gets the StoreError and nothing of it is kept.
+
+Checkpoints: the loop's connection never checkpoints (`wal_autocheckpoint = 0`); every
+`CHECKPOINT_COMMITS` of its commits a thread of the store's own, with its own connection, does
+(`_checkpoint`: on the worker, the tens of ms it takes delayed every read queued there). It
+copies the WAL back with PASSIVE checkpoints, which block no writer, until one finds nothing
+committed since the one before (the WAL is then wholly copied and the loop's next commit starts
+it over); while the loop keeps committing that may never happen (the WAL grew to 300 MB in
+20,000 outputs with PASSIVE alone), so once the WAL holds more than `WAL_RESTART_BYTES` a
+RESTART copies the last frames and syncs the database holding the write lock (tens of ms; the
+loop retries meanwhile), and the next writer starts the WAL over. The worker purges expired rows.
 
 Failure: the file is opened lazily, on the first operation, so an unusable path (an unwritable
 directory, a path under a regular file) raises StoreError from the first call (`ping` included),
@@ -169,8 +181,8 @@ QUIET_LOGS = 4096
 # Largest write batch the event loop's thread commits itself (`SqliteStore._flush_inline`): at most
 # `INLINE_WRITES` writes of `INLINE_WRITE_BYTES` in all (a larger batch goes to the worker thread,
 # so one loop turn spends a bounded time on disk). Every `CHECKPOINT_COMMITS` commits of the
-# loop's connection (which never checkpoints itself), the worker copies the WAL back into the
-# database (`PRAGMA wal_checkpoint(PASSIVE)`), which keeps the WAL file bounded.
+# loop's connection (which never checkpoints itself), the checkpointer thread copies the WAL back
+# into the database and has it started over (`SqliteStore._checkpoint`), which keeps it bounded.
 INLINE_WRITES = 32
 INLINE_WRITE_BYTES = 64 * 1024
 CHECKPOINT_COMMITS = 256
@@ -179,6 +191,16 @@ CARRIED_HASHES = 4096
 # Most fields of one hash carried with it (a run's flags and sources are a few).
 CARRIED_FIELDS = 64
 _RESTART_WAIT_MS = 100
+# A checkpoint (`SqliteStore._checkpoint`) runs PASSIVE copies, each of what the loop committed
+# while the one before ran, until one finds nothing new (at most `PASSIVE_PASSES`); it falls back
+# to RESTART, which holds the write lock, only when the WAL holds more than `WAL_RESTART_BYTES`.
+PASSIVE_PASSES = 8
+WAL_RESTART_BYTES = 32 * 1024 * 1024
+# A batch that meets a held write lock is tried again on the loop every `_LOCK_RETRY` seconds, for
+# at most `_LOCK_PATIENCE` seconds (a checkpoint's RESTART holds the lock for tens of ms); then the
+# worker takes it and waits with its busy timeout (another process may hold the lock for long).
+_LOCK_RETRY = 0.001
+_LOCK_PATIENCE = 0.25
 
 # Fields per `IN (...)` list: well under SQLite's bound-parameter limit (999 before 3.32).
 _IN_CHUNK = 500
@@ -673,6 +695,12 @@ class SqliteStore(Store):
         self._inline_commits = 0
         self._checkpoint_queued = False
         self._carried = _Carried()
+        # The checkpoints' own thread and connection (`_checkpoint`): a checkpoint takes tens of
+        # ms, which on the worker delayed every read queued behind it. And the first write of the
+        # batch that met a held write lock, with when it first did (`_retry_later`).
+        self._checkpointer: ThreadPoolExecutor | None = None
+        self._checkpoint_conn: sqlite3.Connection | None = None  # touched only on the checkpointer's thread
+        self._busy: tuple[_Write, float] | None = None
         # The event loop thread's read-only connection (`_since_inline`) and, per (log, hash
         # read with it), the last answer that found nothing new: (data_version, last sequence
         # number, valid until (wall time), the hash's fields).
@@ -750,6 +778,7 @@ class SqliteStore(Store):
             self._carried.forget()
             self._worker_batches = 0
             self._inline_commits, self._checkpoint_queued = 0, False
+            self._checkpointer, self._checkpoint_conn, self._busy = None, None, None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite")
         return self._executor
@@ -948,9 +977,11 @@ class SqliteStore(Store):
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+            if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
+                self._retry_later(pool, batch)  # never begun: applied once, from scratch, later
+            else:
                 self._close_writer()
-            self._hand_over(pool, batch)  # never begun: the worker applies it once, from scratch
+                self._hand_over(pool, batch)
             return True
         answers: list[Any] = []
         error: Exception | None = None
@@ -973,35 +1004,86 @@ class SqliteStore(Store):
         _settle([(job.future, answers[i] if answers else None) for i, job in enumerate(batch)], error)
         return True
 
+    def _retry_later(self, pool: ThreadPoolExecutor, batch: list[_Write]) -> None:
+        """On the event loop: a batch that met the write lock held by another connection (this
+        process's checkpoint, mostly) back at the head of the queue, tried again on the loop in
+        `_LOCK_RETRY` seconds (the loop runs other work meanwhile); writes queued until then join
+        it behind, in order. After `_LOCK_PATIENCE` seconds of that, the worker takes the queue
+        and waits with its busy timeout. (The worker used to take it at once: behind the
+        checkpoint, then the lock, with every read queued on the worker waiting behind them.)"""
+        now = time.monotonic()
+        if self._busy is None or self._busy[0] is not batch[0]:
+            self._busy = (batch[0], now)  # (a batch that met the lock before has committed since)
+        elif now - self._busy[1] >= _LOCK_PATIENCE:
+            self._busy = None
+            self._hand_over(pool, batch)
+            return
+        with self._writes_lock:
+            self._writes[:0] = batch
+            self._flush_queued = True  # later writes join the queue; the retry flushes it
+        asyncio.get_running_loop().call_later(_LOCK_RETRY, self._start_flush, pool)
+
     def _after_inline_commit(self, pool: ThreadPoolExecutor, now: float) -> None:
-        """The worker's share of inline commits: a checkpoint every `CHECKPOINT_COMMITS`, the
-        purge of expired rows every `PURGE_INTERVAL`."""
+        """The worker's share of inline commits: the purge of expired rows every
+        `PURGE_INTERVAL`; and a checkpoint every `CHECKPOINT_COMMITS`, on a thread of its own."""
+        self._busy = None
         self._inline_commits += 1
         if self._inline_commits >= CHECKPOINT_COMMITS and not self._checkpoint_queued:
             self._inline_commits, self._checkpoint_queued = 0, True
-            pool.submit(self._checkpoint)
+            if self._checkpointer is None:
+                self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="envelope-sqlite-checkpoint")
+            self._checkpointer.submit(self._checkpoint)
         if now >= self._next_purge:
             self._next_purge = now + PURGE_INTERVAL
             pool.submit(self._purge, now)
 
     def _checkpoint(self) -> None:
-        """On the worker: the WAL copied back into the database, and the WAL file started over.
-        PASSIVE first (it blocks no writer, but the loop commits while it copies, so the WAL never
-        ends up fully copied and the next writer never starts it over: 300 MB after 20,000
-        outputs); then RESTART copies the few frames since, holding off writers for that moment
-        (the loop's batches meanwhile go to the worker, behind it) and for at most
-        `_RESTART_WAIT_MS` of a reader's old snapshot (if that is not enough, the next one)."""
+        """On the checkpointer's thread: the WAL copied back into the database, and kept under
+        `WAL_RESTART_BYTES`. PASSIVE copies block no writer: each copies what the loop committed
+        while the one before ran, until one finds nothing new (at most `PASSIVE_PASSES`); the
+        whole WAL is then copied and the database synced, and the loop's next commit starts the
+        WAL file over by itself. While the loop keeps committing, no pass may find it so (the WAL
+        grew to 300 MB in 20,000 outputs with PASSIVE alone): once the WAL holds more than
+        `WAL_RESTART_BYTES`, RESTART copies the last frames and syncs the database holding the
+        write lock (tens of ms, during which the loop retries its batch, `_retry_later`), and
+        waits at most `_RESTART_WAIT_MS` for the lock and a reader's old snapshot (if that is not
+        enough, the next checkpoint tries again). Best effort: a failure drops the connection,
+        and the next checkpoint catches up."""
         self._checkpoint_queued = False
         try:
-            conn = self._connect()
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            conn.execute(f"PRAGMA busy_timeout = {_RESTART_WAIT_MS}")
-            try:
+            conn = self._checkpoint_connection()
+            frames, last = 0, -1
+            for _ in range(PASSIVE_PASSES):
+                _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                if frames == copied == last:
+                    break  # nothing committed since the last pass, which copied it all
+                last = copied
+            page = conn.execute("PRAGMA page_size").fetchone()[0]
+            if frames * (page + 24) > WAL_RESTART_BYTES:  # a frame is a page and its 24-byte header
                 conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
-            finally:
-                conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout() * 1000)}")
         except sqlite3.Error:
-            pass  # best effort: the next one (or another connection's autocheckpoint) catches up
+            self._close_checkpoint_connection()
+
+    def _checkpoint_connection(self) -> sqlite3.Connection:
+        """The checkpointer thread's connection, opened on first use (after the worker set the
+        file up): its busy timeout is RESTART's wait for the write lock and old readers."""
+        if self._checkpoint_conn is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=_RESTART_WAIT_MS / 1000)
+            try:
+                conn.execute("PRAGMA synchronous = NORMAL")  # as the worker's: the same checkpoint
+            except BaseException:
+                conn.close()
+                raise
+            self._checkpoint_conn = conn
+        return self._checkpoint_conn
+
+    def _close_checkpoint_connection(self) -> None:
+        conn, self._checkpoint_conn = self._checkpoint_conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass
 
     def _purge(self, now: float) -> None:
         """On the worker: expired rows removed (`_maybe_purge`'s work, due after an inline commit)."""
@@ -1139,6 +1221,10 @@ class SqliteStore(Store):
             self._close_reader()
         if self._pid == os.getpid() and self._loop_writer.owned():
             self._close_writer()
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None and self._pid == os.getpid():
+            checkpointer.submit(self._close_checkpoint_connection)  # after a checkpoint under way
+            checkpointer.shutdown(wait=False)
         executor, self._executor = self._executor, None
         if executor is None or self._pid != os.getpid():
             return
