@@ -164,6 +164,34 @@ async def test_broken_edit_is_rejected(polled: ProxyProcess) -> None:
     assert policy_status(polled)["last_reload"]["result"] == "success"
 
 
+async def test_a_file_nested_too_deeply_is_rejected_with_its_place(polled: ProxyProcess) -> None:
+    # Lists inside lists, past MAX_NESTING (128) and past Python's stack: on main the reload
+    # "failed unexpectedly" with a RecursionError traceback, no file:line:column.
+    metrics = polled.metrics()
+    failures = metric_value(metrics, RELOADS, result="failure")
+    successes = metric_value(metrics, RELOADS, result="success")
+    revision = revision_label(metrics)
+    deep = polled.policies / "deep.yaml"
+    deep.write_text("defaults:\n  mask: " + "[" * 2000 + "]" * 2000 + "\n")
+    where = f"{deep}:2:{len('  mask: ') + 127}: nested deeper than 128 levels"
+
+    async def rejected() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="failure") == failures + 1
+
+    await poll(rejected)
+    assert revision_label(polled.metrics()) == revision
+    last = policy_status(polled)["last_reload"]
+    assert last["result"] == "failure" and any(e.startswith(where) for e in last["errors"]), last
+    assert where in polled.log() and "RecursionError" not in polled.log()
+    assert (await refusal(polled, OPS, TRASH))["reason"] == NEW_REASON  # the old one serves
+    deep.unlink()
+
+    async def recovered() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="success") == successes + 1
+
+    await poll(recovered)
+
+
 async def test_sighup_reloads(hup: ProxyProcess) -> None:
     import anyio
 
