@@ -192,6 +192,29 @@ async def test_a_file_nested_too_deeply_is_rejected_with_its_place(polled: Proxy
     await poll(recovered)
 
 
+async def test_a_policy_file_that_cannot_be_read_is_a_rejected_reload(polled: ProxyProcess) -> None:
+    # A symlink loop named like a policy file: `check` refuses it ("cannot read"); on main the
+    # watcher skipped it, so nothing was reloaded, counted or logged.
+    failures = metric_value(polled.metrics(), RELOADS, result="failure")
+    successes = metric_value(polled.metrics(), RELOADS, result="success")
+    loop = polled.policies / "loop.yaml"
+    loop.symlink_to("loop.yaml")
+    where = f"{loop}:1:1: cannot read: "
+
+    async def rejected() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="failure") == failures + 1
+
+    await poll(rejected)
+    last = policy_status(polled)["last_reload"]
+    assert any(e.startswith(where) and "symbolic links" in e for e in last["errors"]), last
+    loop.unlink()
+
+    async def recovered() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="success") == successes + 1
+
+    await poll(recovered)
+
+
 async def test_sighup_reloads(hup: ProxyProcess) -> None:
     import anyio
 
