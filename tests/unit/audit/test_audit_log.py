@@ -183,6 +183,19 @@ def test_reopen_reads_only_the_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert verify(tmp_path).ok
 
 
+@pytest.mark.parametrize("data", [b"", b"\n", b"a", b"abc\n", b"\n\nab\ncdefghijklmnop\nq",
+                                  b"x" * 40 + b"\n" + b"y" * 3 + b"\n\n" + b"z" * 17])
+def test_lines_read_backwards_are_the_files_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes
+) -> None:
+    # Chunks of 4 bytes: lines longer than a chunk, newlines at a chunk's edges, empty lines.
+    monkeypatch.setattr(log_module, "_TAIL_CHUNK", 4)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    with open(path, "rb") as fh:
+        assert list(log_module._lines_reversed(fh, len(data))) == data.split(b"\n")[::-1]
+
+
 def test_second_writer_is_refused(tmp_path: Path) -> None:
     with AuditLog(tmp_path):
         with pytest.raises(AuditError, match="another process"):
