@@ -46,6 +46,9 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
         print(f"envelope-proxy audit verify: {exc}", file=sys.stderr)
         return 2
     result = verify(args.path, [a.hash for a in anchors])
+    for where in result.torn:
+        print(f"note: {where}: the last line is cut short (no newline, not JSON): a write "
+              "interrupted by a crash; the chain continues from the record before it")
     if not result.ok:
         where = f"{result.file}:{result.line}" if result.file and result.line else str(args.path)
         print(f"TAMPERED: {where}: {result.problem}")
