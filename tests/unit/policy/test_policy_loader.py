@@ -368,3 +368,13 @@ def test_malformed_rates_are_load_errors_with_their_place(write: Write) -> None:
         f"{path}:13:41: principals.alice.max_calls_per_run: Input should be greater than or "
         "equal to 1",
     ]
+
+
+def test_a_file_past_the_size_bound_is_a_problem_not_read(write: Write) -> None:
+    # 16 MiB + 1 byte (sparse: the bound is checked before a byte is read or parsed).
+    big = write("big.yaml", "version: 1\n")
+    with open(big, "r+b") as fh:
+        fh.truncate(16 * 1024 * 1024 + 1)
+    assert problems(rev_dir(write)) == [
+        f"{big}:1:1: the file is 16777217 bytes, more than a policy file may be (16777216 bytes): "
+        "not read"]
