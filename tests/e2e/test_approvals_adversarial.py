@@ -24,7 +24,7 @@ import httpx
 import pytest
 from e2e_helpers import cli, upstream_server, write_doc
 
-from tests.harness import ProxyProcess, mcp_client, proxy_process, rpc, token
+from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, rpc, token
 
 OPS = token("ops", tenant="acme")
 DEV = token("dev", tenant="acme")
@@ -364,3 +364,22 @@ async def test_a_body_that_cannot_be_decoded_is_refused_as_such_not_a_server_err
     assert status == 400
     assert answer["error"].startswith("the body cannot be read"), answer
     assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"
+
+
+def test_the_admin_listeners_refusals_are_counted(proxy: ProxyProcess) -> None:
+    # A token being guessed or a rebound name must show somewhere: neither is audited (no call),
+    # so each is counted; on main nothing counted them.
+    name = "envelope_admin_rejected_requests_total"
+
+    def counts() -> tuple[float, float]:
+        text = proxy.metrics()
+        return (metric_value(text, name, reason="bad_host"),
+                metric_value(text, name, reason="unauthenticated"))
+
+    hosts, tokens = counts()
+    assert httpx.get(f"{proxy.admin}/healthz", headers={"Host": "evil.example"}).status_code == 421
+    for headers in ({}, {"Authorization": f"Bearer {ALICE_TOKEN}x"}):
+        for path in ("/v1/approvals", "/v1/decisions", "/v1/policy"):
+            assert httpx.get(f"{proxy.admin}{path}", headers=headers).status_code == 401, path
+    assert httpx.post(f"{proxy.admin}/v1/runs/r/intent", json={}).status_code == 401
+    assert counts() == (hosts + 1, tokens + 7)
