@@ -100,8 +100,7 @@ def test_edited_field_is_named(audited: dict[str, Any]) -> None:
     rc, out = verify(dst)
     assert rc == 1, out
     assert "TAMPERED" in out
-    assert f"{dst / 'audit.jsonl'}:3:" in out
-    assert "edited" in out
+    assert f"TAMPERED: {dst / 'audit.jsonl'}:3: hash does not match the record's content (record edited)" in out
 
 
 def test_deleted_line_is_named(audited: dict[str, Any]) -> None:
@@ -152,3 +151,9 @@ def test_a_proxy_restarted_after_a_crash_mid_write_keeps_the_log_verifiable(
     assert rc == 0, out
     assert f"note: {aside}:{len(lines) + 1}: the last line is cut short" in out
     assert out.splitlines()[-1] == f"ok: {len(lines) + 1} records in 2 file(s), hash chain intact"
+
+
+def test_a_path_that_does_not_exist_is_a_usage_error_not_tampering(audited: dict[str, Any]) -> None:
+    rc, out = verify(audited["tmp"] / "no-such-dir")
+    assert rc == 2 and "TAMPERED" not in out
+    assert f"no such file or directory: {audited['tmp'] / 'no-such-dir'}" in out
