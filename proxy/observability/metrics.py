@@ -406,7 +406,12 @@ class Metrics:
             raise ValueError(f"unknown reload result {result!r}") from None
         child.inc()
         if result == "success":
-            self._last_reload.set(time.time() if when is None else when)
+            self.loaded(when)
+
+    def loaded(self, when: float | None = None) -> None:
+        """Set the last-load timestamp: a successful reload, and the start-up load (a fresh
+        process whose gauge said 0 looked like a policy loaded in 1970)."""
+        self._last_reload.set(time.time() if when is None else when)
 
     def set_misconfigured(self, counts: Mapping[str, int]) -> None:
         """Set misconfigured tools per layer; a layer absent from `counts` is 0. Raises

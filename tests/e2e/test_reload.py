@@ -95,6 +95,15 @@ TRASH = {"title": "t", "body": "b", "folder": "trash"}
 INBOX = {"title": "t", "body": "b", "folder": "inbox"}
 
 
+def test_the_start_up_load_sets_the_last_load_time(polled: ProxyProcess) -> None:
+    # On main the gauge stayed 0 until the first reload: "policy loaded in 1970" to an alert on
+    # time() - envelope_policy_last_reload_timestamp_seconds.
+    metrics = polled.metrics()
+    assert metric_value(metrics, RELOADS, result="success") == 0
+    loaded = metric_value(metrics, "envelope_policy_last_reload_timestamp_seconds")
+    assert time.time() - 600 < loaded <= time.time()
+
+
 async def test_good_edit_takes_effect(polled: ProxyProcess) -> None:
     assert (await refusal(polled, OPS, TRASH))["reason"] == OLD_REASON
     metrics = polled.metrics()
