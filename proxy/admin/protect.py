@@ -93,7 +93,14 @@ async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
             if len(buf) > limit:
                 return _refusal(413, f"body larger than {limit} bytes")
     except web.RequestPayloadError as exc:
-        return _refusal(400, f"the body cannot be read: {exc.__cause__ or exc}")
+        # The rest of the body cannot be read either: the connection closes after the answer,
+        # and the body counts as read (aiohttp would otherwise read on after the answer, meet
+        # the error again and log it at ERROR as an unhandled exception).
+        request.content.feed_eof()
+        why = getattr(exc.__cause__, "message", None) or str(exc)
+        refusal = _refusal(400, f"the body cannot be read: {' '.join(str(why).split())}")
+        refusal.force_close()
+        return refusal
     return bytes(buf)
 
 

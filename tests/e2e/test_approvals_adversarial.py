@@ -362,7 +362,8 @@ async def test_a_body_that_cannot_be_decoded_is_refused_as_such_not_a_server_err
     status, answer = await _raw_admin_post(proxy, f"/v1/approvals/{approval['id']}/approve",
                                            [b"not gzip at all"], {"Content-Encoding": "gzip"})
     assert status == 400
-    assert answer["error"].startswith("the body cannot be read"), answer
+    assert answer["error"] == "the body cannot be read: Can not decode content-encoding: gzip", answer
+    assert "Unhandled exception" not in proxy.log()
     assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"
 
 
