@@ -396,6 +396,58 @@ def _ruamel_node(node: Any, converted: dict[int, Node], facts: _Facts, depth: in
     return out
 
 
+def _children(node: Node) -> list[Node]:
+    children: list[Node] = []
+    if isinstance(node.value, list):
+        for item in node.value:
+            children.extend(item if isinstance(item, tuple) else (item,))
+    return children
+
+
+def _expanded_sizes(root: Node, bound: int) -> dict[int, int]:
+    """Per node (by id) below `root`: how many values it becomes once aliases are expanded (a
+    shared node counts once per use), capped at `bound + 1`; computed on the shared nodes
+    (memoised, iterative). An alias inside its own anchor expands without end: `bound + 1`."""
+    sizes: dict[int, int] = {}
+    walking: set[int] = set()  # nodes whose children are being sized: met again, a cycle
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if not done and id(node) in walking:
+            sizes[id(root)] = bound + 1
+            return sizes
+        children = _children(node)
+        if done:
+            sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), bound + 1)
+            continue
+        walking.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes
+
+
+def expanded_size(root: Node, bound: int) -> int:
+    """How many values `root` becomes once its aliases are expanded, at most `bound + 1`: a
+    few lines of anchors must not expand into billions of values."""
+    return _expanded_sizes(root, bound)[id(root)]
+
+
+def expansion_past(root: Node, bound: int) -> Node | None:
+    """The innermost node that expands past `bound` values (no child of it does on its own):
+    where a file's anchors multiply; None when `root` stays within `bound`."""
+    sizes = _expanded_sizes(root, bound)
+    if sizes[id(root)] <= bound:
+        return None
+    node = root
+    while True:
+        over = [c for c in _children(node) if sizes.get(id(c), 0) > bound]
+        if not over or over[0] is node:
+            return node
+        node = over[0]
+
+
 def has_alias(node: Node) -> bool:
     """Whether some node below `node` is reached twice: an alias (`*x`, `<<: *x`) shares the
     node of its anchor, so the text at one place is not all that the node there holds."""

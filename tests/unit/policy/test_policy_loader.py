@@ -378,3 +378,25 @@ def test_a_file_past_the_size_bound_is_a_problem_not_read(write: Write) -> None:
     assert problems(rev_dir(write)) == [
         f"{big}:1:1: the file is 16777217 bytes, more than a policy file may be (16777216 bytes): "
         "not read"]
+
+
+def test_anchors_that_expand_past_the_bound_are_a_problem_where_they_multiply(write: Write) -> None:
+    # "Billion laughs": each line twenty aliases of the one before; converting would build
+    # 3.4 million values here (and 9^9 in the probe's file: every byte of memory, no answer).
+    lines = ["tools:", "  demo.echo:", "    effect: read", "    schema:", "      type: object",
+             "      properties:", "        a: {enum: &a [" + ", ".join(['"lol"'] * 20) + "]}"]
+    for prev, name in zip("abcd", "bcde", strict=True):
+        lines.append(f"        {name}: {{enum: &{name} [" + ", ".join([f"*{prev}"] * 20) + "]}")
+    bomb = write("bomb.yaml", "\n".join(lines) + "\n")
+    column = len("        e: {enum: ") + 1  # its anchor
+    assert problems(rev_dir(write)) == [
+        f"{bomb}:11:{column}: expands past 2000000 values once its aliases are expanded: not loaded"]
+
+
+def test_anchors_within_the_bound_load(write: Write) -> None:
+    write("shared.yaml", """
+        tools:
+          demo.echo: {effect: read, mask: &secret [password, token]}
+          github.search_issues: {effect: read, mask: *secret}
+        """)
+    assert load_policy(rev_dir(write)).tools
