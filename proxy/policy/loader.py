@@ -56,7 +56,6 @@ from proxy.policy.yamlload import (
     Converter,
     YamlFile,
     child,
-    expansion_past,
     file_duplicate_keys,
     file_has_alias,
     locate,
@@ -87,9 +86,6 @@ _TOP_KEYS = tuple(PolicyDocument.model_fields)
 # per MB of YAML (an 18 MB file: 86 s and 2.3 GB in `check`), so a 50 MB file dropped into the
 # directory would hold a reload for minutes. The same bound as an OpenAPI document's.
 MAX_POLICY_FILE_BYTES = 16 * 1024 * 1024
-# Values a policy file may become once its YAML aliases are expanded (a shared node counts once
-# per use): the bound an OpenAPI document has too.
-MAX_EXPANDED_VALUES = 2_000_000
 
 # Parsed files by (name, text), so a reload re-parses only the files that changed (a 1,000-tool
 # policy is ~1.9 MB of YAML, ~2 s to compose). Bounded by source size: a parsed file holds ~27
@@ -226,15 +222,6 @@ class _Loader:
             self.problems += problems
             if parsed is None:
                 continue
-            if parsed.root is not None and file_has_alias(parsed):
-                # Anchors and aliases: converting expands them, so a few lines of anchors
-                # nine aliases wide ("billion laughs") would take every byte of memory.
-                past = expansion_past(parsed.root, MAX_EXPANDED_VALUES)
-                if past is not None:
-                    self.problems.append(problem(
-                        parsed.name, past, f"expands past {MAX_EXPANDED_VALUES} values once its "
-                                           "aliases are expanded: not loaded"))
-                    continue
             self.files.append(parsed)
 
     # -- stage: merge ---------------------------------------------------------------------

@@ -167,6 +167,8 @@ def problem(file: str, node: Node | None, message: str) -> PolicyProblem:
 # composing (conversion, validation, compiling) walks the tree recursively, and Python's stack
 # ends near 500 levels (a RecursionError and a traceback instead of file:line:column).
 MAX_NESTING = 128
+# Values a file may become once its aliases are expanded (a shared node counts once per use).
+MAX_EXPANDED_VALUES = 2_000_000
 
 
 class _TooDeep(Exception):
@@ -233,7 +235,15 @@ def _one_document(
     docs = [d for d in docs if d is not None]
     if len(docs) > 1:
         return None, [problem(name, docs[1], "a policy file holds one YAML document, found more")]
-    return YamlFile(name, text, docs[0] if docs else None, facts=facts), []
+    file = YamlFile(name, text, docs[0] if docs else None, facts=facts)
+    if file.root is not None and file_has_alias(file):
+        # Converting expands aliases: a few lines of anchors nine aliases wide ("billion
+        # laughs") would take every byte of memory. Refused where the values multiply.
+        past = expansion_past(file.root, MAX_EXPANDED_VALUES)
+        if past is not None:
+            return None, [problem(name, past, f"expands past {MAX_EXPANDED_VALUES} values once its "
+                                              "aliases are expanded: not loaded")]
+    return file, []
 
 
 _KINDS: dict[Any, type[Node]] = {}
