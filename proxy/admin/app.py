@@ -84,8 +84,19 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
             return _json({"error": f"{type(e).__name__}: {e}"}, status=500)
         return _json(data)
 
+    @web.middleware
+    async def count_refusals(request: web.Request, handler: Any) -> web.StreamResponse:
+        # Every 421 (Host) and 401 (approver token) of every route, whichever guard answered:
+        # a token being guessed, or a rebound name, shows in the metrics.
+        response: web.StreamResponse = await handler(request)
+        if response.status == 421:
+            metrics.admin_rejected("bad_host")
+        elif response.status == 401:
+            metrics.admin_rejected("unauthenticated")
+        return response
+
     # The Host check runs first, for every route (the review page's token guard comes after).
-    app = web.Application(middlewares=[host_guard(allowed_hosts)])
+    app = web.Application(middlewares=[count_refusals, host_guard(allowed_hosts)])
     app.router.add_get("/healthz", healthz, expect_handler=expect)
     app.router.add_get("/readyz", readyz, expect_handler=expect)
     app.router.add_get("/metrics", metrics_handler, expect_handler=expect)

@@ -32,7 +32,7 @@ from typing import Any, get_args
 import orjson
 from aiohttp import web
 
-from proxy.admin.protect import expect
+from proxy.admin.protect import expect, read_body
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.records import (
     STATES,
@@ -121,9 +121,9 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         who = approver_of(request)
         if isinstance(who, web.Response):
             return who
-        raw = await request.content.read(_MAX_BODY + 1)
-        if len(raw) > _MAX_BODY:
-            return _error(413, "body too large")
+        raw = await read_body(request, _MAX_BODY)
+        if isinstance(raw, web.Response):
+            return raw
         try:
             body = orjson.loads(raw) if raw.strip() else {}
         except orjson.JSONDecodeError:

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.admin.protect import expect
+from proxy.admin.protect import expect, read_body
 from proxy.admin.review import authenticate
 from proxy.envelope.dataflow import intent as intents
 from proxy.envelope.types import Code, Verdict, run_key
@@ -49,9 +49,9 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
             return _json({"error": f"{approver} has a scope ({status.approvers.scope_text(approver)}): an "
                                    "intent endorses values for every tool of a run, so only an approver "
                                    "without a scope may set one"}, 403)
-        raw = await request.content.read(_MAX_BODY + 1)
-        if len(raw) > _MAX_BODY:
-            return _json({"error": "body too large"}, 413)
+        raw = await read_body(request, _MAX_BODY)
+        if isinstance(raw, web.Response):
+            return raw
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -8,6 +8,7 @@
   and is what kubelet probes and Prometheus send when they address a pod by its IP.
 
 Upstream URLs are shown without their credentials (`proxy.upstream.urls.strip_credentials`).
+`read_body` reads an admin POST's body whole, within a limit (the approvals and intent APIs).
 """
 
 from __future__ import annotations
@@ -76,3 +77,33 @@ async def expect(request: web.Request) -> web.StreamResponse | None:
     if await continue_or_refuse(request):
         return None
     return web.json_response({"error": UNSUPPORTED}, status=417)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
+    """The whole request body of an admin POST (decoded from its Content-Encoding by aiohttp),
+    or the admin API's JSON refusal: 413 once more than `limit` bytes arrived, 400 when it
+    cannot be read (invalid in its Content-Encoding or its chunked framing).
+
+    One `read(n)` returns what has arrived so far, not the whole body: a body sent in two TCP
+    segments would be cut and refused as not JSON, so the body is read to its end."""
+    buf = bytearray()
+    try:
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                return _refusal(413, f"body larger than {limit} bytes")
+    except web.RequestPayloadError as exc:
+        # The rest of the body cannot be read either: the connection closes after the answer,
+        # and the body counts as read (aiohttp would otherwise read on after the answer, meet
+        # the error again and log it at ERROR as an unhandled exception).
+        request.content.feed_eof()
+        why = getattr(exc.__cause__, "message", None) or str(exc)
+        refusal = _refusal(400, f"the body cannot be read: {' '.join(str(why).split())}")
+        refusal.force_close()
+        return refusal
+    return bytes(buf)
+
+
+def _refusal(status: int, message: str) -> web.Response:
+    return web.Response(body=orjson.dumps({"error": message}), status=status,
+                        content_type="application/json", headers={"Cache-Control": "no-store"})

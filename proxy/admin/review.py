@@ -194,7 +194,10 @@ def add_review_routes(app: web.Application, status: Any) -> None:
         now = _dt.datetime.now(_dt.UTC)
         window = q.get("window") or DEFAULT_WINDOW
         # A duration back from now only: the picture always ends at the present.
-        since = parse_time(window, now) if _DURATION.fullmatch(window) else None
+        try:
+            since = parse_time(window, now) if _DURATION.fullmatch(window) else None
+        except ValueError:  # a duration past datetime's range (`99999999999999d`)
+            since = None
         if since is None or not MIN_WINDOW <= now - since <= MAX_WINDOW:
             return _json({"error": "window must be a duration from 1m to 24h (15m, 1h, 6h, 24h)"},
                          400)

@@ -181,6 +181,7 @@ class Runtime:
             self.config.policies, lambda d: load_policy(d, engine=engine, freeze=freeze))
         self.cel = revision.cel
         self._install(revision)
+        self.metrics.loaded()
         return revision
 
     def _engine(self) -> Engine | str:

@@ -44,11 +44,14 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
     """
     s = text.strip()
     m = _RELATIVE.match(s)
-    if m:
-        base = now if now is not None else datetime.now(UTC)
-        return _utc(base) - timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
     try:
+        if m:
+            base = now if now is not None else datetime.now(UTC)
+            return _utc(base) - timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
         return _utc(datetime.fromisoformat(s.replace("z", "Z")))
+    except OverflowError:
+        # `99999999999999d`, or `9999-12-31T23:00:00-23:59` (past year 9999 in UTC).
+        raise ValueError(f"not a time: {text!r} is outside years 1 to 9999") from None
     except ValueError:
         raise ValueError(
             f"not a time: {text!r} (use RFC 3339 like 2026-01-02T03:04:05Z, or 30m, 1h, 2d)"

@@ -2,6 +2,10 @@
 
 What a hash chain proves, and what it cannot:
 
+- A file's last line cut short (no newline, not JSON) is a write a crash interrupted, not a
+  problem: it is listed in `torn` and the chain goes on from the record before it (a proxy
+  restarted on it continued from there, so the next file's first `prev` names that record;
+  anything else there is reported as a deletion).
 - An edited record (its hash no longer matches its content), a record deleted, inserted or
   reordered in the middle (a `prev` no longer matches the hash before it), a rotated file
   deleted (the next file's first `prev` no longer matches), and records removed from the
@@ -43,6 +47,10 @@ class VerifyResult:
     # genesis hash). A head names its log (`chain`): found in another log, it proves nothing
     # of its own, since whoever rewrites one log can add a copy of it under another name.
     logs: dict[str, set[str]] = field(default_factory=dict)
+    # Last lines cut short (no newline, not JSON: a write a crash interrupted), as "file:line".
+    # Not a problem: the proxy restarted on such a file sets it aside and continues the chain
+    # from the last intact record, which the next file's first `prev` must then name.
+    torn: list[str] = field(default_factory=list)
 
 
 def verify(path: Path, anchors: Iterable[str] = ()) -> VerifyResult:
@@ -130,10 +138,13 @@ def _verify_file(
         return expected
     with fh:
         lineno = 0
-        for lineno, raw in _numbered(fh):
+        for lineno, raw, whole in _numbered(fh):
             try:
                 rec = orjson.loads(raw)
             except orjson.JSONDecodeError:
+                if not whole:  # the last line, cut short: the chain goes on from the one before
+                    result.torn.append(f"{file}:{lineno}")
+                    return expected
                 bad(lineno, "not valid JSON")
                 return expected
             if (
@@ -169,6 +180,9 @@ def _verify_file(
     return expected
 
 
-def _numbered(lines: Iterable[bytes]) -> Iterable[tuple[int, bytes]]:
+def _numbered(lines: Iterable[bytes]) -> Iterable[tuple[int, bytes, bool]]:
+    """(1-based number, line without its newline, whether it ended with one: only the last
+    line of a file may not)."""
     for n, raw in enumerate(lines, 1):
-        yield n, raw[:-1] if raw.endswith(b"\n") else raw
+        whole = raw.endswith(b"\n")
+        yield n, raw[:-1] if whole else raw, whole

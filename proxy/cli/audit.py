@@ -22,7 +22,7 @@ def add_audit_parser(sub: Any) -> None:
                     "each anchor that is not in the chain (given a directory, not in the log its "
                     "head names), and otherwise says how many records "
                     "follow it. Exit 2 for an anchor that is not a hash, or an anchors file that "
-                    "cannot be read or has a line that is not a head.")
+                    "cannot be read or has a line that is not a head, and for a path that does not exist.")
     verify.add_argument("path", type=Path)
     verify.add_argument("--anchor", action="append", default=[], metavar="HASH",
                         help="a head's hash (sha256:...) that must be in the chain; repeatable")
@@ -34,7 +34,8 @@ def add_audit_parser(sub: Any) -> None:
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    """Exit 0 intact (every anchor in the chain), 1 tampered or an anchor missing, 2 bad anchors."""
+    """Exit 0 intact (every anchor in the chain), 1 tampered or an anchor missing, 2 bad anchors
+    or no such path."""
     from proxy.audit import anchor
     from proxy.audit.verify import verify
 
@@ -45,10 +46,21 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"envelope-proxy audit verify: {exc}", file=sys.stderr)
         return 2
+    if not Path(args.path).exists():  # a mistyped path is not a tampered log
+        print(f"envelope-proxy audit verify: no such file or directory: {args.path}", file=sys.stderr)
+        return 2
     result = verify(args.path, [a.hash for a in anchors])
+    for where in result.torn:
+        print(f"note: {where}: the last line is cut short (no newline, not JSON): a write "
+              "interrupted by a crash; the chain continues from the record before it")
     if not result.ok:
-        where = f"{result.file}:{result.line}" if result.file and result.line else str(args.path)
-        print(f"TAMPERED: {where}: {result.problem}")
+        problem = result.problem or ""
+        if result.file and result.line:
+            # `problem` starts "line N: " (as VerifyResult says it); `file:N:` says it already.
+            where, problem = f"{result.file}:{result.line}", problem.removeprefix(f"line {result.line}: ")
+        else:
+            where = result.file or str(args.path)
+        print(f"TAMPERED: {where}: {problem}")
         return 1
     missing = [a for a in anchors if a.hash not in result.after]
     for a in missing:

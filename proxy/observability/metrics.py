@@ -64,6 +64,9 @@ RejectReason = Literal[
     "hop_by_hop_header",
     "underscore_header",
 ]
+# Requests the admin listener refused before any route: a Host it does not answer (421), no or
+# an unknown approver token on a guarded route (401).
+AdminRejectReason = Literal["bad_host", "unauthenticated"]
 # Header fields the proxy did not forward: the direction, and why (a request field whose name
 # holds `_`, a field the message's own `Connection` header named); see proxy/fronts/headers.py.
 HeaderDirection = Literal["request", "response"]
@@ -78,6 +81,7 @@ UPSTREAM_OUTCOMES: tuple[UpstreamOutcome, ...] = get_args(UpstreamOutcome)
 RELOAD_RESULTS: tuple[ReloadResult, ...] = get_args(ReloadResult)
 MISCONFIG_LAYERS: tuple[MisconfigLayer, ...] = get_args(MisconfigLayer)
 REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
+ADMIN_REJECT_REASONS: tuple[AdminRejectReason, ...] = get_args(AdminRejectReason)
 APPROVAL_REASONS: tuple[ApprovalReason, ...] = get_args(ApprovalReason)
 # Response fields are never dropped for an underscore (only requests go to frameworks that fold).
 HEADER_DROPS: tuple[tuple[HeaderDirection, HeaderDropReason], ...] = (
@@ -110,6 +114,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Counter, "envelope_audit_records_total", "Audit records written.", fast=True),
     MetricSpec(Counter, "envelope_check_errors_total", "Checks that raised (the call was refused: fail closed).", ("check",)),
     MetricSpec(Counter, "envelope_rejected_requests_total", "Requests rejected at the front before the envelope.", ("reason",)),
+    MetricSpec(Counter, "envelope_admin_rejected_requests_total", "Admin listener requests refused: bad_host (421, a Host it does not answer), unauthenticated (401, no or an unknown approver token).", ("reason",)),
     MetricSpec(Counter, "envelope_headers_dropped_total", "Header fields not forwarded, by direction (request: toward an upstream; response: toward the client) and reason (underscore: a request field name holding '_'; connection: named by the message's Connection header).", ("direction", "reason")),
     MetricSpec(Gauge, "envelope_catalogue_tools", "Tools in the catalogue per upstream.", ("upstream",)),
     MetricSpec(Gauge, "envelope_upstream_up", "Upstream health: 1 up, 0 down or not yet known.", ("upstream",)),
@@ -259,6 +264,8 @@ class Metrics:
         self._reloads = {r: reloads.labels(r) for r in RELOAD_RESULTS}
         rejected = cast(Counter, c["envelope_rejected_requests_total"])
         self._rejected = {r: rejected.labels(r) for r in REJECT_REASONS}
+        admin_rejected = cast(Counter, c["envelope_admin_rejected_requests_total"])
+        self._admin_rejected = {r: admin_rejected.labels(r) for r in ADMIN_REJECT_REASONS}
         dropped = cast(Counter, c["envelope_headers_dropped_total"])
         self._headers_dropped = {key: dropped.labels(*key) for key in HEADER_DROPS}
         requested = cast(Counter, c["envelope_approvals_requested_total"])
@@ -367,6 +374,10 @@ class Metrics:
             raise ValueError(f"unknown rejection reason {reason!r}") from None
         child.inc()
 
+    def admin_rejected(self, reason: AdminRejectReason) -> None:
+        """Count a request the admin listener refused (421, 401)."""
+        self._admin_rejected[reason].inc()
+
     def headers_dropped(self, direction: HeaderDirection, reason: HeaderDropReason, count: int = 1) -> None:
         """Count header fields not forwarded; raises ValueError outside the fixed label sets."""
         try:
@@ -395,7 +406,12 @@ class Metrics:
             raise ValueError(f"unknown reload result {result!r}") from None
         child.inc()
         if result == "success":
-            self._last_reload.set(time.time() if when is None else when)
+            self.loaded(when)
+
+    def loaded(self, when: float | None = None) -> None:
+        """Set the last-load timestamp: a successful reload, and the start-up load (a fresh
+        process whose gauge said 0 looked like a policy loaded in 1970)."""
+        self._last_reload.set(time.time() if when is None else when)
 
     def set_misconfigured(self, counts: Mapping[str, int]) -> None:
         """Set misconfigured tools per layer; a layer absent from `counts` is 0. Raises

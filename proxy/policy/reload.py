@@ -144,7 +144,8 @@ Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 def fingerprint(directory: Path) -> Fingerprint:
-    """(relative path, size, mtime_ns) of every YAML file, following symlinks."""
+    """(relative path, size, mtime_ns) of every YAML file, following symlinks; (relative path,
+    -1, -errno) for one that cannot be stat'ed."""
     root = Path(os.path.realpath(directory))
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -159,7 +160,10 @@ def fingerprint(directory: Path) -> Fingerprint:
             path = Path(dirpath) / name
             try:
                 st = path.stat()
-            except OSError:
+            except OSError as exc:
+                # Unreadable (a symlink loop, a dangling link) is still a policy file: the load
+                # reports it (`cannot read`), so its coming and going is a change to reload.
+                out.append((path.relative_to(root).as_posix(), -1, -(exc.errno or 0)))
                 continue
             out.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns))
     # The resolved root is part of the fingerprint: a symlink swap to an identical tree with

@@ -23,6 +23,12 @@ from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
+from ruamel.yaml.events import (
+    MappingEndEvent,
+    MappingStartEvent,
+    SequenceEndEvent,
+    SequenceStartEvent,
+)
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.resolver import VersionedResolver
 from ruamel.yaml.tag import Tag
@@ -157,14 +163,62 @@ def problem(file: str, node: Node | None, message: str) -> PolicyProblem:
     return PolicyProblem(file, line, col, message)
 
 
+# Collections nested deeper than this are a problem at the first one past it: every stage after
+# composing (conversion, validation, compiling) walks the tree recursively, and Python's stack
+# ends near 500 levels (a RecursionError and a traceback instead of file:line:column).
+MAX_NESTING = 128
+# Values a file may become once its aliases are expanded (a shared node counts once per use).
+MAX_EXPANDED_VALUES = 2_000_000
+
+
+class _TooDeep(Exception):
+    """A collection nested deeper than MAX_NESTING, at `mark` (0-based, as YAML marks are)."""
+
+    def __init__(self, mark: Any) -> None:
+        super().__init__()
+        self.mark = mark
+
+
+def _too_deep(name: str, mark: Any) -> PolicyProblem:
+    line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
+    return PolicyProblem(name, line, col, f"nested deeper than {MAX_NESTING} levels "
+                                          "(mappings and lists inside each other)")
+
+
+def _nesting_mark(text: str) -> Any:
+    """Where the first collection deeper than MAX_NESTING starts, from the parser's events (no
+    tree, no recursion); None when there is none (or the text does not parse that far)."""
+    depth = 0
+    try:
+        for event in YAML(typ="safe", pure=True).parse(text):
+            if isinstance(event, (MappingStartEvent, SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_NESTING:
+                    return event.start_mark
+            elif isinstance(event, (MappingEndEvent, SequenceEndEvent)):
+                depth -= 1
+    except YAMLError:
+        return None
+    return None
+
+
 def parse_file(name: str, text: str) -> tuple[YamlFile | None, list[PolicyProblem]]:
-    """Compose `text`; a syntax error or more than one document is a problem, not an exception."""
-    composed = _compose_fast_noting(text)
+    """Compose `text`; a syntax error, more than one document or collections nested deeper than
+    MAX_NESTING is a problem, not an exception."""
+    try:
+        composed = _compose_fast_noting(text)
+    except _TooDeep as exc:
+        return None, [_too_deep(name, exc.mark)]
     if composed is not None:
         return _one_document(name, text, *composed)
+    # The pure parser composes recursively: the nesting is checked on its events first.
+    if (mark := _nesting_mark(text)) is not None:
+        return None, [_too_deep(name, mark)]
     yaml = YAML(typ="safe", pure=True)
     try:
         docs = list(yaml.compose_all(text))
+    except RecursionError:  # nested within MAX_NESTING, yet too deep for the composer's stack
+        return None, [_too_deep(name, None)]
     except MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
@@ -181,7 +235,15 @@ def _one_document(
     docs = [d for d in docs if d is not None]
     if len(docs) > 1:
         return None, [problem(name, docs[1], "a policy file holds one YAML document, found more")]
-    return YamlFile(name, text, docs[0] if docs else None, facts=facts), []
+    file = YamlFile(name, text, docs[0] if docs else None, facts=facts)
+    if file.root is not None and file_has_alias(file):
+        # Converting expands aliases: a few lines of anchors nine aliases wide ("billion
+        # laughs") would take every byte of memory. Refused where the values multiply.
+        past = expansion_past(file.root, MAX_EXPANDED_VALUES)
+        if past is not None:
+            return None, [problem(name, past, f"expands past {MAX_EXPANDED_VALUES} values once its "
+                                              "aliases are expanded: not loaded")]
+    return file, []
 
 
 _KINDS: dict[Any, type[Node]] = {}
@@ -220,7 +282,7 @@ def _compose_fast_noting(text: str) -> tuple[list[Node | None], _Facts] | None:
         parser.dispose()
     converted: dict[int, Node] = {}
     facts = _Facts()
-    nodes = [_ruamel_node(d, converted, facts) if d is not None else None for d in docs]
+    nodes = [_ruamel_node(d, converted, facts, 1) if d is not None else None for d in docs]
     # libyaml's tree is garbage now: freed in pieces, not in one cascade when this returns
     # (50-150 ms holding the interpreter lock for a 1,000-tool file: see `release_parsed`).
     release_nodes(docs)
@@ -303,7 +365,7 @@ def _tag(tag: Tag | str) -> Tag:
     return found
 
 
-def _ruamel_node(node: Any, converted: dict[int, Node], facts: _Facts) -> Node:
+def _ruamel_node(node: Any, converted: dict[int, Node], facts: _Facts, depth: int) -> Node:
     """`node` (PyYAML's) as the ruamel node the pure parser builds; an alias stays one shared
     node. The marks are libyaml's: `line`, `column` and `index` (in characters) as ruamel's.
     Notes in `facts` what `has_alias`, `duplicate_keys` and the empty values' placing would
@@ -313,6 +375,8 @@ def _ruamel_node(node: Any, converted: dict[int, Node], facts: _Facts) -> Node:
         facts.aliased = True
         return done
     out: Node
+    if depth > MAX_NESTING and not isinstance(node, _pyyaml.ScalarNode):
+        raise _TooDeep(node.start_mark)
     if isinstance(node, _pyyaml.ScalarNode):
         out = ScalarNode(_tag(node.tag), node.value, node.start_mark, node.end_mark,
                          style=node.style or None)  # libyaml says "" for plain, ruamel None
@@ -320,12 +384,13 @@ def _ruamel_node(node: Any, converted: dict[int, Node], facts: _Facts) -> Node:
         out = SequenceNode(_tag(node.tag), [], node.start_mark, node.end_mark,
                            flow_style=node.flow_style)
         converted[id(node)] = out
-        out.value = [_ruamel_node(item, converted, facts) for item in node.value]
+        out.value = [_ruamel_node(item, converted, facts, depth + 1) for item in node.value]
     else:
         out = MappingNode(_tag(node.tag), [], node.start_mark, node.end_mark,
                           flow_style=node.flow_style)
         converted[id(node)] = out
-        out.value = [(_ruamel_node(k, converted, facts), _ruamel_node(v, converted, facts))
+        out.value = [(_ruamel_node(k, converted, facts, depth + 1),
+                      _ruamel_node(v, converted, facts, depth + 1))
                      for k, v in node.value]
         first: dict[Any, Node] = {}
         for key, value in out.value:
@@ -339,6 +404,58 @@ def _ruamel_node(node: Any, converted: dict[int, Node], facts: _Facts) -> Node:
                 facts.flow_empty = facts.flow_empty or bool(out.flow_style)
     converted[id(node)] = out
     return out
+
+
+def _children(node: Node) -> list[Node]:
+    children: list[Node] = []
+    if isinstance(node.value, list):
+        for item in node.value:
+            children.extend(item if isinstance(item, tuple) else (item,))
+    return children
+
+
+def _expanded_sizes(root: Node, bound: int) -> dict[int, int]:
+    """Per node (by id) below `root`: how many values it becomes once aliases are expanded (a
+    shared node counts once per use), capped at `bound + 1`; computed on the shared nodes
+    (memoised, iterative). An alias inside its own anchor expands without end: `bound + 1`."""
+    sizes: dict[int, int] = {}
+    walking: set[int] = set()  # nodes whose children are being sized: met again, a cycle
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if not done and id(node) in walking:
+            sizes[id(root)] = bound + 1
+            return sizes
+        children = _children(node)
+        if done:
+            sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), bound + 1)
+            continue
+        walking.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes
+
+
+def expanded_size(root: Node, bound: int) -> int:
+    """How many values `root` becomes once its aliases are expanded, at most `bound + 1`: a
+    few lines of anchors must not expand into billions of values."""
+    return _expanded_sizes(root, bound)[id(root)]
+
+
+def expansion_past(root: Node, bound: int) -> Node | None:
+    """The innermost node that expands past `bound` values (no child of it does on its own):
+    where a file's anchors multiply; None when `root` stays within `bound`."""
+    sizes = _expanded_sizes(root, bound)
+    if sizes[id(root)] <= bound:
+        return None
+    node = root
+    while True:
+        over = [c for c in _children(node) if sizes.get(id(c), 0) > bound]
+        if not over or over[0] is node:
+            return node
+        node = over[0]
 
 
 def has_alias(node: Node) -> bool:

@@ -49,7 +49,7 @@ from ruamel.yaml.nodes import Node
 
 from proxy.errors import EnvelopeError, ReplyTooLarge
 from proxy.policy.vocab import Effect
-from proxy.policy.yamlload import Converter, locate, parse_file, position
+from proxy.policy.yamlload import Converter, expanded_size, locate, parse_file, position
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 # A spec fetched from a URL is read up to this size: a policy load must not swallow a stream.
@@ -304,29 +304,8 @@ class _Document:
 
 
 def _expanded_size(root: Node) -> int:
-    """How many values `root` becomes once its aliases are expanded (a shared node counts once
-    per use), computed on the shared nodes (memoised, iterative): a few lines of anchors must
-    not expand into billions of values."""
-    sizes: dict[int, int] = {}
-    walking: set[int] = set()  # nodes whose children are being sized: met again, a cycle
-    stack: list[tuple[Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if id(node) in sizes:
-            continue
-        if not done and id(node) in walking:
-            return MAX_SPEC_NODES + 1  # an alias inside its own anchor: expands without end
-        children: list[Node] = []
-        if isinstance(node.value, list):
-            for item in node.value:
-                children.extend(item if isinstance(item, tuple) else (item,))
-        if done:
-            sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), MAX_SPEC_NODES + 1)
-            continue
-        walking.add(id(node))
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if id(c) not in sizes)
-    return sizes[id(root)]
+    """How many values `root` becomes once its aliases are expanded (`yamlload.expanded_size`)."""
+    return expanded_size(root, MAX_SPEC_NODES)
 
 
 class _Skip(Exception):

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from e2e_helpers import cli, upstream_server, write_doc
 
-from tests.harness import ProxyProcess, mcp_client, proxy_process, rpc, token
+from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, rpc, token
 
 OPS = token("ops", tenant="acme")
 DEV = token("dev", tenant="acme")
@@ -322,3 +322,65 @@ async def test_no_cross_site_request_framing_or_token_guess_decides_an_approval(
         assert page.headers["X-Frame-Options"] == "DENY"
         assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
     assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"
+
+
+# -- the decision's body on the wire (held) ----------------------------------------------------
+
+
+async def _raw_admin_post(proxy: ProxyProcess, path: str, pieces: list[bytes],
+                          headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """POST `pieces` as one body to the admin listener, each piece in its own write with a pause
+    between (as a slow or chunking client sends it); the status and the JSON answer."""
+    host, port = proxy.admin.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body_length = sum(map(len, pieces))
+    head = "".join(f"{k}: {v}\r\n" for k, v in {**ALICE, "Content-Type": "application/json",
+                                                  **(headers or {})}.items())
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{head}Content-Length: {body_length}\r\n"
+                 "Connection: close\r\n\r\n".encode())
+    for piece in pieces:
+        writer.write(piece)
+        await writer.drain()
+        await asyncio.sleep(0.2)
+    answer = await reader.read()
+    writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+async def test_a_decision_whose_body_arrives_in_pieces_is_read_whole(proxy: ProxyProcess) -> None:
+    approval = await held(proxy, "slow-body-1", run="run-slow")
+    status, answer = await _raw_admin_post(
+        proxy, f"/v1/approvals/{approval['id']}/deny", [b'{"reas', b'on": "sent in two pieces"}'])
+    assert status == 200, answer
+    assert (answer["state"], answer["decision_reason"]) == ("denied", "sent in two pieces")
+
+
+async def test_a_body_that_cannot_be_decoded_is_refused_as_such_not_a_server_error(
+        proxy: ProxyProcess) -> None:
+    approval = await held(proxy, "bad-gzip-1", run="run-gzip")
+    status, answer = await _raw_admin_post(proxy, f"/v1/approvals/{approval['id']}/approve",
+                                           [b"not gzip at all"], {"Content-Encoding": "gzip"})
+    assert status == 400
+    assert answer["error"] == "the body cannot be read: Can not decode content-encoding: gzip", answer
+    assert "Unhandled exception" not in proxy.log()
+    assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"
+
+
+def test_the_admin_listeners_refusals_are_counted(proxy: ProxyProcess) -> None:
+    # A token being guessed or a rebound name must show somewhere: neither is audited (no call),
+    # so each is counted; on main nothing counted them.
+    name = "envelope_admin_rejected_requests_total"
+
+    def counts() -> tuple[float, float]:
+        text = proxy.metrics()
+        return (metric_value(text, name, reason="bad_host"),
+                metric_value(text, name, reason="unauthenticated"))
+
+    hosts, tokens = counts()
+    assert httpx.get(f"{proxy.admin}/healthz", headers={"Host": "evil.example"}).status_code == 421
+    for headers in ({}, {"Authorization": f"Bearer {ALICE_TOKEN}x"}):
+        for path in ("/v1/approvals", "/v1/decisions", "/v1/policy"):
+            assert httpx.get(f"{proxy.admin}{path}", headers=headers).status_code == 401, path
+    assert httpx.post(f"{proxy.admin}/v1/runs/r/intent", json={}).status_code == 401
+    assert counts() == (hosts + 1, tokens + 7)

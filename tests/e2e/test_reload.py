@@ -95,6 +95,15 @@ TRASH = {"title": "t", "body": "b", "folder": "trash"}
 INBOX = {"title": "t", "body": "b", "folder": "inbox"}
 
 
+def test_the_start_up_load_sets_the_last_load_time(polled: ProxyProcess) -> None:
+    # On main the gauge stayed 0 until the first reload: "policy loaded in 1970" to an alert on
+    # time() - envelope_policy_last_reload_timestamp_seconds.
+    metrics = polled.metrics()
+    assert metric_value(metrics, RELOADS, result="success") == 0
+    loaded = metric_value(metrics, "envelope_policy_last_reload_timestamp_seconds")
+    assert time.time() - 600 < loaded <= time.time()
+
+
 async def test_good_edit_takes_effect(polled: ProxyProcess) -> None:
     assert (await refusal(polled, OPS, TRASH))["reason"] == OLD_REASON
     metrics = polled.metrics()
@@ -162,6 +171,57 @@ async def test_broken_edit_is_rejected(polled: ProxyProcess) -> None:
 
     await poll(recovered)
     assert policy_status(polled)["last_reload"]["result"] == "success"
+
+
+async def test_a_file_nested_too_deeply_is_rejected_with_its_place(polled: ProxyProcess) -> None:
+    # Lists inside lists, past MAX_NESTING (128) and past Python's stack: on main the reload
+    # "failed unexpectedly" with a RecursionError traceback, no file:line:column.
+    metrics = polled.metrics()
+    failures = metric_value(metrics, RELOADS, result="failure")
+    successes = metric_value(metrics, RELOADS, result="success")
+    revision = revision_label(metrics)
+    deep = polled.policies / "deep.yaml"
+    deep.write_text("defaults:\n  mask: " + "[" * 2000 + "]" * 2000 + "\n")
+    where = f"{deep}:2:{len('  mask: ') + 127}: nested deeper than 128 levels"
+
+    async def rejected() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="failure") == failures + 1
+
+    await poll(rejected)
+    assert revision_label(polled.metrics()) == revision
+    last = policy_status(polled)["last_reload"]
+    assert last["result"] == "failure" and any(e.startswith(where) for e in last["errors"]), last
+    assert where in polled.log() and "RecursionError" not in polled.log()
+    assert (await refusal(polled, OPS, TRASH))["reason"] == NEW_REASON  # the old one serves
+    deep.unlink()
+
+    async def recovered() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="success") == successes + 1
+
+    await poll(recovered)
+
+
+async def test_a_policy_file_that_cannot_be_read_is_a_rejected_reload(polled: ProxyProcess) -> None:
+    # A symlink loop named like a policy file: `check` refuses it ("cannot read"); on main the
+    # watcher skipped it, so nothing was reloaded, counted or logged.
+    failures = metric_value(polled.metrics(), RELOADS, result="failure")
+    successes = metric_value(polled.metrics(), RELOADS, result="success")
+    loop = polled.policies / "loop.yaml"
+    loop.symlink_to("loop.yaml")
+    where = f"{loop}:1:1: cannot read: "
+
+    async def rejected() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="failure") == failures + 1
+
+    await poll(rejected)
+    last = policy_status(polled)["last_reload"]
+    assert any(e.startswith(where) and "symbolic links" in e for e in last["errors"]), last
+    loop.unlink()
+
+    async def recovered() -> bool:
+        return metric_value(polled.metrics(), RELOADS, result="success") == successes + 1
+
+    await poll(recovered)
 
 
 async def test_sighup_reloads(hup: ProxyProcess) -> None:

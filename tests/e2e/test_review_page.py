@@ -298,6 +298,9 @@ async def test_decisions_api_filters(pp: ProxyProcess) -> None:
         assert (one["rule"], one["args"]["folder"]) == ("no-secret-folder", "secret")
         r = await http.get("/v1/decisions", params={"principal": "nobody"})
         assert r.json() == {"decisions": [], "count": 0}
+        for far in ("99999999999999d", "800000d"):  # past datetime's range: 400, not a 500
+            r = await http.get("/v1/decisions", params={"since": far})
+            assert r.status_code == 400 and "outside years 1 to 9999" in r.json()["error"], r.text
 
 
 # -- in the browser ---------------------------------------------------------------------------
@@ -417,7 +420,7 @@ async def test_html_in_arguments_renders_as_text(pp: ProxyProcess, browser: Any,
 def test_stats_and_recent_api(pp: ProxyProcess) -> None:
     for path in ("/v1/decision-stats", "/v1/approvals/apr-nope/recent"):
         assert httpx.get(f"{pp.admin}{path}", timeout=5).status_code == 401, path
-    for window in ("yesterday", "2d", "30s", "2026-01-01T00:00:00Z", "-1h"):
+    for window in ("yesterday", "2d", "30s", "2026-01-01T00:00:00Z", "-1h", "99999999999999999999d"):
         r = httpx.get(f"{pp.admin}/v1/decision-stats", headers=ALICE, params={"window": window},
                       timeout=5)
         assert r.status_code == 400, (window, r.text)

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.envelope.types import Code, Verdict
 from proxy.observability.metrics import (
+    ADMIN_REJECT_REASONS,
     APPROVAL_REASONS,
     DURATION_BUCKETS,
     HEADER_DROPS,
@@ -61,6 +62,8 @@ class Stock:
             self.c["envelope_policy_reloads_total"].labels(r)
         for r in REJECT_REASONS:
             self.c["envelope_rejected_requests_total"].labels(r)
+        for r in ADMIN_REJECT_REASONS:
+            self.c["envelope_admin_rejected_requests_total"].labels(r)
         for layer in MISCONFIG_LAYERS:
             self.c["envelope_misconfigured_tools"].labels(layer)
         for r in APPROVAL_REASONS:

@@ -183,6 +183,19 @@ def test_reopen_reads_only_the_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert verify(tmp_path).ok
 
 
+@pytest.mark.parametrize("data", [b"", b"\n", b"a", b"abc\n", b"\n\nab\ncdefghijklmnop\nq",
+                                  b"x" * 40 + b"\n" + b"y" * 3 + b"\n\n" + b"z" * 17])
+def test_lines_read_backwards_are_the_files_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes
+) -> None:
+    # Chunks of 4 bytes: lines longer than a chunk, newlines at a chunk's edges, empty lines.
+    monkeypatch.setattr(log_module, "_TAIL_CHUNK", 4)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    with open(path, "rb") as fh:
+        assert list(log_module._lines_reversed(fh, len(data))) == data.split(b"\n")[::-1]
+
+
 def test_second_writer_is_refused(tmp_path: Path) -> None:
     with AuditLog(tmp_path):
         with pytest.raises(AuditError, match="another process"):
@@ -208,16 +221,32 @@ def test_damaged_tail_is_moved_aside_and_reported(
     # The damaged file is kept as-is; the new file continues from the last intact record.
     assert rotated[0].read_bytes().endswith(lines[3])
     assert orjson.loads(_lines(path)[0])["prev"] == last_good
+    # The directory verifies past the torn line (named, not a problem): every record written
+    # after the restart is checked too, not hidden behind the crash's artefact.
     res = verify(tmp_path)
-    assert not res.ok and res.file == str(rotated[0]) and res.line == 4
-    assert res.problem == "line 4: not valid JSON"
+    assert res.ok and res.records == 5, res
+    assert res.torn == [f"{rotated[0]}:4"]
     assert verify(path).ok  # the new file on its own is intact
+    # Records cut from before the torn line are still a break in the chain: the next file's
+    # first prev names the record the restart continued from.
+    _rewrite(rotated[0], [*lines[:2], lines[3]])
+    res = verify(tmp_path)
+    assert not res.ok and res.file == str(path) and res.line == 1
+    assert "prev does not match the hash of the last record of" in (res.problem or "")
+
+
+def test_a_last_line_that_ends_with_its_newline_is_never_taken_for_a_torn_one(tmp_path: Path) -> None:
+    _write(tmp_path, 3).close()
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(path.read_bytes() + b'{"ts": "2026\n')
+    res = verify(tmp_path)
+    assert not res.ok and res.line == 4 and res.problem == "line 4: not valid JSON" and res.torn == []
 
 
 def test_a_file_with_no_intact_record_continues_the_chain_of_the_rotated_ones(tmp_path: Path) -> None:
     # A crash part-way through the first record after a rotation: the new file continues from
-    # the rotated file's last record, not from genesis; set the damaged file aside and the
-    # directory's chain is whole again.
+    # the rotated file's last record, not from genesis; the directory's chain is whole, with the
+    # torn file named (and still whole without it).
     _write(tmp_path, 3).close()
     path = tmp_path / "audit.jsonl"
     previous = tmp_path / "audit-20260101T000000000000.jsonl"
@@ -227,7 +256,8 @@ def test_a_file_with_no_intact_record_continues_the_chain_of_the_rotated_ones(tm
     _write(tmp_path, 2).close()
     assert orjson.loads(_lines(path)[0])["prev"] == last
     [damaged] = [f for f in tmp_path.glob("audit-*.jsonl") if f != previous]
-    assert not verify(tmp_path).ok
+    result = verify(tmp_path)
+    assert result.ok and result.records == 5 and result.torn == [f"{damaged}:1"], result
     damaged.unlink()
     result = verify(tmp_path)
     assert result.ok and result.records == 5, result

@@ -152,6 +152,12 @@ def test_parse_time_relative_and_rfc3339() -> None:
     for bad in ("yesterday", "1y", "", "-1h"):
         with pytest.raises(ValueError):
             parse_time(bad)
+    # Out of datetime's range: a ValueError naming it (callers answer 400 / exit 2), never an
+    # OverflowError (the admin API's 500, the CLI's traceback).
+    for far in ("99999999999999999999d", "800000d", "9999-12-31T23:00:00-23:59",
+                "0001-01-01T00:00:00+01:00"):
+        with pytest.raises(ValueError, match="outside years 1 to 9999"):
+            parse_time(far, now)
 
 
 def test_follower_sees_new_records_across_rotation(tmp_path: Path) -> None:

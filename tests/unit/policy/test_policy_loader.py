@@ -368,3 +368,35 @@ def test_malformed_rates_are_load_errors_with_their_place(write: Write) -> None:
         f"{path}:13:41: principals.alice.max_calls_per_run: Input should be greater than or "
         "equal to 1",
     ]
+
+
+def test_a_file_past_the_size_bound_is_a_problem_not_read(write: Write) -> None:
+    # 16 MiB + 1 byte (sparse: the bound is checked before a byte is read or parsed).
+    big = write("big.yaml", "version: 1\n")
+    with open(big, "r+b") as fh:
+        fh.truncate(16 * 1024 * 1024 + 1)
+    assert problems(rev_dir(write)) == [
+        f"{big}:1:1: the file is 16777217 bytes, more than a policy file may be (16777216 bytes): "
+        "not read"]
+
+
+def test_anchors_that_expand_past_the_bound_are_a_problem_where_they_multiply(write: Write) -> None:
+    # "Billion laughs": each line twenty aliases of the one before; converting would build
+    # 3.4 million values here (and 9^9 in the probe's file: every byte of memory, no answer).
+    lines = ["tools:", "  demo.echo:", "    effect: read", "    schema:", "      type: object",
+             "      properties:", "        a: {enum: &a [" + ", ".join(['"lol"'] * 20) + "]}"]
+    for prev, name in zip("abcd", "bcde", strict=True):
+        lines.append(f"        {name}: {{enum: &{name} [" + ", ".join([f"*{prev}"] * 20) + "]}")
+    bomb = write("bomb.yaml", "\n".join(lines) + "\n")
+    column = len("        e: {enum: ") + 1  # its anchor
+    assert problems(rev_dir(write)) == [
+        f"{bomb}:11:{column}: expands past 2000000 values once its aliases are expanded: not loaded"]
+
+
+def test_anchors_within_the_bound_load(write: Write) -> None:
+    write("shared.yaml", """
+        tools:
+          demo.echo: {effect: read, mask: &secret [password, token]}
+          github.search_issues: {effect: read, mask: *secret}
+        """)
+    assert load_policy(rev_dir(write)).tools

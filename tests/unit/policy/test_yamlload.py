@@ -177,3 +177,26 @@ def test_an_evicted_parse_is_released_only_when_its_cache_held_it_alone() -> Non
     assert released == [1]
     # `first` is still held here: release_parsed left it whole.
     assert first.root is not None and len(first.root.value[0][1].value) == 50
+
+
+@pytest.mark.parametrize("prefix", ["", "\ufeff"], ids=["libyaml", "pure"])
+@pytest.mark.parametrize("depth", [129, 600, 50_000])
+def test_nesting_past_the_limit_is_a_problem_at_its_place(prefix: str, depth: int) -> None:
+    # Past the limit (and past Python's stack, 600 and 50,000) a problem at the first
+    # collection too deep, never a RecursionError; libyaml and the pure parser alike.
+    text = prefix + "a:\n  b: " + "[" * (depth - 2) + "]" * (depth - 2) + "\n"
+    parsed, problems = parse_file("deep.yaml", text)
+    assert parsed is None
+    assert [(p.line, p.column, p.message) for p in problems] == [
+        (2, len("  b: ") + 127, "nested deeper than 128 levels (mappings and lists inside each other)")]
+
+
+def test_nesting_at_the_limit_parses() -> None:
+    parsed, problems = parse_file("deep.yaml", "a:\n  b: " + "[" * 126 + "]" * 126 + "\n")
+    assert problems == [] and parsed is not None
+
+
+def test_block_nesting_past_the_limit_is_a_problem_at_its_place() -> None:
+    text = "".join("  " * i + "k:\n" for i in range(600))
+    _, problems = parse_file("deep.yaml", text)
+    assert [(p.line, p.column) for p in problems] == [(129, 257)]
