@@ -259,19 +259,23 @@ async def test_large_batches_commit_on_the_worker(inline: SqliteStore, monkeypat
     assert threads[-1] == threading.get_ident()
 
 
-async def test_a_batch_meeting_a_held_write_lock_is_committed_once_in_order_on_the_loop(
-        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A checkpoint's RESTART holds the write lock for tens of ms: the batch is tried again on the
-    # loop, and the worker stays free for reads meanwhile (it used to wait for the lock there).
-    monkeypatch.setattr(sqlite_module, "_LOCK_PATIENCE", 60.0)
+@pytest.mark.parametrize("held", ["briefly", "long"])
+async def test_a_batch_meeting_a_held_write_lock_is_committed_once_and_in_order(
+        held: str, inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Briefly (a checkpoint's RESTART holds the write lock for tens of ms): the batch is tried
+    # again on the loop, and the worker stays free for reads meanwhile (it used to wait for the
+    # lock there). Long (another process), past the loop's patience: the worker takes it.
+    on_loop = held == "briefly"
+    monkeypatch.setattr(sqlite_module, "_LOCK_PATIENCE", 60.0 if on_loop else 0.0)
     threads = _threads_applying(monkeypatch)
     other = sqlite3.connect(inline.path, isolation_level=None)
     try:
-        other.execute("BEGIN IMMEDIATE")  # as the checkpoint (or another process) would
+        other.execute("BEGIN IMMEDIATE")  # as a checkpoint or another process would
         first = asyncio.create_task(inline.hash_append("log", "run", b"a", ttl=60.0, also=("meta", {b"u": b"1"})))
         await asyncio.sleep(0.05)
         assert not first.done()  # waiting, not refused, not committed
-        assert await asyncio.wait_for(inline.hash_all("meta", "run"), 5.0) == {}  # the worker answers
+        if on_loop:
+            assert await asyncio.wait_for(inline.hash_all("meta", "run"), 5.0) == {}  # the worker answers
         # A later batch follows the first, never overtakes it.
         second = asyncio.create_task(inline.hash_append("log", "run", b"b", ttl=60.0))
         await asyncio.sleep(0.05)
@@ -280,32 +284,12 @@ async def test_a_batch_meeting_a_held_write_lock_is_committed_once_in_order_on_t
     finally:
         other.close()
     assert await first == 1 and await second == 2
-    assert threads and set(threads) == {threading.get_ident()}
+    if on_loop:
+        assert threads and set(threads) == {threading.get_ident()}
+    else:
+        assert len(threads) == 2 and threading.get_ident() not in threads
     assert _log(inline.path, "run") == {LOG_COUNTER: b"2 0", log_field(1): b"a", log_field(2): b"b"}
-    assert await inline.hash_append("log", "run", b"c", ttl=60.0) == 3
-
-
-async def test_a_batch_meeting_a_write_lock_held_for_long_is_committed_once_by_the_worker(
-        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sqlite_module, "_LOCK_PATIENCE", 0.0)  # held past the loop's patience
-    threads = _threads_applying(monkeypatch)
-    other = sqlite3.connect(inline.path, isolation_level=None)
-    try:
-        other.execute("BEGIN IMMEDIATE")  # as another process would: the file's write lock
-        first = asyncio.create_task(inline.hash_append("log", "run", b"a", ttl=60.0, also=("meta", {b"u": b"1"})))
-        await asyncio.sleep(0.05)
-        assert not first.done()  # waiting on the worker, not refused, not committed
-        # A later batch follows the first to the worker, never overtakes it on the loop.
-        second = asyncio.create_task(inline.hash_append("log", "run", b"b", ttl=60.0))
-        await asyncio.sleep(0.05)
-        assert not second.done()
-        other.execute("ROLLBACK")
-    finally:
-        other.close()
-    assert await first == 1 and await second == 2
-    assert len(threads) == 2 and threading.get_ident() not in threads
-    assert _log(inline.path, "run") == {LOG_COUNTER: b"2 0", log_field(1): b"a", log_field(2): b"b"}
-    # Once the worker is done, the loop commits again.
+    # And the loop commits the next batch itself.
     assert await inline.hash_append("log", "run", b"c", ttl=60.0) == 3
     assert threads[-1] == threading.get_ident()
 
