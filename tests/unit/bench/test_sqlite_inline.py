@@ -37,8 +37,10 @@ async def test_statements_split_the_write_into_statements_the_store_runs() -> No
     assert rows and all(rows), lines
     kinds = {m.group(3): (float(m.group(1)), float(m.group(2))) for m in rows if m is not None}
     assert len(kinds) == len(lines)  # one row per statement kind
-    # Each write is one transaction on the loop's connection, all of it timed.
-    assert kinds["BEGIN IMMEDIATE"][1] == kinds["COMMIT"][1] == 1.0, kinds
+    # Each write is one committed transaction on the loop's connection, all of it timed. A BEGIN
+    # that met the write lock (the worker's first purge, a checkpoint) is tried again on the loop
+    # (`SqliteStore._retry_later`): BEGIN may run more often than COMMIT, never less.
+    assert kinds["COMMIT"][1] == 1.0 and kinds["BEGIN IMMEDIATE"][1] >= 1.0, kinds
     assert abs(sum(us for us, _ in kinds.values()) - sql) <= 0.1 * len(kinds), (kinds, sql)
     assert all(per_write > 0 for _, per_write in kinds.values()), kinds
     store = " ".join((ROOT / "proxy" / "store" / "sqlite.py").read_text().split())
