@@ -129,6 +129,15 @@ async def test_good_edit_takes_effect(polled: ProxyProcess) -> None:
     assert polled.audit_records()[0]["revision"] == revision
 
 
+async def _reloads_counted(proxy: ProxyProcess, result: str, count: float) -> None:
+    """Until the proxy has counted `count` reloads with `result` (`success`, `failure`)."""
+
+    async def counted() -> bool:
+        return metric_value(proxy.metrics(), RELOADS, result=result) == count
+
+    await poll(counted)
+
+
 async def test_broken_edit_is_rejected(polled: ProxyProcess) -> None:
     metrics = polled.metrics()
     failures = metric_value(metrics, RELOADS, result="failure")
@@ -143,10 +152,7 @@ async def test_broken_edit_is_rejected(polled: ProxyProcess) -> None:
     column = line.rindex("'") + 1  # the parser fails where the expression ends
     where = f"{tools}:{lineno}:{column}: "
 
-    async def rejected() -> bool:
-        return metric_value(polled.metrics(), RELOADS, result="failure") == failures + 1
-
-    await poll(rejected)
+    await _reloads_counted(polled, "failure", failures + 1)
     metrics = polled.metrics()
     assert metric_value(metrics, RELOADS, result="success") == successes
     assert revision_label(metrics) == revision
@@ -166,10 +172,7 @@ async def test_broken_edit_is_rejected(polled: ProxyProcess) -> None:
     # Fixing the file is picked up again.
     edit(tools, bad_allow, old_allow)
 
-    async def recovered() -> bool:
-        return metric_value(polled.metrics(), RELOADS, result="success") == successes + 1
-
-    await poll(recovered)
+    await _reloads_counted(polled, "success", successes + 1)
     assert policy_status(polled)["last_reload"]["result"] == "success"
 
 
@@ -184,10 +187,7 @@ async def test_a_file_nested_too_deeply_is_rejected_with_its_place(polled: Proxy
     deep.write_text("defaults:\n  mask: " + "[" * 2000 + "]" * 2000 + "\n")
     where = f"{deep}:2:{len('  mask: ') + 127}: nested deeper than 128 levels"
 
-    async def rejected() -> bool:
-        return metric_value(polled.metrics(), RELOADS, result="failure") == failures + 1
-
-    await poll(rejected)
+    await _reloads_counted(polled, "failure", failures + 1)
     assert revision_label(polled.metrics()) == revision
     last = policy_status(polled)["last_reload"]
     assert last["result"] == "failure" and any(e.startswith(where) for e in last["errors"]), last
@@ -195,10 +195,7 @@ async def test_a_file_nested_too_deeply_is_rejected_with_its_place(polled: Proxy
     assert (await refusal(polled, OPS, TRASH))["reason"] == NEW_REASON  # the old one serves
     deep.unlink()
 
-    async def recovered() -> bool:
-        return metric_value(polled.metrics(), RELOADS, result="success") == successes + 1
-
-    await poll(recovered)
+    await _reloads_counted(polled, "success", successes + 1)
 
 
 async def test_a_policy_file_that_cannot_be_read_is_a_rejected_reload(polled: ProxyProcess) -> None:
@@ -210,18 +207,12 @@ async def test_a_policy_file_that_cannot_be_read_is_a_rejected_reload(polled: Pr
     loop.symlink_to("loop.yaml")
     where = f"{loop}:1:1: cannot read: "
 
-    async def rejected() -> bool:
-        return metric_value(polled.metrics(), RELOADS, result="failure") == failures + 1
-
-    await poll(rejected)
+    await _reloads_counted(polled, "failure", failures + 1)
     last = policy_status(polled)["last_reload"]
     assert any(e.startswith(where) and "symbolic links" in e for e in last["errors"]), last
     loop.unlink()
 
-    async def recovered() -> bool:
-        return metric_value(polled.metrics(), RELOADS, result="success") == successes + 1
-
-    await poll(recovered)
+    await _reloads_counted(polled, "success", successes + 1)
 
 
 async def test_sighup_reloads(hup: ProxyProcess) -> None:

@@ -67,6 +67,18 @@ async def _worker_held(store: SqliteStore) -> tuple[threading.Event, asyncio.Tas
     return release, held
 
 
+def _assert_sizes_exact(path: Path) -> None:
+    """Every hash's meta row counts exactly the fields it has (the caps rely on it), read by
+    another connection, as another process would."""
+    conn = sqlite3.connect(path)
+    try:
+        sizes = conn.execute("SELECT m.ns, m.key, m.size, (SELECT count(*) FROM hash AS h"
+                             " WHERE h.ns = m.ns AND h.key = m.key) FROM hash_meta AS m").fetchall()
+    finally:
+        conn.close()
+    assert sizes and all(size == rows for _, _, size, rows in sizes), sizes
+
+
 def _log(path: Path, key: str) -> dict[bytes, bytes]:
     """The log as another process reads it: its own connection to the file, after the fact."""
     conn = sqlite3.connect(path)
@@ -197,14 +209,7 @@ async def _one_batch_of_writes(store: Store, hold: bool) -> list[object]:
 async def test_one_batch_of_writes_answers_as_the_same_writes_one_by_one(store: SqliteStore) -> None:
     expected = await _one_batch_of_writes(MemoryStore(), hold=False)
     assert await _one_batch_of_writes(store, hold=True) == expected
-    # Every hash's meta row counts exactly the fields it has (the caps rely on it).
-    conn = sqlite3.connect(store.path)
-    try:
-        sizes = conn.execute("SELECT m.ns, m.key, m.size, (SELECT count(*) FROM hash AS h"
-                             " WHERE h.ns = m.ns AND h.key = m.key) FROM hash_meta AS m").fetchall()
-    finally:
-        conn.close()
-    assert sizes and all(size == rows for _, _, size, rows in sizes), sizes
+    _assert_sizes_exact(store.path)
 
 
 async def test_one_batch_of_writes_inline_answers_as_the_same_writes_one_by_one(inline: SqliteStore) -> None:
@@ -508,13 +513,7 @@ async def test_a_write_by_another_connection_is_read_afresh(inline: SqliteStore,
         assert await inline.hash_all("meta", "run") == {b"u": b"1"}
     finally:
         await other.close()
-    conn = sqlite3.connect(inline.path)
-    try:
-        sizes = conn.execute("SELECT m.key, m.size, (SELECT count(*) FROM hash AS h"
-                             " WHERE h.ns = m.ns AND h.key = m.key) FROM hash_meta AS m").fetchall()
-    finally:
-        conn.close()
-    assert sizes and all(size == rows for _, size, rows in sizes), sizes
+    _assert_sizes_exact(inline.path)
 
 
 async def test_a_hash_that_expired_between_batches_starts_afresh(inline: SqliteStore) -> None:
