@@ -384,3 +384,17 @@ def test_the_admin_listeners_refusals_are_counted(proxy: ProxyProcess) -> None:
             assert httpx.get(f"{proxy.admin}{path}", headers=headers).status_code == 401, path
     assert httpx.post(f"{proxy.admin}/v1/runs/r/intent", json={}).status_code == 401
     assert counts() == (hosts + 1, tokens + 7)
+
+
+async def test_a_decision_body_past_the_limit_is_refused_413_and_decides_nothing(
+        proxy: ProxyProcess) -> None:
+    # 64 KiB is the approvals API's bound (`protect.read_body`): counted across the pieces a
+    # body arrives in, not in the first read only.
+    approval = await held(proxy, "big-body-1", run="run-big")
+    reason = b"x" * (80 * 1024)
+    body = b'{"reason": "' + reason + b'"}'
+    status, answer = await _raw_admin_post(proxy, f"/v1/approvals/{approval['id']}/deny",
+                                           [body[: len(body) // 2], body[len(body) // 2:]])
+    assert status == 413, answer
+    assert answer["error"] == f"body larger than {64 * 1024} bytes", answer
+    assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"

@@ -570,3 +570,16 @@ async def test_a_streamed_calls_pending_marker_reads_nothing_when_the_flags_are_
                                  drop=[b"p:%d" % i])
     assert await inline.hash_since("log", "run", 0, with_hash="meta") == await memory.hash_since(
         "log", "run", 0, with_hash="meta")
+
+
+async def test_what_is_carried_is_bounded_the_least_recently_written_dropped_first(
+        inline: SqliteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Runs beyond CARRIED_HASHES: memory stays bounded, and a run dropped from what is carried
+    # is read afresh (its next output still numbers on from the table).
+    monkeypatch.setattr(sqlite_module, "CARRIED_HASHES", 4)
+    for r in range(6):
+        assert await inline.hash_append("log", f"run{r}", b"e", ttl=60.0, weight=1,
+                                        also=("meta", {b"u": b"1"})) == 1
+    assert list(inline._carried.hashes) == [("log", "run4"), ("meta", "run4"), ("log", "run5"), ("meta", "run5")]
+    assert await inline.hash_append("log", "run0", b"e", ttl=60.0, weight=1, also=("meta", {b"u": b"1"})) == 2
+    assert len(inline._carried.hashes) == 4
