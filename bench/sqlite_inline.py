@@ -17,11 +17,20 @@ write (the loop's connection wrapped by a timer), against the whole `hash_append
 entries over R runs (`--size`, `--runs`), and a bare sqlite3 transaction inserting one such
 entry in a table of the same shape (no checkpoint) for comparison.
 
+`layouts`: where a log's entries and counter could live instead (`LAYOUTS`: entries in a rowid
+table, the counter in the log's meta row), against the store's own statements (`current`), in bare
+sqlite3: one recorded output's write transaction as the loop's connection runs it with everything
+carried (BEGIN IMMEDIATE, `PRAGMA data_version`, the entry, the counter, the two meta rows,
+COMMIT), S-byte entries over R runs, the store's checkpoint on a thread of its own beside it; the
+layouts alternated, a new file each, for `--rounds` rounds: wall and thread CPU per write, the
+entry+counter statements, and each round's ratio to the first layout.
+
 Usage (from the repository root):
 
     python bench/sqlite_inline.py batch [--shapes 64x200,1x50000,1x200]
     python bench/sqlite_inline.py checkpoint [--every 64,256,1024] [--size 200] [--runs 8] [--outputs 10000] [--reads] [--concurrency 1]
     python bench/sqlite_inline.py statements [--size 500] [--runs 1] [--outputs 2000]
+    python bench/sqlite_inline.py layouts [--layouts current,rowid-meta] [--size 16000] [--runs 8] [--outputs 1000] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -35,12 +44,14 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.store import sqlite as store_module
+from proxy.store.base import LOG_COUNTER, log_field
 
 
 async def batch_cost(count: int, size: int) -> str:
@@ -196,6 +207,170 @@ async def statement_cost(size: int, runs: int, outputs: int) -> str:
                       f"{alone / outputs * 1e6:.1f} µs", *rows])
 
 
+# Log-entry layouts `layouts` compares (issue 15): each is the tables it adds to the store's
+# (`_SCHEMA`), the statement that writes an entry, whether the log's counter is a field of `hash`
+# (else two columns of the log's meta row, written anyway: no statement of its own), and the read
+# of the entries after a sequence number (`hash_since`). `current` is the store's own statements;
+# `rowid-*` keeps entries in a rowid table keyed (ns, key, seq) by a separate index, `intpk-*` in
+# one with an INTEGER PRIMARY KEY and a UNIQUE index; `current-meta` only moves the counter.
+_COUNTER_COLUMNS = ("ALTER TABLE hash_meta ADD COLUMN seq INTEGER NULL",
+                    "ALTER TABLE hash_meta ADD COLUMN total INTEGER NULL")
+_META_SET_COUNTER = ("INSERT INTO hash_meta (ns, key, expires, size, seq, total) VALUES (?, ?, ?, ?, ?, ?)"
+                     " ON CONFLICT (ns, key) DO UPDATE SET expires = excluded.expires, size = excluded.size,"
+                     " seq = excluded.seq, total = excluded.total")
+_ROWID_LOG = ("CREATE TABLE log (ns TEXT NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL,"
+              " value BLOB NOT NULL, PRIMARY KEY (ns, key, seq))")
+_INTPK_LOG = ("CREATE TABLE log (id INTEGER PRIMARY KEY, ns TEXT NOT NULL, key TEXT NOT NULL,"
+              " seq INTEGER NOT NULL, value BLOB NOT NULL, UNIQUE (ns, key, seq))")
+_LOG_INSERT = "INSERT INTO log (ns, key, seq, value) VALUES (?, ?, ?, ?)"
+_LOG_READ = "SELECT value FROM log WHERE ns = ? AND key = ? AND seq > ? AND seq <= ? ORDER BY seq"
+_IN_HASH = {"entry": store_module._HASH_UPSERT, "read": store_module._LOG_SINCE, "field": True}
+_IN_LOG = {"entry": _LOG_INSERT, "read": _LOG_READ, "field": False}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "current": {"tables": (), "counter": True, **_IN_HASH},
+    "current-meta": {"tables": _COUNTER_COLUMNS, "counter": False, **_IN_HASH},
+    "rowid-counter": {"tables": (_ROWID_LOG,), "counter": True, **_IN_LOG},
+    "rowid-meta": {"tables": (*_COUNTER_COLUMNS, _ROWID_LOG), "counter": False, **_IN_LOG},
+    "intpk-meta": {"tables": (*_COUNTER_COLUMNS, _INTPK_LOG), "counter": False, **_IN_LOG},
+}
+
+
+class _Checkpointer:
+    """A thread and connection of their own running the store's checkpoint beside the writes
+    (`SqliteStore._checkpoint`: PASSIVE passes until one finds nothing new, at most
+    `PASSIVE_PASSES`; RESTART when the WAL holds more than `WAL_RESTART_BYTES`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.conn: sqlite3.Connection | None = None
+        self.queued = False
+
+    def _run(self) -> None:
+        self.queued = False
+        if self.conn is None:
+            self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.1)
+        frames, last = 0, -1
+        for _ in range(store_module.PASSIVE_PASSES):
+            _, frames, copied = self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if frames == copied == last:
+                break
+            last = copied
+        if frames * (4096 + 24) > store_module.WAL_RESTART_BYTES:
+            self.conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+
+    def start(self) -> None:
+        if not self.queued:
+            self.queued = True
+            self.pool.submit(self._run)
+
+    def _close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+    def close(self) -> None:
+        """After the checkpoint under way, if any."""
+        self.pool.submit(self._close).result()
+        self.pool.shutdown()
+
+
+def layout_cost(layout: str, path: Path, size: int, runs: int, outputs: int, every: int = 256) -> dict[str, float]:
+    """µs per write of one layout, on a new file: the whole write transaction, the entry's
+    statement, the counter's (0 where the counter is meta columns), the meta rows' and COMMIT; and
+    the read of the newest entry afterwards (`read`, outside the transaction). Every `every`
+    commits the store's checkpoint runs on a thread of its own beside the writes, as in the store."""
+    shape = LAYOUTS[layout]
+    conn = sqlite3.connect(path, isolation_level=None, timeout=0.0)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    for table in (*store_module._SCHEMA, *shape["tables"]):
+        conn.execute(table)
+    checkpoints = _Checkpointer(path)
+    spent = dict.fromkeys(("write", "cpu", "entry", "counter", "meta", "commit", "read"), 0.0)
+    seqs = [0] * runs
+    clock = time.perf_counter
+    for i in range(-2 * runs, outputs):  # each run's first two writes untimed (its rows exist)
+        run = (i * 7919) % runs
+        key = f"run{run}"
+        value = os.urandom(size)
+        seqs[run] += 1
+        seq = seqs[run]
+        expires = time.time() + 600.0  # a new expiry each write (its index row moves), as a ledger's ttl
+        counter = [("ledger_log", key, LOG_COUNTER, b"%d %d" % (seq, seq * 2000))]
+        metas: list[tuple[Any, ...]] = (
+            [("ledger_log", key, expires, seq + 1), ("ledger", key, expires, 3)] if shape["counter"]
+            else [("ledger_log", key, expires, seq, seq, seq * 2000), ("ledger", key, expires, 3, None, None)])
+        c0, t0 = time.thread_time(), clock()
+        while True:  # the checkpoint's RESTART holds the write lock: the store retries (`_retry_later`)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError:
+                time.sleep(store_module._LOCK_RETRY)
+        conn.execute("PRAGMA data_version").fetchone()
+        t1 = clock()
+        conn.execute(shape["entry"], ("ledger_log", key, log_field(seq) if shape["field"] else seq, value))
+        t2 = clock()
+        if shape["counter"]:
+            conn.executemany(store_module._HASH_UPSERT, counter)
+        t3 = clock()
+        conn.executemany(store_module._HASH_SET_META if shape["counter"] else _META_SET_COUNTER, metas)
+        t4 = clock()
+        conn.execute("COMMIT")
+        t5, c5 = clock(), time.thread_time()
+        got = conn.execute(shape["read"], ("ledger_log", key, log_field(seq - 1) if shape["field"] else seq - 1,
+                                           log_field(seq) if shape["field"] else seq)).fetchall()
+        t6 = clock()
+        assert len(got) == 1 and len(got[0][0]) == size
+        if i >= 0:
+            for part, took in (("write", t5 - t0), ("cpu", c5 - c0), ("entry", t2 - t1), ("counter", t3 - t2),
+                               ("meta", t4 - t3), ("commit", t5 - t4), ("read", t6 - t5)):
+                spent[part] += took
+        if (i + 2 * runs + 1) % every == 0:
+            checkpoints.start()
+    checkpoints.close()
+    conn.close()
+    return {part: took / outputs * 1e6 for part, took in spent.items()}
+
+
+def _rounds(values: list[float]) -> str:
+    return " / ".join(f"{v:.0f}" for v in values)
+
+
+def layouts_cost(names: list[str], size: int, runs: int, outputs: int, rounds: int) -> str:
+    """Every layout in turn, `rounds` times (alternated, one new file each time): µs per write and
+    per entry+counter for each round, their medians, and each layout's median against the first's."""
+    table: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for name in names:
+                path = Path(tmp) / f"{name}-{r}.db"
+                table[name].append(layout_cost(name, path, size, runs, outputs))
+                for leftover in Path(tmp).glob(f"{name}-{r}.db*"):
+                    leftover.unlink()
+    first = statistics.median(row["write"] for row in table[names[0]])
+    lines = [f"{size} B entries x {runs} runs, {outputs} writes a round, {rounds} rounds alternated,"
+             f" load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; µs per write"]
+    for name in names:
+        rows = table[name]
+        writes = [row["write"] for row in rows]
+        pairs = [row["entry"] + row["counter"] for row in rows]
+        write = statistics.median(writes)
+        cpus = [row["cpu"] for row in rows]
+        ratios = [mine / base["write"] for mine, base in zip(writes, table[names[0]], strict=True)]
+        cpu_ratios = [mine / base["cpu"] for mine, base in zip(cpus, table[names[0]], strict=True)]
+        lines.append(f"  {name:14} write {write:6.1f} ({_rounds(writes)}), entry+counter"
+                     f" {statistics.median(pairs):6.1f} ({_rounds(pairs)}),"
+                     f" meta {statistics.median(row['meta'] for row in rows):5.1f},"
+                     f" commit {statistics.median(row['commit'] for row in rows):5.1f},"
+                     f" read {statistics.median(row['read'] for row in rows):5.1f}; write x{write / first:.2f}"
+                     f" (round by round, median x{statistics.median(ratios):.2f}); thread CPU"
+                     f" {statistics.median(cpus):6.1f} ({_rounds(cpus)}), round by round, median"
+                     f" x{statistics.median(cpu_ratios):.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -212,8 +387,16 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--size", type=int, default=500, help="bytes per log entry (default 500)")
     st.add_argument("--runs", type=int, default=1, help="runs the writes go to (default 1)")
     st.add_argument("--outputs", type=int, default=2000, help="writes timed (default 2,000)")
+    lay = sub.add_parser("layouts")
+    lay.add_argument("--layouts", default=",".join(LAYOUTS), help=f"compared, the first the base (default {','.join(LAYOUTS)})")
+    lay.add_argument("--size", type=int, default=16_000, help="bytes per log entry (default 16,000: a 5 KB output's)")
+    lay.add_argument("--runs", type=int, default=8, help="runs the writes go to (default 8)")
+    lay.add_argument("--outputs", type=int, default=1000, help="writes timed per layout and round (default 1,000)")
+    lay.add_argument("--rounds", type=int, default=6, help="rounds, the layouts alternated in each (default 6)")
     args = p.parse_args(argv)
-    if args.what == "statements":
+    if args.what == "layouts":
+        print(layouts_cost(args.layouts.split(","), args.size, args.runs, args.outputs, args.rounds))
+    elif args.what == "statements":
         print(asyncio.run(statement_cost(args.size, args.runs, args.outputs)))
     elif args.what == "batch":
         for shape in args.shapes.split(","):

@@ -78,3 +78,32 @@ async def test_checkpoint_reports_the_shape_asked_and_the_checkpoint_bounds_the_
     # a pass find the WAL wholly copied (the file is started over only then, or past 32 MB): the
     # bound is the store's tests' (test_the_wal_stays_bounded_under_many_inline_commits).
     assert peaks[16] > 0 and peaks[1_000_000] > 0, peaks
+
+
+_LAYOUT = re.compile(r"\s+(\S+)\s+write\s+([\d.]+) \(([\d /]+)\), entry\+counter\s+([\d.]+) \(([\d /]+)\), meta\s+[\d.]+,"
+                     r" commit\s+[\d.]+, read\s+[\d.]+; write x([\d.]+) \(round by round, median x([\d.]+)\);"
+                     r" thread CPU\s+([\d.]+) \(([\d /]+)\), round by round, median x([\d.]+)")
+
+
+def test_layouts_reports_every_layout_asked_each_round_against_the_first() -> None:
+    # What a wrong report would do: leave a layout or a round out, or compare against another
+    # base than the first layout named (the ratios the decision on issue 15 rests on).
+    report = sqlite_inline.layouts_cost(["rowid-meta", "current"], size=3000, runs=2, outputs=20, rounds=3)
+    head, *lines = report.splitlines()
+    assert head.startswith("3000 B entries x 2 runs, 20 writes a round, 3 rounds alternated, load "), head
+    rows = [_LAYOUT.fullmatch(line) for line in lines]
+    assert all(rows) and [m.group(1) for m in rows if m] == ["rowid-meta", "current"], lines
+    for m in rows:
+        assert m is not None
+        assert all(len(m.group(i).split(" / ")) == 3 for i in (3, 5, 9)), m.group(0)  # one per round
+        assert 0 < float(m.group(4)) <= float(m.group(2)) and float(m.group(8)) > 0, m.group(0)
+    first = rows[0]
+    assert first is not None and first.group(6, 7, 10) == ("1.00", "1.00", "1.00"), first.group(0)
+
+
+def test_the_current_layout_is_the_stores_own_schema_and_statements() -> None:
+    # The base of the comparison must be what the store runs, not a copy that drifted.
+    current = sqlite_inline.LAYOUTS["current"]
+    store = sqlite_inline.store_module
+    assert current["tables"] == () and current["counter"] and current["field"]
+    assert (current["entry"], current["read"]) == (store._HASH_UPSERT, store._LOG_SINCE)
