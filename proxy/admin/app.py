@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from proxy.admin.protect import LOOPBACK_HOSTS, expect, host_guard
+from proxy.admin.protect import LOOPBACK_HOSTS, expect, host_guard, routing_refusal
 from proxy.errors import AuditError
 from proxy.observability.metrics import Metrics
 
@@ -87,8 +87,17 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
     @web.middleware
     async def count_refusals(request: web.Request, handler: Any) -> web.StreamResponse:
         # Every 421 (Host) and 401 (approver token) of every route, whichever guard answered:
-        # a token being guessed, or a rebound name, shows in the metrics.
-        response: web.StreamResponse = await handler(request)
+        # a token being guessed, or a rebound name, shows in the metrics. aiohttp's own 404
+        # (no such route) and 405 (no such method) are answered in the admin API's JSON and
+        # counted too: routes being probed show as well.
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPException as exc:
+            refused = routing_refusal(request, exc)
+            if refused is None:
+                raise
+            metrics.admin_rejected("not_found" if refused.status == 404 else "method_not_allowed")
+            return refused
         if response.status == 421:
             metrics.admin_rejected("bad_host")
         elif response.status == 401:

@@ -9,6 +9,8 @@
 
 Upstream URLs are shown without their credentials (`proxy.upstream.urls.strip_credentials`).
 `read_body` reads an admin POST's body whole, within a limit (the approvals and intent APIs).
+Every refusal is the admin API's JSON (`refusal`: `{"error": ...}`), aiohttp's own 404 and 405
+included (`routing_refusal`).
 """
 
 from __future__ import annotations
@@ -91,19 +93,34 @@ async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
         async for chunk in request.content.iter_any():
             buf += chunk
             if len(buf) > limit:
-                return _refusal(413, f"body larger than {limit} bytes")
+                return refusal(413, f"body larger than {limit} bytes")
     except web.RequestPayloadError as exc:
         # The rest of the body cannot be read either: the connection closes after the answer,
         # and the body counts as read (aiohttp would otherwise read on after the answer, meet
         # the error again and log it at ERROR as an unhandled exception).
         request.content.feed_eof()
         why = getattr(exc.__cause__, "message", None) or str(exc)
-        refusal = _refusal(400, f"the body cannot be read: {' '.join(str(why).split())}")
-        refusal.force_close()
-        return refusal
+        refused = refusal(400, f"the body cannot be read: {' '.join(str(why).split())}")
+        refused.force_close()
+        return refused
     return bytes(buf)
 
 
-def _refusal(status: int, message: str) -> web.Response:
+def refusal(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """An admin refusal: `{"error": message}` as JSON, never cached."""
     return web.Response(body=orjson.dumps({"error": message}), status=status,
-                        content_type="application/json", headers={"Cache-Control": "no-store"})
+                        content_type="application/json",
+                        headers={"Cache-Control": "no-store", **(headers or {})})
+
+
+def routing_refusal(request: web.Request, exc: web.HTTPException) -> web.Response | None:
+    """aiohttp's plain-text 404 (no such route, or a handler's `HTTPNotFound`) or 405 (a route
+    without that method, its `Allow` kept) as an admin refusal; None for any other exception."""
+    # The path as sent (percent-encoded, so no control character is echoed), cut short.
+    where = f"{request.method[:20]} {request.rel_url.raw_path[:200]}"
+    if isinstance(exc, web.HTTPNotFound):
+        return refusal(404, f"not found: {where}")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return refusal(405, f"method not allowed: {where} (allowed: {allowed})", {"Allow": allowed})
+    return None

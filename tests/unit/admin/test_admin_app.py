@@ -105,9 +105,28 @@ async def test_policy_status(client: TestClient[Any, Any], status: FakeStatus) -
     assert resp.status == 500 and "no policy" in (await resp.json())["error"]
 
 
-async def test_unknown_route_and_method(client: TestClient[Any, Any]) -> None:
-    assert (await client.get("/nope")).status == 404
-    assert (await client.post("/healthz")).status == 405
+def _admin_rejected(metrics: Metrics, reason: str) -> float:
+    value = metrics.registry.get_sample_value("envelope_admin_rejected_requests_total",
+                                             {"reason": reason})
+    return value or 0.0
+
+
+async def test_unknown_route_and_method_are_json_refusals_and_counted(
+        client: TestClient[Any, Any], metrics: Metrics) -> None:
+    # aiohttp's own answers were plain text ("404: Not Found"), unlike every other admin refusal.
+    resp = await client.get("/nope%0a", headers=AUTH)
+    assert resp.status == 404
+    assert (resp.content_type, resp.headers["Cache-Control"]) == ("application/json", "no-store")
+    assert await resp.json() == {"error": "not found: GET /nope%0A"}
+    resp = await client.post("/healthz")
+    assert resp.status == 405
+    assert resp.headers["Allow"] == "GET, HEAD"
+    assert resp.content_type == "application/json"
+    assert await resp.json() == {"error": "method not allowed: POST /healthz (allowed: GET, HEAD)"}
+    # A handler's own 404 (the review page's assets) is answered the same way.
+    resp = await client.get("/review/static/nope.js")
+    assert resp.status == 404 and (await resp.json())["error"] == "not found: GET /review/static/nope.js"
+    assert (_admin_rejected(metrics, "not_found"), _admin_rejected(metrics, "method_not_allowed")) == (2, 1)
 
 
 async def test_policy_status_needs_an_approver_token(client: TestClient[Any, Any]) -> None:
