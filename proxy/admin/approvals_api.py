@@ -14,7 +14,8 @@ Every route needs `Authorization: Bearer <approver token>` (tokens from `approva
 of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
 arguments. Answers: 401 no or unknown token, 403 an approver deciding their own call or a call
 outside their `scope` (`<upstream>.<tool>` patterns of the config; such refusals are audited), 404
-unknown id, 409 no longer pending, 400 bad body, 503 the store or the audit log cannot answer
+unknown id, 409 no longer pending, 400 bad body, 413 body too large, 408 body not arrived within
+`listener.header_timeout`, 503 the store or the audit log cannot answer
 (fail closed).
 
 Every approve or deny is audited before it is stored (`Envelope.note_approval`: a record of

@@ -9,8 +9,9 @@ intent (`proxy.envelope.dataflow.intent`; the run of that principal, as `X-Envel
 would), after an audit record of method `<intent>` (check `intent`, the approver, the text's
 length and digest, never the text) is written: an intent is never set unaudited. Answers 200
 `{"run", "principal", "appended", "decision_id"}`; 400 bad body, control characters or over
-`dataflow.max_intent_chars`; 413 body too large; 503 no store, no policy, the store or the
-audit log cannot answer (fail closed).
+`dataflow.max_intent_chars`; 413 body too large; 408 body not arrived within
+`listener.header_timeout`; 503 no store, no policy, the store or the audit log cannot answer
+(fail closed).
 """
 
 from __future__ import annotations

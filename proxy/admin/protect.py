@@ -8,13 +8,15 @@
   and is what kubelet probes and Prometheus send when they address a pod by its IP.
 
 Upstream URLs are shown without their credentials (`proxy.upstream.urls.strip_credentials`).
-`read_body` reads an admin POST's body whole, within a limit (the approvals and intent APIs).
+`read_body` reads an admin POST's body whole, within a size limit and a deadline (the approvals
+and intent APIs).
 Every refusal is the admin API's JSON (`refusal`: `{"error": ...}`), aiohttp's own 404 and 405
 included (`routing_refusal`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -25,6 +27,10 @@ from aiohttp.typedefs import Middleware
 from proxy.expect import UNSUPPORTED, continue_or_refuse
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+# Seconds an admin request's body has to arrive whole (`read_body`): the admin application's
+# `listener.header_timeout` (`build_admin_app`), the listeners' one bound on a slow client.
+BODY_TIMEOUT = web.AppKey("envelope.admin.body_timeout", float)
+DEFAULT_BODY_TIMEOUT = 10.0  # `listener.header_timeout`'s default
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -84,16 +90,29 @@ async def expect(request: web.Request) -> web.StreamResponse | None:
 async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
     """The whole request body of an admin POST (decoded from its Content-Encoding by aiohttp),
     or the admin API's JSON refusal: 413 once more than `limit` bytes arrived, 400 when it
-    cannot be read (invalid in its Content-Encoding or its chunked framing).
+    cannot be read (invalid in its Content-Encoding or its chunked framing), 408 when it has not
+    arrived whole within the application's `BODY_TIMEOUT` (`Connection: close`).
 
     One `read(n)` returns what has arrived so far, not the whole body: a body sent in two TCP
-    segments would be cut and refused as not JSON, so the body is read to its end."""
+    segments would be cut and refused as not JSON, so the body is read to its end. The listener's
+    header timeout ends at the head: without a deadline of its own, a client sending one byte a
+    second would hold the handler (and a decision's lock) as long as it liked."""
     buf = bytearray()
     try:
-        async for chunk in request.content.iter_any():
-            buf += chunk
-            if len(buf) > limit:
-                return refusal(413, f"body larger than {limit} bytes")
+        async with asyncio.timeout(request.app.get(BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT)):
+            async for chunk in request.content.iter_any():
+                buf += chunk
+                if len(buf) > limit:
+                    return refusal(413, f"body larger than {limit} bytes")
+    except TimeoutError:
+        # The handler reads no more and the answer closes the connection (aiohttp drains what
+        # the client still sends for at most its lingering time, 10 s, before closing, so the
+        # client can read the answer rather than meet a reset).
+        refused = refusal(408, f"the body did not arrive within "
+                               f"{request.app.get(BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT):g} s "
+                               f"(listener.header_timeout); {len(buf)} bytes arrived")
+        refused.force_close()
+        return refused
     except web.RequestPayloadError as exc:
         # The rest of the body cannot be read either: the connection closes after the answer,
         # and the body counts as read (aiohttp would otherwise read on after the answer, meet
