@@ -69,11 +69,8 @@ def host_guard(allowed: frozenset[str]) -> Middleware:
             # An absent Host (HTTP/1.0) is refused too: the check cannot be made.
             name = _host_name(request.headers.get("Host", ""))
             if name not in allowed and not _is_ip(name):
-                return web.Response(
-                    body=orjson.dumps({"error": f"misdirected request: host "
-                                                f"{request.headers.get('Host', '')!r} is not allowed"}),
-                    status=421, content_type="application/json",
-                    headers={"Cache-Control": "no-store"})
+                return refusal(421, f"misdirected request: host "
+                                    f"{request.headers.get('Host', '')!r} is not allowed")
         return await handler(request)
 
     return guard
@@ -84,7 +81,7 @@ async def expect(request: web.Request) -> web.StreamResponse | None:
     admin API's JSON for an expectation other than `100-continue`."""
     if await continue_or_refuse(request):
         return None
-    return web.json_response({"error": UNSUPPORTED}, status=417)
+    return refusal(417, UNSUPPORTED)
 
 
 async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
@@ -96,7 +93,7 @@ async def read_body(request: web.Request, limit: int) -> bytes | web.Response:
     One `read(n)` returns what has arrived so far, not the whole body: a body sent in two TCP
     segments would be cut and refused as not JSON, so the body is read to its end. The listener's
     header timeout ends at the head: without a deadline of its own, a client sending one byte a
-    second would hold the handler (and a decision's lock) as long as it liked."""
+    second would hold the handler as long as it liked."""
     buf = bytearray()
     try:
         async with asyncio.timeout(request.app.get(BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT)):
