@@ -19,7 +19,14 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from proxy.admin.protect import LOOPBACK_HOSTS, expect, host_guard
+from proxy.admin.protect import (
+    BODY_TIMEOUT,
+    DEFAULT_BODY_TIMEOUT,
+    LOOPBACK_HOSTS,
+    expect,
+    host_guard,
+    routing_refusal,
+)
 from proxy.errors import AuditError
 from proxy.observability.metrics import Metrics
 
@@ -46,10 +53,12 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def build_admin_app(status: StatusProvider, metrics: Metrics,
-                    allowed_hosts: frozenset[str] = LOOPBACK_HOSTS) -> web.Application:
+                    allowed_hosts: frozenset[str] = LOOPBACK_HOSTS,
+                    body_timeout: float = DEFAULT_BODY_TIMEOUT) -> web.Application:
     """The admin `web.Application`: GET /healthz, /readyz, /metrics, /v1/policy (+ /v1/upstreams,
     /v1/misconfigurations, /v1/audit/head when the provider has them), answering only requests
-    whose Host is in `allowed_hosts` (see `proxy.admin.protect.admin_hosts`)."""
+    whose Host is in `allowed_hosts` (see `proxy.admin.protect.admin_hosts`); a POST's body must
+    arrive within `body_timeout` seconds (`listener.header_timeout`; 408 otherwise)."""
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -87,16 +96,28 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
     @web.middleware
     async def count_refusals(request: web.Request, handler: Any) -> web.StreamResponse:
         # Every 421 (Host) and 401 (approver token) of every route, whichever guard answered:
-        # a token being guessed, or a rebound name, shows in the metrics.
-        response: web.StreamResponse = await handler(request)
+        # a token being guessed, or a rebound name, shows in the metrics. aiohttp's own 404
+        # (no such route) and 405 (no such method) are answered in the admin API's JSON and
+        # counted too: routes being probed show as well.
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPException as exc:
+            refused = routing_refusal(request, exc)
+            if refused is None:
+                raise
+            metrics.admin_rejected("not_found" if refused.status == 404 else "method_not_allowed")
+            return refused
         if response.status == 421:
             metrics.admin_rejected("bad_host")
         elif response.status == 401:
             metrics.admin_rejected("unauthenticated")
+        elif response.status == 408:  # only `protect.read_body` answers it
+            metrics.admin_rejected("body_timeout")
         return response
 
     # The Host check runs first, for every route (the review page's token guard comes after).
     app = web.Application(middlewares=[count_refusals, host_guard(allowed_hosts)])
+    app[BODY_TIMEOUT] = body_timeout
     app.router.add_get("/healthz", healthz, expect_handler=expect)
     app.router.add_get("/readyz", readyz, expect_handler=expect)
     app.router.add_get("/metrics", metrics_handler, expect_handler=expect)

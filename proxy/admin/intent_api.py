@@ -8,15 +8,18 @@ setting one is an act of an approver who may decide every call. The text is appe
 intent (`proxy.envelope.dataflow.intent`; the run of that principal, as `X-Envelope-Intent`
 would), after an audit record of method `<intent>` (check `intent`, the approver, the text's
 length and digest, never the text) is written: an intent is never set unaudited. Answers 200
-`{"run", "principal", "appended", "decision_id"}`; 400 bad body, control characters or over
-`dataflow.max_intent_chars`; 413 body too large; 503 no store, no policy, the store or the
-audit log cannot answer (fail closed).
+`{"run", "principal", "appended", "decision_id"}`; 400 a run that is not a run id (the rule of
+`X-Envelope-Run`: `proxy.envelope.types.run_id_problem`), bad body, control characters or over
+`dataflow.max_intent_chars`; 413 body too large; 408 body not arrived within
+`listener.header_timeout`; 503 no store, no policy, the store or the audit log cannot answer
+(fail closed).
 """
 
 from __future__ import annotations
 
 import hashlib
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 from aiohttp import web
@@ -24,7 +27,7 @@ from aiohttp import web
 from proxy.admin.protect import expect, read_body
 from proxy.admin.review import authenticate
 from proxy.envelope.dataflow import intent as intents
-from proxy.envelope.types import Code, Verdict, run_key
+from proxy.envelope.types import RUN_ID_RULE, Code, Verdict, run_id_problem, run_key
 from proxy.errors import AuditError, StoreError
 from proxy.policy.model import DataflowPolicy
 
@@ -34,6 +37,21 @@ _MAX_BODY = 256 * 1024
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
                         headers={"Cache-Control": "no-store", **(headers or {})})
+
+
+def _run(request: web.Request) -> str | web.Response:
+    """The run named in the path, percent-decoded as UTF-8, or the 400 refusal naming the rule
+    it breaks (`run_id_problem`, the rule `X-Envelope-Run` is held to)."""
+    # From the path as sent: aiohttp's decoded `match_info` keeps bytes that are not UTF-8 as
+    # their `%XX` text, which would name another run than the one sent.
+    raw = request.rel_url.raw_path.split("/")[3]
+    try:
+        run = unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        return _json({"error": f"run id: {RUN_ID_RULE}: {raw[:200]} is not UTF-8 once "
+                               "percent-decoded"}, 400)
+    why = run_id_problem(run)
+    return run if why is None else _json({"error": f"run id: {why}"}, 400)
 
 
 def add_intent_routes(app: web.Application, status: Any) -> None:
@@ -49,6 +67,9 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
             return _json({"error": f"{approver} has a scope ({status.approvers.scope_text(approver)}): an "
                                    "intent endorses values for every tool of a run, so only an approver "
                                    "without a scope may set one"}, 403)
+        run = _run(request)
+        if isinstance(run, web.Response):
+            return run
         raw = await read_body(request, _MAX_BODY)
         if isinstance(raw, web.Response):
             return raw
@@ -61,7 +82,6 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
                 or not isinstance(body["text"], str) or not body["text"].strip()):
             return _json({"error": 'body must be {"principal": "<id>", "text": "<the user\'s words>"}'}, 400)
         principal, text = body["principal"], body["text"].strip()
-        run = request.match_info["run"]
         store = getattr(status, "store", None)
         envelope: Any = getattr(status, "envelope", None)
         chain = envelope.chain if envelope is not None else None

@@ -447,7 +447,8 @@ class Runtime:
         listener = self.config.listener
         ahost, aport = self.config.admin_addr
         admin_app = build_admin_app(self, self.metrics,
-                                    admin_hosts(ahost, self.config.admin_allowed_hosts))
+                                    admin_hosts(ahost, self.config.admin_allowed_hosts),
+                                    body_timeout=listener.header_timeout)
         admin_runner = ListenerRunner(admin_app, access_log=None,
                                       header_timeout=listener.header_timeout,
                                       keepalive_timeout=listener.keepalive_timeout)

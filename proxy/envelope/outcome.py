@@ -544,6 +544,14 @@ class Completion:
         return self._note_admin("<intent>", "intent", principal, run, "-", verdict, code, reason,
                                 {"approver": approver, **extra})
 
+    def note_failed_approver(self, *, reason: str, extra: Mapping[str, Any]) -> str:
+        """Audit approver authentication failing on approve or deny (`proxy.admin.failed_auth`,
+        which bounds how often): one record of method and tool `<approval>`, check `approval`,
+        verdict deny, code `unauthorized`, principal `<unverified>` (no token named anyone).
+        Returns its decision id; raises AuditError when the audit log cannot take it."""
+        return self._note_admin("<approval>", "approval", "<unverified>", "-", "-", Verdict.DENY,
+                                Code.UNAUTHORIZED, reason, dict(extra))
+
     def _note_admin(self, method: str, check: str, principal: str, run: str, upstream: str,
                     verdict: Verdict, code: Code, reason: str, extra: dict[str, Any],
                     args_digest: str | None = None) -> str:

@@ -10,6 +10,9 @@ with callgrind), checking, in this order:
   reads it, and the refusal is audited (`invalid_request`, check `guard`, the header's name and
   its value escaped): an undecodable byte can never reach a check, the upstream or the audit
   log's serialiser.
+- **The run** a client names (`X-Envelope-Run`) must be a run id
+  (`proxy.envelope.types.run_id_problem`: 1 to 256 printable ASCII characters), refused and
+  audited like a bad header value otherwise; the admin API checks its run with the same rule.
 - **Header names** (`proxy.fronts.headers`): a `Connection` header that names a field the
   proxy reads or sets (`Authorization`, `Mcp-*`, `X-Envelope-*`, `X-Forwarded-*`, ...) or
   more than 10 fields, and, under `listener.underscore_headers: reject`, a field name holding
@@ -40,6 +43,7 @@ from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 
 from proxy.envelope.pipeline import Envelope
+from proxy.envelope.types import run_id_problem
 from proxy.expect import UNSUPPORTED, continue_or_refuse
 from proxy.fronts import jsonrpc
 from proxy.fronts.headers import connection_refusal, nominated, underscored
@@ -148,6 +152,12 @@ class Guard:
         values = b"\t".join(value for _, value in request.raw_headers)
         if values.translate(None, _FIELD_VALUE):  # one pass over every value; then find which
             return self._invalid_header(request)
+        run = request.headers.get("X-Envelope-Run")
+        if run:  # empty: no run named (`calls.run_id` falls back to the session)
+            why = run_id_problem(run)
+            if why is not None:
+                return self._refused_header(request, "invalid_header", "X-Envelope-Run",
+                                            f"header X-Envelope-Run: {why}")
         named = nominated(request.headers)
         if named:
             reason = connection_refusal(named)

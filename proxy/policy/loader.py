@@ -149,21 +149,26 @@ def _parse_cached(name: str, text: str) -> tuple[YamlFile | None, tuple[PolicyPr
     return _PARSED.get_or_build((name, text), build)
 
 
+def is_policy_name(name: str) -> bool:
+    """Whether a file (or directory) named `name` is a policy file by its name: `*.yaml` or
+    `*.yml`, not hidden, not a policy test (`*.test.yaml`, `*.test.yml`)."""
+    return (name.endswith((".yaml", ".yml")) and not name.startswith(".")
+            and not name.endswith((".test.yaml", ".test.yml")))
+
+
 def policy_files(directory: Path) -> list[Path]:
     """Every `*.yaml`/`*.yml` below `directory`, sorted, following symlinks.
 
     Skipped: any path component starting with ".", directories named `tests`, and policy test
-    files (`*.test.yaml`, `*.test.yml`).
+    files (`*.test.yaml`, `*.test.yml`). A directory named like a policy file is listed, not
+    entered: the load reports it (a policy file replaced by a directory is not a deleted one).
     """
     found = []
     for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "tests"]
-        for name in filenames:
-            if name.startswith(".") or not name.endswith((".yaml", ".yml")):
-                continue
-            if name.endswith((".test.yaml", ".test.yml")):
-                continue
-            found.append(Path(dirpath) / name)
+        found += [Path(dirpath) / d for d in dirnames if is_policy_name(d)]
+        dirnames[:] = [d for d in dirnames if not is_policy_name(d)]
+        found += [Path(dirpath) / name for name in filenames if is_policy_name(name)]
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
@@ -207,6 +212,11 @@ class _Loader:
     def parse(self, paths: list[Path]) -> None:
         for path in paths:
             name = str(path)
+            if path.is_dir():
+                self.problems.append(PolicyProblem(
+                    name, 1, 1, "a directory named like a policy file: not loaded (was a policy "
+                                "file replaced by a directory?)"))
+                continue
             try:
                 size = path.stat().st_size
                 if size > MAX_POLICY_FILE_BYTES:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from proxy.errors import PolicyError, PolicyProblem
-from proxy.policy.loader import collector_paused
+from proxy.policy.loader import collector_paused, is_policy_name
 
 log = logging.getLogger(__name__)
 
@@ -145,17 +146,17 @@ Fingerprint = tuple[tuple[str, int, int], ...]
 
 def fingerprint(directory: Path) -> Fingerprint:
     """(relative path, size, mtime_ns) of every YAML file, following symlinks; (relative path,
-    -1, -errno) for one that cannot be stat'ed."""
+    -1, -errno) for one that cannot be stat'ed or is a directory (`loader.policy_files`)."""
     root = Path(os.path.realpath(directory))
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "tests")
+        # A directory named like a policy file is one the load refuses, not entered.
+        out += [((Path(dirpath) / d).relative_to(root).as_posix(), -1, -errno.EISDIR)
+                for d in dirnames if is_policy_name(d)]
+        dirnames[:] = [d for d in dirnames if not is_policy_name(d)]
         for name in filenames:
-            if (
-                not name.endswith((".yaml", ".yml"))
-                or name.endswith((".test.yaml", ".test.yml"))
-                or name.startswith(".")
-            ):
+            if not is_policy_name(name):
                 continue
             path = Path(dirpath) / name
             try:

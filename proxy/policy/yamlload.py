@@ -239,10 +239,18 @@ def _one_document(
     if file.root is not None and file_has_alias(file):
         # Converting expands aliases: a few lines of anchors nine aliases wide ("billion
         # laughs") would take every byte of memory. Refused where the values multiply.
-        past = expansion_past(file.root, MAX_EXPANDED_VALUES)
+        heights: dict[int, int] = {}
+        past = expansion_past(file.root, MAX_EXPANDED_VALUES, heights)
         if past is not None:
             return None, [problem(name, past, f"expands past {MAX_EXPANDED_VALUES} values once its "
                                               "aliases are expanded: not loaded")]
+        # Composing counts the nesting an alias is written at, not what it brings along: a
+        # deep anchor used deep inside another collection nests as deep as both together.
+        deep = nesting_past(file.root, MAX_NESTING, heights)
+        if deep is not None:
+            return None, [problem(name, deep, f"nested deeper than {MAX_NESTING} levels once its "
+                                              "aliases are expanded (mappings and lists inside "
+                                              "each other)")]
     return file, []
 
 
@@ -414,10 +422,13 @@ def _children(node: Node) -> list[Node]:
     return children
 
 
-def _expanded_sizes(root: Node, bound: int) -> dict[int, int]:
+def _expanded_sizes(root: Node, bound: int,
+                    heights: dict[int, int] | None = None) -> dict[int, int]:
     """Per node (by id) below `root`: how many values it becomes once aliases are expanded (a
     shared node counts once per use), capped at `bound + 1`; computed on the shared nodes
-    (memoised, iterative). An alias inside its own anchor expands without end: `bound + 1`."""
+    (memoised, iterative). An alias inside its own anchor expands without end: `bound + 1`.
+    Given `heights`, fills it on the same walk with how many collections deep each node nests
+    once expanded (a scalar 0, a collection 1 + its deepest child's); incomplete for a cycle."""
     sizes: dict[int, int] = {}
     walking: set[int] = set()  # nodes whose children are being sized: met again, a cycle
     stack: list[tuple[Node, bool]] = [(root, False)]
@@ -431,6 +442,9 @@ def _expanded_sizes(root: Node, bound: int) -> dict[int, int]:
         children = _children(node)
         if done:
             sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), bound + 1)
+            if heights is not None:
+                heights[id(node)] = (0 if isinstance(node, ScalarNode)
+                                     else 1 + max((heights[id(c)] for c in children), default=0))
             continue
         walking.add(id(node))
         stack.append((node, True))
@@ -444,10 +458,12 @@ def expanded_size(root: Node, bound: int) -> int:
     return _expanded_sizes(root, bound)[id(root)]
 
 
-def expansion_past(root: Node, bound: int) -> Node | None:
+def expansion_past(root: Node, bound: int,
+                   heights: dict[int, int] | None = None) -> Node | None:
     """The innermost node that expands past `bound` values (no child of it does on its own):
-    where a file's anchors multiply; None when `root` stays within `bound`."""
-    sizes = _expanded_sizes(root, bound)
+    where a file's anchors multiply; None when `root` stays within `bound`. Given `heights`,
+    fills it for `nesting_past` on the same walk (complete when this returns None)."""
+    sizes = _expanded_sizes(root, bound, heights)
     if sizes[id(root)] <= bound:
         return None
     node = root
@@ -456,6 +472,21 @@ def expansion_past(root: Node, bound: int) -> Node | None:
         if not over or over[0] is node:
             return node
         node = over[0]
+
+
+def nesting_past(root: Node, bound: int, heights: dict[int, int]) -> Node | None:
+    """The first collection nested deeper than `bound` (the root collection at depth 1) once
+    aliases are expanded, on a deepest path: where an anchor's nesting adds up past the bound;
+    None when `root` nests within it. `heights` are those `expansion_past` filled when it found
+    nothing (measured once per shared node, however often an anchor is used)."""
+    if heights[id(root)] <= bound:
+        return None
+    node, depth = root, 1
+    while depth <= bound:
+        # A child through which the nesting still goes past the bound.
+        node = next(c for c in _children(node) if depth + heights[id(c)] > bound)
+        depth += 1
+    return node
 
 
 def has_alias(node: Node) -> bool:

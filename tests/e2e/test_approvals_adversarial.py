@@ -398,3 +398,38 @@ async def test_a_decision_body_past_the_limit_is_refused_413_and_decides_nothing
     assert status == 413, answer
     assert answer["error"] == f"body larger than {64 * 1024} bytes", answer
     assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"
+
+
+def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_window(
+        tmp_path: Path) -> None:
+    # A token guessed against approve and deny was counted, never audited. Now the first failure
+    # is on record at once and the flood after it as one aggregated record (here written at
+    # shutdown, before the audit log closes): 30 attempts, two records, a chain that verifies.
+    tmp = tmp_path
+    config = {"approvals": {"approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+    with proxy_process(tmp, {"notes": "http://127.0.0.1:1/mcp"}, policies=_policy(tmp / "policies"),
+                       config=config) as pp:
+        for i in range(30):
+            headers = {"Authorization": f"Bearer guess-{i}"} if i % 3 else {}
+            verb = "approve" if i % 2 else "deny"
+            reply = httpx.post(f"{pp.admin}/v1/approvals/ap-{i % 4}/{verb}", json={"reason": "x"},
+                               headers=headers, timeout=10)
+            assert reply.status_code == 401, reply.text
+        assert metric_value(pp.metrics(), "envelope_admin_rejected_requests_total",
+                            reason="unauthenticated") == 30
+        at_once = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
+    failed = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
+    assert at_once == failed[:1]
+    first, held = failed
+    assert all((r["tool"], r["method"], r["check"], r["verdict"], r["principal"])
+               == ("<approval>", "<approval>", "approval", "deny", "<unverified>") for r in failed)
+    assert (first["extra"]["approval_id"], first["extra"]["decision"], first["extra"]["token"],
+            first["extra"]["failures"]) == ("ap-0", "deny", "missing", 1)
+    assert held["extra"]["failures"] == 29
+    assert held["extra"]["tokens"] == {"missing": 9, "unknown": 20}
+    assert held["extra"]["approval_ids"] == ["ap-0", "ap-1", "ap-2", "ap-3"]
+    assert held["extra"]["remotes"] == ["127.0.0.1"]
+    assert "guess-" not in str(failed)  # a guessed token is never written down
+    done = cli("audit", "verify", str(pp.audit_dir))
+    assert done.returncode == 0, done.stdout + done.stderr

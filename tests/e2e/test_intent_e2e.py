@@ -19,7 +19,7 @@ import pytest
 from e2e_helpers import mail_policy, mail_server
 from mail_server import ATTACKER
 
-from tests.harness import ADMIN_TOKEN, ProxyProcess, mcp_client, proxy_process, token
+from tests.harness import ADMIN_TOKEN, ProxyProcess, mcp_client, proxy_process, rpc, token
 
 AGENT = token("agent")
 MALLORY = token("mallory")
@@ -121,3 +121,52 @@ async def test_an_approver_sets_the_intent_through_the_admin_api(proxy: ProxyPro
     refused, _ = await _call(proxy, run, "send_email", _email(ATTACKER))
     assert not refused
     assert _last_send(proxy, run)["extra"]["endorsed"][0] == {"arg": "/to", "by": "intent", "kind": "value"}
+
+
+RULE = "a run id is 1 to 256 characters of printable ASCII (U+0020 to U+007E, no space at either end)"
+
+
+@pytest.mark.parametrize(("sent", "why"), [
+    ("run%0Aforged", "U+000A at position 3"),  # a control character, percent-decoded
+    ("run%00", "U+0000 at position 3"),
+    ("%C3%A9t%C3%A9", "U+00E9 at position 0"),  # UTF-8, not ASCII
+    ("%20run", "U+0020 at position 0"),
+    ("r" * 257, "it has 257"),
+    ("run%FF%FE", "run%FF%FE is not UTF-8 once percent-decoded"),
+])
+def test_the_admin_api_refuses_a_run_that_is_not_a_run_id_and_sets_nothing(
+        proxy: ProxyProcess, sent: str, why: str) -> None:
+    # On main each of these was a run: the intent was set (and audited) for "run\nforged", for
+    # 257 characters, and for the literal text "run%FF%FE" that aiohttp keeps for bytes that are
+    # not UTF-8.
+    before = len(proxy.audit_records())
+    reply = httpx.post(f"{proxy.admin}/v1/runs/{sent}/intent", timeout=5,
+                       json={"principal": "agent", "text": SAID},
+                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json() == {"error": f"run id: {RULE}: {why}"}
+    assert len(proxy.audit_records()) == before  # nothing asked, nothing recorded
+
+
+@pytest.mark.parametrize(("run", "why"), [("r" * 257, "it has 257"), ("run\tforged", "U+0009 at position 3")])
+def test_x_envelope_run_is_held_to_the_same_rule_refused_and_audited(
+        proxy: ProxyProcess, run: str, why: str) -> None:
+    reply = rpc(proxy.url("mail"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                    "params": {"name": "fetch_page", "arguments": {"url": "https://news.example/q3"}}},
+                bearer=AGENT, headers={"X-Envelope-Run": run})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"] == f"Bad Request: header X-Envelope-Run: {RULE}: {why}; the request was refused"
+    decision_id = error["data"]["envelope/decision"]["decision_id"]
+    rec = _record(proxy, decision_id)
+    assert (rec["check"], rec["code"], rec["extra"]["header"]) == ("guard", "invalid_request", "X-Envelope-Run")
+
+
+async def test_the_longest_run_id_is_one(proxy: ProxyProcess) -> None:
+    run = f"run-{uuid.uuid4().hex}".ljust(256, "r")
+    refused, _ = await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})
+    assert not refused and _last_fetch(proxy, run)["verdict"] == "allow"
+
+
+def _last_fetch(pp: ProxyProcess, run: str) -> dict[str, Any]:
+    return [r for r in pp.audit_records() if r["tool"] == "fetch_page" and r["run"] == run][-1]

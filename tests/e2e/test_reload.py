@@ -215,6 +215,30 @@ async def test_a_policy_file_that_cannot_be_read_is_a_rejected_reload(polled: Pr
     await _reloads_counted(polled, "success", successes + 1)
 
 
+async def test_a_policy_file_replaced_by_a_directory_is_a_rejected_reload(polled: ProxyProcess) -> None:
+    # On main it loaded as if the file had been deleted: a successful reload without the tools
+    # it declared. Now the last good revision keeps serving and the reload says why.
+    failures = metric_value(polled.metrics(), RELOADS, result="failure")
+    successes = metric_value(polled.metrics(), RELOADS, result="success")
+    revision = revision_label(polled.metrics())
+    reason = (await refusal(polled, OPS, TRASH))["reason"]
+    tools = polled.policies / "tools.yaml"
+    kept = tools.rename(polled.policies / ".tools.yaml.kept")  # hidden: not a policy file
+    tools.mkdir()
+    where = f"{tools}:1:1: a directory named like a policy file: not loaded"
+
+    await _reloads_counted(polled, "failure", failures + 1)
+    assert metric_value(polled.metrics(), RELOADS, result="success") == successes
+    assert revision_label(polled.metrics()) == revision
+    last = policy_status(polled)["last_reload"]
+    assert any(e.startswith(where) for e in last["errors"]), last
+    assert (await refusal(polled, OPS, TRASH))["reason"] == reason  # the old one serves
+    tools.rmdir()
+    kept.rename(tools)
+
+    await _reloads_counted(polled, "success", successes + 1)
+
+
 async def test_sighup_reloads(hup: ProxyProcess) -> None:
     import anyio
 

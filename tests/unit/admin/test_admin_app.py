@@ -3,7 +3,9 @@ chain head (approver token), the Host check of the whole listener."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -105,9 +107,28 @@ async def test_policy_status(client: TestClient[Any, Any], status: FakeStatus) -
     assert resp.status == 500 and "no policy" in (await resp.json())["error"]
 
 
-async def test_unknown_route_and_method(client: TestClient[Any, Any]) -> None:
-    assert (await client.get("/nope")).status == 404
-    assert (await client.post("/healthz")).status == 405
+def _admin_rejected(metrics: Metrics, reason: str) -> float:
+    value = metrics.registry.get_sample_value("envelope_admin_rejected_requests_total",
+                                             {"reason": reason})
+    return value or 0.0
+
+
+async def test_unknown_route_and_method_are_json_refusals_and_counted(
+        client: TestClient[Any, Any], metrics: Metrics) -> None:
+    # aiohttp's own answers were plain text ("404: Not Found"), unlike every other admin refusal.
+    resp = await client.get("/nope%0a", headers=AUTH)
+    assert resp.status == 404
+    assert (resp.content_type, resp.headers["Cache-Control"]) == ("application/json", "no-store")
+    assert await resp.json() == {"error": "not found: GET /nope%0A"}
+    resp = await client.post("/healthz")
+    assert resp.status == 405
+    assert resp.headers["Allow"] == "GET, HEAD"
+    assert resp.content_type == "application/json"
+    assert await resp.json() == {"error": "method not allowed: POST /healthz (allowed: GET, HEAD)"}
+    # A handler's own 404 (the review page's assets) is answered the same way.
+    resp = await client.get("/review/static/nope.js")
+    assert resp.status == 404 and (await resp.json())["error"] == "not found: GET /review/static/nope.js"
+    assert (_admin_rejected(metrics, "not_found"), _admin_rejected(metrics, "method_not_allowed")) == (2, 1)
 
 
 async def test_policy_status_needs_an_approver_token(client: TestClient[Any, Any]) -> None:
@@ -163,3 +184,33 @@ async def test_audit_head_is_the_writers_own_and_refused_when_unknown(
         assert resp.status == 503
         assert "disk full" in (await resp.json())["error"] and written not in await resp.text()
     audit.close()
+
+
+async def test_a_body_trickled_past_the_deadline_is_refused_408_closed_and_counted(
+        status: FakeStatus, metrics: Metrics) -> None:
+    # One byte at a time held the handler for as long as the client liked: the header timeout
+    # ends at the head. The deadline is `listener.header_timeout` (here 0.5 s); the client keeps
+    # trickling until it is answered, so the test waits on the answer, never on a clock.
+    body = b'{"principal": "p", "text": "' + b"x" * 40 + b'"}'
+    async with TestServer(build_admin_app(status, metrics, body_timeout=0.5)) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(f"POST /v1/runs/r/intent HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: "
+                     f"Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+        for i in range(len(body)):
+            if answer.done():
+                break
+            writer.write(body[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        head = (await answer).decode()
+        length = int(head.lower().split("content-length: ")[1].split("\r\n")[0])
+        payload = await reader.readexactly(length)
+        writer.close()
+    assert head.startswith("HTTP/1.1 408 Request Timeout\r\n"), head
+    assert "\r\nConnection: close\r\n" in head, head
+    error = json.loads(payload)["error"]
+    assert error.startswith("the body did not arrive within 0.5 s (listener.header_timeout); "), error
+    assert i < len(body) - 1  # answered while the body was still coming
+    assert _admin_rejected(metrics, "body_timeout") == 1

@@ -400,3 +400,12 @@ def test_anchors_within_the_bound_load(write: Write) -> None:
           github.search_issues: {effect: read, mask: *secret}
         """)
     assert load_policy(rev_dir(write)).tools
+
+
+def test_a_directory_named_like_a_policy_file_is_a_problem_not_entered(write: Write) -> None:
+    # A policy file replaced by a directory loaded as if it had been deleted (its tools gone,
+    # the reload a success); a policy file inside it was loaded as if it were at the top.
+    inside = write("tools.yaml/github.yaml", TOOLS)
+    assert problems(rev_dir(write)) == [
+        f"{inside.parent}:1:1: a directory named like a policy file: not loaded (was a policy "
+        "file replaced by a directory?)"]

@@ -200,3 +200,53 @@ def test_block_nesting_past_the_limit_is_a_problem_at_its_place() -> None:
     text = "".join("  " * i + "k:\n" for i in range(600))
     _, problems = parse_file("deep.yaml", text)
     assert [(p.line, p.column) for p in problems] == [(129, 257)]
+
+
+@pytest.mark.parametrize("prefix", ["", "\ufeff"], ids=["libyaml", "pure"])
+def test_nesting_an_alias_brings_along_counts_where_it_is_used(prefix: str) -> None:
+    # A 100-deep anchor (within the bound where it is written) used 61 collections deep: 161
+    # once expanded, where composing saw 61 and the anchor's 101. Refused at the collection 129
+    # deep on that path: the anchor's 68th list (depth 62 is its first).
+    text = (prefix + "a:\n  b: &deep " + "[" * 100 + "]" * 100 + "\n"
+            + "c: " + "[" * 60 + "*deep" + "]" * 60 + "\n")
+    parsed, problems = parse_file("alias.yaml", text)
+    assert parsed is None
+    assert [(p.line, p.column, p.message) for p in problems] == [
+        (2, len("  b: &deep ") + 68, "nested deeper than 128 levels once its aliases are expanded "
+                                     "(mappings and lists inside each other)")]
+
+
+def test_an_alias_nesting_within_the_limit_parses() -> None:
+    # 127 deep once expanded: within the limit.
+    fits = "a: &deep " + "[" * 63 + "]" * 63 + "\nc: " + "[" * 63 + "*deep" + "]" * 63 + "\n"
+    assert parse_file("fits.yaml", fits)[1] == []
+
+
+def test_the_nesting_of_aliases_is_measured_once_per_node_not_per_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 18 anchors, each used twice by the next: 2**18 paths through 40 nodes (1.5 million values
+    # once expanded, within that bound). Each node's children are read twice (on the way down
+    # and up), whatever the number of paths through it.
+    chain = "".join(f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]\n" for i in range(1, 19))
+    parsed, problems = parse_file("wide.yaml", "l0: &l0 [x]\n" + chain)
+    assert problems == [] and parsed is not None and parsed.root is not None
+    nodes: set[int] = set()
+    stack = [parsed.root]
+    while stack:
+        node = stack.pop()
+        if id(node) not in nodes:
+            nodes.add(id(node))
+            stack += yamlload._children(node)
+    reads: list[int] = []
+    children = yamlload._children
+
+    def counted(node: Any) -> list[Any]:
+        reads.append(id(node))
+        return children(node)
+
+    monkeypatch.setattr(yamlload, "_children", counted)
+    heights: dict[int, int] = {}
+    assert yamlload.expansion_past(parsed.root, yamlload.MAX_EXPANDED_VALUES, heights) is None
+    assert yamlload.nesting_past(parsed.root, yamlload.MAX_NESTING, heights) is None
+    assert heights[id(parsed.root)] == 20  # the root mapping, 18 lists of lists, the first list
+    assert len(reads) == 2 * len(nodes) == 2 * 40
