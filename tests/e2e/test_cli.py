@@ -106,6 +106,15 @@ def test_top_level_help_mentions_serve_flags() -> None:
         assert flag in top.stdout
 
 
+def test_approvals_subcommand_help_lists_the_flags_the_tour_passes_after_it() -> None:
+    # README's tour: `envelope-proxy approvals list --admin URL`, `approvals approve ID --admin URL`.
+    for command in ("list", "show", "approve", "deny", "grants"):
+        done = cli("approvals", command, "--help")
+        assert done.returncode == 0, done.stderr
+        for flag in ("--admin URL", "--token TOKEN", "--json"):
+            assert flag in done.stdout, (command, done.stdout)
+
+
 def test_serve_from_environment(tmp_path: Path) -> None:
     port, admin = free_port(), free_port()
     env = {**os.environ, "ENVELOPE_LISTEN": f"127.0.0.1:{port}", "ENVELOPE_ADMIN": f"127.0.0.1:{admin}",
