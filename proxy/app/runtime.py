@@ -37,7 +37,7 @@ from proxy.envelope.dataflow import fingerprint
 from proxy.envelope.pipeline import Chain, Envelope
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Services
-from proxy.errors import ListenError, PolicyError, StoreError
+from proxy.errors import AuditError, ConfigError, ListenError, PolicyError, StoreError
 from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.context import FrontContext, FrontSettings
 from proxy.fronts.forwarded import UpstreamTarget
@@ -553,9 +553,16 @@ def _bound_port(runner: web.AppRunner | FastListener, fallback: int) -> int:
 async def serve(config: Config, worker: int = 0, announce: bool = True,
                 banner: Sequence[str] = ()) -> int:
     """Run one proxy process until signalled. Returns the exit status: 2 when the policy is
-    invalid or a listener cannot bind (one line on stderr), 0 after a graceful shutdown.
+    invalid, the runtime cannot be set up (an identity key file, the audit log) or a listener
+    cannot bind (one line on stderr), 0 after a graceful shutdown.
     `banner`: lines printed after the URLs, once every listener is up."""
-    runtime = Runtime(config, worker)
+    try:
+        runtime = Runtime(config, worker)
+    except (ConfigError, AuditError) as exc:
+        # A key file not there, an audit log another proxy writes (a demo left running on the
+        # same state directory): the operator's to fix, said in one line, not a traceback.
+        print(f"envelope-proxy: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         revision = runtime.load_policy(freeze=True)
     except PolicyError as exc:

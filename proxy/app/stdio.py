@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from proxy.app.runtime import Runtime
 from proxy.config import Config
-from proxy.errors import ListenError, PolicyError
+from proxy.errors import AuditError, ConfigError, ListenError, PolicyError
 from proxy.fronts.stdio import StdioBridge, credential_middleware
 
 log = logging.getLogger("envelope.stdio")
@@ -30,9 +30,14 @@ __all__ = ["serve_stdio"]
 async def serve_stdio(config: Config, upstream: str, stdin: BinaryIO, stdout: BinaryIO,
                       admin: bool = False) -> int:
     """Serve one stdio client in front of `upstream`. Returns the exit status: 2 when the policy
-    is invalid, does not declare `upstream`, or a listener cannot bind (logged on stderr);
+    is invalid, does not declare `upstream`, the runtime cannot be set up (an identity key
+    file, the audit log) or a listener cannot bind (logged on stderr);
     0 after the client closed stdin (or a signal) and the runtime stopped."""
-    runtime = Runtime(config)
+    try:
+        runtime = Runtime(config)
+    except (ConfigError, AuditError) as exc:
+        log.error("%s", exc)
+        return 2
     try:
         runtime.load_policy()
     except PolicyError as exc:

@@ -41,7 +41,7 @@ examples:
   envelope-proxy serve --config config.yaml    run for real
   envelope-proxy check policies/               validate a policy directory (file:line:column errors)
   envelope-proxy test policies/ --coverage     run the policy tests kept beside the policies
-  envelope-proxy scaffold github --url http://127.0.0.1:9001/mcp   draft a policy from a live server
+  envelope-proxy scaffold notes --url http://127.0.0.1:9001/mcp    draft a policy from a live server
   envelope-proxy audit verify .envelope-state/audit   prove the audit log untouched
   envelope-proxy audit verify .envelope-state/audit --anchors heads.log
                                                ... and not cut or rewritten since those heads were published

@@ -71,9 +71,13 @@ def add_approvals_parser(sub: Any) -> None:
     approvals.add_argument("--json", action="store_true", help="print the API's JSON answers")
     # The same flags after the subcommand too (`approvals approve ID --admin URL`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--admin", metavar="URL", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    common.add_argument("--token", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    # Shown in each subcommand's help: the README's tour passes --admin after `list`/`approve`.
+    common.add_argument("--admin", metavar="URL", default=argparse.SUPPRESS,
+                        help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
+    common.add_argument("--token", default=argparse.SUPPRESS,
+                        help="approver token (default: env ENVELOPE_APPROVER_TOKEN)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print the API's JSON answers")
     asub = approvals.add_subparsers(dest="approvals_command", required=True, metavar="SUBCOMMAND")
     ls = asub.add_parser("list", help="list approvals (default: pending ones)", parents=[common])
     ls.add_argument("--state", default="pending",

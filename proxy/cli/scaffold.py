@@ -27,7 +27,7 @@ Exit 0 when both files are written; 1 when the server cannot be listed; 2 on usa
 when a file exists and --force is not given (nothing is written then)."""
 
 EPILOG = """examples:
-  envelope-proxy scaffold github --url http://127.0.0.1:9001/mcp
+  envelope-proxy scaffold notes --url http://127.0.0.1:9001/mcp
   envelope-proxy scaffold files --out policies/ -- npx -y @modelcontextprotocol/server-filesystem /tmp"""
 
 

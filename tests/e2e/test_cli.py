@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import signal
@@ -103,6 +104,15 @@ def test_top_level_help_mentions_serve_flags() -> None:
     top = cli("--help")
     for flag in SERVE_FLAGS:
         assert flag in top.stdout
+
+
+def test_approvals_subcommand_help_lists_the_flags_the_tour_passes_after_it() -> None:
+    # README's tour: `envelope-proxy approvals list --admin URL`, `approvals approve ID --admin URL`.
+    for command in ("list", "show", "approve", "deny", "grants"):
+        done = cli("approvals", command, "--help")
+        assert done.returncode == 0, done.stderr
+        for flag in ("--admin URL", "--token TOKEN", "--json"):
+            assert flag in done.stdout, (command, done.stdout)
 
 
 def test_serve_from_environment(tmp_path: Path) -> None:
@@ -213,6 +223,38 @@ def test_serve_on_a_busy_port_says_so_in_one_line(tmp_path: Path) -> None:
                    "--admin", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "state"),
                    cwd=tmp_path, timeout=30)
     _assert_one_line_refusal(done, port, "--listen")
+
+
+def _assert_one_line_start_failure(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "http://" not in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_serve_on_a_state_dir_another_proxy_writes_says_so_in_one_line(tmp_path: Path) -> None:
+    # A demo left running in another terminal holds ./.envelope-state's audit log.
+    audit = tmp_path / "state" / "audit"
+    audit.mkdir(parents=True)
+    with open(audit / "audit.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done = cli("serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{free_port()}",
+                   "--admin", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "state"),
+                   cwd=tmp_path, timeout=30)
+    _assert_one_line_start_failure(done, str(audit / "audit.jsonl"), "another process is writing")
+
+
+def test_serve_with_a_missing_identity_key_file_says_so_in_one_line(tmp_path: Path) -> None:
+    # The README's production config names a key file the machine may not have yet.
+    config = tmp_path / "config.yaml"
+    config.write_text("identity: {mode: jwt, algorithms: [RS256], key_file: /nonexistent/public.pem}\n")
+    done = cli("serve", "--config", str(config), "--policies", str(FIXTURE_POLICIES),
+               "--listen", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{free_port()}",
+               "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout=30)
+    _assert_one_line_start_failure(done, "identity key_file /nonexistent/public.pem")
 
 
 def test_demo_on_a_busy_admin_port_says_so_in_one_line(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ session, and that the process exits 0 once stdin closes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -649,3 +650,21 @@ def test_cancelled_call_reaches_the_server_and_gets_no_stand_in_answer(tmp_path:
     assert [json.loads(line)["id"] for line in seen] == [1, 8]
     recs = [r for r in audit_records(tmp_path / "state") if r["tool"] == "slow"]
     assert len(recs) == 1, recs  # the cancelled call is audited once
+
+
+def test_a_state_dir_another_process_writes_is_exit_2_said_on_stderr(tmp_path: Path) -> None:
+    # A client that launches two servers through `stdio` with one --state-dir: the second finds
+    # the audit log held, says so on stderr (never on stdout, the protocol's) and exits 2.
+    policies = notes_policy(tmp_path / "policies")
+    audit = tmp_path / "state" / "audit"
+    audit.mkdir(parents=True)
+    with open(audit / "audit.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done = subprocess.run(
+            [*proxy_command(), "stdio", "--policies", str(policies), "--state-dir", str(tmp_path / "state"),
+             "--name", "notes", "--url", "http://127.0.0.1:1/mcp"],
+            input=b"", capture_output=True, timeout=60, env={**os.environ, **child_env()})
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == b""
+    assert b"Traceback" not in done.stderr, done.stderr
+    assert b"another process is writing this audit log" in done.stderr, done.stderr
