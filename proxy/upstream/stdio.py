@@ -301,12 +301,18 @@ class StdioUpstreams:
         session.child = child
         session.ready.set()
         self._sessions[session.id] = session
+        waiter = Waiter(message.get("id"))
         try:
-            return await self._relay(request, child, message, Waiter(message.get("id")),
+            return await self._relay(request, child, message, waiter,
                                      key_of(message.get("id")), {"Mcp-Session-Id": session.id},
+                                     answer_first=True,
                                      on_reply=lambda _: self._health(spec.name, True))
         finally:
             session.last_used = time.monotonic()  # idle counts from the last answer
+            if not waiter.done:
+                # No session without the server's answer: nothing restarts a child for a
+                # handshake that never happened, and the slot is free again.
+                await self._end_session(session)
 
     async def _start_child(self, spec: StdioSpec, owner: Session | Shared) -> Child:
         child = Child(spec, self.max_line_bytes,
@@ -335,9 +341,15 @@ class StdioUpstreams:
                 return _error(502, None, -32603, f"stdio upstream {session.spec.name!r}: the "
                               "process is not running")
             return web.Response(status=202)
+        key = key_of(message.get("id"))
+        if key in child.pending:
+            # MCP: an id is never reused within a session. Sent on, the child's one reply would
+            # reach one of the two callers and the other would wait until its timeout.
+            return _error(400, message.get("id"), -32600,
+                          f"request id {key} is already in flight in this session")
         waiter = Waiter(message.get("id"), progress=_progress_token(message))
         try:
-            return await self._relay(request, child, message, waiter, key_of(message.get("id")),
+            return await self._relay(request, child, message, waiter, key,
                                      {"Mcp-Session-Id": session.id})
         finally:
             session.last_used = time.monotonic()
@@ -509,12 +521,15 @@ class StdioUpstreams:
     async def _relay(self, request: web.Request, child: Child, outgoing: dict[str, Any],
                      waiter: Waiter, key: str, headers: dict[str, str],
                      cancel_id: str | None = None, complete: Mapping[str, Any] | None = None,
+                     answer_first: bool = False,
                      on_reply: Callable[[dict[str, Any]], None] | None = None) -> web.StreamResponse:
         """Send one request to `child` and answer with an SSE stream of what the child sends for
         it, ending with its reply (its id restored); the stream ends without a reply when the
         child goes away. A caller gone before the reply cancels it (`cancel_id`: stateless).
         `complete`: fields a 2026-07-28 caller needs on the result, added when the child (which
-        speaks a handshake revision) left them out."""
+        speaks a handshake revision) left them out. `answer_first` (`initialize`): the stream
+        starts with the child's first message, and a child gone before it is answered 502 with
+        a JSON-RPC error (a request that had no effect yet, unlike a call cut off mid-stream)."""
         child.register(key, waiter)
         outgoing = _with_trace(outgoing, request.headers)
         try:
@@ -526,9 +541,16 @@ class StdioUpstreams:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
         try:
+            first: dict[str, Any] | None = None
+            if answer_first:
+                first = await waiter.queue.get()
+                if first is None:
+                    return _error(502, waiter.reply_id, -32603,
+                                  f"stdio upstream {child.spec.name!r}: the process "
+                                  f"{child.broken or 'exited'} before it answered")
             await response.prepare(request)
             while True:
-                message = await waiter.queue.get()
+                message, first = (first, None) if first is not None else (await waiter.queue.get(), None)
                 if message is None:
                     break  # the child went away: no reply, the call failed
                 if "method" not in message and message.get("id") is not None \

@@ -255,3 +255,46 @@ async def test_the_trace_context_reaches_the_child_in_meta(stdio: StdioUpstreams
     # Without a (well-formed) trace context the message goes as it came.
     _, _, [reply] = await post(stdio, body, headers={"traceparent": "junk\u00e9"})
     assert reply["result"]["meta"] == {"traceparent": "00-forged", "com.example/tag": 1}
+
+
+async def test_a_session_request_reusing_an_id_in_flight_is_refused(stdio: StdioUpstreams) -> None:
+    """MCP forbids reusing a request id within a session: the second request with an id still
+    in flight is refused at once and never reaches the child, so the first keeps its own reply
+    (it would otherwise be delivered to the second, and the first wait until its timeout)."""
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
+    _, headers, _ = await post(stdio, init)
+    session = {"Mcp-Session-Id": headers["Mcp-Session-Id"]}
+    first = asyncio.ensure_future(post(stdio, {"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {
+        "text": "first", "delay": 0.5}}, headers=session))
+    await asyncio.sleep(0.1)  # the first is in flight
+    async with asyncio.timeout(10):
+        second = await post(stdio, {"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {
+            "text": "second", "delay": 1.0}}, headers=session)
+        status, _, [reply] = await first
+    assert (status, reply) == (200, {"jsonrpc": "2.0", "id": 7, "result": {"text": "first"}})
+    assert second[0] == 400
+    assert second[2] == [{"jsonrpc": "2.0", "id": 7, "error": {
+        "code": -32600, "message": "request id 7 is already in flight in this session"}}]
+    # Once answered, the id may be used again.
+    _, _, [again] = await post(stdio, {"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {
+        "text": "again"}}, headers=session)
+    assert again["result"] == {"text": "again"}
+
+
+async def test_a_child_that_exits_before_answering_initialize_opens_no_session() -> None:
+    """The session's child exits at once: `initialize` is answered 502 with a JSON-RPC error
+    (never an empty stream with a session id), and its process slot is given back."""
+    stdio = StdioUpstreams()
+    stdio.configure({"dead": StdioSpec("dead", (sys.executable, "-c", "import sys; sys.exit(3)"),
+                                       max_processes=1)})
+    await stdio.start()
+    try:
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
+        status, headers, messages = await post(stdio, init, name="dead")
+        assert status == 502 and "Mcp-Session-Id" not in headers
+        [error] = messages
+        assert error["id"] == 1 and error["error"]["code"] == -32603
+        assert error["error"]["message"].startswith("stdio upstream 'dead': ")
+        assert stdio.processes("dead") == 0
+    finally:
+        await stdio.close()
