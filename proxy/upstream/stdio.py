@@ -668,6 +668,11 @@ class StdioUpstreams:
             except (ChildGone, TimeoutError) as exc:
                 self._health(name, False, f"stdio child restart failed: {exc}")
                 continue
+            if session.closed or self._closing:
+                # Ended (DELETE, idle, shutdown) while the child came up: nothing would ever
+                # stop it, and its slot was already given back.
+                await child.close(0.2)
+                return
             session.child = child
             session.restarts = 0
             session.ready.set()

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -298,3 +298,52 @@ async def test_a_child_that_exits_before_answering_initialize_opens_no_session()
         assert stdio.processes("dead") == 0
     finally:
         await stdio.close()
+
+
+async def test_a_session_ended_while_its_child_restarts_leaves_no_child(tmp_path: Any) -> None:
+    """DELETE while the session's crashed child is being restarted: the child the restart
+    brings up is stopped, not left running outside every session and slot."""
+    marker = tmp_path / "slow-start"
+    command = ("sh", "-c", f'test -f {marker} && sleep 2; exec "$0" -c "$1"', sys.executable, SCRIPT)
+    stdio = StdioUpstreams(max_line_bytes=64 * 1024)
+    stdio.configure({"script": StdioSpec("script", command)})
+    await stdio.start()
+    try:
+        _, headers, _ = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}})
+        session = {"Mcp-Session-Id": headers["Mcp-Session-Id"]}
+        _, _, [first] = await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "pid"}, headers=session)
+        marker.touch()  # the restarted child takes 2 s to answer its replayed initialize
+        await post(stdio, {"jsonrpc": "2.0", "id": 3, "method": "big", "params": {"size": 100_000}},
+                   headers=session)  # a line past the cap: the child is killed and restarted
+        await _until(lambda: [p for p in _children() if p != first["result"]["pid"]])  # restarting
+        async with aiohttp.ClientSession() as http, http.delete(
+                stdio.url("script"), headers={**stdio.headers, **session}) as resp:
+            assert resp.status == 200
+        await _until(lambda: not stdio._tasks)  # the restart finished
+        assert [p for p in _children() if alive(p)] == []
+        assert stdio.processes("script") == 0
+    finally:
+        await stdio.close()
+
+
+async def _until(predicate: Callable[[], Any]) -> None:
+    for _ in range(400):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("not within 20 s")
+
+
+def _children() -> list[int]:
+    """This process's live child processes (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                found.append(int(entry))
+    return found
