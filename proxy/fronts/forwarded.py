@@ -146,6 +146,17 @@ class Downstream:
 INLINE_HTTP_BYTES = 64 * 1024
 
 
+def _layered(*layers: Mapping[str, str]) -> dict[str, str]:
+    """Header layers merged by field name, whatever its case: a later layer's field replaces an
+    earlier one's (so `X-Api-Key` from an agent's header parameter is never sent beside the
+    upstream's configured `x-api-key`, where a server reading the first field would take it)."""
+    merged: dict[str, tuple[str, str]] = {}
+    for layer in layers:
+        for name, value in layer.items():
+            merged[name.lower()] = (name, value)
+    return dict(merged.values())
+
+
 async def _http_result(status: int, ctype: str, data: bytes, coding: str,
                        limit: int) -> tuple[bytes, dict[str, Any]]:
     """(the decoded body, `openapi.result_from` of it); ValueError as `decoded` raises it."""
@@ -346,8 +357,8 @@ class _Forwarded:
             delay: float | None = None
             # An HTTP backend is asked for no content coding (inspection reads the body as
             # sent); one that encodes anyway is decoded in `_http_answer`.
-            headers = (request.headers if http is None else
-                       {"Accept-Encoding": "identity", **request.headers, **http.headers, **target.headers})
+            headers = (request.headers if http is None else _layered(
+                {"Accept-Encoding": "identity"}, request.headers, http.headers, target.headers))
             try:
                 resp = await x.forwarder.open(
                     method, url, headers if tracing.TRACER is None else tracing.inject(headers), body,

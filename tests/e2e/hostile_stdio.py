@@ -18,7 +18,8 @@ Each tool is one misbehaviour; `tools/call` runs the tool named in `params.name`
   replies with what the client answered.
 - `pid()`: the process id.
 
-`HOSTILE_EXIT` set: the process exits with that code at start-up, before reading anything.
+`HOSTILE_MODERN` set: it answers `server/discover` too (a 2026-07-28 server: the proxy relays its
+server requests to stateless callers). `HOSTILE_EXIT` set: the process exits with that code at start-up, before reading anything.
 
 Run: `python tests/e2e/hostile_stdio.py`.
 """
@@ -130,7 +131,10 @@ def handle(message: dict[str, Any]) -> None:
         return
     if rid is None:
         return  # a notification
-    if method == "initialize":
+    if method == "server/discover" and os.environ.get("HOSTILE_MODERN"):
+        send({"jsonrpc": "2.0", "id": rid, "result": {
+            "supportedVersions": ["2026-07-28"], "capabilities": {"tools": {}}, "resultType": "complete"}})
+    elif method == "initialize":
         send({"jsonrpc": "2.0", "id": rid, "result": {
             "protocolVersion": params.get("protocolVersion", "2025-11-25"),
             "capabilities": {"tools": {}}, "serverInfo": {"name": "hostile-stdio", "version": "1"}}})
