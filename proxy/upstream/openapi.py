@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 import urllib.parse
 import urllib.request
 import zlib
@@ -223,8 +224,7 @@ def parse_spec(text: str, name: str, source: str | None = None) -> Spec:
 def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
     if source.startswith(("http://", "https://")):
         try:
-            with urllib.request.urlopen(source, timeout=FETCH_TIMEOUT) as resp:
-                data = resp.read(MAX_SPEC_BYTES + 1)
+            data = _fetch(source)
         except (OSError, ValueError) as exc:
             raise SpecUnreadable(f"{source}:1:1: cannot fetch the OpenAPI document: {exc}") from exc
         if len(data) > MAX_SPEC_BYTES:
@@ -238,6 +238,24 @@ def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
     except OSError as exc:
         raise SpecUnreadable(f"{path}:1:1: cannot read the OpenAPI document: {exc.strerror or exc}") from exc
     return _decode(data, str(path)), str(path)
+
+
+def _fetch(url: str) -> bytes:
+    """The document at `url`, at most MAX_SPEC_BYTES + 1 of it, whole within FETCH_TIMEOUT
+    (checked between reads; each read waits at most FETCH_TIMEOUT): the socket timeout alone
+    bounds each wait, so a server sending a byte now and then would hold the policy load, and
+    the reload lock behind it, for as long as it likes. TimeoutError past it."""
+    deadline = time.monotonic() + FETCH_TIMEOUT
+    data = bytearray()
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as resp:
+        while len(data) <= MAX_SPEC_BYTES:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not complete within {FETCH_TIMEOUT:g}s")
+            chunk = resp.read1(MAX_SPEC_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    return bytes(data)
 
 
 def _decode(data: bytes, name: str) -> str:
