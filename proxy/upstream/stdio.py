@@ -57,7 +57,7 @@ import orjson
 from aiohttp import web
 
 from proxy.policy.model import Upstream
-from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of
+from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of, log_due
 
 __all__ = ["SECRET_HEADER", "StdioSpec", "StdioUpstreams", "child_env", "command_upstream"]
 
@@ -316,7 +316,7 @@ class StdioUpstreams:
 
     async def _start_child(self, spec: StdioSpec, owner: Session | Shared) -> Child:
         child = Child(spec, self.max_line_bytes,
-                      on_message=lambda c, m: self._unsolicited(owner, c, m),
+                      on_message=lambda c, m, size: self._unsolicited(owner, c, m, size),
                       on_exit=lambda c, why: self._exited(owner, c, why))
         await child.start()
         log.info("stdio upstream %s: started child %s", spec.name, child.pid)
@@ -464,7 +464,7 @@ class StdioUpstreams:
         try:
             await child.send({"jsonrpc": "2.0", "id": proxy_id, "method": method, "params": params})
             async with asyncio.timeout(seconds):
-                return await waiter.queue.get()
+                return await waiter.get()
         finally:
             child.forget(key_of(proxy_id))
 
@@ -543,14 +543,14 @@ class StdioUpstreams:
         try:
             first: dict[str, Any] | None = None
             if answer_first:
-                first = await waiter.queue.get()
+                first = await waiter.get()
                 if first is None:
                     return _error(502, waiter.reply_id, -32603,
                                   f"stdio upstream {child.spec.name!r}: the process "
                                   f"{child.broken or 'exited'} before it answered")
             await response.prepare(request)
             while True:
-                message, first = (first, None) if first is not None else (await waiter.queue.get(), None)
+                message, first = (first, None) if first is not None else (await waiter.get(), None)
                 if message is None:
                     break  # the child went away: no reply, the call failed
                 if "method" not in message and message.get("id") is not None \
@@ -567,18 +567,23 @@ class StdioUpstreams:
                 await response.write(_event(message))
         finally:
             child.forget(key)
+            if waiter.dropped:
+                log.warning("stdio upstream %s: dropped %d messages of child %s for a call whose "
+                            "client read them slower than they came", child.spec.name,
+                            waiter.dropped, child.pid)
             if not waiter.done and cancel_id is not None and child.alive:
                 self._spawn_task(_cancel(child, cancel_id))
         return response
 
-    def _unsolicited(self, owner: Session | Shared, child: Child, message: dict[str, Any]) -> None:
+    def _unsolicited(self, owner: Session | Shared, child: Child, message: dict[str, Any],
+                     size: int) -> None:
         """A server request or notification: to the stream of the call it belongs to."""
         if isinstance(owner, Shared):
-            self._route_shared(owner, child, message)
+            self._route_shared(owner, child, message, size)
             return
         waiter = _by_progress(child, message) or _latest(child)
         if waiter is not None:
-            waiter.queue.put_nowait(message)
+            self._offer(waiter, child, message, size)
             return
         for queue in owner.listeners:
             with contextlib.suppress(asyncio.QueueFull):
@@ -586,7 +591,15 @@ class StdioUpstreams:
                 return
         self._unroutable(child, message)
 
-    def _route_shared(self, shared: Shared, child: Child, message: dict[str, Any]) -> None:
+    def _offer(self, waiter: Waiter, child: Child, message: dict[str, Any], size: int) -> None:
+        """`message` to the stream of `waiter`'s call, unless that holds too much unread: then
+        dropped (a server request answered with an error, so the child does not wait)."""
+        if not waiter.offer(message, size) and "id" in message and "method" in message:
+            self._spawn_task(_send_quietly(child, {
+                "jsonrpc": "2.0", "id": message["id"],
+                "error": {"code": -32603, "message": "the client is not reading: request dropped"}}))
+
+    def _route_shared(self, shared: Shared, child: Child, message: dict[str, Any], size: int) -> None:
         if shared.handshake is not None and "id" in message and "method" in message:
             # A handshake-revision server asks a 2026-07-28 caller, who cannot be asked
             # mid-call: answered here (ping), or refused so the child does not wait.
@@ -611,13 +624,15 @@ class StdioUpstreams:
             proxy_id = f"{ID_PREFIX}s{next(self._ids)}"
             shared.server_requests[key_of(proxy_id)] = message["id"]
             message = {**message, "id": proxy_id}
-        waiter.queue.put_nowait(message)
+        self._offer(waiter, child, message, size)
 
     def _unroutable(self, child: Child, message: dict[str, Any]) -> None:
         """Nobody can receive it: a server request is answered with an error so the child does
         not wait forever; a notification is dropped."""
-        log.info("stdio upstream %s: no caller to receive %s", child.spec.name,
-                 message.get("method"))
+        child.unroutable += 1
+        if log_due(child.unroutable):
+            log.info("stdio upstream %s: no caller to receive %s (%d messages of child %s so far)",
+                     child.spec.name, message.get("method"), child.unroutable, child.pid)
         if "id" in message and "method" in message:
             self._spawn_task(_send_quietly(child, {
                 "jsonrpc": "2.0", "id": message["id"],
@@ -689,7 +704,7 @@ class StdioUpstreams:
         try:
             await child.send({**session.initialize, "id": proxy_id})
             async with asyncio.timeout(30):
-                reply = await waiter.queue.get()
+                reply = await waiter.get()
         except BaseException:
             await child.close(0.2)
             raise

@@ -17,6 +17,7 @@ Each tool is one misbehaviour; `tools/call` runs the tool named in `params.name`
 - `ask(text)`: sends `sampling/createMessage` (a server request) and a log notification, then
   replies with what the client answered.
 - `pid()`: the process id.
+- `flood(n)`: `n` log notifications as fast as the pipe takes them, then the reply.
 
 `HOSTILE_MODERN` set: it answers `server/discover` too (a 2026-07-28 server: the proxy relays its
 server requests to stateless callers). `HOSTILE_EXIT` set: the process exits with that code at start-up, before reading anything.
@@ -42,7 +43,7 @@ STATE = os.environ.get("HOSTILE_STATE")
 TOOLS = [{"name": n, "description": n, "inputSchema": {"type": "object"},
           "annotations": {"readOnlyHint": n != "write"}}
          for n in ("echo", "write", "twice", "stranger", "idless", "badutf8", "huge", "hang",
-                   "late", "stderr", "ask", "pid")]
+                   "late", "stderr", "ask", "pid", "flood")]
 
 
 def raw(data: bytes) -> None:
@@ -118,6 +119,14 @@ def call(rid: Any, name: str, args: dict[str, Any]) -> None:
         send(text_result(rid, f"answered: {json.dumps(answer)}"))
     elif name == "pid":
         send(text_result(rid, str(os.getpid())))
+    elif name == "flood":
+        line = json.dumps({"jsonrpc": "2.0", "method": "notifications/message",
+                           "params": {"level": "info", "data": "x" * 100}}).encode() + b"\n"
+        with LOCK:
+            for _ in range(int(args.get("n", 1000))):
+                OUT.write(line)
+            OUT.flush()
+        send(text_result(rid, "flooded"))
     else:
         send({"jsonrpc": "2.0", "id": rid, "error": {"code": -32602, "message": f"no tool {name}"}})
 

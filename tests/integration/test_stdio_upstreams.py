@@ -24,7 +24,8 @@ from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
 # A stdio "server" that needs no SDK: `initialize` answers, `echo` replies `text` after `delay`
 # seconds (requests run concurrently, so replies can cross), `big` writes one line of `size`
 # bytes, `pid` its process id; `ask` sends a server request and replies with the answer;
-# `noise` writes a 10,000-byte line and 300 short lines to stderr. It speaks the handshake
+# `noise` writes a 10,000-byte line and 300 short lines to stderr; `flood` writes `n` log
+# notifications of ~1 KB, its reply, then `flooded` on stderr. It speaks the handshake
 # revisions only, unless MODERN is set: then it answers `server/discover` too.
 SCRIPT = r"""
 import asyncio, json, os, sys
@@ -60,6 +61,12 @@ async def main():
             send({"jsonrpc": "2.0", "id": i, "result": {"meta": p.get("_meta")}})
         elif m == "pid":
             send({"jsonrpc": "2.0", "id": i, "result": {"pid": os.getpid()}})
+        elif m == "flood":
+            for n in range(p["n"]):
+                send({"jsonrpc": "2.0", "method": "notifications/message",
+                      "params": {"level": "info", "data": f"{n} " + "x" * 1000}})
+            send({"jsonrpc": "2.0", "id": i, "result": {"flooded": p["n"]}})
+            sys.stderr.write("flooded\n"); sys.stderr.flush()
         elif m == "ask":
             fut = loop.create_future(); answers["q1"] = fut
             send({"jsonrpc": "2.0", "id": "q1", "method": "elicitation/create", "params": {"message": p["text"]}})
@@ -347,3 +354,27 @@ def _children() -> list[int]:
             if int(fields[1]) == os.getpid() and fields[0] != "Z":
                 found.append(int(entry))
     return found
+
+
+async def test_a_flood_for_a_call_read_slowly_is_dropped_past_the_budget_and_the_reply_passes(
+        stdio: StdioUpstreams, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child writing notifications for a call faster than its caller reads them (20 MB, more
+    than the sockets between them buffer): what is held for the call stops at
+    `MAX_QUEUED_BYTES` (the rest dropped, counted in the log), so the proxy's memory does not
+    follow the child's output; the reply still arrives, last."""
+    monkeypatch.setattr("proxy.upstream.child.MAX_QUEUED_BYTES", 64 * 1024, raising=False)
+    caplog.set_level(logging.INFO, logger="envelope.stdio")
+    sent = 20_000
+    body = {"jsonrpc": "2.0", "id": 5, "method": "flood", "params": {"n": sent}}
+    async with aiohttp.ClientSession() as http, http.post(
+            stdio.url("script"), data=orjson.dumps(body),
+            headers={"Content-Type": "application/json", **stdio.headers}) as resp:
+        await _until(lambda: any(r.getMessage().endswith("stderr: flooded") for r in caplog.records))
+        raw = await resp.read()  # read only once the child wrote everything
+    messages = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert messages[-1] == {"jsonrpc": "2.0", "id": 5, "result": {"flooded": sent, "resultType": "complete"}}
+    held = [int(m["params"]["data"].split()[0]) for m in messages[:-1]]
+    assert held == sorted(held) and len(held) < sent
+    logged = [r.getMessage() for r in caplog.records if "messages of child" in r.getMessage()]
+    assert logged == [f"stdio upstream script: dropped {sent - len(held)} messages of child "
+                      f"{stdio.pids()[0]} for a call whose client read them slower than they came"]
