@@ -73,8 +73,6 @@ BACKOFF_MAX = 30.0
 # A session child that crashes this often in a row without answering is given up: its session
 # ends (404) instead of restarting forever.
 MAX_SESSION_RESTARTS = 5
-# The most unsolicited messages held for a session nobody listens to (GET stream closed).
-BACKLOG = 256
 
 # The shared child: probed with `server/discover` at the modern revision; a server that does
 # not answer it is initialised by the proxy at the newest handshake revision instead.
@@ -106,7 +104,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     restarts: int = 0
     closed: bool = False
-    listeners: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)
+    # The session's GET streams: each holds what it has not written yet, bounded like a call's.
+    listeners: list[Waiter] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -361,20 +360,24 @@ class StdioUpstreams:
         session = self._sessions.get(sid)
         if session is None:
             return web.Response(status=404)
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(BACKLOG)
-        session.listeners.append(queue)
+        listener = Waiter(None)
+        session.listeners.append(listener)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
             while True:
-                message = await queue.get()
+                message = await listener.get()
                 if message is None:
                     break
                 await response.write(b"data: " + orjson.dumps(message) + b"\n\n")
         finally:
             with contextlib.suppress(ValueError):
-                session.listeners.remove(queue)
+                session.listeners.remove(listener)
+            if listener.dropped:
+                log.warning("stdio upstream %s: dropped %d messages of session %s… for a stream "
+                            "whose client read them slower than they came", session.spec.name,
+                            listener.dropped, session.id[:8])
         return response
 
     async def _end_session(self, session: Session) -> None:
@@ -383,9 +386,8 @@ class StdioUpstreams:
         session.closed = True
         session.ready.set()
         self._sessions.pop(session.id, None)
-        for queue in session.listeners:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
+        for listener in session.listeners:
+            listener.put(None)  # however much it holds: its stream ends after that
         child, session.child = session.child, None
         if child is not None:
             self._free_slot(session.spec.name)
@@ -585,9 +587,8 @@ class StdioUpstreams:
         if waiter is not None:
             self._offer(waiter, child, message, size)
             return
-        for queue in owner.listeners:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(message)
+        for listener in owner.listeners:
+            if listener.offer(message, size):
                 return
         self._unroutable(child, message)
 

@@ -25,7 +25,8 @@ from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
 # seconds (requests run concurrently, so replies can cross), `big` writes one line of `size`
 # bytes, `pid` its process id; `ask` sends a server request and replies with the answer;
 # `noise` writes a 10,000-byte line and 300 short lines to stderr; `flood` writes `n` log
-# notifications of ~1 KB, its reply, then `flooded` on stderr. It speaks the handshake
+# notifications of ~1 KB, its reply, then `flooded` on stderr; `flood_later` replies first, then
+# floods half a second later (no call in flight: for the session's GET stream). It speaks the handshake
 # revisions only, unless MODERN is set: then it answers `server/discover` too.
 SCRIPT = r"""
 import asyncio, json, os, sys
@@ -66,6 +67,13 @@ async def main():
                 send({"jsonrpc": "2.0", "method": "notifications/message",
                       "params": {"level": "info", "data": f"{n} " + "x" * 1000}})
             send({"jsonrpc": "2.0", "id": i, "result": {"flooded": p["n"]}})
+            sys.stderr.write("flooded\n"); sys.stderr.flush()
+        elif m == "flood_later":
+            send({"jsonrpc": "2.0", "id": i, "result": {}})
+            await asyncio.sleep(0.5)
+            for n in range(p["n"]):
+                send({"jsonrpc": "2.0", "method": "notifications/message",
+                      "params": {"level": "info", "data": f"{n} " + "x" * 1000}})
             sys.stderr.write("flooded\n"); sys.stderr.flush()
         elif m == "ask":
             fut = loop.create_future(); answers["q1"] = fut
@@ -378,3 +386,27 @@ async def test_a_flood_for_a_call_read_slowly_is_dropped_past_the_budget_and_the
     logged = [r.getMessage() for r in caplog.records if "messages of child" in r.getMessage()]
     assert logged == [f"stdio upstream script: dropped {sent - len(held)} messages of child "
                       f"{stdio.pids()[0]} for a call whose client read them slower than they came"]
+
+
+async def test_a_flood_for_a_session_stream_read_slowly_is_dropped_past_the_budget(
+        stdio: StdioUpstreams, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bound on a session's GET stream (messages no call caused): at most
+    `MAX_QUEUED_BYTES` held unread, whatever the child writes (was 256 messages of up to the
+    line cap each)."""
+    monkeypatch.setattr("proxy.upstream.child.MAX_QUEUED_BYTES", 64 * 1024, raising=False)
+    caplog.set_level(logging.INFO, logger="envelope.stdio")
+    sent = 20_000
+    _, headers, _ = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}})
+    session = {"Mcp-Session-Id": headers["Mcp-Session-Id"]}
+    async with aiohttp.ClientSession() as http, http.get(
+            stdio.url("script"), headers={**stdio.headers, **session}) as stream:
+        await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "flood_later", "params": {"n": sent}},
+                   headers=session)
+        await _until(lambda: any(r.getMessage().endswith("stderr: flooded") for r in caplog.records))
+        async with http.delete(stdio.url("script"), headers={**stdio.headers, **session}):
+            pass  # ends the stream once what it holds is written (it never did with 256 held)
+        async with asyncio.timeout(30):
+            raw = await stream.read()
+    held = [int(orjson.loads(line[6:])["params"]["data"].split()[0])
+            for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert held == sorted(held) and 0 < len(held) < sent
