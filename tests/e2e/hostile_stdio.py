@@ -6,6 +6,7 @@ Each tool is one misbehaviour; `tools/call` runs the tool named in `params.name`
 
 - `echo(text)`: replies `text` (a well-behaved reader).
 - `write(text)`: a writer; appends `text` to `<HOSTILE_STATE>/writes` (what reached the child).
+- `write_crash(text)`: a writer that appends `text` to `writes`, then exits at once (no reply).
 - `twice(text)`: replies twice to the same id (`first: text`, then `second: text`).
 - `stranger(text)`: first a reply to an id nobody asked for, then the real reply.
 - `idless(text)`: first a message with a result and no id (and no method), then the real reply.
@@ -41,8 +42,8 @@ ANSWERS: dict[Any, Any] = {}
 STATE = os.environ.get("HOSTILE_STATE")
 
 TOOLS = [{"name": n, "description": n, "inputSchema": {"type": "object"},
-          "annotations": {"readOnlyHint": n != "write"}}
-         for n in ("echo", "write", "twice", "stranger", "idless", "badutf8", "huge", "hang",
+          "annotations": {"readOnlyHint": not n.startswith("write")}}
+         for n in ("echo", "write", "write_crash", "twice", "stranger", "idless", "badutf8", "huge", "hang",
                    "late", "stderr", "ask", "pid", "flood")]
 
 
@@ -70,6 +71,11 @@ def call(rid: Any, name: str, args: dict[str, Any]) -> None:
             with open(Path(STATE) / "writes", "a") as f:
                 f.write(text + "\n")
         send(text_result(rid, f"wrote: {text}"))
+    elif name == "write_crash":
+        if STATE:
+            with open(Path(STATE) / "writes", "a") as f:
+                f.write(text + "\n")
+        os._exit(3)
     elif name == "twice":
         send(text_result(rid, f"first: {text}"))
         send(text_result(rid, f"second: {text}"))

@@ -147,6 +147,10 @@ def test_a_child_that_exits_at_start_up_answers_initialize_with_a_json_rpc_error
     assert (r.status_code, "Mcp-Session-Id" in r.headers) == (502, False)
     assert r.json() == {"jsonrpc": "2.0", "id": 0, "error": {
         "code": -32603, "message": "stdio upstream 'dead': the process exited before it answered"}}
+    # Reported down, and kept down by the relayed 502 (a relayed answer of 500 or more is a
+    # failure, as on every other path: it used to count as traffic that reached the upstream).
+    readyz = httpx.get(f"{world.proxy.admin}/readyz", timeout=5).json()
+    assert readyz["upstreams"]["dead"]["state"] == "down", readyz
     # The stateless caller of the same upstream gets a refusal too, never a hang.
     r = call(world.proxy.url("dead"), "echo", {"text": "x"})
     assert r.status_code == 502 and "stdio upstream 'dead'" in r.text
