@@ -427,6 +427,12 @@ class StdioUpstreams:
                 reason = str(exc) or "it did not answer in time"
                 self._health(shared.spec.name, False, f"stdio child: {reason}")
                 raise ChildGone(reason) from exc
+            if self._closing or self._shared.get(shared.spec.name) is not shared:
+                # Dropped (a reload removed or changed the upstream, or shutdown) while the
+                # child came up: nothing would ever stop it, and it would keep its slot.
+                await child.close(0.2)
+                self._free_slot(shared.spec.name)
+                raise ChildGone("the upstream was reconfigured while its process started")
             shared.child = child
             return child
         finally:

@@ -410,3 +410,24 @@ async def test_a_flood_for_a_session_stream_read_slowly_is_dropped_past_the_budg
     held = [int(orjson.loads(line[6:])["params"]["data"].split()[0])
             for line in raw.split(b"\n") if line.startswith(b"data: ")]
     assert held == sorted(held) and 0 < len(held) < sent
+
+
+async def test_an_upstream_dropped_while_its_shared_child_starts_leaves_no_child() -> None:
+    """A reload removes (or changes) the upstream while its shared child is still starting: the
+    child that comes up is stopped, its slot given back, never left running for nobody."""
+    command = ("sh", "-c", 'sleep 1; exec "$0" -c "$1"', sys.executable, SCRIPT)
+    stdio = StdioUpstreams(max_line_bytes=64 * 1024)
+    stdio.configure({"script": StdioSpec("script", command)})
+    await stdio.start()
+    try:
+        call = asyncio.ensure_future(post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"}))
+        await _until(lambda: _children())  # the child is starting
+        stdio.configure({})  # the reload drops the upstream meanwhile
+        status, _, [error] = await call
+        assert (status, error["error"]["message"]) == (
+            502, "stdio upstream 'script': the upstream was reconfigured while its process started")
+        await _until(lambda: not stdio._tasks)
+        assert [p for p in _children() if alive(p)] == []
+        assert stdio.processes("script") == 0
+    finally:
+        await stdio.close()
