@@ -47,6 +47,7 @@ from proxy.config import Limits, RetryConfig
 from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
 from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
+from proxy.fronts import jsonrpc
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
 from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
@@ -207,9 +208,25 @@ class Executor:
         executor does that)."""
         if request.session is None:
             return
-        target = request.target
-        body = orjson.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        self._tell(request, {"jsonrpc": "2.0", "method": "notifications/cancelled",
                              "params": {"requestId": request.reply_id, "reason": reason}})
+
+    def refuse_server_request(self, request: UpstreamRequest, message: Mapping[str, Any],
+                              why: str) -> None:
+        """Answer a server request (sampling, elicitation, roots) on `request`'s stream that
+        nobody downstream can answer with a JSON-RPC error, so the upstream's tool fails or goes
+        on without instead of waiting until the call times out."""
+        if request.session is None:
+            return
+        self._tell(request, {"jsonrpc": "2.0", "id": message.get("id"), "error": {
+            "code": jsonrpc.METHOD_NOT_FOUND, "message": why}})
+
+    def _tell(self, request: UpstreamRequest, message: Mapping[str, Any]) -> None:
+        """POST `message` (a notification or an answer) in `request`'s upstream session, in a
+        tracked background task; a failure is logged."""
+        assert request.session is not None
+        target = request.target
+        body = orjson.dumps(message)
         headers = {**request.session, "Content-Type": "application/json",
                    "Accept": "application/json, text/event-stream"}
 
@@ -220,7 +237,8 @@ class Executor:
                                                  read_timeout=target.connect_timeout)
                 resp.close()
             except (UpstreamError, TimeoutError) as exc:
-                log.info("could not send notifications/cancelled to %s: %s", target.name, exc)
+                log.info("could not send %s to %s: %s", message.get("method") or "an answer",
+                         target.name, exc)
 
         self.spawn(send())
 
@@ -509,6 +527,11 @@ class _Forwarded:
             return Reply(message, ev.raw if not _has_comment(ev.raw) else None, self.status or 200,
                          (ev.event, ev.id))
         if not self.downstream.relays:
+            if isinstance(message.get("method"), str) and "id" in message:
+                # Only the aggregated endpoint relays nothing of a call's stream.
+                self.x.refuse_server_request(self.request, message, (
+                    f"{message['method']} is not relayed by the aggregated endpoint /mcp (use "
+                    f"/mcp/{self.target.name} to be asked)"))
             return None  # nobody receives it: nothing to inspect
         relayed = await self.x.envelope.inspect_event(self.pending, message)
         if relayed.refusal is not None:

@@ -25,7 +25,7 @@ SERVER = Path(__file__).resolve().parent / "hostile_stdio.py"
 SECRET = "AKIAIOSFODNN7EXAMPLE"
 LEGACY = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 MODERN = {**LEGACY, "MCP-Protocol-Version": "2026-07-28"}
-READS = ("echo", "twice", "stranger", "idless", "badutf8", "late")
+READS = ("echo", "twice", "stranger", "idless", "badutf8", "late", "ask")
 
 
 @dataclass
@@ -54,7 +54,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         "defaults": {"unknown_tools": "deny", "guardrails": [{"detector": "secrets", "action": "redact"}]},
         "tools": tools,
     })
-    with proxy_process(tmp, {}, policies=policies, identity={"mode": "static", "principal": "agent"}) as pp:
+    with proxy_process(tmp, {}, policies=policies, identity={"mode": "static", "principal": "agent"},
+                       config={"aggregate": {"enabled": True}}) as pp:
         yield World(pp, state)
 
 
@@ -154,3 +155,23 @@ def test_a_child_that_exits_at_start_up_answers_initialize_with_a_json_rpc_error
     # The stateless caller of the same upstream gets a refusal too, never a hang.
     r = call(world.proxy.url("dead"), "echo", {"text": "x"})
     assert r.status_code == 502 and "stdio upstream 'dead'" in r.text
+
+
+@pytest.mark.parametrize("mode", ["legacy", "stateless"])
+def test_a_server_request_on_the_aggregate_is_refused_to_the_upstream_not_left_unanswered(
+        world: World, mode: str) -> None:
+    """`/mcp` relays no server requests (its client gets JSON only): the upstream's request is
+    answered with a JSON-RPC error at once, so its tool fails or goes on without, instead of
+    waiting until the call times out."""
+    url = f"{world.proxy.base}/mcp"
+    headers = MODERN
+    if mode == "legacy":
+        r = httpx.post(url, headers=LEGACY, timeout=30, json={
+            "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {"sampling": {}},
+                "clientInfo": {"name": "raw", "version": "1"}}})
+        headers = {**LEGACY, "Mcp-Session-Id": r.headers["Mcp-Session-Id"], "MCP-Protocol-Version": "2025-11-25"}
+    [reply] = messages(call(url, "h.ask", {"text": "which?"}, headers))
+    assert reply["result"]["content"][0]["text"] == "answered: " + json.dumps({
+        "code": -32601, "message": "sampling/createMessage is not relayed by the aggregated endpoint "
+                                   "/mcp (use /mcp/h to be asked)"})
