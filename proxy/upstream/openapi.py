@@ -53,7 +53,8 @@ from proxy.policy.vocab import Effect
 from proxy.policy.yamlload import Converter, expanded_size, locate, parse_file, position
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
-# A spec fetched from a URL is read up to this size: a policy load must not swallow a stream.
+# A spec (a file, or fetched from a URL) is read up to this size: a policy load must not
+# swallow a stream.
 MAX_SPEC_BYTES = 16 * 1024 * 1024
 # Bounds on what a small document can expand into: values once YAML aliases are expanded, and
 # schema nodes one operation's input schema inlines from `$ref`s (refs to refs, each used many
@@ -234,9 +235,12 @@ def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)  # a huge file, or a device that never ends
     except OSError as exc:
         raise SpecUnreadable(f"{path}:1:1: cannot read the OpenAPI document: {exc.strerror or exc}") from exc
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecUnreadable(f"{path}:1:1: OpenAPI document exceeds {MAX_SPEC_BYTES} bytes")
     return _decode(data, str(path)), str(path)
 
 
