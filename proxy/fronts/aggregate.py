@@ -26,7 +26,8 @@ session, within the streams' budget; a second GET on a session replaces the firs
 prompts/*, completion, logging) is answered with JSON-RPC -32601: those have no unambiguous
 merge across servers; use `/mcp/<upstream>` for them. Upstream progress notifications and
 server-to-client requests (sampling, elicitation) are not relayed (the client gets JSON only),
-so nothing of them reaches the client; the answer is inspected like on every route.
+so nothing of them reaches the client (a server request is answered upstream with -32601 by the
+executor, so the tool does not wait for it); the answer is inspected like on every route.
 
 HTTP upstreams (`openapi:` in the policy, `proxy.upstream.openapi`) are served here too: their
 `tools/list` is the spec's operations (`Operation.tool_definition`, filtered per principal like

@@ -47,6 +47,7 @@ from proxy.config import Limits, RetryConfig
 from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
 from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
+from proxy.fronts import jsonrpc
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
 from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
@@ -146,6 +147,17 @@ class Downstream:
 INLINE_HTTP_BYTES = 64 * 1024
 
 
+def _layered(*layers: Mapping[str, str]) -> dict[str, str]:
+    """Header layers merged by field name, whatever its case: a later layer's field replaces an
+    earlier one's (so `X-Api-Key` from an agent's header parameter is never sent beside the
+    upstream's configured `x-api-key`, where a server reading the first field would take it)."""
+    merged: dict[str, tuple[str, str]] = {}
+    for layer in layers:
+        for name, value in layer.items():
+            merged[name.lower()] = (name, value)
+    return dict(merged.values())
+
+
 async def _http_result(status: int, ctype: str, data: bytes, coding: str,
                        limit: int) -> tuple[bytes, dict[str, Any]]:
     """(the decoded body, `openapi.result_from` of it); ValueError as `decoded` raises it."""
@@ -196,9 +208,25 @@ class Executor:
         executor does that)."""
         if request.session is None:
             return
-        target = request.target
-        body = orjson.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        self._tell(request, {"jsonrpc": "2.0", "method": "notifications/cancelled",
                              "params": {"requestId": request.reply_id, "reason": reason}})
+
+    def refuse_server_request(self, request: UpstreamRequest, message: Mapping[str, Any],
+                              why: str) -> None:
+        """Answer a server request (sampling, elicitation, roots) on `request`'s stream that
+        nobody downstream can answer with a JSON-RPC error, so the upstream's tool fails or goes
+        on without instead of waiting until the call times out."""
+        if request.session is None:
+            return
+        self._tell(request, {"jsonrpc": "2.0", "id": message.get("id"), "error": {
+            "code": jsonrpc.METHOD_NOT_FOUND, "message": why}})
+
+    def _tell(self, request: UpstreamRequest, message: Mapping[str, Any]) -> None:
+        """POST `message` (a notification or an answer) in `request`'s upstream session, in a
+        tracked background task; a failure is logged."""
+        assert request.session is not None
+        target = request.target
+        body = orjson.dumps(message)
         headers = {**request.session, "Content-Type": "application/json",
                    "Accept": "application/json, text/event-stream"}
 
@@ -209,7 +237,8 @@ class Executor:
                                                  read_timeout=target.connect_timeout)
                 resp.close()
             except (UpstreamError, TimeoutError) as exc:
-                log.info("could not send notifications/cancelled to %s: %s", target.name, exc)
+                log.info("could not send %s to %s: %s", message.get("method") or "an answer",
+                         target.name, exc)
 
         self.spawn(send())
 
@@ -346,8 +375,8 @@ class _Forwarded:
             delay: float | None = None
             # An HTTP backend is asked for no content coding (inspection reads the body as
             # sent); one that encodes anyway is decoded in `_http_answer`.
-            headers = (request.headers if http is None else
-                       {"Accept-Encoding": "identity", **request.headers, **http.headers, **target.headers})
+            headers = (request.headers if http is None else _layered(
+                {"Accept-Encoding": "identity"}, request.headers, http.headers, target.headers))
             try:
                 resp = await x.forwarder.open(
                     method, url, headers if tracing.TRACER is None else tracing.inject(headers), body,
@@ -498,6 +527,11 @@ class _Forwarded:
             return Reply(message, ev.raw if not _has_comment(ev.raw) else None, self.status or 200,
                          (ev.event, ev.id))
         if not self.downstream.relays:
+            if isinstance(message.get("method"), str) and "id" in message:
+                # Only the aggregated endpoint relays nothing of a call's stream.
+                self.x.refuse_server_request(self.request, message, (
+                    f"{message['method']} is not relayed by the aggregated endpoint /mcp (use "
+                    f"/mcp/{self.target.name} to be asked)"))
             return None  # nobody receives it: nothing to inspect
         relayed = await self.x.envelope.inspect_event(self.pending, message)
         if relayed.refusal is not None:

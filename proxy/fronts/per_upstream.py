@@ -404,7 +404,9 @@ class McpFront:
             what = "timed out" if timeout else f"unavailable: {exc}"
             return render.rpc_error(504 if timeout else 502, msg.id if msg else None,
                                     jsonrpc.INTERNAL_ERROR, f"upstream {target.name!r} {what}")
-        ctx.observe(target.name, time.perf_counter() - started, "ok")
+        ok = resp.status < 500  # as the executor and the aggregate count an answer
+        ctx.observe(target.name, time.perf_counter() - started, "ok" if ok else "error",
+                    None if ok else f"answered HTTP {resp.status}")
         if on_response is not None:
             on_response(resp)
         scope = _Scope(self, request, target, principal, msg, tools_list)

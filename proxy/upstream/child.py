@@ -28,6 +28,10 @@ STDERR_LINE_BYTES = 4096
 STDERR_LINES_PER_SECOND = 100
 # Close: how long a child has after its stdin closed, then after SIGTERM.
 CLOSE_GRACE = 2.0
+# What one call's stream may hold unread of the child's messages before its reply (progress,
+# logging, server requests): past it they are dropped (`Waiter.offer`), so a child flooding a
+# call whose client reads slowly costs this much memory, not all of it. The reply always passes.
+MAX_QUEUED_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,22 +62,44 @@ class ChildGone(Exception):
 class Waiter:
     """One caller's request in flight on a child: where its stream's messages go.
 
-    `None` on the queue: the child is gone, the stream ends without a reply."""
+    `None` (`get`): the child is gone, the stream ends without a reply."""
 
     reply_id: Any  # the id the caller used (restored on the reply)
-    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
     progress: Any = None  # the caller's progress token, when remapped
     done: bool = False
+    queue: asyncio.Queue[tuple[dict[str, Any] | None, int]] = field(default_factory=asyncio.Queue)
+    queued: int = 0  # bytes (as the child wrote them) held unread
+    dropped: int = 0
+
+    def put(self, message: dict[str, Any] | None, size: int = 0) -> None:
+        """Hold `message` (a reply, or None) whatever is held already."""
+        self.queued += size
+        self.queue.put_nowait((message, size))
+
+    def offer(self, message: dict[str, Any], size: int) -> bool:
+        """Hold a message that is not the reply, unless what is held unread would pass
+        MAX_QUEUED_BYTES (one message alone always fits); False: dropped."""
+        if self.queued and self.queued + size > MAX_QUEUED_BYTES:
+            self.dropped += 1
+            return False
+        self.put(message, size)
+        return True
+
+    async def get(self) -> dict[str, Any] | None:
+        message, size = await self.queue.get()
+        self.queued -= size
+        return message
 
 
 class Child:
     """One stdio server process: a reader of its stdout and stderr, a writer to its stdin.
 
-    `on_message(child, msg)` receives every message that is not a reply to a pending request;
-    `on_exit(child, reason)` runs once when it ends, after every waiter got `None`."""
+    `on_message(child, msg, size)` receives every message that is not a reply to a pending
+    request (`size`: its line's bytes); `on_exit(child, reason)` runs once when it ends, after
+    every waiter got `None`."""
 
     def __init__(self, spec: StdioSpec, max_line_bytes: int,
-                 on_message: Callable[[Child, dict[str, Any]], None],
+                 on_message: Callable[[Child, dict[str, Any], int], None],
                  on_exit: Callable[[Child, str], None]):
         self.spec = spec
         self.max_line_bytes = max_line_bytes
@@ -85,6 +111,10 @@ class Child:
         self.broken: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._write_lock = asyncio.Lock()
+        # Messages of the child no caller could receive, and replies to no pending request:
+        # logged at 1, 2, 4, 8, ... (a child writing millions must not flood the log).
+        self.unroutable = 0
+        self.stray = 0
 
     @property
     def pid(self) -> int | None:
@@ -154,7 +184,7 @@ class Child:
                     reason = "wrote a line that is not one JSON-RPC message"
                     self.broken = reason
                     break
-                self._dispatch(message)
+                self._dispatch(message, len(line))
         finally:
             self.alive = False
             if self.broken is not None:
@@ -169,19 +199,22 @@ class Child:
             if self.broken is None:
                 reason = f"exited with code {code}" if code is not None else "closed its stdout"
             for waiter in list(self.pending.values()):
-                waiter.queue.put_nowait(None)
+                waiter.put(None)
             self.pending.clear()
             self.on_exit(self, reason)
 
-    def _dispatch(self, message: dict[str, Any]) -> None:
+    def _dispatch(self, message: dict[str, Any], size: int) -> None:
         if "method" not in message and "id" in message:
             waiter = self.pending.pop(key_of(message.get("id")), None)
             if waiter is not None:
-                waiter.queue.put_nowait(message)
+                waiter.put(message, size)
                 return
-            log.info("stdio upstream %s: dropped a reply to no pending request", self.spec.name)
+            self.stray += 1
+            if log_due(self.stray):
+                log.info("stdio upstream %s: child %s dropped a reply to no pending request (%d "
+                         "so far)", self.spec.name, self.pid, self.stray)
             return
-        self.on_message(self, message)
+        self.on_message(self, message, size)
 
     async def _stderr(self) -> None:
         """Log the child's stderr line by line: each line capped at STDERR_LINE_BYTES (the rest
@@ -273,6 +306,11 @@ class Child:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, grace)
+
+
+def log_due(count: int) -> bool:
+    """Whether the `count`-th occurrence of a repeated event is logged (1, 2, 4, 8, ...)."""
+    return count & (count - 1) == 0
 
 
 def key_of(rpc_id: Any) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 import urllib.parse
 import urllib.request
 import zlib
@@ -52,7 +53,8 @@ from proxy.policy.vocab import Effect
 from proxy.policy.yamlload import Converter, expanded_size, locate, parse_file, position
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
-# A spec fetched from a URL is read up to this size: a policy load must not swallow a stream.
+# A spec (a file, or fetched from a URL) is read up to this size: a policy load must not
+# swallow a stream.
 MAX_SPEC_BYTES = 16 * 1024 * 1024
 # Bounds on what a small document can expand into: values once YAML aliases are expanded, and
 # schema nodes one operation's input schema inlines from `$ref`s (refs to refs, each used many
@@ -223,8 +225,7 @@ def parse_spec(text: str, name: str, source: str | None = None) -> Spec:
 def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
     if source.startswith(("http://", "https://")):
         try:
-            with urllib.request.urlopen(source, timeout=FETCH_TIMEOUT) as resp:
-                data = resp.read(MAX_SPEC_BYTES + 1)
+            data = _fetch(source)
         except (OSError, ValueError) as exc:
             raise SpecUnreadable(f"{source}:1:1: cannot fetch the OpenAPI document: {exc}") from exc
         if len(data) > MAX_SPEC_BYTES:
@@ -234,10 +235,31 @@ def _read(source: str, base_dir: Path | None) -> tuple[str, str]:
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)  # a huge file, or a device that never ends
     except OSError as exc:
         raise SpecUnreadable(f"{path}:1:1: cannot read the OpenAPI document: {exc.strerror or exc}") from exc
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecUnreadable(f"{path}:1:1: OpenAPI document exceeds {MAX_SPEC_BYTES} bytes")
     return _decode(data, str(path)), str(path)
+
+
+def _fetch(url: str) -> bytes:
+    """The document at `url`, at most MAX_SPEC_BYTES + 1 of it, whole within FETCH_TIMEOUT
+    (checked between reads; each read waits at most FETCH_TIMEOUT): the socket timeout alone
+    bounds each wait, so a server sending a byte now and then would hold the policy load, and
+    the reload lock behind it, for as long as it likes. TimeoutError past it."""
+    deadline = time.monotonic() + FETCH_TIMEOUT
+    data = bytearray()
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as resp:
+        while len(data) <= MAX_SPEC_BYTES:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not complete within {FETCH_TIMEOUT:g}s")
+            chunk = resp.read1(MAX_SPEC_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    return bytes(data)
 
 
 def _decode(data: bytes, name: str) -> str:

@@ -57,7 +57,7 @@ import orjson
 from aiohttp import web
 
 from proxy.policy.model import Upstream
-from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of
+from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of, log_due
 
 __all__ = ["SECRET_HEADER", "StdioSpec", "StdioUpstreams", "child_env", "command_upstream"]
 
@@ -73,8 +73,6 @@ BACKOFF_MAX = 30.0
 # A session child that crashes this often in a row without answering is given up: its session
 # ends (404) instead of restarting forever.
 MAX_SESSION_RESTARTS = 5
-# The most unsolicited messages held for a session nobody listens to (GET stream closed).
-BACKLOG = 256
 
 # The shared child: probed with `server/discover` at the modern revision; a server that does
 # not answer it is initialised by the proxy at the newest handshake revision instead.
@@ -106,7 +104,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     restarts: int = 0
     closed: bool = False
-    listeners: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)
+    # The session's GET streams: each holds what it has not written yet, bounded like a call's.
+    listeners: list[Waiter] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -301,16 +300,22 @@ class StdioUpstreams:
         session.child = child
         session.ready.set()
         self._sessions[session.id] = session
+        waiter = Waiter(message.get("id"))
         try:
-            return await self._relay(request, child, message, Waiter(message.get("id")),
+            return await self._relay(request, child, message, waiter,
                                      key_of(message.get("id")), {"Mcp-Session-Id": session.id},
+                                     answer_first=True,
                                      on_reply=lambda _: self._health(spec.name, True))
         finally:
             session.last_used = time.monotonic()  # idle counts from the last answer
+            if not waiter.done:
+                # No session without the server's answer: nothing restarts a child for a
+                # handshake that never happened, and the slot is free again.
+                await self._end_session(session)
 
     async def _start_child(self, spec: StdioSpec, owner: Session | Shared) -> Child:
         child = Child(spec, self.max_line_bytes,
-                      on_message=lambda c, m: self._unsolicited(owner, c, m),
+                      on_message=lambda c, m, size: self._unsolicited(owner, c, m, size),
                       on_exit=lambda c, why: self._exited(owner, c, why))
         await child.start()
         log.info("stdio upstream %s: started child %s", spec.name, child.pid)
@@ -335,9 +340,15 @@ class StdioUpstreams:
                 return _error(502, None, -32603, f"stdio upstream {session.spec.name!r}: the "
                               "process is not running")
             return web.Response(status=202)
+        key = key_of(message.get("id"))
+        if key in child.pending:
+            # MCP: an id is never reused within a session. Sent on, the child's one reply would
+            # reach one of the two callers and the other would wait until its timeout.
+            return _error(400, message.get("id"), -32600,
+                          f"request id {key} is already in flight in this session")
         waiter = Waiter(message.get("id"), progress=_progress_token(message))
         try:
-            return await self._relay(request, child, message, waiter, key_of(message.get("id")),
+            return await self._relay(request, child, message, waiter, key,
                                      {"Mcp-Session-Id": session.id})
         finally:
             session.last_used = time.monotonic()
@@ -349,20 +360,24 @@ class StdioUpstreams:
         session = self._sessions.get(sid)
         if session is None:
             return web.Response(status=404)
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(BACKLOG)
-        session.listeners.append(queue)
+        listener = Waiter(None)
+        session.listeners.append(listener)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
             while True:
-                message = await queue.get()
+                message = await listener.get()
                 if message is None:
                     break
                 await response.write(b"data: " + orjson.dumps(message) + b"\n\n")
         finally:
             with contextlib.suppress(ValueError):
-                session.listeners.remove(queue)
+                session.listeners.remove(listener)
+            if listener.dropped:
+                log.warning("stdio upstream %s: dropped %d messages of session %s… for a stream "
+                            "whose client read them slower than they came", session.spec.name,
+                            listener.dropped, session.id[:8])
         return response
 
     async def _end_session(self, session: Session) -> None:
@@ -371,9 +386,8 @@ class StdioUpstreams:
         session.closed = True
         session.ready.set()
         self._sessions.pop(session.id, None)
-        for queue in session.listeners:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
+        for listener in session.listeners:
+            listener.put(None)  # however much it holds: its stream ends after that
         child, session.child = session.child, None
         if child is not None:
             self._free_slot(session.spec.name)
@@ -413,6 +427,12 @@ class StdioUpstreams:
                 reason = str(exc) or "it did not answer in time"
                 self._health(shared.spec.name, False, f"stdio child: {reason}")
                 raise ChildGone(reason) from exc
+            if self._closing or self._shared.get(shared.spec.name) is not shared:
+                # Dropped (a reload removed or changed the upstream, or shutdown) while the
+                # child came up: nothing would ever stop it, and it would keep its slot.
+                await child.close(0.2)
+                self._free_slot(shared.spec.name)
+                raise ChildGone("the upstream was reconfigured while its process started")
             shared.child = child
             return child
         finally:
@@ -452,7 +472,7 @@ class StdioUpstreams:
         try:
             await child.send({"jsonrpc": "2.0", "id": proxy_id, "method": method, "params": params})
             async with asyncio.timeout(seconds):
-                return await waiter.queue.get()
+                return await waiter.get()
         finally:
             child.forget(key_of(proxy_id))
 
@@ -509,12 +529,15 @@ class StdioUpstreams:
     async def _relay(self, request: web.Request, child: Child, outgoing: dict[str, Any],
                      waiter: Waiter, key: str, headers: dict[str, str],
                      cancel_id: str | None = None, complete: Mapping[str, Any] | None = None,
+                     answer_first: bool = False,
                      on_reply: Callable[[dict[str, Any]], None] | None = None) -> web.StreamResponse:
         """Send one request to `child` and answer with an SSE stream of what the child sends for
         it, ending with its reply (its id restored); the stream ends without a reply when the
         child goes away. A caller gone before the reply cancels it (`cancel_id`: stateless).
         `complete`: fields a 2026-07-28 caller needs on the result, added when the child (which
-        speaks a handshake revision) left them out."""
+        speaks a handshake revision) left them out. `answer_first` (`initialize`): the stream
+        starts with the child's first message, and a child gone before it is answered 502 with
+        a JSON-RPC error (a request that had no effect yet, unlike a call cut off mid-stream)."""
         child.register(key, waiter)
         outgoing = _with_trace(outgoing, request.headers)
         try:
@@ -526,9 +549,16 @@ class StdioUpstreams:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
         try:
+            first: dict[str, Any] | None = None
+            if answer_first:
+                first = await waiter.get()
+                if first is None:
+                    return _error(502, waiter.reply_id, -32603,
+                                  f"stdio upstream {child.spec.name!r}: the process "
+                                  f"{child.broken or 'exited'} before it answered")
             await response.prepare(request)
             while True:
-                message = await waiter.queue.get()
+                message, first = (first, None) if first is not None else (await waiter.get(), None)
                 if message is None:
                     break  # the child went away: no reply, the call failed
                 if "method" not in message and message.get("id") is not None \
@@ -545,26 +575,38 @@ class StdioUpstreams:
                 await response.write(_event(message))
         finally:
             child.forget(key)
+            if waiter.dropped:
+                log.warning("stdio upstream %s: dropped %d messages of child %s for a call whose "
+                            "client read them slower than they came", child.spec.name,
+                            waiter.dropped, child.pid)
             if not waiter.done and cancel_id is not None and child.alive:
                 self._spawn_task(_cancel(child, cancel_id))
         return response
 
-    def _unsolicited(self, owner: Session | Shared, child: Child, message: dict[str, Any]) -> None:
+    def _unsolicited(self, owner: Session | Shared, child: Child, message: dict[str, Any],
+                     size: int) -> None:
         """A server request or notification: to the stream of the call it belongs to."""
         if isinstance(owner, Shared):
-            self._route_shared(owner, child, message)
+            self._route_shared(owner, child, message, size)
             return
         waiter = _by_progress(child, message) or _latest(child)
         if waiter is not None:
-            waiter.queue.put_nowait(message)
+            self._offer(waiter, child, message, size)
             return
-        for queue in owner.listeners:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(message)
+        for listener in owner.listeners:
+            if listener.offer(message, size):
                 return
         self._unroutable(child, message)
 
-    def _route_shared(self, shared: Shared, child: Child, message: dict[str, Any]) -> None:
+    def _offer(self, waiter: Waiter, child: Child, message: dict[str, Any], size: int) -> None:
+        """`message` to the stream of `waiter`'s call, unless that holds too much unread: then
+        dropped (a server request answered with an error, so the child does not wait)."""
+        if not waiter.offer(message, size) and "id" in message and "method" in message:
+            self._spawn_task(_send_quietly(child, {
+                "jsonrpc": "2.0", "id": message["id"],
+                "error": {"code": -32603, "message": "the client is not reading: request dropped"}}))
+
+    def _route_shared(self, shared: Shared, child: Child, message: dict[str, Any], size: int) -> None:
         if shared.handshake is not None and "id" in message and "method" in message:
             # A handshake-revision server asks a 2026-07-28 caller, who cannot be asked
             # mid-call: answered here (ping), or refused so the child does not wait.
@@ -589,13 +631,15 @@ class StdioUpstreams:
             proxy_id = f"{ID_PREFIX}s{next(self._ids)}"
             shared.server_requests[key_of(proxy_id)] = message["id"]
             message = {**message, "id": proxy_id}
-        waiter.queue.put_nowait(message)
+        self._offer(waiter, child, message, size)
 
     def _unroutable(self, child: Child, message: dict[str, Any]) -> None:
         """Nobody can receive it: a server request is answered with an error so the child does
         not wait forever; a notification is dropped."""
-        log.info("stdio upstream %s: no caller to receive %s", child.spec.name,
-                 message.get("method"))
+        child.unroutable += 1
+        if log_due(child.unroutable):
+            log.info("stdio upstream %s: no caller to receive %s (%d messages of child %s so far)",
+                     child.spec.name, message.get("method"), child.unroutable, child.pid)
         if "id" in message and "method" in message:
             self._spawn_task(_send_quietly(child, {
                 "jsonrpc": "2.0", "id": message["id"],
@@ -646,6 +690,11 @@ class StdioUpstreams:
             except (ChildGone, TimeoutError) as exc:
                 self._health(name, False, f"stdio child restart failed: {exc}")
                 continue
+            if session.closed or self._closing:
+                # Ended (DELETE, idle, shutdown) while the child came up: nothing would ever
+                # stop it, and its slot was already given back.
+                await child.close(0.2)
+                return
             session.child = child
             session.restarts = 0
             session.ready.set()
@@ -662,7 +711,7 @@ class StdioUpstreams:
         try:
             await child.send({**session.initialize, "id": proxy_id})
             async with asyncio.timeout(30):
-                reply = await waiter.queue.get()
+                reply = await waiter.get()
         except BaseException:
             await child.close(0.2)
             raise

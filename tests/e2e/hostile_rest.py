@@ -17,7 +17,8 @@
 - `GET /moved`: a 302 to another host;
 - `POST /orders`: a writer; while `/_reset` was armed (`POST /_reset`), it reads the request
   and breaks the connection without answering (once);
-- `GET /_stats`: every request that reached the service (`method`, `raw_path`, `headers`).
+- `GET /_stats`: every request that reached the service (`method`, `raw_path`, `headers`, and
+  `raw_headers`: every field as sent, duplicates too).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def build_app() -> web.Application:
     async def record(request: web.Request, handler: Any) -> web.StreamResponse:
         if not request.path.startswith("/_"):
             seen.append({"method": request.method, "raw_path": request.raw_path,
-                         "headers": dict(request.headers)})
+                         "headers": dict(request.headers),
+                         "raw_headers": [[k.decode(), v.decode()] for k, v in request.raw_headers]})
         return await handler(request)
 
     async def item(request: web.Request) -> web.Response:

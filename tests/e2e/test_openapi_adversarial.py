@@ -29,7 +29,11 @@ AGENT = token("agent", groups=["ops"])
 PROBLEM = "application/problem+json"
 POLICY: dict[str, Any] = {
     "version": 1,
-    "upstreams": {"hostile": {"url": "http://127.0.0.1:1", "openapi": "hostile.json", "timeout": "3s"}},
+    "upstreams": {"hostile": {"url": "http://127.0.0.1:1", "openapi": "hostile.json", "timeout": "3s"},
+                  # The same service behind the proxy's own credential, in a header the spec also
+                  # declares as a parameter (named in another case).
+                  "keyed": {"url": "http://127.0.0.1:1", "openapi": "hostile.json", "timeout": "3s",
+                            "headers": {"x-tag": "the proxy's credential"}}},
     "defaults": {"unknown_tools": "deny", "guardrails": [{"detector": "secrets", "action": "redact"}]},
     "tools": {
         "hostile.getItem": {"effect": "read"},
@@ -45,6 +49,7 @@ POLICY: dict[str, Any] = {
         "hostile.getTrickle": {"effect": "read"},
         "hostile.getTicket": {"effect": "read", "output": "untrusted"},
         "hostile.refundOrder": {"effect": "write"},
+        "keyed.getItem": {"effect": "read"},
     },
 }
 
@@ -67,7 +72,7 @@ def pp(tmp_path_factory: pytest.TempPathFactory, backend: str) -> Iterator[Proxy
     tmp = tmp_path_factory.mktemp("openapi-adversarial")
     policies = write_doc(tmp / "policies", POLICY)
     (policies / "hostile.json").write_text(json.dumps(SPEC))
-    with proxy_process(tmp, {"hostile": backend}, policies=policies) as proxy:
+    with proxy_process(tmp, {"hostile": backend, "keyed": backend}, policies=policies) as proxy:
         yield proxy
 
 
@@ -173,6 +178,24 @@ def test_http_front_passes_only_declared_headers_and_query(pp: ProxyProcess, bac
     sent = {k.lower() for k in seen["headers"]}
     assert sent <= {"host", "accept-encoding", "x-tag"}, sent
     assert seen["headers"]["Host"] == backend.removeprefix("http://")
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_a_header_parameter_never_overrides_the_proxys_own_header_whatever_its_case(
+        pp: ProxyProcess, backend: str, front: str) -> None:
+    """The upstream's configured `headers` go last: an agent's value for a header parameter of
+    the same name in another case is replaced, never sent beside it (a server reading the first
+    field took the agent's)."""
+    if front == "mcp":
+        resp = rpc(pp.url("keyed"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "getItem", "arguments": {"itemId": "1", "X-Tag": "the agent's"}}}, bearer=AGENT, timeout=15)
+        assert resp.json()["result"]["structuredContent"] == {"id": "1"}, resp.text
+    else:
+        resp = httpx.get(f"{pp.base}/http/keyed/items/1", timeout=15, headers={
+            "Authorization": f"Bearer {AGENT}", "X-Tag": "the agent's"})
+        assert resp.status_code == 200, resp.text
+    sent = [v for k, v in _seen(backend)[-1]["raw_headers"] if k.lower() == "x-tag"]
+    assert sent == ["the proxy's credential"]
 
 
 # ---- what the backend sends back is inspected ----------------------------------------------
@@ -297,7 +320,7 @@ def flow_pp(tmp_path_factory: pytest.TempPathFactory, backend: str) -> Iterator[
     tmp = tmp_path_factory.mktemp("openapi-adversarial-flow")
     policies = write_doc(tmp / "policies", {**POLICY, "dataflow": {"mode": "enforce"}})
     (policies / "hostile.json").write_text(json.dumps(SPEC))
-    with proxy_process(tmp, {"hostile": backend}, policies=policies) as proxy:
+    with proxy_process(tmp, {"hostile": backend, "keyed": backend}, policies=policies) as proxy:
         yield proxy
 
 

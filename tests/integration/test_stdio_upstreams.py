@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -24,7 +24,9 @@ from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
 # A stdio "server" that needs no SDK: `initialize` answers, `echo` replies `text` after `delay`
 # seconds (requests run concurrently, so replies can cross), `big` writes one line of `size`
 # bytes, `pid` its process id; `ask` sends a server request and replies with the answer;
-# `noise` writes a 10,000-byte line and 300 short lines to stderr. It speaks the handshake
+# `noise` writes a 10,000-byte line and 300 short lines to stderr; `flood` writes `n` log
+# notifications of ~1 KB, its reply, then `flooded` on stderr; `flood_later` replies first, then
+# floods half a second later (no call in flight: for the session's GET stream). It speaks the handshake
 # revisions only, unless MODERN is set: then it answers `server/discover` too.
 SCRIPT = r"""
 import asyncio, json, os, sys
@@ -60,6 +62,19 @@ async def main():
             send({"jsonrpc": "2.0", "id": i, "result": {"meta": p.get("_meta")}})
         elif m == "pid":
             send({"jsonrpc": "2.0", "id": i, "result": {"pid": os.getpid()}})
+        elif m == "flood":
+            for n in range(p["n"]):
+                send({"jsonrpc": "2.0", "method": "notifications/message",
+                      "params": {"level": "info", "data": f"{n} " + "x" * 1000}})
+            send({"jsonrpc": "2.0", "id": i, "result": {"flooded": p["n"]}})
+            sys.stderr.write("flooded\n"); sys.stderr.flush()
+        elif m == "flood_later":
+            send({"jsonrpc": "2.0", "id": i, "result": {}})
+            await asyncio.sleep(0.5)
+            for n in range(p["n"]):
+                send({"jsonrpc": "2.0", "method": "notifications/message",
+                      "params": {"level": "info", "data": f"{n} " + "x" * 1000}})
+            sys.stderr.write("flooded\n"); sys.stderr.flush()
         elif m == "ask":
             fut = loop.create_future(); answers["q1"] = fut
             send({"jsonrpc": "2.0", "id": "q1", "method": "elicitation/create", "params": {"message": p["text"]}})
@@ -255,3 +270,164 @@ async def test_the_trace_context_reaches_the_child_in_meta(stdio: StdioUpstreams
     # Without a (well-formed) trace context the message goes as it came.
     _, _, [reply] = await post(stdio, body, headers={"traceparent": "junk\u00e9"})
     assert reply["result"]["meta"] == {"traceparent": "00-forged", "com.example/tag": 1}
+
+
+async def test_a_session_request_reusing_an_id_in_flight_is_refused(stdio: StdioUpstreams) -> None:
+    """MCP forbids reusing a request id within a session: the second request with an id still
+    in flight is refused at once and never reaches the child, so the first keeps its own reply
+    (it would otherwise be delivered to the second, and the first wait until its timeout)."""
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
+    _, headers, _ = await post(stdio, init)
+    session = {"Mcp-Session-Id": headers["Mcp-Session-Id"]}
+    first = asyncio.ensure_future(post(stdio, {"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {
+        "text": "first", "delay": 0.5}}, headers=session))
+    await asyncio.sleep(0.1)  # the first is in flight
+    async with asyncio.timeout(10):
+        second = await post(stdio, {"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {
+            "text": "second", "delay": 1.0}}, headers=session)
+        status, _, [reply] = await first
+    assert (status, reply) == (200, {"jsonrpc": "2.0", "id": 7, "result": {"text": "first"}})
+    assert second[0] == 400
+    assert second[2] == [{"jsonrpc": "2.0", "id": 7, "error": {
+        "code": -32600, "message": "request id 7 is already in flight in this session"}}]
+    # Once answered, the id may be used again.
+    _, _, [again] = await post(stdio, {"jsonrpc": "2.0", "id": 7, "method": "echo", "params": {
+        "text": "again"}}, headers=session)
+    assert again["result"] == {"text": "again"}
+
+
+async def test_a_child_that_exits_before_answering_initialize_opens_no_session() -> None:
+    """The session's child exits at once: `initialize` is answered 502 with a JSON-RPC error
+    (never an empty stream with a session id), and its process slot is given back."""
+    stdio = StdioUpstreams()
+    stdio.configure({"dead": StdioSpec("dead", (sys.executable, "-c", "import sys; sys.exit(3)"),
+                                       max_processes=1)})
+    await stdio.start()
+    try:
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
+        status, headers, messages = await post(stdio, init, name="dead")
+        assert status == 502 and "Mcp-Session-Id" not in headers
+        [error] = messages
+        assert error["id"] == 1 and error["error"]["code"] == -32603
+        assert error["error"]["message"].startswith("stdio upstream 'dead': ")
+        assert stdio.processes("dead") == 0
+    finally:
+        await stdio.close()
+
+
+async def test_a_session_ended_while_its_child_restarts_leaves_no_child(tmp_path: Any) -> None:
+    """DELETE while the session's crashed child is being restarted: the child the restart
+    brings up is stopped, not left running outside every session and slot."""
+    marker = tmp_path / "slow-start"
+    command = ("sh", "-c", f'test -f {marker} && sleep 2; exec "$0" -c "$1"', sys.executable, SCRIPT)
+    stdio = StdioUpstreams(max_line_bytes=64 * 1024)
+    stdio.configure({"script": StdioSpec("script", command)})
+    await stdio.start()
+    try:
+        _, headers, _ = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}})
+        session = {"Mcp-Session-Id": headers["Mcp-Session-Id"]}
+        _, _, [first] = await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "pid"}, headers=session)
+        marker.touch()  # the restarted child takes 2 s to answer its replayed initialize
+        await post(stdio, {"jsonrpc": "2.0", "id": 3, "method": "big", "params": {"size": 100_000}},
+                   headers=session)  # a line past the cap: the child is killed and restarted
+        await _until(lambda: [p for p in _children() if p != first["result"]["pid"]])  # restarting
+        async with aiohttp.ClientSession() as http, http.delete(
+                stdio.url("script"), headers={**stdio.headers, **session}) as resp:
+            assert resp.status == 200
+        await _until(lambda: not stdio._tasks)  # the restart finished
+        assert [p for p in _children() if alive(p)] == []
+        assert stdio.processes("script") == 0
+    finally:
+        await stdio.close()
+
+
+async def _until(predicate: Callable[[], Any]) -> None:
+    for _ in range(400):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("not within 20 s")
+
+
+def _children() -> list[int]:
+    """This process's live child processes (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+async def test_a_flood_for_a_call_read_slowly_is_dropped_past_the_budget_and_the_reply_passes(
+        stdio: StdioUpstreams, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child writing notifications for a call faster than its caller reads them (20 MB, more
+    than the sockets between them buffer): what is held for the call stops at
+    `MAX_QUEUED_BYTES` (the rest dropped, counted in the log), so the proxy's memory does not
+    follow the child's output; the reply still arrives, last."""
+    monkeypatch.setattr("proxy.upstream.child.MAX_QUEUED_BYTES", 64 * 1024, raising=False)
+    caplog.set_level(logging.INFO, logger="envelope.stdio")
+    sent = 20_000
+    body = {"jsonrpc": "2.0", "id": 5, "method": "flood", "params": {"n": sent}}
+    async with aiohttp.ClientSession() as http, http.post(
+            stdio.url("script"), data=orjson.dumps(body),
+            headers={"Content-Type": "application/json", **stdio.headers}) as resp:
+        await _until(lambda: any(r.getMessage().endswith("stderr: flooded") for r in caplog.records))
+        raw = await resp.read()  # read only once the child wrote everything
+    messages = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert messages[-1] == {"jsonrpc": "2.0", "id": 5, "result": {"flooded": sent, "resultType": "complete"}}
+    held = [int(m["params"]["data"].split()[0]) for m in messages[:-1]]
+    assert held == sorted(held) and len(held) < sent
+    logged = [r.getMessage() for r in caplog.records if "messages of child" in r.getMessage()]
+    assert logged == [f"stdio upstream script: dropped {sent - len(held)} messages of child "
+                      f"{stdio.pids()[0]} for a call whose client read them slower than they came"]
+
+
+async def test_a_flood_for_a_session_stream_read_slowly_is_dropped_past_the_budget(
+        stdio: StdioUpstreams, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bound on a session's GET stream (messages no call caused): at most
+    `MAX_QUEUED_BYTES` held unread, whatever the child writes (was 256 messages of up to the
+    line cap each)."""
+    monkeypatch.setattr("proxy.upstream.child.MAX_QUEUED_BYTES", 64 * 1024, raising=False)
+    caplog.set_level(logging.INFO, logger="envelope.stdio")
+    sent = 20_000
+    _, headers, _ = await post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}})
+    session = {"Mcp-Session-Id": headers["Mcp-Session-Id"]}
+    async with aiohttp.ClientSession() as http, http.get(
+            stdio.url("script"), headers={**stdio.headers, **session}) as stream:
+        await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "flood_later", "params": {"n": sent}},
+                   headers=session)
+        await _until(lambda: any(r.getMessage().endswith("stderr: flooded") for r in caplog.records))
+        async with http.delete(stdio.url("script"), headers={**stdio.headers, **session}):
+            pass  # ends the stream once what it holds is written (it never did with 256 held)
+        async with asyncio.timeout(30):
+            raw = await stream.read()
+    held = [int(orjson.loads(line[6:])["params"]["data"].split()[0])
+            for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert held == sorted(held) and 0 < len(held) < sent
+
+
+async def test_an_upstream_dropped_while_its_shared_child_starts_leaves_no_child() -> None:
+    """A reload removes (or changes) the upstream while its shared child is still starting: the
+    child that comes up is stopped, its slot given back, never left running for nobody."""
+    command = ("sh", "-c", 'sleep 1; exec "$0" -c "$1"', sys.executable, SCRIPT)
+    stdio = StdioUpstreams(max_line_bytes=64 * 1024)
+    stdio.configure({"script": StdioSpec("script", command)})
+    await stdio.start()
+    try:
+        call = asyncio.ensure_future(post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"}))
+        await _until(lambda: _children())  # the child is starting
+        stdio.configure({})  # the reload drops the upstream meanwhile
+        status, _, [error] = await call
+        assert (status, error["error"]["message"]) == (
+            502, "stdio upstream 'script': the upstream was reconfigured while its process started")
+        await _until(lambda: not stdio._tasks)
+        assert [p for p in _children() if alive(p)] == []
+        assert stdio.processes("script") == 0
+    finally:
+        await stdio.close()

@@ -134,3 +134,13 @@ async def test_failures_are_answered_with_the_request_id() -> None:
     errors = [m["error"]["code"] for m in out if m.get("id") is None and "error" in m]
     assert errors == [-32700, -32600]  # the line that is not JSON, the line past the cap
     assert {"jsonrpc": "2.0", "method": "notifications/message", "params": {}} in out
+
+
+async def test_invalid_utf8_is_a_parse_error_and_a_last_line_without_newline_is_answered() -> None:
+    out, seen = await bridge_session([INIT, line(method="notifications/initialized"),
+                                      b'{"jsonrpc":"2.0","id":8,"method":"x","params":{"a":"\xff\xfe"}}\n',
+                                      line(id=9, method="streamed").rstrip(b"\n")])  # EOF mid-line
+    assert {"jsonrpc": "2.0", "id": None, "error": {
+        "code": -32700, "message": "Parse error: not a JSON message"}} in out
+    assert out[-1] == {"jsonrpc": "2.0", "id": 9, "result": {}}
+    assert not [body for method, _, body in seen if method == "POST" and b'"id":8' in body]

@@ -153,6 +153,15 @@ def test_a_missing_file_is_a_spec_error(tmp_path):
         load_spec("nope.yaml", tmp_path)
 
 
+def test_a_file_past_the_size_bound_is_a_spec_error_read_no_further(tmp_path, monkeypatch):
+    """A document file (beside the policy or anywhere else) is read up to MAX_SPEC_BYTES, like
+    one fetched from a URL: a huge file, or a device that never ends, costs no more."""
+    monkeypatch.setattr("proxy.upstream.openapi.MAX_SPEC_BYTES", 64)
+    (tmp_path / "big.yaml").write_text("openapi: 3.0.0\npaths: {}\n" + "#" * 100 + "\n")
+    with pytest.raises(SpecError, match=r"big\.yaml:1:1: OpenAPI document exceeds 64 bytes"):
+        load_spec("big.yaml", tmp_path)
+
+
 def test_match_prefers_literal_segments_and_decodes_path_parameters():
     spec = parse_spec(
         "openapi: 3.0.0\npaths:\n"
