@@ -61,6 +61,7 @@ from proxy.fronts.calls import STATELESS_REVISION, Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
+from proxy.fronts.headers import layered
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sessions import OwnedLRU
 from proxy.fronts.sse import SSEParser, format_event
@@ -316,8 +317,7 @@ class AggregateFront:
         auth = request if request is None or isinstance(request, str) else request.headers.get("Authorization")
         if auth and target.forward_authorization:
             headers["Authorization"] = auth
-        headers.update(target.headers)
-        return headers
+        return layered(headers, target.headers)
 
     def _next_id(self) -> str:
         self._ids += 1

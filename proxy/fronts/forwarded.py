@@ -48,6 +48,7 @@ from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
 from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
 from proxy.fronts import jsonrpc
+from proxy.fronts.headers import layered
 from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
 from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
@@ -145,17 +146,6 @@ class Downstream:
 # or coded one is decoded and parsed in a worker thread: tens of milliseconds for a 16 MiB
 # answer (orjson, then `_deeper_than` visits every node) must not stall every other call.
 INLINE_HTTP_BYTES = 64 * 1024
-
-
-def _layered(*layers: Mapping[str, str]) -> dict[str, str]:
-    """Header layers merged by field name, whatever its case: a later layer's field replaces an
-    earlier one's (so `X-Api-Key` from an agent's header parameter is never sent beside the
-    upstream's configured `x-api-key`, where a server reading the first field would take it)."""
-    merged: dict[str, tuple[str, str]] = {}
-    for layer in layers:
-        for name, value in layer.items():
-            merged[name.lower()] = (name, value)
-    return dict(merged.values())
 
 
 async def _http_result(status: int, ctype: str, data: bytes, coding: str,
@@ -375,7 +365,7 @@ class _Forwarded:
             delay: float | None = None
             # An HTTP backend is asked for no content coding (inspection reads the body as
             # sent); one that encodes anyway is decoded in `_http_answer`.
-            headers = (request.headers if http is None else _layered(
+            headers = (request.headers if http is None else layered(
                 {"Accept-Encoding": "identity"}, request.headers, http.headers, target.headers))
             try:
                 resp = await x.forwarder.open(

@@ -22,13 +22,13 @@ Drops are counted in `envelope_headers_dropped_total{direction, reason}`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Literal
 
 from multidict import MultiMapping, istr
 
 __all__ = [
-    "HOP_BY_HOP", "MAX_NOMINATED", "UnderscoreAction", "connection_refusal", "nominated",
+    "HOP_BY_HOP", "MAX_NOMINATED", "UnderscoreAction", "connection_refusal", "layered", "nominated",
     "protected", "underscored",
 ]
 
@@ -89,3 +89,15 @@ def underscored(raw_headers: Collection[tuple[bytes, bytes]]) -> str | None:
     if b"_" not in b"\t".join(name for name, _ in raw_headers):
         return None
     return next(name.decode("latin-1") for name, _ in raw_headers if b"_" in name)
+
+
+def layered(*layers: Mapping[str, str]) -> dict[str, str]:
+    """Header layers merged by field name, whatever its case: a later layer's field replaces an
+    earlier one's (so `X-Api-Key` from an agent's header parameter, or the agent's forwarded
+    `Authorization`, is never sent beside the upstream's configured `x-api-key` or
+    `authorization`, where a server reading the first field would take it)."""
+    merged: dict[str, tuple[str, str]] = {}
+    for layer in layers:
+        for name, value in layer.items():
+            merged[name.lower()] = (name, value)
+    return dict(merged.values())

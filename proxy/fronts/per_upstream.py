@@ -47,7 +47,7 @@ from proxy.fronts.calls import Route
 from proxy.fronts.context import FrontContext
 from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, body_decoded, read_body
-from proxy.fronts.headers import HOP_BY_HOP, nominated, protected
+from proxy.fronts.headers import HOP_BY_HOP, layered, nominated, protected
 from proxy.fronts.inband import (
     ID_PREFIX,
     DeferChannel,
@@ -258,8 +258,7 @@ class McpFront:
         auth = request.headers.get("Authorization")
         if auth and target.forward_authorization:
             headers["Authorization"] = auth
-        headers.update(target.headers)
-        return headers
+        return layered(headers, target.headers)
 
     def _downstream_headers(self, resp: UpstreamResponse) -> CIMultiDict[str]:
         """The upstream's response headers the client gets (hop-by-hop ones, what the

@@ -228,3 +228,37 @@ def test_a_relayed_request_and_answer_lose_their_connection_named_headers(
         assert "x-hop-secret" not in seen and "x_custom" not in seen
         assert seen["x-upstream-key"] == [UPSTREAM_KEY]
         assert resp.headers.get("x-up-kept") == "1" and "x-up-hop" not in resp.headers
+
+
+@pytest.mark.parametrize("route", ["h", ""])
+def test_the_configured_authorization_replaces_the_agents_forwarded_one_whatever_its_case(
+        tmp_path: Path, upstream: RecordingUpstream, route: str) -> None:
+    """`forward_authorization` beside a configured `authorization` (lower case): the upstream
+    gets the proxy's credential once, never the agent's beside it (a server reading the first
+    field would take the agent's), on the per-upstream route and the aggregate `/mcp`
+    (`headers.layered`, one merge for every path)."""
+    upstream.seen.clear()
+    policy = write_doc(tmp_path / "policy", {
+        "version": 1,
+        "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "30s",
+                            "forward_authorization": True,
+                            "headers": {"authorization": f"Bearer {UPSTREAM_KEY}"}}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {"h.read_page": {"effect": "read"}},
+    })
+    config = {} if route else {"aggregate": {"enabled": True, "upstreams": ["h"]}, "health_interval": 0}
+    with proxy_process(tmp_path, {"h": upstream.url}, policies=policy, config=config) as pp:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "read_page" if route else "h.read_page", "arguments": {},
+            "_meta": {"io.modelcontextprotocol/protocolVersion": STATELESS,
+                      "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"}}}}
+        resp = httpx.post(pp.url(route) if route else f"{pp.base}/mcp",
+                          content=json.dumps(body).encode(), timeout=30, headers=[
+            ("Accept", "application/json, text/event-stream"), ("Content-Type", "application/json"),
+            ("MCP-Protocol-Version", STATELESS), ("Mcp-Method", "tools/call"),
+            ("Mcp-Name", body["params"]["name"]), ("Authorization", f"Bearer {token('alice')}")])
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["result"]["content"][0]["text"] == "ok", resp.text
+        assert upstream.seen, "nothing reached the upstream"
+        for seen in upstream.seen:  # the aggregate's initialize too
+            assert seen["authorization"] == [f"Bearer {UPSTREAM_KEY}"], seen
