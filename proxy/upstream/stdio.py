@@ -709,8 +709,10 @@ class StdioUpstreams:
         waiter = Waiter(proxy_id)
         child.register(key_of(proxy_id), waiter)
         try:
-            await child.send({**session.initialize, "id": proxy_id})
+            # The send within the deadline too: a child that never reads stdin fills the pipe
+            # (64 KiB) with a large initialize, and the write would wait for it for ever.
             async with asyncio.timeout(30):
+                await child.send({**session.initialize, "id": proxy_id})
                 reply = await waiter.get()
         except BaseException:
             await child.close(0.2)
