@@ -857,8 +857,16 @@ def decoded(body: bytes, content_encoding: str, limit: int, setting: str) -> byt
 def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
     """The MCP tool result for an HTTP response: JSON as `structuredContent` (an object as is,
     anything else as `{"result": value}`) with its text, other bodies as text, and a status of
-    400 or more as an `isError` result naming the status and the start of the body."""
+    400 or more as an `isError` result naming the status and the start of the body. A redirect
+    (3xx) is never followed and is an error too: an empty success would tell the agent the
+    operation ran; where it points is not said (another host's URL is not the agent's to read)."""
     text = body.decode("utf-8", errors="replace")
+    if 300 <= status < 400:
+        return {
+            "content": [{"type": "text", "text": f"HTTP {status}: the service answered with a "
+                                                  "redirect, which the proxy does not follow"}],
+            "isError": True,
+        }
     if status >= 400:
         return {
             "content": [{"type": "text", "text": f"HTTP {status}: {text[:ERROR_BODY_CHARS]}"}],

@@ -233,6 +233,20 @@ def test_http_redirect_is_neither_followed_nor_pointed_at(pp: ProxyProcess, back
     assert [s["raw_path"] for s in _seen(backend)[before:]] == ["/moved"]
 
 
+def test_mcp_redirect_is_an_error_result_neither_followed_nor_pointed_at(
+        pp: ProxyProcess, backend: str) -> None:
+    # An empty success would tell the agent the operation ran.
+    before = len(_seen(backend))
+    audited = len([r for r in pp.audit_records() if r["tool"] == "getMoved"])
+    result = _tool(pp, "getMoved", {})["result"]
+    assert result["isError"] is True, result
+    assert result["content"][0]["text"].startswith("HTTP 302: "), result
+    assert "evil.example" not in json.dumps(result)
+    assert [s["raw_path"] for s in _seen(backend)[before:]] == ["/moved"]
+    records = [r for r in pp.audit_records() if r["tool"] == "getMoved"]
+    assert len(records) == audited + 1 and records[-1]["upstream_status"] == 302, records[-1]
+
+
 # ---- a writer reaches the backend at most once ----------------------------------------------
 
 @pytest.mark.parametrize("front", ["mcp", "http"])

@@ -239,6 +239,9 @@ def test_result_from_json_text_and_errors():
     broken_json = result_from(200, "application/json", b"{nope")
     assert broken_json == {"content": [{"type": "text", "text": "{nope"}]}
     assert result_from(204, "", b"") == {"content": []}
+    moved = result_from(302, "text/html", b'<a href="http://evil.example/steal">moved</a>')
+    assert moved["isError"] is True and "evil.example" not in str(moved)
+    assert moved["content"][0]["text"].startswith("HTTP 302: ")
     err = result_from(500, "text/plain", b"x" * 600)
     assert err["isError"] is True
     assert err["content"][0]["text"] == "HTTP 500: " + "x" * 500
