@@ -51,3 +51,23 @@ def test_unwritable_audit_log_refuses_calls_and_fails_readiness(tmp_path: Path, 
         assert metric_value(metrics, "envelope_audit_write_failures_total") >= 1
         assert metric_value(metrics, "envelope_audit_records_total") == 0
         assert proxy.proc.poll() is None  # still serving
+
+
+def test_audit_file_deleted_under_the_process_gets_the_next_records(tmp_path: Path, sse_upstream: Any) -> None:
+    """`rm audit.jsonl` (or logrotate without copytruncate) under the running proxy: the calls
+    that follow reach the upstream, so their records must land where people read them (a new
+    audit.jsonl continuing the chain), never in the removed file's inode."""
+    async def write(url: str, bearer: str, title: str) -> Any:
+        async with mcp_client(url, mode="legacy", bearer=bearer) as client:
+            return await client.call_tool("write_note", {"title": title, "body": "b", "folder": "inbox"})
+
+    with proxy_process(tmp_path, {"notes": sse_upstream.url}) as proxy:
+        ops = token("ops", ["writers"], tenant="acme")
+        assert not asyncio.run(write(proxy.url("notes"), ops, "before-rm-5c1d")).is_error
+        (proxy.audit_dir / "audit.jsonl").unlink()
+        after = asyncio.run(write(proxy.url("notes"), ops, "after-rm-5c1d"))
+        assert not after.is_error, after.content
+        assert "after-rm-5c1d" in asyncio.run(_titles(sse_upstream.url))  # it was performed
+        [rec] = [r for r in proxy.audit_records() if r["tool"] == "write_note"]
+        assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("allow", "ok", 200)
+        assert "removed or replaced under the running process" in proxy.log()
