@@ -261,7 +261,7 @@ class Completion:
                 log.error("result hook failed for decision %s", call.decision_id, exc_info=exc)
                 extra["hook_error"] = f"{type(exc).__name__}: {exc}"
         written = self._write(pending, decision, extra, upstream_status, upstream_seconds,
-                              message if kind == "deliver" else None)
+                              message if kind == "deliver" else None, answered=isinstance(ending, Reply))
         if written is not decision:  # the audit log failed: nothing is delivered
             decision, kind, message, raw = written, "refuse", None, None
         sse = ending.sse if isinstance(ending, Reply) else None
@@ -397,9 +397,11 @@ class Completion:
 
     def _write(self, pending: Pending, decision: Decision, extra: dict[str, Any],
                upstream_status: int | None, upstream_seconds: float | None,
-               delivered: Mapping[str, Any] | None = None) -> Decision:
+               delivered: Mapping[str, Any] | None = None, *, answered: bool = False) -> Decision:
         """Write the call's record with its result fields, count it; the decision, or the
-        `audit_unavailable` refusal when the log cannot take it."""
+        `audit_unavailable` refusal when the log cannot take it (saying the result is withheld
+        only when the upstream `answered`: a call refused before forwarding was never
+        performed, and its reason must not suggest otherwise)."""
         call = pending.call
         now = time.perf_counter()
         latency = {"envelope": pending.envelope_seconds, "total": now - pending.started}
@@ -436,7 +438,7 @@ class Completion:
                       "and calls are refused until the log is writable", call.decision_id,
                       call.request.method, call.qualified_name, decision.code.value,
                       self.audit.last_error)
-            return AUDIT_FAILED
+            return AUDIT_FAILED if answered else AUDIT_DOWN
         done = time.perf_counter()
         m.audit_record()
         m.decision(call.upstream, self._label(pending), decision.verdict.value, decision.code.value)

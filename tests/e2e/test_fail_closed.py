@@ -41,6 +41,9 @@ def test_unwritable_audit_log_refuses_calls_and_fails_readiness(tmp_path: Path, 
         result = resp.json()["result"]
         assert result["isError"] is True
         assert result["content"][0]["text"].startswith("Blocked by policy (audit_unavailable): ")
+        # Never performed, and the reason does not say a result was withheld (there was none).
+        assert "withheld" not in result["content"][0]["text"], result
+        assert "refused" in result["content"][0]["text"], result
         assert result["_meta"]["envelope/decision"]["code"] == "audit_unavailable"
 
         # The write never happened: the note is not there when searched directly upstream.
