@@ -116,14 +116,26 @@ async def _resume(coro: Coroutine[Any, Any, Outcome], waiting: Any) -> Outcome:
     eager tasks do). The awaited future's result or exception reaches the coroutine when it is
     sent on, exactly as a task would deliver it."""
     while True:
-        if waiting is None:
-            await asyncio.sleep(0)
-        else:
-            # What a task does with a future its coroutine yields: clear the flag the future's
-            # `__await__` set, then wait for it (its result or error reaches the coroutine).
-            waiting._asyncio_future_blocking = False
-            with contextlib.suppress(Exception):
-                await waiting
+        try:
+            if waiting is None:
+                await asyncio.sleep(0)
+            else:
+                # What a task does with a future its coroutine yields: clear the flag the
+                # future's `__await__` set, then wait for it (its result or error reaches the
+                # coroutine, a cancelled future's CancelledError too: a store deadline cancels
+                # the operation it awaits, and the coroutine turns that into its timeout).
+                waiting._asyncio_future_blocking = False
+                with contextlib.suppress(Exception):
+                    await waiting
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this task is cancelled: so is the coroutine
+                try:
+                    coro.throw(asyncio.CancelledError())
+                except StopIteration as done:  # it ended all the same
+                    ended: Outcome = done.value
+                    return ended
+                raise
         try:
             waiting = coro.send(None)
         except StopIteration as done:

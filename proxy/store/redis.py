@@ -45,7 +45,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.errors import StoreError
-from proxy.store.base import Bucket, HashPut, LogRead, Store, Taken
+from proxy.store.base import Bucket, HashPut, LogRead, Store, Taken, bounded
 from proxy.store.resp import Lane, LaneError
 
 T = TypeVar("T")
@@ -298,8 +298,7 @@ class RedisStore(Store):
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            async with asyncio.timeout_at(deadline):
-                return await fn()
+            return await bounded(fn(), deadline)
         except TimeoutError as exc:
             raise self._timed_out(what) from exc
         except (RedisError, OSError) as exc:

@@ -90,6 +90,7 @@ from proxy.store.base import (
     LogRead,
     Store,
     Taken,
+    bounded,
     log_counter,
     log_field,
 )
@@ -788,8 +789,8 @@ class SqliteStore(Store):
             raise StoreError(f"sqlite store {self.path}: closed")
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.timeout):
-                return await loop.run_in_executor(self._pool(), lambda: fn(self._connect()))
+            return await bounded(loop.run_in_executor(self._pool(), lambda: fn(self._connect())),
+                                 loop.time() + self.timeout)
         except TimeoutError as exc:
             raise StoreError(f"sqlite store {self.path}: {what} timed out after {self.timeout}s") from exc
         except (sqlite3.Error, OSError) as exc:
@@ -880,8 +881,7 @@ class SqliteStore(Store):
             # call loses nothing: the loop has nothing else to run before it.
             loop.call_soon(self._start_flush, pool)
         try:
-            async with asyncio.timeout(self.timeout):
-                return await future
+            return await bounded(future, loop.time() + self.timeout)
         except TimeoutError as exc:
             raise StoreError(f"sqlite store {self.path}: {what} timed out after {self.timeout}s") from exc
         except (sqlite3.Error, OSError) as exc:

@@ -353,3 +353,49 @@ def test_replica_losing_redis_fails_closed_and_recovers(tmp_path: Path) -> None:
             assert fake.calls["delete_note"] == 1
             assert pp.proc.poll() is None
             assert "state store (redis) available again" in pp.log()
+
+
+def test_a_hung_redis_refuses_the_calls_that_need_it_with_a_reply_and_a_record(tmp_path: Path) -> None:
+    """Redis paused (SIGSTOP: the port is open, nothing answers). A read whose untrusted
+    result the data-flow ledger must record (enforce) reaches the upstream, then meets the
+    store's deadline while its completion runs: the client gets the refusal
+    (`store_unavailable`, the result withheld) and the call exactly one audit record, never a
+    dropped connection; several at once alike. A call that needs no store keeps flowing, and
+    once Redis answers again everything does."""
+    tools = {**TOOLS, "notes.fetch": {"effect": "read"}}
+    with running_redis(tmp_path) as server, fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools=tools, principals={},
+                                dataflow={"mode": "enforce"})
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC,
+                           config=_config(server.url)) as pp:
+            server.pause()
+            try:
+                results: list[Any] = []
+
+                def fetch(i: int) -> None:
+                    try:
+                        results.append(call(pp, "fetch", {"n": i}, f"run-hung-{i}", timeout=30))
+                    except Exception as exc:  # reported below
+                        results.append(exc)
+
+                threads = [threading.Thread(target=fetch, args=(i,)) for i in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+                assert len(results) == 3 and all(isinstance(r, dict) for r in results), results
+                for r in results:
+                    assert r["isError"] is True, r
+                    decision = r["_meta"]["envelope/decision"]
+                    assert decision["code"] == "store_unavailable", decision
+                    assert "withheld" in decision["reason"], decision
+                    rec = record(pp, decision["decision_id"])
+                    assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("error", "store_unavailable", 200)
+                    assert rec["extra"]["withheld"] == {"verdict": "allow", "code": "ok"}
+                assert fake.calls["fetch"] == 3
+            finally:
+                server.resume()
+            _wait_ready(pp, True)
+            back = call(pp, "fetch", {"n": 9}, "run-hung-back")
+            assert back["isError"] is False, back
+            assert pp.proc.poll() is None
