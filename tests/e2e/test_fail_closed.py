@@ -1,14 +1,17 @@
 """Fail closed through the wire: an audit log that cannot be written refuses every call before
-it reaches the upstream, /readyz says why, and the process keeps serving."""
+it reaches the upstream, /readyz says why, and the process keeps serving; a log file removed
+under the process gets the next records; a store past its timeout refuses with a reply."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import httpx
-from e2e_helpers import upstream_server  # noqa: F401  (puts the repo root on sys.path)
+from e2e_helpers import upstream_server, write_policy  # noqa: F401  (puts the repo root on sys.path)
+from fake_upstream import fake_upstream
 
 from tests.harness import mcp_client, metric_value, proxy_process, rpc, token
 
@@ -74,3 +77,37 @@ def test_audit_file_deleted_under_the_process_gets_the_next_records(tmp_path: Pa
         [rec] = [r for r in proxy.audit_records() if r["tool"] == "write_note"]
         assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("allow", "ok", 200)
         assert "removed or replaced under the running process" in proxy.log()
+
+
+def test_a_write_lock_held_past_the_store_timeout_refuses_with_a_reply_and_a_record(tmp_path: Path) -> None:
+    """Another process holds the SQLite store's write lock longer than `store.timeout` (a
+    stuck worker, an operator's sqlite3 shell). A read whose untrusted result the ledger must
+    record reaches the upstream, then meets the store's deadline in its completion: the client
+    gets the refusal (`store_unavailable`, the result withheld) and the call its one audit
+    record, never a dropped connection; once the lock goes, calls pass again."""
+    with fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools={"notes.fetch": {"effect": "read"}},
+                                principals={}, dataflow={"mode": "enforce"})
+        db = tmp_path / "state.db"
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies,
+                           identity={"mode": "static", "principal": "agent"},
+                           config={"store": {"kind": "sqlite", "path": str(db), "timeout": 1.0}}) as proxy:
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "fetch", "arguments": {}}}
+            warm = rpc(proxy.url("counted"), body, headers={"X-Envelope-Run": "run-warm"})
+            assert warm.json()["result"]["isError"] is False, warm.text
+            holder = sqlite3.connect(db, timeout=0.1)
+            holder.execute("BEGIN IMMEDIATE")
+            try:
+                resp = rpc(proxy.url("counted"), body, headers={"X-Envelope-Run": "run-locked"}, timeout=30)
+            finally:
+                holder.rollback()
+                holder.close()
+            result = resp.json()["result"]
+            decision = result["_meta"]["envelope/decision"]
+            assert result["isError"] is True and decision["code"] == "store_unavailable", result
+            assert "withheld" in decision["reason"], decision
+            assert fake.calls["fetch"] == 2  # it was performed; its result is what is withheld
+            [rec] = [r for r in proxy.audit_records() if r["decision_id"] == decision["decision_id"]]
+            assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("error", "store_unavailable", 200)
+            again = rpc(proxy.url("counted"), body, headers={"X-Envelope-Run": "run-after"})
+            assert again.json()["result"]["isError"] is False, again.text
