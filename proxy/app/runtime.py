@@ -478,6 +478,7 @@ class Runtime:
         self._reloader.shutdown(wait=False)  # a reload under way finishes, never installed
         if self.fronts is not None:
             self.fronts.shutting_down = True  # calls cut off from here on say so
+        self.approval_notifier.stop_holding()  # held calls end now, refused pending, audited
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import re
 import signal
 import socket
@@ -214,6 +215,33 @@ def test_second_sigterm_exits_at_once(slow: tuple[Path, FakeUpstream, Path]) -> 
         code, _ = wait_exit(pp, 10)
         assert code != 0  # os._exit(1): not a clean shutdown
         assert "second signal" in pp.log()
+
+
+# ---- 7b. SIGTERM while a gated call is held for its approval ------------------------------------
+
+def test_sigterm_releases_a_call_held_for_approval_with_a_reply_and_a_record(
+        slow: tuple[Path, FakeUpstream, Path]) -> None:
+    """A gated call held up to its `approval.wait` (30 s) when SIGTERM comes: it stops waiting
+    at once and is refused `approval_pending` (the proxy is shutting down; retry after
+    approval), audited once, never cut off at the end of the grace without a reply."""
+    tmp, fake, policies = slow
+    doc = json.loads((policies / "policy.yaml").read_text())
+    doc["tools"]["slowup.delete_note"]["approval"]["wait"] = "30s"
+    (policies / "policy.yaml").write_text(json.dumps(doc))
+    with start(tmp, fake, policies, grace=3, config=APPROVERS) as pp:
+        flight = InFlight(pp, "delete_note", {"title": "held"})
+        wait_until(lambda: "approval" in pp.log() and "requested" in pp.log(), what="the approval request")
+        pp.proc.send_signal(signal.SIGTERM)
+        flight.thread.join(15)
+        assert isinstance(flight.outcome, dict), flight.outcome
+        decision = flight.outcome["_meta"]["envelope/decision"]
+        assert decision["code"] == "approval_pending", decision
+        assert "shutting down" in decision["reason"] and APPROVAL_ID.search(decision["reason"]), decision
+        code, _ = wait_exit(pp, 10)
+        assert code == 0, pp.log()
+        assert fake.calls["delete_note"] == 0
+        [rec] = [r for r in pp.audit_records() if r["tool"] == "delete_note"]
+        assert (rec["decision_id"], rec["code"]) == (decision["decision_id"], "approval_pending"), rec
 
 
 # ---- 8. held approvals survive a restart (SQLite, the default store) --------------------------
