@@ -517,7 +517,10 @@ class Runtime:
             if first is None:
                 first = now
             elif now - first > SIGNAL_ECHO_SECONDS:
-                log.warning("second signal: exiting now")
+                # The calls still with their upstreams get their record first: one each.
+                abandoned = self.envelope.abandon("the proxy was stopped at once (a second signal) "
+                                                  "before the upstream answered; the outcome is unknown")
+                log.warning("second signal: exiting now (%d in-flight calls recorded as abandoned)", abandoned)
                 os._exit(1)
             self._stop.set()
 

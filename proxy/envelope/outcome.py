@@ -166,6 +166,7 @@ class Completion:
     services: Services
     recorder: Any
     completing: set[asyncio.Task[Any]]
+    forwarding: dict[str, Pending]
 
     @property
     def chain(self) -> Chain | None:  # implemented by Envelope
@@ -204,6 +205,24 @@ class Completion:
         self.completing.add(task)
         task.add_done_callback(self.completing.discard)
         return task
+
+    def abandon(self, reason: str) -> int:
+        """The process exits at once (a second signal): write, now, the record of every call
+        handed to an upstream that has not ended (`shutdown`, `extra.abandoned`), so none that
+        may have been performed goes unaudited. Synchronous (the audit write is); never raises.
+        The number of records written."""
+        written = 0
+        decision = Decision(Verdict.ERROR, Code.SHUTDOWN, "forward", reason)
+        for pending in list(self.forwarding.values()):
+            if pending.outcome is not None:
+                continue
+            try:
+                if self._write(pending, decision, {"abandoned": True}, None, None) is decision:
+                    written += 1
+            except Exception as exc:  # exiting anyway: say so, write the others
+                log.error("record of abandoned decision %s not written: %s", pending.call.decision_id, exc)
+        self.forwarding.clear()
+        return written
 
     async def drain(self, grace: float) -> None:
         """Wait up to `grace` seconds for completions still running: their audit records
@@ -279,6 +298,7 @@ class Completion:
         sse = ending.sse if isinstance(ending, Reply) else None
         outcome = Outcome(kind, decision, call.decision_id, message, raw, status, sse)
         pending.outcome = outcome
+        self.forwarding.pop(call.decision_id, None)
         return outcome
 
     async def _answer(self, pending: Pending, reply: Reply, extra: dict[str, Any]

@@ -197,7 +197,7 @@ def test_cut_off_call_is_named_in_the_log_and_audit(slow: tuple[Path, FakeUpstre
     assert rec["decision_id"] in log or "slowup" in log, log  # names the call
 
 
-# ---- 7. a second SIGTERM during the drain exits at once ----------------------------------------
+# ---- 7. a second signal during the drain exits at once, recording the calls in flight --------
 
 def test_second_sigterm_exits_at_once(slow: tuple[Path, FakeUpstream, Path]) -> None:
     tmp, fake, policies = slow
@@ -211,10 +211,15 @@ def test_second_sigterm_exits_at_once(slow: tuple[Path, FakeUpstream, Path]) -> 
         wait_until(lambda: "shutting down" in pp.log(), within=10, what="the drain to start")
         time.sleep(0.3)
         assert pp.proc.poll() is None, "the drain should still be waiting for the call"
-        pp.proc.send_signal(signal.SIGTERM)
+        pp.proc.send_signal(signal.SIGINT)  # SIGINT or SIGTERM: either is the second signal
         code, _ = wait_exit(pp, 10)
         assert code != 0  # os._exit(1): not a clean shutdown
         assert "second signal" in pp.log()
+        # The call the upstream was performing still has its one record, written before the exit.
+        [rec] = [r for r in pp.audit_records() if r["tool"] == "slow"]
+        assert (rec["verdict"], rec["code"], rec["extra"]["abandoned"]) == ("error", "shutdown", True), rec
+        verify = cli("audit", "verify", str(pp.audit_dir))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
 # ---- 7b. SIGTERM while a gated call is held for its approval ------------------------------------
