@@ -477,7 +477,11 @@ class RedisStore(Store):
         return Taken(False, float(_bytes(done[2])), int(done[1]) - 1)
 
     async def ping(self) -> None:
-        await self._call("ping", self._client.ping)
+        """A write, not a PING: a server that answers but refuses writes (a read-only replica
+        after a failover, `-OOM` at `maxmemory`) refuses every gated, keyed, limited and
+        recorded call, so it is not ready either. One short-lived key per ping (`<prefix>#ready`:
+        no namespace starts with `#`)."""
+        await self._call("ping", lambda: self._client.set(f"{self.prefix}#ready", b"1", px=60_000))
 
     async def close(self) -> None:
         """Close the client's connections. Raises StoreError if that fails."""
