@@ -69,6 +69,7 @@ lock, a stalled disk). An operation that timed out may still complete on the wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import sqlite3
@@ -677,6 +678,7 @@ class SqliteStore(Store):
                               if inline_writes is None else inline_writes)
         self._executor: ThreadPoolExecutor | None = None
         self._conn: sqlite3.Connection | None = None  # touched only on the executor's thread
+        self._ino: int | None = None  # the database file's inode when it was opened (`ping`)
         self._pid = os.getpid()
         self._next_purge = 0.0
         self._closed = False
@@ -726,6 +728,8 @@ class SqliteStore(Store):
             conn.close()
             raise
         self._conn = conn
+        with contextlib.suppress(OSError):
+            self._ino = os.stat(self.path).st_ino
         return conn
 
     def _set_up(self, conn: sqlite3.Connection) -> None:
@@ -1207,8 +1211,18 @@ class SqliteStore(Store):
         return await self._run("take", op)
 
     async def ping(self) -> None:
+        """Raise StoreError when the database cannot be read, or its file was removed or
+        replaced under the running process: this process goes on with the state it holds open,
+        which is gone at the next start (and another process opening the path starts empty)."""
         def op(conn: sqlite3.Connection) -> None:
             conn.execute("SELECT 1 FROM kv LIMIT 1").fetchall()
+            try:
+                ino = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                ino = None
+            if self._ino is not None and ino != self._ino:
+                raise OSError(f"the database file {self.path} was removed or replaced under the running "
+                              "process: its state is lost at the next start")
 
         await self._run("ping", op)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +112,27 @@ def test_a_write_lock_held_past_the_store_timeout_refuses_with_a_reply_and_a_rec
             assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("error", "store_unavailable", 200)
             again = rpc(proxy.url("counted"), body, headers={"X-Envelope-Run": "run-after"})
             assert again.json()["result"]["isError"] is False, again.text
+
+
+def test_a_state_db_removed_under_the_process_fails_readiness(tmp_path: Path) -> None:
+    """`rm state.db*` under the running proxy: the process goes on with the state it holds open
+    (calls keep working), but that state is gone at the next start and any other process opening
+    the path starts empty, so /readyz says so instead of staying silent."""
+    with fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools={"notes.fetch": {"effect": "read"}},
+                                principals={})
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies,
+                           identity={"mode": "static", "principal": "agent"}) as proxy:
+            assert httpx.get(f"{proxy.admin}/readyz", timeout=5).status_code == 200
+            for path in proxy.state_dir.glob("state.db*"):
+                path.unlink()
+            for _ in range(100):
+                ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
+                if ready.status_code == 503:
+                    break
+                time.sleep(0.1)
+            assert ready.status_code == 503, ready.text
+            assert "removed or replaced under the running process" in " ".join(ready.json()["reasons"])
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "fetch", "arguments": {}}}
+            served = rpc(proxy.url("counted"), body, headers={"X-Envelope-Run": "run-after-rm"})
+            assert served.json()["result"]["isError"] is False, served.text
