@@ -479,6 +479,7 @@ class Runtime:
         self._reloader.shutdown(wait=False)  # a reload under way finishes, never installed
         if self.fronts is not None:
             self.fronts.shutting_down = True  # calls cut off from here on say so
+        self.approval_notifier.stop_holding()  # held calls end now, refused pending, audited
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
@@ -517,7 +518,10 @@ class Runtime:
             if first is None:
                 first = now
             elif now - first > SIGNAL_ECHO_SECONDS:
-                log.warning("second signal: exiting now")
+                # The calls still with their upstreams get their record first: one each.
+                abandoned = self.envelope.abandon("the proxy was stopped at once (a second signal) "
+                                                  "before the upstream answered; the outcome is unknown")
+                log.warning("second signal: exiting now (%d in-flight calls recorded as abandoned)", abandoned)
                 os._exit(1)
             self._stop.set()
 

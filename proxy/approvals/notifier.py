@@ -32,13 +32,18 @@ class ApprovalNotifier:
         self._waiters: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._session: Any = None
+        # Shutdown began: held calls stop waiting (each is refused, pending, with its record).
+        self.stopping = False
 
     # waking
     async def wait(self, approval_id: str, seconds: float) -> None:
         """Return after `seconds` or as soon as this process decides `approval_id`.
 
         The event lives only while someone waits: a decision between two waits is seen by the
-        waiter's next store read (`decided` is called after the store write)."""
+        waiter's next store read (`decided` is called after the store write). Returns at once
+        once shutdown began (`stop_holding`)."""
+        if self.stopping:
+            return
         event = self._events.setdefault(approval_id, asyncio.Event())
         self._waiters[approval_id] = self._waiters.get(approval_id, 0) + 1
         try:
@@ -51,6 +56,13 @@ class ApprovalNotifier:
                 self._waiters[approval_id] = left
             elif self._events.get(approval_id) is event:
                 del self._events[approval_id]
+
+    def stop_holding(self) -> None:
+        """Shutdown began: wake every held call now and hold none from here on, so each ends
+        within the grace with a reply and its audit record instead of being cut off."""
+        self.stopping = True
+        for event in self._events.values():
+            event.set()
 
     def decided(self, approval_id: str) -> None:
         event = self._events.pop(approval_id, None)

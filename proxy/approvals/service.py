@@ -217,12 +217,18 @@ class ApprovalService:
         ttl = max(1.0, expires_at - self.clock())
         return await self.store.add(NS_STATE_NONCE, nonce, b"1", ttl=ttl)
 
+    @property
+    def stopping(self) -> bool:
+        """Shutdown began (`ApprovalNotifier.stop_holding`): held calls stop waiting."""
+        return self.notifier is not None and self.notifier.stopping
+
     async def wait_for_decision(self, approval: Approval, wait: float,
                                 asking: asyncio.Task[None] | None = None) -> Approval | None:
         """The approval once it is no longer pending, or still pending after `wait` seconds
         (never past its expiry); None when the store dropped it. Woken at once by a decision
         of this process (the notifier) or when `asking` (an in-band question) ends; otherwise
-        the store is polled every `poll_interval`. Raises StoreError."""
+        the store is polled every `poll_interval`. Still pending at once when shutdown began
+        (`stopping`). Raises StoreError."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait, max(0.0, approval.expires_at - self.clock()))
         while True:
@@ -230,7 +236,7 @@ class ApprovalService:
             if current is None or current.effective_state(self.clock()) != "pending":
                 return current
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or self.stopping:
                 return current
             step = min(self.config.poll_interval, remaining)
             if asking is not None and not asking.done():

@@ -264,7 +264,7 @@ class AuditLog:
         # `hash` is appended unsorted: verify re-canonicalizes the parsed record anyway.
         line = body[:-1] + b',"hash":"' + digest.encode() + b'"}\n'
         try:
-            if self._fh is None or not self._healthy:
+            if self._fh is None or not self._healthy or not self._same_file():
                 self._reopen()
             period = self._current_period()
             if self._size and (
@@ -421,6 +421,21 @@ class AuditLog:
                 raise OSError(errno.EIO, "short write to audit log")
         if self._fsync:
             os.fsync(fd)
+
+    def _same_file(self) -> bool:
+        """Whether `<name>.jsonl` is still the file this log writes. A file deleted or renamed
+        under the running process (logrotate without copytruncate, a mistaken `rm`) would take
+        every later record with it, out of sight: the next record goes to a new file instead
+        (the chain continues there, so `verify` names what was removed). One stat per record."""
+        try:
+            same = os.stat(self._path).st_ino == self._ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            log.error("audit log %s was removed or replaced under the running process; records "
+                      "continue in a new %s (the chain continues from %s)", self._path,
+                      self._path.name, self._last)
+        return same
 
     def _reopen(self) -> None:
         """Reopen after a failure; cut off a partial line the failed write may have left."""

@@ -116,14 +116,26 @@ async def _resume(coro: Coroutine[Any, Any, Outcome], waiting: Any) -> Outcome:
     eager tasks do). The awaited future's result or exception reaches the coroutine when it is
     sent on, exactly as a task would deliver it."""
     while True:
-        if waiting is None:
-            await asyncio.sleep(0)
-        else:
-            # What a task does with a future its coroutine yields: clear the flag the future's
-            # `__await__` set, then wait for it (its result or error reaches the coroutine).
-            waiting._asyncio_future_blocking = False
-            with contextlib.suppress(Exception):
-                await waiting
+        try:
+            if waiting is None:
+                await asyncio.sleep(0)
+            else:
+                # What a task does with a future its coroutine yields: clear the flag the
+                # future's `__await__` set, then wait for it (its result or error reaches the
+                # coroutine, a cancelled future's CancelledError too: a store deadline cancels
+                # the operation it awaits, and the coroutine turns that into its timeout).
+                waiting._asyncio_future_blocking = False
+                with contextlib.suppress(Exception):
+                    await waiting
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this task is cancelled: so is the coroutine
+                try:
+                    coro.throw(asyncio.CancelledError())
+                except StopIteration as done:  # it ended all the same
+                    ended: Outcome = done.value
+                    return ended
+                raise
         try:
             waiting = coro.send(None)
         except StopIteration as done:
@@ -154,6 +166,7 @@ class Completion:
     services: Services
     recorder: Any
     completing: set[asyncio.Task[Any]]
+    forwarding: dict[str, Pending]
 
     @property
     def chain(self) -> Chain | None:  # implemented by Envelope
@@ -192,6 +205,24 @@ class Completion:
         self.completing.add(task)
         task.add_done_callback(self.completing.discard)
         return task
+
+    def abandon(self, reason: str) -> int:
+        """The process exits at once (a second signal): write, now, the record of every call
+        handed to an upstream that has not ended (`shutdown`, `extra.abandoned`), so none that
+        may have been performed goes unaudited. Synchronous (the audit write is); never raises.
+        The number of records written."""
+        written = 0
+        decision = Decision(Verdict.ERROR, Code.SHUTDOWN, "forward", reason)
+        for pending in list(self.forwarding.values()):
+            if pending.outcome is not None:
+                continue
+            try:
+                if self._write(pending, decision, {"abandoned": True}, None, None) is decision:
+                    written += 1
+            except Exception as exc:  # exiting anyway: say so, write the others
+                log.error("record of abandoned decision %s not written: %s", pending.call.decision_id, exc)
+        self.forwarding.clear()
+        return written
 
     async def drain(self, grace: float) -> None:
         """Wait up to `grace` seconds for completions still running: their audit records
@@ -261,12 +292,13 @@ class Completion:
                 log.error("result hook failed for decision %s", call.decision_id, exc_info=exc)
                 extra["hook_error"] = f"{type(exc).__name__}: {exc}"
         written = self._write(pending, decision, extra, upstream_status, upstream_seconds,
-                              message if kind == "deliver" else None)
+                              message if kind == "deliver" else None, answered=isinstance(ending, Reply))
         if written is not decision:  # the audit log failed: nothing is delivered
             decision, kind, message, raw = written, "refuse", None, None
         sse = ending.sse if isinstance(ending, Reply) else None
         outcome = Outcome(kind, decision, call.decision_id, message, raw, status, sse)
         pending.outcome = outcome
+        self.forwarding.pop(call.decision_id, None)
         return outcome
 
     async def _answer(self, pending: Pending, reply: Reply, extra: dict[str, Any]
@@ -397,9 +429,11 @@ class Completion:
 
     def _write(self, pending: Pending, decision: Decision, extra: dict[str, Any],
                upstream_status: int | None, upstream_seconds: float | None,
-               delivered: Mapping[str, Any] | None = None) -> Decision:
+               delivered: Mapping[str, Any] | None = None, *, answered: bool = False) -> Decision:
         """Write the call's record with its result fields, count it; the decision, or the
-        `audit_unavailable` refusal when the log cannot take it."""
+        `audit_unavailable` refusal when the log cannot take it (saying the result is withheld
+        only when the upstream `answered`: a call refused before forwarding was never
+        performed, and its reason must not suggest otherwise)."""
         call = pending.call
         now = time.perf_counter()
         latency = {"envelope": pending.envelope_seconds, "total": now - pending.started}
@@ -436,7 +470,7 @@ class Completion:
                       "and calls are refused until the log is writable", call.decision_id,
                       call.request.method, call.qualified_name, decision.code.value,
                       self.audit.last_error)
-            return AUDIT_FAILED
+            return AUDIT_FAILED if answered else AUDIT_DOWN
         done = time.perf_counter()
         m.audit_record()
         m.decision(call.upstream, self._label(pending), decision.verdict.value, decision.code.value)

@@ -268,6 +268,9 @@ class Envelope(Completion):
         # Completions running in tasks of their own (shielded, or after the client left):
         # tracked so that shutdown waits for their audit records.
         self.completing: set[asyncio.Task[Any]] = set()
+        # Calls handed to the upstream and not yet ended (decision id -> call): what an exit
+        # at once (a second signal) still writes a record for (`abandon`).
+        self.forwarding: dict[str, Pending] = {}
         # Probe once now: a log that cannot take a record must refuse the very first call too.
         audit.check_writable(force=True)
 

@@ -185,6 +185,8 @@ class Executor:
         """End `pending`: forward it if it is to be forwarded, then complete it."""
         if request is None or not pending.forwardable:
             return await self.envelope.complete(pending)
+        # Until it ends (`complete`): an exit at once still writes its record (`abandon`).
+        self.envelope.forwarding[pending.call.decision_id] = pending
         return await _Forwarded(self, pending, request, downstream).run()
 
     async def deliver(self, pending: Pending, reply: Reply) -> Outcome:

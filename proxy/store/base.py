@@ -24,9 +24,12 @@ output holding its sorted fingerprints).
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 # A log's entries are fields named by their sequence number (8 bytes, big-endian: they sort
 # in order); its counter is one more field, "<last sequence number> <total weight>" in ASCII.
@@ -184,3 +187,31 @@ class Store(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional for backends without resources
         """Release connections and files."""
+
+
+async def bounded(awaitable: Awaitable[T], deadline: float) -> T:
+    """`awaitable`'s result, or TimeoutError at `deadline` (the loop's time), the awaitable
+    then cancelled. Unlike `asyncio.timeout`, which cancels the task that entered it, this
+    cancels nothing but what it awaits: a call's completion starts eagerly in the caller's task
+    and may go on in a task of its own (`proxy.envelope.outcome`), where a timeout bound to the
+    caller's task would cancel the caller (its client got no reply, the call no audit record)
+    and leave the store operation waiting. Every store operation's deadline goes through here."""
+    future = asyncio.ensure_future(awaitable)
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        if not future.done():
+            expired = True
+            future.cancel()
+
+    timer = asyncio.get_running_loop().call_at(deadline, expire)
+    try:
+        return await future
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if expired and (task is None or not task.cancelling()):
+            raise TimeoutError from None
+        raise
+    finally:
+        timer.cancel()

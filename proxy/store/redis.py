@@ -45,7 +45,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.errors import StoreError
-from proxy.store.base import Bucket, HashPut, LogRead, Store, Taken
+from proxy.store.base import Bucket, HashPut, LogRead, Store, Taken, bounded
 from proxy.store.resp import Lane, LaneError
 
 T = TypeVar("T")
@@ -298,8 +298,7 @@ class RedisStore(Store):
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            async with asyncio.timeout_at(deadline):
-                return await fn()
+            return await bounded(fn(), deadline)
         except TimeoutError as exc:
             raise self._timed_out(what) from exc
         except (RedisError, OSError) as exc:
@@ -478,7 +477,11 @@ class RedisStore(Store):
         return Taken(False, float(_bytes(done[2])), int(done[1]) - 1)
 
     async def ping(self) -> None:
-        await self._call("ping", self._client.ping)
+        """A write, not a PING: a server that answers but refuses writes (a read-only replica
+        after a failover, `-OOM` at `maxmemory`) refuses every gated, keyed, limited and
+        recorded call, so it is not ready either. One short-lived key per ping (`<prefix>#ready`:
+        no namespace starts with `#`)."""
+        await self._call("ping", lambda: self._client.set(f"{self.prefix}#ready", b"1", px=60_000))
 
     async def close(self) -> None:
         """Close the client's connections. Raises StoreError if that fails."""

@@ -27,6 +27,8 @@ from typing import Any, cast
 
 import hiredis
 
+from proxy.store.base import bounded
+
 # Replies a connection may owe before it counts as hung (timed-out callers' included).
 MAX_WAITING = 1024
 
@@ -154,8 +156,13 @@ class Lane:
         protocol = self._protocol
         if protocol is not None and not protocol.lost:
             return protocol
+        # `bounded`, not `asyncio.timeout`: the caller may be a call's completion that goes on
+        # in another task than the one it started in (`proxy.store.base.bounded`).
+        return await bounded(self._connect(loop, deadline), deadline)
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, deadline: float) -> _Protocol:
         assert self._connecting is not None
-        async with asyncio.timeout_at(deadline), self._connecting:
+        async with self._connecting:
             if self._protocol is not None and not self._protocol.lost:
                 return self._protocol
             self.close()

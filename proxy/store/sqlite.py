@@ -69,6 +69,7 @@ lock, a stalled disk). An operation that timed out may still complete on the wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import sqlite3
@@ -90,6 +91,7 @@ from proxy.store.base import (
     LogRead,
     Store,
     Taken,
+    bounded,
     log_counter,
     log_field,
 )
@@ -676,6 +678,7 @@ class SqliteStore(Store):
                               if inline_writes is None else inline_writes)
         self._executor: ThreadPoolExecutor | None = None
         self._conn: sqlite3.Connection | None = None  # touched only on the executor's thread
+        self._ino: int | None = None  # the database file's inode when it was opened (`ping`)
         self._pid = os.getpid()
         self._next_purge = 0.0
         self._closed = False
@@ -725,6 +728,8 @@ class SqliteStore(Store):
             conn.close()
             raise
         self._conn = conn
+        with contextlib.suppress(OSError):
+            self._ino = os.stat(self.path).st_ino
         return conn
 
     def _set_up(self, conn: sqlite3.Connection) -> None:
@@ -788,8 +793,8 @@ class SqliteStore(Store):
             raise StoreError(f"sqlite store {self.path}: closed")
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.timeout):
-                return await loop.run_in_executor(self._pool(), lambda: fn(self._connect()))
+            return await bounded(loop.run_in_executor(self._pool(), lambda: fn(self._connect())),
+                                 loop.time() + self.timeout)
         except TimeoutError as exc:
             raise StoreError(f"sqlite store {self.path}: {what} timed out after {self.timeout}s") from exc
         except (sqlite3.Error, OSError) as exc:
@@ -880,8 +885,7 @@ class SqliteStore(Store):
             # call loses nothing: the loop has nothing else to run before it.
             loop.call_soon(self._start_flush, pool)
         try:
-            async with asyncio.timeout(self.timeout):
-                return await future
+            return await bounded(future, loop.time() + self.timeout)
         except TimeoutError as exc:
             raise StoreError(f"sqlite store {self.path}: {what} timed out after {self.timeout}s") from exc
         except (sqlite3.Error, OSError) as exc:
@@ -1207,8 +1211,18 @@ class SqliteStore(Store):
         return await self._run("take", op)
 
     async def ping(self) -> None:
+        """Raise StoreError when the database cannot be read, or its file was removed or
+        replaced under the running process: this process goes on with the state it holds open,
+        which is gone at the next start (and another process opening the path starts empty)."""
         def op(conn: sqlite3.Connection) -> None:
             conn.execute("SELECT 1 FROM kv LIMIT 1").fetchall()
+            try:
+                ino = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                ino = None
+            if self._ino is not None and ino != self._ino:
+                raise OSError(f"the database file {self.path} was removed or replaced under the running "
+                              "process: its state is lost at the next start")
 
         await self._run("ping", op)
 

@@ -384,3 +384,39 @@ async def test_cel_sees_run_tainted_through_the_wire(tmp_path: Path, upstream_ur
         d = _decision(r)
         assert d["code"] == "capability_blocked" and d["rule"] == "clean-runs-only", d
         assert "untrusted content" in d["reason"]
+
+
+async def test_a_run_whose_ledger_redis_lost_stays_tainted(tmp_path: Path, upstream_url: str) -> None:
+    """Redis restarted empty (no persistence) loses every run's ledger: a run that had read the
+    attacker's page must not come back clean. The proxy knows how far it read or wrote each
+    run's log; a log found shorter while it cannot have expired was lost, so the run counts as
+    tainted and coarse (written back to the store, so every replica sees it), and the attacker's
+    address is refused, naming the loss. A run started after the loss is clean as ever."""
+    from tests.redis_server import running_redis
+
+    with running_redis(tmp_path) as server:
+        config = {**_config(), "store": {"kind": "redis", "url": server.url, "timeout": 1.0}}
+        (tmp_path / "p").mkdir()
+        with proxy_process(tmp_path / "p", {"mail": upstream_url}, config=config,
+                           policies=_policy(tmp_path / "policies", "enforce")) as pp:
+            url = pp.url("mail")
+            read_only, checked = _run(), _run()
+            for run in (read_only, checked):
+                await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+            before = await _call(url, checked, "send_email", _email(ATTACKER, "List attached."))
+            assert _decision(before)["code"] == "dataflow_policy_blocked", before.content
+            server.kill()
+            server.start()  # the same port, empty
+            for run in (read_only, checked):
+                r = await _call(url, run, "send_email", _email(ATTACKER, "List attached."))
+                d = _decision(r)
+                assert r.is_error and d["code"] == "dataflow_policy_blocked", r.content
+                assert "state store lost the run's ledger" in d["reason"], d
+            # Reading the page again (already recorded moments ago, so not written again)
+            # changes nothing: the run stays refused.
+            await _call(url, read_only, "fetch_page", {"url": "https://news.example/q3"})
+            again = await _call(url, read_only, "send_email", _email(ATTACKER, "List attached."))
+            assert _decision(again)["code"] == "dataflow_policy_blocked", again.content
+            fresh = await _call(url, _run(), "send_email", _email("boss@corp.example", "Weekly notes."))
+            assert not fresh.is_error, fresh.content
+            assert "lost the data-flow ledger of run" in pp.log()

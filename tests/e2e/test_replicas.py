@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -353,3 +354,79 @@ def test_replica_losing_redis_fails_closed_and_recovers(tmp_path: Path) -> None:
             assert fake.calls["delete_note"] == 1
             assert pp.proc.poll() is None
             assert "state store (redis) available again" in pp.log()
+
+
+def test_a_hung_redis_refuses_the_calls_that_need_it_with_a_reply_and_a_record(tmp_path: Path) -> None:
+    """Redis paused (SIGSTOP: the port is open, nothing answers). A read whose untrusted
+    result the data-flow ledger must record (enforce) reaches the upstream, then meets the
+    store's deadline while its completion runs: the client gets the refusal
+    (`store_unavailable`, the result withheld) and the call exactly one audit record, never a
+    dropped connection; several at once alike. A call that needs no store keeps flowing, and
+    once Redis answers again everything does."""
+    tools = {**TOOLS, "notes.fetch": {"effect": "read"}}
+    with running_redis(tmp_path) as server, fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools=tools, principals={},
+                                dataflow={"mode": "enforce"})
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC,
+                           config=_config(server.url)) as pp:
+            server.pause()
+            try:
+                results: list[Any] = []
+
+                def fetch(i: int) -> None:
+                    try:
+                        results.append(call(pp, "fetch", {"n": i}, f"run-hung-{i}", timeout=30))
+                    except Exception as exc:  # reported below
+                        results.append(exc)
+
+                threads = [threading.Thread(target=fetch, args=(i,)) for i in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+                assert len(results) == 3 and all(isinstance(r, dict) for r in results), results
+                for r in results:
+                    assert r["isError"] is True, r
+                    decision = r["_meta"]["envelope/decision"]
+                    assert decision["code"] == "store_unavailable", decision
+                    assert "withheld" in decision["reason"], decision
+                    rec = record(pp, decision["decision_id"])
+                    assert (rec["verdict"], rec["code"], rec["upstream_status"]) == ("error", "store_unavailable", 200)
+                    assert rec["extra"]["withheld"] == {"verdict": "allow", "code": "ok"}
+                assert fake.calls["fetch"] == 3
+            finally:
+                server.resume()
+            _wait_ready(pp, True)
+            back = call(pp, "fetch", {"n": 9}, "run-hung-back")
+            assert back["isError"] is False, back
+            assert pp.proc.poll() is None
+
+
+def _redis_command(port: int, *args: str) -> bytes:
+    """One command to the test's redis-server over RESP; its raw reply."""
+    packed = f"*{len(args)}\r\n".encode() + b"".join(f"${len(a)}\r\n{a}\r\n".encode() for a in args)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(packed)
+        return s.recv(4096)
+
+
+def test_a_redis_that_refuses_writes_is_not_ready(tmp_path: Path) -> None:
+    """Redis answers PING but refuses every write (`-OOM` at `maxmemory`; a read-only replica
+    answers `-READONLY` the same way): gated, keyed, limited and recorded calls are all refused
+    `store_unavailable`, so /readyz says so (a load balancer sends the agents elsewhere), and is
+    ready again once writes are taken."""
+    with running_redis(tmp_path) as server, fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools=TOOLS, principals={})
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC,
+                           config=_config(server.url)) as pp:
+            _wait_ready(pp, True)
+            assert _redis_command(server.port, "CONFIG", "SET", "maxmemory", "1").startswith(b"+OK")
+            keyed = call(pp, "write_note", {"title": "oom"}, "run-oom", headers={"Idempotency-Key": "oom-1"})
+            assert code_of(keyed) == "store_unavailable" and "maxmemory" in keyed["content"][0]["text"], keyed
+            assert fake.calls["write_note"] == 0
+            reasons = " ".join(_wait_ready(pp, False).json()["reasons"])
+            assert "state store (redis) unavailable" in reasons and "maxmemory" in reasons, reasons
+            assert _redis_command(server.port, "CONFIG", "SET", "maxmemory", "0").startswith(b"+OK")
+            _wait_ready(pp, True)
+            done = call(pp, "write_note", {"title": "oom"}, "run-oom", headers={"Idempotency-Key": "oom-1"})
+            assert done["isError"] is False, done

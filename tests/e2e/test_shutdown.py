@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import re
 import signal
 import socket
@@ -196,7 +197,7 @@ def test_cut_off_call_is_named_in_the_log_and_audit(slow: tuple[Path, FakeUpstre
     assert rec["decision_id"] in log or "slowup" in log, log  # names the call
 
 
-# ---- 7. a second SIGTERM during the drain exits at once ----------------------------------------
+# ---- 7. a second signal during the drain exits at once, recording the calls in flight --------
 
 def test_second_sigterm_exits_at_once(slow: tuple[Path, FakeUpstream, Path]) -> None:
     tmp, fake, policies = slow
@@ -210,10 +211,42 @@ def test_second_sigterm_exits_at_once(slow: tuple[Path, FakeUpstream, Path]) -> 
         wait_until(lambda: "shutting down" in pp.log(), within=10, what="the drain to start")
         time.sleep(0.3)
         assert pp.proc.poll() is None, "the drain should still be waiting for the call"
-        pp.proc.send_signal(signal.SIGTERM)
+        pp.proc.send_signal(signal.SIGINT)  # SIGINT or SIGTERM: either is the second signal
         code, _ = wait_exit(pp, 10)
         assert code != 0  # os._exit(1): not a clean shutdown
         assert "second signal" in pp.log()
+        # The call the upstream was performing still has its one record, written before the exit.
+        [rec] = [r for r in pp.audit_records() if r["tool"] == "slow"]
+        assert (rec["verdict"], rec["code"], rec["extra"]["abandoned"]) == ("error", "shutdown", True), rec
+        verify = cli("audit", "verify", str(pp.audit_dir))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+# ---- 7b. SIGTERM while a gated call is held for its approval ------------------------------------
+
+def test_sigterm_releases_a_call_held_for_approval_with_a_reply_and_a_record(
+        slow: tuple[Path, FakeUpstream, Path]) -> None:
+    """A gated call held up to its `approval.wait` (30 s) when SIGTERM comes: it stops waiting
+    at once and is refused `approval_pending` (the proxy is shutting down; retry after
+    approval), audited once, never cut off at the end of the grace without a reply."""
+    tmp, fake, policies = slow
+    doc = json.loads((policies / "policy.yaml").read_text())
+    doc["tools"]["slowup.delete_note"]["approval"]["wait"] = "30s"
+    (policies / "policy.yaml").write_text(json.dumps(doc))
+    with start(tmp, fake, policies, grace=3, config=APPROVERS) as pp:
+        flight = InFlight(pp, "delete_note", {"title": "held"})
+        wait_until(lambda: "approval" in pp.log() and "requested" in pp.log(), what="the approval request")
+        pp.proc.send_signal(signal.SIGTERM)
+        flight.thread.join(15)
+        assert isinstance(flight.outcome, dict), flight.outcome
+        decision = flight.outcome["_meta"]["envelope/decision"]
+        assert decision["code"] == "approval_pending", decision
+        assert "shutting down" in decision["reason"] and APPROVAL_ID.search(decision["reason"]), decision
+        code, _ = wait_exit(pp, 10)
+        assert code == 0, pp.log()
+        assert fake.calls["delete_note"] == 0
+        [rec] = [r for r in pp.audit_records() if r["tool"] == "delete_note"]
+        assert (rec["decision_id"], rec["code"]) == (decision["decision_id"], "approval_pending"), rec
 
 
 # ---- 8. held approvals survive a restart (SQLite, the default store) --------------------------

@@ -303,7 +303,7 @@ class ApprovalCheck:
                 return self._settled(call, approval, "expired")
             state = current.effective_state(service.clock())
             if state == "pending":
-                return self._settled(call, current, "pending", wait)
+                return self._settled(call, current, "pending", None if service.stopping else wait)
             if state == "expired":
                 await service.forget(current)
                 return self._settled(call, current, state)
@@ -366,8 +366,9 @@ class ApprovalCheck:
             hint = self._config.pending_hint
             return Decision(
                 Verdict.DENY, Code.APPROVAL_PENDING, self.id,
-                f"approval {approval.id} is pending: not decided within {wait:g}s; "
-                "retry the same call after approval"
+                f"approval {approval.id} is pending: "
+                + ("the proxy is shutting down; " if wait is None else f"not decided within {wait:g}s; ")
+                + "retry the same call after approval"
                 + (f"; {hint.replace('{id}', approval.id)}" if hint else ""),
                 rule, audit=audit,
             )

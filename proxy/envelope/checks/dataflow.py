@@ -314,9 +314,12 @@ class DataflowCheck:
                         ledger, probe, self._n, self._window, self.policy.declassify_max_copy)]
             else:
                 flagged += [dataclasses.replace(f, argument=ptr) for f in verbatim]
-                # A coarse ledger may lack the phrases of what the run read: a value long
-                # enough to be looked up whole counts as matching too (widens, never narrows).
-                if coarse and not verbatim and (len(probe.norm) >= self._n or probe.value):
+                # A coarse ledger may lack the phrases and tokens of what the run read: a value
+                # long enough to be looked up whole, or carrying a distinctive token (an
+                # address, a URL, an account number), counts as matching too (widens, never
+                # narrows).
+                if coarse and not verbatim and not toks and (len(probe.norm) >= self._n or probe.value
+                                                             or probe.tokens):
                     flagged.append(Finding("coarse", ptr, "this run", coarse))
         if ledger.untrusted and ledger.secret:
             flagged.append(Finding("trifecta", None, ledger.first_source("secret") or "a secret tool", ""))

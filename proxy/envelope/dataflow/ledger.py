@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import struct
 import time
 import weakref
@@ -308,6 +309,7 @@ class Ledger:
     secret: bool = False
     overflow: bool = False
     lost: bool = False  # an output reached the agent (or may have) without being fingerprinted
+    lost_by_store: bool = False  # the state store lost the run's ledger (`lost`)
     pending: dict[str, float] = field(default_factory=dict)  # decision id -> deadline (epoch)
     sources: dict[bytes, str] = field(default_factory=dict)  # source id -> "<label>|<source>"
     schemes: set[str] = field(default_factory=set)  # every (min_match, winnow, phrases) it was built with
@@ -319,7 +321,8 @@ class Ledger:
     def from_meta(cls, n: int, meta: Mapping[bytes, bytes], window: int = DEFAULT_WINNOW,
                   min_value: int = 0) -> Ledger:
         ledger = cls(n, untrusted=b"u" in meta, secret=b"s" in meta, overflow=b"o" in meta,
-                     lost=b"l" in meta, window=window, min_value=min_value)
+                     lost=b"l" in meta, lost_by_store=meta.get(b"l") == LOST_BY_STORE,
+                     window=window, min_value=min_value)
         for key, value in meta.items():
             if key.startswith(b"src:"):
                 ledger.sources[key[4:]] = value.decode(errors="replace")
@@ -345,6 +348,9 @@ class Ledger:
             return (f"the run's ledger was built with another min_match, winnow or whole-value "
                     f"setting than the policy's ({n}, {window}, min_value {min_value}), or by an "
                     "older proxy")
+        if self.lost_by_store:
+            return ("the state store lost the run's ledger (restarted without persistence, or "
+                    "flushed): what the run read is unknown")
         if self.lost:
             return ("an output of the run may have reached the agent without passing the proxy "
                     "(a dropped stream the client can resume)")
@@ -463,6 +469,21 @@ class _View:
     seq: int = 0  # entries applied: 1..seq
     newest: float = 0.0  # wall time of the newest entry applied
     fingerprints: dict[bytes, bytes] = field(default_factory=dict)
+    # The highest sequence number this process appended to the run's log (`LedgerViews.wrote`),
+    # and when: a log found shorter than that while it cannot have expired was lost.
+    floor: int = 0
+    floor_at: float = 0.0
+    # The shortest `ledger_ttl` the log was read or written with (a policy reload may change it).
+    ttl: float = math.inf
+
+    def young(self, ttl: float) -> bool:
+        """Whether the run's log cannot have expired since this view last learned of it."""
+        return time.time() - max(self.newest, self.floor_at) <= min(self.ttl, ttl) / 2
+
+
+class LedgerLost(Exception):
+    """The store's log of a run is shorter than what this process read or wrote of it while it
+    cannot have expired: the store lost it (a Redis restarted without persistence, a flush)."""
 
 
 class LedgerViews:
@@ -503,7 +524,7 @@ class LedgerViews:
         # A log expires `ttl` after its newest entry (less the `RecentWrites` window, at most
         # a tenth of it) and then starts again at 1: a view older than half of that is read
         # afresh, so it never mistakes a new log's entries for ones it holds.
-        if view is not None and view.seq and time.time() - view.newest > ttl / 2:
+        if view is not None and (view.seq or view.floor) and not view.young(ttl):
             self._drop(runs, run_key)
             view = None
         if view is None:
@@ -513,6 +534,9 @@ class LedgerViews:
         pages = 0
         while True:
             after = view.seq
+            # What this process knew of the log before asking (an append of its own that ends
+            # while this read is in flight may be ordered after it on the server).
+            known = max(view.seq, view.floor) if view.young(ttl) else 0
             found = await store.hash_since(LOG_NS, run_key, after, self.PAGE,
                                            with_hash=META_NS if meta is None else None)
             pages += 1
@@ -523,6 +547,9 @@ class LedgerViews:
                 self._drop(runs, run_key)
                 runs[run_key] = view
                 self._held += len(view.fingerprints)
+            view.ttl = min(view.ttl, ttl)
+            if found.last < known:
+                raise LedgerLost(run_key)
             if found.last < after:
                 # The log expired and started again since this view was read: read it afresh.
                 self._drop(runs, run_key)
@@ -548,6 +575,24 @@ class LedgerViews:
         while len(runs) > 1 and (len(runs) > self.runs or self._held > self.budget):
             self._drop(runs, next(iter(runs)))
 
+    def known(self, store: Store, run_key: str, ttl: float) -> int:
+        """The highest sequence number of the run's log this process read or wrote, while the
+        log cannot have expired since (else 0). An append sent after this is read gets a
+        higher one, unless the store lost the log."""
+        view = self._runs(store).get(run_key)
+        return max(view.seq, view.floor) if view is not None and view.young(ttl) else 0
+
+    def wrote(self, store: Store, run_key: str, seq: int, ttl: float) -> None:
+        """This process appended entry `seq` to the run's log: a log found shorter later while
+        it cannot have expired was lost (`LedgerLost`)."""
+        runs = self._runs(store)
+        view = runs.get(run_key)
+        if view is None:
+            view = runs[run_key] = _View()
+        view.floor, view.floor_at, view.ttl = max(view.floor, seq), time.time(), min(view.ttl, ttl)
+        runs.move_to_end(run_key)
+        self._evict(runs)
+
     def forget(self, store: Store, run_key: str) -> None:
         self._drop(self._runs(store), run_key)
 
@@ -570,14 +615,17 @@ async def load(store: Store, run_key: str, n: int, probes: Iterable[bytes] = (),
     # No set of the probes: the intersection below iterates them either way, and building one
     # of ~240 probes per check cost ~5 µs (the check passes a list, used as it is).
     wanted = probes if isinstance(probes, list) else list(probes)
+    views = views or VIEWS
     held: dict[bytes, bytes] = {}
-    if wanted:
-        try:
-            meta, held = await (views or VIEWS).read(store, run_key, ttl)
-        except ValueError as exc:
-            raise StoreError(f"the run's ledger holds an entry this proxy cannot read: {exc}") from exc
-    else:
-        meta = await store.hash_all(META_NS, run_key)
+    try:
+        if wanted:
+            meta, held = await views.read(store, run_key, ttl)
+        else:
+            meta = await _flags(store, run_key, ttl, views)
+    except ValueError as exc:
+        raise StoreError(f"the run's ledger holds an entry this proxy cannot read: {exc}") from exc
+    except LedgerLost:
+        meta = await lost(store, run_key, ttl, views)
     if not meta:
         return None
     ledger = Ledger.from_meta(n, meta, window, min_value)
@@ -645,12 +693,44 @@ def _digest(kind: bytes, fields: Mapping[bytes, bytes]) -> bytes:
     return h.digest()
 
 
-async def run_flags(store: Store, run_key: str) -> tuple[bool, bool]:
+async def run_flags(store: Store, run_key: str, ttl: float = 24 * 3600.0,
+                    views: LedgerViews | None = None) -> tuple[bool, bool]:
     """(tainted, secret) of a run: whether it has read untrusted content (or an output may have
-    reached it unrecorded) and whether it has read secret content. One store read. Raises
-    StoreError when the store cannot answer."""
-    meta = await store.hash_all(META_NS, run_key)
+    reached it unrecorded, or the store lost its ledger) and whether it has read secret
+    content. One store read. Raises StoreError when the store cannot answer."""
+    views = views or VIEWS
+    try:
+        meta = await _flags(store, run_key, ttl, views)
+    except LedgerLost:
+        meta = await lost(store, run_key, ttl, views)
     return (b"u" in meta or b"l" in meta), b"s" in meta
+
+
+async def _flags(store: Store, run_key: str, ttl: float, views: LedgerViews) -> dict[bytes, bytes]:
+    """The run's flags hash, with its log's length in the same store read: `LedgerLost` when
+    the log is shorter than what this process read or wrote of it."""
+    known = views.known(store, run_key, ttl)
+    found = await store.hash_since(LOG_NS, run_key, 0, 0, with_hash=META_NS)
+    if found.last < known:
+        raise LedgerLost(run_key)
+    return found.fields
+
+
+# The `l` flag's value when the store lost the run's ledger (else "1": an unrecorded output).
+LOST_BY_STORE = b"store"
+
+
+async def lost(store: Store, run_key: str, ttl: float, views: LedgerViews) -> dict[bytes, bytes]:
+    """The store lost the run's ledger (`LedgerLost`): what the run read is unknown, so it
+    counts as tainted and coarse from now on, in the store (every replica sees it, until the
+    flags expire `ttl` from now) and in this process. The flags written. Raises StoreError
+    when the store cannot take them (the caller refuses)."""
+    log.error("the state store lost the data-flow ledger of run %s (restarted without persistence, "
+              "or flushed): the run counts as tainted and coarse", run_key)
+    flags = {b"u": b"1", b"l": LOST_BY_STORE}
+    await store.hash_put(META_NS, run_key, flags, ttl=ttl)
+    views.forget(store, run_key)
+    return await store.hash_all(META_NS, run_key)
 
 
 async def mark_pending(store: Store, run_key: str, decision_id: str, deadline: float, *,
@@ -672,7 +752,7 @@ async def mark_pending(store: Store, run_key: str, decision_id: str, deadline: f
 
 async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap: int, ttl: float,
                  done: str | None = None, window: int = DEFAULT_WINNOW, min_value: int = 0,
-                 recent: RecentWrites | None = None) -> None:
+                 recent: RecentWrites | None = None, views: LedgerViews | None = None) -> None:
     """Add a delta to the run's ledger, then clear the pending marker `done`. The fingerprints
     (one log entry) and the flags go in together, the marker last, so an interruption leaves
     the run coarse (fail closed). Both get the same expiry: flags that outlived their
@@ -704,9 +784,16 @@ async def record(store: Store, run_key: str, delta: LedgerDelta, *, n: int, cap:
                     weight = sum(len(joined) // FP_SIZE for _, _, joined in groups)
                     # Endorsing keys left out only endorse less (more escalation): no overflow.
                     full = {**meta, b"o": b"1"} if len(groups) > bool(delta.trusted) else meta
-                    if not await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
-                                                   also=(META_NS, meta), drop=marker, if_refused=full):
+                    views = views or VIEWS
+                    known = views.known(store, run_key, ttl)
+                    seq = await store.hash_append(LOG_NS, run_key, entry, ttl=ttl, weight=weight, cap=cap,
+                                                  also=(META_NS, meta), drop=marker, if_refused=full)
+                    if not seq:
                         meta = full
+                    elif seq <= known:  # the log started again under an entry this process knew
+                        await lost(store, run_key, ttl, views)
+                    else:
+                        views.wrote(store, run_key, seq, ttl)
                     marker = []
                 else:
                     await store.hash_put(LOG_NS, run_key, {}, ttl=ttl)

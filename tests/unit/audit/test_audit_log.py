@@ -434,3 +434,26 @@ def test_fsync_mode_rotates(tmp_path: Path) -> None:
     _write(tmp_path, 20, fsync=True, max_bytes=1000).close()
     res = verify(tmp_path)
     assert res.ok and res.records == 20 and len(res.files) > 1
+
+
+@pytest.mark.parametrize("how", ["deleted", "renamed"])
+def test_a_file_removed_under_the_writer_gets_the_next_record_in_a_new_file(tmp_path: Path, how: str) -> None:
+    """A log file deleted (or renamed away, as logrotate without copytruncate does) under the
+    running writer would take every later record out of sight: the next record goes to a new
+    `audit.jsonl`, continuing the chain, so verify names the records that were removed."""
+    log = _write(tmp_path, 3)
+    if how == "deleted":
+        log.path.unlink()
+    else:
+        log.path.rename(tmp_path / "audit.jsonl.1")
+    last = log.last_hash
+    log.write({"i": 3, "tool": "after"})
+    log.write({"i": 4, "tool": "after"})
+    recs = [orjson.loads(x) for x in _lines(log.path)]
+    assert [r["i"] for r in recs] == [3, 4]
+    assert recs[0]["prev"] == last  # the chain goes on from the removed file's last record
+    log.close()
+    res = verify(tmp_path)
+    assert not res.ok and res.line == 1 and "were removed" in (res.problem or ""), res
+    if how == "renamed":
+        assert len(_lines(tmp_path / "audit.jsonl.1")) == 3  # nothing more went to the renamed file
