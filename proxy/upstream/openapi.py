@@ -858,10 +858,10 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
     """The MCP tool result for an HTTP response: JSON as `structuredContent` (an object as is,
     anything else as `{"result": value}`) with its text, other bodies as text, and a status of
     400 or more as an `isError` result naming the status and the start of the body. A redirect
-    (3xx) is never followed and is an error too: an empty success would tell the agent the
+    (301, 302, 303, 307, 308) is never followed and is an error too: an empty success would tell the agent the
     operation ran; where it points is not said (another host's URL is not the agent's to read)."""
     text = body.decode("utf-8", errors="replace")
-    if 300 <= status < 400:
+    if status in _REDIRECTS:
         return {
             "content": [{"type": "text", "text": f"HTTP {status}: the service answered with a "
                                                   "redirect, which the proxy does not follow"}],
@@ -896,6 +896,8 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
 
 
 _NOT_JSON = object()
+# The statuses that send the client elsewhere (RFC 9110 §15.4); a 304 Not Modified is not one.
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

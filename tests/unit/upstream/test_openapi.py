@@ -242,6 +242,7 @@ def test_result_from_json_text_and_errors():
     moved = result_from(302, "text/html", b'<a href="http://evil.example/steal">moved</a>')
     assert moved["isError"] is True and "evil.example" not in str(moved)
     assert moved["content"][0]["text"].startswith("HTTP 302: ")
+    assert result_from(304, "", b"") == {"content": []}  # not modified: no redirect
     err = result_from(500, "text/plain", b"x" * 600)
     assert err["isError"] is True
     assert err["content"][0]["text"] == "HTTP 500: " + "x" * 500
