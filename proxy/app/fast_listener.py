@@ -37,6 +37,8 @@ What a connection does, as aiohttp's `RequestHandler` does it:
 - A hot-route body (at most 64 KiB, framed by its Content-Length) is buffered whole before its
   request is answered; a connection receiving one is busy (no idle close). When the router
   sends its path elsewhere, the buffered body is fed to a `StreamReader` for aiohttp's request.
+  One not whole within `header_timeout` of its head goes to the application with a reader that
+  fails `TimeoutError`: the fronts' `read_body` answers it 408 as a late body it reads itself.
 - Other bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
   whose flow control pauses reading when its buffer passes its limit. A `gzip`/`deflate`
   body is decoded as read by aiohttp's `DeflateBuffer` in bounded steps (compressed bytes
@@ -55,7 +57,9 @@ What a connection does, as aiohttp's `RequestHandler` does it:
   client that half-closes (sends FIN) counts as gone, as with aiohttp.
 - Timeouts: a request head must arrive within `header_timeout` of the connection opening or
   of the first byte of a later head (else the connection closes, counted by
-  `on_header_timeout`); an idle connection closes after `keepalive_timeout`.
+  `on_header_timeout`); a body must arrive whole within `header_timeout` of its head (the
+  fronts' `read_body` answers 408, and a hot-route body's own timer sends it there); an idle
+  connection closes after `keepalive_timeout`.
 - Shutdown (`cleanup`): stop accepting, close idle connections, let in-flight requests finish
   within `shutdown_timeout`, cancel the rest, close every connection.
 """
@@ -152,6 +156,9 @@ class _LeanBody:
 
     def __init__(self, data: bytes):
         self._data = data
+
+    def is_eof(self) -> bool:
+        return True  # received whole: `read_body` needs no deadline to read it
 
     async def readexactly(self, n: int) -> bytes:
         if n != len(self._data):  # Content-Length framed it: only a caller's bug gets here
@@ -272,7 +279,7 @@ class _Connection(BaseProtocol):
     """One client connection: parses requests, runs each through the application in turn."""
 
     __slots__ = (
-        "_backlog", "_closing", "_eof_pending", "_head_size", "_head_timer", "_headers",
+        "_backlog", "_body_timer", "_closing", "_eof_pending", "_head_size", "_head_timer", "_headers",
         "_in_head", "_keep_timer", "_last_active", "_lean", "_lean_body", "_listener", "_queue",
         "_request_parser",
         "_sink", "_stopped", "_tail", "_task", "_transport_paused", "_url", "peername", "sockname",
@@ -306,6 +313,7 @@ class _Connection(BaseProtocol):
         self._stopped = False  # nothing more is parsed (an error, an upgrade, a close)
         self._closing = False  # close once the request in progress is answered
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None  # a hot-route body's deadline
         self._keep_timer: asyncio.TimerHandle | None = None
         self._last_active = 0.0
         self._transport_paused = False
@@ -333,15 +341,15 @@ class _Connection(BaseProtocol):
         self._listener.connections.discard(self)
         super().connection_lost(exc)
         self._stopped = True
-        for timer in (self._head_timer, self._keep_timer):
+        for timer in (self._head_timer, self._body_timer, self._keep_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._keep_timer = None
+        self._head_timer = self._body_timer = self._keep_timer = None
         if self._sink is not None:  # a body cut short: its reader says so
             self._reader(self._sink).set_exception(
                 web.RequestPayloadError("the client closed the connection mid-body"))
             self._sink = None
-        self._lean = None  # a hot-route body cut short: never answered
+        self._lean = None  # a hot-route body cut short: never answered (its timer is cancelled above)
         self._queue.clear()
         if self._task is not None:  # the client left: its handler is cancelled
             self._task.cancel()
@@ -481,6 +489,8 @@ class _Connection(BaseProtocol):
             self._lean = message
             self._lean_body = bytearray()
             self._sink = None
+            self._body_timer = self._loop.call_later(self._listener.header_timeout,
+                                                     self._body_expired)
             return
         payload: StreamReader
         if chunked or (length is not None and length != "0"):
@@ -518,6 +528,9 @@ class _Connection(BaseProtocol):
 
     def on_message_complete(self) -> None:
         if self._lean is not None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
             self._queue.append(_Buffered(self._lean, bytes(self._lean_body)))
             self._lean = None
             self._lean_body = bytearray()
@@ -772,7 +785,7 @@ class _Connection(BaseProtocol):
             self._reader(self._sink).set_exception(web.RequestPayloadError(error.reason))
             self._sink = None
         self._in_head = False
-        self._lean = None
+        self._end_lean()
         self._stop_reading()
         self._queue.append(error)
         if self._task is None:
@@ -810,6 +823,32 @@ class _Connection(BaseProtocol):
         if on_timeout is not None:
             on_timeout()
         self.transport.abort()  # nothing is sent: the client never finished a request
+
+    def _end_lean(self) -> None:
+        """Forget a hot-route body being received (and its deadline)."""
+        self._lean = None
+        self._lean_body = bytearray()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_expired(self) -> None:
+        """A hot-route body has not arrived whole within `header_timeout` of its head: its request
+        goes to the application the usual way with a body reader that fails `TimeoutError`, which
+        the MCP fronts' `read_body` refuses as it refuses a late body it reads itself (408,
+        `body_timeout`, the connection closed), and nothing more is read on this connection."""
+        self._body_timer = None
+        message = self._lean
+        if message is None or self.transport is None:
+            return
+        self._end_lean()
+        payload = StreamReader(self, _READ_LIMIT, loop=self._loop)
+        payload.set_exception(TimeoutError(
+            f"the body did not arrive within {self._listener.header_timeout:g} s"))
+        self._stop_reading()
+        self._queue.append((message, payload))
+        if self._task is None:
+            self._next()
 
     def _keep_expired(self) -> None:
         self._keep_timer = None

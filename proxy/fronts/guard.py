@@ -22,7 +22,8 @@ with callgrind), checking, in this order:
   configured or loopback name (421; DNS rebinding).
 - **Origin**, when present, must be configured or loopback (403).
 - A declared body larger than the cap is refused at once (413); `read_body` enforces the cap
-  on what actually arrives.
+  on what actually arrives, and a deadline on when it arrives: a body not whole within
+  `listener.header_timeout` is refused 408 (`body_timeout`), the connection closed.
 
 Request bodies in a content coding: aiohttp decodes `gzip` and `deflate` (and `br`, `zstd` when
 their libraries are installed) as the body is read, in bounded steps. The proxy inspects and
@@ -224,10 +225,21 @@ def body_decoded(request: web.Request) -> bool:
     return getattr(request.content, "total_compressed_bytes", None) is not None
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, deadline: float) -> bytes:
     """The request body (decoded from its Content-Encoding, see the module docstring), refused
     (BadMessage) with 413 as soon as more than `limit` bytes arrive (decoded bytes), 415 in a
-    coding the proxy cannot decode, 400 when it cannot be decoded."""
+    coding the proxy cannot decode, 400 when it cannot be decoded, and 408 when it has not
+    arrived whole within `deadline` seconds of the handler's start (`listener.header_timeout`);
+    413 and 408 close the connection (`BadMessage.close`: the rest of the body may still be on
+    the wire).
+
+    The header timeout ends at the head: without a deadline of its own, a client sending its
+    body one byte a second would hold the handler (and its connection) as long as it liked. A
+    body already whole when the handler starts (the fast listener's hot route, whose body is
+    buffered under the same deadline by the listener: `proxy.app.fast_listener`; and most small
+    bodies, which arrive with their head) is read without a timer. A reader that fails with
+    `TimeoutError` (the fast listener's, for a hot-route body that came too late) is refused as
+    late too."""
     decoded = body_decoded(request)
     if not decoded:
         coding = request.headers.get("Content-Encoding", "").strip().lower()
@@ -235,6 +247,19 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             raise BadMessage(jsonrpc.INVALID_REQUEST, "Unsupported Media Type: the proxy cannot "
                              f"read a body in content coding {coding[:40]!r}", "invalid_request",
                              status=415)
+    try:
+        if request.content.is_eof():
+            return await _read_body(request, limit, decoded)
+        async with asyncio.timeout(deadline):
+            return await _read_body(request, limit, decoded)
+    except TimeoutError as exc:
+        raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request Timeout: the body did not arrive "
+                         f"whole within {deadline:g} s (listener.header_timeout)", "body_timeout",
+                         status=408, close=True) from exc
+
+
+async def _read_body(request: web.Request, limit: int, decoded: bool) -> bytes:
+    """`read_body` without its deadline."""
     length = request.content_length
     try:
         # Framed by Content-Length and not decoded (a decoded body's length is not the length of
@@ -251,7 +276,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             if len(buf) > limit:
                 raise BadMessage(jsonrpc.INVALID_REQUEST,
                                  f"Request body larger than {limit} bytes", "too_large",
-                                 status=413)
+                                 status=413, close=True)
     except web.RequestPayloadError as exc:  # invalid in its Content-Encoding or its framing
         what = "decoded from its Content-Encoding" if decoded else "read"
         raise BadMessage(jsonrpc.PARSE_ERROR, f"Parse error: the body cannot be {what}",
