@@ -10,9 +10,10 @@ with callgrind), checking, in this order:
   reads it, and the refusal is audited (`invalid_request`, check `guard`, the header's name and
   its value escaped): an undecodable byte can never reach a check, the upstream or the audit
   log's serialiser.
-- **The run** a client names (`X-Envelope-Run`) must be a run id
-  (`proxy.envelope.types.run_id_problem`: 1 to 256 printable ASCII characters), refused and
-  audited like a bad header value otherwise; the admin API checks its run with the same rule.
+- **The runs** a client names (its run, `X-Envelope-Run`, and a child run's parent,
+  `X-Envelope-Parent-Run`) must be run ids (`proxy.envelope.types.run_id_problem`: 1 to 256
+  printable ASCII characters), refused and audited like a bad header value otherwise; the admin
+  API checks its run with the same rule.
 - **Header names** (`proxy.fronts.headers`): a `Connection` header that names a field the
   proxy reads or sets (`Authorization`, `Mcp-*`, `X-Envelope-*`, `X-Forwarded-*`, ...) or
   more than 10 fields, and, under `listener.underscore_headers: reject`, a field name holding
@@ -56,6 +57,8 @@ from proxy.observability.metrics import Metrics, RejectReason
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 # Set on a request the route's `expect_handler` checked and let go on (`Guard.wrap` skips it).
 _PASSED = web.RequestKey("envelope.guard.passed", bool)
+# The headers naming a run (`run_id_problem` holds both): the call's own, and its parent's.
+_RUN_HEADERS = ("X-Envelope-Run", "X-Envelope-Parent-Run")
 # Bytes a header value may hold: HTAB, SP and visible ASCII.
 _FIELD_VALUE = bytes([0x09, *range(0x20, 0x7F)])
 
@@ -153,12 +156,14 @@ class Guard:
         values = b"\t".join(value for _, value in request.raw_headers)
         if values.translate(None, _FIELD_VALUE):  # one pass over every value; then find which
             return self._invalid_header(request)
-        run = request.headers.get("X-Envelope-Run")
-        if run:  # empty: no run named (`calls.run_id` falls back to the session)
-            why = run_id_problem(run)
-            if why is not None:
-                return self._refused_header(request, "invalid_header", "X-Envelope-Run",
-                                            f"header X-Envelope-Run: {why}")
+        headers = request.headers
+        for field in _RUN_HEADERS:
+            run = headers.get(field)
+            if run:  # empty: none named (`calls.run_id` falls back to the session; no parent)
+                why = run_id_problem(run)
+                if why is not None:
+                    return self._refused_header(request, "invalid_header", field,
+                                                f"header {field}: {why}")
         named = nominated(request.headers)
         if named:
             reason = connection_refusal(named)
