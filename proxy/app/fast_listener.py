@@ -37,8 +37,10 @@ What a connection does, as aiohttp's `RequestHandler` does it:
 - A hot-route body (at most 64 KiB, framed by its Content-Length) is buffered whole before its
   request is answered; a connection receiving one is busy (no idle close). When the router
   sends its path elsewhere, the buffered body is fed to a `StreamReader` for aiohttp's request.
-  One not whole within `header_timeout` of its head goes to the application with a reader that
-  fails `TimeoutError`: the fronts' `read_body` answers it 408 as a late body it reads itself.
+  One not whole within `header_timeout` of the read that brought its head (no timer when it
+  came in that read) goes to the application with a reader that fails `TimeoutError`: the
+  fronts' `read_body` answers it 408 as a late body it reads itself. While the proxy itself
+  holds the rest back (pipelined requests queued), it is not late.
 - Other bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
   whose flow control pauses reading when its buffer passes its limit. A `gzip`/`deflate`
   body is decoded as read by aiohttp's `DeflateBuffer` in bounded steps (compressed bytes
@@ -398,6 +400,11 @@ class _Connection(BaseProtocol):
                 if self._head_timer is None:
                     self._head_timer = self._loop.call_later(self._listener.header_timeout,
                                                              self._head_expired)
+        if self._lean is not None and self._body_timer is None:
+            # A hot-route body not whole after this read (one that comes with its head, the
+            # usual case, never gets here): its deadline starts now.
+            self._body_timer = self._loop.call_later(self._listener.header_timeout,
+                                                     self._body_expired)
 
     def _pause_transport_reading(self) -> None:
         if not self._transport_paused:
@@ -489,8 +496,6 @@ class _Connection(BaseProtocol):
             self._lean = message
             self._lean_body = bytearray()
             self._sink = None
-            self._body_timer = self._loop.call_later(self._listener.header_timeout,
-                                                     self._body_expired)
             return
         payload: StreamReader
         if chunked or (length is not None and length != "0"):
@@ -833,13 +838,17 @@ class _Connection(BaseProtocol):
             self._body_timer = None
 
     def _body_expired(self) -> None:
-        """A hot-route body has not arrived whole within `header_timeout` of its head: its request
+        """A hot-route body has not arrived whole within `header_timeout` (see `_feed`): its request
         goes to the application the usual way with a body reader that fails `TimeoutError`, which
         the MCP fronts' `read_body` refuses as it refuses a late body it reads itself (408,
         `body_timeout`, the connection closed), and nothing more is read on this connection."""
         self._body_timer = None
         message = self._lean
         if message is None or self.transport is None:
+            return
+        if self._tail:  # the proxy holds the rest back (pipelined requests queued): not late
+            self._body_timer = self._loop.call_later(self._listener.header_timeout,
+                                                     self._body_expired)
             return
         self._end_lean()
         payload = StreamReader(self, _READ_LIMIT, loop=self._loop)
