@@ -230,13 +230,13 @@ def body_decoded(request: web.Request) -> bool:
     return getattr(request.content, "total_compressed_bytes", None) is not None
 
 
-async def read_body(request: web.Request, limit: int, deadline: float) -> bytes:
+async def read_body(request: web.Request, limit: int, deadline: float | None) -> bytes:
     """The request body (decoded from its Content-Encoding, see the module docstring), refused
     (BadMessage) with 413 as soon as more than `limit` bytes arrive (decoded bytes), 415 in a
     coding the proxy cannot decode, 400 when it cannot be decoded, and 408 when it has not
-    arrived whole within `deadline` seconds of the handler's start (`listener.header_timeout`);
-    413 and 408 close the connection (`BadMessage.close`: the rest of the body may still be on
-    the wire).
+    arrived whole within `deadline` seconds of the handler's start (`listener.header_timeout`;
+    None: no deadline); 413 and 408 close the connection (`BadMessage.close`: the rest of the
+    body may still be on the wire).
 
     The header timeout ends at the head: without a deadline of its own, a client sending its
     body one byte a second would hold the handler (and its connection) as long as it liked. A
@@ -245,6 +245,14 @@ async def read_body(request: web.Request, limit: int, deadline: float) -> bytes:
     bodies, which arrive with their head) is read without a timer. A reader that fails with
     `TimeoutError` (the fast listener's, for a hot-route body that came too late) is refused as
     late too."""
+    if deadline is not None and not request.content.is_eof():
+        try:
+            async with asyncio.timeout(deadline):
+                return await read_body(request, limit, None)
+        except TimeoutError as exc:
+            raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request Timeout: the body did not arrive "
+                             f"whole within {deadline:g} s (listener.header_timeout)",
+                             "body_timeout", status=408, close=True) from exc
     decoded = body_decoded(request)
     if not decoded:
         coding = request.headers.get("Content-Encoding", "").strip().lower()
@@ -252,19 +260,6 @@ async def read_body(request: web.Request, limit: int, deadline: float) -> bytes:
             raise BadMessage(jsonrpc.INVALID_REQUEST, "Unsupported Media Type: the proxy cannot "
                              f"read a body in content coding {coding[:40]!r}", "invalid_request",
                              status=415)
-    try:
-        if request.content.is_eof():
-            return await _read_body(request, limit, decoded)
-        async with asyncio.timeout(deadline):
-            return await _read_body(request, limit, decoded)
-    except TimeoutError as exc:
-        raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request Timeout: the body did not arrive "
-                         f"whole within {deadline:g} s (listener.header_timeout)", "body_timeout",
-                         status=408, close=True) from exc
-
-
-async def _read_body(request: web.Request, limit: int, decoded: bool) -> bytes:
-    """`read_body` without its deadline."""
     length = request.content_length
     try:
         # Framed by Content-Length and not decoded (a decoded body's length is not the length of
