@@ -253,9 +253,9 @@ class ListenerConfig(_Model):
     # pass through both; `aiohttp` stays selectable).
     kind: Literal["fast", "aiohttp"] = "fast"
     # A connection that has not sent a whole request head (request line and headers) this long
-    # after it opened, or after the first byte of a later request, is closed; an admin POST
-    # whose body has not arrived whole this long after its head is answered 408 (and closed).
-    # Absent: 10 s.
+    # after it opened, or after the first byte of a later request, is closed. It bounds the body
+    # too: a request body (MCP, `/http/...` and admin routes) that has not arrived whole this
+    # long after its head is answered 408 (and closed), counted `body_timeout`. Absent: 10 s.
     header_timeout: Duration = Field(default=10.0, gt=0)
     # An idle keep-alive connection (no request in progress) is closed after this long.
     # Absent: 75 s.

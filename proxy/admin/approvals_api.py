@@ -13,11 +13,11 @@ and text-reordering characters escaped) and `hidden_characters` (`proxy.approval
 Every route needs `Authorization: Bearer <approver token>` (tokens from `approvals.approvers`
 of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
 arguments. Answers: 401 no or unknown token (on approve and deny audited, at most two records a
-minute: `proxy.admin.failed_auth`), 403 an approver deciding their own call or a call
-outside their `scope` (`<upstream>.<tool>` patterns of the config; such refusals are audited), 404
-unknown id, 409 no longer pending, 400 bad body, 413 body too large, 408 body not arrived within
-`listener.header_timeout`, 503 the store or the audit log cannot answer
-(fail closed).
+minute with the intent API's: `proxy.admin.failed_auth`), 403 an approver deciding their own call
+or a call outside their `scope` (`<upstream>.<tool>` patterns of the config; such refusals are
+audited), 404 unknown id, 409 no longer pending, 400 bad body, 413 body too large, 408 body not
+arrived within `listener.header_timeout`, 503 the store or the audit log cannot answer (fail
+closed).
 
 Every approve or deny is audited before it is stored (`Envelope.note_approval`: a record of
 method `<approval>` naming the call, the approver, the decision and the reason): a decision
@@ -34,7 +34,7 @@ from typing import Any, get_args
 import orjson
 from aiohttp import web
 
-from proxy.admin.failed_auth import FailedApproverAuth
+from proxy.admin.failed_auth import failed_auth_of
 from proxy.admin.protect import expect, read_body
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.records import (
@@ -89,9 +89,7 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         return unauthorized(request) if name is None else name
 
     # Failed authentication on a decision is audited (bounded: `proxy.admin.failed_auth`).
-    failures = FailedApproverAuth(envelope) if envelope is not None else None
-    if failures is not None:
-        app.on_cleanup.append(failures.close)
+    failures = failed_auth_of(app, envelope)
 
     def unavailable(exc: StoreError) -> web.Response:
         return _error(503, f"the state store ({service.store.kind}) is unavailable: {exc}")

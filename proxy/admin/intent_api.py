@@ -2,7 +2,8 @@
 
     POST /v1/runs/{run}/intent   {"principal": "<principal id>", "text": "<the user's words>"}
 
-Needs `Authorization: Bearer <approver token>` (401 otherwise) of an approver without a `scope`
+Needs `Authorization: Bearer <approver token>` (401 otherwise, audited at most two records a
+minute with approve's and deny's: `proxy.admin.failed_auth`) of an approver without a `scope`
 (403 otherwise): an intent endorses values for the data-flow check, for every tool of the run, so
 setting one is an act of an approver who may decide every call. The text is appended to the run's
 intent (`proxy.envelope.dataflow.intent`; the run of that principal, as `X-Envelope-Intent`
@@ -24,6 +25,7 @@ from urllib.parse import unquote
 import orjson
 from aiohttp import web
 
+from proxy.admin.failed_auth import failed_auth_of, token_of
 from proxy.admin.protect import expect, read_body
 from proxy.admin.review import authenticate
 from proxy.envelope.dataflow import intent as intents
@@ -58,9 +60,14 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
     """Mount `POST /v1/runs/{run}/intent`; the store is `status.store`, the audit and the policy
     `status.envelope`, the approvers `status.approvers`."""
 
+    # Failed authentication is audited, bounded with approve's and deny's (`failed_auth_of`).
+    failures = failed_auth_of(app, getattr(status, "envelope", None))
+
     async def set_intent(request: web.Request) -> web.Response:
         approver = authenticate(status, request)
         if approver is None:
+            if failures is not None:
+                failures.failed(request, token_of(request), request.match_info["run"], "intent")
             return _json({"error": "an approver token is required (Authorization: Bearer <token>)"}, 401,
                          {"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
         if status.approvers.scoped(approver):

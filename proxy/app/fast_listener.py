@@ -37,6 +37,11 @@ What a connection does, as aiohttp's `RequestHandler` does it:
 - A hot-route body (at most 64 KiB, framed by its Content-Length) is buffered whole before its
   request is answered; a connection receiving one is busy (no idle close). When the router
   sends its path elsewhere, the buffered body is fed to a `StreamReader` for aiohttp's request.
+  One not whole `header_timeout` after the read that brought its head (checked by the
+  listener's once-a-second tick, so within one second more: no timer per request) goes to the
+  application with a reader that fails `TimeoutError`: the fronts' `read_body` answers it 408 as
+  a late body it reads itself. While the proxy itself holds the rest back (pipelined requests
+  queued), it is not late.
 - Other bodies (fixed-length or chunked) are fed as they arrive into the request's `StreamReader`,
   whose flow control pauses reading when its buffer passes its limit. A `gzip`/`deflate`
   body is decoded as read by aiohttp's `DeflateBuffer` in bounded steps (compressed bytes
@@ -55,7 +60,9 @@ What a connection does, as aiohttp's `RequestHandler` does it:
   client that half-closes (sends FIN) counts as gone, as with aiohttp.
 - Timeouts: a request head must arrive within `header_timeout` of the connection opening or
   of the first byte of a later head (else the connection closes, counted by
-  `on_header_timeout`); an idle connection closes after `keepalive_timeout`.
+  `on_header_timeout`); a body must arrive whole within `header_timeout` of its head (the
+  fronts' `read_body` answers 408; a hot-route body is sent there by the listener's tick); an idle
+  connection closes after `keepalive_timeout`.
 - Shutdown (`cleanup`): stop accepting, close idle connections, let in-flight requests finish
   within `shutdown_timeout`, cancel the rest, close every connection.
 """
@@ -152,6 +159,9 @@ class _LeanBody:
 
     def __init__(self, data: bytes):
         self._data = data
+
+    def is_eof(self) -> bool:
+        return True  # received whole: `read_body` needs no deadline to read it
 
     async def readexactly(self, n: int) -> bytes:
         if n != len(self._data):  # Content-Length framed it: only a caller's bug gets here
@@ -273,7 +283,8 @@ class _Connection(BaseProtocol):
 
     __slots__ = (
         "_backlog", "_closing", "_eof_pending", "_head_size", "_head_timer", "_headers",
-        "_in_head", "_keep_timer", "_last_active", "_lean", "_lean_body", "_listener", "_queue",
+        "_in_head", "_keep_timer", "_last_active", "_lean", "_lean_body", "_lean_since", "_listener",
+        "_queue",
         "_request_parser",
         "_sink", "_stopped", "_tail", "_task", "_transport_paused", "_url", "peername", "sockname",
     )
@@ -298,6 +309,7 @@ class _Connection(BaseProtocol):
         # A hot-route request whose body is being received whole (see `LeanRequest`).
         self._lean: RawRequestMessage | None = None
         self._lean_body = bytearray()
+        self._lean_since = 0.0  # when it was found not whole after a read (0: it was not, yet)
         # Requests parsed and not yet answered: (message, body), a hot-route request with its
         # whole body, or an error to answer.
         self._queue: deque[tuple[RawRequestMessage, StreamReader] | _Buffered | _HeadError] = deque()
@@ -341,7 +353,7 @@ class _Connection(BaseProtocol):
             self._reader(self._sink).set_exception(
                 web.RequestPayloadError("the client closed the connection mid-body"))
             self._sink = None
-        self._lean = None  # a hot-route body cut short: never answered
+        self._end_lean()  # a hot-route body cut short: never answered
         self._queue.clear()
         if self._task is not None:  # the client left: its handler is cancelled
             self._task.cancel()
@@ -390,6 +402,11 @@ class _Connection(BaseProtocol):
                 if self._head_timer is None:
                     self._head_timer = self._loop.call_later(self._listener.header_timeout,
                                                              self._head_expired)
+        if self._lean is not None and not self._lean_since:
+            # A hot-route body not whole after this read (one that comes with its head never
+            # gets here): its deadline starts now, kept by the listener's tick (`body_late`).
+            self._lean_since = self._loop.time()
+            self._listener.receiving.add(self)
 
     def _pause_transport_reading(self) -> None:
         if not self._transport_paused:
@@ -518,6 +535,9 @@ class _Connection(BaseProtocol):
 
     def on_message_complete(self) -> None:
         if self._lean is not None:
+            if self._lean_since:
+                self._lean_since = 0.0
+                self._listener.receiving.discard(self)
             self._queue.append(_Buffered(self._lean, bytes(self._lean_body)))
             self._lean = None
             self._lean_body = bytearray()
@@ -772,7 +792,7 @@ class _Connection(BaseProtocol):
             self._reader(self._sink).set_exception(web.RequestPayloadError(error.reason))
             self._sink = None
         self._in_head = False
-        self._lean = None
+        self._end_lean()
         self._stop_reading()
         self._queue.append(error)
         if self._task is None:
@@ -810,6 +830,38 @@ class _Connection(BaseProtocol):
         if on_timeout is not None:
             on_timeout()
         self.transport.abort()  # nothing is sent: the client never finished a request
+
+    def _end_lean(self) -> None:
+        """Forget a hot-route body being received (and its deadline)."""
+        self._lean = None
+        self._lean_body = bytearray()
+        if self._lean_since:
+            self._lean_since = 0.0
+            self._listener.receiving.discard(self)
+
+    def body_late(self, now: float) -> None:
+        """The listener's tick: a hot-route body not whole `header_timeout` after its deadline
+        started (`_feed`) is late. Its request goes to the application the usual way with a body
+        reader that fails `TimeoutError`, which the MCP fronts' `read_body` refuses as it
+        refuses a late body it reads itself (408, `body_timeout`, the connection closed), and
+        nothing more is read on this connection."""
+        message = self._lean
+        if message is None or self.transport is None:
+            self._end_lean()
+            return
+        if now - self._lean_since < self._listener.header_timeout:
+            return
+        if self._tail:  # the proxy holds the rest back (pipelined requests queued): not late
+            self._lean_since = now
+            return
+        self._end_lean()
+        payload = StreamReader(self, _READ_LIMIT, loop=self._loop)
+        payload.set_exception(TimeoutError(
+            f"the body did not arrive within {self._listener.header_timeout:g} s"))
+        self._stop_reading()
+        self._queue.append((message, payload))
+        if self._task is None:
+            self._next()
 
     def _keep_expired(self) -> None:
         self._keep_timer = None
@@ -884,6 +936,8 @@ class FastListener:
         self.shutdown_timeout = shutdown_timeout
         self.on_header_timeout = on_header_timeout
         self.connections: set[_Connection] = set()
+        # Connections receiving a hot-route body that did not come with its head (`body_late`).
+        self.receiving: set[_Connection] = set()
         self.closing = False
         self.prepare_hooks = False
         self.handler: Handler = app._handle
@@ -934,6 +988,10 @@ class FastListener:
 
     def _tick(self) -> None:
         self.date = formatdate(usegmt=True)
+        if self.receiving:
+            now = self.loop.time()
+            for conn in list(self.receiving):
+                conn.body_late(now)
         self._clock = self.loop.call_at(math.floor(self.loop.time()) + 1.0, self._tick)
 
     async def start(self, host: str, port: int, *, reuse_port: bool | None = None,

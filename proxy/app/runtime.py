@@ -352,6 +352,7 @@ class Runtime:
             self.envelope, self.forwarder, self.identity, self.target,
             FrontSettings(max_body_bytes=limits.max_body_bytes, max_json_depth=limits.max_json_depth,
                           request_headers=self.request_headers,
+                          body_timeout=self.config.listener.header_timeout,
                           max_upstream_event_bytes=limits.max_upstream_event_bytes,
                           max_upstream_reply_bytes=limits.max_upstream_reply_bytes,
                           max_streams_per_principal=limits.max_streams_per_principal,

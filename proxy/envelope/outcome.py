@@ -579,9 +579,10 @@ class Completion:
                                 {"approver": approver, **extra})
 
     def note_failed_approver(self, *, reason: str, extra: Mapping[str, Any]) -> str:
-        """Audit approver authentication failing on approve or deny (`proxy.admin.failed_auth`,
-        which bounds how often): one record of method and tool `<approval>`, check `approval`,
-        verdict deny, code `unauthorized`, principal `<unverified>` (no token named anyone).
+        """Audit approver authentication failing on approve, deny or a run's intent
+        (`proxy.admin.failed_auth`, which bounds how often): one record of method and tool
+        `<approval>`, check `approval`, verdict deny, code `unauthorized`, principal
+        `<unverified>` (no token named anyone).
         Returns its decision id; raises AuditError when the audit log cannot take it."""
         return self._note_admin("<approval>", "approval", "<unverified>", "-", "-", Verdict.DENY,
                                 Code.UNAUTHORIZED, reason, dict(extra))

@@ -91,9 +91,10 @@ class Principal:
         return {"id": self.id, "groups": list(self.groups), "claims": dict(self.claims)}
 
 
-# A run id a client names (`X-Envelope-Run`, the admin API's `/v1/runs/<run>/`): what a header
-# value carries once the guard has checked it (visible ASCII and spaces; aiohttp strips the
-# spaces at either end), bounded: a run id is kept in every audit record and store key.
+# A run id a client names (`X-Envelope-Run`, `X-Envelope-Parent-Run`, the admin API's
+# `/v1/runs/<run>/`): what a header value carries once the guard has checked it (visible ASCII
+# and spaces; aiohttp strips the spaces at either end), bounded: a run id is kept in every audit
+# record and store key.
 MAX_RUN_ID_CHARS = 256
 RUN_ID_RULE = (f"a run id is 1 to {MAX_RUN_ID_CHARS} characters of printable ASCII "
                "(U+0020 to U+007E, no space at either end)")
@@ -101,8 +102,8 @@ RUN_ID_RULE = (f"a run id is 1 to {MAX_RUN_ID_CHARS} characters of printable ASC
 
 def run_id_problem(run: str) -> str | None:
     """Why `run` is not a run id a client may name, the rule and what breaks it; None when it
-    is one. The one check of `X-Envelope-Run` (`proxy.fronts.guard`) and of the admin API's run
-    (`proxy.admin.intent_api`)."""
+    is one. The one check of `X-Envelope-Run` and `X-Envelope-Parent-Run` (`proxy.fronts.guard`)
+    and of the admin API's run (`proxy.admin.intent_api`)."""
     if not run:
         return f"{RUN_ID_RULE}: it is empty"
     if len(run) > MAX_RUN_ID_CHARS:

@@ -193,11 +193,14 @@ class AggregateFront:
     async def _post(self, request: web.Request, principal: Principal) -> web.StreamResponse:
         ctx = self.ctx
         try:
-            body = await read_body(request, ctx.settings.max_body_bytes)
+            body = await read_body(request, ctx.settings.max_body_bytes, ctx.settings.body_timeout)
             msg = await jsonrpc.parse_post(body, ctx.settings.max_json_depth, request.headers.get("Mcp-Method"))
         except BadMessage as exc:
             ctx.metrics.rejected(exc.reason)
-            return _error(exc.status, exc.id, exc.code, exc.message)
+            refused = _error(exc.status, exc.id, exc.code, exc.message)
+            if exc.close:
+                refused.force_close()
+            return refused
         if not msg.is_request:
             return web.Response(status=202)  # notifications and responses: nothing to do
         if tracing.TRACER is not None:

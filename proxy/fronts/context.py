@@ -43,6 +43,9 @@ class FrontSettings:
     max_body_bytes: int
     max_json_depth: int
     request_headers: Callable[[], tuple[str, ...]]  # policy-selected headers visible to CEL
+    # Seconds a request body has to arrive whole once its head has (`listener.header_timeout`:
+    # 408 and the connection closed otherwise; `proxy.fronts.guard.read_body`).
+    body_timeout: float = 10.0
     # What an upstream may send, and the GET streams a client may hold (see `config.Limits`).
     max_upstream_event_bytes: int = Limits().max_upstream_event_bytes
     max_upstream_reply_bytes: int = Limits().max_upstream_reply_bytes

@@ -10,9 +10,10 @@ with callgrind), checking, in this order:
   reads it, and the refusal is audited (`invalid_request`, check `guard`, the header's name and
   its value escaped): an undecodable byte can never reach a check, the upstream or the audit
   log's serialiser.
-- **The run** a client names (`X-Envelope-Run`) must be a run id
-  (`proxy.envelope.types.run_id_problem`: 1 to 256 printable ASCII characters), refused and
-  audited like a bad header value otherwise; the admin API checks its run with the same rule.
+- **The runs** a client names (its run, `X-Envelope-Run`, and a child run's parent,
+  `X-Envelope-Parent-Run`) must be run ids (`proxy.envelope.types.run_id_problem`: 1 to 256
+  printable ASCII characters), refused and audited like a bad header value otherwise; the admin
+  API checks its run with the same rule.
 - **Header names** (`proxy.fronts.headers`): a `Connection` header that names a field the
   proxy reads or sets (`Authorization`, `Mcp-*`, `X-Envelope-*`, `X-Forwarded-*`, ...) or
   more than 10 fields, and, under `listener.underscore_headers: reject`, a field name holding
@@ -22,7 +23,8 @@ with callgrind), checking, in this order:
   configured or loopback name (421; DNS rebinding).
 - **Origin**, when present, must be configured or loopback (403).
 - A declared body larger than the cap is refused at once (413); `read_body` enforces the cap
-  on what actually arrives.
+  on what actually arrives, and a deadline on when it arrives: a body not whole within
+  `listener.header_timeout` is refused 408 (`body_timeout`), the connection closed.
 
 Request bodies in a content coding: aiohttp decodes `gzip` and `deflate` (and `br`, `zstd` when
 their libraries are installed) as the body is read, in bounded steps. The proxy inspects and
@@ -55,6 +57,8 @@ from proxy.observability.metrics import Metrics, RejectReason
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 # Set on a request the route's `expect_handler` checked and let go on (`Guard.wrap` skips it).
 _PASSED = web.RequestKey("envelope.guard.passed", bool)
+# The headers naming a run (`run_id_problem` holds both): the call's own, and its parent's.
+_RUN_HEADERS = ("X-Envelope-Run", "X-Envelope-Parent-Run")
 # Bytes a header value may hold: HTAB, SP and visible ASCII.
 _FIELD_VALUE = bytes([0x09, *range(0x20, 0x7F)])
 
@@ -152,12 +156,14 @@ class Guard:
         values = b"\t".join(value for _, value in request.raw_headers)
         if values.translate(None, _FIELD_VALUE):  # one pass over every value; then find which
             return self._invalid_header(request)
-        run = request.headers.get("X-Envelope-Run")
-        if run:  # empty: no run named (`calls.run_id` falls back to the session)
-            why = run_id_problem(run)
-            if why is not None:
-                return self._refused_header(request, "invalid_header", "X-Envelope-Run",
-                                            f"header X-Envelope-Run: {why}")
+        headers = request.headers
+        for field in _RUN_HEADERS:
+            run = headers.get(field)
+            if run:  # empty: none named (`calls.run_id` falls back to the session; no parent)
+                why = run_id_problem(run)
+                if why is not None:
+                    return self._refused_header(request, "invalid_header", field,
+                                                f"header {field}: {why}")
         named = nominated(request.headers)
         if named:
             reason = connection_refusal(named)
@@ -224,10 +230,29 @@ def body_decoded(request: web.Request) -> bool:
     return getattr(request.content, "total_compressed_bytes", None) is not None
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, deadline: float | None) -> bytes:
     """The request body (decoded from its Content-Encoding, see the module docstring), refused
     (BadMessage) with 413 as soon as more than `limit` bytes arrive (decoded bytes), 415 in a
-    coding the proxy cannot decode, 400 when it cannot be decoded."""
+    coding the proxy cannot decode, 400 when it cannot be decoded, and 408 when it has not
+    arrived whole within `deadline` seconds of the handler's start (`listener.header_timeout`;
+    None: no deadline); 413 and 408 close the connection (`BadMessage.close`: the rest of the
+    body may still be on the wire).
+
+    The header timeout ends at the head: without a deadline of its own, a client sending its
+    body one byte a second would hold the handler (and its connection) as long as it liked. A
+    body already whole when the handler starts (the fast listener's hot route, whose body is
+    buffered under the same deadline by the listener: `proxy.app.fast_listener`; and most small
+    bodies, which arrive with their head) is read without a timer. A reader that fails with
+    `TimeoutError` (the fast listener's, for a hot-route body that came too late) is refused as
+    late too."""
+    if deadline is not None and not request.content.is_eof():
+        try:
+            async with asyncio.timeout(deadline):
+                return await read_body(request, limit, None)
+        except TimeoutError as exc:
+            raise BadMessage(jsonrpc.INVALID_REQUEST, f"Request Timeout: the body did not arrive "
+                             f"whole within {deadline:g} s (listener.header_timeout)",
+                             "body_timeout", status=408, close=True) from exc
     decoded = body_decoded(request)
     if not decoded:
         coding = request.headers.get("Content-Encoding", "").strip().lower()
@@ -251,7 +276,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
             if len(buf) > limit:
                 raise BadMessage(jsonrpc.INVALID_REQUEST,
                                  f"Request body larger than {limit} bytes", "too_large",
-                                 status=413)
+                                 status=413, close=True)
     except web.RequestPayloadError as exc:  # invalid in its Content-Encoding or its framing
         what = "decoded from its Content-Encoding" if decoded else "read"
         raise BadMessage(jsonrpc.PARSE_ERROR, f"Parse error: the body cannot be {what}",

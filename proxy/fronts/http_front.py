@@ -126,12 +126,16 @@ class HttpFront:
             return _as_problem(principal, "unauthenticated")
         try:
             # (A request without a body, e.g. `Content-Length: 0`, has nothing to read.)
-            body = await read_body(request, self.ctx.settings.max_body_bytes) if request.can_read_body else b""
+            settings = self.ctx.settings
+            body = (await read_body(request, settings.max_body_bytes, settings.body_timeout)
+                    if request.can_read_body else b"")
             payload = await self._json(request, body)
         except BadMessage as exc:
             self.metrics.rejected(exc.reason)
-            return render.problem(exc.status, "invalid_request", exc.message,
-                                  {"Connection": "close"} if exc.status == 413 else None)
+            refused = render.problem(exc.status, "invalid_request", exc.message)
+            if exc.close:
+                refused.force_close()
+            return refused
         # The path as sent (still percent-encoded: `Spec.match` decodes each parameter, so an
         # encoded "/" stays inside its segment), relative to `/http/<upstream>`.
         path = "/" + request.rel_url.raw_path.split("/", 3)[3]

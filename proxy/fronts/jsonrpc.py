@@ -22,13 +22,15 @@ HEADER_MISMATCH = -32020  # 2026-07-28: an Mcp-* header disagrees with the body
 class BadMessage(Exception):
     """The request body is not an acceptable JSON-RPC message; carries the wire error."""
 
-    def __init__(self, code: int, message: str, reason: RejectReason, id: Any = None, status: int = 400):
+    def __init__(self, code: int, message: str, reason: RejectReason, id: Any = None, status: int = 400,
+                 close: bool = False):
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason  # bounded metric label
         self.id = id
         self.status = status
+        self.close = close  # the answer closes the connection (the body was not read to its end)
 
 
 @dataclass(slots=True)

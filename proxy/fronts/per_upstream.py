@@ -168,13 +168,13 @@ class McpFront:
     async def _post(self, request: web.Request, target: UpstreamTarget, principal: Principal) -> web.StreamResponse:
         settings = self.ctx.settings
         try:
-            body = await read_body(request, settings.max_body_bytes)
+            body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             msg = await jsonrpc.parse_post(body, settings.max_json_depth, request.headers.get("Mcp-Method"))
         except BadMessage as exc:
             self.metrics.rejected(exc.reason)
             response = render.rpc_error(exc.status, exc.id, exc.code, exc.message)
-            if exc.status == 413:
-                response.headers["Connection"] = "close"
+            if exc.close:
+                response.force_close()
             return response
         if tracing.TRACER is not None:
             tracing.request(msg.method, msg.id, msg.params, request.headers)

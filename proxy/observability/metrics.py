@@ -63,6 +63,7 @@ RejectReason = Literal[
     "foreign_session",
     "hop_by_hop_header",
     "underscore_header",
+    "body_timeout",
 ]
 # Requests the admin listener refused before any route: a Host it does not answer (421), no or
 # an unknown approver token on a guarded route (401), no such route (404), no such method on a

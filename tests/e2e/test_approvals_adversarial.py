@@ -433,3 +433,41 @@ def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_
     assert "guess-" not in str(failed)  # a guessed token is never written down
     done = cli("audit", "verify", str(pp.audit_dir))
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions_at_most_twice_a_window(
+        tmp_path: Path) -> None:
+    # A 401 on `POST /v1/runs/<run>/intent` was counted, never audited. Now it goes through the
+    # decisions' limiter: the first failure on record at once, the rest of the window (intents
+    # and a deny alike) as one aggregated record at shutdown.
+    tmp = tmp_path
+    config = {"approvals": {"approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+    with proxy_process(tmp, {"notes": "http://127.0.0.1:1/mcp"}, policies=_policy(tmp / "policies"),
+                       config=config) as pp:
+        for i in range(20):
+            headers = {"Authorization": f"Bearer guess-{i}"} if i % 2 else {}
+            reply = httpx.post(f"{pp.admin}/v1/runs/run-{i % 3}/intent",
+                               json={"principal": "agent", "text": "send it"}, headers=headers,
+                               timeout=10)
+            assert reply.status_code == 401, reply.text
+        reply = httpx.post(f"{pp.admin}/v1/approvals/ap-9/deny", json={"reason": "x"}, timeout=10)
+        assert reply.status_code == 401, reply.text
+        assert metric_value(pp.metrics(), "envelope_admin_rejected_requests_total",
+                            reason="unauthenticated") == 21
+        at_once = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
+    failed = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
+    assert at_once == failed[:1]
+    first, held = failed
+    assert all((r["tool"], r["check"], r["verdict"], r["principal"])
+               == ("<approval>", "approval", "deny", "<unverified>") for r in failed)
+    assert (first["extra"]["run"], first["extra"]["action"], first["extra"]["token"],
+            first["extra"]["failures"]) == ("run-0", "intent", "missing", 1)
+    assert first["reason"] == "approver authentication failed (missing token): intent for run 'run-0' not set"
+    assert held["extra"]["failures"] == 20
+    assert held["extra"]["tokens"] == {"missing": 10, "unknown": 10}
+    assert held["extra"]["runs"] == ["run-0", "run-1", "run-2"]
+    assert held["extra"]["approval_ids"] == ["ap-9"]
+    assert "guess-" not in str(failed) and "send it" not in str(failed)
+    done = cli("audit", "verify", str(pp.audit_dir))
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -162,6 +162,26 @@ def test_x_envelope_run_is_held_to_the_same_rule_refused_and_audited(
     assert (rec["check"], rec["code"], rec["extra"]["header"]) == ("guard", "invalid_request", "X-Envelope-Run")
 
 
+@pytest.mark.parametrize(("parent", "why"), [("p" * 257, "it has 257"), ("parent\tforged", "U+0009 at position 6")])
+def test_x_envelope_parent_run_is_held_to_the_same_rule_refused_and_audited(
+        proxy: ProxyProcess, parent: str, why: str) -> None:
+    # On main a parent run was taken as sent: 257 characters, or a tab, went into the child's
+    # lineage, the audit record and the parent's store key.
+    run = f"run-{uuid.uuid4().hex}"
+    reply = rpc(proxy.url("mail"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                    "params": {"name": "fetch_page", "arguments": {"url": "https://news.example/q3"}}},
+                bearer=AGENT, headers={"X-Envelope-Run": run, "X-Envelope-Parent-Run": parent})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["message"] == (f"Bad Request: header X-Envelope-Parent-Run: {RULE}: {why}; "
+                                "the request was refused")
+    decision_id = error["data"]["envelope/decision"]["decision_id"]
+    rec = _record(proxy, decision_id)
+    assert (rec["check"], rec["code"], rec["extra"]["header"]) == ("guard", "invalid_request",
+                                                                   "X-Envelope-Parent-Run")
+    assert not [r for r in proxy.audit_records() if r["run"] == run]  # never a call of the run
+
+
 async def test_the_longest_run_id_is_one(proxy: ProxyProcess) -> None:
     run = f"run-{uuid.uuid4().hex}".ljust(256, "r")
     refused, _ = await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"})

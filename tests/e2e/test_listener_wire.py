@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -238,6 +239,83 @@ def test_a_body_over_the_cap_is_refused_413(tmp_path: Path, hostile: HostileUpst
             sock.sendall(head(pp.port, None, "Transfer-Encoding: chunked\r\n")
                          + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
             assert read_response(f)[0] == 413
+
+
+def _trickle(socks: list[socket.socket], bodies: list[bytes], pause: float) -> list[int]:
+    """Send each body one byte per `pause` on its socket until the proxy answers on it (readable);
+    how many bytes of each went out by then (the client waits on the answer, never on a clock)."""
+    sent = [0] * len(socks)
+    waiting = set(range(len(socks)))
+    while waiting:
+        readable, _, _ = select.select([socks[i] for i in waiting], [], [], pause)
+        for i in list(waiting):
+            if socks[i] in readable:
+                waiting.discard(i)
+            elif sent[i] < len(bodies[i]):
+                socks[i].sendall(bodies[i][sent[i]:sent[i] + 1])
+                sent[i] += 1
+            else:
+                raise AssertionError(f"the whole body {i} went out and was not refused")
+    return sent
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_trickled_body_is_refused_408_closed_counted_and_never_forwarded(
+        tmp_path: Path, hostile: HostileUpstream, kind: str) -> None:
+    """A client that sends its head and then its body a byte at a time held a handler and its
+    connection as long as it liked: the header timeout ends at the head. The body now has the
+    same deadline (`listener.header_timeout`, here 1 s): 408 with the guard's JSON-RPC error,
+    `Connection: close`, counted `body_timeout`, nothing forwarded or audited. Framed by
+    Content-Length (under `listener: fast` the hot route, buffered by the listener) and chunked
+    (read by the front)."""
+    body = call_body(1, text="x" * 200)
+    with served(tmp_path, hostile, kind, listener={"header_timeout": "1s"}) as pp:
+        with connect(pp) as framed, connect(pp) as chunked, \
+                framed.makefile("rb") as f, chunked.makefile("rb") as g:
+            framed.sendall(head(pp.port, len(body)))
+            chunked.sendall(head(pp.port, None, "Transfer-Encoding: chunked\r\n")
+                            + b"%x\r\n" % len(body))
+            sent = _trickle([framed, chunked], [body, body], 0.1)
+            assert max(sent) < len(body), sent  # answered while the bodies were still coming
+            for sock, answers in ((framed, f), (chunked, g)):
+                status, headers, answer = read_response(answers)
+                assert status == 408, answer
+                assert headers.get("connection") == "close", headers
+                error = json.loads(answer)["error"]
+                assert error["code"] == -32600, error
+                assert error["message"] == ("Request Timeout: the body did not arrive whole "
+                                            "within 1 s (listener.header_timeout)"), error
+                # aiohttp reads (and drops) what still comes for its lingering time, 10 s.
+                assert closed_within(sock, 15) is not None
+        assert metric_value(pp.metrics(), "envelope_rejected_requests_total",
+                            reason="body_timeout") == 2
+        assert [r for r in pp.audit_records() if r.get("tool") == "read_page"] == []
+    assert hostile.control.calls() == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_body_slow_within_the_deadline_is_served(tmp_path: Path, hostile: HostileUpstream,
+                                                   kind: str) -> None:
+    """Large bodies sent in several writes with short pauses, well within the deadline (2 s):
+    under 64 KiB (the fast listener's hot route), over it, and chunked, on one connection."""
+    with served(tmp_path, hostile, kind, listener={"header_timeout": "2s"}) as pp, \
+            connect(pp) as sock, sock.makefile("rb") as f:
+        for rid, size, chunked in ((1, 48_000, False), (2, 200_000, False), (3, 100_000, True)):
+            body = call_body(rid, text="y" * size)
+            if chunked:
+                sock.sendall(head(pp.port, None, "Transfer-Encoding: chunked\r\n"))
+                body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+            else:
+                sock.sendall(head(pp.port, len(body)))
+            step = len(body) // 6 + 1
+            for start in range(0, len(body), step):
+                time.sleep(0.05)
+                sock.sendall(body[start:start + step])
+            status, _, answer = read_response(f)
+            assert status == 200, answer
+            assert result_of(answer, rid)["content"][0]["text"] == "y" * size
+        assert metric_value(pp.metrics(), "envelope_rejected_requests_total",
+                            reason="body_timeout") == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

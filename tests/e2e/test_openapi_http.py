@@ -10,12 +10,16 @@ call that reached it.
 
 from __future__ import annotations
 
+import json
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -261,6 +265,39 @@ def test_malformed_body_is_400(pp: ProxyProcess, service: str) -> None:
                  headers={"Content-Type": "application/json"})
     assert resp.status_code == 400 and resp.headers["Content-Type"].startswith(PROBLEM)
     assert resp.json()["status"] == 400
+    assert _runs(service, "createInvoice") == before
+
+
+def test_a_trickled_body_is_408_problem_details_closed_and_never_sent(
+        tmp_path: Path, service: str) -> None:
+    # The HTTP front reads its body through the MCP routes' `read_body`: the same deadline
+    # (`listener.header_timeout`, here 1 s), answered in problem details, the connection closed.
+    policies = write_doc(tmp_path / "policies", POLICY)
+    shutil.copy(SPEC, policies / "billing.yaml")
+    before = _runs(service, "createInvoice")
+    body = b'{"customer": "initech", "amount": 40, "memo": "' + b"m" * 100 + b'"}'
+    with proxy_process(tmp_path, {"billing": service}, policies=policies,
+                       config={"listener": {"header_timeout": "1s"}}) as proxy, \
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=20) as sock, \
+            sock.makefile("rb") as answers:
+        sock.sendall(f"POST /http/billing/invoices HTTP/1.1\r\nHost: 127.0.0.1:{proxy.port}\r\n"
+                     f"Authorization: Bearer {BILLING}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        sent = 0
+        while not select.select([sock], [], [], 0.1)[0]:  # a byte every 0.1 s until answered
+            assert sent < len(body), "the whole body went out and was not refused"
+            sock.sendall(body[sent:sent + 1])
+            sent += 1
+        head = answers.readline() + b"".join(iter(lambda: answers.readline(), b"\r\n"))
+        assert head.startswith(b"HTTP/1.1 408 "), head
+        assert b"\r\nConnection: close\r\n" in head and PROBLEM.encode() in head, head
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        problem = json.loads(answers.read(length))
+        assert problem["status"] == 408 and problem["detail"] == (
+            "Request Timeout: the body did not arrive whole within 1 s (listener.header_timeout)")
+        assert answers.read() == b""  # closed
+        assert metric_value(proxy.metrics(), "envelope_rejected_requests_total",
+                            reason="body_timeout") == 1
     assert _runs(service, "createInvoice") == before
 
 

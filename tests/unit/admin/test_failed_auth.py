@@ -1,4 +1,4 @@
-"""Failed approver authentication on decisions: audited, at most two records per window."""
+"""Failed approver authentication on decisions and intents: audited, at most two records per window."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import asyncio
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from proxy.admin.failed_auth import MAX_NAMED, FailedApproverAuth
+from proxy.admin.failed_auth import MAX_NAMED, FailedApproverAuth, failed_auth_of
 from proxy.errors import AuditError
 
 
@@ -83,3 +84,22 @@ async def test_an_audit_log_that_cannot_write_leaves_the_refusal_alone(
     auth = FailedApproverAuth(notes)
     auth.failed(_request("10.0.0.1"), "missing", "a1", "approve")  # never raises
     assert "failed approver authentication not audited: disk full" in caplog.text
+
+
+async def test_intents_and_decisions_share_one_window_per_application() -> None:
+    notes, clock = Notes(), Clock()
+    app = web.Application()
+    auth = failed_auth_of(app, notes)
+    assert auth is not None and failed_auth_of(app, notes) is auth  # one limiter per app
+    assert failed_auth_of(web.Application(), None) is None  # nothing to audit to
+    auth._clock = clock
+    auth.failed(_request("10.0.0.1"), "missing", "run-1", "intent")
+    auth.failed(_request("10.0.0.2"), "unknown", "run-2", "intent")
+    auth.failed(_request("10.0.0.2"), "unknown", "a1", "approve")
+    [first] = notes.written
+    assert first == {"reason": "approver authentication failed (missing token): intent for run "
+                               "'run-1' not set", "run": "run-1", "action": "intent",
+                     "token": "missing", "remote": "10.0.0.1", "failures": 1}
+    auth.flush()
+    held = notes.written[1]
+    assert (held["failures"], held["runs"], held["approval_ids"]) == (2, ["run-2"], ["a1"])

@@ -84,12 +84,12 @@ def test_lean_request_has_what_stream_response_prepare_reads() -> None:
 
 
 async def _who(request: web.Request) -> web.Response:
-    body = await read_body(request, 1 << 20)
+    body = await read_body(request, 1 << 20, 10.0)
     return web.Response(text=f"{type(request).__name__}|{dict(request.match_info)}|{len(body)}")
 
 
 async def _sse(request: web.Request) -> web.StreamResponse:
-    await read_body(request, 1 << 20)
+    await read_body(request, 1 << 20, 10.0)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for n in range(3):
@@ -200,7 +200,7 @@ RETURNED: list[str] = []
 
 
 async def _answer(request: web.Request) -> web.StreamResponse:
-    body = await read_body(request, 1 << 20)
+    body = await read_body(request, 1 << 20, 10.0)
     status, headers = ANSWERS[request.match_info["upstream"]]
     reply = b'{"jsonrpc":"2.0","id":1,"result":' + body + b"}"
     if writes_plain(request):
