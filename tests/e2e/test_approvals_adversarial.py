@@ -13,6 +13,7 @@ judged on one reading and forwarded as sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -400,16 +401,32 @@ async def test_a_decision_body_past_the_limit_is_refused_413_and_decides_nothing
     assert (await admin(proxy, "GET", f"/v1/approvals/{approval['id']}")).json()["state"] == "pending"
 
 
+@contextlib.contextmanager
+def _guessed_at(tmp: Path) -> Iterator[ProxyProcess]:
+    """A proxy whose one approver (alice) a client guesses tokens against."""
+    config = {"approvals": {"approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+    with proxy_process(tmp, {"notes": "http://127.0.0.1:1/mcp"}, policies=_policy(tmp / "policies"),
+                       config=config) as pp:
+        yield pp
+
+
+def _failed_after_shutdown(pp: ProxyProcess, at_once: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The failed-authentication records once the proxy has stopped: the one written at once
+    (`at_once`, read while it served) first, then what was held; the chain verifies."""
+    failed = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
+    assert at_once == failed[:1]
+    done = cli("audit", "verify", str(pp.audit_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return failed
+
+
 def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_window(
         tmp_path: Path) -> None:
     # A token guessed against approve and deny was counted, never audited. Now the first failure
     # is on record at once and the flood after it as one aggregated record (here written at
     # shutdown, before the audit log closes): 30 attempts, two records, a chain that verifies.
-    tmp = tmp_path
-    config = {"approvals": {"approvers": {
-        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
-    with proxy_process(tmp, {"notes": "http://127.0.0.1:1/mcp"}, policies=_policy(tmp / "policies"),
-                       config=config) as pp:
+    with _guessed_at(tmp_path) as pp:
         for i in range(30):
             headers = {"Authorization": f"Bearer guess-{i}"} if i % 3 else {}
             verb = "approve" if i % 2 else "deny"
@@ -419,8 +436,7 @@ def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_
         assert metric_value(pp.metrics(), "envelope_admin_rejected_requests_total",
                             reason="unauthenticated") == 30
         at_once = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
-    failed = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
-    assert at_once == failed[:1]
+    failed = _failed_after_shutdown(pp, at_once)
     first, held = failed
     assert all((r["tool"], r["method"], r["check"], r["verdict"], r["principal"])
                == ("<approval>", "<approval>", "approval", "deny", "<unverified>") for r in failed)
@@ -431,8 +447,6 @@ def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_
     assert held["extra"]["approval_ids"] == ["ap-0", "ap-1", "ap-2", "ap-3"]
     assert held["extra"]["remotes"] == ["127.0.0.1"]
     assert "guess-" not in str(failed)  # a guessed token is never written down
-    done = cli("audit", "verify", str(pp.audit_dir))
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions_at_most_twice_a_window(
@@ -440,11 +454,7 @@ def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions
     # A 401 on `POST /v1/runs/<run>/intent` was counted, never audited. Now it goes through the
     # decisions' limiter: the first failure on record at once, the rest of the window (intents
     # and a deny alike) as one aggregated record at shutdown.
-    tmp = tmp_path
-    config = {"approvals": {"approvers": {
-        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
-    with proxy_process(tmp, {"notes": "http://127.0.0.1:1/mcp"}, policies=_policy(tmp / "policies"),
-                       config=config) as pp:
+    with _guessed_at(tmp_path) as pp:
         for i in range(20):
             headers = {"Authorization": f"Bearer guess-{i}"} if i % 2 else {}
             reply = httpx.post(f"{pp.admin}/v1/runs/run-{i % 3}/intent",
@@ -456,8 +466,7 @@ def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions
         assert metric_value(pp.metrics(), "envelope_admin_rejected_requests_total",
                             reason="unauthenticated") == 21
         at_once = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
-    failed = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
-    assert at_once == failed[:1]
+    failed = _failed_after_shutdown(pp, at_once)
     first, held = failed
     assert all((r["tool"], r["check"], r["verdict"], r["principal"])
                == ("<approval>", "approval", "deny", "<unverified>") for r in failed)
@@ -469,5 +478,3 @@ def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions
     assert held["extra"]["runs"] == ["run-0", "run-1", "run-2"]
     assert held["extra"]["approval_ids"] == ["ap-9"]
     assert "guess-" not in str(failed) and "send it" not in str(failed)
-    done = cli("audit", "verify", str(pp.audit_dir))
-    assert done.returncode == 0, done.stdout + done.stderr
