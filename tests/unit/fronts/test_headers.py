@@ -6,6 +6,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.fronts.headers import (
     connection_refusal,
+    layered,
     nominated,
     protected,
     underscored,
@@ -40,3 +41,12 @@ def test_naming_a_field_the_proxy_reads_or_sets_is_refused_and_options_are_not()
 def test_an_underscore_is_found_in_any_field_name_only() -> None:
     assert underscored([(b"Host", b"a_b"), (b"X-Run", b"x_y")]) is None
     assert underscored([(b"Host", b"h"), (b"X_Envelope_Run", b"r")]) == "X_Envelope_Run"
+
+
+def test_a_later_layer_replaces_a_field_of_any_case_and_keeps_the_rest() -> None:
+    # The agent's forwarded Authorization and header parameter, then the upstream's own headers:
+    # one field per name reaches the upstream, the configured one, in the case it was written.
+    merged = layered({"Accept": "application/json", "Authorization": "Bearer agent"},
+                     {"X-Tag": "agent"},
+                     {"authorization": "Bearer proxy", "x-tag": "proxy"})
+    assert merged == {"Accept": "application/json", "authorization": "Bearer proxy", "x-tag": "proxy"}
