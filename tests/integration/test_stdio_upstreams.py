@@ -320,6 +320,7 @@ async def test_a_session_ended_while_its_child_restarts_leaves_no_child(tmp_path
     brings up is stopped, not left running outside every session and slot."""
     marker = tmp_path / "slow-start"
     command = ("sh", "-c", f'test -f {marker} && sleep 2; exec "$0" -c "$1"', sys.executable, SCRIPT)
+    others = frozenset(_children())
     stdio = StdioUpstreams(max_line_bytes=64 * 1024)
     stdio.configure({"script": StdioSpec("script", command)})
     await stdio.start()
@@ -330,12 +331,12 @@ async def test_a_session_ended_while_its_child_restarts_leaves_no_child(tmp_path
         marker.touch()  # the restarted child takes 2 s to answer its replayed initialize
         await post(stdio, {"jsonrpc": "2.0", "id": 3, "method": "big", "params": {"size": 100_000}},
                    headers=session)  # a line past the cap: the child is killed and restarted
-        await _until(lambda: [p for p in _children() if p != first["result"]["pid"]])  # restarting
+        await _until(lambda: [p for p in _children(others) if p != first["result"]["pid"]])  # restarting
         async with aiohttp.ClientSession() as http, http.delete(
                 stdio.url("script"), headers={**stdio.headers, **session}) as resp:
             assert resp.status == 200
         await _until(lambda: not stdio._tasks)  # the restart finished
-        assert [p for p in _children() if alive(p)] == []
+        assert [p for p in _children(others) if alive(p)] == []
         assert stdio.processes("script") == 0
     finally:
         await stdio.close()
@@ -349,8 +350,9 @@ async def _until(predicate: Callable[[], Any]) -> None:
     raise AssertionError("not within 20 s")
 
 
-def _children() -> list[int]:
-    """This process's live child processes (from /proc)."""
+def _children(besides: frozenset[int] = frozenset()) -> list[int]:
+    """This process's live child processes (from /proc), but for `besides` (those a test found
+    already running: other tests' fixtures, such as a session-wide upstream server)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -359,7 +361,7 @@ def _children() -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            if int(fields[1]) == os.getpid() and fields[0] != "Z" and int(entry) not in besides:
                 found.append(int(entry))
     return found
 
@@ -416,18 +418,19 @@ async def test_an_upstream_dropped_while_its_shared_child_starts_leaves_no_child
     """A reload removes (or changes) the upstream while its shared child is still starting: the
     child that comes up is stopped, its slot given back, never left running for nobody."""
     command = ("sh", "-c", 'sleep 1; exec "$0" -c "$1"', sys.executable, SCRIPT)
+    others = frozenset(_children())
     stdio = StdioUpstreams(max_line_bytes=64 * 1024)
     stdio.configure({"script": StdioSpec("script", command)})
     await stdio.start()
     try:
         call = asyncio.ensure_future(post(stdio, {"jsonrpc": "2.0", "id": 1, "method": "pid"}))
-        await _until(lambda: _children())  # the child is starting
+        await _until(lambda: _children(others))  # the child is starting
         stdio.configure({})  # the reload drops the upstream meanwhile
         status, _, [error] = await call
         assert (status, error["error"]["message"]) == (
             502, "stdio upstream 'script': the upstream was reconfigured while its process started")
         await _until(lambda: not stdio._tasks)
-        assert [p for p in _children() if alive(p)] == []
+        assert [p for p in _children(others) if alive(p)] == []
         assert stdio.processes("script") == 0
     finally:
         await stdio.close()
