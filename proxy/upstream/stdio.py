@@ -711,7 +711,7 @@ class StdioUpstreams:
         try:
             # The send within the deadline too: a child that never reads stdin fills the pipe
             # (64 KiB) with a large initialize, and the write would wait for it for ever.
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(HANDSHAKE_SECONDS):
                 await child.send({**session.initialize, "id": proxy_id})
                 reply = await waiter.get()
         except BaseException:

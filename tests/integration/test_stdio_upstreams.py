@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
+from proxy.upstream import stdio as stdio_module
 from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
 
 # A stdio "server" that needs no SDK: `initialize` answers, `echo` replies `text` after `delay`
@@ -338,6 +339,45 @@ async def test_a_session_ended_while_its_child_restarts_leaves_no_child(tmp_path
         await _until(lambda: not stdio._tasks)  # the restart finished
         assert [p for p in _children(others) if alive(p)] == []
         assert stdio.processes("script") == 0
+    finally:
+        await stdio.close()
+
+
+async def test_a_restart_whose_child_never_reads_its_replayed_initialize_gives_up(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replayed `initialize` (here 200 KB: more than the pipe holds) is written within the
+    handshake's deadline too: a restarted child that never reads stdin fails that restart, and
+    after `MAX_SESSION_RESTARTS` of them the session ends (404). The write used to wait for
+    ever: the session hung, neither restarted nor ended."""
+    monkeypatch.setattr(stdio_module, "HANDSHAKE_SECONDS", 0.5)
+    marker = tmp_path / "deaf"
+    command = ("sh", "-c", f'test -f {marker} && exec sleep 60; exec "$0" -c "$1"', sys.executable, SCRIPT)
+    stdio = StdioUpstreams(max_line_bytes=1024 * 1024)  # a 200 KB initialize is accepted
+    stdio.configure({"script": StdioSpec("script", command)})
+    await stdio.start()
+    try:
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                "params": {"clientInfo": {"name": "t", "version": "1", "pad": "x" * 200_000}}}
+        status, headers, _ = await post(stdio, init)
+        assert status == 200, status
+        session = {"Mcp-Session-Id": headers["Mcp-Session-Id"]}
+        marker.touch()  # every restarted child sleeps, never reading its stdin
+        await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "big", "params": {"size": 2_000_000}},
+                   headers=session)  # a line past the cap: the child is killed and restarted
+
+        async def ended() -> bool:
+            status, _, _ = await post(stdio, {"jsonrpc": "2.0", "id": 3, "method": "pid"}, headers=session)
+            return status == 404
+
+        # 5 restarts: 7.75 s of backoff, 2.5 s of deadlines. A call waits for the restart (or
+        # is told 404), so it is bounded too.
+        async with asyncio.timeout(40):
+            for _ in range(80):
+                if await ended():
+                    break
+                await asyncio.sleep(0.5)
+            else:
+                raise AssertionError("the session neither restarted nor ended")
     finally:
         await stdio.close()
 
