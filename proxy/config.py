@@ -50,7 +50,8 @@ def parse_hostport(value: str, default_host: str = "127.0.0.1") -> tuple[str, in
 class UpstreamOverride(_Model):
     """Runtime override of a policy upstream's location (the policy decides, the platform
     routes): exactly one of `url` or `command`; the whole entry replaces the policy's `url`,
-    `command`, `env`, `cwd`, `max_processes` and `idle_timeout` (see policy `Upstream`)."""
+    `command`, `env`, `cwd`, `max_processes`, `max_processes_per_principal` and `idle_timeout`
+    (see policy `Upstream`)."""
 
     url: str | None = None
     command: list[str] | None = None
@@ -60,6 +61,8 @@ class UpstreamOverride(_Model):
     cwd: str | None = None
     # stdio: most child processes at once. Absent: 16.
     max_processes: int = Field(default=16, ge=1, le=1024)
+    # stdio: most session children of one principal at once. Absent: half of max_processes.
+    max_processes_per_principal: int | None = Field(default=None, ge=1, le=1024)
     # stdio: an idle child is stopped after this long. Absent: 5 minutes.
     idle_timeout: Duration = 300.0
 

@@ -64,7 +64,7 @@ from proxy.store.factory import open_store
 from proxy.tools.replay import open_recorder
 from proxy.upstream.forwarder import Forwarder
 from proxy.upstream.health import HealthProber, ProbeTarget, UpstreamHealth
-from proxy.upstream.stdio import StdioSpec, StdioUpstreams
+from proxy.upstream.stdio import PRINCIPAL_HEADER, StdioSpec, StdioUpstreams
 from proxy.upstream.transport import FastForwarder
 from proxy.upstream.urls import strip_credentials
 
@@ -194,20 +194,23 @@ class Runtime:
         for name, up in revision.document.upstreams.items():
             source = self.config.upstreams.get(name) or up  # the runtime config's entry wins
             url, headers = source.url, dict(up.headers)
+            principal_header: str | None = None
             if source.command is not None:
                 # Served by StdioUpstreams' loopback endpoint: an HTTP upstream like any other.
                 specs[name] = StdioSpec(name, tuple(source.command), tuple(sorted(source.env.items())),
-                                        source.cwd, source.max_processes, source.idle_timeout)
+                                        source.cwd, source.max_processes, source.idle_timeout,
+                                        source.max_processes_per_principal)
                 if self.stdio is None:
                     self.stdio = StdioUpstreams(self.config.limits.max_upstream_event_bytes,
                                                 on_health=self._stdio_health,
                                                 on_processes=self.metrics.set_stdio_processes)
                 url, headers = self.stdio.url(name), self.stdio.headers
+                principal_header = PRINCIPAL_HEADER
             assert url is not None  # exactly one of url / command (model validators)
             targets[name] = UpstreamTarget(
                 name=name, url=url, timeout=up.timeout,
                 connect_timeout=up.connect_timeout, headers=headers,
-                forward_authorization=up.forward_authorization,
+                forward_authorization=up.forward_authorization, principal_header=principal_header,
             )
         self.envelope.install(revision, chain)
         if self.stdio is not None:

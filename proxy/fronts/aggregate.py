@@ -68,6 +68,7 @@ from proxy.fronts.sse import SSEParser, format_event
 from proxy.fronts.streams import StreamSlot
 from proxy.observability import tracing
 from proxy.upstream import openapi
+from proxy.upstream.stdio import principal_value
 
 log = logging.getLogger("envelope.aggregate")
 
@@ -92,6 +93,8 @@ class _UpstreamSession:
     # upstreams, which may bind the session to it): what ends it if its client session is pushed
     # out, with no request of that client at hand.
     auth: str | None = None
+    # Whose it is (the client session's principal; None: shared by stateless clients).
+    principal: str | None = None
 
 
 @dataclass(slots=True)
@@ -320,6 +323,8 @@ class AggregateFront:
         auth = request if request is None or isinstance(request, str) else request.headers.get("Authorization")
         if auth and target.forward_authorization:
             headers["Authorization"] = auth
+        if target.principal_header is not None and us.principal is not None:
+            headers[target.principal_header] = principal_value(us.principal)
         return layered(headers, target.headers)
 
     def _next_id(self) -> str:
@@ -373,7 +378,7 @@ class AggregateFront:
         table = self._shared if sess is None else sess.upstreams
         us = table.get(name)
         if us is None:
-            us = table[name] = _UpstreamSession()
+            us = table[name] = _UpstreamSession(principal=None if sess is None else sess.principal)
         return us
 
     async def _request(self, sess: _ClientSession | None, target: UpstreamTarget, request: web.Request,

@@ -76,6 +76,10 @@ class UpstreamTarget:
     connect_timeout: float
     headers: Mapping[str, str]
     forward_authorization: bool
+    # The header naming the caller's principal on a request that opens an upstream session
+    # (a stdio upstream's internal endpoint: each principal's share of its processes). None:
+    # the upstream is not told.
+    principal_header: str | None = None
 
 
 @dataclass(slots=True)

@@ -62,6 +62,7 @@ from proxy.fronts.sse import KEEP_ALIVE, SSEEvent, SSEParser, format_event, form
 from proxy.observability import tracing
 from proxy.policy.vocab import Effect
 from proxy.upstream.forwarder import UpstreamResponse
+from proxy.upstream.stdio import principal_value
 
 log = logging.getLogger("envelope.mcp")
 
@@ -69,7 +70,7 @@ log = logging.getLogger("envelope.mcp")
 # ones and what `Connection` names: `proxy.fronts.headers`).
 NOT_UPSTREAM = HOP_BY_HOP | {"accept-encoding", "authorization", "origin", "cookie", "x-envelope-run",
                              "x-envelope-shadow", "x-envelope-parent-run", "x-envelope-capability",
-                             "x-envelope-agent", "x-envelope-intent"}
+                             "x-envelope-agent", "x-envelope-intent", "x-envelope-stdio-principal"}
 # Response headers the proxy's own server sets.
 NOT_DOWNSTREAM = HOP_BY_HOP | {"server", "date"}
 # Requests whose answer is content the agent reads: forwarded by the executor and audited.
@@ -388,10 +389,13 @@ class McpFront:
         settings = ctx.settings
         started = time.perf_counter()
         stream = request.method == "GET"
+        headers = self._upstream_headers(request, target)
+        if target.principal_header is not None:
+            headers[target.principal_header] = principal_value(principal.id)
         try:
             async with asyncio.timeout(target.timeout):
                 resp = await ctx.forwarder.open(
-                    request.method, target.url, self._upstream_headers(request, target), body,
+                    request.method, target.url, headers, body,
                     connect_timeout=target.connect_timeout, read_timeout=None if stream else target.timeout,
                     resend=request.method in ("GET", "DELETE") or (msg is not None and msg.method in REPEATABLE),
                     long_lived=stream)

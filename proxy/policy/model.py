@@ -101,6 +101,10 @@ class Upstream(_Model):
     # stdio: most child processes at once for this upstream (one per session client, plus the
     # one shared by stateless clients); past it a new session is refused with HTTP 503.
     max_processes: int = Field(default=16, ge=1, le=1024)
+    # stdio: most session children one principal holds at once (so one client cannot take every
+    # slot from the others); past it its new session is refused with HTTP 503. Absent: half of
+    # `max_processes`, rounded up.
+    max_processes_per_principal: int | None = Field(default=None, ge=1, le=1024)
     # stdio: a child no request touched for this long is stopped (its session ends).
     idle_timeout: Duration = 300.0
     # Whole-call timeout for inspected requests (tools/call, tools/list). Streams have no timeout.

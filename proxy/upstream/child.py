@@ -44,6 +44,15 @@ class StdioSpec:
     cwd: str | None = None
     max_processes: int = 16
     idle_timeout: float = 300.0
+    # Session children one principal may hold at once; None: half of `max_processes`, rounded
+    # up (`per_principal`).
+    max_processes_per_principal: int | None = None
+
+    @property
+    def per_principal(self) -> int:
+        """Session children one principal may hold at once (never more than the pool)."""
+        share = self.max_processes_per_principal or -(-self.max_processes // 2)
+        return min(share, self.max_processes)
 
 
 def child_env(extra: Mapping[str, str]) -> dict[str, str]:

@@ -10,9 +10,14 @@ Behind the endpoint, newline-delimited JSON-RPC on the child's stdin/stdout, one
 
 - Session clients (2025-06-18 / 2025-11-25, `initialize` without `Mcp-Session-Id`) each get a
   child of their own: a stdio server is one MCP session. Children come from a bounded pool
-  (`max_processes` per upstream); past the bound `initialize` gets HTTP 503 with a JSON-RPC
-  error at once (a clear answer, never a hang). A child no request touched for `idle_timeout`
-  is stopped and its session forgotten (the client then gets 404 and initializes again).
+  (`max_processes` per upstream, of which one principal holds at most its share,
+  `max_processes_per_principal`: one client cannot take every slot from the others); past
+  either bound `initialize` gets HTTP 503 with a JSON-RPC error at once (a clear answer, never a
+  hang). A child no request touched for `idle_timeout` is stopped and its session forgotten
+  (the client then gets 404 and initializes again). A session child that fails at start-up
+  (cannot be started, or exits before it answers `initialize`) starts a backoff: until it
+  passes, `initialize` is refused 503 saying why, so a crash-looping server is not started
+  again for every retry.
 - Stateless clients (2026-07-28, no session id) share one child the proxy started and
   prepared: a server that answers `server/discover` gets their requests as they are; one that
   speaks only the handshake revisions is initialised by the proxy (2025-11-25), which then
@@ -45,6 +50,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import math
 import re
 import secrets
 import socket
@@ -52,6 +58,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote, unquote
 
 import orjson
 from aiohttp import web
@@ -59,11 +66,16 @@ from aiohttp import web
 from proxy.policy.model import Upstream
 from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of, log_due
 
-__all__ = ["SECRET_HEADER", "StdioSpec", "StdioUpstreams", "child_env", "command_upstream"]
+__all__ = ["PRINCIPAL_HEADER", "SECRET_HEADER", "StdioSpec", "StdioUpstreams", "child_env",
+           "command_upstream", "principal_value"]
 
 log = logging.getLogger("envelope.stdio")
 
 SECRET_HEADER = "X-Envelope-Stdio-Secret"
+# The caller's principal (percent-encoded), set by the proxy's fronts on requests to the
+# endpoint: a session counts against its principal's share of the processes. A client's own is
+# never forwarded (the fronts strip `X-Envelope-*` fields they set).
+PRINCIPAL_HEADER = "X-Envelope-Stdio-Principal"
 # Ids the proxy mints towards a shared child (and back towards a stateless caller): strings with
 # this prefix, so they never collide with a caller's numbers or strings.
 ID_PREFIX = "envelope-stdio-"
@@ -97,6 +109,7 @@ class Session:
 
     id: str
     spec: StdioSpec
+    principal: str = ""
     child: Child | None = None
     initialize: dict[str, Any] | None = None
     initialized: dict[str, Any] | None = None
@@ -106,6 +119,15 @@ class Session:
     closed: bool = False
     # The session's GET streams: each holds what it has not written yet, bounded like a call's.
     listeners: list[Waiter] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Failing:
+    """An upstream whose session children fail at start-up: no new one before `until`."""
+
+    count: int = 0
+    until: float = 0.0
+    last: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -146,6 +168,8 @@ class StdioUpstreams:
         self._sessions: dict[str, Session] = {}
         self._shared: dict[str, Shared] = {}
         self._slots: dict[str, int] = {}
+        self._held: dict[tuple[str, str], int] = {}  # (upstream, principal) -> its sessions
+        self._failing: dict[str, Failing] = {}
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -275,6 +299,53 @@ class StdioUpstreams:
         if self.on_processes is not None:
             self.on_processes(name, self._slots[name])
 
+    def _hold(self, name: str, principal: str, change: int) -> None:
+        key = (name, principal)
+        held = self._held.get(key, 0) + change
+        if held > 0:
+            self._held[key] = held
+        else:
+            self._held.pop(key, None)
+
+    def _over_share(self, spec: StdioSpec, principal: str, rpc_id: Any) -> web.Response | None:
+        """503 when `principal` holds its whole share of `spec`'s processes, else None."""
+        share = spec.per_principal
+        if self._held.get((spec.name, principal), 0) < share:
+            return None
+        who = f"principal {principal!r}" if principal else "this principal"
+        log.warning("stdio upstream %s: %s holds %d processes, its whole share "
+                    "(max_processes_per_principal: %d): refused to start another", spec.name,
+                    who, share, share)
+        response = _error(503, rpc_id, -32000,
+                          f"{who} holds as many processes of stdio upstream {spec.name!r} as one "
+                          f"principal may (max_processes_per_principal: {share}); end a session "
+                          "or try again later")
+        response.headers["Retry-After"] = "1"
+        return response
+
+    def _start_failed(self, spec: StdioSpec, reason: str) -> None:
+        failing = self._failing.setdefault(spec.name, Failing())
+        failing.count += 1
+        failing.last = reason
+        delay = _backoff(failing.count)
+        failing.until = time.monotonic() + delay
+        log.error("stdio upstream %s: a session's child failed at start-up (%s), %d times in a "
+                  "row: no new session before %gs", spec.name, reason, failing.count, delay)
+
+    def _backing_off(self, spec: StdioSpec, rpc_id: Any) -> web.Response | None:
+        """503 while the upstream's start-up backoff runs, else None."""
+        failing = self._failing.get(spec.name)
+        if failing is None:
+            return None
+        left = failing.until - time.monotonic()
+        if left <= 0:
+            return None
+        response = _error(503, rpc_id, -32000,
+                          f"stdio upstream {spec.name!r} failed to start {failing.count} times in "
+                          f"a row (last: {failing.last}); the next start is in {left:.1f}s")
+        response.headers["Retry-After"] = str(math.ceil(left))
+        return response
+
     def _full(self, spec: StdioSpec, rpc_id: Any) -> web.Response:
         log.warning("stdio upstream %s runs as many processes as it may (max_processes: %d): "
                     "refused to start another", spec.name, spec.max_processes)
@@ -288,14 +359,26 @@ class StdioUpstreams:
                             message: dict[str, Any]) -> web.StreamResponse:
         if self._closing:
             return _error(503, message.get("id"), -32000, "the proxy is shutting down")
-        if not self._take_slot(spec):
+        principal = unquote(request.headers.get(PRINCIPAL_HEADER, ""))
+        refused = self._backing_off(spec, message.get("id"))
+        if refused is not None:
+            return refused
+        if self._slots.get(spec.name, 0) >= spec.max_processes:
             return self._full(spec, message.get("id"))
-        session = Session(id=secrets.token_hex(16), spec=spec, initialize=message)
+        refused = self._over_share(spec, principal, message.get("id"))
+        if refused is not None:
+            return refused
+        self._take_slot(spec)
+        self._hold(spec.name, principal, 1)
+        session = Session(id=secrets.token_hex(16), spec=spec, principal=principal,
+                          initialize=message)
         try:
             child = await self._start_child(spec, session)
         except ChildGone as exc:
             self._free_slot(spec.name)
+            self._hold(spec.name, principal, -1)
             self._health(spec.name, False, str(exc))
+            self._start_failed(spec, str(exc))
             return _error(502, message.get("id"), -32603, f"stdio upstream {spec.name!r}: {exc}")
         session.child = child
         session.ready.set()
@@ -308,7 +391,12 @@ class StdioUpstreams:
                                      on_reply=lambda _: self._health(spec.name, True))
         finally:
             session.last_used = time.monotonic()  # idle counts from the last answer
-            if not waiter.done:
+            if waiter.done:
+                self._failing.pop(spec.name, None)  # it starts: the backoff is over
+            else:
+                if not child.alive:
+                    self._start_failed(spec, f"the process {child.broken or 'exited'} before "
+                                       "it answered initialize")
                 # No session without the server's answer: nothing restarts a child for a
                 # handshake that never happened, and the slot is free again.
                 await self._end_session(session)
@@ -386,6 +474,7 @@ class StdioUpstreams:
         session.closed = True
         session.ready.set()
         self._sessions.pop(session.id, None)
+        self._hold(session.spec.name, session.principal, -1)
         for listener in session.listeners:
             listener.put(None)  # however much it holds: its stream ends after that
         child, session.child = session.child, None
@@ -745,6 +834,7 @@ class StdioUpstreams:
                     await child.close()
 
     def _drop_upstream(self, name: str) -> None:
+        self._failing.pop(name, None)  # a new command starts at once
         for session in [s for s in self._sessions.values() if s.spec.name == name]:
             self._spawn_task(self._end_session(session))
         shared = self._shared.pop(name, None)
@@ -783,6 +873,11 @@ def _with_trace(message: dict[str, Any], headers: Mapping[str, str]) -> dict[str
     if state and len(state) <= MAX_TRACESTATE and state.isprintable():
         meta["tracestate"] = state
     return {**message, "params": {**params, "_meta": meta}}
+
+
+def principal_value(principal: str) -> str:
+    """`principal` as the value of PRINCIPAL_HEADER (any id fits a header field)."""
+    return quote(principal, safe="")
 
 
 def _backoff(failures: int) -> float:

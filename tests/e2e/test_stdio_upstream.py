@@ -32,7 +32,15 @@ import pytest
 from e2e_helpers import write_doc
 from test_real_clients import MODULES, node22, require_package
 
-from tests.harness import ADMIN_TOKEN, ProxyProcess, mcp_client, metric_value, proxy_process
+from tests.harness import (
+    ADMIN_TOKEN,
+    ProxyProcess,
+    mcp_client,
+    metric_value,
+    proxy_process,
+    rpc,
+    token,
+)
 
 MODES = ("legacy", "auto")
 SERVER = Path(__file__).resolve().parent / "stdio_server.py"
@@ -324,7 +332,9 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("stdio-pool")
     state = tmp / "child"
     state.mkdir()
-    policies = fixture_policy(tmp / "policies", state, max_processes=8, idle_timeout="2s")
+    # One principal may take the whole pool here: this fixture tests the pool's bound.
+    policies = fixture_policy(tmp / "policies", state, max_processes=8,
+                              max_processes_per_principal=8, idle_timeout="2s")
     with proxy_process(tmp, {}, policies=policies, identity=STATIC) as pp:
         yield World(pp, state)
 
@@ -393,6 +403,84 @@ async def test_an_idle_child_is_reaped(pool: World) -> None:
         assert alive(pid)
         await wait_until(lambda: not alive(pid), 10, "the idle child stopped (idle_timeout 2s)")
     assert "idle for 2s: stopping its child" in pool.proxy.log()
+
+
+async def test_one_principal_cannot_take_another_principals_process(tmp_path: Path) -> None:
+    """A pool of 2: one principal holds its share (half, by default) and its next session is
+    refused naming the share; another principal's session still gets a child, on the
+    per-upstream route and on the aggregate alike."""
+    from mcp import MCPError
+
+    share = ("holds as many processes of stdio upstream 'fix' as one principal may "
+             "(max_processes_per_principal: 1); end a session or try again later")
+    state = tmp_path / "child"
+    state.mkdir()
+    policies = fixture_policy(tmp_path / "policies", state, max_processes=2)
+    with proxy_process(tmp_path, {}, policies=policies,
+                       config={"aggregate": {"enabled": True}}) as pp:
+        async with mcp_client(pp.url("fix"), mode="legacy", bearer=token("hog")) as held:
+            await held.call_tool("pid", {})
+            with pytest.raises(BaseException) as refused:  # the SDK wraps it in exception groups
+                async with mcp_client(pp.url("fix"), mode="legacy", bearer=token("hog")) as c:
+                    await c.call_tool("pid", {})
+            found = _mcp_error(refused.value, MCPError)
+            assert found is not None, refused.value
+            assert str(found.error.message) == f"principal 'hog' {share}"
+            async with mcp_client(pp.url("fix"), mode="legacy", bearer=token("other")) as c:
+                assert alive(int(text(await c.call_tool("pid", {}))))
+        await wait_until(lambda: metric_value(pp.metrics(), "envelope_stdio_processes",
+                                              upstream="fix") == 0, 10, "both given back")
+        # The aggregate opens its upstream session for the client session's principal.
+        aggregate = f"{pp.base}/mcp"
+        async with mcp_client(aggregate, mode="legacy", bearer=token("hog")) as held:
+            assert alive(int(text(await held.call_tool("fix.pid", {}))))
+            async with mcp_client(aggregate, mode="legacy", bearer=token("hog")) as c:
+                r = await c.call_tool("fix.pid", {})
+                assert r.is_error is True and share in text(r), text(r)
+            async with mcp_client(aggregate, mode="legacy", bearer=token("other")) as c:
+                assert alive(int(text(await c.call_tool("fix.pid", {}))))
+
+
+CRASH_AT_START = "import os, sys; open(sys.argv[1], 'a').write('started\\n'); sys.exit(3)"
+
+
+async def test_a_server_failing_at_start_up_is_not_restarted_for_every_retry(tmp_path: Path) -> None:
+    """A command that exits before it answers `initialize`: the first session gets 502; while
+    the backoff runs (0.25 s doubling) new sessions are refused 503 with the reason and a
+    Retry-After, without starting a process. 30 retries back to back start a handful of
+    processes, not 30, and every refusal counts as an upstream error."""
+    starts = tmp_path / "starts"
+    policies = write_doc(tmp_path / "policies", {
+        "version": 1,
+        "upstreams": {"crashy": {"command": [sys.executable, "-c", CRASH_AT_START, str(starts)]}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {"crashy.echo": {"effect": "read"}},
+    })
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "retrier", "version": "1"}}}
+    with proxy_process(tmp_path, {}, policies=policies, identity=STATIC) as pp:
+        statuses = []
+        refusal: httpx.Response | None = None
+        for _ in range(30):
+            r = await asyncio.to_thread(rpc, pp.url("crashy"), init,
+                                        headers={"MCP-Protocol-Version": "2025-11-25"})
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                refusal = r
+        assert statuses[0] == 502, statuses
+        assert set(statuses) == {502, 503}, statuses
+        assert refusal is not None
+        message = refusal.json()["error"]["message"]
+        assert re.fullmatch(r"stdio upstream 'crashy' failed to start \d+ times in a row \(last: "
+                            r"the process exited before it answered initialize\); the next start "
+                            r"is in \d+\.\ds", message), message
+        assert int(refusal.headers["Retry-After"]) >= 1
+        started = starts.read_text().count("started")
+        assert started == statuses.count(502) and started <= 10, (started, statuses)
+        assert metric_value(pp.metrics(), "envelope_upstream_requests_total", upstream="crashy",
+                            outcome="error") == 30
+    assert "a session's child failed at start-up" in pp.log()
 
 
 async def test_shutdown_leaves_no_child(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from proxy.upstream import stdio as stdio_module
-from proxy.upstream.stdio import SECRET_HEADER, StdioSpec, StdioUpstreams
+from proxy.upstream.stdio import PRINCIPAL_HEADER, SECRET_HEADER, StdioSpec, StdioUpstreams
 
 # A stdio "server" that needs no SDK: `initialize` answers, `echo` replies `text` after `delay`
 # seconds (requests run concurrently, so replies can cross), `big` writes one line of `size`
@@ -214,10 +214,11 @@ async def test_a_line_past_the_cap_breaks_the_child(stdio: StdioUpstreams) -> No
 
 async def test_sessions_past_the_bound_are_refused_at_once(stdio: StdioUpstreams) -> None:
     init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
-    first = await post(stdio, init)
-    second = await post(stdio, init)
+    # Two principals: each holds its share (1 of 2), and the pool is full for both.
+    first = await post(stdio, init, {PRINCIPAL_HEADER: "a"})
+    second = await post(stdio, init, {PRINCIPAL_HEADER: "b"})
     assert first[0] == second[0] == 200
-    status, headers, [error] = await post(stdio, init)
+    status, headers, [error] = await post(stdio, init, {PRINCIPAL_HEADER: "c"})
     assert (status, headers["Retry-After"]) == (503, "1")
     assert error["error"] == {"code": -32000, "message": "stdio upstream 'script' runs as many "
                               "processes as it may (max_processes: 2); try again later"}
@@ -226,7 +227,7 @@ async def test_sessions_past_the_bound_are_refused_at_once(stdio: StdioUpstreams
     async with aiohttp.ClientSession() as http, http.delete(
             stdio.url("script"), headers={**stdio.headers, "Mcp-Session-Id": sid}) as resp:
         assert resp.status == 200
-    assert (await post(stdio, init))[0] == 200
+    assert (await post(stdio, init, {PRINCIPAL_HEADER: "a"}))[0] == 200
     status, _, _ = await post(stdio, {"jsonrpc": "2.0", "id": 2, "method": "pid"},
                               headers={"Mcp-Session-Id": sid})
     assert status == 404  # the ended session is unknown

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from proxy.config import UpstreamOverride
 from proxy.policy.model import Upstream
-from proxy.upstream.child import child_env
+from proxy.upstream.child import StdioSpec, child_env
 from proxy.upstream.stdio import _backoff, command_upstream
 
 
@@ -26,6 +26,14 @@ def test_exactly_one_of_url_or_command(model: type[Upstream] | type[UpstreamOver
             model.model_validate({"command": empty})
     with pytest.raises(ValidationError):
         model.model_validate({"command": ["server"], "max_processes": 0})
+
+
+@pytest.mark.parametrize(("pool", "given", "share"), [
+    (16, None, 8), (5, None, 3), (1, None, 1), (4, 4, 4), (4, 9, 4), (16, 2, 2)])
+def test_a_principals_share_is_half_the_pool_unless_given(pool: int, given: int | None,
+                                                          share: int) -> None:
+    assert StdioSpec("s", ("server",), max_processes=pool,
+                     max_processes_per_principal=given).per_principal == share
 
 
 def test_command_upstream_is_what_the_stdio_front_serves() -> None:
