@@ -1211,11 +1211,17 @@ class SqliteStore(Store):
         return await self._run("take", op)
 
     async def ping(self) -> None:
-        """Raise StoreError when the database cannot be read, or its file was removed or
-        replaced under the running process: this process goes on with the state it holds open,
-        which is gone at the next start (and another process opening the path starts empty)."""
+        """Raise StoreError when the database cannot be written, or its file was removed or
+        replaced under the running process (this process goes on with the state it holds open,
+        which is gone at the next start, and another process opening the path starts empty).
+
+        A write, not a read: a file or file system gone read-only, a full disk once the write
+        needs space, a write lock another process holds past the busy timeout all refuse every
+        gated, keyed, limited and recorded call while reads still answer. One short-lived row
+        per ping (namespace `#ready`: no namespace starts with `#`), on the worker thread,
+        within the timeout."""
         def op(conn: sqlite3.Connection) -> None:
-            conn.execute("SELECT 1 FROM kv LIMIT 1").fetchall()
+            conn.execute(_PUT, ("#ready", "ping", b"1", time.time() + 60))
             try:
                 ino = os.stat(self.path).st_ino
             except FileNotFoundError:

@@ -136,3 +136,39 @@ def test_a_state_db_removed_under_the_process_fails_readiness(tmp_path: Path) ->
             body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "fetch", "arguments": {}}}
             served = rpc(proxy.url("counted"), body, headers={"X-Envelope-Run": "run-after-rm"})
             assert served.json()["result"]["isError"] is False, served.text
+
+
+def test_a_state_db_that_cannot_be_written_fails_readiness(tmp_path: Path) -> None:
+    """Another process holds the SQLite store's write lock past `store.timeout`: reads still
+    answer (WAL), but every gated, keyed, limited or recorded call is refused, so /readyz must
+    say the store cannot answer (readiness is a write, as for Redis). Once the lock goes, the
+    proxy is ready again."""
+    with fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools={"notes.fetch": {"effect": "read"}},
+                                principals={})
+        db = tmp_path / "state.db"
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies,
+                           identity={"mode": "static", "principal": "agent"},
+                           config={"store": {"kind": "sqlite", "path": str(db), "timeout": 0.5}}) as proxy:
+            assert httpx.get(f"{proxy.admin}/readyz", timeout=5).status_code == 200
+            holder = sqlite3.connect(db, timeout=0.1)
+            holder.execute("BEGIN IMMEDIATE")
+            try:
+                for _ in range(100):
+                    ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
+                    if ready.status_code == 503:
+                        break
+                    time.sleep(0.1)
+                assert ready.status_code == 503, ready.text
+                reasons = " ".join(ready.json()["reasons"])
+                assert "database is locked" in reasons, reasons
+            finally:
+                holder.rollback()
+                holder.close()
+            for _ in range(100):
+                ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
+                if ready.status_code == 200:
+                    break
+                time.sleep(0.1)
+            assert ready.status_code == 200, ready.text
+            assert "state store (sqlite) unavailable" in proxy.log()
