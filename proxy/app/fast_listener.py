@@ -33,7 +33,8 @@ What a connection does, as aiohttp's `RequestHandler` does it:
 - HTTP/1.1 keep-alive, HTTP/1.0 (keep-alive only when asked), `Connection: close`.
 - Pipelined requests are answered in order, one at a time: heads parsed ahead wait in a queue
   with their bodies; past `_MAX_QUEUED` of them parsing stops (the rest of the read waits,
-  unparsed) and reading pauses until the queue drains.
+  unparsed) and reading pauses until the queue drains. When reading stops (a late body, a bad
+  head), every request queued before that is still answered, then the connection closes.
 - A hot-route body (at most 64 KiB, framed by its Content-Length) is buffered whole before its
   request is answered; a connection receiving one is busy (no idle close). When the router
   sends its path elsewhere, the buffered body is fed to a `StreamReader` for aiohttp's request.
@@ -704,7 +705,9 @@ class _Connection(BaseProtocol):
         keep_alive = request.keep_alive
         version = request.version
         if hdrs.CONNECTION not in headers:
-            if keep_alive and not self._closing and not self._listener.closing:
+            # Closing (reading stopped) ends the connection after the last request parsed, not
+            # before those still queued (a pipelined late body's 408 among them).
+            if keep_alive and not (self._closing and not self._queue) and not self._listener.closing:
                 if version == HttpVersion10:
                     fields.append("Connection: keep-alive")
             else:
@@ -743,7 +746,8 @@ class _Connection(BaseProtocol):
             keep_alive = request.keep_alive
         version = request.version
         if hdrs.CONNECTION not in headers:
-            if keep_alive and not self._closing and not self._listener.closing:
+            # As in `_write_plain`: the requests still queued are answered first.
+            if keep_alive and not (self._closing and not self._queue) and not self._listener.closing:
                 if version == HttpVersion10:
                     headers[hdrs.CONNECTION] = "keep-alive"
             else:

@@ -293,6 +293,43 @@ def test_a_trickled_body_is_refused_408_closed_counted_and_never_forwarded(
     assert hostile.control.calls() == []
 
 
+@pytest.mark.parametrize(("kind", "queued"), [(k, q) for k in KINDS for q in (0, 8)])
+def test_a_pipelined_body_trickled_behind_a_call_in_flight_is_refused_408(
+        tmp_path: Path, hostile: HostileUpstream, kind: str, queued: int) -> None:
+    """Pipelined on one connection: a call in flight (the upstream answers it after 3 s),
+    `queued` whole calls behind it, then a call whose head and first bytes come at once and
+    whose body then trickles. Under `listener: fast` with 8 queued, the proxy itself holds the
+    trickled request's bytes back unparsed (at most 8 requests are parsed ahead), and they must
+    not count against the client while held; once parsed, its body has `header_timeout` (1 s)
+    like any other. Every call before it is answered, in order; it gets 408, `Connection:
+    close`, counted `body_timeout`, and never reaches the upstream."""
+    late = call_body(99, text="z" * 300)
+    with served(tmp_path, hostile, kind, listener={"header_timeout": "1s"}) as pp, \
+            connect(pp) as sock, sock.makefile("rb") as f:
+        ahead = request(pp.port, 1, mode="slow", delay=3, text="in flight") + b"".join(
+            request(pp.port, rid, text=f"queued {rid}") for rid in range(2, 2 + queued))
+        sock.sendall(ahead + head(pp.port, len(late)) + late[:10])
+        # More of the body only while nothing is answered (the answers come after 3 s).
+        [sent] = _trickle([sock], [late[10:]], 0.1)
+        assert sent < len(late) - 10
+        status, _, answer = read_response(f)
+        assert status == 200, answer
+        assert result_of(answer, 1)["content"][0]["text"] == "in flight"
+        for rid in range(2, 2 + queued):
+            status, _, answer = read_response(f)
+            assert status == 200, answer
+            assert result_of(answer, rid)["content"][0]["text"] == f"queued {rid}"
+        status, headers, answer = read_response(f)
+        assert status == 408, answer
+        assert headers.get("connection") == "close", headers
+        assert json.loads(answer)["error"]["message"] == (
+            "Request Timeout: the body did not arrive whole within 1 s (listener.header_timeout)")
+        assert closed_within(sock, 15) is not None
+        assert metric_value(pp.metrics(), "envelope_rejected_requests_total",
+                            reason="body_timeout") == 1
+        assert len(hostile.control.calls("read_page")) == 1 + queued
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_body_slow_within_the_deadline_is_served(tmp_path: Path, hostile: HostileUpstream,
                                                    kind: str) -> None:
