@@ -8,8 +8,8 @@
                                    since/until: RFC 3339 or relative (15m, 2d)
     GET /v1/decisions/<decision id>  one audit record (404 when unknown)
     GET /v1/decision-stats?window=1h&principal=&run=&upstream=&tool=&verdict=&code=
-                                   the picture above the table: decisions per minute by verdict
-                                   over the window (1m..24h, default 1h; wider than 3h: buckets
+                                   the picture above the table: calls per minute by verdict
+                                   (no `<approval>`/`<intent>` records) over the window (1m..24h, default 1h; wider than 3h: buckets
                                    of whole minutes, at most 180) and the top refused (deny,
                                    error) tools and codes; computed here, reading at most
                                    `proxy.audit.stats.MAX_SCAN` records of the window (newest

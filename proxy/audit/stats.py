@@ -1,8 +1,8 @@
 """Aggregates of an audit log over a time window, for the review page's picture.
 
-`window_stats` reads records newest first (`proxy.audit.query.iter_records`) and counts those
-that match the filters into time buckets by verdict, plus the refused (deny and error) tools
-and codes. The work is bounded: at most `max_scan` records of the window are read (past the
+`window_stats` reads records newest first (`proxy.audit.query.iter_records`) and counts the
+calls among them that match the filters into time buckets by verdict, plus the refused (deny
+and error) tools and codes. Records of admin actions (`NOT_CALLS`) are not calls. The work is bounded: at most `max_scan` records of the window are read (past the
 window's start reading stops, rotated files older than it are never opened); when the bound is
 hit the answer says `truncated` and from which time it is complete, never a silent undercount.
 """
@@ -26,6 +26,11 @@ REFUSED = frozenset({Verdict.DENY.value, Verdict.ERROR.value})
 MAX_SCAN = 100_000
 MAX_BUCKETS = 180  # bars in the picture; wider windows get wider buckets (whole minutes)
 TOP = 5
+# Methods of the records the admin API writes (`proxy.envelope.outcome`: `note_approval`,
+# `note_failed_approver`, `note_intent`): a person's decision, a failed approver token, an
+# intent set. They are in the log and the table, not calls: counted, a token-guessing flood
+# would stand among the top refused tools.
+NOT_CALLS = frozenset({"<approval>", "<intent>"})
 
 
 def bucket_seconds(window: timedelta) -> int:
@@ -49,8 +54,8 @@ def window_stats(
     match: Callable[[Mapping[str, Any]], bool],
     max_scan: int = MAX_SCAN,
 ) -> dict[str, Any]:
-    """Counts of the records in [since, until) that satisfy `match`, from `records` given
-    newest first (JSON types).
+    """Counts of the calls in [since, until) that satisfy `match` (records of admin actions,
+    `NOT_CALLS`, are skipped), from `records` given newest first (JSON types).
 
     Answer: `since`, `until`, `bucket_seconds`, `buckets` (oldest first: `start` and a count per
     verdict), `totals` per verdict, `count`, `top_refused_tools` (`upstream.tool`) and
@@ -83,7 +88,7 @@ def window_stats(
             break
         scanned += 1
         verdict = rec.get("verdict")
-        if verdict not in VERDICTS or not match(rec):
+        if verdict not in VERDICTS or rec.get("method") in NOT_CALLS or not match(rec):
             continue
         counts[bisect.bisect_right(edges, ts) - 1][verdict] += 1
         if verdict in REFUSED:

@@ -235,6 +235,7 @@ def expected_stats(pp: ProxyProcess, window: timedelta = timedelta(hours=1),
     """From the audit log itself: decisions per verdict in the window, refused tools, codes."""
     since = (datetime.now(UTC) - window).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     found = [r for r in pp.audit_records() if r["ts"] >= since
+             and r.get("method") not in ("<approval>", "<intent>")  # admin actions, not calls
              and all(r.get(k) == v for k, v in filters.items())]
     totals = {v: sum(1 for r in found if r["verdict"] == v) for v in ("allow", "deny", "error")}
     refused = [r for r in found if r["verdict"] in ("deny", "error")]
@@ -442,6 +443,25 @@ def test_stats_and_recent_api(pp: ProxyProcess) -> None:
                      timeout=5).status_code == 404
     assert httpx.get(f"{pp.admin}/v1/approvals/apr-nope/recent", headers=ALICE,
                      params={"limit": 0}, timeout=5).status_code == 400
+
+
+def test_the_picture_counts_calls_not_approval_records(pp: ProxyProcess) -> None:
+    """A token guessed against approve is audited (`<approval>`, deny, `unauthorized`): a row
+    of the table, never a refused call in the picture, nor among its top refused tools."""
+    reply = httpx.post(f"{pp.admin}/v1/approvals/apr-guessed/approve", json={"reason": "x"},
+                       headers={"Authorization": "Bearer guessed"}, timeout=5)
+    assert reply.status_code == 401
+    guessed = [r for r in pp.audit_records() if r["tool"] == "<approval>"]
+    assert guessed and guessed[-1]["verdict"] == "deny", guessed
+    listed = httpx.get(f"{pp.admin}/v1/decisions", headers=ALICE,
+                       params={"tool": "<approval>"}, timeout=5).json()
+    assert guessed[-1]["decision_id"] in json.dumps(listed)
+    s = httpx.get(f"{pp.admin}/v1/decision-stats", headers=ALICE, timeout=5).json()
+    calls = [r for r in pp.audit_records() if r["tool"] not in ("<approval>", "<intent>")]
+    assert s["count"] == len(calls), (s["count"], len(calls))
+    assert "-.<approval>" not in [t["tool"] for t in s["top_refused_tools"]]
+    for verdict in ("deny", "error"):
+        assert s["totals"][verdict] == sum(1 for r in calls if r["verdict"] == verdict)
 
 
 def stats_shown(driver: Any) -> tuple[dict[str, int], list[tuple[str, int]], list[tuple[str, int]]]:

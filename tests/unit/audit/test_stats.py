@@ -53,6 +53,15 @@ def test_counts_per_minute_by_verdict_and_top_refused() -> None:
                                       {"code": "upstream_error", "count": 1}]
 
 
+def test_admin_action_records_are_not_calls() -> None:
+    admin = [{**rec(0.5 + i / 10, "deny", tool=method, code="unauthorized"), "method": method}
+             for i, method in enumerate(["<approval>"] * 5 + ["<intent>"])]
+    s = stats([rec(0.2, "deny", tool="write", code="arg_rule_violation"), *admin])
+    assert s["totals"] == {"allow": 0, "deny": 1, "error": 0} and s["count"] == 1
+    assert s["top_refused_tools"] == [{"tool": "demo.write", "count": 1}]
+    assert s["top_refused_codes"] == [{"code": "arg_rule_violation", "count": 1}]
+
+
 def test_filters_apply_to_the_picture_too() -> None:
     records = [rec(1, "deny", principal="ops"), rec(2, "deny", principal="bot"), rec(3)]
     s = stats(records, principal="bot")
