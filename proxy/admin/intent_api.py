@@ -3,7 +3,8 @@
     POST /v1/runs/{run}/intent   {"principal": "<principal id>", "text": "<the user's words>"}
 
 Needs `Authorization: Bearer <approver token>` (401 otherwise, audited at most two records a
-minute with approve's and deny's: `proxy.admin.failed_auth`) of an approver without a `scope`
+minute with approve's and deny's: `proxy.admin.failed_auth`; the record names the run only
+when it is a run id, else `<invalid run id>`) of an approver without a `scope`
 (403 otherwise): an intent endorses values for the data-flow check, for every tool of the run, so
 setting one is an act of an approver who may decide every call. The text is appended to the run's
 intent (`proxy.envelope.dataflow.intent`; the run of that principal, as `X-Envelope-Intent`
@@ -34,6 +35,9 @@ from proxy.errors import AuditError, StoreError
 from proxy.policy.model import DataflowPolicy
 
 _MAX_BODY = 256 * 1024
+# What a failed-authentication record names instead of a run that is not a run id (control
+# characters, bidi overrides, ... never reach the audit log from an unauthenticated request).
+INVALID_RUN = "<invalid run id>"
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -67,7 +71,9 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
         approver = authenticate(status, request)
         if approver is None:
             if failures is not None:
-                failures.failed(request, token_of(request), request.match_info["run"], "intent")
+                run = _run(request)  # checked for the record only: the 401 comes first
+                failures.failed(request, token_of(request),
+                                run if isinstance(run, str) else INVALID_RUN, "intent")
             return _json({"error": "an approver token is required (Authorization: Bearer <token>)"}, 401,
                          {"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
         if status.approvers.scoped(approver):

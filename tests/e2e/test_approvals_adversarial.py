@@ -449,6 +449,25 @@ def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_
     assert "guess-" not in str(failed)  # a guessed token is never written down
 
 
+def test_a_failed_intent_authentication_names_only_a_valid_run(tmp_path: Path) -> None:
+    """The 401 comes before the run is checked, but its record names the run only when it is a
+    run id (1-256 printable ASCII), as the guard's refusals of X-Envelope-Run do: a bidi
+    override and a line break sent by an unauthenticated client never reach the audit log."""
+    with _guessed_at(tmp_path) as pp:
+        for run in ("%E2%80%AEevil%0Arun", "ok-run"):
+            reply = httpx.post(f"{pp.admin}/v1/runs/{run}/intent",
+                               json={"principal": "agent", "text": "send it"}, timeout=10)
+            assert reply.status_code == 401, reply.text
+        at_once = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
+    first, held = _failed_after_shutdown(pp, at_once)
+    assert first["extra"]["run"] == "<invalid run id>", first
+    assert first["reason"] == ("approver authentication failed (missing token): intent for run "
+                               "'<invalid run id>' not set")
+    assert held["extra"]["runs"] == ["ok-run"]
+    assert "\u202e" not in json.dumps([first, held]).lower()
+    assert "evil" not in json.dumps([first, held])
+
+
 def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions_at_most_twice_a_window(
         tmp_path: Path) -> None:
     # A 401 on `POST /v1/runs/<run>/intent` was counted, never audited. Now it goes through the
