@@ -352,6 +352,7 @@ def stdio_run(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     with proxy_process(tmp, {}, policies=POLICIES,
                        identity={"mode": "static", "principal": "conformance"},
                        config={"upstreams": {UPSTREAM: {"command": command, "max_processes": 40,
+                                                        "max_processes_per_principal": 40,
                                                         "idle_timeout": "15s"}}}) as pp:
         run = run_suite(node, pp.url(UPSTREAM), STDIO_REVISION, tmp / "stdio", "stdio")
         yield run, pp.audit_records()
