@@ -42,7 +42,8 @@ def _policy(directory: Path) -> Path:
         "defaults": {"unknown_tools": "deny"},
         "tools": {
             "notes.delete_note": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
-            "notes.write_note": {"effect": "write"},
+            # Held while it waits (a client may leave meanwhile).
+            "notes.write_note": {"effect": "write", "approval": {"required": True, "wait": "20s"}},
             "notes.search_notes": {"effect": "read"},
         },
     })
@@ -295,6 +296,59 @@ def test_a_callers_escape_sequences_never_reach_the_approvers_terminal(proxy: Pr
     table = cli("audit", "query", str(proxy.audit_dir), "--tool", "delete_note")
     assert table.returncode == 0, table.stderr
     assert "\x1b" not in table.stdout and "\u202e" not in table.stdout
+
+
+# -- a call whose client left while it was held (broke: no record, the approval named nothing) -
+
+
+async def test_a_call_whose_client_left_while_held_is_audited_and_runs_only_when_retried(
+        proxy: ProxyProcess) -> None:
+    # The agent asks, the call is held for a person, the agent goes away. The approval (and its
+    # webhook) name the call's decision id; on main the audit log had no record of that call at
+    # all, so an approver or auditor following the id found nothing.
+    body = {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+        "name": "write_note", "arguments": {"title": "gone-1", "body": "b"},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                  "io.modelcontextprotocol/clientCapabilities": {}}}}
+    headers = {"Authorization": f"Bearer {OPS}", "X-Envelope-Run": "run-gone",
+               "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28",
+               "Mcp-Method": "tools/call", "Mcp-Name": "write_note"}
+    async with httpx.AsyncClient(timeout=30) as http:
+        asking = asyncio.create_task(http.post(proxy.url("notes"), json=body, headers=headers))
+        approval: dict[str, Any] | None = None
+        for _ in range(100):
+            found = await pending(proxy, "gone-1")
+            if found:
+                approval = found[0]
+                break
+            await asyncio.sleep(0.05)
+        assert approval is not None and not asking.done()
+        asking.cancel()  # the client closes its connection while the call is held
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+
+    def records() -> list[dict[str, Any]]:
+        return [r for r in proxy.audit_records() if r["decision_id"] == approval["decision_id"]]
+
+    for _ in range(100):
+        if records():
+            break
+        await asyncio.sleep(0.05)
+    [gone] = records()
+    assert (gone["tool"], gone["run"], gone["verdict"], gone["code"], gone["upstream_status"]) == (
+        "write_note", "run-gone", "error", "client_disconnected", None)
+    assert gone["extra"]["approval_id"] == approval["id"]
+    assert gone["extra"]["client_disconnected"] is True
+    # Approving it performs nothing (nobody is waiting for it); the agent's retry performs it
+    # once, and a second retry is answered from the first.
+    await approve(proxy, approval)
+    await asyncio.sleep(0.5)
+    assert [r for r in proxy.audit_records() if r["run"] == "run-gone" and r["upstream_status"]] == []
+    first = await call(proxy, "write_note", {"title": "gone-1", "body": "b"}, run="run-gone")
+    again = await call(proxy, "write_note", {"title": "gone-1", "body": "b"}, run="run-gone")
+    assert first.is_error is False and meta(again)["code"] == "replayed"
+    performed = [r for r in proxy.audit_records() if r["run"] == "run-gone" and r["upstream_status"] == 200]
+    assert len(performed) == 1 and performed[0]["extra"]["approval_id"] == approval["id"]
 
 
 # -- the admin listener against a browser and a guesser (held) ---------------------------------

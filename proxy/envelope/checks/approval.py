@@ -294,6 +294,9 @@ class ApprovalCheck:
                 audit={"approval_id": approval.id, "approval_state": "pending",
                        "in_band": "input_required"},
             )
+        # Named while held, so that a call cut off meanwhile (its client left) is recorded with
+        # the approval it asked for.
+        call.audit_extra["approval_id"] = approval.id
         asking: asyncio.Task[None] | None = None
         if channel is not None:
             asking = asyncio.get_running_loop().create_task(self._ask(service, call, approval, channel))
