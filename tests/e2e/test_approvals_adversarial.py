@@ -351,6 +351,61 @@ async def test_a_call_whose_client_left_while_held_is_audited_and_runs_only_when
     assert len(performed) == 1 and performed[0]["extra"]["approval_id"] == approval["id"]
 
 
+# What a caller can put into text a reviewer reads in a terminal: a window title (OSC 0), a
+# clear-screen (CSI 2J), a right-to-left override and the 8-bit CSI (U+009B).
+ESCAPES = "x\x1b]0;approved\x07\x1b[2J\u202ekcatta\x9b31m"
+
+
+def _raw_controls(text: str) -> list[str]:
+    return sorted({f"U+{ord(c):04X}" for c in text if c in "\x1b\x07\u202e\x9b"})
+
+
+def test_shadow_records_replay_and_json_records_reach_the_terminal_escaped(tmp_path: Path) -> None:
+    # `approvals list` and the `audit query` table escaped such text already; `shadow list`,
+    # `replay`'s report and `audit query|tail --format json` passed it raw (broke).
+    policy = write_doc(tmp_path / "policies", {
+        "version": 1, "upstreams": {"notes": {"url": "http://127.0.0.1:1/mcp"}},
+        "defaults": {"unknown_tools": "deny", "log_args": True},
+        "tools": {"notes.write_note": {"effect": "write", "mode": "shadow"},
+                  "notes.search_notes": {"effect": "read"}}})
+    calls = tmp_path / "calls.jsonl"
+    evil = token("ops" + ESCAPES, tenant="acme")  # an identity provider's `sub` holds it too
+    env = {**os.environ, "ENVELOPE_APPROVER_TOKEN": ALICE_TOKEN}
+    config = {"approvals": {"approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+    with upstream_server("sse") as up, proxy_process(
+            tmp_path, {"notes": up.url}, policies=policy, config=config,
+            args=["--record", str(calls)]) as pp:
+        for tool, args in (("write_note", {"title": "t" + ESCAPES, "body": "b"}),
+                           ("search_notes", {"query": "q"})):
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": tool, "arguments": args,
+                "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                          "io.modelcontextprotocol/clientCapabilities": {},
+                          "io.modelcontextprotocol/clientInfo": {"name": "agent" + ESCAPES,
+                                                                 "version": "1"}}}}
+            resp = rpc(pp.url("notes"), body, bearer=evil,
+                       headers={"Mcp-Method": "tools/call", "Mcp-Name": tool})
+            assert resp.status_code == 200 and "result" in resp.json(), resp.text
+        shown = {"shadow list": cli("shadow", "list", "--admin", pp.admin, env=env),
+                 "audit query --format json": cli("audit", "query", str(pp.audit_dir), "--format", "json"),
+                 "audit tail --format json": cli("audit", "tail", str(pp.audit_dir), "--format", "json")}
+    # A candidate policy that no longer knows search_notes: the replay names the call.
+    write_doc(tmp_path / "candidate", {
+        "version": 1, "upstreams": {"notes": {"url": "http://127.0.0.1:1/mcp"}},
+        "defaults": {"unknown_tools": "deny"}, "tools": {"notes.write_note": {"effect": "write"}}})
+    shown["replay"] = cli("replay", "--policies", str(tmp_path / "candidate"), str(calls))
+    for what, done in shown.items():
+        assert done.returncode == 0, (what, done.stderr)
+        assert "kcatta" in done.stdout, (what, done.stdout)
+        assert _raw_controls(done.stdout) == [], (what, done.stdout)
+    assert "\\u001b]0;approved\\u0007\\u001b[2J\\u202ekcatta\\u009b31m" in shown["shadow list"].stdout
+    assert "principal=opsx\\u001b]0;approved" in shown["replay"].stdout
+    # JSON stays JSON and says the same: the characters are escaped, not dropped.
+    lines = [json.loads(line) for line in shown["audit query --format json"].stdout.splitlines()]
+    assert {rec["principal"] for rec in lines} == {"ops" + ESCAPES}
+
+
 # -- the admin listener against a browser and a guesser (held) ---------------------------------
 
 
