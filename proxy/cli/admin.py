@@ -152,6 +152,10 @@ def cmd_approvals(args: argparse.Namespace) -> int:
             print(_approval_line(a))
         if not data["approvals"]:
             print(f"no {'' if args.state == 'all' else args.state + ' '}approvals")
+        if data.get("truncated"):
+            print("envelope-proxy approvals: the proxy holds more approvals than it lists; "
+                  "`show ID` reads any one (the id is in the call's refusal and the webhook)",
+                  file=sys.stderr)
     elif command == "grants":
         for g in data["grants"]:
             run = f" run {visible(str(g['run']))}" if g.get("run") else ""

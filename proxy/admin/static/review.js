@@ -242,7 +242,10 @@
       handle("approvals-error")(err);
       return;
     }
-    $("approvals-error").textContent = "";
+    $("approvals-error").textContent = data.truncated
+      ? "More approvals are pending than listed here (" + data.approvals.length + " shown): the " +
+        "others are read and decided by id through the API or the CLI (the call's refusal and " +
+        "the webhook name it)." : "";
     const list = $("approvals-list");
     const pending = new Set(data.approvals.map((a) => a.id));
     // Keep cards already shown (a reason being typed survives a refresh); add new, drop gone.
