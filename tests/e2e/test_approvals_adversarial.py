@@ -351,6 +351,46 @@ async def test_a_call_whose_client_left_while_held_is_audited_and_runs_only_when
     assert len(performed) == 1 and performed[0]["extra"]["approval_id"] == approval["id"]
 
 
+# -- an approved call the upstream never performed (broke: refused for the approval's lifetime) -
+
+
+def test_an_approved_call_the_upstream_failed_asks_anew_when_called_again(tmp_path: Path) -> None:
+    # The upstream is down: the approved call is spent on a failure that performed nothing. The
+    # retry is refused (the approval is used; no result to replay), saying to ask again; on main
+    # every later call was refused the same way until the approval record expired (ttl plus
+    # 24 h retention), with nothing that could ask again.
+    body = {"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {
+        "name": "delete_note", "arguments": {"title": "down-1"},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                  "io.modelcontextprotocol/clientCapabilities": {}}}}
+    headers = {"Mcp-Method": "tools/call", "Mcp-Name": "delete_note", "X-Envelope-Run": "run-down"}
+
+    def decided() -> dict[str, Any]:
+        resp = rpc(pp.url("notes"), body, bearer=OPS, headers=headers)
+        assert resp.status_code == 200, resp.text
+        return dict(resp.json()["result"]["_meta"]["envelope/decision"])
+
+    with _guessed_at(tmp_path) as pp:
+        first = decided()
+        assert first["code"] == "approval_pending"
+        approval_id = first["reason"].split()[1]
+        r = httpx.post(f"{pp.admin}/v1/approvals/{approval_id}/approve", json={"reason": "ok"},
+                       headers=ALICE, timeout=10)
+        assert r.status_code == 200, r.text
+        assert decided()["code"] == "upstream_error"
+        spent = decided()
+        assert spent["code"] == "approval_expired" and "calling again asks" in spent["reason"], spent
+        again = decided()
+        assert again["code"] == "approval_pending", again
+        assert approval_id not in again["reason"]  # a new approval, for a person to decide
+        r = httpx.get(f"{pp.admin}/v1/approvals", params={"state": "pending"}, headers=ALICE, timeout=10)
+        assert [a["args_digest"] for a in r.json()["approvals"]] == [
+            next(x for x in pp.audit_records() if x["decision_id"] == again["decision_id"])["args_digest"]]
+        records = [x for x in pp.audit_records() if x["run"] == "run-down" and x["tool"] == "delete_note"]
+        assert [x["code"] for x in records] == [
+            "approval_pending", "upstream_error", "approval_expired", "approval_pending"]
+
+
 # What a caller can put into text a reviewer reads in a terminal: a window title (OSC 0), a
 # clear-screen (CSI 2J), a right-to-left override and the 8-bit CSI (U+009B).
 ESCAPES = "x\x1b]0;approved\x07\x1b[2J\u202ekcatta\x9b31m"

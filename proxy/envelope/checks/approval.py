@@ -335,6 +335,7 @@ class ApprovalCheck:
         if state == "consumed":
             call.audit_extra.update(approval_id=approval.id, approver=approval.approver,
                                     approval_state="consumed")
+            call.forget_approval = functools.partial(service.forget, approval)
             if approval.decision_record is not None:
                 call.audit_extra["approval_record"] = approval.decision_record
             return None
