@@ -102,13 +102,14 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         if state is not None and state not in STATES:
             return _error(400, f"state must be one of {', '.join(get_args(State))}")
         try:
-            found = await service.approvals(state)
+            found, truncated = await service.listing(state)
         except StoreError as exc:
             return unavailable(exc)
         now = service.clock()
         # Views escape hidden characters, Python work per character of the arguments (up to
         # `limits.max_body_bytes` each): made in a worker thread, not on the event loop.
-        return _json({"approvals": await asyncio.to_thread(lambda: [a.view(now) for a in found])})
+        views = await asyncio.to_thread(lambda: [a.view(now) for a in found])
+        return _json({"approvals": views, "truncated": truncated})
 
     async def show(request: web.Request) -> web.Response:
         who = approver_of(request)

@@ -25,12 +25,23 @@ from proxy.approvals.records import (
     State,
 )
 from proxy.config import ApprovalsConfig
+from proxy.errors import StoreError
 from proxy.store.base import Store
 
 log = logging.getLogger("envelope.approvals")
 
 _CAS_ATTEMPTS = 8
 NS_STATE_NONCE = "approval_state_nonce"  # spent in-band states (replay protection)
+# The pending approvals' index: one store hash, approval id -> its expiry. Listing and counting
+# pending approvals read it (ids and times only), never every approval record of the retention
+# window with its arguments; an entry of an approval no longer pending (decided by a process
+# that stopped before unlisting it) or gone is dropped where it is found.
+NS_PENDING = "approval_pending"
+_PENDING_KEY = "index"
+# The most approvals a listing reads (records of one state) or lists as pending; past it the
+# answer says `truncated`.
+LIST_LIMIT = 1000
+MAX_PENDING = 10_000
 
 
 @dataclass
@@ -64,13 +75,65 @@ class ApprovalService:
             return None
         return approval
 
-    async def approvals(self, state: State | None = None, limit: int = 1000) -> list[Approval]:
-        """Approvals (in their state as of now), oldest first."""
+    async def approvals(self, state: State | None = None) -> list[Approval]:
+        """Approvals (in their state as of now), oldest first (see `listing`)."""
+        return (await self.listing(state))[0]
+
+    async def listing(self, state: State | None = None) -> tuple[list[Approval], bool]:
+        """Approvals (in their state as of now), oldest first, and whether there were more than
+        were read: pending ones from the index (every one up to `MAX_PENDING`), others from the
+        first `LIST_LIMIT` records of the store, in no set order."""
         now = self.clock()
-        found = [Approval.decode(raw) for _, raw in await self.store.items(NS_APPROVAL, limit)]
+        if state == "pending":
+            return await self._pending(now)
+        raw = await self.store.items(NS_APPROVAL, LIST_LIMIT + 1)
+        found = [Approval.decode(value) for _, value in raw[:LIST_LIMIT]]
         if state is not None:
             found = [a for a in found if a.effective_state(now) == state]
-        return sorted(found, key=lambda a: (a.created_at, a.id))
+        return sorted(found, key=lambda a: (a.created_at, a.id)), len(raw) > LIST_LIMIT
+
+    async def _pending_index(self, now: float) -> tuple[list[str], bool]:
+        """The ids the index holds as pending and not yet expired, and whether it held more than
+        `MAX_PENDING`; entries past their expiry are dropped."""
+        index = await self.store.hash_all(NS_PENDING, _PENDING_KEY, limit=MAX_PENDING + 1)
+        ids: list[str] = []
+        stale: list[bytes] = []
+        for field_, expires in list(index.items())[:MAX_PENDING]:
+            try:
+                live = float(expires) > now
+            except ValueError:
+                live = False
+            if live:
+                ids.append(field_.decode())
+            else:
+                stale.append(field_)
+        if stale:
+            await self.store.hash_delete(NS_PENDING, _PENDING_KEY, stale)
+        return ids, len(index) > MAX_PENDING
+
+    async def _pending(self, now: float) -> tuple[list[Approval], bool]:
+        ids, truncated = await self._pending_index(now)
+        found: list[Approval] = []
+        stale: list[bytes] = []
+        for approval_id in ids:
+            approval = await self.get(approval_id)
+            if approval is not None and approval.effective_state(now) == "pending":
+                found.append(approval)
+            else:
+                stale.append(approval_id.encode())
+        if stale:
+            await self.store.hash_delete(NS_PENDING, _PENDING_KEY, stale)
+        return sorted(found, key=lambda a: (a.created_at, a.id)), truncated
+
+    async def _unlist(self, approval_id: str) -> None:
+        """Drop an approval that is no longer pending from the index. Best effort: its state
+        changed already (a failure here must not report a decision as not made); an entry left
+        behind is dropped by the next listing, which finds the record no longer pending."""
+        try:
+            await self.store.hash_delete(NS_PENDING, _PENDING_KEY, [approval_id.encode()])
+        except StoreError as exc:
+            log.warning("approval %s: not removed from the pending index (%s); the next listing "
+                        "drops it", approval_id, exc)
 
     async def grants(self, limit: int = 1000) -> list[Grant]:
         found = [Grant.decode(raw) for _, raw in await self.store.items(NS_GRANT, limit)]
@@ -85,8 +148,10 @@ class ApprovalService:
         return None
 
     async def refresh_pending(self) -> int:
-        """Count pending approvals into `envelope_approvals_pending`; returns the count."""
-        count = len(await self.approvals("pending"))
+        """Count pending approvals into `envelope_approvals_pending`; returns the count. Reads
+        the index only (an entry decided by a process that stopped before unlisting it counts
+        until a listing drops it)."""
+        count = len((await self._pending_index(self.clock()))[0])
         if self.metrics is not None:
             self.metrics.set_approvals_pending(count)
         return count
@@ -115,12 +180,19 @@ class ApprovalService:
             evidence=evidence,
         )
         ttl_store = self._store_ttl(approval)
+        # Indexed first: a process stopping in between leaves an entry naming no record (dropped
+        # when read), never a pending approval that no listing shows.
+        await self.store.hash_put(NS_PENDING, _PENDING_KEY,
+                                  {approval.id.encode(): repr(approval.expires_at).encode()})
         await self.store.put(NS_APPROVAL, approval.id, approval.encode(), ttl=ttl_store)
         if not await self.store.add(NS_BY_CALL, binding.key, approval.id.encode(), ttl=ttl_store):
             await self.store.delete(NS_APPROVAL, approval.id)
+            await self._unlist(approval.id)
             existing = await self.for_call(binding)
             if existing is not None:
                 return existing, False
+            await self.store.hash_put(NS_PENDING, _PENDING_KEY,
+                                      {approval.id.encode(): repr(approval.expires_at).encode()})
             # The winner's binding vanished in between (forgotten): ours takes its place.
             await self.store.put(NS_APPROVAL, approval.id, approval.encode(), ttl=ttl_store)
             await self.store.put(NS_BY_CALL, binding.key, approval.id.encode(), ttl=ttl_store)
@@ -139,6 +211,7 @@ class ApprovalService:
         if approval.state in ("pending", "approved"):
             await self._transition(approval.id, lambda a: replace(a, state="expired")
                                    if a.state in ("pending", "approved") else a)
+        await self._unlist(approval.id)
 
     async def _transition(self, approval_id: str, change: Callable[[Approval], Approval]) -> Approval:
         """Apply `change` to the stored record with compare-and-set; returns the record as
@@ -192,6 +265,7 @@ class ApprovalService:
             )
 
         decided = await self._transition(approval_id, change)
+        await self._unlist(approval_id)
         if grant_obj is not None:
             await self.store.put(NS_GRANT, grant_obj.id, grant_obj.encode(), ttl=grant_obj.expires_at - now)
         log.info("approval %s %s by %s: %s%s", approval_id, decided.state, approver, reason,

@@ -392,5 +392,8 @@ def _row(cells: list[str], width: int) -> str:
 
 
 def json_line(rec: Mapping[str, Any]) -> str:
-    """One record as a JSON line (sorted keys), as written."""
-    return orjson.dumps(rec, option=orjson.OPT_SORT_KEYS).decode()
+    """One record as a JSON line (sorted keys): the same JSON as written, with the characters a
+    terminal would obey or hide (C1 controls such as U+009B, bidi overrides, zero-width ones;
+    orjson escapes only those below U+0020) and look-alike letters written as `\\uXXXX` escapes
+    (`reveal.visible`: outside strings a record's JSON is plain ASCII)."""
+    return visible(orjson.dumps(rec, option=orjson.OPT_SORT_KEYS).decode())

@@ -50,9 +50,12 @@ def cmd_shadow(args: argparse.Namespace) -> int:
         return 0
     for r in records:
         gate = " (would need approval)" if r.get("would_need_approval") else ""
-        print(f"{r.get('time', '?')}  run={r.get('run')}  {r.get('principal')} -> "
-              f"{r.get('upstream')}.{r.get('tool')} [{r.get('effect')}]{gate}  "
-              f"decision={r.get('decision_id')}  args={json.dumps(r.get('arguments'), sort_keys=True)}")
+        # Run ids and principals come from the callers: no escape sequence of theirs reaches
+        # the terminal, no hidden character reorders the line.
+        print(visible(f"{r.get('time', '?')}  run={r.get('run')}  {r.get('principal')} -> "
+                      f"{r.get('upstream')}.{r.get('tool')} [{r.get('effect')}]{gate}  "
+                      f"decision={r.get('decision_id')}  "
+                      f"args={json.dumps(r.get('arguments'), sort_keys=True)}"))
     print(f"{len(records)} shadow record(s)", file=sys.stderr)
     return 0
 
@@ -149,12 +152,16 @@ def cmd_approvals(args: argparse.Namespace) -> int:
             print(_approval_line(a))
         if not data["approvals"]:
             print(f"no {'' if args.state == 'all' else args.state + ' '}approvals")
+        if data.get("truncated"):
+            print("envelope-proxy approvals: the proxy holds more approvals than it lists; "
+                  "`show ID` reads any one (the id is in the call's refusal and the webhook)",
+                  file=sys.stderr)
     elif command == "grants":
         for g in data["grants"]:
             run = f" run {visible(str(g['run']))}" if g.get("run") else ""
             print(f"{g['id']}  {g['scope']:<4}  {visible(str(g['principal']))} -> "
                   f"{visible(str(g['upstream']))}.{visible(str(g['tool']))}{run}  "
-                  f"args {json.dumps(g['args'], sort_keys=True)}  by {g['approver']}")
+                  f"args {json.dumps(g['args'], sort_keys=True)}  by {visible(str(g['approver']))}")
         if not data["grants"]:
             print("no active grants")
     else:

@@ -139,6 +139,7 @@ class Chain:
                 else:
                     decision = check.decide(call)
             except asyncio.CancelledError:
+                call.audit_extra["cancelled_in"] = check.id  # what held it: its record says so
                 raise
             except Exception as exc:
                 return self._failed(check, call, exc)
@@ -341,10 +342,31 @@ class Envelope(Completion):
         decision = self._unavailable()
         if decision is None:
             assert chain is not None
-            decision = await (chain.run(call) if tracing.TRACER is None else tracing.checks(chain, call))
+            try:
+                decision = await (chain.run(call) if tracing.TRACER is None else tracing.checks(chain, call))
+            except asyncio.CancelledError:
+                self._cut_off(call, chain, started)
+                raise
         pending = Pending(call, chain, decision, started, time.perf_counter() - started)
         self._prepare(pending)
         return pending
+
+    def _cut_off(self, call: ToolCall, chain: Chain, started: float) -> None:
+        """Record a call cancelled while a check held it (its client left, or the proxy stopped,
+        e.g. during an approval's wait): nothing was forwarded, and the call is on record all
+        the same (an approval it asked for names it). Written by a tracked task; the claims it
+        holds (idempotency) are released by its result hooks."""
+        stopping = self.services.notifier is not None and self.services.notifier.stopping
+        where = call.audit_extra.get("cancelled_in", "envelope")
+        decision = Decision(
+            Verdict.ERROR, Code.SHUTDOWN if stopping else Code.CLIENT_DISCONNECTED, str(where),
+            ("the proxy shut down" if stopping else "the client disconnected")
+            + f" while the {where} check held the call; it was not forwarded")
+        if not stopping:
+            call.audit_extra["client_disconnected"] = True
+        pending = Pending(call, chain, decision, started, time.perf_counter() - started)
+        self._prepare(pending)
+        self.complete_soon(pending, None)
 
     def begin_read(self, call: ToolCall) -> Pending:
         """Open a content read (`resources/read`, `prompts/get`, `tasks/result`): allowed unless

@@ -271,6 +271,11 @@ class ToolCall:
     # The idempotency check calls it only once it holds the call's claim, so a duplicate that
     # finds the approval consumed also finds that claim (and waits for its result).
     spend_approval: Callable[[], Awaitable[Decision | None]] | None = None
+    # Set by the approval check when an approval already consumed lets the call through (to be
+    # answered from the first call's result): unbinds that approval, so that calling again asks
+    # for a new one. The idempotency check calls it when nothing of that first call is left to
+    # replay (it failed, or its result expired): the approval was spent, the call stays undone.
+    forget_approval: Callable[[], Awaitable[None]] | None = None
     # Fields checks add to the call's audit record (approval id, grant id, idempotency key...).
     audit_extra: dict[str, Any] = field(default_factory=dict)
     # Set by the catalogue check: the tool's effective effect (policy, trusted annotations, default).

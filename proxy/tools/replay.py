@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
+from proxy.approvals.reveal import visible
 from proxy.audit.record import utc_timestamp
 from proxy.envelope.types import (
     Code,
@@ -475,9 +476,11 @@ class Report:
     def text(self) -> str:
         labels = {"newly_refused": "NEWLY REFUSED", "newly_allowed": "NEWLY ALLOWED",
                   "changed": "CHANGED CODE"}
+        # Principals, tools and reasons come from the recorded traffic: written for a terminal,
+        # with no escape sequence or hidden character of a caller's (`reveal.visible`).
         lines = [
-            f"{labels[c.kind]:<13}  {c.upstream}.{c.tool}  principal={c.principal}  "
-            f"{c.old.show()} -> {c.new.show()}  line {c.line}  decision={c.decision_id}"
+            visible(f"{labels[c.kind]:<13}  {c.upstream}.{c.tool}  principal={c.principal}  "
+                    f"{c.old.show()} -> {c.new.show()}  line {c.line}  decision={c.decision_id}")
             for c in self.changes
         ]
         lines.append(self.summary())

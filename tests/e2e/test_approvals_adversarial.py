@@ -42,7 +42,8 @@ def _policy(directory: Path) -> Path:
         "defaults": {"unknown_tools": "deny"},
         "tools": {
             "notes.delete_note": {"effect": "destructive", "approval": {"required": True, "wait": "0s"}},
-            "notes.write_note": {"effect": "write"},
+            # Held while it waits (a client may leave meanwhile).
+            "notes.write_note": {"effect": "write", "approval": {"required": True, "wait": "20s"}},
             "notes.search_notes": {"effect": "read"},
         },
     })
@@ -295,6 +296,154 @@ def test_a_callers_escape_sequences_never_reach_the_approvers_terminal(proxy: Pr
     table = cli("audit", "query", str(proxy.audit_dir), "--tool", "delete_note")
     assert table.returncode == 0, table.stderr
     assert "\x1b" not in table.stdout and "\u202e" not in table.stdout
+
+
+# -- a call whose client left while it was held (broke: no record, the approval named nothing) -
+
+
+async def test_a_call_whose_client_left_while_held_is_audited_and_runs_only_when_retried(
+        proxy: ProxyProcess) -> None:
+    # The agent asks, the call is held for a person, the agent goes away. The approval (and its
+    # webhook) name the call's decision id; on main the audit log had no record of that call at
+    # all, so an approver or auditor following the id found nothing.
+    body = {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+        "name": "write_note", "arguments": {"title": "gone-1", "body": "b"},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                  "io.modelcontextprotocol/clientCapabilities": {}}}}
+    headers = {"Authorization": f"Bearer {OPS}", "X-Envelope-Run": "run-gone",
+               "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28",
+               "Mcp-Method": "tools/call", "Mcp-Name": "write_note"}
+    async with httpx.AsyncClient(timeout=30) as http:
+        asking = asyncio.create_task(http.post(proxy.url("notes"), json=body, headers=headers))
+        approval: dict[str, Any] | None = None
+        for _ in range(100):
+            found = await pending(proxy, "gone-1")
+            if found:
+                approval = found[0]
+                break
+            await asyncio.sleep(0.05)
+        assert approval is not None and not asking.done()
+        asking.cancel()  # the client closes its connection while the call is held
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+
+    def records() -> list[dict[str, Any]]:
+        return [r for r in proxy.audit_records() if r["decision_id"] == approval["decision_id"]]
+
+    for _ in range(100):
+        if records():
+            break
+        await asyncio.sleep(0.05)
+    [gone] = records()
+    assert (gone["tool"], gone["run"], gone["verdict"], gone["code"], gone["upstream_status"]) == (
+        "write_note", "run-gone", "error", "client_disconnected", None)
+    assert gone["extra"]["approval_id"] == approval["id"]
+    assert gone["extra"]["client_disconnected"] is True
+    # Approving it performs nothing (nobody is waiting for it); the agent's retry performs it
+    # once, and a second retry is answered from the first.
+    await approve(proxy, approval)
+    await asyncio.sleep(0.5)
+    assert [r for r in proxy.audit_records() if r["run"] == "run-gone" and r["upstream_status"]] == []
+    first = await call(proxy, "write_note", {"title": "gone-1", "body": "b"}, run="run-gone")
+    again = await call(proxy, "write_note", {"title": "gone-1", "body": "b"}, run="run-gone")
+    assert first.is_error is False and meta(again)["code"] == "replayed"
+    performed = [r for r in proxy.audit_records() if r["run"] == "run-gone" and r["upstream_status"] == 200]
+    assert len(performed) == 1 and performed[0]["extra"]["approval_id"] == approval["id"]
+
+
+# -- an approved call the upstream never performed (broke: refused for the approval's lifetime) -
+
+
+def test_an_approved_call_the_upstream_failed_asks_anew_when_called_again(tmp_path: Path) -> None:
+    # The upstream is down: the approved call is spent on a failure that performed nothing. The
+    # retry is refused (the approval is used; no result to replay), saying to ask again; on main
+    # every later call was refused the same way until the approval record expired (ttl plus
+    # 24 h retention), with nothing that could ask again.
+    body = {"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {
+        "name": "delete_note", "arguments": {"title": "down-1"},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                  "io.modelcontextprotocol/clientCapabilities": {}}}}
+    headers = {"Mcp-Method": "tools/call", "Mcp-Name": "delete_note", "X-Envelope-Run": "run-down"}
+
+    def decided() -> dict[str, Any]:
+        resp = rpc(pp.url("notes"), body, bearer=OPS, headers=headers)
+        assert resp.status_code == 200, resp.text
+        return dict(resp.json()["result"]["_meta"]["envelope/decision"])
+
+    with _guessed_at(tmp_path) as pp:
+        first = decided()
+        assert first["code"] == "approval_pending"
+        approval_id = first["reason"].split()[1]
+        r = httpx.post(f"{pp.admin}/v1/approvals/{approval_id}/approve", json={"reason": "ok"},
+                       headers=ALICE, timeout=10)
+        assert r.status_code == 200, r.text
+        assert decided()["code"] == "upstream_error"
+        spent = decided()
+        assert spent["code"] == "approval_expired" and "calling again asks" in spent["reason"], spent
+        again = decided()
+        assert again["code"] == "approval_pending", again
+        assert approval_id not in again["reason"]  # a new approval, for a person to decide
+        r = httpx.get(f"{pp.admin}/v1/approvals", params={"state": "pending"}, headers=ALICE, timeout=10)
+        assert [a["args_digest"] for a in r.json()["approvals"]] == [
+            next(x for x in pp.audit_records() if x["decision_id"] == again["decision_id"])["args_digest"]]
+        records = [x for x in pp.audit_records() if x["run"] == "run-down" and x["tool"] == "delete_note"]
+        assert [x["code"] for x in records] == [
+            "approval_pending", "upstream_error", "approval_expired", "approval_pending"]
+
+
+# What a caller can put into text a reviewer reads in a terminal: a window title (OSC 0), a
+# clear-screen (CSI 2J), a right-to-left override and the 8-bit CSI (U+009B).
+ESCAPES = "x\x1b]0;approved\x07\x1b[2J\u202ekcatta\x9b31m"
+
+
+def _raw_controls(text: str) -> list[str]:
+    return sorted({f"U+{ord(c):04X}" for c in text if c in "\x1b\x07\u202e\x9b"})
+
+
+def test_shadow_records_replay_and_json_records_reach_the_terminal_escaped(tmp_path: Path) -> None:
+    # `approvals list` and the `audit query` table escaped such text already; `shadow list`,
+    # `replay`'s report and `audit query|tail --format json` passed it raw (broke).
+    policy = write_doc(tmp_path / "policies", {
+        "version": 1, "upstreams": {"notes": {"url": "http://127.0.0.1:1/mcp"}},
+        "defaults": {"unknown_tools": "deny", "log_args": True},
+        "tools": {"notes.write_note": {"effect": "write", "mode": "shadow"},
+                  "notes.search_notes": {"effect": "read"}}})
+    calls = tmp_path / "calls.jsonl"
+    evil = token("ops" + ESCAPES, tenant="acme")  # an identity provider's `sub` holds it too
+    env = {**os.environ, "ENVELOPE_APPROVER_TOKEN": ALICE_TOKEN}
+    config = {"approvals": {"approvers": {
+        "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()}}}}
+    with upstream_server("sse") as up, proxy_process(
+            tmp_path, {"notes": up.url}, policies=policy, config=config,
+            args=["--record", str(calls)]) as pp:
+        for tool, args in (("write_note", {"title": "t" + ESCAPES, "body": "b"}),
+                           ("search_notes", {"query": "q"})):
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": tool, "arguments": args,
+                "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                          "io.modelcontextprotocol/clientCapabilities": {},
+                          "io.modelcontextprotocol/clientInfo": {"name": "agent" + ESCAPES,
+                                                                 "version": "1"}}}}
+            resp = rpc(pp.url("notes"), body, bearer=evil,
+                       headers={"Mcp-Method": "tools/call", "Mcp-Name": tool})
+            assert resp.status_code == 200 and "result" in resp.json(), resp.text
+        shown = {"shadow list": cli("shadow", "list", "--admin", pp.admin, env=env),
+                 "audit query --format json": cli("audit", "query", str(pp.audit_dir), "--format", "json"),
+                 "audit tail --format json": cli("audit", "tail", str(pp.audit_dir), "--format", "json")}
+    # A candidate policy that no longer knows search_notes: the replay names the call.
+    write_doc(tmp_path / "candidate", {
+        "version": 1, "upstreams": {"notes": {"url": "http://127.0.0.1:1/mcp"}},
+        "defaults": {"unknown_tools": "deny"}, "tools": {"notes.write_note": {"effect": "write"}}})
+    shown["replay"] = cli("replay", "--policies", str(tmp_path / "candidate"), str(calls))
+    for what, done in shown.items():
+        assert done.returncode == 0, (what, done.stderr)
+        assert "kcatta" in done.stdout, (what, done.stdout)
+        assert _raw_controls(done.stdout) == [], (what, done.stdout)
+    assert "\\u001b]0;approved\\u0007\\u001b[2J\\u202ekcatta\\u009b31m" in shown["shadow list"].stdout
+    assert "principal=opsx\\u001b]0;approved" in shown["replay"].stdout
+    # JSON stays JSON and says the same: the characters are escaped, not dropped.
+    lines = [json.loads(line) for line in shown["audit query --format json"].stdout.splitlines()]
+    assert {rec["principal"] for rec in lines} == {"ops" + ESCAPES}
 
 
 # -- the admin listener against a browser and a guesser (held) ---------------------------------

@@ -415,6 +415,32 @@ async def test_html_in_arguments_renders_as_text(pp: ProxyProcess, browser: Any,
         held.cancel()
 
 
+async def test_hidden_characters_in_records_and_cells_are_shown_escaped(pp: ProxyProcess, browser: Any,
+                                                                       shots: Path) -> None:
+    # The approval card showed escaped arguments already; a decision's table row (run, from a
+    # stateless client's name), its logged arguments and the record as written showed a right-
+    # to-left override raw: "report\u202efdp.exe" read as "reportexe.pdf" (broke).
+    title = "report\u202efdp.exe"
+    async with mcp_client(pp.url("demo"), "auto", bearer=OPS,
+                          client_info=("agent\u202ekcatta", "1")) as c:
+        written = await c.call_tool("write_note", {"title": title, "body": "b"})
+    assert written.is_error is False
+    record = latest(pp, "write_note", title=title)
+    assert "\u202e" in record["run"]
+    await asyncio.to_thread(open_signed_in, browser, pp)
+    await asyncio.to_thread(show_detail, browser, record["decision_id"], tool="write_note")
+    row = browser.find_element("css selector", f'tr[data-decision-id="{record["decision_id"]}"]')
+    args = browser.find_element("id", "detail-args").text
+    raw = browser.find_element("id", "detail-raw").text
+    for shown in (row.text, args, raw, detail(browser, "run")):
+        assert "\u202e" not in shown, shown
+    assert "kcatta" in row.text and "\\u{202e}kcatta" in row.text, row.text
+    # Still JSON, and the same values: the escapes are JSON's own.
+    assert json.loads(args)["title"] == title
+    assert json.loads(raw)["run"] == record["run"]
+    snap(browser, shots, "hidden-characters-escaped", "#decision-detail")
+
+
 # -- the picture, the data-flow context, keyboard and narrow windows ----------------------------
 
 

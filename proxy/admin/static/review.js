@@ -41,9 +41,12 @@
     return node;
   }
 
-  const json = (value) => JSON.stringify(value, null, 2);
+  // Every value the page shows passes `show` (text) or `json` (JSON): both write the characters
+  // a screen hides or that reorder text (HIDDEN, below) as escapes, in a table cell, a record
+  // field, logged arguments or the record as written alike.
+  const json = (value) => jsonVisible(JSON.stringify(value, null, 2));
   const epoch = (s) => (typeof s === "number" ? new Date(s * 1000).toISOString() : "");
-  const show = (value) => (value === null || value === undefined || value === "" ? "—" : String(value));
+  const show = (value) => (value === null || value === undefined || value === "" ? "—" : visible(String(value)));
   // "2026-12-01T01:02:03.456789Z" -> "2026-12-01 01:02:03" (the full value stays in `title`).
   const shortTs = (ts) => (typeof ts === "string" && ts.length >= 19 ? ts.slice(0, 10) + " " + ts.slice(11, 19) : show(ts));
   // A decision id in a table cell: its first 12 characters (the whole id is in the row's record).
@@ -88,6 +91,13 @@
   const HIDDEN = /[\p{Cf}\p{Co}\p{Cn}\p{Zl}\p{Zp}\u007f-\u009f]|(?! )\p{Zs}/gu;
   const visible = (text) => String(text).replace(HIDDEN,
     (c) => "\\u{" + c.codePointAt(0).toString(16).padStart(4, "0") + "}");
+  // The same in JSON text, with JSON's own escapes (a surrogate pair past U+FFFF): still JSON,
+  // and the same value.
+  const u4 = (n) => "\\u" + n.toString(16).padStart(4, "0");
+  const jsonVisible = (text) => String(text).replace(HIDDEN, (c) => {
+    const n = c.codePointAt(0);
+    return n <= 0xffff ? u4(n) : u4(0xd800 + ((n - 0x10000) >> 10)) + u4(0xdc00 + ((n - 0x10000) & 0x3ff));
+  });
 
   function fields(dl, pairs) {
     dl.replaceChildren();
@@ -242,7 +252,10 @@
       handle("approvals-error")(err);
       return;
     }
-    $("approvals-error").textContent = "";
+    $("approvals-error").textContent = data.truncated
+      ? "More approvals are pending than listed here (" + data.approvals.length + " shown): the " +
+        "others are read and decided by id through the API or the CLI (the call's refusal and " +
+        "the webhook name it)." : "";
     const list = $("approvals-list");
     const pending = new Set(data.approvals.map((a) => a.id));
     // Keep cards already shown (a reason being typed survives a refresh); add new, drop gone.

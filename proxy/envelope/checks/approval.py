@@ -294,6 +294,9 @@ class ApprovalCheck:
                 audit={"approval_id": approval.id, "approval_state": "pending",
                        "in_band": "input_required"},
             )
+        # Named while held, so that a call cut off meanwhile (its client left) is recorded with
+        # the approval it asked for.
+        call.audit_extra["approval_id"] = approval.id
         asking: asyncio.Task[None] | None = None
         if channel is not None:
             asking = asyncio.get_running_loop().create_task(self._ask(service, call, approval, channel))
@@ -332,6 +335,7 @@ class ApprovalCheck:
         if state == "consumed":
             call.audit_extra.update(approval_id=approval.id, approver=approval.approver,
                                     approval_state="consumed")
+            call.forget_approval = functools.partial(service.forget, approval)
             if approval.decision_record is not None:
                 call.audit_extra["approval_record"] = approval.decision_record
             return None

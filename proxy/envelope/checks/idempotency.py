@@ -142,12 +142,16 @@ class IdempotencyCheck:
                     # Its one approval was already spent, and only a call holding its claim
                     # spends one: with this key free, that call has ended and no result of it
                     # is stored to replay (it failed, or the record expired; or it had another
-                    # client key). Never perform it a second time.
+                    # client key). Never perform it a second time on that approval; unbind
+                    # it, so that calling again asks a person anew (else every retry would be
+                    # refused for as long as the spent approval is kept).
                     await store.delete(NS, key.store)
+                    if call.forget_approval is not None:
+                        await call.forget_approval()
                     return Decision(
                         Verdict.DENY, Code.APPROVAL_EXPIRED, self.id,
                         "the approval for this call was already used and no result of it is "
-                        "stored; ask for a new approval to perform it again",
+                        "stored; calling again asks for a new approval",
                     )
                 # Spent only now, under the claim: see the module docstring.
                 spend, call.spend_approval = call.spend_approval, None

@@ -138,3 +138,28 @@ async def test_recent_reads_a_bounded_number_of_records(status: Status, client: 
     body = await (await client.get(f"/v1/approvals/{approval.id}/recent", headers=AUTH)).json()
     # The run's one call lies past the bound: not found, and said so.
     assert (body["count"], body["scanned"], body["truncated"]) == (0, 20, True)
+
+
+async def test_a_pending_approval_is_listed_and_counted_whatever_else_the_store_holds(
+        status: Status, client: TestClient[Any, Any]) -> None:
+    # Decided approvals stay listed for `retention` (24 h): a busy day keeps thousands. The
+    # listing read the first 1000 records of the namespace and then kept the pending ones, so a
+    # new pending approval past them was missing from the list, the page and the gauge (broke).
+    service = status.approvals
+    for i in range(1001):
+        old, _ = await service.request(CallBinding("ops", "run-1", "mail", "send", f"sha256:{i}"),
+                                       arguments={"n": i}, effect="external", reason="gated", ttl=600)
+        await service.decide(old.id, approver="rev", approve=False, reason="no")
+    new, _ = await service.request(CallBinding("ops", "run-2", "mail", "send", "sha256:new"),
+                                   arguments={"to": "b"}, effect="external", reason="gated", ttl=600)
+    body = await (await client.get("/v1/approvals", headers=AUTH, params={"state": "pending"})).json()
+    assert [a["id"] for a in body["approvals"]] == [new.id]
+    assert body["truncated"] is False
+    assert await service.refresh_pending() == 1
+    # Decided, it leaves the pending list and the count.
+    await service.decide(new.id, approver="rev", approve=True, reason="ok")
+    body = await (await client.get("/v1/approvals", headers=AUTH, params={"state": "pending"})).json()
+    assert body["approvals"] == [] and await service.refresh_pending() == 0
+    # Every state beyond the bound is said to be cut, never silently short.
+    body = await (await client.get("/v1/approvals", headers=AUTH, params={"state": "denied"})).json()
+    assert (len(body["approvals"]), body["truncated"]) == (1000, True)
