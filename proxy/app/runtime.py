@@ -45,7 +45,7 @@ from proxy.fronts.guard import LOOPBACK_HOSTS, Guard, GuardSettings, missing_hos
 from proxy.fronts.http_front import HttpFront
 from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
-from proxy.observability import tracing
+from proxy.observability import logs, tracing
 from proxy.observability.metrics import Metrics
 from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
@@ -241,7 +241,7 @@ class Runtime:
                 self.metrics.reload("failure")
                 self.last_reload = {"result": "failure", "at": started, "trigger": trigger, "errors": errors}
                 log.error("policy reload rejected (%s); still serving revision %s:\n  %s", trigger,
-                          self.revision.revision if self.revision else "none", "\n  ".join(errors))
+                          self.revision.revision if self.revision else "none", logs.multiline("\n  ".join(errors)))
                 return False
             except Exception as exc:  # a bug in loading must never take the old policy down
                 self.metrics.reload("failure")

@@ -34,11 +34,9 @@ def _run(coro: Any) -> Any:
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from proxy.observability import logs
+
+    logs.setup(level)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
