@@ -8,6 +8,7 @@ not become ERROR tracebacks.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from tests.harness import proxy_process, rpc
@@ -31,3 +32,29 @@ def test_a_client_cannot_write_a_line_into_the_process_log(tmp_path: Path, sse_u
     assert len(dropped) == 1, log
     assert "envelope-1\\n2026-01-01 00:00:00,000 INFO proxy.audit.anchor" in dropped[0]
     assert dropped[0].endswith("\\r\\n was dropped"), dropped[0]
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(data)
+        return s.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_bytes_that_are_not_http_are_no_errors_in_the_log(tmp_path: Path, sse_upstream) -> None:
+    # The admin listener (aiohttp) answered each malformed request 400 and logged it at ERROR
+    # with a traceback: a port scan or a TLS probe of the admin Service filled the log and set
+    # off error alerts. The MCP listener (fast) never logged them.
+    garbage = [
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",  # a TLS hello on a plain port
+        b"GET /healthz HTTP/9.9\r\nHost: 127.0.0.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX\x01Y: z\r\n\r\n",
+        b"GET /healthz\nFAKE HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nBREW /metrics HTTP/1.1\r\n\r\n",
+    ]
+    with proxy_process(tmp_path, {"notes": sse_upstream.url},
+                       identity={"mode": "static", "principal": "ops"}) as pp:
+        for data in garbage:
+            for port in (pp.admin_port, pp.port):
+                assert _raw(port, data).startswith(b"HTTP/1."), data  # answered, not dropped
+        log = pp.log()
+    assert "ERROR" not in log and "Traceback" not in log, log
