@@ -17,9 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, ListenError
+
+if TYPE_CHECKING:
+    from proxy.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level)
     if config.workers == 1:
         return int(_run(serve(config)))
+    try:
+        claim = _claim_listen(*config.listen_addr)
+    except ListenError as exc:
+        print(f"envelope-proxy: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return _serve_workers(config)
+    finally:
+        if claim is not None:
+            claim.close()
+
+
+def _serve_workers(config: Config) -> int:
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i, os.getpid()))
              for i in range(config.workers)]
@@ -135,6 +151,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         p.start()
     failed = _supervise(procs)
     return failed or max(_exit_status(p.exitcode) for p in procs)
+
+
+def _claim_listen(host: str, port: int) -> socket.socket | None:
+    """Make sure no other process serves `host:port` before the workers bind it; the claim
+    returned (None where there is nothing to hold) is kept while they run. ListenError, the
+    message a single process gives for a taken address, otherwise.
+
+    Workers share the MCP listener with SO_REUSEPORT, and the kernel lets any process of the
+    same user join such a port: a second `serve --workers N` on the same `listen` (a stale
+    instance, a copy-pasted unit) bound without an error and the kernel split the connections
+    between two proxies with their own policy, store and audit log. So the supervisor binds the
+    address once without SO_REUSEPORT (refused while anything listens there), and holds a
+    Linux abstract socket named after the address (per network namespace, as the port is, and
+    freed when the process dies however it dies) so that a second supervisor starting while
+    this one's workers load their policy is refused too. Port 0 (each worker its own port)
+    claims nothing."""
+    from proxy.app.runtime import MCP_LISTEN_SETTING, listen_error
+
+    if port == 0:
+        return None
+    what = f"the MCP listener cannot listen on {host}:{port}"
+    claim: socket.socket | None = None
+    if sys.platform.startswith("linux"):
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0envelope-proxy listen {host}:{port}")
+        except OSError as exc:  # EADDRINUSE: another supervisor holds it
+            claim.close()
+            raise listen_error(what, exc, MCP_LISTEN_SETTING) from exc
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the workers
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+    except OSError as exc:
+        if claim is not None:
+            claim.close()
+        raise listen_error(what, exc, MCP_LISTEN_SETTING) from exc
+    return claim
 
 
 def _exit_status(code: int | None) -> int:

@@ -363,6 +363,30 @@ def test_a_worker_killed_stops_the_whole_process_with_its_status(tmp_path: Path)
     assert "worker 1 exited with -9; stopping the other workers" in err, err
 
 
+def test_a_second_proxy_with_workers_cannot_share_a_served_port(tmp_path: Path) -> None:
+    # Workers bind the MCP port with SO_REUSEPORT, which the kernel grants to every process of
+    # the same user that asks: a second `serve --workers 2` on the same listen address (its own
+    # admin port and state) bound too, and connections were split between two proxies with
+    # their own policy, store and audit log. It must fail as a single process does.
+    listen = free_port()
+    first = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
+                              "--admin", f"127.0.0.1:{admin_ports(2)}", "--workers", "2",
+                              "--state-dir", str(tmp_path / "first")],
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(listen, first)
+        second = cli("serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
+                     "--admin", f"127.0.0.1:{admin_ports(2)}", "--workers", "2",
+                     "--state-dir", str(tmp_path / "second"), cwd=tmp_path, timeout=60)
+        assert first.poll() is None  # the first one serves on
+    finally:
+        stop(first)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert (f"the MCP listener cannot listen on 127.0.0.1:{listen}: address already in use; "
+            "choose another address with --listen") in second.stderr, second.stderr
+    assert "ready" not in second.stdout, second.stdout  # it never served
+
+
 def _listener_pid(port: int) -> int:
     """The pid of the process listening on loopback `port` (from /proc/net/tcp and fd links)."""
     inode = ""
