@@ -118,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.workers == 1:
         return int(_run(serve(config)))
     try:
+        config = _one_port(config)
         claim = _claim_listen(*config.listen_addr)
     except ListenError as exc:
         print(f"envelope-proxy: {exc}", file=sys.stderr, flush=True)
@@ -153,6 +154,26 @@ def _serve_workers(config: Config) -> int:
     return failed or max(_exit_status(p.exitcode) for p in procs)
 
 
+def _one_port(config: Config) -> Config:
+    """`config` with its MCP port chosen once when it says 0: each worker would otherwise bind a
+    free port of its own, and every worker but the first, on a port nobody was told, would serve
+    nothing. ListenError when the address cannot be bound at all."""
+    from proxy.app.runtime import MCP_LISTEN_SETTING, listen_error
+
+    host, port = config.listen_addr
+    if port != 0:
+        return config
+    try:
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+    except OSError as exc:
+        raise listen_error(f"the MCP listener cannot listen on {host}:0", exc, MCP_LISTEN_SETTING) from exc
+    shown = f"[{host}]" if ":" in host else host
+    return config.model_copy(update={"listen": f"{shown}:{port}"})
+
+
 def _claim_listen(host: str, port: int) -> socket.socket | None:
     """Make sure no other process serves `host:port` before the workers bind it; the claim
     returned (None where there is nothing to hold) is kept while they run. ListenError, the
@@ -165,8 +186,8 @@ def _claim_listen(host: str, port: int) -> socket.socket | None:
     address once without SO_REUSEPORT (refused while anything listens there), and holds a
     Linux abstract socket named after the address (per network namespace, as the port is, and
     freed when the process dies however it dies) so that a second supervisor starting while
-    this one's workers load their policy is refused too. Port 0 (each worker its own port)
-    claims nothing."""
+    this one's workers load their policy is refused too. Port 0 claims nothing (`_one_port`
+    chooses a port first)."""
     from proxy.app.runtime import MCP_LISTEN_SETTING, listen_error
 
     if port == 0:

@@ -387,6 +387,43 @@ def test_a_second_proxy_with_workers_cannot_share_a_served_port(tmp_path: Path) 
     assert "ready" not in second.stdout, second.stdout  # it never served
 
 
+def test_workers_on_port_0_share_the_one_port_announced(tmp_path: Path) -> None:
+    # `--listen HOST:0` (a free port) with workers: each worker bound a free port of its own,
+    # the banner named worker 0's, and worker 1 served on a port nobody was told.
+    admin = admin_ports(2)
+    proc = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", "127.0.0.1:0",
+                             "--admin", f"127.0.0.1:{admin}", "--workers", "2",
+                             "--state-dir", str(tmp_path / "state")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_port(admin, proc)
+        wait_port(admin + 1, proc)  # both workers are up
+        assert proc.stdout is not None
+        banner = "".join(proc.stdout.readline() for _ in range(2))
+        port = int(re.search(r"MCP +http://127\.0\.0\.1:(\d+)/", banner).group(1))  # type: ignore[union-attr]
+        workers = {_listener_pid(admin), _listener_pid(admin + 1)}
+        serving = [pid for pid in workers if port in _listening_ports(pid)]
+    finally:
+        stop(proc)
+    assert sorted(serving) == sorted(workers), (banner, port)
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The loopback TCP ports process `pid` listens on (from /proc/net/tcp and its fd links)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _listener_pid(port: int) -> int:
     """The pid of the process listening on loopback `port` (from /proc/net/tcp and fd links)."""
     inode = ""
