@@ -36,10 +36,10 @@ def _run(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str, worker: int | None = None) -> None:
     from proxy.observability import logs
 
-    logs.setup(level)
+    logs.setup(level, worker)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -101,7 +101,7 @@ def _serve_worker(config_json: str, worker: int, parent: int) -> None:
 
     _die_with_parent(parent)
     config = Config.model_validate_json(config_json)
-    _setup_logging(config.log_level)
+    _setup_logging(config.log_level, worker)
     sys.exit(_run(serve(config, worker)))
 
 

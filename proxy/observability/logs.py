@@ -99,9 +99,11 @@ class OneLineFormatter(logging.Formatter):
         return super().format(record)
 
 
-def setup(level: str) -> None:
+def setup(level: str, worker: int | None = None) -> None:
     """Log to stderr at `level` (a name: debug, info, warning, error) through
-    `OneLineFormatter`."""
+    `OneLineFormatter`; `worker` (of `serve --workers N`) tags every line `[worker N]`, so the
+    workers' lines, interleaved in one container log, say whose they are."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(OneLineFormatter(FORMAT))
+    tagged = FORMAT if worker is None else FORMAT.replace("%(name)s:", f"%(name)s [worker {worker}]:")
+    handler.setFormatter(OneLineFormatter(tagged))
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])

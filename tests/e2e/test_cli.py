@@ -488,6 +488,8 @@ def test_sigterm_to_the_supervisor_drains_every_worker_and_exits_0(tmp_path: Pat
     assert proc.returncode == 0, err
     assert _gone(workers, 10), [(w, _state(w)) for w in workers]
     assert err.count("shutdown complete") == 2, err  # each worker drained and closed its audit log
+    for worker in (0, 1):  # and each says it was itself, in one container log
+        assert re.search(rf"INFO envelope \[worker {worker}\]: shutdown complete", err), err
     assert "second signal" not in err, err
 
 
