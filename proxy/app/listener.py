@@ -30,16 +30,19 @@ attribute reads per `data_received`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from proxy.framing import request_bad_framing
 
 __all__ = ["ListenerRunner"]
+
+log = logging.getLogger("envelope.listener")
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 # What aiohttp's parsers (C and Python) raise for an HTTP/1.1 request with no Host.
@@ -68,6 +71,18 @@ class _HeadTimedHandler(RequestHandler):
                 and exc.message == _NO_HOST):
             return self._on_missing_host()  # closes the connection, as aiohttp's answer would
         return super().handle_error(request, status, exc, message)
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            # The client's bytes are not HTTP the parser takes (a TLS hello, a port scan, a bad
+            # method, version or header): aiohttp answers 400 and closes, and logged each at
+            # ERROR with a traceback, ~1 KB of log for a 40-byte request from anyone who
+            # reaches the port, and an error alert for nothing wrong in the proxy. One line at
+            # DEBUG, as the fast listener says nothing; a handler's own exception stays ERROR.
+            log.debug("malformed request answered 400: %s", exc.message)
+            return
+        super().log_exception(*args, **kw)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)

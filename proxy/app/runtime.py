@@ -45,7 +45,7 @@ from proxy.fronts.guard import LOOPBACK_HOSTS, Guard, GuardSettings, missing_hos
 from proxy.fronts.http_front import HttpFront
 from proxy.fronts.per_upstream import McpFront
 from proxy.identity import Identity
-from proxy.observability import tracing
+from proxy.observability import logs, tracing
 from proxy.observability.metrics import Metrics
 from proxy.policy.cel import Engine
 from proxy.policy.compiled import PolicyRevision
@@ -244,7 +244,7 @@ class Runtime:
                 self.metrics.reload("failure")
                 self.last_reload = {"result": "failure", "at": started, "trigger": trigger, "errors": errors}
                 log.error("policy reload rejected (%s); still serving revision %s:\n  %s", trigger,
-                          self.revision.revision if self.revision else "none", "\n  ".join(errors))
+                          self.revision.revision if self.revision else "none", logs.multiline("\n  ".join(errors)))
                 return False
             except Exception as exc:  # a bug in loading must never take the old policy down
                 self.metrics.reload("failure")
@@ -409,7 +409,7 @@ class Runtime:
             self.metrics.rejected("header_timeout")
 
         where = f"the MCP listener cannot listen on {host}:{port}"
-        setting = "--listen, ENVELOPE_LISTEN or `listen:` in the config file"
+        setting = MCP_LISTEN_SETTING
         mcp_runner: web.AppRunner | FastListener
         if listener.kind == "fast":
             mcp_runner = fast = FastListener(mcp_app, header_timeout=listener.header_timeout,
@@ -541,14 +541,23 @@ class Runtime:
         self._stop.set()
 
 
+# The settings that move each listener, named in the error of a listener that cannot bind.
+MCP_LISTEN_SETTING = "--listen, ENVELOPE_LISTEN or `listen:` in the config file"
+
+
+def listen_error(what: str, exc: OSError, setting: str) -> ListenError:
+    """The one-line error of a listener that cannot bind: the address, the reason, the setting."""
+    reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+    return ListenError(f"{what}: {reason}; choose another address with {setting}")
+
+
 async def _bind(start: Awaitable[None], what: str, setting: str) -> None:
     """Await `start` (a listener binding); ListenError naming the address and the setting that
     changes it."""
     try:
         await start
     except OSError as exc:
-        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-        raise ListenError(f"{what}: {reason}; choose another address with {setting}") from exc
+        raise listen_error(what, exc, setting) from exc
 
 
 def _bound_port(runner: web.AppRunner | FastListener, fallback: int) -> int:

@@ -17,9 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, ListenError
+
+if TYPE_CHECKING:
+    from proxy.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +36,10 @@ def _run(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(level: str, worker: int | None = None) -> None:
+    from proxy.observability import logs
+
+    logs.setup(level, worker)
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -100,7 +101,7 @@ def _serve_worker(config_json: str, worker: int, parent: int) -> None:
 
     _die_with_parent(parent)
     config = Config.model_validate_json(config_json)
-    _setup_logging(config.log_level)
+    _setup_logging(config.log_level, worker)
     sys.exit(_run(serve(config, worker)))
 
 
@@ -116,6 +117,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level)
     if config.workers == 1:
         return int(_run(serve(config)))
+    try:
+        config = _one_port(config)
+        claim = _claim_listen(*config.listen_addr)
+    except ListenError as exc:
+        print(f"envelope-proxy: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return _serve_workers(config)
+    finally:
+        if claim is not None:
+            claim.close()
+
+
+def _serve_workers(config: Config) -> int:
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i, os.getpid()))
              for i in range(config.workers)]
@@ -137,6 +152,68 @@ def cmd_serve(args: argparse.Namespace) -> int:
         p.start()
     failed = _supervise(procs)
     return failed or max(_exit_status(p.exitcode) for p in procs)
+
+
+def _one_port(config: Config) -> Config:
+    """`config` with its MCP port chosen once when it says 0: each worker would otherwise bind a
+    free port of its own, and every worker but the first, on a port nobody was told, would serve
+    nothing. ListenError when the address cannot be bound at all."""
+    from proxy.app.runtime import MCP_LISTEN_SETTING, listen_error
+
+    host, port = config.listen_addr
+    if port != 0:
+        return config
+    try:
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+    except OSError as exc:
+        raise listen_error(f"the MCP listener cannot listen on {host}:0", exc, MCP_LISTEN_SETTING) from exc
+    shown = f"[{host}]" if ":" in host else host
+    return config.model_copy(update={"listen": f"{shown}:{port}"})
+
+
+def _claim_listen(host: str, port: int) -> socket.socket | None:
+    """Make sure no other process serves `host:port` before the workers bind it; the claim
+    returned (None where there is nothing to hold) is kept while they run. ListenError, the
+    message a single process gives for a taken address, otherwise.
+
+    Workers share the MCP listener with SO_REUSEPORT, and the kernel lets any process of the
+    same user join such a port: a second `serve --workers N` on the same `listen` (a stale
+    instance, a copy-pasted unit) bound without an error and the kernel split the connections
+    between two proxies with their own policy, store and audit log. So the supervisor binds the
+    address once without SO_REUSEPORT (refused while anything listens there), and holds a
+    Linux abstract socket named after the address (per network namespace, as the port is, and
+    freed when the process dies however it dies) so that a second supervisor starting while
+    this one's workers load their policy is refused too. Port 0 claims nothing (`_one_port`
+    chooses a port first)."""
+    from proxy.app.runtime import MCP_LISTEN_SETTING, listen_error
+
+    if port == 0:
+        return None
+    what = f"the MCP listener cannot listen on {host}:{port}"
+    claim: socket.socket | None = None
+    if sys.platform.startswith("linux"):
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0envelope-proxy listen {host}:{port}")
+        except OSError as exc:  # EADDRINUSE: another supervisor holds it
+            claim.close()
+            raise listen_error(what, exc, MCP_LISTEN_SETTING) from exc
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the workers
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+    except OSError as exc:
+        if claim is not None:
+            claim.close()
+        raise listen_error(what, exc, MCP_LISTEN_SETTING) from exc
+    return claim
 
 
 def _exit_status(code: int | None) -> int:

@@ -363,6 +363,67 @@ def test_a_worker_killed_stops_the_whole_process_with_its_status(tmp_path: Path)
     assert "worker 1 exited with -9; stopping the other workers" in err, err
 
 
+def test_a_second_proxy_with_workers_cannot_share_a_served_port(tmp_path: Path) -> None:
+    # Workers bind the MCP port with SO_REUSEPORT, which the kernel grants to every process of
+    # the same user that asks: a second `serve --workers 2` on the same listen address (its own
+    # admin port and state) bound too, and connections were split between two proxies with
+    # their own policy, store and audit log. It must fail as a single process does.
+    listen = free_port()
+    first = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
+                              "--admin", f"127.0.0.1:{admin_ports(2)}", "--workers", "2",
+                              "--state-dir", str(tmp_path / "first")],
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(listen, first)
+        second = cli("serve", "--policies", str(FIXTURE_POLICIES), "--listen", f"127.0.0.1:{listen}",
+                     "--admin", f"127.0.0.1:{admin_ports(2)}", "--workers", "2",
+                     "--state-dir", str(tmp_path / "second"), cwd=tmp_path, timeout=60)
+        assert first.poll() is None  # the first one serves on
+    finally:
+        stop(first)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert (f"the MCP listener cannot listen on 127.0.0.1:{listen}: address already in use; "
+            "choose another address with --listen") in second.stderr, second.stderr
+    assert "ready" not in second.stdout, second.stdout  # it never served
+
+
+def test_workers_on_port_0_share_the_one_port_announced(tmp_path: Path) -> None:
+    # `--listen HOST:0` (a free port) with workers: each worker bound a free port of its own,
+    # the banner named worker 0's, and worker 1 served on a port nobody was told.
+    admin = admin_ports(2)
+    proc = subprocess.Popen([*CLI, "serve", "--policies", str(FIXTURE_POLICIES), "--listen", "127.0.0.1:0",
+                             "--admin", f"127.0.0.1:{admin}", "--workers", "2",
+                             "--state-dir", str(tmp_path / "state")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_port(admin, proc)
+        wait_port(admin + 1, proc)  # both workers are up
+        assert proc.stdout is not None
+        banner = "".join(proc.stdout.readline() for _ in range(2))
+        port = int(re.search(r"MCP +http://127\.0\.0\.1:(\d+)/", banner).group(1))  # type: ignore[union-attr]
+        workers = {_listener_pid(admin), _listener_pid(admin + 1)}
+        serving = [pid for pid in workers if port in _listening_ports(pid)]
+    finally:
+        stop(proc)
+    assert sorted(serving) == sorted(workers), (banner, port)
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The loopback TCP ports process `pid` listens on (from /proc/net/tcp and its fd links)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _listener_pid(port: int) -> int:
     """The pid of the process listening on loopback `port` (from /proc/net/tcp and fd links)."""
     inode = ""
@@ -427,6 +488,8 @@ def test_sigterm_to_the_supervisor_drains_every_worker_and_exits_0(tmp_path: Pat
     assert proc.returncode == 0, err
     assert _gone(workers, 10), [(w, _state(w)) for w in workers]
     assert err.count("shutdown complete") == 2, err  # each worker drained and closed its audit log
+    for worker in (0, 1):  # and each says it was itself, in one container log
+        assert re.search(rf"INFO envelope \[worker {worker}\]: shutdown complete", err), err
     assert "second signal" not in err, err
 
 

@@ -175,3 +175,15 @@ def test_cli_help_examples_read_where_the_demo_writes() -> None:
 
     assert "state/audit" in EPILOG
     assert re.findall(r"(?<![\w.-])state/audit", EPILOG) == []
+
+
+def test_readme_names_every_environment_variable_serve_reads() -> None:
+    # "Running it for real" is where a platform team looks for what it can set from the
+    # environment: a variable `load_config` reads and the README never names is a setting nobody
+    # finds (ENVELOPE_HEALTH_INTERVAL was one).
+    from proxy.config import ENV_KEYS
+
+    running = README.read_text(encoding="utf-8").split("## Running it for real", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(ENVELOPE_[A-Z_]+)`", running))
+    missing = sorted({*ENV_KEYS, "ENVELOPE_CONFIG", "ENVELOPE_LISTENER"} - named)
+    assert not missing, f"README 'Running it for real' does not name {missing}"

@@ -1,0 +1,60 @@
+"""The process log as a platform team ships it: one record is one line, whatever a client sends.
+
+Each test sends the real `envelope-proxy` process what a hostile or broken client sends and
+reads the process log (stderr) a log shipper would carry: a client must not write lines of its
+own into it (a fake ERROR, a fake `audit head {...}` anchor), and bytes that are not HTTP must
+not become ERROR tracebacks.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from tests.harness import proxy_process, rpc
+
+FORGED = '2026-01-01 00:00:00,000 INFO proxy.audit.anchor: audit head {"chain":"audit","records":1}'
+
+
+def test_a_client_cannot_write_a_line_into_the_process_log(tmp_path: Path, sse_upstream) -> None:
+    # The answer to an unknown proxy request is logged with its id, a string the client chose.
+    # A newline in it started a line of the client's choosing: here a fake anchor line, which
+    # an operator's `grep 'audit head'` keeps and `audit verify --anchors` then fails on.
+    with proxy_process(tmp_path, {"notes": sse_upstream.url},
+                       identity={"mode": "static", "principal": "ops"}) as pp:
+        reply = rpc(pp.url("notes"), {"jsonrpc": "2.0", "id": f"envelope-1\n{FORGED}\r\n", "result": {}},
+                    headers={"MCP-Protocol-Version": "2025-06-18"})
+        assert reply.status_code == 202, reply.text
+        log = pp.log()
+    lines = log.splitlines()
+    assert not [line for line in lines if line.startswith("2026-01-01")], log
+    dropped = [line for line in lines if "was dropped" in line]
+    assert len(dropped) == 1, log
+    assert "envelope-1\\n2026-01-01 00:00:00,000 INFO proxy.audit.anchor" in dropped[0]
+    assert dropped[0].endswith("\\r\\n was dropped"), dropped[0]
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(data)
+        return s.recv(4096).split(b"\r\n", 1)[0]
+
+
+def test_bytes_that_are_not_http_are_no_errors_in_the_log(tmp_path: Path, sse_upstream) -> None:
+    # The admin listener (aiohttp) answered each malformed request 400 and logged it at ERROR
+    # with a traceback: a port scan or a TLS probe of the admin Service filled the log and set
+    # off error alerts. The MCP listener (fast) never logged them.
+    garbage = [
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",  # a TLS hello on a plain port
+        b"GET /healthz HTTP/9.9\r\nHost: 127.0.0.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX\x01Y: z\r\n\r\n",
+        b"GET /healthz\nFAKE HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nBREW /metrics HTTP/1.1\r\n\r\n",
+    ]
+    with proxy_process(tmp_path, {"notes": sse_upstream.url},
+                       identity={"mode": "static", "principal": "ops"}) as pp:
+        for data in garbage:
+            for port in (pp.admin_port, pp.port):
+                assert _raw(port, data).startswith(b"HTTP/1."), data  # answered, not dropped
+        log = pp.log()
+    assert "ERROR" not in log and "Traceback" not in log, log
