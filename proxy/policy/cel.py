@@ -49,7 +49,7 @@ from proxy.policy import celworker
 from proxy.policy.cache import LruCache
 from proxy.policy.celworker import RE_FUNCTION as _RE_FUNCTION
 from proxy.policy.celworker import VARIABLES as VARIABLES  # declared with the worker's env
-from proxy.policy.vocab import re2_options, re2_reason
+from proxy.policy.vocab import did_you_mean, re2_options, re2_reason
 
 
 class Program(Protocol):
@@ -1098,7 +1098,8 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
                     problems.append(
                         (
                             field.start_pos,  # type: ignore[union-attr]
-                            f"undefined field '{field}' on {var} (known: {', '.join(known)})",
+                            f"undefined field '{field}'{did_you_mean(str(field), known)} on {var} "
+                            f"(known: {', '.join(known)})",
                         )
                     )
             visit(target, bound)
@@ -1112,7 +1113,8 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
                 and name not in VARIABLES
                 and name not in _TYPE_NAMES
             ):
-                problems.append((tok.start_pos, f"undeclared reference to '{name}'"))  # type: ignore[union-attr]
+                problems.append((tok.start_pos,  # type: ignore[union-attr]
+                                 f"undeclared reference to '{name}'{did_you_mean(name, VARIABLES)}"))
             return
         for c in node.children:
             visit(c, bound)

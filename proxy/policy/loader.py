@@ -52,6 +52,7 @@ from proxy.policy.model import (
 )
 from proxy.policy.revision import policy_revision
 from proxy.policy.schemas import compile_schema
+from proxy.policy.vocab import did_you_mean
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
@@ -250,9 +251,8 @@ class _Loader:
             for key, value in mapping_items(f.root):
                 k = key.value
                 if k not in _TOP_KEYS:
-                    self.add(
-                        f, key, f"unknown top-level key '{k}' (allowed: {', '.join(_TOP_KEYS)})"
-                    )
+                    self.add(f, key, f"unknown top-level key '{k}'{did_you_mean(k, _TOP_KEYS)} "
+                                     f"(allowed: {', '.join(_TOP_KEYS)})")
                 elif k == "version":
                     self._merge_version(f, value)
                 elif k == "defaults":
@@ -334,8 +334,9 @@ class _Loader:
                 where = _dotted(entry.path, loc[:-1] if err["type"] == "extra_forbidden" else loc)
                 if err["type"] == "extra_forbidden":
                     node = locate(anchor, loc, key=True)
-                    allowed = _allowed_fields(model, loc[:-1])
-                    message = f"unknown field '{loc[-1]}' in {where}"
+                    allowed = allowed_fields(model, loc[:-1])
+                    message = (f"unknown field '{loc[-1]}'{did_you_mean(str(loc[-1]), allowed)} "
+                               f"in {where}")
                     if allowed:
                         message += f" (allowed: {', '.join(allowed)})"
                 elif err["type"] == "missing":
@@ -869,7 +870,9 @@ def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] |
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+def allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names (aliases where a field has one) of the model at `loc` below `model`;
+    [] when `loc` leads to no model."""
     target = _model_at(model, loc)
     if target is None:
         return []

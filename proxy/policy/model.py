@@ -13,7 +13,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proxy.policy.schemas import VALIDATED_FORMATS
-from proxy.policy.vocab import DETECTORS, Duration, Effect, PatternError, compile_pattern
+from proxy.policy.vocab import (
+    DETECTORS,
+    Duration,
+    Effect,
+    PatternError,
+    compile_pattern,
+    did_you_mean,
+)
 
 _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
@@ -208,7 +215,7 @@ class Guardrail(_Model):
     @classmethod
     def _detector(cls, v: str | None) -> str | None:
         if v is not None and v not in DETECTORS:
-            raise ValueError(f"unknown detector {v!r} (built-in: {', '.join(DETECTORS)})")
+            raise ValueError(f"unknown detector {v!r}{did_you_mean(v, DETECTORS)} (built-in: {', '.join(DETECTORS)})")
         return v
 
     @field_validator("pattern")

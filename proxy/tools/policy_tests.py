@@ -55,8 +55,9 @@ from proxy.envelope.types import (
 )
 from proxy.errors import CelEvalError, PolicyError, PolicyProblem
 from proxy.policy.compiled import Location, PolicyRevision
-from proxy.policy.loader import load_policy
+from proxy.policy.loader import allowed_fields, load_policy
 from proxy.policy.model import TOOL_KEY, DataflowPolicy
+from proxy.policy.vocab import did_you_mean
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
@@ -137,14 +138,14 @@ class Expect(_Model):
     @classmethod
     def _code(cls, v: str | None) -> str | None:
         if v is not None and v not in CODES:
-            raise ValueError(f"unknown reason code {v!r} (known: {', '.join(CODES)})")
+            raise ValueError(f"unknown reason code {v!r}{did_you_mean(v, CODES)} (known: {', '.join(CODES)})")
         return v
 
     @field_validator("check")
     @classmethod
     def _check(cls, v: str | None) -> str | None:
         if v is not None and v not in CHECK_IDS:
-            raise ValueError(f"unknown check {v!r} (known: {', '.join(CHECK_IDS)})")
+            raise ValueError(f"unknown check {v!r}{did_you_mean(v, CHECK_IDS)} (known: {', '.join(CHECK_IDS)})")
         return v
 
 
@@ -233,8 +234,11 @@ def _file_cases(f: YamlFile, convert: Converter) -> tuple[list[LoadedCase], list
             where = ".".join(str(p) for p in loc[:-1]) if err["type"] == "extra_forbidden" else ".".join(
                 str(p) for p in loc)
             if err["type"] == "extra_forbidden":
+                allowed = allowed_fields(CaseFile, loc[:-1])
                 errors.append(problem(f.name, locate(root, loc, key=True),
-                                   f"unknown field '{loc[-1]}' in {where or 'the file'}"))
+                                   f"unknown field '{loc[-1]}'{did_you_mean(str(loc[-1]), allowed)} "
+                                   f"in {where or 'the file'}"
+                                   + (f" (allowed: {', '.join(allowed)})" if allowed else "")))
             elif err["type"] == "missing":
                 errors.append(problem(f.name, locate(root, loc),
                                    f"missing required field '{loc[-1]}'"

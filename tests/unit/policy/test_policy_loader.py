@@ -159,7 +159,7 @@ def test_defaults_twice_and_unknown_top_level_key(write: Write) -> None:
     second = write("b.yaml", "defaults: {}\ndataflw: {}\n")
     assert problems(first.parent) == [
         f"{second}:1:1: 'defaults' may appear in one file only (first at {first}:5:1)",
-        f"{second}:2:1: unknown top-level key 'dataflw' "
+        f"{second}:2:1: unknown top-level key 'dataflw' (did you mean 'dataflow'?) "
         "(allowed: version, upstreams, defaults, tools, principals, dataflow, resources, prompts)",
     ]
 
@@ -167,10 +167,16 @@ def test_defaults_twice_and_unknown_top_level_key(write: Write) -> None:
 def test_unknown_field(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    efect: read\n")
     assert problems(path.parent) == [
-        f"{path}:8:5: unknown field 'efect' in tools.demo.echo (allowed: effect, output, "
+        f"{path}:8:5: unknown field 'efect' (did you mean 'effect'?) in tools.demo.echo (allowed: effect, output, "
         "sensitivity, labels, schema, allow, rules, fallback, fallback_reason, log_args, mask, "
         "approval, idempotent, mode, shadow_result, guardrails, rate)"
     ]
+
+
+def test_unknown_field_far_from_any_is_not_guessed(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    colour: red\n")
+    [message] = problems(path.parent)
+    assert message.startswith(f"{path}:8:5: unknown field 'colour' in tools.demo.echo (allowed: ")
 
 
 def test_unknown_field_in_a_rule(write: Write) -> None:
@@ -179,7 +185,7 @@ def test_unknown_field_in_a_rule(write: Write) -> None:
         UPSTREAMS + "tools:\n  demo.echo:\n    rules:\n      - {allow: 'true', resaon: x}\n",
     )
     assert problems(path.parent) == [
-        f"{path}:9:25: unknown field 'resaon' in tools.demo.echo.rules[0] "
+        f"{path}:9:25: unknown field 'resaon' (did you mean 'reason'?) in tools.demo.echo.rules[0] "
         "(allowed: id, forbid, allow, reason)"
     ]
 
@@ -253,7 +259,7 @@ def test_cel_syntax_error_in_block_scalar(write: Write, engine: str) -> None:
 
 def test_cel_undeclared_variable(write: Write, engine: str) -> None:
     path, found = cel_problems(write, engine, '    allow: "princpal.id == \\"x\\""\n')
-    assert found == [f"{path}:8:13: CEL: undeclared reference to 'princpal'"]
+    assert found == [f"{path}:8:13: CEL: undeclared reference to 'princpal' (did you mean 'principal'?)"]
 
 
 def test_cel_macro_variables_are_not_undeclared(write: Write, engine: str) -> None:
@@ -270,7 +276,7 @@ def test_cel_misspelled_principal_field(write: Write, engine: str) -> None:
         write, engine, "    rules:\n      - allow: '\"eng\" in principal.grups'\n"
     )
     assert found == [
-        f"{path}:9:36: CEL: undefined field 'grups' on principal (known: id, groups, claims)"
+        f"{path}:9:36: CEL: undefined field 'grups' (did you mean 'groups'?) on principal (known: id, groups, claims)"
     ]
 
 
@@ -362,7 +368,7 @@ def test_malformed_rates_are_load_errors_with_their_place(write: Write) -> None:
         f"{path}:9:26: tools.demo.b.rate.limit: not a rate: '0/s' (use <count>/<s|min|h>, a "
         "whole count from 1, e.g. 100/min)",
         f"{path}:10:38: tools.demo.c.rate.burst: Input should be greater than or equal to 1",
-        f"{path}:11:31: unknown field 'brust' in tools.demo.d.rate (allowed: limit, burst)",
+        f"{path}:11:31: unknown field 'brust' (did you mean 'burst'?) in tools.demo.d.rate (allowed: limit, burst)",
         f"{path}:13:17: principals.alice.rate: not a rate: 100 (use <count>/<s|min|h>, a whole "
         "count from 1, e.g. 100/min)",
         f"{path}:13:41: principals.alice.max_calls_per_run: Input should be greater than or "

@@ -224,11 +224,21 @@ def test_bad_case_file_is_located(write: Callable[[str, str], Path],
             principal: {id: reader}
             call: {tool: up.read}
             expect: {verdict: deny, code: nope}
+          - name: near misses
+            principal: {id: reader}
+            call: {tool: up.read, argument: {}}
+            expect: {verdict: deny, code: capabilty_blocked, check: argrules}
         """)
     report = run_tests(bad.parent.parent)
     assert [str(p) for p in report.problems] == [
-        f"{bad}:5:30: unknown field 'colour' in cases.0.expect",
+        f"{bad}:5:30: unknown field 'colour' in cases.0.expect (allowed: verdict, code, check, rule)",
         f"{bad}:9:35: cases.1.expect.code: unknown reason code 'nope' " + report.problems[1].message.split("'nope' ", 1)[1],
+        f"{bad}:12:27: unknown field 'argument' (did you mean 'arguments'?) in cases.2.call "
+        "(allowed: tool, arguments)",
+        f"{bad}:13:35: cases.2.expect.code: unknown reason code 'capabilty_blocked' (did you mean "
+        "'capability_blocked'?) (known: " + report.problems[3].message.split("(known: ", 1)[1],
+        f"{bad}:13:61: cases.2.expect.check: unknown check 'argrules' (did you mean 'arg_rules'?) "
+        "(known: " + report.problems[4].message.split("(known: ", 1)[1],
     ]
     assert main(["test", str(bad.parent.parent)]) == 1
     assert f"{bad}:5:30: unknown field 'colour'" in capsys.readouterr().out
