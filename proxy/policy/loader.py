@@ -64,6 +64,7 @@ from proxy.policy.yamlload import (
     parse_file,
     position,
     problem,
+    read_text,
     release_parsed,
     scalar_position,
 )
@@ -225,9 +226,12 @@ class _Loader:
                         name, 1, 1, f"the file is {size} bytes, more than a policy file may be "
                                     f"({MAX_POLICY_FILE_BYTES} bytes): not read"))
                     continue
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
+            except OSError as exc:
                 self.problems.append(PolicyProblem(name, 1, 1, f"cannot read: {exc}"))
+                continue
+            text = read_text(path, name)
+            if isinstance(text, PolicyProblem):
+                self.problems.append(text)
                 continue
             parsed, problems = _parse_cached(name, text)
             self.problems += problems

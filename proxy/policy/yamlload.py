@@ -19,6 +19,7 @@ import datetime
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -155,6 +156,31 @@ def _duplicate(file: str, first: Node, key: Node) -> PolicyProblem:
 def position(node: Node) -> tuple[int, int]:
     """The 1-based (line, column) where `node` starts."""
     return node.start_mark.line + 1, node.start_mark.column + 1
+
+
+def read_text(path: Path, name: str) -> str | PolicyProblem:
+    """The UTF-8 text of the file at `path` (newlines translated, as `Path.read_text`), or the
+    problem that keeps it unread, named `name`: a file that cannot be read is one at 1:1, bytes
+    that are not UTF-8 one at the line and column of the first such byte."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        pass
+    except OSError as exc:
+        return PolicyProblem(name, 1, 1, f"cannot read: {exc}")
+    try:
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except OSError as exc:
+        return PolicyProblem(name, 1, 1, f"cannot read: {exc}")
+    except UnicodeDecodeError as exc:
+        # Everything before the first bad byte decodes; count lines as read_text translates them.
+        before = data[:exc.start].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        line = before.count("\n") + 1
+        column = len(before) - before.rfind("\n")
+        return PolicyProblem(name, line, column, f"not UTF-8: byte 0x{data[exc.start]:02x} "
+                                                 f"({exc.reason}); save the file as UTF-8")
+    return PolicyProblem(name, 1, 1, "cannot read: the file changed while it was read")
 
 
 def problem(file: str, node: Node | None, message: str) -> PolicyProblem:

@@ -66,6 +66,7 @@ from proxy.policy.yamlload import (
     mapping_items,
     parse_file,
     problem,
+    read_text,
 )
 
 # Check ids a case may name in `expect.check`: the chain's checks, plus "envelope" (allowed by
@@ -202,10 +203,9 @@ def load_cases(paths: Iterable[Path]) -> tuple[list[LoadedCase], list[PolicyProb
     convert = Converter()
     for path in paths:
         name = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            problems.append(PolicyProblem(name, 1, 1, f"cannot read: {exc}"))
+        text = read_text(path, name)
+        if isinstance(text, PolicyProblem):
+            problems.append(text)
             continue
         parsed, found = parse_file(name, text)
         problems += found

@@ -173,6 +173,16 @@ def test_unknown_field(write: Write) -> None:
     ]
 
 
+def test_a_file_that_is_not_utf8_names_the_line_and_column_of_the_byte(write: Write) -> None:
+    first = write("a.yaml", UPSTREAMS)
+    latin1 = first.parent / "b.yaml"
+    # Latin-1 "é" in a reason, after CRLF lines and a UTF-8 "ü": columns count characters.
+    latin1.write_bytes(b"tools:\r\n  demo.x:\r\n    fallback_reason: \"\xc3\xbcber caf\xe9\"\r\n")
+    assert problems(first.parent) == [
+        f"{latin1}:3:31: not UTF-8: byte 0xe9 (invalid continuation byte); save the file as UTF-8"
+    ]
+
+
 def test_unknown_field_far_from_any_is_not_guessed(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    colour: red\n")
     [message] = problems(path.parent)

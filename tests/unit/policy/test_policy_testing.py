@@ -244,6 +244,15 @@ def test_bad_case_file_is_located(write: Callable[[str, str], Path],
     assert f"{bad}:5:30: unknown field 'colour'" in capsys.readouterr().out
 
 
+def test_a_case_file_that_is_not_utf8_is_located(write: Callable[[str, str], Path]) -> None:
+    write("policy.yaml", POLICY)
+    bad = write("x.test.yaml", "")
+    bad.write_bytes(b"cases:\n  - name: caf\xe9\n")
+    assert [str(p) for p in run_tests(bad.parent).problems] == [
+        f"{bad}:2:14: not UTF-8: byte 0xe9 (invalid continuation byte); save the file as UTF-8"
+    ]
+
+
 def test_bad_yaml_is_located(write: Callable[[str, str], Path]) -> None:
     write("policy.yaml", POLICY)
     bad = write("x.test.yaml", "cases:\n  - name: [unclosed\n")
