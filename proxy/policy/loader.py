@@ -52,7 +52,7 @@ from proxy.policy.model import (
 )
 from proxy.policy.revision import policy_revision
 from proxy.policy.schemas import compile_schema
-from proxy.policy.vocab import did_you_mean
+from proxy.policy.vocab import did_you_mean, near_miss
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
@@ -84,6 +84,8 @@ _UPSTREAM_KEYED = {
     "prompts": (PROMPT_KEY, "a prompt key '<upstream>.<prompt name>'"),
 }
 _TOP_KEYS = tuple(PolicyDocument.model_fields)
+# The `dataflow` fields keyed by sink (`<upstream>.<tool>`, or `default`).
+_SINK_KEYED = ("declassify", "critical", "on_flag", "on_tainted", "waive_gate")
 # A policy file larger than this is a problem, not read: composing costs about 5 s and 120 MB
 # per MB of YAML (an 18 MB file: 86 s and 2.3 GB in `check`), so a 50 MB file dropped into the
 # directory would hold a reload for minutes. The same bound as an OpenAPI document's.
@@ -460,6 +462,35 @@ class _Loader:
                  f"not declared under upstreams (declared: {declared})")
         return False
 
+    def sink_keys(self, entry: _Entry, dataflow: DataflowPolicy, defaults: Defaults) -> None:
+        """A problem at each sink key of `dataflow` that names no tool a call can reach: its
+        upstream is not declared, or (with `unknown_tools: deny`) the tool has no entry under
+        `tools`. Such a key is a typo that changes nothing, silently: an `on_tainted: approve`
+        meant for `mail.send_email` written for `mail.send_mail` escalates nothing."""
+        assert entry.value is not None
+        tools = self.entries["tools"]
+        upstreams = self.entries["upstreams"]
+        for field in _SINK_KEYED:
+            for key in getattr(dataflow, field):
+                if key == "default":
+                    continue
+                upstream = key.partition(".")[0]
+                if upstream not in upstreams:
+                    declared = ", ".join(sorted(upstreams)) or "none"
+                    why = f"upstream '{upstream}' is not declared under upstreams (declared: {declared})"
+                elif key not in tools and defaults.unknown_tools == "deny":
+                    # A near miss among the same upstream's tools, by name ('gh.y' is no typo of 'gh.x').
+                    name = key.partition(".")[2]
+                    near = near_miss(name, (t.partition(".")[2] for t in tools
+                                            if t.partition(".")[0] == upstream))
+                    hint = f" (did you mean '{upstream}.{near}'?)" if near is not None else ""
+                    why = (f"no tool '{key}' under tools{hint}, and with "
+                           "defaults.unknown_tools: deny a tool without one is never called")
+                else:
+                    continue
+                self.add(entry.file, locate(entry.value, (field, key), key=True),
+                         f"dataflow.{field} '{key}': {why}")
+
     # -- stage: tools -----------------------------------------------------------------------
 
     def tool(self, entry: _Entry, policy: ToolPolicy) -> CompiledTool | None:
@@ -632,6 +663,8 @@ class _Loader:
         dataflow: DataflowPolicy | None = None
         if self.dataflow is not None:
             dataflow = self.validate(self.dataflow, DataflowPolicy)
+            if dataflow is not None:
+                self.sink_keys(self.dataflow, dataflow, defaults)
 
         # The tools' rule groups compile in worker processes (a cold load of many tools) while
         # this thread lints their expressions and compiles their schemas (cached by text: the

@@ -134,14 +134,19 @@ def compile_pattern(pattern: str) -> Any:
 # -- names -----------------------------------------------------------------------------------
 
 
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """` (did you mean 'x'?)` when one of `choices` is a near miss of `word` (a typo, another
-    case, a swapped pair of letters), else "": appended to a problem naming an unknown key,
-    field or variable."""
-    options = list(choices)
-    folded = {c.lower(): c for c in options}
+def near_miss(word: str, choices: Iterable[str]) -> str | None:
+    """The one of `choices` that `word` is a near miss of (a typo, another case, a swapped pair
+    of letters), else None; never `word` itself."""
+    folded = {c.lower(): c for c in choices}
     near = folded.get(word.lower())
     if near is None:
         matches = difflib.get_close_matches(word.lower(), list(folded), n=1, cutoff=0.75)
         near = folded[matches[0]] if matches else None
-    return f" (did you mean '{near}'?)" if near is not None and near != word else ""
+    return near if near != word else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` when one of `choices` is a near miss of `word`, else "": appended
+    to a problem naming an unknown key, field or variable."""
+    near = near_miss(word, choices)
+    return f" (did you mean '{near}'?)" if near is not None else ""

@@ -183,6 +183,28 @@ def test_a_file_that_is_not_utf8_names_the_line_and_column_of_the_byte(write: Wr
     ]
 
 
+def test_dataflow_sink_keys_name_tools_a_call_can_reach(write: Write) -> None:
+    # A typo in a sink key changes nothing, silently: on_tainted meant for demo.send escalates
+    # nothing when written for demo.sned. Each such key is a problem at the key.
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.send: {effect: external}\n"
+                 "dataflow:\n"
+                 "  on_tainted: {default: allow, demo.sned: approve}\n"
+                 "  declassify: {slack.post: true, demo.send: [body]}\n"
+                 "  critical: {github.x: [to]}\n")
+    assert problems(path.parent) == [
+        f"{path}:9:32: dataflow.on_tainted 'demo.sned': no tool 'demo.sned' under tools (did you "
+        "mean 'demo.send'?), and with defaults.unknown_tools: deny a tool without one is never called",
+        f"{path}:10:16: dataflow.declassify 'slack.post': upstream 'slack' is not declared under "
+        "upstreams (declared: demo, github)",
+        f"{path}:11:14: dataflow.critical 'github.x': no tool 'github.x' under tools, and with "
+        "defaults.unknown_tools: deny a tool without one is never called",
+    ]
+    # With unknown_tools: allow a tool the upstream offers needs no entry to be called.
+    path.write_text(path.read_text().replace("unknown_tools: deny", "unknown_tools: allow")
+                    .replace("slack.post", "demo.post"))
+    assert load_policy(path.parent).document.dataflow is not None
+
+
 def test_unknown_field_far_from_any_is_not_guessed(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    colour: red\n")
     [message] = problems(path.parent)
