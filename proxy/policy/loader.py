@@ -160,19 +160,49 @@ def is_policy_name(name: str) -> bool:
             and not name.endswith((".test.yaml", ".test.yml")))
 
 
-def policy_files(directory: Path) -> list[Path]:
-    """Every `*.yaml`/`*.yml` below `directory`, sorted, following symlinks.
+def policy_tree(directory: Path) -> Iterator[tuple[Path, str]]:
+    """Every policy path below `directory`, following symlinks, with its kind: "file" (a
+    `*.yaml`/`*.yml` that is not a directory, readable or not), "directory" (a directory named
+    like a policy file) or "loop" (a directory link that leads back to a directory it is inside).
+    Neither of the last two is entered: the load reports them (a policy file replaced by a
+    directory is not a deleted one; a loop would list the tree again at every level).
 
     Skipped: any path component starting with ".", directories named `tests`, and policy test
-    files (`*.test.yaml`, `*.test.yml`). A directory named like a policy file is listed, not
-    entered: the load reports it (a policy file replaced by a directory is not a deleted one).
+    files (`*.test.yaml`, `*.test.yml`). Unordered.
     """
-    found = []
-    for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "tests"]
-        found += [Path(dirpath) / d for d in dirnames if is_policy_name(d)]
-        dirnames[:] = [d for d in dirnames if not is_policy_name(d)]
-        found += [Path(dirpath) / name for name in filenames if is_policy_name(name)]
+    def walk(path: str, inside: frozenset[str]) -> Iterator[tuple[Path, str]]:
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            return  # as os.walk: a directory that cannot be listed holds nothing
+        for entry in entries:
+            name = entry.name
+            try:
+                is_dir = entry.is_dir()  # follows a link; False when it cannot be followed
+            except OSError:
+                is_dir = False
+            if not is_dir:
+                if is_policy_name(name):
+                    yield Path(entry.path), "file"
+                continue
+            if name.startswith(".") or name == "tests":
+                continue
+            if is_policy_name(name):
+                yield Path(entry.path), "directory"
+                continue
+            real = os.path.realpath(entry.path)
+            if real in inside:
+                yield Path(entry.path), "loop"
+                continue
+            yield from walk(entry.path, inside | {real})
+
+    yield from walk(str(directory), frozenset({os.path.realpath(directory)}))
+
+
+def policy_files(directory: Path) -> list[Path]:
+    """Every path of `policy_tree` below `directory`, sorted (a directory and a loop included:
+    the parse stage reports them)."""
+    found = [path for path, _ in policy_tree(directory)]
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
@@ -216,6 +246,11 @@ class _Loader:
     def parse(self, paths: list[Path]) -> None:
         for path in paths:
             name = str(path)
+            if path.is_dir() and not is_policy_name(path.name):
+                self.problems.append(PolicyProblem(
+                    name, 1, 1, f"a directory link that leads back to {os.path.realpath(path)}, a "
+                                "directory it is inside (a loop): not entered"))
+                continue
             if path.is_dir():
                 self.problems.append(PolicyProblem(
                     name, 1, 1, "a directory named like a policy file: not loaded (was a policy "

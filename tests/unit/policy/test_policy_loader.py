@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +12,7 @@ import pytest
 
 from proxy.errors import PolicyError
 from proxy.policy.loader import load_policy, policy_files
+from proxy.policy.reload import fingerprint
 
 Write = Callable[[str, str], Path]
 
@@ -438,6 +441,21 @@ def test_anchors_within_the_bound_load(write: Write) -> None:
           github.search_issues: {effect: read, mask: *secret}
         """)
     assert load_policy(rev_dir(write)).tools
+
+
+def test_a_directory_link_loop_is_one_problem_not_a_tree_listed_at_every_level(write: Write) -> None:
+    # On main the walk followed sub/loop -> .. about 40 levels deep and reported every tool and
+    # upstream as "declared twice" at each level (80 problems for one link, none naming it).
+    root = rev_dir(write)
+    write("sub/tools.yaml", TOOLS)
+    (root / "sub" / "loop").symlink_to("..", target_is_directory=True)
+    assert problems(root) == [
+        f"{root / 'sub' / 'loop'}:1:1: a directory link that leads back to {os.path.realpath(root)}, "
+        "a directory it is inside (a loop): not entered"]
+    # The watcher's fingerprint walks the same tree: the link once, as a change when it comes or goes.
+    seen = fingerprint(root)[1:]
+    assert [entry[0] for entry in seen] == ["00-upstreams.yaml", "sub/loop", "sub/tools.yaml"]
+    assert ("sub/loop", -1, -errno.ELOOP) in seen
 
 
 def test_a_directory_named_like_a_policy_file_is_a_problem_not_entered(write: Write) -> None:
