@@ -494,10 +494,26 @@ async def _seed_history(chain: pipeline.Chain, run_key: str, history: list[Resul
                                   min_value=policy.min_value)
 
 
-def _compare(expect: Expect, d: Decision) -> tuple[str, ...]:
+def _allowed_by(call: ToolCall, decision: Decision, exercised: set[CoverageItem]) -> str | None:
+    """The rule that let an allowed call through the argument rules: the first allow rule that
+    matched, or `<tool>#fallback` (fallback allow); None for a refusal or a tool without rules.
+    The chain does not name it (it evaluates a tool's allow rules as one program), so it is
+    read from what the case exercised, evaluated singly in the chain's order."""
+    if decision.verdict.value != "allow":
+        return None
+    key = call.qualified_name
+    for item in exercised:
+        if item.kind == "rule" and item.id.startswith(f"{key}/"):
+            return item.id[len(key) + 1:]
+        if item.kind == "fallback" and item.id == f"{key}#fallback":
+            return item.id
+    return None
+
+
+def _compare(expect: Expect, d: Decision, rule: str | None) -> tuple[str, ...]:
     out = []
     for fieldname, got in (("verdict", d.verdict.value), ("code", d.code.value),
-                           ("check", d.check), ("rule", d.rule)):
+                           ("check", d.check), ("rule", rule)):
         want = getattr(expect, fieldname)
         if want is not None and want != got:
             out.append(f"{fieldname}: expected {want}, got {got}")
@@ -513,10 +529,12 @@ async def _run_cases(revision: PolicyRevision, cases: list[LoadedCase],
         chain = _chain(revision, case)
         await _seed_history(chain, call.run.key, case.run.history)
         decision = await chain.run(call)
-        hits |= _exercised(revision, call, decision)
+        exercised = _exercised(revision, call, decision)
+        hits |= exercised
+        rule = decision.rule or _allowed_by(call, decision, exercised)
         results.append(CaseResult(loaded, decision.verdict.value, decision.code.value,
-                                  decision.check, decision.rule, decision.reason,
-                                  _compare(case.expect, decision)))
+                                  decision.check, rule, decision.reason,
+                                  _compare(case.expect, decision, rule)))
     return results
 
 

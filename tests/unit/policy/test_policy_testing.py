@@ -171,6 +171,40 @@ def test_each_expect_field_is_compared(write: Callable[[str, str], Path], field:
     assert "FAIL: one (" in text and words in text
 
 
+def test_an_allowed_case_names_the_allow_rule_that_let_it_through(write: Callable[[str, str], Path]) -> None:
+    # On main an allowed call had no rule: `expect: {verdict: allow, rule: tenant-dir}` failed
+    # with "expected tenant-dir, got None", and -v did not say which rule allowed it.
+    write("policy.yaml", POLICY.replace("fallback: deny", "fallback: allow"))
+    write("p.test.yaml", """
+        cases:
+          - name: tenant
+            principal: {id: w, groups: [writers]}
+            request: {headers: {X-Tenant: acme}}
+            call: {tool: up.write, arguments: {path: acme/x}}
+            expect: {verdict: allow, rule: tenant-dir}
+          - name: fallback
+            principal: {id: w, groups: [writers]}
+            call: {tool: up.write, arguments: {path: other/x}}
+            expect: {verdict: allow, rule: up.write#fallback}
+          - name: wrong rule
+            principal: {id: w, groups: [writers]}
+            call: {tool: up.write, arguments: {path: other/x}}
+            expect: {verdict: allow, rule: tenant-dir}
+          - name: no rules
+            principal: {id: reader}
+            call: {tool: up.read}
+            expect: {verdict: allow}
+        """)
+    report = run_tests(write("policy.yaml", POLICY.replace("fallback: deny", "fallback: allow")).parent)
+    assert [(r.case.case.name, r.rule, r.mismatches) for r in report.results] == [
+        ("tenant", "tenant-dir", ()),
+        ("fallback", "up.write#fallback", ()),
+        ("wrong rule", "up.write#fallback", ("rule: expected tenant-dir, got up.write#fallback",)),
+        ("no rules", None, ()),
+    ]
+    assert "decided: verdict=allow code=ok check=envelope rule=tenant-dir" in render_text(report, verbose=True)
+
+
 def test_verbose_shows_the_deciding_check_rule_and_reason(pack: Path) -> None:
     text = render_text(run_tests(pack), verbose=True)
     assert "PASS: forbid rule (" in text
