@@ -661,7 +661,9 @@ class _Loader:
     def run(self) -> PolicyRevision:
         directory = self.directory
         if not directory.is_dir():
-            raise PolicyError([PolicyProblem(str(directory), 1, 1, "policy directory not found")])
+            what = ("a file, not a directory: a policy is the directory of its files"
+                    if directory.exists() else "policy directory not found")
+            raise PolicyError([PolicyProblem(str(directory), 1, 1, what)])
         paths = policy_files(directory)
         if not paths:
             raise PolicyError(

@@ -248,7 +248,14 @@ def parse_file(name: str, text: str) -> tuple[YamlFile | None, list[PolicyProble
     except MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-        what = " ".join(x for x in (exc.context, exc.problem) if x) or "invalid YAML"
+        context = exc.context
+        opened = exc.context_mark
+        if context and opened is not None and exc.problem_mark is not None and \
+                (opened.line, opened.column) != (exc.problem_mark.line, exc.problem_mark.column):
+            # "while parsing a flow mapping": where it was opened is where the fix usually is
+            # (an unclosed `{`), found only lines later.
+            context += f" opened at {opened.line + 1}:{opened.column + 1},"
+        what = " ".join(x for x in (context, exc.problem) if x) or "invalid YAML"
         return None, [PolicyProblem(name, line, col, f"YAML syntax error: {what}")]
     except YAMLError as exc:
         return None, [PolicyProblem(name, 1, 1, f"YAML error: {exc}")]

@@ -136,6 +136,12 @@ def test_revision_is_the_git_commit_inside_git(write: Write) -> None:
 # --- one problem kind at a time, exact places -------------------------------------------------
 
 
+def test_a_file_given_for_the_directory_says_so(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS)
+    assert problems(path) == [f"{path}:1:1: a file, not a directory: a policy is the directory of its files"]
+    assert problems(path.parent / "nope") == [f"{path.parent / 'nope'}:1:1: policy directory not found"]
+
+
 def test_yaml_syntax_error(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.x: [1, 2\n  demo.y: {}\n")
     [message] = problems(path.parent)
