@@ -39,7 +39,7 @@ tools:
     allow: '"eng" in principal.groups'
     schema: {type: object, properties: {text: {type: string}}, required: [text]}
 principals:
-  alice: {groups: [eng], allow: ['principal.id == "alice"']}
+  alice: {allow: ['principal.id == "alice"']}
 """
 
 
@@ -134,6 +134,16 @@ def test_revision_is_the_git_commit_inside_git(write: Write) -> None:
 
 
 # --- one problem kind at a time, exact places -------------------------------------------------
+
+
+def test_a_policy_cannot_grant_groups(write: Write) -> None:
+    # On main `principals.<id>.groups` loaded and did nothing: CEL's principal.groups is the
+    # verified identity's only, so `"writers" in principal.groups` stayed false for the author
+    # who granted it.
+    path = write("a.yaml", UPSTREAMS + "principals:\n  a:\n    groups: [writers]\n  b: {groups: []}\n")
+    [message] = problems(path.parent)
+    assert message.startswith(f"{path}:8:13: principals.a.groups: a policy cannot grant groups: "
+                              "principal.groups in CEL holds the verified identity's groups only")
 
 
 def test_a_file_given_for_the_directory_says_so(write: Write) -> None:
