@@ -109,8 +109,8 @@ class RunSpec(_Model):
 
 class RequestSpec(_Model):
     """Request headers. Only `defaults.request_headers` reach CEL (as on the wire);
-    `x-envelope-run`, `x-envelope-shadow`, `idempotency-key` and `mcp-protocol-version` act as
-    they do on the wire."""
+    `x-envelope-run`, `x-envelope-shadow`, `x-envelope-capability`, `idempotency-key` and
+    `mcp-protocol-version` act as they do on the wire."""
 
     headers: dict[str, str] = Field(default_factory=dict)
 
@@ -464,6 +464,7 @@ def _call(case: Case, revision: PolicyRevision) -> ToolCall:
                             headers={h: v for h, v in headers.items() if h in wanted}),
         idempotency_key=key[:200] if key else None,
         shadow_requested=headers.get("x-envelope-shadow", "").strip().lower() in ("1", "true", "yes"),
+        capability_requested=headers.get("x-envelope-capability"),
     )
 
 

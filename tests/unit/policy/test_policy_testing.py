@@ -205,6 +205,27 @@ def test_an_allowed_case_names_the_allow_rule_that_let_it_through(write: Callabl
     assert "decided: verdict=allow code=ok check=envelope rule=tenant-dir" in render_text(report, verbose=True)
 
 
+def test_the_capability_header_narrows_as_on_the_wire(write: Callable[[str, str], Path]) -> None:
+    # On main the case's X-Envelope-Capability was dropped: the write was allowed.
+    write("policy.yaml", POLICY)
+    write("p.test.yaml", """
+        cases:
+          - name: narrowed
+            principal: {id: w, groups: [writers]}
+            request: {headers: {X-Envelope-Capability: read-only, X-Tenant: acme}}
+            call: {tool: up.write, arguments: {path: acme/x}}
+            expect: {verdict: deny, code: capability_blocked, check: capability,
+                     rule: "request:X-Envelope-Capability"}
+          - name: never widened
+            principal: {id: reader}
+            request: {headers: {X-Envelope-Capability: read-write}}
+            call: {tool: up.write, arguments: {path: acme/x}}
+            expect: {verdict: deny, code: capability_blocked, rule: principals.reader.capability}
+        """)
+    report = run_tests(write("policy.yaml", POLICY).parent)
+    assert [(r.case.case.name, r.mismatches) for r in report.results] == [("narrowed", ()), ("never widened", ())]
+
+
 def test_verbose_shows_the_deciding_check_rule_and_reason(pack: Path) -> None:
     text = render_text(run_tests(pack), verbose=True)
     assert "PASS: forbid rule (" in text
