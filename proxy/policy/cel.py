@@ -999,6 +999,19 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "run": ("id", "parent", "depth", "shadow", "tainted", "secret"),
     "request": ("method", "protocol_version", "headers"),
 }
+# The type of each fixed-shape field whose values have one type (`run.parent` may be null:
+# comparing it with null is right, so it is left out), for the comparison check of `_lint_parsed`.
+FIELD_TYPES: dict[tuple[str, str], str] = {
+    ("principal", "id"): "string", ("principal", "groups"): "list", ("principal", "claims"): "map",
+    ("tool", "name"): "string", ("tool", "upstream"): "string", ("tool", "effect"): "string",
+    ("tool", "annotations"): "map",
+    ("run", "id"): "string", ("run", "depth"): "int", ("run", "shadow"): "bool",
+    ("run", "tainted"): "bool", ("run", "secret"): "bool",
+    ("request", "method"): "string", ("request", "protocol_version"): "string",
+    ("request", "headers"): "map",
+}
+_RELATIONS = frozenset({"relation_eq", "relation_ne", "relation_lt", "relation_le", "relation_gt",
+                        "relation_ge"})
 # Macros binding their first argument as a variable over the remaining arguments.
 _BINDING_MACROS = frozenset({"all", "exists", "exists_one", "map", "filter"})
 # Type identifiers CEL resolves by name (`type(x) == string`).
@@ -1026,6 +1039,7 @@ _LITERAL_TYPES = {
     "MLSTRING_LIT": "string",
     "BYTES_LIT": "bytes",
     "NULL_LIT": "null_type",
+    "BOOL_LIT": "bool",
 }
 
 
@@ -1075,9 +1089,47 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
             node = node.children[0]
         return None
 
+    def operand(node: Any, bound: frozenset[str]) -> tuple[str, str, int] | None:
+        """(what, type, offset) of a comparison operand whose type is known: a typed field of
+        a fixed-shape variable, or a literal; else None."""
+        while isinstance(node, Tree) and node.data in _WRAPPERS and len(node.children) == 1:
+            node = node.children[0]
+        if not isinstance(node, Tree):
+            return None
+        if node.data == "literal" and node.children and isinstance(node.children[0], Token):
+            tok = node.children[0]
+            kind = _LITERAL_TYPES.get(tok.type)
+            return (f"{_article(kind)} {kind} literal", kind, tok.start_pos) if kind else None  # type: ignore[return-value]
+        if node.data == "member_dot" and len(node.children) == 2:
+            target, field = node.children
+            var = bare_ident(target)
+            if var is not None and str(var) not in bound:
+                kind = FIELD_TYPES.get((str(var), str(field)))
+                if kind is not None:
+                    return f"{var}.{field}", kind, var.start_pos  # type: ignore[return-value]
+        return None
+
+    def compare(node: Any, bound: frozenset[str]) -> None:
+        """A problem when a comparison's two sides have known, different types (`run.depth ==
+        "1"`, `tool.effect == 1`): every variable is a map of dyn to the engines, so neither sees
+        it, and the rule is never true (==) or an error at every call (<, >: a forbid matches)."""
+        left, right = operand(node.children[0].children[0], bound), operand(node.children[1], bound)
+        if left is None or right is None or left[1] == right[1] or "null_type" in (left[1], right[1]):
+            return
+        if {left[1], right[1]} <= {"int", "uint", "double"}:
+            return  # numbers compare across kinds
+        field, other = (left, right) if "literal" not in left[0] else (right, left)
+        if "literal" in field[0]:
+            return  # two literals: the engines' own checks
+        problems.append((field[2], f"{field[0]} is {_article(field[1])} {field[1]}, compared here "
+                                   f"with {other[0]}"))
+
     def visit(node: Any, bound: frozenset[str]) -> None:
         if not isinstance(node, Tree):
             return
+        if (node.data == "relation" and len(node.children) == 2 and isinstance(node.children[0], Tree)
+                and node.children[0].data in _RELATIONS and len(node.children[0].children) == 1):
+            compare(node, bound)
         if node.data == "member_dot_arg" and len(node.children) == 3:
             target, method, args = node.children
             visit(target, bound)
@@ -1126,6 +1178,10 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
             problems.append((0, f"expression must be a bool, it is {kind}"))
     problems.sort(key=lambda p: p[0])
     return tuple(problems)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _obvious_type(tree: Any) -> str | None:

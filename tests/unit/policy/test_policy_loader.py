@@ -331,6 +331,27 @@ def test_cel_misspelled_principal_field(write: Write, engine: str) -> None:
     ]
 
 
+def test_cel_a_typed_field_compared_with_another_type(write: Write, engine: str) -> None:
+    # Every variable is a map of dyn to the engines: on main these loaded on both, and the
+    # first forbid refused every call (an error at every call matches a forbid).
+    path, found = cel_problems(write, engine, "    rules:\n"
+                               "      - forbid: 'run.depth > \"1\"'\n"
+                               "      - allow: 'tool.effect == 1 || true == run.tainted'\n"
+                               "      - allow: 'principal.groups == \"ops\" && run.parent != null'\n")
+    assert found == [
+        f"{path}:9:18: CEL: run.depth is an int, compared here with a string literal",
+        f"{path}:10:17: CEL: tool.effect is a string, compared here with an int literal",
+        f"{path}:11:17: CEL: principal.groups is a list, compared here with a string literal",
+    ]
+
+
+def test_cel_typed_fields_compared_rightly_load(write: Write, engine: str) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.a:\n    rules:\n"
+                 "      - forbid: 'run.depth >= 2.5 || run.tainted == true || tool.effect != \"read\"'\n"
+                 "      - allow: 'principal.groups.exists(run, run == \"x\") && args.n == \"1\"'\n")
+    assert len(load_policy(path.parent, engine).tools["demo.a"].rules) == 2
+
+
 def test_cel_open_fields_are_not_checked(write: Write, engine: str) -> None:
     path = write(
         "a.yaml",
