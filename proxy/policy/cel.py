@@ -1048,9 +1048,11 @@ def lint(expr: str, *, identifiers: bool = True, result_type: bool = True) -> li
 
     Cached by its arguments (the result depends on nothing else); the caller gets its own list.
 
-    Unknown fields on the fixed-shape variables always; with `identifiers`, references to
-    undeclared variables (macro variables are bound, not undeclared); with `result_type`, a
-    result that is obviously not a bool (a literal, arithmetic, a list or map). An expression
+    Unknown fields on the fixed-shape variables, and a typed field of them compared with a
+    literal of another type, always; with `identifiers`, references to undeclared variables
+    (macro variables are bound, not undeclared); with `result_type` (what cel-cpp's checker
+    finds itself, for cel-python), a result that is obviously not a bool (a literal, arithmetic,
+    a list or map) and a comparison of literals or `now` with a literal of another type. An expression
     that does not parse yields nothing here: the engine reports the syntax error.
     """
     return list(_lint(expr, identifiers, result_type))
@@ -1096,6 +1098,9 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
             node = node.children[0]
         if not isinstance(node, Tree):
             return None
+        now = bare_ident(node)
+        if now is not None and str(now) == "now" and "now" not in bound:
+            return "now", "timestamp", now.start_pos  # type: ignore[return-value]
         if node.data == "literal" and node.children and isinstance(node.children[0], Token):
             tok = node.children[0]
             kind = _LITERAL_TYPES.get(tok.type)
@@ -1119,8 +1124,11 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
         if {left[1], right[1]} <= {"int", "uint", "double"}:
             return  # numbers compare across kinds
         field, other = (left, right) if "literal" not in left[0] else (right, left)
+        if ("literal" in field[0] or field[0] == "now") and not result_type:
+            return  # literals and `now` are typed to cel-cpp, which reports this itself
         if "literal" in field[0]:
-            return  # two literals: the engines' own checks
+            problems.append((left[2], f"{left[0]} compared with {right[0]}"))
+            return
         problems.append((field[2], f"{field[0]} is {_article(field[1])} {field[1]}, compared here "
                                    f"with {other[0]}"))
 

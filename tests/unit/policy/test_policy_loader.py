@@ -345,6 +345,18 @@ def test_cel_a_typed_field_compared_with_another_type(write: Write, engine: str)
     ]
 
 
+def test_cel_now_and_literals_of_other_types_are_errors_on_both_engines(write: Write, engine: str) -> None:
+    # cel-cpp's own checker finds these; on main cel-python loaded them (an error at every call).
+    path, found = cel_problems(write, engine, "    rules:\n      - forbid: 'now > 5'\n"
+                               "      - forbid: '\"a\" == 1'\n")
+    # cel-cpp's own words, at the operator; ours, at the operand.
+    assert [f.removeprefix(f"{path}:").split(":", 1)[0] for f in found] == ["9", "10"]
+    assert all(": CEL: " in f for f in found)
+    if engine == "cel-python":
+        assert found == [f"{path}:9:18: CEL: now is a timestamp, compared here with an int literal",
+                         f"{path}:10:18: CEL: a string literal compared with an int literal"]
+
+
 def test_cel_typed_fields_compared_rightly_load(write: Write, engine: str) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.a:\n    rules:\n"
                  "      - forbid: 'run.depth >= 2.5 || run.tainted == true || tool.effect != \"read\"'\n"
