@@ -170,6 +170,8 @@ class CaseFile(_Model):
 class LoadedCase:
     case: Case
     location: Location
+    # Where the case's `call.tool` is written (None: not known).
+    tool_at: Location | None = None
 
     @property
     def title(self) -> str:
@@ -262,7 +264,9 @@ def _file_cases(f: YamlFile, convert: Converter) -> tuple[list[LoadedCase], list
             continue
         at = Location(f.name, line, col)
         seen[case.name] = str(at)
-        loaded.append(LoadedCase(case, at))
+        tool_node = locate(node, ("call", "tool"))
+        tool_at = Location(f.name, tool_node.start_mark.line + 1, tool_node.start_mark.column + 1)
+        loaded.append(LoadedCase(case, at, tool_at))
     return loaded, out
 
 
@@ -539,6 +543,24 @@ async def _run_cases(revision: PolicyRevision, cases: list[LoadedCase],
     return results
 
 
+def _undeclared_upstreams(revision: PolicyRevision, cases: list[LoadedCase]) -> list[PolicyProblem]:
+    """A problem at each case calling a tool of an upstream the policy does not declare: such a
+    call can only be refused, so a case expecting a refusal would pass whatever the policy says
+    (a typo in the upstream's name)."""
+    declared = revision.document.upstreams
+    out = []
+    for loaded in cases:
+        upstream = loaded.case.call.tool.partition(".")[0]
+        if upstream in declared:
+            continue
+        at = loaded.tool_at or loaded.location
+        out.append(PolicyProblem(at.file, at.line, at.column,
+                                 f"case {loaded.case.name!r} calls '{loaded.case.call.tool}': upstream "
+                                 f"'{upstream}'{did_you_mean(upstream, declared)} is not declared "
+                                 f"under upstreams (declared: {', '.join(sorted(declared)) or 'none'})"))
+    return out
+
+
 def run_tests(directory: Path, *, engine: str = "auto", coverage: bool = False,
               threshold: float | None = None) -> TestReport:
     """Load the policy and its cases under `directory` and decide every case, with the CEL
@@ -557,6 +579,7 @@ def run_tests(directory: Path, *, engine: str = "auto", coverage: bool = False,
         return report
     report.engine, report.revision = revision.engine, revision.revision
     cases, problems = load_cases(discover(directory))
+    problems += _undeclared_upstreams(revision, cases)
     if not cases and not problems:
         problems.append(PolicyProblem(str(directory), 1, 1,
                                       "no policy test cases (tests/*.yaml or *.test.yaml)"))

@@ -308,6 +308,22 @@ def test_a_case_file_that_is_not_utf8_is_located(write: Callable[[str, str], Pat
     ]
 
 
+def test_a_case_calling_an_undeclared_upstream_is_a_problem(write: Callable[[str, str], Path]) -> None:
+    # On main it ran and passed: a call to an upstream no policy declares is refused whatever
+    # the policy says, so `expect: {verdict: deny}` proved nothing about the tool meant.
+    write("policy.yaml", POLICY)
+    bad = write("p.test.yaml", """
+        cases:
+          - name: typo
+            principal: {id: w, groups: [writers]}
+            call: {tool: upp.write, arguments: {path: secret/x}}
+            expect: {verdict: deny}
+        """)
+    assert [str(p) for p in run_tests(bad.parent).problems] == [
+        f"{bad}:4:18: case 'typo' calls 'upp.write': upstream 'upp' (did you mean 'up'?) is not "
+        "declared under upstreams (declared: up)"]
+
+
 def test_bad_yaml_is_located(write: Callable[[str, str], Path]) -> None:
     write("policy.yaml", POLICY)
     bad = write("x.test.yaml", "cases:\n  - name: [unclosed\n")
