@@ -34,6 +34,7 @@ def add_check_parser(sub: Any) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from proxy.config import cel_engine_setting
     from proxy.envelope.checks.catalogue import (
+        dead_rules,
         misconfigurations,
         spec_problems,
         spec_registry,
@@ -85,6 +86,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     for pid in dangerous:
         print(f"{level}: principal '{pid}': rule_of_two holds all three of untrusted_input, sensitive_data "
               "and external_side_effects (the lethal trifecta); set one of them to false")
+    # Rules that can never decide a call: a mistake to point at, never failing the check.
+    for subject, why in dead_rules(revision):
+        print(f"warning: {subject} {why}")
     # Weak spots: allowed choices that let a class of attack through unasked; reported, never
     # failing the check (an operator may mean them).
     spots = weak_spots(revision, registry)

@@ -49,7 +49,7 @@ from proxy.policy import celworker
 from proxy.policy.cache import LruCache
 from proxy.policy.celworker import RE_FUNCTION as _RE_FUNCTION
 from proxy.policy.celworker import VARIABLES as VARIABLES  # declared with the worker's env
-from proxy.policy.vocab import re2_options, re2_reason
+from proxy.policy.vocab import did_you_mean, re2_options, re2_reason
 
 
 class Program(Protocol):
@@ -999,6 +999,19 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "run": ("id", "parent", "depth", "shadow", "tainted", "secret"),
     "request": ("method", "protocol_version", "headers"),
 }
+# The type of each fixed-shape field whose values have one type (`run.parent` may be null:
+# comparing it with null is right, so it is left out), for the comparison check of `_lint_parsed`.
+FIELD_TYPES: dict[tuple[str, str], str] = {
+    ("principal", "id"): "string", ("principal", "groups"): "list", ("principal", "claims"): "map",
+    ("tool", "name"): "string", ("tool", "upstream"): "string", ("tool", "effect"): "string",
+    ("tool", "annotations"): "map",
+    ("run", "id"): "string", ("run", "depth"): "int", ("run", "shadow"): "bool",
+    ("run", "tainted"): "bool", ("run", "secret"): "bool",
+    ("request", "method"): "string", ("request", "protocol_version"): "string",
+    ("request", "headers"): "map",
+}
+_RELATIONS = frozenset({"relation_eq", "relation_ne", "relation_lt", "relation_le", "relation_gt",
+                        "relation_ge"})
 # Macros binding their first argument as a variable over the remaining arguments.
 _BINDING_MACROS = frozenset({"all", "exists", "exists_one", "map", "filter"})
 # Type identifiers CEL resolves by name (`type(x) == string`).
@@ -1026,6 +1039,7 @@ _LITERAL_TYPES = {
     "MLSTRING_LIT": "string",
     "BYTES_LIT": "bytes",
     "NULL_LIT": "null_type",
+    "BOOL_LIT": "bool",
 }
 
 
@@ -1034,9 +1048,11 @@ def lint(expr: str, *, identifiers: bool = True, result_type: bool = True) -> li
 
     Cached by its arguments (the result depends on nothing else); the caller gets its own list.
 
-    Unknown fields on the fixed-shape variables always; with `identifiers`, references to
-    undeclared variables (macro variables are bound, not undeclared); with `result_type`, a
-    result that is obviously not a bool (a literal, arithmetic, a list or map). An expression
+    Unknown fields on the fixed-shape variables, and a typed field of them compared with a
+    literal of another type, always; with `identifiers`, references to undeclared variables
+    (macro variables are bound, not undeclared); with `result_type` (what cel-cpp's checker
+    finds itself, for cel-python), a result that is obviously not a bool (a literal, arithmetic,
+    a list or map) and a comparison of literals or `now` with a literal of another type. An expression
     that does not parse yields nothing here: the engine reports the syntax error.
     """
     return list(_lint(expr, identifiers, result_type))
@@ -1075,9 +1091,53 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
             node = node.children[0]
         return None
 
+    def operand(node: Any, bound: frozenset[str]) -> tuple[str, str, int] | None:
+        """(what, type, offset) of a comparison operand whose type is known: a typed field of
+        a fixed-shape variable, or a literal; else None."""
+        while isinstance(node, Tree) and node.data in _WRAPPERS and len(node.children) == 1:
+            node = node.children[0]
+        if not isinstance(node, Tree):
+            return None
+        now = bare_ident(node)
+        if now is not None and str(now) == "now" and "now" not in bound:
+            return "now", "timestamp", now.start_pos  # type: ignore[return-value]
+        if node.data == "literal" and node.children and isinstance(node.children[0], Token):
+            tok = node.children[0]
+            kind = _LITERAL_TYPES.get(tok.type)
+            return (f"{_article(kind)} {kind} literal", kind, tok.start_pos) if kind else None  # type: ignore[return-value]
+        if node.data == "member_dot" and len(node.children) == 2:
+            target, field = node.children
+            var = bare_ident(target)
+            if var is not None and str(var) not in bound:
+                kind = FIELD_TYPES.get((str(var), str(field)))
+                if kind is not None:
+                    return f"{var}.{field}", kind, var.start_pos  # type: ignore[return-value]
+        return None
+
+    def compare(node: Any, bound: frozenset[str]) -> None:
+        """A problem when a comparison's two sides have known, different types (`run.depth ==
+        "1"`, `tool.effect == 1`): every variable is a map of dyn to the engines, so neither sees
+        it, and the rule is never true (==) or an error at every call (<, >: a forbid matches)."""
+        left, right = operand(node.children[0].children[0], bound), operand(node.children[1], bound)
+        if left is None or right is None or left[1] == right[1] or "null_type" in (left[1], right[1]):
+            return
+        if {left[1], right[1]} <= {"int", "uint", "double"}:
+            return  # numbers compare across kinds
+        field, other = (left, right) if "literal" not in left[0] else (right, left)
+        if ("literal" in field[0] or field[0] == "now") and not result_type:
+            return  # literals and `now` are typed to cel-cpp, which reports this itself
+        if "literal" in field[0]:
+            problems.append((left[2], f"{left[0]} compared with {right[0]}"))
+            return
+        problems.append((field[2], f"{field[0]} is {_article(field[1])} {field[1]}, compared here "
+                                   f"with {other[0]}"))
+
     def visit(node: Any, bound: frozenset[str]) -> None:
         if not isinstance(node, Tree):
             return
+        if (node.data == "relation" and len(node.children) == 2 and isinstance(node.children[0], Tree)
+                and node.children[0].data in _RELATIONS and len(node.children[0].children) == 1):
+            compare(node, bound)
         if node.data == "member_dot_arg" and len(node.children) == 3:
             target, method, args = node.children
             visit(target, bound)
@@ -1098,7 +1158,8 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
                     problems.append(
                         (
                             field.start_pos,  # type: ignore[union-attr]
-                            f"undefined field '{field}' on {var} (known: {', '.join(known)})",
+                            f"undefined field '{field}'{did_you_mean(str(field), known)} on {var} "
+                            f"(known: {', '.join(known)})",
                         )
                     )
             visit(target, bound)
@@ -1112,7 +1173,8 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
                 and name not in VARIABLES
                 and name not in _TYPE_NAMES
             ):
-                problems.append((tok.start_pos, f"undeclared reference to '{name}'"))  # type: ignore[union-attr]
+                problems.append((tok.start_pos,  # type: ignore[union-attr]
+                                 f"undeclared reference to '{name}'{did_you_mean(name, VARIABLES)}"))
             return
         for c in node.children:
             visit(c, bound)
@@ -1124,6 +1186,10 @@ def _lint_parsed(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple
             problems.append((0, f"expression must be a bool, it is {kind}"))
     problems.sort(key=lambda p: p[0])
     return tuple(problems)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _obvious_type(tree: Any) -> str | None:

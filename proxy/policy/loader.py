@@ -52,6 +52,7 @@ from proxy.policy.model import (
 )
 from proxy.policy.revision import policy_revision
 from proxy.policy.schemas import compile_schema
+from proxy.policy.vocab import did_you_mean, near_miss
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
@@ -63,6 +64,7 @@ from proxy.policy.yamlload import (
     parse_file,
     position,
     problem,
+    read_text,
     release_parsed,
     scalar_position,
 )
@@ -82,6 +84,8 @@ _UPSTREAM_KEYED = {
     "prompts": (PROMPT_KEY, "a prompt key '<upstream>.<prompt name>'"),
 }
 _TOP_KEYS = tuple(PolicyDocument.model_fields)
+# The `dataflow` fields keyed by sink (`<upstream>.<tool>`, or `default`).
+_SINK_KEYED = ("declassify", "critical", "on_flag", "on_tainted", "waive_gate")
 # A policy file larger than this is a problem, not read: composing costs about 5 s and 120 MB
 # per MB of YAML (an 18 MB file: 86 s and 2.3 GB in `check`), so a 50 MB file dropped into the
 # directory would hold a reload for minutes. The same bound as an OpenAPI document's.
@@ -156,19 +160,49 @@ def is_policy_name(name: str) -> bool:
             and not name.endswith((".test.yaml", ".test.yml")))
 
 
-def policy_files(directory: Path) -> list[Path]:
-    """Every `*.yaml`/`*.yml` below `directory`, sorted, following symlinks.
+def policy_tree(directory: Path) -> Iterator[tuple[Path, str]]:
+    """Every policy path below `directory`, following symlinks, with its kind: "file" (a
+    `*.yaml`/`*.yml` that is not a directory, readable or not), "directory" (a directory named
+    like a policy file) or "loop" (a directory link that leads back to a directory it is inside).
+    Neither of the last two is entered: the load reports them (a policy file replaced by a
+    directory is not a deleted one; a loop would list the tree again at every level).
 
     Skipped: any path component starting with ".", directories named `tests`, and policy test
-    files (`*.test.yaml`, `*.test.yml`). A directory named like a policy file is listed, not
-    entered: the load reports it (a policy file replaced by a directory is not a deleted one).
+    files (`*.test.yaml`, `*.test.yml`). Unordered.
     """
-    found = []
-    for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "tests"]
-        found += [Path(dirpath) / d for d in dirnames if is_policy_name(d)]
-        dirnames[:] = [d for d in dirnames if not is_policy_name(d)]
-        found += [Path(dirpath) / name for name in filenames if is_policy_name(name)]
+    def walk(path: str, inside: frozenset[str]) -> Iterator[tuple[Path, str]]:
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            return  # as os.walk: a directory that cannot be listed holds nothing
+        for entry in entries:
+            name = entry.name
+            try:
+                is_dir = entry.is_dir()  # follows a link; False when it cannot be followed
+            except OSError:
+                is_dir = False
+            if not is_dir:
+                if is_policy_name(name):
+                    yield Path(entry.path), "file"
+                continue
+            if name.startswith(".") or name == "tests":
+                continue
+            if is_policy_name(name):
+                yield Path(entry.path), "directory"
+                continue
+            real = os.path.realpath(entry.path)
+            if real in inside:
+                yield Path(entry.path), "loop"
+                continue
+            yield from walk(entry.path, inside | {real})
+
+    yield from walk(str(directory), frozenset({os.path.realpath(directory)}))
+
+
+def policy_files(directory: Path) -> list[Path]:
+    """Every path of `policy_tree` below `directory`, sorted (a directory and a loop included:
+    the parse stage reports them)."""
+    found = [path for path, _ in policy_tree(directory)]
     return sorted(found, key=lambda p: p.relative_to(directory).as_posix())
 
 
@@ -212,6 +246,11 @@ class _Loader:
     def parse(self, paths: list[Path]) -> None:
         for path in paths:
             name = str(path)
+            if path.is_dir() and not is_policy_name(path.name):
+                self.problems.append(PolicyProblem(
+                    name, 1, 1, f"a directory link that leads back to {os.path.realpath(path)}, a "
+                                "directory it is inside (a loop): not entered"))
+                continue
             if path.is_dir():
                 self.problems.append(PolicyProblem(
                     name, 1, 1, "a directory named like a policy file: not loaded (was a policy "
@@ -224,9 +263,12 @@ class _Loader:
                         name, 1, 1, f"the file is {size} bytes, more than a policy file may be "
                                     f"({MAX_POLICY_FILE_BYTES} bytes): not read"))
                     continue
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
+            except OSError as exc:
                 self.problems.append(PolicyProblem(name, 1, 1, f"cannot read: {exc}"))
+                continue
+            text = read_text(path, name)
+            if isinstance(text, PolicyProblem):
+                self.problems.append(text)
                 continue
             parsed, problems = _parse_cached(name, text)
             self.problems += problems
@@ -250,9 +292,8 @@ class _Loader:
             for key, value in mapping_items(f.root):
                 k = key.value
                 if k not in _TOP_KEYS:
-                    self.add(
-                        f, key, f"unknown top-level key '{k}' (allowed: {', '.join(_TOP_KEYS)})"
-                    )
+                    self.add(f, key, f"unknown top-level key '{k}'{did_you_mean(k, _TOP_KEYS)} "
+                                     f"(allowed: {', '.join(_TOP_KEYS)})")
                 elif k == "version":
                     self._merge_version(f, value)
                 elif k == "defaults":
@@ -334,8 +375,9 @@ class _Loader:
                 where = _dotted(entry.path, loc[:-1] if err["type"] == "extra_forbidden" else loc)
                 if err["type"] == "extra_forbidden":
                     node = locate(anchor, loc, key=True)
-                    allowed = _allowed_fields(model, loc[:-1])
-                    message = f"unknown field '{loc[-1]}' in {where}"
+                    allowed = allowed_fields(model, loc[:-1])
+                    message = (f"unknown field '{loc[-1]}'{did_you_mean(str(loc[-1]), allowed)} "
+                               f"in {where}")
                     if allowed:
                         message += f" (allowed: {', '.join(allowed)})"
                 elif err["type"] == "missing":
@@ -454,6 +496,35 @@ class _Loader:
         self.add(entry.file, entry.key, f"{entry.section} '{entry.name}': upstream '{upstream}' is "
                  f"not declared under upstreams (declared: {declared})")
         return False
+
+    def sink_keys(self, entry: _Entry, dataflow: DataflowPolicy, defaults: Defaults) -> None:
+        """A problem at each sink key of `dataflow` that names no tool a call can reach: its
+        upstream is not declared, or (with `unknown_tools: deny`) the tool has no entry under
+        `tools`. Such a key is a typo that changes nothing, silently: an `on_tainted: approve`
+        meant for `mail.send_email` written for `mail.send_mail` escalates nothing."""
+        assert entry.value is not None
+        tools = self.entries["tools"]
+        upstreams = self.entries["upstreams"]
+        for field in _SINK_KEYED:
+            for key in getattr(dataflow, field):
+                if key == "default":
+                    continue
+                upstream = key.partition(".")[0]
+                if upstream not in upstreams:
+                    declared = ", ".join(sorted(upstreams)) or "none"
+                    why = f"upstream '{upstream}' is not declared under upstreams (declared: {declared})"
+                elif key not in tools and defaults.unknown_tools == "deny":
+                    # A near miss among the same upstream's tools, by name ('gh.y' is no typo of 'gh.x').
+                    name = key.partition(".")[2]
+                    near = near_miss(name, (t.partition(".")[2] for t in tools
+                                            if t.partition(".")[0] == upstream))
+                    hint = f" (did you mean '{upstream}.{near}'?)" if near is not None else ""
+                    why = (f"no tool '{key}' under tools{hint}, and with "
+                           "defaults.unknown_tools: deny a tool without one is never called")
+                else:
+                    continue
+                self.add(entry.file, locate(entry.value, (field, key), key=True),
+                         f"dataflow.{field} '{key}': {why}")
 
     # -- stage: tools -----------------------------------------------------------------------
 
@@ -590,7 +661,9 @@ class _Loader:
     def run(self) -> PolicyRevision:
         directory = self.directory
         if not directory.is_dir():
-            raise PolicyError([PolicyProblem(str(directory), 1, 1, "policy directory not found")])
+            what = ("a file, not a directory: a policy is the directory of its files"
+                    if directory.exists() else "policy directory not found")
+            raise PolicyError([PolicyProblem(str(directory), 1, 1, what)])
         paths = policy_files(directory)
         if not paths:
             raise PolicyError(
@@ -627,6 +700,8 @@ class _Loader:
         dataflow: DataflowPolicy | None = None
         if self.dataflow is not None:
             dataflow = self.validate(self.dataflow, DataflowPolicy)
+            if dataflow is not None:
+                self.sink_keys(self.dataflow, dataflow, defaults)
 
         # The tools' rule groups compile in worker processes (a cold load of many tools) while
         # this thread lints their expressions and compiles their schemas (cached by text: the
@@ -869,7 +944,9 @@ def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] |
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+def allowed_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names (aliases where a field has one) of the model at `loc` below `model`;
+    [] when `loc` leads to no model."""
     target = _model_at(model, loc)
     if target is None:
         return []

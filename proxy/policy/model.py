@@ -13,7 +13,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proxy.policy.schemas import VALIDATED_FORMATS
-from proxy.policy.vocab import DETECTORS, Duration, Effect, PatternError, compile_pattern
+from proxy.policy.vocab import (
+    DETECTORS,
+    Duration,
+    Effect,
+    PatternError,
+    compile_pattern,
+    did_you_mean,
+)
 
 _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
@@ -212,7 +219,7 @@ class Guardrail(_Model):
     @classmethod
     def _detector(cls, v: str | None) -> str | None:
         if v is not None and v not in DETECTORS:
-            raise ValueError(f"unknown detector {v!r} (built-in: {', '.join(DETECTORS)})")
+            raise ValueError(f"unknown detector {v!r}{did_you_mean(v, DETECTORS)} (built-in: {', '.join(DETECTORS)})")
         return v
 
     @field_validator("pattern")
@@ -330,7 +337,9 @@ class PrincipalPolicy(_Model):
 
     # read-only: writer tools are hidden from tools/list and refused. Absent: defaults.capability.
     capability: Literal["read-only", "read-write"] | None = None
-    # Extra groups granted to this principal (merged with verified claims' groups).
+    # Not supported: CEL's `principal.groups` is the verified identity's groups only (the JWT's
+    # groups claim or the static identity), never merged with policy. The field is kept only to
+    # refuse a non-empty list with a reason (it was accepted and silently did nothing).
     groups: list[str] = Field(default_factory=list)
     # CEL authorization for every call of this principal (any true authorizes). Absent: none.
     allow: list[CelExpr] | None = None
@@ -370,6 +379,16 @@ class PrincipalPolicy(_Model):
     @classmethod
     def _one_or_many(cls, v: object) -> object:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("groups")
+    @classmethod
+    def _no_policy_groups(cls, v: list[str]) -> list[str]:
+        if v:
+            raise ValueError(
+                "a policy cannot grant groups: principal.groups in CEL holds the verified "
+                "identity's groups only (the JWT's groups claim or the static identity); grant "
+                "the group there, or name the principal in the expression (principal.id == \"...\")")
+        return v
 
 
 class Defaults(_Model):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from proxy.errors import PolicyError, PolicyProblem
-from proxy.policy.loader import collector_paused, is_policy_name
+from proxy.policy.loader import collector_paused, policy_tree
 
 log = logging.getLogger(__name__)
 
@@ -149,24 +149,22 @@ def fingerprint(directory: Path) -> Fingerprint:
     -1, -errno) for one that cannot be stat'ed or is a directory (`loader.policy_files`)."""
     root = Path(os.path.realpath(directory))
     out = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "tests")
-        # A directory named like a policy file is one the load refuses, not entered.
-        out += [((Path(dirpath) / d).relative_to(root).as_posix(), -1, -errno.EISDIR)
-                for d in dirnames if is_policy_name(d)]
-        dirnames[:] = [d for d in dirnames if not is_policy_name(d)]
-        for name in filenames:
-            if not is_policy_name(name):
-                continue
-            path = Path(dirpath) / name
-            try:
-                st = path.stat()
-            except OSError as exc:
-                # Unreadable (a symlink loop, a dangling link) is still a policy file: the load
-                # reports it (`cannot read`), so its coming and going is a change to reload.
-                out.append((path.relative_to(root).as_posix(), -1, -(exc.errno or 0)))
-                continue
-            out.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns))
+    for path, kind in policy_tree(root):
+        rel = path.relative_to(root).as_posix()
+        if kind == "directory":  # a directory named like a policy file: the load refuses it
+            out.append((rel, -1, -errno.EISDIR))
+            continue
+        if kind == "loop":  # a directory link back to where it is: the load refuses it
+            out.append((rel, -1, -errno.ELOOP))
+            continue
+        try:
+            st = path.stat()
+        except OSError as exc:
+            # Unreadable (a symlink loop, a dangling link) is still a policy file: the load
+            # reports it (`cannot read`), so its coming and going is a change to reload.
+            out.append((rel, -1, -(exc.errno or 0)))
+            continue
+        out.append((rel, st.st_size, st.st_mtime_ns))
     # The resolved root is part of the fingerprint: a symlink swap to an identical tree with
     # identical mtimes still counts as a change.
     return ((str(root), 0, 0), *sorted(out))

@@ -7,9 +7,11 @@ pattern text (bounded); that saves recompilation and changes no result.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import re
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import re2
@@ -127,3 +129,24 @@ def compile_pattern(pattern: str) -> Any:
     if compiled.search("") is not None:
         raise PatternError("the pattern matches the empty string")
     return compiled
+
+
+# -- names -----------------------------------------------------------------------------------
+
+
+def near_miss(word: str, choices: Iterable[str]) -> str | None:
+    """The one of `choices` that `word` is a near miss of (a typo, another case, a swapped pair
+    of letters), else None; never `word` itself."""
+    folded = {c.lower(): c for c in choices}
+    near = folded.get(word.lower())
+    if near is None:
+        matches = difflib.get_close_matches(word.lower(), list(folded), n=1, cutoff=0.75)
+        near = folded[matches[0]] if matches else None
+    return near if near != word else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` when one of `choices` is a near miss of `word`, else "": appended
+    to a problem naming an unknown key, field or variable."""
+    near = near_miss(word, choices)
+    return f" (did you mean '{near}'?)" if near is not None else ""

@@ -19,6 +19,7 @@ import datetime
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -157,6 +158,31 @@ def position(node: Node) -> tuple[int, int]:
     return node.start_mark.line + 1, node.start_mark.column + 1
 
 
+def read_text(path: Path, name: str) -> str | PolicyProblem:
+    """The UTF-8 text of the file at `path` (newlines translated, as `Path.read_text`), or the
+    problem that keeps it unread, named `name`: a file that cannot be read is one at 1:1, bytes
+    that are not UTF-8 one at the line and column of the first such byte."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        pass
+    except OSError as exc:
+        return PolicyProblem(name, 1, 1, f"cannot read: {exc}")
+    try:
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except OSError as exc:
+        return PolicyProblem(name, 1, 1, f"cannot read: {exc}")
+    except UnicodeDecodeError as exc:
+        # Everything before the first bad byte decodes; count lines as read_text translates them.
+        before = data[:exc.start].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        line = before.count("\n") + 1
+        column = len(before) - before.rfind("\n")
+        return PolicyProblem(name, line, column, f"not UTF-8: byte 0x{data[exc.start]:02x} "
+                                                 f"({exc.reason}); save the file as UTF-8")
+    return PolicyProblem(name, 1, 1, "cannot read: the file changed while it was read")
+
+
 def problem(file: str, node: Node | None, message: str) -> PolicyProblem:
     """A problem at `node` (line 1, column 1 when there is no node)."""
     line, col = position(node) if node is not None else (1, 1)
@@ -222,7 +248,14 @@ def parse_file(name: str, text: str) -> tuple[YamlFile | None, list[PolicyProble
     except MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
-        what = " ".join(x for x in (exc.context, exc.problem) if x) or "invalid YAML"
+        context = exc.context
+        opened = exc.context_mark
+        if context and opened is not None and exc.problem_mark is not None and \
+                (opened.line, opened.column) != (exc.problem_mark.line, exc.problem_mark.column):
+            # "while parsing a flow mapping": where it was opened is where the fix usually is
+            # (an unclosed `{`), found only lines later.
+            context += f" opened at {opened.line + 1}:{opened.column + 1},"
+        what = " ".join(x for x in (context, exc.problem) if x) or "invalid YAML"
         return None, [PolicyProblem(name, line, col, f"YAML syntax error: {what}")]
     except YAMLError as exc:
         return None, [PolicyProblem(name, 1, 1, f"YAML error: {exc}")]

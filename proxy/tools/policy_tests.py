@@ -55,8 +55,9 @@ from proxy.envelope.types import (
 )
 from proxy.errors import CelEvalError, PolicyError, PolicyProblem
 from proxy.policy.compiled import Location, PolicyRevision
-from proxy.policy.loader import load_policy
+from proxy.policy.loader import allowed_fields, load_policy
 from proxy.policy.model import TOOL_KEY, DataflowPolicy
+from proxy.policy.vocab import did_you_mean
 from proxy.policy.yamlload import (
     Converter,
     YamlFile,
@@ -65,6 +66,7 @@ from proxy.policy.yamlload import (
     mapping_items,
     parse_file,
     problem,
+    read_text,
 )
 
 # Check ids a case may name in `expect.check`: the chain's checks, plus "envelope" (allowed by
@@ -107,8 +109,8 @@ class RunSpec(_Model):
 
 class RequestSpec(_Model):
     """Request headers. Only `defaults.request_headers` reach CEL (as on the wire);
-    `x-envelope-run`, `x-envelope-shadow`, `idempotency-key` and `mcp-protocol-version` act as
-    they do on the wire."""
+    `x-envelope-run`, `x-envelope-shadow`, `x-envelope-capability`, `idempotency-key` and
+    `mcp-protocol-version` act as they do on the wire."""
 
     headers: dict[str, str] = Field(default_factory=dict)
 
@@ -137,14 +139,14 @@ class Expect(_Model):
     @classmethod
     def _code(cls, v: str | None) -> str | None:
         if v is not None and v not in CODES:
-            raise ValueError(f"unknown reason code {v!r} (known: {', '.join(CODES)})")
+            raise ValueError(f"unknown reason code {v!r}{did_you_mean(v, CODES)} (known: {', '.join(CODES)})")
         return v
 
     @field_validator("check")
     @classmethod
     def _check(cls, v: str | None) -> str | None:
         if v is not None and v not in CHECK_IDS:
-            raise ValueError(f"unknown check {v!r} (known: {', '.join(CHECK_IDS)})")
+            raise ValueError(f"unknown check {v!r}{did_you_mean(v, CHECK_IDS)} (known: {', '.join(CHECK_IDS)})")
         return v
 
 
@@ -168,6 +170,8 @@ class CaseFile(_Model):
 class LoadedCase:
     case: Case
     location: Location
+    # Where the case's `call.tool` is written (None: not known).
+    tool_at: Location | None = None
 
     @property
     def title(self) -> str:
@@ -201,10 +205,9 @@ def load_cases(paths: Iterable[Path]) -> tuple[list[LoadedCase], list[PolicyProb
     convert = Converter()
     for path in paths:
         name = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            problems.append(PolicyProblem(name, 1, 1, f"cannot read: {exc}"))
+        text = read_text(path, name)
+        if isinstance(text, PolicyProblem):
+            problems.append(text)
             continue
         parsed, found = parse_file(name, text)
         problems += found
@@ -233,8 +236,11 @@ def _file_cases(f: YamlFile, convert: Converter) -> tuple[list[LoadedCase], list
             where = ".".join(str(p) for p in loc[:-1]) if err["type"] == "extra_forbidden" else ".".join(
                 str(p) for p in loc)
             if err["type"] == "extra_forbidden":
+                allowed = allowed_fields(CaseFile, loc[:-1])
                 errors.append(problem(f.name, locate(root, loc, key=True),
-                                   f"unknown field '{loc[-1]}' in {where or 'the file'}"))
+                                   f"unknown field '{loc[-1]}'{did_you_mean(str(loc[-1]), allowed)} "
+                                   f"in {where or 'the file'}"
+                                   + (f" (allowed: {', '.join(allowed)})" if allowed else "")))
             elif err["type"] == "missing":
                 errors.append(problem(f.name, locate(root, loc),
                                    f"missing required field '{loc[-1]}'"
@@ -258,7 +264,9 @@ def _file_cases(f: YamlFile, convert: Converter) -> tuple[list[LoadedCase], list
             continue
         at = Location(f.name, line, col)
         seen[case.name] = str(at)
-        loaded.append(LoadedCase(case, at))
+        tool_node = locate(node, ("call", "tool"))
+        tool_at = Location(f.name, tool_node.start_mark.line + 1, tool_node.start_mark.column + 1)
+        loaded.append(LoadedCase(case, at, tool_at))
     return loaded, out
 
 
@@ -460,6 +468,7 @@ def _call(case: Case, revision: PolicyRevision) -> ToolCall:
                             headers={h: v for h, v in headers.items() if h in wanted}),
         idempotency_key=key[:200] if key else None,
         shadow_requested=headers.get("x-envelope-shadow", "").strip().lower() in ("1", "true", "yes"),
+        capability_requested=headers.get("x-envelope-capability"),
     )
 
 
@@ -490,10 +499,26 @@ async def _seed_history(chain: pipeline.Chain, run_key: str, history: list[Resul
                                   min_value=policy.min_value)
 
 
-def _compare(expect: Expect, d: Decision) -> tuple[str, ...]:
+def _allowed_by(call: ToolCall, decision: Decision, exercised: set[CoverageItem]) -> str | None:
+    """The rule that let an allowed call through the argument rules: the first allow rule that
+    matched, or `<tool>#fallback` (fallback allow); None for a refusal or a tool without rules.
+    The chain does not name it (it evaluates a tool's allow rules as one program), so it is
+    read from what the case exercised, evaluated singly in the chain's order."""
+    if decision.verdict.value != "allow":
+        return None
+    key = call.qualified_name
+    for item in exercised:
+        if item.kind == "rule" and item.id.startswith(f"{key}/"):
+            return item.id[len(key) + 1:]
+        if item.kind == "fallback" and item.id == f"{key}#fallback":
+            return item.id
+    return None
+
+
+def _compare(expect: Expect, d: Decision, rule: str | None) -> tuple[str, ...]:
     out = []
     for fieldname, got in (("verdict", d.verdict.value), ("code", d.code.value),
-                           ("check", d.check), ("rule", d.rule)):
+                           ("check", d.check), ("rule", rule)):
         want = getattr(expect, fieldname)
         if want is not None and want != got:
             out.append(f"{fieldname}: expected {want}, got {got}")
@@ -509,11 +534,31 @@ async def _run_cases(revision: PolicyRevision, cases: list[LoadedCase],
         chain = _chain(revision, case)
         await _seed_history(chain, call.run.key, case.run.history)
         decision = await chain.run(call)
-        hits |= _exercised(revision, call, decision)
+        exercised = _exercised(revision, call, decision)
+        hits |= exercised
+        rule = decision.rule or _allowed_by(call, decision, exercised)
         results.append(CaseResult(loaded, decision.verdict.value, decision.code.value,
-                                  decision.check, decision.rule, decision.reason,
-                                  _compare(case.expect, decision)))
+                                  decision.check, rule, decision.reason,
+                                  _compare(case.expect, decision, rule)))
     return results
+
+
+def _undeclared_upstreams(revision: PolicyRevision, cases: list[LoadedCase]) -> list[PolicyProblem]:
+    """A problem at each case calling a tool of an upstream the policy does not declare: such a
+    call can only be refused, so a case expecting a refusal would pass whatever the policy says
+    (a typo in the upstream's name)."""
+    declared = revision.document.upstreams
+    out = []
+    for loaded in cases:
+        upstream = loaded.case.call.tool.partition(".")[0]
+        if upstream in declared:
+            continue
+        at = loaded.tool_at or loaded.location
+        out.append(PolicyProblem(at.file, at.line, at.column,
+                                 f"case {loaded.case.name!r} calls '{loaded.case.call.tool}': upstream "
+                                 f"'{upstream}'{did_you_mean(upstream, declared)} is not declared "
+                                 f"under upstreams (declared: {', '.join(sorted(declared)) or 'none'})"))
+    return out
 
 
 def run_tests(directory: Path, *, engine: str = "auto", coverage: bool = False,
@@ -534,6 +579,7 @@ def run_tests(directory: Path, *, engine: str = "auto", coverage: bool = False,
         return report
     report.engine, report.revision = revision.engine, revision.revision
     cases, problems = load_cases(discover(directory))
+    problems += _undeclared_upstreams(revision, cases)
     if not cases and not problems:
         problems.append(PolicyProblem(str(directory), 1, 1,
                                       "no policy test cases (tests/*.yaml or *.test.yaml)"))

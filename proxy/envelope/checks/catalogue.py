@@ -397,6 +397,38 @@ class WeakSpot:
     reason: str
 
 
+def _constant(source: str) -> bool | None:
+    """The value of a CEL expression that is the literal `true` or `false` (in parentheses or
+    not), else None: the only constants read here (no guess at what an expression could be)."""
+    text = source.strip()
+    while text.startswith("(") and text.endswith(")"):
+        text = text[1:-1].strip()
+    return {"true": True, "false": False}.get(text)
+
+
+def dead_rules(revision: PolicyRevision) -> list[tuple[str, str]]:
+    """(place, why) of each argument rule that can never decide a call: one whose expression is
+    the literal `false` (it never matches), and each allow rule after an allow rule that is
+    the literal `true` (the first allow rule that matches allows, so later ones are never
+    reached). Forbid rules are never shadowed: every one is evaluated. `check` warns about
+    these, never failing: a rule that does nothing is a mistake, not a danger by itself."""
+    out: list[tuple[str, str]] = []
+    for key, tool in sorted(revision.tools.items()):
+        always: str | None = None  # the id of an earlier allow rule that is always true
+        for rule in tool.rules:
+            place = f"{rule.location}: " if rule.location is not None else ""
+            subject = f"{place}tools.{key} rule '{rule.id}'"
+            value = _constant(rule.program.source)
+            if rule.kind == "allow" and always is not None:
+                out.append((subject, f"never decides: allow rule '{always}' before it is always "
+                                     "true, and the first allow rule that matches allows"))
+            elif value is False:
+                out.append((subject, f"never matches: its {rule.kind} expression is false"))
+            if rule.kind == "allow" and value is True and always is None:
+                always = rule.id
+    return out
+
+
 def weak_spots(revision: PolicyRevision, registry: ToolRegistry) -> list[WeakSpot]:
     """What `check` reports beside misconfigurations: destructive effects no person confirms
     (the only stop for an injected "delete item 12": no text of it is copied from anywhere),

@@ -116,7 +116,7 @@ def test_expressions_that_differ_only_in_literals_share_one_parse() -> None:
 def test_offsets_after_literals_point_into_the_expression(expr: str) -> None:
     field = expr.index("grups")
     assert cel.lint(expr, identifiers=False, result_type=False) == [
-        (field, "undefined field 'grups' on principal (known: id, groups, claims)")
+        (field, "undefined field 'grups' (did you mean 'groups'?) on principal (known: id, groups, claims)")
     ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +12,7 @@ import pytest
 
 from proxy.errors import PolicyError
 from proxy.policy.loader import load_policy, policy_files
+from proxy.policy.reload import fingerprint
 
 Write = Callable[[str, str], Path]
 
@@ -36,7 +39,7 @@ tools:
     allow: '"eng" in principal.groups'
     schema: {type: object, properties: {text: {type: string}}, required: [text]}
 principals:
-  alice: {groups: [eng], allow: ['principal.id == "alice"']}
+  alice: {allow: ['principal.id == "alice"']}
 """
 
 
@@ -133,6 +136,22 @@ def test_revision_is_the_git_commit_inside_git(write: Write) -> None:
 # --- one problem kind at a time, exact places -------------------------------------------------
 
 
+def test_a_policy_cannot_grant_groups(write: Write) -> None:
+    # On main `principals.<id>.groups` loaded and did nothing: CEL's principal.groups is the
+    # verified identity's only, so `"writers" in principal.groups` stayed false for the author
+    # who granted it.
+    path = write("a.yaml", UPSTREAMS + "principals:\n  a:\n    groups: [writers]\n  b: {groups: []}\n")
+    [message] = problems(path.parent)
+    assert message.startswith(f"{path}:8:13: principals.a.groups: a policy cannot grant groups: "
+                              "principal.groups in CEL holds the verified identity's groups only")
+
+
+def test_a_file_given_for_the_directory_says_so(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS)
+    assert problems(path) == [f"{path}:1:1: a file, not a directory: a policy is the directory of its files"]
+    assert problems(path.parent / "nope") == [f"{path.parent / 'nope'}:1:1: policy directory not found"]
+
+
 def test_yaml_syntax_error(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.x: [1, 2\n  demo.y: {}\n")
     [message] = problems(path.parent)
@@ -159,7 +178,7 @@ def test_defaults_twice_and_unknown_top_level_key(write: Write) -> None:
     second = write("b.yaml", "defaults: {}\ndataflw: {}\n")
     assert problems(first.parent) == [
         f"{second}:1:1: 'defaults' may appear in one file only (first at {first}:5:1)",
-        f"{second}:2:1: unknown top-level key 'dataflw' "
+        f"{second}:2:1: unknown top-level key 'dataflw' (did you mean 'dataflow'?) "
         "(allowed: version, upstreams, defaults, tools, principals, dataflow, resources, prompts)",
     ]
 
@@ -167,10 +186,48 @@ def test_defaults_twice_and_unknown_top_level_key(write: Write) -> None:
 def test_unknown_field(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    efect: read\n")
     assert problems(path.parent) == [
-        f"{path}:8:5: unknown field 'efect' in tools.demo.echo (allowed: effect, output, "
+        f"{path}:8:5: unknown field 'efect' (did you mean 'effect'?) in tools.demo.echo (allowed: effect, output, "
         "sensitivity, labels, schema, allow, rules, fallback, fallback_reason, log_args, mask, "
         "approval, idempotent, mode, shadow_result, guardrails, rate)"
     ]
+
+
+def test_a_file_that_is_not_utf8_names_the_line_and_column_of_the_byte(write: Write) -> None:
+    first = write("a.yaml", UPSTREAMS)
+    latin1 = first.parent / "b.yaml"
+    # Latin-1 "é" in a reason, after CRLF lines and a UTF-8 "ü": columns count characters.
+    latin1.write_bytes(b"tools:\r\n  demo.x:\r\n    fallback_reason: \"\xc3\xbcber caf\xe9\"\r\n")
+    assert problems(first.parent) == [
+        f"{latin1}:3:31: not UTF-8: byte 0xe9 (invalid continuation byte); save the file as UTF-8"
+    ]
+
+
+def test_dataflow_sink_keys_name_tools_a_call_can_reach(write: Write) -> None:
+    # A typo in a sink key changes nothing, silently: on_tainted meant for demo.send escalates
+    # nothing when written for demo.sned. Each such key is a problem at the key.
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.send: {effect: external}\n"
+                 "dataflow:\n"
+                 "  on_tainted: {default: allow, demo.sned: approve}\n"
+                 "  declassify: {slack.post: true, demo.send: [body]}\n"
+                 "  critical: {github.x: [to]}\n")
+    assert problems(path.parent) == [
+        f"{path}:9:32: dataflow.on_tainted 'demo.sned': no tool 'demo.sned' under tools (did you "
+        "mean 'demo.send'?), and with defaults.unknown_tools: deny a tool without one is never called",
+        f"{path}:10:16: dataflow.declassify 'slack.post': upstream 'slack' is not declared under "
+        "upstreams (declared: demo, github)",
+        f"{path}:11:14: dataflow.critical 'github.x': no tool 'github.x' under tools, and with "
+        "defaults.unknown_tools: deny a tool without one is never called",
+    ]
+    # With unknown_tools: allow a tool the upstream offers needs no entry to be called.
+    path.write_text(path.read_text().replace("unknown_tools: deny", "unknown_tools: allow")
+                    .replace("slack.post", "demo.post"))
+    assert load_policy(path.parent).document.dataflow is not None
+
+
+def test_unknown_field_far_from_any_is_not_guessed(write: Write) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.echo:\n    colour: red\n")
+    [message] = problems(path.parent)
+    assert message.startswith(f"{path}:8:5: unknown field 'colour' in tools.demo.echo (allowed: ")
 
 
 def test_unknown_field_in_a_rule(write: Write) -> None:
@@ -179,7 +236,7 @@ def test_unknown_field_in_a_rule(write: Write) -> None:
         UPSTREAMS + "tools:\n  demo.echo:\n    rules:\n      - {allow: 'true', resaon: x}\n",
     )
     assert problems(path.parent) == [
-        f"{path}:9:25: unknown field 'resaon' in tools.demo.echo.rules[0] "
+        f"{path}:9:25: unknown field 'resaon' (did you mean 'reason'?) in tools.demo.echo.rules[0] "
         "(allowed: id, forbid, allow, reason)"
     ]
 
@@ -253,7 +310,7 @@ def test_cel_syntax_error_in_block_scalar(write: Write, engine: str) -> None:
 
 def test_cel_undeclared_variable(write: Write, engine: str) -> None:
     path, found = cel_problems(write, engine, '    allow: "princpal.id == \\"x\\""\n')
-    assert found == [f"{path}:8:13: CEL: undeclared reference to 'princpal'"]
+    assert found == [f"{path}:8:13: CEL: undeclared reference to 'princpal' (did you mean 'principal'?)"]
 
 
 def test_cel_macro_variables_are_not_undeclared(write: Write, engine: str) -> None:
@@ -270,8 +327,41 @@ def test_cel_misspelled_principal_field(write: Write, engine: str) -> None:
         write, engine, "    rules:\n      - allow: '\"eng\" in principal.grups'\n"
     )
     assert found == [
-        f"{path}:9:36: CEL: undefined field 'grups' on principal (known: id, groups, claims)"
+        f"{path}:9:36: CEL: undefined field 'grups' (did you mean 'groups'?) on principal (known: id, groups, claims)"
     ]
+
+
+def test_cel_a_typed_field_compared_with_another_type(write: Write, engine: str) -> None:
+    # Every variable is a map of dyn to the engines: on main these loaded on both, and the
+    # first forbid refused every call (an error at every call matches a forbid).
+    path, found = cel_problems(write, engine, "    rules:\n"
+                               "      - forbid: 'run.depth > \"1\"'\n"
+                               "      - allow: 'tool.effect == 1 || true == run.tainted'\n"
+                               "      - allow: 'principal.groups == \"ops\" && run.parent != null'\n")
+    assert found == [
+        f"{path}:9:18: CEL: run.depth is an int, compared here with a string literal",
+        f"{path}:10:17: CEL: tool.effect is a string, compared here with an int literal",
+        f"{path}:11:17: CEL: principal.groups is a list, compared here with a string literal",
+    ]
+
+
+def test_cel_now_and_literals_of_other_types_are_errors_on_both_engines(write: Write, engine: str) -> None:
+    # cel-cpp's own checker finds these; on main cel-python loaded them (an error at every call).
+    path, found = cel_problems(write, engine, "    rules:\n      - forbid: 'now > 5'\n"
+                               "      - forbid: '\"a\" == 1'\n")
+    # cel-cpp's own words, at the operator; ours, at the operand.
+    assert [f.removeprefix(f"{path}:").split(":", 1)[0] for f in found] == ["9", "10"]
+    assert all(": CEL: " in f for f in found)
+    if engine == "cel-python":
+        assert found == [f"{path}:9:18: CEL: now is a timestamp, compared here with an int literal",
+                         f"{path}:10:18: CEL: a string literal compared with an int literal"]
+
+
+def test_cel_typed_fields_compared_rightly_load(write: Write, engine: str) -> None:
+    path = write("a.yaml", UPSTREAMS + "tools:\n  demo.a:\n    rules:\n"
+                 "      - forbid: 'run.depth >= 2.5 || run.tainted == true || tool.effect != \"read\"'\n"
+                 "      - allow: 'principal.groups.exists(run, run == \"x\") && args.n == \"1\"'\n")
+    assert len(load_policy(path.parent, engine).tools["demo.a"].rules) == 2
 
 
 def test_cel_open_fields_are_not_checked(write: Write, engine: str) -> None:
@@ -362,7 +452,7 @@ def test_malformed_rates_are_load_errors_with_their_place(write: Write) -> None:
         f"{path}:9:26: tools.demo.b.rate.limit: not a rate: '0/s' (use <count>/<s|min|h>, a "
         "whole count from 1, e.g. 100/min)",
         f"{path}:10:38: tools.demo.c.rate.burst: Input should be greater than or equal to 1",
-        f"{path}:11:31: unknown field 'brust' in tools.demo.d.rate (allowed: limit, burst)",
+        f"{path}:11:31: unknown field 'brust' (did you mean 'burst'?) in tools.demo.d.rate (allowed: limit, burst)",
         f"{path}:13:17: principals.alice.rate: not a rate: 100 (use <count>/<s|min|h>, a whole "
         "count from 1, e.g. 100/min)",
         f"{path}:13:41: principals.alice.max_calls_per_run: Input should be greater than or "
@@ -400,6 +490,21 @@ def test_anchors_within_the_bound_load(write: Write) -> None:
           github.search_issues: {effect: read, mask: *secret}
         """)
     assert load_policy(rev_dir(write)).tools
+
+
+def test_a_directory_link_loop_is_one_problem_not_a_tree_listed_at_every_level(write: Write) -> None:
+    # On main the walk followed sub/loop -> .. about 40 levels deep and reported every tool and
+    # upstream as "declared twice" at each level (80 problems for one link, none naming it).
+    root = rev_dir(write)
+    write("sub/tools.yaml", TOOLS)
+    (root / "sub" / "loop").symlink_to("..", target_is_directory=True)
+    assert problems(root) == [
+        f"{root / 'sub' / 'loop'}:1:1: a directory link that leads back to {os.path.realpath(root)}, "
+        "a directory it is inside (a loop): not entered"]
+    # The watcher's fingerprint walks the same tree: the link once, as a change when it comes or goes.
+    seen = fingerprint(root)[1:]
+    assert [entry[0] for entry in seen] == ["00-upstreams.yaml", "sub/loop", "sub/tools.yaml"]
+    assert ("sub/loop", -1, -errno.ELOOP) in seen
 
 
 def test_a_directory_named_like_a_policy_file_is_a_problem_not_entered(write: Write) -> None:

@@ -171,6 +171,61 @@ def test_each_expect_field_is_compared(write: Callable[[str, str], Path], field:
     assert "FAIL: one (" in text and words in text
 
 
+def test_an_allowed_case_names_the_allow_rule_that_let_it_through(write: Callable[[str, str], Path]) -> None:
+    # On main an allowed call had no rule: `expect: {verdict: allow, rule: tenant-dir}` failed
+    # with "expected tenant-dir, got None", and -v did not say which rule allowed it.
+    write("policy.yaml", POLICY.replace("fallback: deny", "fallback: allow"))
+    write("p.test.yaml", """
+        cases:
+          - name: tenant
+            principal: {id: w, groups: [writers]}
+            request: {headers: {X-Tenant: acme}}
+            call: {tool: up.write, arguments: {path: acme/x}}
+            expect: {verdict: allow, rule: tenant-dir}
+          - name: fallback
+            principal: {id: w, groups: [writers]}
+            call: {tool: up.write, arguments: {path: other/x}}
+            expect: {verdict: allow, rule: up.write#fallback}
+          - name: wrong rule
+            principal: {id: w, groups: [writers]}
+            call: {tool: up.write, arguments: {path: other/x}}
+            expect: {verdict: allow, rule: tenant-dir}
+          - name: no rules
+            principal: {id: reader}
+            call: {tool: up.read}
+            expect: {verdict: allow}
+        """)
+    report = run_tests(write("policy.yaml", POLICY.replace("fallback: deny", "fallback: allow")).parent)
+    assert [(r.case.case.name, r.rule, r.mismatches) for r in report.results] == [
+        ("tenant", "tenant-dir", ()),
+        ("fallback", "up.write#fallback", ()),
+        ("wrong rule", "up.write#fallback", ("rule: expected tenant-dir, got up.write#fallback",)),
+        ("no rules", None, ()),
+    ]
+    assert "decided: verdict=allow code=ok check=envelope rule=tenant-dir" in render_text(report, verbose=True)
+
+
+def test_the_capability_header_narrows_as_on_the_wire(write: Callable[[str, str], Path]) -> None:
+    # On main the case's X-Envelope-Capability was dropped: the write was allowed.
+    write("policy.yaml", POLICY)
+    write("p.test.yaml", """
+        cases:
+          - name: narrowed
+            principal: {id: w, groups: [writers]}
+            request: {headers: {X-Envelope-Capability: read-only, X-Tenant: acme}}
+            call: {tool: up.write, arguments: {path: acme/x}}
+            expect: {verdict: deny, code: capability_blocked, check: capability,
+                     rule: "request:X-Envelope-Capability"}
+          - name: never widened
+            principal: {id: reader}
+            request: {headers: {X-Envelope-Capability: read-write}}
+            call: {tool: up.write, arguments: {path: acme/x}}
+            expect: {verdict: deny, code: capability_blocked, rule: principals.reader.capability}
+        """)
+    report = run_tests(write("policy.yaml", POLICY).parent)
+    assert [(r.case.case.name, r.mismatches) for r in report.results] == [("narrowed", ()), ("never widened", ())]
+
+
 def test_verbose_shows_the_deciding_check_rule_and_reason(pack: Path) -> None:
     text = render_text(run_tests(pack), verbose=True)
     assert "PASS: forbid rule (" in text
@@ -224,14 +279,49 @@ def test_bad_case_file_is_located(write: Callable[[str, str], Path],
             principal: {id: reader}
             call: {tool: up.read}
             expect: {verdict: deny, code: nope}
+          - name: near misses
+            principal: {id: reader}
+            call: {tool: up.read, argument: {}}
+            expect: {verdict: deny, code: capabilty_blocked, check: argrules}
         """)
     report = run_tests(bad.parent.parent)
     assert [str(p) for p in report.problems] == [
-        f"{bad}:5:30: unknown field 'colour' in cases.0.expect",
+        f"{bad}:5:30: unknown field 'colour' in cases.0.expect (allowed: verdict, code, check, rule)",
         f"{bad}:9:35: cases.1.expect.code: unknown reason code 'nope' " + report.problems[1].message.split("'nope' ", 1)[1],
+        f"{bad}:12:27: unknown field 'argument' (did you mean 'arguments'?) in cases.2.call "
+        "(allowed: tool, arguments)",
+        f"{bad}:13:35: cases.2.expect.code: unknown reason code 'capabilty_blocked' (did you mean "
+        "'capability_blocked'?) (known: " + report.problems[3].message.split("(known: ", 1)[1],
+        f"{bad}:13:61: cases.2.expect.check: unknown check 'argrules' (did you mean 'arg_rules'?) "
+        "(known: " + report.problems[4].message.split("(known: ", 1)[1],
     ]
     assert main(["test", str(bad.parent.parent)]) == 1
     assert f"{bad}:5:30: unknown field 'colour'" in capsys.readouterr().out
+
+
+def test_a_case_file_that_is_not_utf8_is_located(write: Callable[[str, str], Path]) -> None:
+    write("policy.yaml", POLICY)
+    bad = write("x.test.yaml", "")
+    bad.write_bytes(b"cases:\n  - name: caf\xe9\n")
+    assert [str(p) for p in run_tests(bad.parent).problems] == [
+        f"{bad}:2:14: not UTF-8: byte 0xe9 (invalid continuation byte); save the file as UTF-8"
+    ]
+
+
+def test_a_case_calling_an_undeclared_upstream_is_a_problem(write: Callable[[str, str], Path]) -> None:
+    # On main it ran and passed: a call to an upstream no policy declares is refused whatever
+    # the policy says, so `expect: {verdict: deny}` proved nothing about the tool meant.
+    write("policy.yaml", POLICY)
+    bad = write("p.test.yaml", """
+        cases:
+          - name: typo
+            principal: {id: w, groups: [writers]}
+            call: {tool: upp.write, arguments: {path: secret/x}}
+            expect: {verdict: deny}
+        """)
+    assert [str(p) for p in run_tests(bad.parent).problems] == [
+        f"{bad}:4:18: case 'typo' calls 'upp.write': upstream 'upp' (did you mean 'up'?) is not "
+        "declared under upstreams (declared: up)"]
 
 
 def test_bad_yaml_is_located(write: Callable[[str, str], Path]) -> None:

@@ -23,6 +23,7 @@ from proxy.policy.vocab import (
     Effect,
     PatternError,
     compile_pattern,
+    did_you_mean,
     parse_duration,
 )
 from tests.duration_fields import duration_fields
@@ -179,3 +180,13 @@ def test_detectors_name_every_builtin_and_group() -> None:
 def test_compile_pattern_refuses(pattern: str, message: str) -> None:
     with pytest.raises(PatternError, match=message):
         compile_pattern(pattern)
+
+
+def test_did_you_mean_names_a_near_miss_and_nothing_else() -> None:
+    fields = ("effect", "rules", "fallback", "log_args", "guardrails")
+    assert did_you_mean("efect", fields) == " (did you mean 'effect'?)"
+    assert did_you_mean("Effect", fields) == " (did you mean 'effect'?)"
+    assert did_you_mean("log-args", fields) == " (did you mean 'log_args'?)"
+    assert did_you_mean("gaurdrails", fields) == " (did you mean 'guardrails'?)"
+    assert did_you_mean("colour", fields) == ""
+    assert did_you_mean("rules", fields) == ""  # a known name is not a miss

@@ -79,6 +79,17 @@ def test_syntax_errors_keep_the_pure_parsers_words_and_place() -> None:
     assert problems[0].message.startswith("YAML syntax error: while parsing a flow sequence")
 
 
+def test_a_syntax_error_names_where_the_unclosed_collection_was_opened() -> None:
+    # The parser notices an unclosed `{` lines later; on main only that later place was named.
+    _, problems = parse_file("p.yaml", "a: 1\nb: {x: 1\nc: 2\n")
+    assert [str(p) for p in problems] == [
+        "p.yaml:3:2: YAML syntax error: while parsing a flow mapping opened at 2:4, expected ',' "
+        "or '}', but got ':'"]
+    _, problems = parse_file("p.yaml", "a: 1\nb: \"open\n")
+    assert problems[0].message == ("YAML syntax error: while scanning a quoted scalar opened at "
+                                   "2:4, found unexpected end of stream")
+
+
 FACTS = {
     **CASES,
     "duplicates": "a: 1\nb:\n  x: 1\n  x: 2\na: 3\nc: [{k: 1, k: 2}]\n",
