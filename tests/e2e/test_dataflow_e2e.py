@@ -137,6 +137,26 @@ async def test_injected_address_is_refused_in_enforce(enforcing: ProxyProcess) -
                         tool="send_email", mode="enforce") >= 1
 
 
+_CYRILLIC = str.maketrans("aeo", "\u0430\u0435\u043e")
+
+
+@pytest.mark.parametrize("disguise", [
+    lambda a: a.translate(_CYRILLIC),                                   # look-alike letters
+    lambda a: "".join(c + "\u0301" if c.isalpha() else c for c in a),  # combining marks
+])
+async def test_a_disguised_injected_address_is_refused_in_enforce(enforcing: ProxyProcess, disguise: Any) -> None:
+    """The attacker's address written with Cyrillic look-alikes or strewn with accents (the
+    agent told to "write it in the customer's alphabet") is still the address the page gave."""
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    r = await _call(url, run, "send_email", _email(disguise(ATTACKER), "Here is the customer list."))
+    d = _decision(r)
+    assert r.is_error and d["code"] == "dataflow_policy_blocked", d
+    evidence = _record(enforcing, d["decision_id"])["extra"]["dataflow"]["evidence"]
+    assert {(e["argument"], e["kind"], e["source"]) for e in evidence} >= {("/to", "token", "mail.fetch_page")}
+
+
 async def test_stateless_run_is_the_principal_and_its_client(enforcing: ProxyProcess) -> None:
     """Without X-Envelope-Run or a session, a stateless client's run is its principal plus the
     client it introduces itself as: a second connection of the same client is the same run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import os
@@ -50,28 +51,86 @@ _INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e\u200b
                         "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
 
 
+# Letters of other scripts drawn like a Latin letter (one letter for one, as Unicode's
+# confusables map them, in lower case: what case folding leaves of either case, and IDNA writes
+# domains in lower case), and the ideographic full stop, which IDNA reads as a dot: an address
+# written with a Cyrillic a (U+0430) must still be the address it imitates. Each group's
+# letters, then the Latin ones they look like.
+_LOOKALIKES: Final = str.maketrans(
+    # Cyrillic
+    "\u0430\u0432\u0435\u04bb\u043d\u0456\u0458\u043a\u04cf\u043c\u043e"
+    "\u0440\u051b\u0455\u0442\u0441\u0443\u04af\u0445\u051d\u0501\u044c"
+    # Greek
+    "\u03b1\u03b2\u03b5\u03b6\u03b7\u03b9\u03ba\u03bc\u03bd\u03bf\u03c1\u03c4\u03c5\u03c7\u03b3"
+    # Armenian
+    "\u0585\u057d\u0570\u0578\u0566\u0581"
+    # Latin letters drawn like other Latin ones
+    "\u0131\u0237\u0251\u0261\u0269\u026a\u029f\u0274"
+    "\u0280\ua731\u1d04\u1d0f\u1d1c\u1d20\u1d21\u1d22"
+    # the ideographic full stop
+    "\u3002",
+    "abehhijklmopqstcyyxwdb"
+    "abeznikuvoptuxy"
+    "ouhnqg"
+    "ijagiilnrscouvwz"
+    ".",
+)
+# The combining diacritical marks (U+0300-036F, their extensions and supplement, the marks for
+# symbols and the half marks): marks strewn over Latin letters, or that make another domain
+# ("h\u00e9l\u00e8ne.fr" is not "helene.fr": `disguised` keeps them apart for endorsing). The marks
+# scripts write vowels with (Devanagari, Arabic...) are not among them: those words stay whole.
+_MARK_RANGES = ((0x0300, 0x036F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
+
+
+@functools.cache
+def _skeleton_table() -> dict[int, str | None]:
+    """What `fold` maps in a decomposed text: marks removed, look-alike letters made Latin,
+    every script's decimal digits made ASCII (U+0663 is 3: an account number written in
+    Arabic-Indic digits is the same number). Built on the first text that needs it (~20 ms)."""
+    table: dict[int, str | None] = {k: chr(v) for k, v in _LOOKALIKES.items()}
+    for first, last in _MARK_RANGES:
+        table.update(dict.fromkeys(range(first, last + 1)))
+    for zero in range(0x80, 0x1FC00):
+        if unicodedata.decimal(chr(zero), -1) == 0:
+            table.update({zero + d: str(d) for d in range(10) if unicodedata.decimal(chr(zero + d), -1) == d})
+    return table
+
+
 def fold(text: str) -> str:
-    """NFKC, invisible characters removed, case-folded (what tokens are scanned in)."""
+    """NFKC, invisible characters removed, case-folded, then its skeleton: combining marks
+    removed, letters of other scripts drawn like Latin ones made Latin, decimal digits made
+    ASCII (what tokens are scanned in and grams hashed from: a disguise must not hide a copy)."""
     if text.isascii():
-        # NFKC leaves ASCII as it is, no invisible character is ASCII and ASCII case-folds to
-        # lower case: same result, without the three passes (~10 µs/KB).
+        # NFKC leaves ASCII as it is, no invisible character is ASCII, ASCII case-folds to
+        # lower case and holds no mark, look-alike or other digit: same result, without the
+        # passes (~10 µs/KB).
         return text.lower()
-    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
+    return skeleton(_INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold())
+
+
+def skeleton(low: str) -> str:
+    """A case-folded NFKC text with combining marks removed, look-alike letters made Latin and
+    decimal digits made ASCII (the last step of `fold`)."""
+    if low.isascii():
+        return low
+    # Decomposed so that a mark is a character of its own, then composed again (Hangul, and
+    # letters with marks that stay, as NFKC had them).
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", low).translate(_skeleton_table()))
 
 
 def disguised(text: str) -> bool:
     """Whether folding a value changes more than its case: it holds an invisible character, a
-    compatibility form (fullwidth letters, ligatures, the Kelvin sign) or a letter that case
-    folding turns into others ("ß" -> "ss", Greek final sigma -> sigma). Such a value is equal, folded,
-    to one the upstream treats as another ("hans@faß.de" and "hans@fass.de" are two domains;
-    "repor\\u200bt.pdf" is not "report.pdf"): folding serves matching a copy (an attacker's
-    disguise must not hide it), never endorsing one (`endorse`: a disguised value is
+    compatibility form (fullwidth letters, ligatures, the Kelvin sign), a letter that case
+    folding turns into others ("ß" -> "ss", Greek final sigma -> sigma), a combining mark, a
+    letter of another script drawn like a Latin one, or a digit that is not ASCII. Such a value
+    is equal, folded, to one the upstream treats as another ("hans@faß.de" and "hans@fass.de"
+    are two domains, and so are "hélène.fr" and "helene.fr", or "paypal.com" written with a
+    Cyrillic a; "repor\\u200bt.pdf" is not "report.pdf"): folding serves matching a copy (an
+    attacker's disguise must not hide it), never endorsing one (`endorse`: a disguised value is
     endorsed only by the same characters). Canonically equivalent forms (NFC/NFD) are one."""
     if text.isascii():
         return False
-    nfc = unicodedata.normalize("NFC", text)
-    return (_INVISIBLE.search(nfc) is not None or unicodedata.normalize("NFKC", nfc) != nfc
-            or nfc.casefold() != nfc.lower())
+    return fold(text) != unicodedata.normalize("NFC", text).lower()
 
 
 def faithful(text: str) -> str:

@@ -64,7 +64,10 @@ def _scheme(n: int, window: int, min_value: int = 0) -> str:
     # "l": the fingerprints are in the run's log (`LOG_NS`, one entry per output). A ledger
     # written before the log (one `ledger_fp` field per fingerprint, tags without "l") is not
     # read: it is coarse until it expires, also when newer outputs were added to it.
-    return f"{n}w{window}pl" if min_value else f"{n}w{window}l"
+    # "k": text is folded to its skeleton (`fingerprint.fold`: marks removed, look-alike letters
+    # and other scripts' digits made ASCII); a ledger folded before cannot be matched for text
+    # that is not ASCII, so it is coarse until it expires.
+    return f"{n}w{window}plk" if min_value else f"{n}w{window}lk"
 
 
 def _merged(into: dict[bytes, str], found: list[bytes], label: str) -> dict[bytes, str]:
