@@ -47,6 +47,7 @@ from proxy.envelope.dataflow.match import (
     free_text,
     match_argument,
     oversized,
+    value_probes,
 )
 from proxy.envelope.dataflow.offload import (
     asking_of,
@@ -263,8 +264,8 @@ class DataflowCheck:
 
     def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
         """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
-        return [(ptr, Probe.of(text, self._n, self._window, self._max_argument, self._min_value))
-                for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
+        return [(ptr, probe) for ptr, text in free_text(call.arguments, self._schema(call), self._skip)
+                for probe in value_probes(text, self._n, self._window, self._max_argument, self._min_value)]
 
     def findings(self, call: ToolCall, ledger: Ledger, probes: list[tuple[str, Probe]] | None = None,
                  endorsement: Endorsement | None = None,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import html
+import re
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -174,6 +178,115 @@ class Probe:
         for _, _, h in self.tokens:
             yield h
         yield from self.grams
+
+
+# -- encodings an argument carries ----------------------------------------------------------------
+#
+# An agent told to "URL-encode", "base64" or "hex" the value it sends, or a tool argument that is a
+# link or JSON with the value escaped in it, hides a copy from the grams and tokens of the text as
+# written. Each argument is therefore also matched as it reads decoded: percent-encoding (and "+"
+# for a space), HTML character references, JSON / C escapes (\uXXXX, \xXX, \n...), and runs of
+# base64 or hex that decode to text. One layer of each, then all of them in turn (an encoded
+# value inside a link is decoded by both). Every decoder is one linear pass (the patterns have
+# no nested repeats, and a run is tried once where it starts); a reading is kept only when it
+# differs from the text, so plain arguments cost one search per decoder.
+
+MAX_READINGS = 5
+_PERCENT = re.compile(r"%[0-9a-fA-F]{2}|\+")
+_ENTITY = re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?")
+_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[nrtbf/\\\"'])")
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"', "'": "'"}
+# Runs of the base64 alphabets (standard and URL-safe) or of hex digits, long enough to carry a
+# token: shorter runs are words.
+_BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{12,}={0,2}")
+_HEX_RUN = re.compile(r"(?:[0-9a-fA-F]{2}){8,}")
+_TO_STANDARD = str.maketrans("-_", "+/")
+
+
+def _unescaped(found: re.Match[str]) -> str:
+    code = found.group()[1:]
+    if code[0] in "ux":
+        return chr(int(code[1:], 16))
+    return _SIMPLE_ESCAPES[code]
+
+
+def _as_text(raw: bytes) -> str | None:
+    """Decoded bytes as text, when they are UTF-8 and printable (whitespace allowed): random
+    bytes (a hash, an id) almost never are."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text and all(c.isprintable() or c.isspace() for c in text) else None
+
+
+def _decoded_run(found: re.Match[str]) -> str:
+    run = found.group()
+    if _HEX_RUN.fullmatch(run):
+        text = _as_text(bytes.fromhex(run))
+        if text is not None:
+            return text
+    # A run that starts with "/" or "-" (a path, a flag) may start its base64 one later.
+    for start in (run, run.lstrip("/+-_")):
+        body = start.rstrip("=").translate(_TO_STANDARD)
+        if len(body) % 4 == 1 or len(body) < 12:
+            continue
+        try:
+            raw = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
+        except ValueError:
+            continue
+        text = _as_text(raw)
+        if text is not None:
+            return text if start is run else run[: len(run) - len(start)] + text
+    return run
+
+
+def _percent(text: str) -> str:
+    return urllib.parse.unquote_plus(text) if _PERCENT.search(text) else text
+
+
+def _entities(text: str) -> str:
+    return html.unescape(text) if "&" in text and _ENTITY.search(text) else text
+
+
+def _escapes(text: str) -> str:
+    if "\\" not in text:
+        return text
+    decoded = _ESCAPE.sub(_unescaped, text)
+    # Escaped surrogate pairs (JSON writes characters past the BMP so) joined, lone ones replaced.
+    return decoded.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _binary(text: str) -> str:
+    return _BASE64_RUN.sub(_decoded_run, text)
+
+
+_DECODERS = (_percent, _entities, _escapes, _binary)
+
+
+def readings(text: str) -> list[str]:
+    """The other texts an argument value reads as, decoded (`_DECODERS`, one of each, then all
+    in turn), each different from `text` and from each other; at most MAX_READINGS."""
+    found: list[str] = []
+    chained = text
+    for decode in _DECODERS:
+        one = decode(text)
+        if one != text and one not in found:
+            found.append(one)
+        chained = decode(chained)
+    if chained != text and chained not in found:
+        found.append(chained)
+    return found[:MAX_READINGS]
+
+
+def value_probes(text: str, n: int, window: int = DEFAULT_WINNOW,
+                 max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS, min_value: int = 0) -> list[Probe]:
+    """The probes of one argument value: the value as written, then each of its `readings`
+    (none for a value longer than `max_chars`: it is not hashed at all)."""
+    probe = Probe.of(text, n, window, max_chars, min_value)
+    if probe.oversized:
+        return [probe]
+    return [probe, *(Probe.of(reading, n, window, None, min_value) for reading in readings(text))]
 
 
 def oversized(probe: Probe, max_chars: int) -> Finding:
