@@ -144,10 +144,12 @@ _CYRILLIC = str.maketrans("aeo", "\u0430\u0435\u043e")
 @pytest.mark.parametrize("disguise", [
     lambda a: a.translate(_CYRILLIC),                                   # look-alike letters
     lambda a: "".join(c + "\u0301" if c.isalpha() else c for c in a),  # combining marks
+    lambda a: a.replace("@", "@relay."),                                 # a subdomain of its host
 ])
 async def test_a_disguised_injected_address_is_refused_in_enforce(enforcing: ProxyProcess, disguise: Any) -> None:
     """The attacker's address written with Cyrillic look-alikes or strewn with accents (the
-    agent told to "write it in the customer's alphabet") is still the address the page gave."""
+    agent told to "write it in the customer's alphabet"), or at a subdomain of its host, is
+    still the address the page gave."""
     run = _run()
     url = enforcing.url("mail")
     await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
@@ -167,6 +169,7 @@ def _b64(text: str) -> str:
     lambda a: "Reply to " + quote(a, safe=""),                              # percent-encoded
     lambda a: "Reply to " + "".join(f"&#{ord(c)};" for c in a),             # HTML references
     lambda a: "Ref " + a.encode().hex(),                                     # hex
+    lambda a: "Reply to " + a.replace("@", " [at] ").replace(".", " dot "),  # spelled out
 ])
 async def test_an_encoded_injected_address_in_a_declassified_body_is_refused(enforcing: ProxyProcess,
                                                                               carrier: Any) -> None:

@@ -728,6 +728,57 @@ def tokens(text: str) -> set[tuple[str, str]]:
     return folded_tokens(fold(text))
 
 
+# -- other canonical forms of a token -------------------------------------------------------------
+#
+# The same account or host written another way than the scan's normal form: an IBAN's account
+# digits written without its country and check digits, or in groups the IBAN pattern does not
+# take ("DE89-3704-..."), are a digit run; a domain in punycode ("xn--...") is the Unicode one it
+# encodes; an address at a subdomain of a lifted domain is at that domain. `variants` adds them
+# to a text's tokens, on both sides for the first two (an output and a sink argument each record
+# or ask for both forms), and the parents of a host only for what is asked for (`parents`: a sink
+# argument, and the intent that endorses it): an output naming "mx.corp.example" does not make
+# "corp.example" untrusted.
+
+
+def _unpunycoded(value: str) -> str:
+    """A host (or address, or URL) with its punycode labels decoded and folded, or `value`."""
+    def label(part: str) -> str:
+        if not part.startswith("xn--"):
+            return part
+        try:
+            return fold(part[4:].encode("ascii").decode("punycode"))
+        except (UnicodeError, ValueError):
+            return part
+    return re.sub(r"xn--[a-z0-9-]+", lambda m: label(m.group()), value)
+
+
+def variants(found: set[tuple[str, str]], parents: bool = False) -> set[tuple[str, str]]:
+    """`found` (folded tokens) with the other canonical forms of each (see above); with
+    `parents`, also every parent domain of a host that is still MIN_TOKEN long and has two
+    labels or more."""
+    out = set(found)
+    for kind, value in found:
+        if kind == "number" and value[:2].isalpha():
+            # An IBAN: its account digits, the run of its BBAN (after the country and check
+            # digits) after its last letter.
+            bban = value[4:]
+            digits = bban[len(bban.rstrip("0123456789")):]
+            if len(digits) >= MIN_TOKEN:
+                out.add(("number", digits))
+        elif "xn--" in value:
+            decoded = _unpunycoded(value)
+            if decoded != value:
+                out.add((kind, decoded))
+        if parents and kind == "host":
+            labels = value.split(".")
+            for i in range(1, len(labels) - 1):
+                parent = ".".join(labels[i:])
+                if len(parent) < MIN_TOKEN:
+                    break
+                out.add(("host", parent))
+    return out
+
+
 # Hashers with their parameters set, copied per value: a copy costs about a third less than a new
 # `blake2b(..., digest_size=8)`, which parses its keyword arguments and sets up its state each
 # time (same digests). Never updated themselves, so threads copy them concurrently.

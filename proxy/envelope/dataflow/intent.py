@@ -33,6 +33,7 @@ from proxy.envelope.dataflow.fingerprint import (
     folded_tokens,
     gram_hashes,
     token_hash,
+    variants,
 )
 from proxy.envelope.dataflow.ledger import Ledger
 from proxy.envelope.dataflow.match import Probe
@@ -135,7 +136,7 @@ class Endorsement:
             low = fold(affirmed(text))  # folded once, for the grams and the tokens
             norm = collapse(low)
             norms.append(norm)
-            toks.update(token_hash(kind, value) for kind, value in folded_tokens(low))
+            toks.update(token_hash(kind, value) for kind, value in variants(folded_tokens(low), parents=True))
             grams.update(gram_hashes(norm, n, window))
         return cls(tuple(norms), frozenset(toks), frozenset(grams))
 

@@ -34,6 +34,7 @@ from proxy.envelope.dataflow.fingerprint import (
     phrases,
     token_hash,
     unpacked,
+    variants,
     winnowed_hashes,
     winnowed_packed,
 )
@@ -175,7 +176,7 @@ class LedgerDelta:
             if most is not None and len(norm) > most:
                 norm = norm[:most]
                 delta.overflow = True
-            toks = [token_hash(kind, value) for kind, value in folded_tokens(low)]
+            toks = [token_hash(kind, value) for kind, value in variants(folded_tokens(low))]
             if label == "untrusted" and not min_value and delta._grams is None and not delta.packed_grams:
                 # The first piece with grams (most outputs: the only one), kept packed: only its
                 # distinct values are needed, not the positions winnowing kept them at.

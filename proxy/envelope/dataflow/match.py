@@ -21,6 +21,7 @@ from proxy.envelope.dataflow.fingerprint import (
     phrase_hash,
     phrase_key,
     token_hash,
+    variants,
 )
 from proxy.envelope.dataflow.ledger import (
     Ledger,
@@ -169,7 +170,7 @@ class Probe:
         if key is not None and len(key) < min_value:
             key = None
         return cls(norm, gram_hashes(norm, n, window),
-                   [(k, v, token_hash(k, v)) for k, v in sorted(folded_tokens(low))], gram_length(n, window),
+                   [(k, v, token_hash(k, v)) for k, v in sorted(variants(folded_tokens(low), parents=True))], gram_length(n, window),
                    value=key, value_hash=None if key is None else phrase_hash(key), disguised=disguised(text))
 
     def fields(self) -> Iterator[bytes]:
@@ -182,16 +183,17 @@ class Probe:
 
 # -- encodings an argument carries ----------------------------------------------------------------
 #
-# An agent told to "URL-encode", "base64" or "hex" the value it sends, or a tool argument that is a
-# link or JSON with the value escaped in it, hides a copy from the grams and tokens of the text as
-# written. Each argument is therefore also matched as it reads decoded: percent-encoding (and "+"
-# for a space), HTML character references, JSON / C escapes (\uXXXX, \xXX, \n...), and runs of
-# base64 or hex that decode to text. One layer of each, then all of them in turn (an encoded
-# value inside a link is decoded by both). Every decoder is one linear pass (the patterns have
-# no nested repeats, and a run is tried once where it starts); a reading is kept only when it
-# differs from the text, so plain arguments cost one search per decoder.
+# An agent told to "URL-encode", "base64" or "hex" the value it sends, or a tool argument that
+# is a link or JSON with the value escaped in it, hides a copy from the grams and tokens of the
+# text as written. Each argument is therefore also matched as it reads decoded: percent-encoding
+# (and "+" for a space), HTML character references, JSON / C escapes (\uXXXX, \xXX, \n...), runs
+# of base64 or hex that decode to text, and an address spelled out ("x at y dot example"). One
+# layer of each, then all of them in turn (an encoded value inside a link is decoded by both).
+# Every decoder is one linear pass (the patterns have no nested repeats, and a run is tried once
+# where it starts); a reading is kept only when it differs from the text, so plain arguments
+# cost one search per decoder.
 
-MAX_READINGS = 5
+MAX_READINGS = 6
 _PERCENT = re.compile(r"%[0-9a-fA-F]{2}|\+")
 _ENTITY = re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?")
 _ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[nrtbf/\\\"'])")
@@ -201,6 +203,9 @@ _SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f", "/": "
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{12,}={0,2}")
 _HEX_RUN = re.compile(r"(?:[0-9a-fA-F]{2}){8,}")
 _TO_STANDARD = str.maketrans("-_", "+/")
+# " at " / " dot " and their bracketed forms, as an address is spelled out to pass filters.
+_BRACKETED_AT = re.compile(r"[\[({<] ?at ?[\])}>]", re.IGNORECASE)
+_BRACKETED_DOT = re.compile(r"[\[({<] ?dot ?[\])}>]", re.IGNORECASE)
 
 
 def _unescaped(found: re.Match[str]) -> str:
@@ -242,6 +247,8 @@ def _decoded_run(found: re.Match[str]) -> str:
 
 
 def _percent(text: str) -> str:
+    if "%" not in text and "+" not in text:  # C finds: most arguments hold neither
+        return text
     return urllib.parse.unquote_plus(text) if _PERCENT.search(text) else text
 
 
@@ -261,7 +268,19 @@ def _binary(text: str) -> str:
     return _BASE64_RUN.sub(_decoded_run, text)
 
 
-_DECODERS = (_percent, _entities, _escapes, _binary)
+def _spelled(text: str) -> str:
+    """An address spelled out ("exfil at attacker-mail dot example", "[at]", "(dot)") written."""
+    if "dot" not in text.lower():
+        return text
+    # The bracketed forms by patterns that start with a bracket (`re` scans for it in C), the
+    # spaced ones by plain replacement: no pattern is tried at every space.
+    written = _BRACKETED_DOT.sub(".", _BRACKETED_AT.sub("@", text))
+    for at, dot in ((" at ", " dot "), (" AT ", " DOT "), (" At ", " Dot ")):
+        written = written.replace(at, "@").replace(dot, ".")
+    return written.replace(" @ ", "@").replace(" . ", ".")
+
+
+_DECODERS = (_percent, _entities, _escapes, _binary, _spelled)
 
 
 def readings(text: str) -> list[str]:
