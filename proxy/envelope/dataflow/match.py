@@ -194,13 +194,20 @@ class Probe:
 # cost one search per decoder.
 
 MAX_READINGS = 6
-_PERCENT = re.compile(r"%[0-9a-fA-F]{2}|\+")
+_PERCENT = re.compile(r"%[0-9a-fA-F]{2}")
 _ENTITY = re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?")
 _ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[nrtbf/\\\"'])")
 _SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"', "'": "'"}
 # Runs of the base64 alphabets (standard and URL-safe) or of hex digits, long enough to carry a
 # token: shorter runs are words.
-_BASE64_RUN = re.compile(r"[A-Za-z0-9+/_-]{12,}={0,2}")
+_BASE64_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/_-"
+_RUN_CLASSES = bytes.maketrans(bytes(range(256)), bytes(ord("a") if c in _BASE64_CHARS else ord(" ")
+                                                         for c in range(256)))
+_MIN_RUN = b"a" * 12
+_DIGIT_OR_UPPER = re.compile(r"[0-9A-Z]")
+# (Each pattern starts with a literal, which `re` finds by a fast scan; one that starts with a
+# class is tried at every position, ~20 ns a character.)
+_PLUS_SPACE = re.compile(r"\+(?<=[A-Za-z]\+)[A-Za-z]")
 _HEX_RUN = re.compile(r"(?:[0-9a-fA-F]{2}){8,}")
 _TO_STANDARD = str.maketrans("-_", "+/")
 # " at " / " dot " and their bracketed forms, as an address is spelled out to pass filters.
@@ -225,15 +232,17 @@ def _as_text(raw: bytes) -> str | None:
     return text if text and all(c.isprintable() or c.isspace() for c in text) else None
 
 
-def _decoded_run(found: re.Match[str]) -> str:
-    run = found.group()
+def _decoded_run(run: str) -> str:
+    """A run of the base64 alphabets decoded, when it is hex or base64 of text; else the run."""
+    if _DIGIT_OR_UPPER.search(run) is None:
+        return run  # lower-case words joined by "-" or "/" (base64 of text has both, hex digits)
     if _HEX_RUN.fullmatch(run):
         text = _as_text(bytes.fromhex(run))
         if text is not None:
             return text
     # A run that starts with "/" or "-" (a path, a flag) may start its base64 one later.
     for start in (run, run.lstrip("/+-_")):
-        body = start.rstrip("=").translate(_TO_STANDARD)
+        body = start.translate(_TO_STANDARD)
         if len(body) % 4 == 1 or len(body) < 12:
             continue
         try:
@@ -247,9 +256,13 @@ def _decoded_run(found: re.Match[str]) -> str:
 
 
 def _percent(text: str) -> str:
-    if "%" not in text and "+" not in text:  # C finds: most arguments hold neither
-        return text
-    return urllib.parse.unquote_plus(text) if _PERCENT.search(text) else text
+    if "%" in text and _PERCENT.search(text) is not None:
+        return urllib.parse.unquote_plus(text)
+    # Form-encoded words with nothing to escape ("ignore+previous+instructions"); a "+" of a
+    # phone number or a sum stays.
+    if "+" in text and _PLUS_SPACE.search(text) is not None:
+        return text.replace("+", " ")
+    return text
 
 
 def _entities(text: str) -> str:
@@ -265,12 +278,29 @@ def _escapes(text: str) -> str:
 
 
 def _binary(text: str) -> str:
-    return _BASE64_RUN.sub(_decoded_run, text)
+    # The runs are found in the text's classes, by C finds of MIN_RUN class bytes in a row and of
+    # the space after them (a pattern tried at every position cost ~20 ns a character).
+    classes = text.encode("ascii", "replace").translate(_RUN_CLASSES)
+    at = classes.find(_MIN_RUN)
+    if at < 0:
+        return text
+    parts: list[str] = []
+    done = 0
+    while at >= 0:
+        end = classes.find(b" ", at)
+        end = len(classes) if end < 0 else end
+        run = text[at:end]
+        decoded = _decoded_run(run)
+        if decoded != run:
+            parts += [text[done:at], decoded]
+            done = end
+        at = classes.find(_MIN_RUN, end)
+    return "".join(parts) + text[done:] if parts else text
 
 
 def _spelled(text: str) -> str:
     """An address spelled out ("exfil at attacker-mail dot example", "[at]", "(dot)") written."""
-    if "dot" not in text.lower():
+    if "dot" not in text and "DOT" not in text and "Dot" not in text:
         return text
     # The bracketed forms by patterns that start with a bracket (`re` scans for it in C), the
     # spaced ones by plain replacement: no pattern is tried at every space.
@@ -287,11 +317,16 @@ def readings(text: str) -> list[str]:
     """The other texts an argument value reads as, decoded (`_DECODERS`, one of each, then all
     in turn), each different from `text` and from each other; at most MAX_READINGS."""
     found: list[str] = []
-    chained = text
+    if len(text) < MIN_TOKEN:
+        return found  # decoding shortens: shorter than any token, gram or whole value
     for decode in _DECODERS:
         one = decode(text)
         if one != text and one not in found:
             found.append(one)
+    if not found:
+        return found  # no decoder changes it: neither does the chain of them
+    chained = text
+    for decode in _DECODERS:
         chained = decode(chained)
     if chained != text and chained not in found:
         found.append(chained)
