@@ -220,3 +220,17 @@ def test_the_skeleton_is_the_same_whether_a_text_holds_few_or_many_characters_no
     low = fold(text)
     assert fold(text * 40) == low * 40
     assert skeleton(fold(text * 40)) == low * 40  # a skeleton's skeleton is itself
+
+
+@pytest.mark.parametrize(("name", "disguise"), [
+    ("upper case", str.upper),
+    ("newlines and tabs for spaces", lambda t: t.replace(" ", "\n\t ")),
+    ("fullwidth letters", lambda t: "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in t)),
+    ("zero-width spaces and joiners", lambda t: "\u200b\u200d".join(t)),
+    ("word joiners and BOMs", lambda t: "\u2060\ufeff".join(t)),
+    ("bidi controls", lambda t: "".join(c + ("\u202e" if i % 3 else "\u2066") for i, c in enumerate(t))),
+    ("soft hyphens", lambda t: "\u00ad".join(t)),
+])
+async def test_disguises_main_already_folded_still_match(name: str, disguise: Any) -> None:
+    assert await _kinds(f"Please note: {disguise(ORDER)}") == ["verbatim"], name
+    assert "token" in await _kinds(disguise(ADDRESS)), name
