@@ -145,7 +145,7 @@ def skeleton(low: str) -> str:
     decimal digits made ASCII, character by character (the last step of `fold`)."""
     if low.isascii():
         return low
-    if len(low.encode("utf-8")) - len(low) < 24:
+    if len(low.encode("utf-8", "surrogatepass")) - len(low) < 24:
         # A few characters that are not ASCII (quotes, dashes, a name): each on its own.
         return _NOT_ASCII.sub(_char_of, low)
     # Many: one table lookup per character, in numpy (a str.translate with a dict costs

@@ -214,6 +214,7 @@ async def test_phone_numbers_in_other_separators_are_the_same_number() -> None:
 @pytest.mark.parametrize("text", [
     "caf\u00e9 \u2014 \u0434\u043e\u043a\u0443\u043c\u0435\u043d\u0442 x\u0301 \u0664\u0662 \u1100\u1161 \ud55c \U0001f600 a\x00b",
     "\u0430\u0442\u0442\u0430\u0441\u043a\u0435\u0440 \u03bd\u03bf \u0585\u057d \u0131\u0237 \u3002",
+    "\ud800 caf\u00e9 \udfff",  # lone surrogates (a JSON string may carry them) stay
 ])
 def test_the_skeleton_is_the_same_whether_a_text_holds_few_or_many_characters_not_ascii(text: str) -> None:
     """A short text is mapped a character at a time, a long one through a table: one result."""
