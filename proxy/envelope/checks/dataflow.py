@@ -287,9 +287,16 @@ class DataflowCheck:
                 continue
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
-            if endorsement and not probe.disguised:
+            if endorsement and probe.disguised:
                 # A disguised value ("hans@faß.de") folds equal to the user's "hans@fass.de":
-                # the user never wrote it, so nothing of it is endorsed (`fingerprint.disguised`).
+                # only the intent writing its very characters endorses it, whole
+                # (`fingerprint.disguised`); none of its folded tokens or grams.
+                if probe.faithful is not None and endorsement.written(probe.faithful):
+                    verbatim, toks = match_argument(ledger, probe, self._n, self._window)
+                    if verbatim or toks or (coarse and (len(probe.norm) >= self._n or probe.value)):
+                        endorsed.append({"arg": ptr, "by": "intent", "kind": "value"})
+                    continue
+            elif endorsement:
                 if endorsement.whole(probe.norm):
                     # The user named this very value: whatever untrusted content also holds it.
                     verbatim, toks = match_argument(ledger, probe, self._n, self._window)

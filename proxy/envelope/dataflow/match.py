@@ -14,6 +14,7 @@ from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     collapse,
     disguised,
+    faithful,
     fold,
     folded_tokens,
     gram_hashes,
@@ -155,6 +156,9 @@ class Probe:
     # Folding changed more than its case (`fingerprint.disguised`): the intent's folded words
     # must not endorse it (matching it against untrusted content still folds).
     disguised: bool = False
+    # A disguised value as written (`fingerprint.faithful`): only the intent writing these very
+    # characters endorses it ("josé@empresa.example" the user typed, also on a page).
+    faithful: str | None = None
 
     @classmethod
     def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW,
@@ -166,12 +170,14 @@ class Probe:
             return cls("", [], [], gram_length(n, window), oversized=len(text))
         low = fold(text)  # folded once, for the grams and the tokens
         norm = collapse(low)
+        hidden = disguised(text)
         key = phrase_key(norm, n) if min_value else None
         if key is not None and len(key) < min_value:
             key = None
         return cls(norm, gram_hashes(norm, n, window),
                    [(k, v, token_hash(k, v)) for k, v in sorted(variants(folded_tokens(low), parents=True))], gram_length(n, window),
-                   value=key, value_hash=None if key is None else phrase_hash(key), disguised=disguised(text))
+                   value=key, value_hash=None if key is None else phrase_hash(key), disguised=hidden,
+                   faithful=faithful(text) if hidden else None)
 
     def fields(self) -> Iterator[bytes]:
         if self.value_hash is not None:
