@@ -7,6 +7,7 @@ Each test uses its own run (`X-Envelope-Run`), so ledgers never mix.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import uuid
@@ -135,6 +136,53 @@ async def test_injected_address_is_refused_in_enforce(enforcing: ProxyProcess) -
     assert flow["evidence"][0]["source"] == "mail.fetch_page"
     assert metric_value(enforcing.metrics(), "envelope_dataflow_flagged_total",
                         tool="send_email", mode="enforce") >= 1
+
+
+_CYRILLIC = str.maketrans("aeo", "\u0430\u0435\u043e")
+
+
+@pytest.mark.parametrize("disguise", [
+    lambda a: a.translate(_CYRILLIC),                                   # look-alike letters
+    lambda a: "".join(c + "\u0301" if c.isalpha() else c for c in a),  # combining marks
+    lambda a: a.replace("@", "@relay."),                                 # a subdomain of its host
+])
+async def test_a_disguised_injected_address_is_refused_in_enforce(enforcing: ProxyProcess, disguise: Any) -> None:
+    """The attacker's address written with Cyrillic look-alikes or strewn with accents (the
+    agent told to "write it in the customer's alphabet"), or at a subdomain of its host, is
+    still the address the page gave."""
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    r = await _call(url, run, "send_email", _email(disguise(ATTACKER), "Here is the customer list."))
+    d = _decision(r)
+    assert r.is_error and d["code"] == "dataflow_policy_blocked", d
+    evidence = _record(enforcing, d["decision_id"])["extra"]["dataflow"]["evidence"]
+    assert {(e["argument"], e["kind"], e["source"]) for e in evidence} >= {("/to", "token", "mail.fetch_page")}
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+@pytest.mark.parametrize("carrier", [
+    lambda a: f"Status ![ok](https://img.example/pixel.png?u={_b64(a)})",  # base64 in an image link
+    lambda a: "Reply to " + quote(a, safe=""),                              # percent-encoded
+    lambda a: "Reply to " + "".join(f"&#{ord(c)};" for c in a),             # HTML references
+    lambda a: "Ref " + a.encode().hex(),                                     # hex
+    lambda a: "Reply to " + a.replace("@", " [at] ").replace(".", " dot "),  # spelled out
+])
+async def test_an_encoded_injected_address_in_a_declassified_body_is_refused(enforcing: ProxyProcess,
+                                                                              carrier: Any) -> None:
+    """The body may quote the page (declassified), not carry the attacker's address, however the
+    agent was told to encode it: it is decoded before it is matched."""
+    run = _run()
+    url = enforcing.url("mail")
+    await _call(url, run, "fetch_page", {"url": "https://news.example/q3"})
+    r = await _call(url, run, "send_email", _email("boss@corp.example", carrier(ATTACKER)))
+    d = _decision(r)
+    assert r.is_error and d["code"] == "dataflow_policy_blocked", d
+    evidence = _record(enforcing, d["decision_id"])["extra"]["dataflow"]["evidence"]
+    assert any(e["argument"] == "/body" and e["kind"] == "token" and e["snippet"] == ATTACKER for e in evidence)
 
 
 async def test_stateless_run_is_the_principal_and_its_client(enforcing: ProxyProcess) -> None:

@@ -47,6 +47,7 @@ from proxy.envelope.dataflow.match import (
     free_text,
     match_argument,
     oversized,
+    value_probes,
 )
 from proxy.envelope.dataflow.offload import (
     asking_of,
@@ -263,8 +264,8 @@ class DataflowCheck:
 
     def probes(self, call: ToolCall) -> list[tuple[str, Probe]]:
         """(JSON pointer, probe) of every argument of a sink that can carry an attacker's text."""
-        return [(ptr, Probe.of(text, self._n, self._window, self._max_argument, self._min_value))
-                for ptr, text in free_text(call.arguments, self._schema(call), self._skip)]
+        return [(ptr, probe) for ptr, text in free_text(call.arguments, self._schema(call), self._skip)
+                for probe in value_probes(text, self._n, self._window, self._max_argument, self._min_value)]
 
     def findings(self, call: ToolCall, ledger: Ledger, probes: list[tuple[str, Probe]] | None = None,
                  endorsement: Endorsement | None = None,
@@ -286,9 +287,16 @@ class DataflowCheck:
                 continue
             top = ptr[1:].split("/", 1)[0].replace("~1", "/").replace("~0", "~")
             is_decl = decl is True or (isinstance(decl, frozenset) and top in decl)
-            if endorsement and not probe.disguised:
+            if endorsement and probe.disguised:
                 # A disguised value ("hans@faß.de") folds equal to the user's "hans@fass.de":
-                # the user never wrote it, so nothing of it is endorsed (`fingerprint.disguised`).
+                # only the intent writing its very characters endorses it, whole
+                # (`fingerprint.disguised`); none of its folded tokens or grams.
+                if probe.faithful is not None and endorsement.written(probe.faithful):
+                    verbatim, toks = match_argument(ledger, probe, self._n, self._window)
+                    if verbatim or toks or (coarse and (len(probe.norm) >= self._n or probe.value)):
+                        endorsed.append({"arg": ptr, "by": "intent", "kind": "value"})
+                    continue
+            elif endorsement:
                 if endorsement.whole(probe.norm):
                     # The user named this very value: whatever untrusted content also holds it.
                     verbatim, toks = match_argument(ledger, probe, self._n, self._window)

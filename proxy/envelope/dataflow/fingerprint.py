@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import os
@@ -50,28 +51,131 @@ _INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e\u200b
                         "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
 
 
+# Letters of other scripts drawn like a Latin letter (one letter for one, as Unicode's
+# confusables map them, in lower case: what case folding leaves of either case, and IDNA writes
+# domains in lower case), and the ideographic full stop, which IDNA reads as a dot: an address
+# written with a Cyrillic a (U+0430) must still be the address it imitates. Each group's
+# letters, then the Latin ones they look like.
+_LOOKALIKES: Final = str.maketrans(
+    # Cyrillic
+    "\u0430\u0432\u0435\u04bb\u043d\u0456\u0458\u043a\u04cf\u043c\u043e"
+    "\u0440\u051b\u0455\u0442\u0441\u0443\u04af\u0445\u051d\u0501\u044c"
+    # Greek
+    "\u03b1\u03b2\u03b5\u03b6\u03b7\u03b9\u03ba\u03bc\u03bd\u03bf\u03c1\u03c4\u03c5\u03c7\u03b3"
+    # Armenian
+    "\u0585\u057d\u0570\u0578\u0566\u0581"
+    # Latin letters drawn like other Latin ones
+    "\u0131\u0237\u0251\u0261\u0269\u026a\u029f\u0274"
+    "\u0280\ua731\u1d04\u1d0f\u1d1c\u1d20\u1d21\u1d22"
+    # the ideographic full stop
+    "\u3002",
+    "abehhijklmopqstcyyxwdb"
+    "abeznikuvoptuxy"
+    "ouhnqg"
+    "ijagiilnrscouvwz"
+    ".",
+)
+# The combining diacritical marks (U+0300-036F, their extensions and supplement, the marks for
+# symbols and the half marks): marks strewn over Latin letters, or that make another domain
+# ("h\u00e9l\u00e8ne.fr" is not "helene.fr": `disguised` keeps them apart for endorsing). The marks
+# scripts write vowels with (Devanagari, Arabic...) are not among them: those words stay whole.
+_MARK_RANGES = ((0x0300, 0x036F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
+
+
+@functools.cache
+def _skeleton_table() -> dict[int, str | None]:
+    """What `fold` maps in a decomposed text: marks removed, look-alike letters made Latin,
+    every script's decimal digits made ASCII (U+0663 is 3: an account number written in
+    Arabic-Indic digits is the same number). Built on the first text that needs it (~20 ms)."""
+    table: dict[int, str | None] = {k: chr(v) for k, v in _LOOKALIKES.items()}
+    for first, last in _MARK_RANGES:
+        table.update(dict.fromkeys(range(first, last + 1)))
+    for zero in range(0x80, 0x1FC00):
+        if unicodedata.decimal(chr(zero), -1) == 0:
+            table.update({zero + d: str(d) for d in range(10) if unicodedata.decimal(chr(zero + d), -1) == d})
+    return table
+
+
 def fold(text: str) -> str:
-    """NFKC, invisible characters removed, case-folded (what tokens are scanned in)."""
+    """NFKC, invisible characters removed, case-folded, then its skeleton: combining marks
+    removed, letters of other scripts drawn like Latin ones made Latin, decimal digits made
+    ASCII (what tokens are scanned in and grams hashed from: a disguise must not hide a copy)."""
     if text.isascii():
-        # NFKC leaves ASCII as it is, no invisible character is ASCII and ASCII case-folds to
-        # lower case: same result, without the three passes (~10 µs/KB).
+        # NFKC leaves ASCII as it is, no invisible character is ASCII, ASCII case-folds to
+        # lower case and holds no mark, look-alike or other digit: same result, without the
+        # passes (~10 µs/KB).
         return text.lower()
-    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold()
+    return skeleton(_INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold())
+
+
+@functools.lru_cache(maxsize=8192)
+def _char_skeleton(char: str) -> str:
+    """One character's skeleton: decomposed, its marks removed, look-alike letters and digits
+    mapped (`_skeleton_table`), composed again (Hangul, letters whose marks stay)."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFD", char).translate(_skeleton_table()))
+
+
+# Code points below this are looked up in `_skeleton_codes` (every mark, look-alike, digit and
+# decomposable letter the skeleton changes is below it); the rest stay as they are.
+_SKELETON_PLANES = 0x20000
+_REMOVED = 0xFFFFFFFF  # not a code point
+_NOT_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+@functools.cache
+def _skeleton_codes() -> np.ndarray:
+    """Each code point's skeleton as one code point (_REMOVED: none), for every code point below
+    _SKELETON_PLANES: the characters `_skeleton_table` names and the letters with a canonical
+    decomposition (all below U+2000 once NFKC has composed a text), each by `_char_skeleton`;
+    one whose skeleton is not one character stays itself. ~30 ms, once per process."""
+    codes = np.arange(_SKELETON_PLANES, dtype=np.uint32)
+    changed = set(_skeleton_table())
+    changed.update(c for c in range(0x80, 0x2000)
+                   if (d := unicodedata.decomposition(chr(c))) and not d.startswith("<"))
+    for code in changed:
+        if code < _SKELETON_PLANES:
+            mapped = _char_skeleton(chr(code))
+            if len(mapped) <= 1:
+                codes[code] = ord(mapped) if mapped else _REMOVED
+    return codes
+
+
+def skeleton(low: str) -> str:
+    """A case-folded NFKC text with combining marks removed, look-alike letters made Latin and
+    decimal digits made ASCII, character by character (the last step of `fold`)."""
+    if low.isascii():
+        return low
+    if len(low.encode("utf-8", "surrogatepass")) - len(low) < 24:
+        # A few characters that are not ASCII (quotes, dashes, a name): each on its own.
+        return _NOT_ASCII.sub(_char_of, low)
+    # Many: one table lookup per character, in numpy (a str.translate with a dict costs
+    # ~80-300 ns per character; this ~2).
+    codes = np.frombuffer(low.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    mapped = np.take(_skeleton_codes(), codes, mode="clip")
+    if codes.max() >= _SKELETON_PLANES:  # past the table: as they are
+        mapped = np.where(codes < _SKELETON_PLANES, mapped, codes)
+    if np.array_equal(mapped, codes):
+        return low
+    return mapped[mapped != _REMOVED].tobytes().decode("utf-32-le", "surrogatepass")
+
+
+def _char_of(found: re.Match[str]) -> str:
+    return _char_skeleton(found.group())
 
 
 def disguised(text: str) -> bool:
     """Whether folding a value changes more than its case: it holds an invisible character, a
-    compatibility form (fullwidth letters, ligatures, the Kelvin sign) or a letter that case
-    folding turns into others ("ß" -> "ss", Greek final sigma -> sigma). Such a value is equal, folded,
-    to one the upstream treats as another ("hans@faß.de" and "hans@fass.de" are two domains;
-    "repor\\u200bt.pdf" is not "report.pdf"): folding serves matching a copy (an attacker's
-    disguise must not hide it), never endorsing one (`endorse`: a disguised value is
+    compatibility form (fullwidth letters, ligatures, the Kelvin sign), a letter that case
+    folding turns into others ("ß" -> "ss", Greek final sigma -> sigma), a combining mark, a
+    letter of another script drawn like a Latin one, or a digit that is not ASCII. Such a value
+    is equal, folded, to one the upstream treats as another ("hans@faß.de" and "hans@fass.de"
+    are two domains, and so are "hélène.fr" and "helene.fr", or "paypal.com" written with a
+    Cyrillic a; "repor\\u200bt.pdf" is not "report.pdf"): folding serves matching a copy (an
+    attacker's disguise must not hide it), never endorsing one (`endorse`: a disguised value is
     endorsed only by the same characters). Canonically equivalent forms (NFC/NFD) are one."""
     if text.isascii():
         return False
-    nfc = unicodedata.normalize("NFC", text)
-    return (_INVISIBLE.search(nfc) is not None or unicodedata.normalize("NFKC", nfc) != nfc
-            or nfc.casefold() != nfc.lower())
+    return fold(text) != unicodedata.normalize("NFC", text).lower()
 
 
 def faithful(text: str) -> str:
@@ -667,6 +771,57 @@ def tokens(text: str) -> set[tuple[str, str]]:
     """Distinctive tokens of a text, normalised: (kind, value), values of at least 8 chars.
     Time linear in the text, whatever the text."""
     return folded_tokens(fold(text))
+
+
+# -- other canonical forms of a token -------------------------------------------------------------
+#
+# The same account or host written another way than the scan's normal form: an IBAN's account
+# digits written without its country and check digits, or in groups the IBAN pattern does not
+# take ("DE89-3704-..."), are a digit run; a domain in punycode ("xn--...") is the Unicode one it
+# encodes; an address at a subdomain of a lifted domain is at that domain. `variants` adds them
+# to a text's tokens, on both sides for the first two (an output and a sink argument each record
+# or ask for both forms), and the parents of a host only for what is asked for (`parents`: a sink
+# argument, and the intent that endorses it): an output naming "mx.corp.example" does not make
+# "corp.example" untrusted.
+
+
+def _unpunycoded(value: str) -> str:
+    """A host (or address, or URL) with its punycode labels decoded and folded, or `value`."""
+    def label(part: str) -> str:
+        if not part.startswith("xn--"):
+            return part
+        try:
+            return fold(part[4:].encode("ascii").decode("punycode"))
+        except (UnicodeError, ValueError):
+            return part
+    return re.sub(r"xn--[a-z0-9-]+", lambda m: label(m.group()), value)
+
+
+def variants(found: set[tuple[str, str]], parents: bool = False) -> set[tuple[str, str]]:
+    """`found` (folded tokens) with the other canonical forms of each (see above); with
+    `parents`, also every parent domain of a host that is still MIN_TOKEN long and has two
+    labels or more."""
+    out = set(found)
+    for kind, value in found:
+        if kind == "number" and value[:2].isalpha():
+            # An IBAN: its account digits, the run of its BBAN (after the country and check
+            # digits) after its last letter.
+            bban = value[4:]
+            digits = bban[len(bban.rstrip("0123456789")):]
+            if len(digits) >= MIN_TOKEN:
+                out.add(("number", digits))
+        elif "xn--" in value:
+            decoded = _unpunycoded(value)
+            if decoded != value:
+                out.add((kind, decoded))
+        if parents and kind == "host":
+            labels = value.split(".")
+            for i in range(1, len(labels) - 1):
+                parent = ".".join(labels[i:])
+                if len(parent) < MIN_TOKEN:
+                    break
+                out.add(("host", parent))
+    return out
 
 
 # Hashers with their parameters set, copied per value: a copy costs about a third less than a new

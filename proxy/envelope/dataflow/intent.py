@@ -29,10 +29,12 @@ from urllib.parse import unquote_to_bytes
 from proxy.envelope.dataflow.endorse import affirmed, bounded
 from proxy.envelope.dataflow.fingerprint import (
     collapse,
+    faithful,
     fold,
     folded_tokens,
     gram_hashes,
     token_hash,
+    variants,
 )
 from proxy.envelope.dataflow.ledger import Ledger
 from proxy.envelope.dataflow.match import Probe
@@ -124,20 +126,25 @@ class Endorsement:
     texts: tuple[str, ...]
     tokens: frozenset[bytes]
     grams: frozenset[bytes]
+    # The texts as a disguised value is compared (`fingerprint.faithful`), for `written`.
+    faithful: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, texts: Iterable[str], n: int, window: int = DEFAULT_WINNOW) -> Endorsement:
         norms: list[str] = []
+        said: list[str] = []
         toks: set[bytes] = set()
         grams: set[bytes] = set()
         for text in texts:
             # A value the user named only to exclude it ("not to bob@x.example") is not endorsed.
-            low = fold(affirmed(text))  # folded once, for the grams and the tokens
+            kept = affirmed(text)
+            low = fold(kept)  # folded once, for the grams and the tokens
             norm = collapse(low)
             norms.append(norm)
-            toks.update(token_hash(kind, value) for kind, value in folded_tokens(low))
+            said.append(faithful(kept))
+            toks.update(token_hash(kind, value) for kind, value in variants(folded_tokens(low), parents=True))
             grams.update(gram_hashes(norm, n, window))
-        return cls(tuple(norms), frozenset(toks), frozenset(grams))
+        return cls(tuple(norms), frozenset(toks), frozenset(grams), tuple(said))
 
     def __bool__(self) -> bool:
         return bool(self.texts)
@@ -149,6 +156,15 @@ class Endorsement:
             return False
         pattern = bounded(norm)
         return any(norm in text and pattern.search(text) is not None for text in self.texts)
+
+    def written(self, value: str) -> bool:
+        """Whether the intent writes a disguised value (`Probe.faithful`) with its very
+        characters, as a whole: "josé@empresa.example" typed by the user endorses the same
+        characters, never "jose@empresa.example" nor "hans@faß.example" for "hans@fass.example"."""
+        if not value:
+            return False
+        pattern = bounded(value)
+        return any(value in text and pattern.search(text) is not None for text in self.faithful)
 
     def narrow(self, ptr: str, probe: Probe, ledger: Ledger) -> tuple[Probe, list[dict[str, Any]]]:
         """`probe` without what the intent endorses (its tokens equal to the intent's, its grams

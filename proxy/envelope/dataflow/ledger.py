@@ -34,6 +34,7 @@ from proxy.envelope.dataflow.fingerprint import (
     phrases,
     token_hash,
     unpacked,
+    variants,
     winnowed_hashes,
     winnowed_packed,
 )
@@ -64,7 +65,10 @@ def _scheme(n: int, window: int, min_value: int = 0) -> str:
     # "l": the fingerprints are in the run's log (`LOG_NS`, one entry per output). A ledger
     # written before the log (one `ledger_fp` field per fingerprint, tags without "l") is not
     # read: it is coarse until it expires, also when newer outputs were added to it.
-    return f"{n}w{window}pl" if min_value else f"{n}w{window}l"
+    # "k": text is folded to its skeleton (`fingerprint.fold`: marks removed, look-alike letters
+    # and other scripts' digits made ASCII); a ledger folded before cannot be matched for text
+    # that is not ASCII, so it is coarse until it expires.
+    return f"{n}w{window}plk" if min_value else f"{n}w{window}lk"
 
 
 def _merged(into: dict[bytes, str], found: list[bytes], label: str) -> dict[bytes, str]:
@@ -172,7 +176,7 @@ class LedgerDelta:
             if most is not None and len(norm) > most:
                 norm = norm[:most]
                 delta.overflow = True
-            toks = [token_hash(kind, value) for kind, value in folded_tokens(low)]
+            toks = [token_hash(kind, value) for kind, value in variants(folded_tokens(low))]
             if label == "untrusted" and not min_value and delta._grams is None and not delta.packed_grams:
                 # The first piece with grams (most outputs: the only one), kept packed: only its
                 # distinct values are needed, not the positions winnowing kept them at.

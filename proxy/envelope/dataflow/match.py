@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import html
+import re
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +14,7 @@ from proxy.envelope.dataflow.fingerprint import (
     MIN_TOKEN,
     collapse,
     disguised,
+    faithful,
     fold,
     folded_tokens,
     gram_hashes,
@@ -17,6 +22,7 @@ from proxy.envelope.dataflow.fingerprint import (
     phrase_hash,
     phrase_key,
     token_hash,
+    variants,
 )
 from proxy.envelope.dataflow.ledger import (
     Ledger,
@@ -150,6 +156,9 @@ class Probe:
     # Folding changed more than its case (`fingerprint.disguised`): the intent's folded words
     # must not endorse it (matching it against untrusted content still folds).
     disguised: bool = False
+    # A disguised value as written (`fingerprint.faithful`): only the intent writing these very
+    # characters endorses it ("josé@empresa.example" the user typed, also on a page).
+    faithful: str | None = None
 
     @classmethod
     def of(cls, text: str, n: int, window: int = DEFAULT_WINNOW,
@@ -161,12 +170,14 @@ class Probe:
             return cls("", [], [], gram_length(n, window), oversized=len(text))
         low = fold(text)  # folded once, for the grams and the tokens
         norm = collapse(low)
+        hidden = disguised(text)
         key = phrase_key(norm, n) if min_value else None
         if key is not None and len(key) < min_value:
             key = None
         return cls(norm, gram_hashes(norm, n, window),
-                   [(k, v, token_hash(k, v)) for k, v in sorted(folded_tokens(low))], gram_length(n, window),
-                   value=key, value_hash=None if key is None else phrase_hash(key), disguised=disguised(text))
+                   [(k, v, token_hash(k, v)) for k, v in sorted(variants(folded_tokens(low), parents=True))], gram_length(n, window),
+                   value=key, value_hash=None if key is None else phrase_hash(key), disguised=hidden,
+                   faithful=faithful(text) if hidden else None)
 
     def fields(self) -> Iterator[bytes]:
         if self.value_hash is not None:
@@ -174,6 +185,168 @@ class Probe:
         for _, _, h in self.tokens:
             yield h
         yield from self.grams
+
+
+# -- encodings an argument carries ----------------------------------------------------------------
+#
+# An agent told to "URL-encode", "base64" or "hex" the value it sends, or a tool argument that
+# is a link or JSON with the value escaped in it, hides a copy from the grams and tokens of the
+# text as written. Each argument is therefore also matched as it reads decoded: percent-encoding
+# (and "+" for a space), HTML character references, JSON / C escapes (\uXXXX, \xXX, \n...), runs
+# of base64 or hex that decode to text, and an address spelled out ("x at y dot example"). One
+# layer of each, then all of them in turn (an encoded value inside a link is decoded by both).
+# Every decoder is one linear pass (the patterns have no nested repeats, and a run is tried once
+# where it starts); a reading is kept only when it differs from the text, so plain arguments
+# cost one search per decoder.
+
+MAX_READINGS = 6
+_PERCENT = re.compile(r"%[0-9a-fA-F]{2}")
+_ENTITY = re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});?")
+_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[nrtbf/\\\"'])")
+_SIMPLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"', "'": "'"}
+# Runs of the base64 alphabets (standard and URL-safe) or of hex digits, long enough to carry a
+# token: shorter runs are words.
+_BASE64_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/_-"
+_RUN_CLASSES = bytes.maketrans(bytes(range(256)), bytes(ord("a") if c in _BASE64_CHARS else ord(" ")
+                                                         for c in range(256)))
+_MIN_RUN = b"a" * 12
+_DIGIT_OR_UPPER = re.compile(r"[0-9A-Z]")
+# (Each pattern starts with a literal, which `re` finds by a fast scan; one that starts with a
+# class is tried at every position, ~20 ns a character.)
+_PLUS_SPACE = re.compile(r"\+(?<=[A-Za-z]\+)[A-Za-z]")
+_HEX_RUN = re.compile(r"(?:[0-9a-fA-F]{2}){8,}")
+_TO_STANDARD = str.maketrans("-_", "+/")
+# " at " / " dot " and their bracketed forms, as an address is spelled out to pass filters.
+_BRACKETED_AT = re.compile(r"[\[({<] ?at ?[\])}>]", re.IGNORECASE)
+_BRACKETED_DOT = re.compile(r"[\[({<] ?dot ?[\])}>]", re.IGNORECASE)
+
+
+def _unescaped(found: re.Match[str]) -> str:
+    code = found.group()[1:]
+    if code[0] in "ux":
+        return chr(int(code[1:], 16))
+    return _SIMPLE_ESCAPES[code]
+
+
+def _as_text(raw: bytes) -> str | None:
+    """Decoded bytes as text, when they are UTF-8 and printable (whitespace allowed): random
+    bytes (a hash, an id) almost never are."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text and all(c.isprintable() or c.isspace() for c in text) else None
+
+
+def _decoded_run(run: str) -> str:
+    """A run of the base64 alphabets decoded, when it is hex or base64 of text; else the run."""
+    if _DIGIT_OR_UPPER.search(run) is None:
+        return run  # lower-case words joined by "-" or "/" (base64 of text has both, hex digits)
+    if _HEX_RUN.fullmatch(run):
+        text = _as_text(bytes.fromhex(run))
+        if text is not None:
+            return text
+    # A run that starts with "/" or "-" (a path, a flag) may start its base64 one later.
+    for start in (run, run.lstrip("/+-_")):
+        body = start.translate(_TO_STANDARD)
+        if len(body) % 4 == 1 or len(body) < 12:
+            continue
+        try:
+            raw = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
+        except ValueError:
+            continue
+        text = _as_text(raw)
+        if text is not None:
+            return text if start is run else run[: len(run) - len(start)] + text
+    return run
+
+
+def _percent(text: str) -> str:
+    if "%" in text and _PERCENT.search(text) is not None:
+        return urllib.parse.unquote_plus(text)
+    # Form-encoded words with nothing to escape ("ignore+previous+instructions"); a "+" of a
+    # phone number or a sum stays.
+    if "+" in text and _PLUS_SPACE.search(text) is not None:
+        return text.replace("+", " ")
+    return text
+
+
+def _entities(text: str) -> str:
+    return html.unescape(text) if "&" in text and _ENTITY.search(text) else text
+
+
+def _escapes(text: str) -> str:
+    if "\\" not in text:
+        return text
+    decoded = _ESCAPE.sub(_unescaped, text)
+    # Escaped surrogate pairs (JSON writes characters past the BMP so) joined, lone ones replaced.
+    return decoded.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _binary(text: str) -> str:
+    # The runs are found in the text's classes, by C finds of MIN_RUN class bytes in a row and of
+    # the space after them (a pattern tried at every position cost ~20 ns a character).
+    classes = text.encode("ascii", "replace").translate(_RUN_CLASSES)
+    at = classes.find(_MIN_RUN)
+    if at < 0:
+        return text
+    parts: list[str] = []
+    done = 0
+    while at >= 0:
+        end = classes.find(b" ", at)
+        end = len(classes) if end < 0 else end
+        run = text[at:end]
+        decoded = _decoded_run(run)
+        if decoded != run:
+            parts += [text[done:at], decoded]
+            done = end
+        at = classes.find(_MIN_RUN, end)
+    return "".join(parts) + text[done:] if parts else text
+
+
+def _spelled(text: str) -> str:
+    """An address spelled out ("exfil at attacker-mail dot example", "[at]", "(dot)") written."""
+    if "dot" not in text and "DOT" not in text and "Dot" not in text:
+        return text
+    # The bracketed forms by patterns that start with a bracket (`re` scans for it in C), the
+    # spaced ones by plain replacement: no pattern is tried at every space.
+    written = _BRACKETED_DOT.sub(".", _BRACKETED_AT.sub("@", text))
+    for at, dot in ((" at ", " dot "), (" AT ", " DOT "), (" At ", " Dot ")):
+        written = written.replace(at, "@").replace(dot, ".")
+    return written.replace(" @ ", "@").replace(" . ", ".")
+
+
+_DECODERS = (_percent, _entities, _escapes, _binary, _spelled)
+
+
+def readings(text: str) -> list[str]:
+    """The other texts an argument value reads as, decoded (`_DECODERS`, one of each, then all
+    in turn), each different from `text` and from each other; at most MAX_READINGS."""
+    found: list[str] = []
+    if len(text) < MIN_TOKEN:
+        return found  # decoding shortens: shorter than any token, gram or whole value
+    for decode in _DECODERS:
+        one = decode(text)
+        if one != text and one not in found:
+            found.append(one)
+    if not found:
+        return found  # no decoder changes it: neither does the chain of them
+    chained = text
+    for decode in _DECODERS:
+        chained = decode(chained)
+    if chained != text and chained not in found:
+        found.append(chained)
+    return found[:MAX_READINGS]
+
+
+def value_probes(text: str, n: int, window: int = DEFAULT_WINNOW,
+                 max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS, min_value: int = 0) -> list[Probe]:
+    """The probes of one argument value: the value as written, then each of its `readings`
+    (none for a value longer than `max_chars`: it is not hashed at all)."""
+    probe = Probe.of(text, n, window, max_chars, min_value)
+    if probe.oversized:
+        return [probe]
+    return [probe, *(Probe.of(reading, n, window, None, min_value) for reading in readings(text))]
 
 
 def oversized(probe: Probe, max_chars: int) -> Finding:

@@ -32,7 +32,7 @@ from typing import Any, ParamSpec, TypeVar
 from proxy.envelope.dataflow.endorse import IntentWords
 from proxy.envelope.dataflow.intent import Endorsement
 from proxy.envelope.dataflow.ledger import LedgerDelta
-from proxy.envelope.dataflow.match import Probe
+from proxy.envelope.dataflow.match import Probe, value_probes
 from proxy.envelope.dataflow.waiver import Asking, asking_clauses
 from proxy.envelope.labels import Piece
 from proxy.policy.model import DEFAULT_MAX_ARGUMENT_CHARS, DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_WINNOW
@@ -46,6 +46,8 @@ INLINE_CHARS = 6144
 # (`min_value` on: 2,048 characters of typical text ~1.0 ms, 4,096 ~1.7 ms) and the intent's
 # endorsement (0.5 ms at 2,048 for the worst text).
 INLINE_CHARS_SLOW = 2048
+# What one "&" or "\\" of an argument weighs, in characters, for INLINE_CHARS (`probes_of`).
+DECODE_WEIGHT = 16
 # The user's words read for picks, criteria and the gate waiver (`IntentWords` with its words
 # and criteria, `waiver.asking_clauses`, the asking clauses' objects): ~1.7 ms per KB of the
 # worst text (a 4,096-character intent of numbers took 5.8-8.6 ms on the loop, of prose 3.6),
@@ -125,14 +127,18 @@ async def delta_of(source: str, parts: Iterable[Piece], n: int, *, limit: int | 
 async def probes_of(arguments: Iterable[tuple[str, str]], n: int, *, window: int = DEFAULT_WINNOW,
                     max_chars: int | None = DEFAULT_MAX_ARGUMENT_CHARS, min_value: int = 0,
                     executor: Executor | None = None) -> list[tuple[str, Probe]]:
-    """(JSON pointer, `Probe.of(text)`) of each (pointer, text) argument value, in order, in a
-    worker thread when the values to hash (those not longer than `max_chars`: an oversized one
-    is not hashed) hold more than INLINE_CHARS characters together."""
+    """(JSON pointer, probe) of each (pointer, text) argument value and of each of its decoded
+    readings (`match.value_probes`), in order, in a worker thread when the values to hash
+    (those not longer than `max_chars`: an oversized one is not hashed) hold more than
+    INLINE_CHARS characters together."""
     values = list(arguments)
-    size = sum(len(text) for _, text in values if max_chars is None or len(text) <= max_chars)
+    # A character reference or an escape is decoded by a Python call each (`match.readings`:
+    # ~1.5 µs, the hashing of ~16 characters): counted so.
+    size = sum(len(text) + DECODE_WEIGHT * (text.count("&") + text.count("\\")) for _, text in values
+               if max_chars is None or len(text) <= max_chars)
 
     def work() -> list[tuple[str, Probe]]:
-        return [(ptr, Probe.of(text, n, window, max_chars, min_value)) for ptr, text in values]
+        return [(ptr, probe) for ptr, text in values for probe in value_probes(text, n, window, max_chars, min_value)]
 
     if size <= INLINE_CHARS:
         return work()

@@ -216,5 +216,7 @@ def test_fingerprints_are_the_pinned_ones() -> None:
         assert hashlib.sha256(packed).hexdigest() == PINNED_SHA256
 
 
-PINNED_COUNT = 86  # computed by main at d7fe17f (numpy only)
-PINNED_SHA256 = "f89583ef64a4bd8b80e3a1c22abbe93793fde24c048419f1f913b7fb95ec31fd"
+# Computed by main at d7fe17f (numpy only): 86, f89583ef...; again when folding took the skeleton
+# ("Büro", "Köln" lose their marks; the ledger scheme changed with it, "k").
+PINNED_COUNT = 88
+PINNED_SHA256 = "93044f1a7090614798363d002ed2ffe42d929e5e9387bddbd58987710cfd2643"

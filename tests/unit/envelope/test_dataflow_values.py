@@ -213,11 +213,11 @@ def test_off_an_output_records_exactly_grams_and_tokens() -> None:
     expected = set(winnowed(normalise(PAGE), 32, 4)) | {token_hash(k, v) for k, v in tokens(PAGE)}
     assert delta.values == {}
     assert set(delta.fields("untrusted")) == expected
-    assert delta.meta(32, 4, policy.min_value)[b"n:32w4l"] == b"1"
-    assert not any(k.startswith(b"n:") and k != b"n:32w4l" for k in delta.meta(32, 4, policy.min_value))
+    assert delta.meta(32, 4, policy.min_value)[b"n:32w4lk"] == b"1"
+    assert not any(k.startswith(b"n:") and k != b"n:32w4lk" for k in delta.meta(32, 4, policy.min_value))
     # Switched on, the same output adds its phrases and another tag.
     on = LedgerDelta.of("web.fetch", [Piece(PAGE, UNTRUSTED, "t")], 32, min_value=ON)
-    assert phrase_hash("tr0ub4dor&3") in on.values and b"n:32w4pl" in on.meta(32, 4, ON)
+    assert phrase_hash("tr0ub4dor&3") in on.values and b"n:32w4plk" in on.meta(32, 4, ON)
 
 
 async def test_off_a_short_copied_value_passes_and_the_store_holds_no_phrase() -> None:
@@ -225,7 +225,7 @@ async def test_off_a_short_copied_value_passes_and_the_store_holds_no_phrase() -
     decision, _ = await _set({"password": "Tr0ub4dor&3"}, store=store, min_value=0)
     assert decision is None
     meta = await store.hash_all(META_NS, RUN_KEY)
-    assert [k for k in meta if k.startswith(b"n:")] == [b"n:32w4l"]
+    assert [k for k in meta if k.startswith(b"n:")] == [b"n:32w4lk"]
     _, held = await LedgerViews().read(store, RUN_KEY, 3600)
     assert held and phrase_hash("tr0ub4dor&3") not in held and phrase_hash("acme ltd") not in held
     assert Probe.of("Tr0ub4dor&3", 32).value_hash is None  # nothing looked up whole
