@@ -1,0 +1,166 @@
+"""Promise 2 on every form in which an upstream's bytes reach the agent, through the real
+process on both listeners and both client revisions: the upstream (`scripted_upstream.py`)
+writes exactly the bytes a test gives it.
+
+Each test asserts what the client receives, the call's audit record and, where text is
+untrusted, that a sink copying it is refused (the run's ledger recorded it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_helpers import write_doc
+from scripted_upstream import Script, ScriptedUpstream, scripted_server
+from test_response_path import HOSTILE, INJECTION, SECRET, Client, assert_copy_is_flagged
+
+from tests.harness import proxy_process
+
+TOOLS = [{"name": name, "inputSchema": {"type": "object"}}
+         for name in ("read_page", "write_note", "delete_all")]
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def policy(directory: Path) -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+        "defaults": {"unknown_tools": "deny",
+                     "guardrails": [{"detector": "secrets", "action": "redact"}]},
+        "tools": {"h.read_page": {"effect": "read", "output": "untrusted"},
+                  "h.write_note": {"effect": "write"}},
+        "dataflow": {"mode": "enforce"},
+    })
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ScriptedUpstream]:
+    with scripted_server(TOOLS) as up:
+        yield up
+
+
+@pytest.fixture(scope="module", params=["fast", "aiohttp"])
+def proxy(request: pytest.FixtureRequest, upstream: ScriptedUpstream,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    tmp = tmp_path_factory.mktemp(f"forms-{request.param}")
+    with proxy_process(tmp, {"h": upstream.url}, policies=policy(tmp / "policy"),
+                       config={"listener": {"kind": request.param}}) as pp:
+        yield pp
+
+
+@pytest.fixture(params=[False, True], ids=["legacy", "stateless"])
+def client(request: pytest.FixtureRequest, proxy: Any, upstream: ScriptedUpstream) -> Client:
+    upstream.scripts.clear()
+    return Client(proxy.url("h"), stateless=request.param,
+                  headers={"X-Envelope-Run": f"run-{len(proxy.audit_records())}-{request.param}"})
+
+
+def message(**members: Any) -> bytes:
+    """A JSON-RPC message; an `id` of None stands for the request's (`{id}` in a script)."""
+    body = json.dumps({"jsonrpc": "2.0", **members})
+    return body.replace('"id": null', '"id": {id}').encode()
+
+
+def event(data: bytes, end: bytes = b"\n") -> bytes:
+    return b"data: " + data + end + end
+
+
+def new_records(pp: Any, before: int) -> list[dict[str, Any]]:
+    return pp.audit_records()[before:]
+
+
+def call(client: Client, tool: str = "read_page") -> tuple[str, dict[str, Any]]:
+    """POST a tools/call; the response's text and its answer."""
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": "tools/call",
+                            "params": {"name": tool, "arguments": {}}})
+    [answer] = [m for m in client.messages(response) if m.get("id") == client.ids]
+    return response.text, answer
+
+
+CLEAN = {"content": [{"type": "text", "text": "clean"}]}
+TWO_PAYLOADS = {
+    # The MCP SDK reads `error` when both are there, and `params` when there is a `method`: the
+    # proxy inspected `result`.
+    "json answer, result and error": Script(
+        [message(id=None, result=CLEAN, error={"code": -32000, "message": HOSTILE})],
+        headers=JSON_HEADERS),
+    "sse answer, result and error": Script(
+        [event(message(id=None, result=CLEAN, error={"code": -32000, "message": HOSTILE}))]),
+    "sse notification, params and result": Script(
+        [event(message(method="notifications/message", params={"level": "info", "data": HOSTILE},
+                       result={})),
+         event(message(id=None, result=CLEAN))]),
+    "sse sampling request, params and error": Script(
+        [event(message(id="srv-1", method="sampling/createMessage", params={
+            "messages": [{"role": "user", "content": {"type": "text", "text": HOSTILE}}],
+            "maxTokens": 10}, error={"code": 1, "message": "x"})),
+         event(message(id=None, result=CLEAN))]),
+}
+
+
+@pytest.mark.parametrize("form", list(TWO_PAYLOADS))
+def test_a_message_with_two_payloads_is_withheld_and_the_call_refused(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    upstream.scripts["tools/call:read_page"] = TWO_PAYLOADS[form]
+    before = len(proxy.audit_records())
+    text, answer = call(client)
+    assert SECRET not in text and INJECTION not in text, text
+    result = answer["result"]
+    assert result["isError"] is True
+    assert result["_meta"]["envelope/decision"]["code"] == "upstream_error", result
+    [record] = new_records(proxy, before)
+    assert record["tool"] == "read_page" and record["code"] == "upstream_error"
+    assert record["check"] == "inspect"
+
+
+def test_a_relayed_answer_with_two_payloads_is_withheld_and_audited(
+        proxy: Any, upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.scripts["completion/complete"] = Script(
+        [message(id=None, result={"completion": {"values": []}}, error={"code": 1, "message": HOSTILE})],
+        headers=JSON_HEADERS)
+    before = len(proxy.audit_records())
+    reply = client.request("completion/complete", {})
+    assert SECRET not in json.dumps(reply) and INJECTION not in json.dumps(reply)
+    assert "result" not in reply and "upstream_error" in reply["error"]["message"], reply
+    [record] = new_records(proxy, before)
+    assert record["method"] == "completion/complete" and record["code"] == "upstream_error"
+
+
+def stream_of_every_form(text: str) -> bytes:
+    """A call's stream: a log notification, a progress notification, a sampling request and an
+    elicitation carrying `text`, then the result, in every SSE syntax a parser must read: CRLF,
+    CR and LF line ends, comments, `retry:`, `id:`, multi-line `data:`."""
+    note = message(method="notifications/message", params={"level": "info", "data": text})
+    progress = message(method="notifications/progress", params={
+        "progressToken": "p", "progress": 1, "message": text})
+    sampling = message(id="srv-1", method="sampling/createMessage", params={
+        "messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 9})
+    elicit = message(id="srv-2", method="elicitation/create", params={
+        "message": text, "requestedSchema": {"type": "object", "properties": {}}})
+    result = message(id=None, result={"content": [{"type": "text", "text": text}]})
+    half = result.index(b', "result"')  # between two members: the line end joins them
+    return (b": a comment\r\nretry: 50\r\n\r\n"
+            + b"event: message\r\ndata: " + note + b"\r\n\r\n"
+            + b"data: " + progress + b"\r\r"
+            + b"id: 7\ndata: " + sampling + b"\n\n"
+            + b": x\rdata: " + elicit + b"\r\n\r\n"
+            + b"data: " + result[:half] + b"\ndata: " + result[half:] + b"\r\n\r\n")
+
+
+@pytest.mark.parametrize("split", ["whole", "every byte"])
+def test_every_message_of_a_call_stream_is_inspected_and_recorded_in_any_syntax(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, split: str) -> None:
+    body = stream_of_every_form(HOSTILE)
+    upstream.scripts["tools/call:read_page"] = Script([body], split=0 if split == "whole" else 1)
+    before = len(proxy.audit_records())
+    text, answer = call(client)
+    assert SECRET not in text and text.count("[REDACTED:aws_access_key_id]") == 5, text
+    assert INJECTION in answer["result"]["content"][0]["text"]
+    [record] = new_records(proxy, before)
+    assert record["code"] == "ok" and record["extra"]["guardrails"][0]["matches"] == 5
+    assert_copy_is_flagged(client, "h.read_page")
