@@ -463,11 +463,14 @@ class _Scope:
         """The message as the client may receive it (None: withheld), and whether it changed."""
         front, msg = self.front, self.msg
         answer = "method" not in message and ("result" in message or "error" in message)
+        filtered = False
         if answer and msg is not None and message.get("id") == msg.id:
-            if self.tools_list:
-                message["result"] = front.ctx.filter_tools(message.get("result"), self.target.name,
+            if self.tools_list and "result" in message:
+                # Learned and filtered, then inspected like any list (descriptions are text the
+                # model reads), not recorded: a server's self-description.
+                message["result"] = front.ctx.filter_tools(message["result"], self.target.name,
                                                            self.principal)
-                return message, True
+                filtered = True
             method, record = msg.method or "stream", msg.method in RECORDED
         elif answer and msg is None:
             return await self._resumed(message), True
@@ -475,7 +478,7 @@ class _Scope:
             method, record = str(message.get("method") or "stream"), True
         relayed = await front.envelope.relay(self._call(method), message, record=record)
         if relayed.refusal is None:
-            return relayed.message, relayed.changed
+            return relayed.message, relayed.changed or filtered
         if answer:  # the client still gets an answer to its request: the refusal
             return {"jsonrpc": "2.0", "id": message.get("id"), "error": {
                 "code": jsonrpc.INTERNAL_ERROR,
@@ -520,12 +523,21 @@ class _Scope:
 
     async def json(self, data: bytes) -> bytes:
         """A JSON answer as the client may receive it (unchanged bytes when nothing changed)."""
+        if not data.strip():
+            return data  # an HTTP-level answer without a body
         try:
             message = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return data  # not JSON-RPC: an HTTP-level answer (errors), relayed as it is
+            message = None
         if not isinstance(message, dict):
-            return data
+            # Nothing unread passes: a batch array (which some clients read), or JSON another
+            # parser reads and orjson does not (NaN, 1e400, a lone surrogate: the MCP SDK reads
+            # the first two) would reach the client uninspected (and a tools/list unfiltered).
+            log.warning("withheld a JSON answer of %s that is not one JSON object the proxy reads",
+                        self.target.name)
+            return jsonrpc.error_body(self.msg.id if self.msg else None, jsonrpc.INTERNAL_ERROR,
+                                      f"upstream {self.target.name!r} sent a JSON answer the proxy "
+                                      "cannot read; it was withheld")
         out, changed = await self.message(message)
         if out is None:
             return b""

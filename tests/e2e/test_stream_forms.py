@@ -131,6 +131,47 @@ def test_a_relayed_answer_with_two_payloads_is_withheld_and_audited(
     assert record["method"] == "completion/complete" and record["code"] == "upstream_error"
 
 
+UNREADABLE = {
+    # JSON the MCP SDK reads and orjson does not.
+    "NaN": b'{"jsonrpc": "2.0", "id": {id}, "result": {"completion": {"values": ["%s"]}, "n": NaN}}',
+    "1e400": b'{"jsonrpc": "2.0", "id": {id}, "result": {"completion": {"values": ["%s"]}, "n": 1e400}}',
+    # A batch, which the TypeScript SDK reads.
+    "array": b'[{"jsonrpc": "2.0", "id": {id}, "result": {"completion": {"values": ["%s"]}}}]',
+}
+
+
+@pytest.mark.parametrize("form", list(UNREADABLE))
+def test_a_json_answer_the_proxy_cannot_read_is_withheld(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    upstream.scripts["completion/complete"] = Script([UNREADABLE[form] % HOSTILE.encode()],
+                                                     headers=JSON_HEADERS)
+    reply = client.request("completion/complete", {})
+    assert SECRET not in json.dumps(reply) and INJECTION not in json.dumps(reply)
+    assert "cannot read" in reply["error"]["message"], reply
+
+
+def test_an_unreadable_tools_list_is_withheld_not_relayed_unfiltered(
+        upstream: ScriptedUpstream, client: Client) -> None:
+    listing = json.dumps({"tools": TOOLS}).encode()[:-1] + b', "n": NaN}'
+    upstream.scripts["tools/list"] = Script([b'{"jsonrpc": "2.0", "id": {id}, "result": ' + listing + b"}"],
+                                            headers=JSON_HEADERS)
+    reply = client.request("tools/list", {})
+    assert "delete_all" not in json.dumps(reply), reply  # the policy hides it (unknown tool)
+    del upstream.scripts["tools/list"]
+    names = [t["name"] for t in client.request("tools/list", {})["result"]["tools"]]
+    assert names == ["read_page", "write_note"]
+
+
+def test_tool_descriptions_pass_the_output_guardrails(upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.tools[0]["description"] = f"Reads a page. {HOSTILE}"
+    try:
+        reply = client.request("tools/list", {})
+    finally:
+        upstream.tools[0].pop("description")
+    [tool] = [t for t in reply["result"]["tools"] if t["name"] == "read_page"]
+    assert SECRET not in tool["description"] and "[REDACTED:aws_access_key_id]" in tool["description"]
+
+
 def stream_of_every_form(text: str) -> bytes:
     """A call's stream: a log notification, a progress notification, a sampling request and an
     elicitation carrying `text`, then the result, in every SSE syntax a parser must read: CRLF,
