@@ -58,7 +58,14 @@ from proxy.fronts.inband import (
     strip_stateless,
 )
 from proxy.fronts.jsonrpc import BadMessage, Message
-from proxy.fronts.sse import KEEP_ALIVE, SSEEvent, SSEParser, format_event, format_fields
+from proxy.fronts.sse import (
+    KEEP_ALIVE,
+    SSEEvent,
+    SSEParser,
+    format_event,
+    format_fields,
+    has_comment,
+)
 from proxy.observability import tracing
 from proxy.policy.vocab import Effect
 from proxy.upstream.forwarder import UpstreamResponse
@@ -517,7 +524,7 @@ class _Scope:
         out, changed = await self.message(message)
         if out is None:
             return KEEP_ALIVE
-        if not changed and not (ev.raw.startswith(b":") or b"\n:" in ev.raw):
+        if not changed and not has_comment(ev.raw):
             return ev.raw
         return format_event(orjson.dumps(out), ev.event, ev.id)
 

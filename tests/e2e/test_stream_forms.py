@@ -172,6 +172,17 @@ def test_tool_descriptions_pass_the_output_guardrails(upstream: ScriptedUpstream
     assert SECRET not in tool["description"] and "[REDACTED:aws_access_key_id]" in tool["description"]
 
 
+def test_a_comment_after_a_cr_line_end_is_not_relayed(upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.scripts["completion/complete"] = Script(
+        [b"data: " + message(id=None, result={"completion": {"values": ["x"]}})
+         + b"\r: " + SECRET.encode() + b"\r\r\n"])
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": "completion/complete",
+                            "params": {}})
+    assert SECRET not in response.text, response.text
+    assert [m["id"] for m in client.messages(response)] == [client.ids]
+
+
 def stream_of_every_form(text: str) -> bytes:
     """A call's stream: a log notification, a progress notification, a sampling request and an
     elicitation carrying `text`, then the result, in every SSE syntax a parser must read: CRLF,
