@@ -389,7 +389,8 @@ class McpFront:
         """Relay a request the envelope does not decide; inspect every JSON-RPC message of the
         answer (JSON or SSE) before it is delivered. A GET (standalone or resumed stream) has
         no read timeout and a connection of the streams' budget; any other request's answer
-        must start within the upstream's timeout. An SSE event or a JSON body past its cap is
+        must start and end within the upstream's timeout (else its stream ends with a JSON-RPC
+        error, a JSON answer is a 504). An SSE event or a JSON body past its cap is
         not read on: the stream ends there (a JSON answer is a 502)."""
         ctx = self.ctx
         settings = ctx.settings
@@ -416,21 +417,34 @@ class McpFront:
         if on_response is not None:
             on_response(resp)
         scope = _Scope(self, request, target, principal, msg, tools_list)
+        # A request's whole answer (not only its start) is bounded by the upstream's timeout, as
+        # a call's is: an endless or trickled stream must not hold both connections for ever.
+        deadline = None if stream else asyncio.get_running_loop().time() + target.timeout - (
+            time.perf_counter() - started)
         async with resp:
             ctype = resp.headers.get("Content-Type", "")
             headers = self._downstream_headers(resp)
             out: web.StreamResponse | None = None
             try:
-                if ctype.startswith("text/event-stream"):
-                    out = web.StreamResponse(status=resp.status, headers=headers)
-                    await out.prepare(request)
-                    parser = SSEParser(settings.max_upstream_event_bytes)
-                    async for chunk in resp.chunks():
-                        for ev in parser.feed(chunk):
-                            await out.write(await scope.event(ev))
-                    await out.write_eof()
+                async with asyncio.timeout_at(deadline):
+                    if ctype.startswith("text/event-stream"):
+                        out = web.StreamResponse(status=resp.status, headers=headers)
+                        await out.prepare(request)
+                        parser = SSEParser(settings.max_upstream_event_bytes)
+                        async for chunk in resp.chunks():
+                            for ev in parser.feed(chunk):
+                                await out.write(await scope.event(ev))
+                        await out.write_eof()
+                        return out
+                    data = await resp.read(settings.max_upstream_reply_bytes)
+            except TimeoutError:
+                why = f"upstream {target.name!r} did not answer within {target.timeout:g}s"
+                log.info("relay from %s cut off: %s", target.name, why)
+                error = jsonrpc.error_body(msg.id if msg else None, jsonrpc.INTERNAL_ERROR, why)
+                if out is not None:
+                    await render.end_stream(out, format_event(error))
                     return out
-                data = await resp.read(settings.max_upstream_reply_bytes)
+                return web.Response(status=504, body=error, content_type="application/json")
             except ReplyTooLarge as exc:
                 log.warning("relay from %s refused: %s", target.name, exc)
                 if out is not None:  # the stream ends here; its client may resume or reopen it

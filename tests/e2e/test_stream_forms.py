@@ -28,7 +28,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 def policy(directory: Path) -> Path:
     return write_doc(directory, {
         "version": 1,
-        "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+        "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "3s"}},
         "defaults": {"unknown_tools": "deny",
                      "guardrails": [{"detector": "secrets", "action": "redact"}]},
         "tools": {"h.read_page": {"effect": "read", "output": "untrusted"},
@@ -48,7 +48,7 @@ def proxy(request: pytest.FixtureRequest, upstream: ScriptedUpstream,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     tmp = tmp_path_factory.mktemp(f"forms-{request.param}")
     with proxy_process(tmp, {"h": upstream.url}, policies=policy(tmp / "policy"),
-                       config={"listener": {"kind": request.param}}) as pp:
+                       config={"listener": {"kind": request.param}, "aggregate": {"enabled": True}}) as pp:
         yield pp
 
 
@@ -170,6 +170,36 @@ def test_tool_descriptions_pass_the_output_guardrails(upstream: ScriptedUpstream
         upstream.tools[0].pop("description")
     [tool] = [t for t in reply["result"]["tools"] if t["name"] == "read_page"]
     assert SECRET not in tool["description"] and "[REDACTED:aws_access_key_id]" in tool["description"]
+
+
+def test_tool_descriptions_pass_the_output_guardrails_on_the_aggregate(
+        proxy: Any, upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.tools[0]["description"] = f"Reads a page. {HOSTILE}"
+    try:
+        reply = Client(f"{proxy.base}/mcp", stateless=client.stateless).request("tools/list", {})
+    finally:
+        upstream.tools[0].pop("description")
+    [tool] = [t for t in reply["result"]["tools"] if t["name"] == "h.read_page"]
+    assert SECRET not in tool["description"] and "[REDACTED:aws_access_key_id]" in tool["description"]
+
+
+PROGRESS = message(method="notifications/progress", params={"progressToken": "p", "progress": 1})
+
+
+@pytest.mark.parametrize("pace", ["endless stream", "one byte a second"])
+def test_a_relayed_answer_is_cut_off_at_the_upstream_timeout(
+        upstream: ScriptedUpstream, client: Client, pace: str) -> None:
+    """Not only its start: a relayed request's whole answer is bounded as a call's is."""
+    upstream.scripts["completion/complete"] = (
+        # 8 s and more of progress (never an answer), against the upstream's timeout of 3 s.
+        Script([event(PROGRESS)] * 800, pause=0.01) if pace == "endless stream" else
+        Script([message(id=None, result={"completion": {"values": []}})], split=1, pause=1.0,
+               headers=JSON_HEADERS))
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": "completion/complete",
+                            "params": {}})
+    [answer] = [m for m in client.messages(response) if m.get("id") == client.ids]
+    assert answer["error"]["message"] == "upstream 'h' did not answer within 3s", answer
 
 
 def test_a_comment_after_a_cr_line_end_is_not_relayed(upstream: ScriptedUpstream, client: Client) -> None:
