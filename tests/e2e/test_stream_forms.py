@@ -215,7 +215,7 @@ def test_a_comment_after_a_cr_line_end_is_not_relayed(upstream: ScriptedUpstream
 
 def stream_of_every_form(text: str) -> bytes:
     """A call's stream: a log notification, a progress notification, a sampling request and an
-    elicitation carrying `text`, then the result, in every SSE syntax a parser must read: CRLF,
+    elicitation carrying `text`, then a clean result, in every SSE syntax a parser must read: CRLF,
     CR and LF line ends, comments, `retry:`, `id:`, multi-line `data:`."""
     note = message(method="notifications/message", params={"level": "info", "data": text})
     progress = message(method="notifications/progress", params={
@@ -224,7 +224,7 @@ def stream_of_every_form(text: str) -> bytes:
         "messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 9})
     elicit = message(id="srv-2", method="elicitation/create", params={
         "message": text, "requestedSchema": {"type": "object", "properties": {}}})
-    result = message(id=None, result={"content": [{"type": "text", "text": text}]})
+    result = message(id=None, result={"content": [{"type": "text", "text": "done"}]})
     half = result.index(b', "result"')  # between two members: the line end joins them
     return (b": a comment\r\nretry: 50\r\n\r\n"
             + b"event: message\r\ndata: " + note + b"\r\n\r\n"
@@ -241,8 +241,9 @@ def test_every_message_of_a_call_stream_is_inspected_and_recorded_in_any_syntax(
     upstream.scripts["tools/call:read_page"] = Script([body], split=0 if split == "whole" else 1)
     before = len(proxy.audit_records())
     text, answer = call(client)
-    assert SECRET not in text and text.count("[REDACTED:aws_access_key_id]") == 5, text
-    assert INJECTION in answer["result"]["content"][0]["text"]
+    assert SECRET not in text and text.count("[REDACTED:aws_access_key_id]") == 4, text
+    assert answer["result"]["content"][0]["text"] == "done"
     [record] = new_records(proxy, before)
-    assert record["code"] == "ok" and record["extra"]["guardrails"][0]["matches"] == 5
+    assert record["code"] == "ok" and record["extra"]["guardrails"][0]["matches"] == 4
+    # Only the stream's messages carried the injection: the ledger has it from them.
     assert_copy_is_flagged(client, "h.read_page")
