@@ -134,6 +134,24 @@ def all_pieces(value: Any, label: Label, where: str, trusted: bool = False) -> I
             yield Piece(str(node), label, where)
 
 
+# The members of a tool result not read whole below: `labels.pieces` reads the first two (with
+# labels by path); the others are protocol fields no model reads (`requestState` goes back to
+# the server only; `_meta` is the protocol's, passed the guardrails all the same).
+NOT_READ_WHOLE = frozenset({"content", "structuredContent", "isError", "resultType", "requestState",
+                            "_meta"})
+
+
+def result_pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = False) -> Iterator[Piece]:
+    """Every string of a tool result an agent can read: `content` and `structuredContent` with
+    their labels, then every other member's (an `input_required` result's `inputRequests`,
+    whose sampling or elicitation text the client hands to its model as a session's server
+    request; a task's `statusMessage`) with the tool's base label."""
+    yield from pieces(result, labels, trusted)
+    for key, value in result.items():
+        if key not in NOT_READ_WHOLE and isinstance(value, dict | list | str):
+            yield from all_pieces(value, labels.base, key, trusted)
+
+
 @dataclass(frozen=True, slots=True)
 class Subject:
     """Whose content a message is: where it is recorded from, its labels, its guardrails.
@@ -316,7 +334,7 @@ class Inspector:
         # Trusted content is read only when some sink escalates tainted runs (it endorses).
         trusted = self.escalates
         if subject.tool_result and "result" in message and isinstance(payload, Mapping):
-            found = pieces(payload, subject.labels, trusted)
+            found = result_pieces(payload, subject.labels, trusted)
         else:
             found = all_pieces(payload, subject.labels.base, subject.source, trusted)
         return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,

@@ -131,6 +131,29 @@ def test_a_relayed_answer_with_two_payloads_is_withheld_and_audited(
     assert record["method"] == "completion/complete" and record["code"] == "upstream_error"
 
 
+BESIDE_CONTENT = {
+    # 2026-07-28: the server asks the client to sample; the client hands the text to its model.
+    "input_required": {"resultType": "input_required", "requestState": "s-1", "inputRequests": {
+        "ask": {"method": "sampling/createMessage", "params": {
+            "messages": [{"role": "user", "content": {"type": "text", "text": HOSTILE}}],
+            "maxTokens": 9}}}},
+    "task status": {"task": {"taskId": "t-1", "status": "working", "statusMessage": HOSTILE,
+                             "createdAt": "2026-12-02T00:00:00Z", "ttl": 60000}},
+}
+
+
+@pytest.mark.parametrize("form", list(BESIDE_CONTENT))
+def test_untrusted_text_beside_a_results_content_is_inspected_and_recorded(
+        upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    upstream.scripts["tools/call:read_page"] = Script(
+        [message(id=None, result=BESIDE_CONTENT[form])], headers=JSON_HEADERS)
+    upstream.scripts["tools/call:write_note"] = Script([message(id=None, result=CLEAN)],
+                                                       headers=JSON_HEADERS)
+    text, _ = call(client)
+    assert SECRET not in text and INJECTION in text
+    assert_copy_is_flagged(client, "h.read_page")
+
+
 UNREADABLE = {
     # JSON the MCP SDK reads and orjson does not.
     "NaN": b'{"jsonrpc": "2.0", "id": {id}, "result": {"completion": {"values": ["%s"]}, "n": NaN}}',
