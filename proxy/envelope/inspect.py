@@ -78,11 +78,37 @@ def may_name_envelope(raw: bytes) -> bool:
 
 def payload_of(message: Mapping[str, Any]) -> Any:
     """The part of a JSON-RPC message that carries the upstream's content: `result`, `error`
-    or `params` (None when it has none)."""
+    or `params` (None when it has none). `Inspector.scan` has made sure it carries one only."""
     for key in ("result", "error", "params"):
         if key in message:
             return message[key]
     return None
+
+
+# The members of a JSON-RPC 2.0 message; a client reads no other.
+MEMBERS = frozenset({"jsonrpc", "id", "method", "params", "result", "error"})
+
+
+def ambiguous(message: Mapping[str, Any]) -> str | None:
+    """Why `message` is not one JSON-RPC message (a response has `result` or `error`, a request
+    or notification `method` and `params`: never two of these), None when it is one. A client
+    reads such a message its own way (the MCP SDK takes `error` over `result`, and `params`
+    over both when there is a `method`), which need not be the payload the proxy inspected."""
+    found = [k for k in ("result", "error") if k in message]
+    if "method" in message or "params" in message:
+        found.append("method" if "method" in message else "params")
+    if len(found) > 1:
+        return f"a message with both {found[0]!r} and {found[1]!r}"
+    return None
+
+
+def drop_foreign_members(message: dict[str, Any]) -> bool:
+    """Remove the top-level members JSON-RPC does not define (no client reads them, so no
+    guardrail does either: no upstream text passes unread); whether any was removed."""
+    foreign = [k for k in message if k not in MEMBERS]
+    for key in foreign:
+        del message[key]
+    return bool(foreign)
 
 
 def all_pieces(value: Any, label: Label, where: str, trusted: bool = False) -> Iterator[Piece]:
@@ -106,6 +132,24 @@ def all_pieces(value: Any, label: Label, where: str, trusted: bool = False) -> I
             stack.extend((v, depth + 1) for v in node)
         elif isinstance(node, int) and not isinstance(node, bool) and abs(node) >= 10_000_000:
             yield Piece(str(node), label, where)
+
+
+# The members of a tool result not read whole below: `labels.pieces` reads the first two (with
+# labels by path); the others are protocol fields no model reads (`requestState` goes back to
+# the server only; `_meta` is the protocol's, passed the guardrails all the same).
+NOT_READ_WHOLE = frozenset({"content", "structuredContent", "isError", "resultType", "requestState",
+                            "_meta"})
+
+
+def result_pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = False) -> Iterator[Piece]:
+    """Every string of a tool result an agent can read: `content` and `structuredContent` with
+    their labels, then every other member's (an `input_required` result's `inputRequests`,
+    whose sampling or elicitation text the client hands to its model as a session's server
+    request; a task's `statusMessage`) with the tool's base label."""
+    yield from pieces(result, labels, trusted)
+    for key, value in result.items():
+        if key not in NOT_READ_WHOLE and isinstance(value, dict | list | str):
+            yield from all_pieces(value, labels.base, key, trusted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +176,7 @@ class Scan:
     stripped: bool = False  # forged `envelope/*` meta was removed
     guarded: Guarded = UNCHANGED
     error: Exception | None = None  # the guardrails failed: withhold (fail closed)
+    malformed: str | None = None  # not one JSON-RPC message (`ambiguous`): withhold
 
 
 @dataclass(slots=True)
@@ -253,12 +298,22 @@ class Inspector:
         skip the walk. Never raises: a guardrail failure is `Scan.error` (the caller withholds)."""
         scan = Scan()
         try:
+            scan.malformed = ambiguous(message)
+            if scan.malformed is not None:
+                return scan
+            if not message.keys() <= MEMBERS:
+                scan.changed = drop_foreign_members(message)
             if raw is None or may_name_envelope(raw):
-                scan.changed = scan.stripped = strip_envelope_meta(message)
+                scan.stripped = strip_envelope_meta(message)
+                scan.changed = scan.changed or scan.stripped
             payload = payload_of(message)
-            if subject.rules and isinstance(payload, dict | list):
-                scan.guarded = scan_payload(payload, subject.rules)
+            if subject.rules and payload is not None:
+                # A bare string payload (`"result": "..."`) is scanned too: some client shows it.
+                boxed = payload if isinstance(payload, dict | list) else [payload]
+                scan.guarded = scan_payload(boxed, subject.rules)
                 scan.changed = scan.changed or scan.guarded.changed
+                if boxed is not payload and scan.guarded.changed:
+                    message[next(k for k in ("result", "error", "params") if k in message)] = boxed[0]
         except Exception as exc:  # fail closed: content that could not be checked is withheld
             log.error("inspection of %s failed", subject.source, exc_info=exc)
             scan.error = exc
@@ -279,7 +334,7 @@ class Inspector:
         # Trusted content is read only when some sink escalates tainted runs (it endorses).
         trusted = self.escalates
         if subject.tool_result and "result" in message and isinstance(payload, Mapping):
-            found = pieces(payload, subject.labels, trusted)
+            found = result_pieces(payload, subject.labels, trusted)
         else:
             found = all_pieces(payload, subject.labels.base, subject.source, trusted)
         return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,

@@ -100,6 +100,18 @@ def held_result(decision: Decision, decision_id: str) -> dict[str, Any]:
     return result
 
 
+def withheld_by(scan: Scan) -> Decision | None:
+    """The refusal that withholds a scanned message (None: it is delivered): it is not one
+    JSON-RPC message, the guardrails could not check it, or one of them blocks it."""
+    if scan.malformed is not None:
+        return Decision(Verdict.ERROR, Code.UPSTREAM_ERROR, "inspect",
+                        f"the upstream sent {scan.malformed}, which clients read in different "
+                        "ways; it was withheld")
+    if scan.error is not None:
+        return failed(scan.error)
+    return scan.guarded.refusal()
+
+
 _FAILURES: dict[str, tuple[Verdict, Code]] = {
     "error": (Verdict.ERROR, Code.UPSTREAM_ERROR),
     "timeout": (Verdict.ERROR, Code.UPSTREAM_TIMEOUT),
@@ -308,7 +320,7 @@ class Completion:
         if subject is None:  # no policy: nothing can inspect it
             return "refuse", NOT_FORWARDED, None, None
         scan = self._scan(pending, subject, reply.message, reply.raw)
-        refusal = failed(scan.error) if scan.error is not None else scan.guarded.refusal()
+        refusal = withheld_by(scan)
         if refusal is not None:
             await self._clear_pending(pending)
             return "refuse", refusal, None, None
@@ -500,7 +512,7 @@ class Completion:
         if subject is None:
             return Relayed(message, False, NOT_FORWARDED)
         scan = self._scan(pending, subject, message)
-        refusal = failed(scan.error) if scan.error is not None else scan.guarded.refusal()
+        refusal = withheld_by(scan)
         if refusal is None:
             refusal = await self._record(pending, subject, message, done=False)
         return Relayed(message, scan.changed, refusal)
@@ -517,7 +529,7 @@ class Completion:
         if pending.decision.refused or subject is None:  # no policy, or the audit log is down
             return Relayed(message, False, pending.decision if pending.decision.refused else NOT_FORWARDED)
         scan = self._scan(pending, subject, message)
-        refusal = failed(scan.error) if scan.error is not None else scan.guarded.refusal()
+        refusal = withheld_by(scan)
         if refusal is None and record:
             refusal = await self._record(pending, subject, message, done=False)
         if refusal is not None or scan.guarded.fired or "dataflow_error" in call.audit_extra:

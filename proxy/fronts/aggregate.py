@@ -434,9 +434,17 @@ class AggregateFront:
             if not isinstance(result, dict):
                 err = reply.get("error")
                 raise UpstreamError(f"tools/list failed: {err.get('message') if isinstance(err, dict) else reply}")
-            # The per-upstream route's own path: learn into the registry, filter per principal.
+            # The per-upstream route's own path: learn into the registry, filter per principal,
+            # then the output guardrails (descriptions are text the model reads; not recorded).
             visible = self.ctx.filter_tools(result, target.name, principal).get("tools", [])
-            tools.extend(self._named(target, visible))
+            route = Route(target.name, sess.id if sess is not None else None,
+                          request.headers.get("MCP-Protocol-Version", ""))
+            relayed = await self.ctx.envelope.relay(
+                calls.read_from(request.headers, "tools/list", {}, route, principal),
+                {"jsonrpc": "2.0", "result": {"tools": visible}}, record=False)
+            if relayed.refusal is not None:
+                raise UpstreamError(f"tools/list withheld: {relayed.refusal.reason}")
+            tools.extend(self._named(target, relayed.message["result"]["tools"]))
             cursor = result.get("nextCursor")
             if not cursor:
                 break

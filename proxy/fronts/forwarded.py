@@ -49,7 +49,7 @@ from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
 from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
 from proxy.fronts import jsonrpc
 from proxy.fronts.headers import layered
-from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields
+from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields, has_comment
 from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
 from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse
@@ -520,7 +520,7 @@ class _Forwarded:
             log.info("dropped an event of %s that is not a JSON-RPC message", self.target.name)
             return None
         if message.get("id") == self.request.reply_id and ("result" in message or "error" in message):
-            return Reply(message, ev.raw if not _has_comment(ev.raw) else None, self.status or 200,
+            return Reply(message, ev.raw if not has_comment(ev.raw) else None, self.status or 200,
                          (ev.event, ev.id))
         if not self.downstream.relays:
             if isinstance(message.get("method"), str) and "id" in message:
@@ -533,16 +533,11 @@ class _Forwarded:
         if relayed.refusal is not None:
             self.x.cancel(self.request, "the proxy withheld the call's stream")
             return relayed.refusal
-        if relayed.changed or _has_comment(ev.raw):
+        if relayed.changed or has_comment(ev.raw):
             await self.downstream.write(format_event(orjson.dumps(relayed.message), ev.event, ev.id))
         else:
             await self.downstream.write(ev.raw)
         return None
-
-
-def _has_comment(raw: bytes) -> bool:
-    """Whether an event carries comment lines (rebuilt without them: no text passes unread)."""
-    return raw.startswith(b":") or b"\n:" in raw or b"\r:" in raw
 
 
 def _json(data: str | bytes) -> Any:

@@ -58,7 +58,14 @@ from proxy.fronts.inband import (
     strip_stateless,
 )
 from proxy.fronts.jsonrpc import BadMessage, Message
-from proxy.fronts.sse import KEEP_ALIVE, SSEEvent, SSEParser, format_event, format_fields
+from proxy.fronts.sse import (
+    KEEP_ALIVE,
+    SSEEvent,
+    SSEParser,
+    format_event,
+    format_fields,
+    has_comment,
+)
 from proxy.observability import tracing
 from proxy.policy.vocab import Effect
 from proxy.upstream.forwarder import UpstreamResponse
@@ -383,7 +390,8 @@ class McpFront:
         """Relay a request the envelope does not decide; inspect every JSON-RPC message of the
         answer (JSON or SSE) before it is delivered. A GET (standalone or resumed stream) has
         no read timeout and a connection of the streams' budget; any other request's answer
-        must start within the upstream's timeout. An SSE event or a JSON body past its cap is
+        must start and end within the upstream's timeout (else its stream ends with a JSON-RPC
+        error, a JSON answer is a 504). An SSE event or a JSON body past its cap is
         not read on: the stream ends there (a JSON answer is a 502)."""
         ctx = self.ctx
         settings = ctx.settings
@@ -413,21 +421,34 @@ class McpFront:
         if on_response is not None:
             on_response(resp)
         scope = _Scope(self, request, target, principal, msg, tools_list)
+        # A request's whole answer (not only its start) is bounded by the upstream's timeout, as
+        # a call's is: an endless or trickled stream must not hold both connections for ever.
+        deadline = None if stream else asyncio.get_running_loop().time() + target.timeout - (
+            time.perf_counter() - started)
         async with resp:
             ctype = resp.headers.get("Content-Type", "")
             headers = self._downstream_headers(resp)
             out: web.StreamResponse | None = None
             try:
-                if ctype.startswith("text/event-stream"):
-                    out = web.StreamResponse(status=resp.status, headers=headers)
-                    await out.prepare(request)
-                    parser = SSEParser(settings.max_upstream_event_bytes)
-                    async for chunk in resp.chunks():
-                        for ev in parser.feed(chunk):
-                            await out.write(await scope.event(ev))
-                    await out.write_eof()
+                async with asyncio.timeout_at(deadline):
+                    if ctype.startswith("text/event-stream"):
+                        out = web.StreamResponse(status=resp.status, headers=headers)
+                        await out.prepare(request)
+                        parser = SSEParser(settings.max_upstream_event_bytes)
+                        async for chunk in resp.chunks():
+                            for ev in parser.feed(chunk):
+                                await out.write(await scope.event(ev))
+                        await out.write_eof()
+                        return out
+                    data = await resp.read(settings.max_upstream_reply_bytes)
+            except TimeoutError:
+                why = f"upstream {target.name!r} did not answer within {target.timeout:g}s"
+                log.info("relay from %s cut off: %s", target.name, why)
+                error = jsonrpc.error_body(msg.id if msg else None, jsonrpc.INTERNAL_ERROR, why)
+                if out is not None:
+                    await render.end_stream(out, format_event(error))
                     return out
-                data = await resp.read(settings.max_upstream_reply_bytes)
+                return web.Response(status=504, body=error, content_type="application/json")
             except ReplyTooLarge as exc:
                 log.warning("relay from %s refused: %s", target.name, exc)
                 if out is not None:  # the stream ends here; its client may resume or reopen it
@@ -467,11 +488,14 @@ class _Scope:
         """The message as the client may receive it (None: withheld), and whether it changed."""
         front, msg = self.front, self.msg
         answer = "method" not in message and ("result" in message or "error" in message)
+        filtered = False
         if answer and msg is not None and message.get("id") == msg.id:
-            if self.tools_list:
-                message["result"] = front.ctx.filter_tools(message.get("result"), self.target.name,
+            if self.tools_list and "result" in message:
+                # Learned and filtered, then inspected like any list (descriptions are text the
+                # model reads), not recorded: a server's self-description.
+                message["result"] = front.ctx.filter_tools(message["result"], self.target.name,
                                                            self.principal)
-                return message, True
+                filtered = True
             method, record = msg.method or "stream", msg.method in RECORDED
         elif answer and msg is None:
             return await self._resumed(message), True
@@ -479,7 +503,7 @@ class _Scope:
             method, record = str(message.get("method") or "stream"), True
         relayed = await front.envelope.relay(self._call(method), message, record=record)
         if relayed.refusal is None:
-            return relayed.message, relayed.changed
+            return relayed.message, relayed.changed or filtered
         if answer:  # the client still gets an answer to its request: the refusal
             return {"jsonrpc": "2.0", "id": message.get("id"), "error": {
                 "code": jsonrpc.INTERNAL_ERROR,
@@ -518,18 +542,27 @@ class _Scope:
         out, changed = await self.message(message)
         if out is None:
             return KEEP_ALIVE
-        if not changed and not (ev.raw.startswith(b":") or b"\n:" in ev.raw):
+        if not changed and not has_comment(ev.raw):
             return ev.raw
         return format_event(orjson.dumps(out), ev.event, ev.id)
 
     async def json(self, data: bytes) -> bytes:
         """A JSON answer as the client may receive it (unchanged bytes when nothing changed)."""
+        if not data.strip():
+            return data  # an HTTP-level answer without a body
         try:
             message = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return data  # not JSON-RPC: an HTTP-level answer (errors), relayed as it is
+            message = None
         if not isinstance(message, dict):
-            return data
+            # Nothing unread passes: a batch array (which some clients read), or JSON another
+            # parser reads and orjson does not (NaN, 1e400, a lone surrogate: the MCP SDK reads
+            # the first two) would reach the client uninspected (and a tools/list unfiltered).
+            log.warning("withheld a JSON answer of %s that is not one JSON object the proxy reads",
+                        self.target.name)
+            return jsonrpc.error_body(self.msg.id if self.msg else None, jsonrpc.INTERNAL_ERROR,
+                                      f"upstream {self.target.name!r} sent a JSON answer the proxy "
+                                      "cannot read; it was withheld")
         out, changed = await self.message(message)
         if out is None:
             return b""

@@ -119,6 +119,12 @@ def format_event(data: bytes, event: str | None = "message", id: str | None = No
 KEEP_ALIVE = b": keep-alive\n\n"
 
 
+def has_comment(raw: bytes) -> bool:
+    """Whether an event's bytes hold a comment line (after any of the three line ends): such an
+    event is rebuilt from its fields, so no upstream text passes unread."""
+    return raw.startswith(b":") or b"\n:" in raw or b"\r:" in raw
+
+
 def format_fields(event: SSEEvent) -> bytes:
     """An event without data rebuilt from the fields a client acts on (`event`, `id`,
     `retry`): a 2025-11-25 priming event keeps its id and retry; comments (text no client

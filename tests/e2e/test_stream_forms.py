@@ -1,0 +1,272 @@
+"""Promise 2 on every form in which an upstream's bytes reach the agent, through the real
+process on both listeners and both client revisions: the upstream (`scripted_upstream.py`)
+writes exactly the bytes a test gives it.
+
+Each test asserts what the client receives, the call's audit record and, where text is
+untrusted, that a sink copying it is refused (the run's ledger recorded it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_helpers import write_doc
+from scripted_upstream import Script, ScriptedUpstream, scripted_server
+from test_response_path import HOSTILE, INJECTION, SECRET, Client, assert_copy_is_flagged
+
+from tests.harness import proxy_process
+
+TOOLS = [{"name": name, "inputSchema": {"type": "object"}}
+         for name in ("read_page", "write_note", "delete_all")]
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def policy(directory: Path) -> Path:
+    return write_doc(directory, {
+        "version": 1,
+        "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "3s"}},
+        "defaults": {"unknown_tools": "deny",
+                     "guardrails": [{"detector": "secrets", "action": "redact"}]},
+        "tools": {"h.read_page": {"effect": "read", "output": "untrusted"},
+                  "h.write_note": {"effect": "write"}},
+        "dataflow": {"mode": "enforce"},
+    })
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ScriptedUpstream]:
+    with scripted_server(TOOLS) as up:
+        yield up
+
+
+@pytest.fixture(scope="module", params=["fast", "aiohttp"])
+def proxy(request: pytest.FixtureRequest, upstream: ScriptedUpstream,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    tmp = tmp_path_factory.mktemp(f"forms-{request.param}")
+    with proxy_process(tmp, {"h": upstream.url}, policies=policy(tmp / "policy"),
+                       config={"listener": {"kind": request.param}, "aggregate": {"enabled": True}}) as pp:
+        yield pp
+
+
+@pytest.fixture(params=[False, True], ids=["legacy", "stateless"])
+def client(request: pytest.FixtureRequest, proxy: Any, upstream: ScriptedUpstream) -> Client:
+    upstream.scripts.clear()
+    return Client(proxy.url("h"), stateless=request.param,
+                  headers={"X-Envelope-Run": f"run-{len(proxy.audit_records())}-{request.param}"})
+
+
+def message(**members: Any) -> bytes:
+    """A JSON-RPC message; an `id` of None stands for the request's (`{id}` in a script)."""
+    body = json.dumps({"jsonrpc": "2.0", **members})
+    return body.replace('"id": null', '"id": {id}').encode()
+
+
+def event(data: bytes, end: bytes = b"\n") -> bytes:
+    return b"data: " + data + end + end
+
+
+def new_records(pp: Any, before: int) -> list[dict[str, Any]]:
+    return pp.audit_records()[before:]
+
+
+def call(client: Client, tool: str = "read_page") -> tuple[str, dict[str, Any]]:
+    """POST a tools/call; the response's text and its answer."""
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": "tools/call",
+                            "params": {"name": tool, "arguments": {}}})
+    [answer] = [m for m in client.messages(response) if m.get("id") == client.ids]
+    return response.text, answer
+
+
+CLEAN = {"content": [{"type": "text", "text": "clean"}]}
+TWO_PAYLOADS = {
+    # The MCP SDK reads `error` when both are there, and `params` when there is a `method`: the
+    # proxy inspected `result`.
+    "json answer, result and error": Script(
+        [message(id=None, result=CLEAN, error={"code": -32000, "message": HOSTILE})],
+        headers=JSON_HEADERS),
+    "sse answer, result and error": Script(
+        [event(message(id=None, result=CLEAN, error={"code": -32000, "message": HOSTILE}))]),
+    "sse notification, params and result": Script(
+        [event(message(method="notifications/message", params={"level": "info", "data": HOSTILE},
+                       result={})),
+         event(message(id=None, result=CLEAN))]),
+    "sse sampling request, params and error": Script(
+        [event(message(id="srv-1", method="sampling/createMessage", params={
+            "messages": [{"role": "user", "content": {"type": "text", "text": HOSTILE}}],
+            "maxTokens": 10}, error={"code": 1, "message": "x"})),
+         event(message(id=None, result=CLEAN))]),
+}
+
+
+@pytest.mark.parametrize("form", list(TWO_PAYLOADS))
+def test_a_message_with_two_payloads_is_withheld_and_the_call_refused(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    upstream.scripts["tools/call:read_page"] = TWO_PAYLOADS[form]
+    before = len(proxy.audit_records())
+    text, answer = call(client)
+    assert SECRET not in text and INJECTION not in text, text
+    result = answer["result"]
+    assert result["isError"] is True
+    assert result["_meta"]["envelope/decision"]["code"] == "upstream_error", result
+    [record] = new_records(proxy, before)
+    assert record["tool"] == "read_page" and record["code"] == "upstream_error"
+    assert record["check"] == "inspect"
+
+
+def test_a_relayed_answer_with_two_payloads_is_withheld_and_audited(
+        proxy: Any, upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.scripts["completion/complete"] = Script(
+        [message(id=None, result={"completion": {"values": []}}, error={"code": 1, "message": HOSTILE})],
+        headers=JSON_HEADERS)
+    before = len(proxy.audit_records())
+    reply = client.request("completion/complete", {})
+    assert SECRET not in json.dumps(reply) and INJECTION not in json.dumps(reply)
+    assert "result" not in reply and "upstream_error" in reply["error"]["message"], reply
+    [record] = new_records(proxy, before)
+    assert record["method"] == "completion/complete" and record["code"] == "upstream_error"
+
+
+BESIDE_CONTENT = {
+    # 2026-07-28: the server asks the client to sample; the client hands the text to its model.
+    "input_required": {"resultType": "input_required", "requestState": "s-1", "inputRequests": {
+        "ask": {"method": "sampling/createMessage", "params": {
+            "messages": [{"role": "user", "content": {"type": "text", "text": HOSTILE}}],
+            "maxTokens": 9}}}},
+    "task status": {"task": {"taskId": "t-1", "status": "working", "statusMessage": HOSTILE,
+                             "createdAt": "2026-12-02T00:00:00Z", "ttl": 60000}},
+}
+
+
+@pytest.mark.parametrize("form", list(BESIDE_CONTENT))
+def test_untrusted_text_beside_a_results_content_is_inspected_and_recorded(
+        upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    upstream.scripts["tools/call:read_page"] = Script(
+        [message(id=None, result=BESIDE_CONTENT[form])], headers=JSON_HEADERS)
+    upstream.scripts["tools/call:write_note"] = Script([message(id=None, result=CLEAN)],
+                                                       headers=JSON_HEADERS)
+    text, _ = call(client)
+    assert SECRET not in text and INJECTION in text
+    assert_copy_is_flagged(client, "h.read_page")
+
+
+UNREADABLE = {
+    # JSON the MCP SDK reads and orjson does not.
+    "NaN": b'{"jsonrpc": "2.0", "id": {id}, "result": {"completion": {"values": ["%s"]}, "n": NaN}}',
+    "1e400": b'{"jsonrpc": "2.0", "id": {id}, "result": {"completion": {"values": ["%s"]}, "n": 1e400}}',
+    # A batch, which the TypeScript SDK reads.
+    "array": b'[{"jsonrpc": "2.0", "id": {id}, "result": {"completion": {"values": ["%s"]}}}]',
+}
+
+
+@pytest.mark.parametrize("form", list(UNREADABLE))
+def test_a_json_answer_the_proxy_cannot_read_is_withheld(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    upstream.scripts["completion/complete"] = Script([UNREADABLE[form] % HOSTILE.encode()],
+                                                     headers=JSON_HEADERS)
+    reply = client.request("completion/complete", {})
+    assert SECRET not in json.dumps(reply) and INJECTION not in json.dumps(reply)
+    assert "cannot read" in reply["error"]["message"], reply
+
+
+def test_an_unreadable_tools_list_is_withheld_not_relayed_unfiltered(
+        upstream: ScriptedUpstream, client: Client) -> None:
+    listing = json.dumps({"tools": TOOLS}).encode()[:-1] + b', "n": NaN}'
+    upstream.scripts["tools/list"] = Script([b'{"jsonrpc": "2.0", "id": {id}, "result": ' + listing + b"}"],
+                                            headers=JSON_HEADERS)
+    reply = client.request("tools/list", {})
+    assert "delete_all" not in json.dumps(reply), reply  # the policy hides it (unknown tool)
+    del upstream.scripts["tools/list"]
+    names = [t["name"] for t in client.request("tools/list", {})["result"]["tools"]]
+    assert names == ["read_page", "write_note"]
+
+
+def test_tool_descriptions_pass_the_output_guardrails(upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.tools[0]["description"] = f"Reads a page. {HOSTILE}"
+    try:
+        reply = client.request("tools/list", {})
+    finally:
+        upstream.tools[0].pop("description")
+    [tool] = [t for t in reply["result"]["tools"] if t["name"] == "read_page"]
+    assert SECRET not in tool["description"] and "[REDACTED:aws_access_key_id]" in tool["description"]
+
+
+def test_tool_descriptions_pass_the_output_guardrails_on_the_aggregate(
+        proxy: Any, upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.tools[0]["description"] = f"Reads a page. {HOSTILE}"
+    try:
+        reply = Client(f"{proxy.base}/mcp", stateless=client.stateless).request("tools/list", {})
+    finally:
+        upstream.tools[0].pop("description")
+    [tool] = [t for t in reply["result"]["tools"] if t["name"] == "h.read_page"]
+    assert SECRET not in tool["description"] and "[REDACTED:aws_access_key_id]" in tool["description"]
+
+
+PROGRESS = message(method="notifications/progress", params={"progressToken": "p", "progress": 1})
+
+
+@pytest.mark.parametrize("pace", ["endless stream", "one byte a second"])
+def test_a_relayed_answer_is_cut_off_at_the_upstream_timeout(
+        upstream: ScriptedUpstream, client: Client, pace: str) -> None:
+    """Not only its start: a relayed request's whole answer is bounded as a call's is."""
+    upstream.scripts["completion/complete"] = (
+        # 8 s and more of progress (never an answer), against the upstream's timeout of 3 s.
+        Script([event(PROGRESS)] * 800, pause=0.01) if pace == "endless stream" else
+        Script([message(id=None, result={"completion": {"values": []}})], split=1, pause=1.0,
+               headers=JSON_HEADERS))
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": "completion/complete",
+                            "params": {}})
+    [answer] = [m for m in client.messages(response) if m.get("id") == client.ids]
+    assert answer["error"]["message"] == "upstream 'h' did not answer within 3s", answer
+
+
+def test_a_comment_after_a_cr_line_end_is_not_relayed(upstream: ScriptedUpstream, client: Client) -> None:
+    upstream.scripts["completion/complete"] = Script(
+        [b"data: " + message(id=None, result={"completion": {"values": ["x"]}})
+         + b"\r: " + SECRET.encode() + b"\r\r\n"])
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": "completion/complete",
+                            "params": {}})
+    assert SECRET not in response.text, response.text
+    assert [m["id"] for m in client.messages(response)] == [client.ids]
+
+
+def stream_of_every_form(text: str) -> bytes:
+    """A call's stream: a log notification, a progress notification, a sampling request and an
+    elicitation carrying `text`, then a clean result, in every SSE syntax a parser must read: CRLF,
+    CR and LF line ends, comments, `retry:`, `id:`, multi-line `data:`."""
+    note = message(method="notifications/message", params={"level": "info", "data": text})
+    progress = message(method="notifications/progress", params={
+        "progressToken": "p", "progress": 1, "message": text})
+    sampling = message(id="srv-1", method="sampling/createMessage", params={
+        "messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 9})
+    elicit = message(id="srv-2", method="elicitation/create", params={
+        "message": text, "requestedSchema": {"type": "object", "properties": {}}})
+    result = message(id=None, result={"content": [{"type": "text", "text": "done"}]})
+    half = result.index(b', "result"')  # between two members: the line end joins them
+    return (b": a comment\r\nretry: 50\r\n\r\n"
+            + b"event: message\r\ndata: " + note + b"\r\n\r\n"
+            + b"data: " + progress + b"\r\r"
+            + b"id: 7\ndata: " + sampling + b"\n\n"
+            + b": x\rdata: " + elicit + b"\r\n\r\n"
+            + b"data: " + result[:half] + b"\ndata: " + result[half:] + b"\r\n\r\n")
+
+
+@pytest.mark.parametrize("split", ["whole", "every byte"])
+def test_every_message_of_a_call_stream_is_inspected_and_recorded_in_any_syntax(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, split: str) -> None:
+    body = stream_of_every_form(HOSTILE)
+    upstream.scripts["tools/call:read_page"] = Script([body], split=0 if split == "whole" else 1)
+    before = len(proxy.audit_records())
+    text, answer = call(client)
+    assert SECRET not in text and text.count("[REDACTED:aws_access_key_id]") == 4, text
+    assert answer["result"]["content"][0]["text"] == "done"
+    [record] = new_records(proxy, before)
+    assert record["code"] == "ok" and record["extra"]["guardrails"][0]["matches"] == 4
+    # Only the stream's messages carried the injection: the ledger has it from them.
+    assert_copy_is_flagged(client, "h.read_page")
