@@ -421,7 +421,8 @@ async def test_large_arguments_shown_whole_before_approving(pp: ProxyProcess, br
     # 1 MiB of arguments, a right-to-left override past the list's preview: the list carries a
     # cut preview; the card says so, and Approve waits until the whole arguments are shown.
     title = "page-big-" + "x" * 2**20 + "\u202efdp.exe"
-    held = asyncio.create_task(call(pp, "delete_note", {"title": title}))
+    # Its own run: no untrusted output read before it (a value this long counts as carrying it).
+    held = asyncio.create_task(call(pp, "delete_note", {"title": title}, run="run-large-arguments"))
     try:
         listed: dict[str, Any] = {}
         async with httpx.AsyncClient(base_url=pp.admin, headers=ALICE, timeout=5) as http:
@@ -433,7 +434,8 @@ async def test_large_arguments_shown_whole_before_approving(pp: ProxyProcess, br
                     [listed] = found
                     break
                 await asyncio.sleep(0.05)
-            assert listed, "no pending approval of the large call"
+            assert listed, ("no pending approval of the large call", r.text[:2000],
+                            held.done() and held.result().content[0].text)
             whole = (await http.get(f"/v1/approvals/{listed['id']}")).json()
         await asyncio.to_thread(open_signed_in, browser, pp)
         css = f'.approval[data-approval-id="{listed["id"]}"]'
