@@ -8,7 +8,12 @@
     GET  /v1/grants
 
 An approval's JSON carries its `arguments` and, for people to read, `arguments_text` (hidden
-and text-reordering characters escaped) and `hidden_characters` (`proxy.approvals.reveal`).
+and text-reordering characters escaped) and `hidden_characters` (`proxy.approvals.reveal`), with
+`arguments_bytes` (their size as compact JSON) and `arguments_truncated`. The list cuts arguments
+over `LIST_ARGUMENTS_BYTES` (8 KiB): such an entry has `arguments_truncated: true`, `arguments`
+and `hidden_characters` null and a preview of that many bytes as `arguments_text` (the page
+polls the list; 100 approvals of 1 MB were 200 MB an answer). Read by id, or answered to an
+approve or deny, an approval is always whole: approvers (the page, the CLI) decide on that one.
 
 Every route needs `Authorization: Bearer <approver token>` (tokens from `approvals.approvers`
 of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
@@ -38,6 +43,7 @@ from proxy.admin.failed_auth import failed_auth_of
 from proxy.admin.protect import expect, read_body
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.records import (
+    LIST_ARGUMENTS_BYTES,
     STATES,
     ApprovalConflict,
     ApprovalError,
@@ -107,8 +113,8 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
             return unavailable(exc)
         now = service.clock()
         # Views escape hidden characters, Python work per character of the arguments (up to
-        # `limits.max_body_bytes` each): made in a worker thread, not on the event loop.
-        views = await asyncio.to_thread(lambda: [a.view(now) for a in found])
+        # LIST_ARGUMENTS_BYTES each in a list): made in a worker thread, not on the event loop.
+        views = await asyncio.to_thread(lambda: [a.view(now, LIST_ARGUMENTS_BYTES) for a in found])
         return _json({"approvals": views, "truncated": truncated})
 
     async def show(request: web.Request) -> web.Response:

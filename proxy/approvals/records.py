@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 import orjson
 
-from proxy.approvals.reveal import hidden_characters, revealed_json
+from proxy.approvals.reveal import hidden_characters, revealed, revealed_json
 from proxy.errors import EnvelopeError
 from proxy.policy.vocab import parse_duration
 
@@ -23,6 +23,12 @@ STATES: tuple[State, ...] = ("pending", "approved", "denied", "expired", "consum
 GrantScope = Literal["tool", "run"]
 
 _OPT = orjson.OPT_SORT_KEYS
+
+# The most bytes of arguments (as compact JSON, UTF-8) an approval shows in a list (`GET
+# /v1/approvals`, polled by the review page): past it the list carries a preview of this many
+# bytes instead (`arguments_truncated`), and the approval read by id shows them whole. A list of
+# 100 approvals of 1 MB was 200 MB per answer.
+LIST_ARGUMENTS_BYTES = 8 * 1024
 
 
 class ApprovalError(EnvelopeError):
@@ -138,13 +144,30 @@ class Approval:
     def decode(cls, raw: bytes) -> Approval:
         return cls(**orjson.loads(raw))
 
-    def view(self, now: float) -> dict[str, Any]:
+    def view(self, now: float, cut_at: int | None = None) -> dict[str, Any]:
         """The JSON shape of the admin API (state as of `now`), with the arguments as the
         approver must read them (`arguments_text`: hidden characters escaped) and where such
-        characters are (`hidden_characters`; see `proxy.approvals.reveal`)."""
-        return {**asdict(self), "state": self.effective_state(now),
-                "arguments_text": revealed_json(self.arguments),
-                "hidden_characters": hidden_characters(self.arguments)}
+        characters are (`hidden_characters`; see `proxy.approvals.reveal`), their size
+        (`arguments_bytes`: compact JSON, UTF-8) and whether they are cut (`arguments_truncated`).
+
+        With `cut_at` (a list: `LIST_ARGUMENTS_BYTES`), arguments larger than that are cut: the
+        view then carries `arguments` and `hidden_characters` null and, as `arguments_text`, a
+        preview: their first `cut_at` bytes as indented JSON, hidden characters escaped (no longer
+        JSON; an escape makes a hidden character up to six characters long). An approver decides
+        on the view read by id, never on a preview."""
+        size = len(orjson.dumps(self.arguments))
+        # Shallow: the answer is serialised at once (`asdict` would copy the arguments first).
+        view = {f.name: getattr(self, f.name) for f in fields(self)}
+        view.update(state=self.effective_state(now), arguments_bytes=size)
+        if cut_at is not None and size > cut_at:
+            head = orjson.dumps(self.arguments, option=orjson.OPT_INDENT_2)[:cut_at]
+            # A character cut in two is dropped whole ("ignore" can only meet it at the end).
+            preview = revealed(head.decode("utf-8", errors="ignore"))
+            return {**view, "arguments": None, "arguments_text": preview,
+                    "hidden_characters": None, "arguments_truncated": True}
+        return {**view, "arguments_text": revealed_json(self.arguments),
+                "hidden_characters": hidden_characters(self.arguments),
+                "arguments_truncated": False}
 
 
 @dataclass(frozen=True, slots=True)

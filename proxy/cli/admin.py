@@ -147,6 +147,10 @@ def cmd_approvals(args: argparse.Namespace) -> int:
         return 1
     if args.json or command == "show":
         print(json.dumps(data, indent=2, sort_keys=True))
+        cut = [a["id"] for a in data.get("approvals", []) if a.get("arguments_truncated")]
+        if command == "list" and cut:
+            print(f"envelope-proxy approvals: the list cuts large arguments ({len(cut)} approvals: "
+                  f"arguments_truncated); `show ID` prints them whole", file=sys.stderr)
     elif command == "list":
         for a in data["approvals"]:
             print(_approval_line(a))

@@ -164,8 +164,8 @@ async def pending_for(world: World, upstream: str, title: str, within: float = 5
     for _ in range(int(within / 0.05)):
         r = await admin(world, "GET", "/v1/approvals?state=pending")
         assert r.status_code == 200, r.text
-        found = [a for a in r.json()["approvals"]
-                 if a["upstream"] == upstream and a["arguments"].get("title") == title]
+        found = [a for a in r.json()["approvals"]  # (arguments cut in the list: null)
+                 if a["upstream"] == upstream and (a["arguments"] or {}).get("title") == title]
         if found:
             assert len(found) == 1
             return found[0]
@@ -334,6 +334,35 @@ async def test_approval_through_the_cli(world: World) -> None:
     assert last_record(world, "notes", "delete_note")["extra"]["approval_id"] == approval["id"]
     missing = cli("approvals", "--admin", world.proxy.admin, "show", "apr-nope", env=env)
     assert missing.returncode == 1 and "404" in missing.stderr
+
+
+async def test_large_arguments_are_cut_in_the_list_and_whole_by_id(world: World) -> None:
+    big = {"title": "big-" + "x" * 2**20}  # 1 MiB of arguments
+    refused = assert_refused(await call(world, "notes", "delete_note", big), "approval_pending")
+    approval_id = record(world, refused["decision_id"])["extra"]["approval_id"]
+    size = len(json.dumps(big, separators=(",", ":")).encode())
+    try:
+        r = await admin(world, "GET", "/v1/approvals?state=pending")
+        assert r.status_code == 200, r.text
+        assert len(r.content) < 64 * 1024  # the answer is small (on main: over 2 MB)
+        [listed] = [a for a in r.json()["approvals"] if a["id"] == approval_id]
+        assert (listed["arguments_truncated"], listed["arguments_bytes"]) == (True, size)
+        assert listed["arguments"] is None and listed["hidden_characters"] is None
+        assert listed["arguments_text"].startswith('{\n  "title": "big-xxx')
+        assert len(listed["arguments_text"].encode()) <= 8 * 1024
+        whole = (await admin(world, "GET", f"/v1/approvals/{approval_id}")).json()
+        assert (whole["arguments"], whole["arguments_truncated"], whole["arguments_bytes"]) == (big, False, size)
+        assert json.loads(whole["arguments_text"]) == big
+        # The CLI: `list --json` says the list cut them, `show` prints them whole.
+        env = {**os.environ, "ENVELOPE_APPROVER_TOKEN": ALICE_TOKEN}
+        listed_cli = cli("approvals", "--admin", world.proxy.admin, "list", "--json", env=env)
+        assert listed_cli.returncode == 0, listed_cli.stderr
+        assert "cuts large arguments" in listed_cli.stderr and "`show ID`" in listed_cli.stderr
+        shown = cli("approvals", "show", approval_id, "--admin", world.proxy.admin, env=env)
+        assert json.loads(shown.stdout)["arguments"] == big
+    finally:
+        r = await admin(world, "POST", f"/v1/approvals/{approval_id}/deny", json={"reason": "test done"})
+        assert r.status_code == 200, r.text
 
 
 async def test_webhook_notified_and_failures_retried_and_counted(world: World) -> None:

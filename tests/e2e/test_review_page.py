@@ -157,7 +157,8 @@ async def pending_for(pp: ProxyProcess, title: str, within: float = 10.0) -> dic
         while time.monotonic() < deadline:
             r = await http.get("/v1/approvals", params={"state": "pending"})
             assert r.status_code == 200, r.text
-            found = [a for a in r.json()["approvals"] if a["arguments"].get("title") == title]
+            found = [a for a in r.json()["approvals"]  # (arguments cut in the list: null)
+                     if (a["arguments"] or {}).get("title") == title]
             if found:
                 return dict(found[0])
             await asyncio.sleep(0.05)
@@ -413,6 +414,54 @@ async def test_html_in_arguments_renders_as_text(pp: ProxyProcess, browser: Any,
         assert meta(result)["code"] == "approval_denied"
     finally:
         held.cancel()
+
+
+async def test_large_arguments_shown_whole_before_approving(pp: ProxyProcess, browser: Any,
+                                                             shots: Path) -> None:
+    # 1 MiB of arguments, a right-to-left override past the list's preview: the list carries a
+    # cut preview; the card says so, and Approve waits until the whole arguments are shown.
+    title = "page-big-" + "x" * 2**20 + "\u202efdp.exe"
+    # Its own run: no untrusted output read before it (a value this long counts as carrying it).
+    held = asyncio.create_task(call(pp, "delete_note", {"title": title}, run="run-large-arguments"))
+    try:
+        listed: dict[str, Any] = {}
+        async with httpx.AsyncClient(base_url=pp.admin, headers=ALICE, timeout=5) as http:
+            for _ in range(200):
+                r = await http.get("/v1/approvals", params={"state": "pending"})
+                found = [a for a in r.json()["approvals"] if a["arguments_truncated"]
+                         and '"title": "page-big-' in a["arguments_text"]]
+                if found:
+                    [listed] = found
+                    break
+                await asyncio.sleep(0.05)
+            assert listed, ("no pending approval of the large call", r.text[:2000],
+                            held.done() and held.result().content[0].text)
+            whole = (await http.get(f"/v1/approvals/{listed['id']}")).json()
+        await asyncio.to_thread(open_signed_in, browser, pp)
+        css = f'.approval[data-approval-id="{listed["id"]}"]'
+        card = await asyncio.to_thread(wait_for, browser, css)
+        cut = card.find_element("css selector", '[data-role="arguments-cut"]')
+        assert f"{whole['arguments_bytes']} bytes" in cut.text and "cut" in cut.text
+        args = card.find_element("css selector", 'pre[data-role="arguments"]')
+        assert args.text == listed["arguments_text"]
+        approve = card.find_element("css selector", 'button[data-action="approve"]')
+        assert not approve.is_enabled()
+        assert card.find_elements("css selector", '[data-role="hidden-characters"]') == []
+        snap(browser, shots, "approval-arguments-cut", css)
+        card.find_element("css selector", 'button[data-action="full-arguments"]').click()
+        await asyncio.to_thread(wait_for, browser, f'{css} [data-role="arguments-whole"]')
+        shown = browser.execute_script("return arguments[0].textContent", args)
+        assert shown == whole["arguments_text"] and json.loads(shown) == {"title": title}
+        assert "\u202e" not in shown and "\\u202e" in shown
+        warning = card.find_element("css selector", '[data-role="hidden-characters"]')
+        assert "U+202E" in warning.text
+        assert approve.is_enabled()
+        await asyncio.to_thread(decide_in_page, browser, listed["id"], "approve", "read it all")
+        result = await asyncio.wait_for(held, 15)
+    finally:
+        held.cancel()
+    assert result.is_error is False, result
+    assert result.structured_content == {"deleted": title, "existed": False}
 
 
 async def test_hidden_characters_in_records_and_cells_are_shown_escaped(pp: ProxyProcess, browser: Any,

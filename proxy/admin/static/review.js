@@ -143,8 +143,12 @@
     const result = el("p", { className: "error", dataset: { role: "result" } });
     const approve = el("button", { type: "button", className: "approve", dataset: { action: "approve" } }, "Approve");
     const deny = el("button", { type: "button", className: "deny", dataset: { action: "deny" } }, "Deny");
+    // A list entry may carry a preview of large arguments (`arguments_truncated`): Approve waits
+    // until the approval, read by id, shows them whole. Nobody approves what they could not see.
+    let whole = a.arguments_truncated !== true;
     const decide = async (action) => {
       result.textContent = "";
+      if (action === "approve" && !whole) { result.textContent = "Show the full arguments before approving."; return; }
       if (!reason.value.trim()) { result.textContent = "A reason is required."; reason.focus(); return; }
       approve.disabled = deny.disabled = true;
       try {
@@ -155,7 +159,8 @@
         refreshEmpty();
         loadDecisions();
       } catch (err) {
-        approve.disabled = deny.disabled = false;
+        deny.disabled = false;
+        approve.disabled = !whole;
         if (err instanceof Unauthorized) { signOut("The token was refused: " + err.message); return; }
         result.textContent = err.message;
       }
@@ -170,15 +175,51 @@
     ]);
     const recent = el("div", { className: "table-wrap", dataset: { role: "recent" } },
       el("p", { className: "empty" }, "Loading…"));
+    const args = el("pre", { dataset: { role: "arguments" } },
+      typeof a.arguments_text === "string" ? a.arguments_text : json(a.arguments));
+    const warning = el("div", {}, hiddenWarning(a.hidden_characters));
+    const cut = whole ? null : fullArguments(a, args, warning, () => { whole = true; approve.disabled = false; });
+    approve.disabled = !whole;
     const card = el("div", { className: "approval", dataset: { approvalId: a.id } },
-      info, el("h4", {}, "Arguments"), hiddenWarning(a.hidden_characters),
-      el("pre", { dataset: { role: "arguments" } },
-        typeof a.arguments_text === "string" ? a.arguments_text : json(a.arguments)),
+      info, el("h4", {}, "Arguments"), cut, warning, args,
       el("h4", {}, "Data-flow evidence"), evidenceBlock(a.evidence, "approval"),
       el("h4", {}, "Recent calls in this run"), recent,
       el("div", { className: "actions" }, reason, approve, deny), result);
     loadRecent(a.id, recent);
     return card;
+  }
+
+  // Large arguments come cut in the list (a preview, polled every few seconds): the card says so
+  // and shows them whole, read by id, when asked; `done` then lets the approver approve.
+  function fullArguments(a, args, warning, done) {
+    const note = el("p", { className: "error", dataset: { role: "arguments-cut" } },
+      "The arguments (" + show(a.arguments_bytes) + " bytes) are cut in this list: below is their " +
+      "start. Show them in full to approve.");
+    const button = el("button", { type: "button", dataset: { action: "full-arguments" } }, "Show the full arguments");
+    const box = el("div", { className: "actions" }, note, button);
+    button.addEventListener("click", async () => {
+      button.disabled = true;
+      let full;
+      try { full = await api("/v1/approvals/" + encodeURIComponent(a.id)); }
+      catch (err) {
+        button.disabled = false;
+        if (err instanceof Unauthorized) { signOut("The token was refused: " + err.message); return; }
+        note.textContent = "The full arguments could not be read: " + err.message;
+        return;
+      }
+      // The same call (an approval is bound to its arguments' digest), shown whole.
+      if (full.arguments_truncated === true || full.args_digest !== a.args_digest) {
+        button.disabled = false;
+        note.textContent = "The approval read by id does not hold the listed call's full arguments.";
+        return;
+      }
+      args.textContent = typeof full.arguments_text === "string" ? full.arguments_text : json(full.arguments);
+      warning.replaceChildren(...[hiddenWarning(full.hidden_characters)].filter((n) => n !== null));
+      box.replaceChildren(el("p", { className: "hint", dataset: { role: "arguments-whole" } },
+        "The full arguments (" + show(full.arguments_bytes) + " bytes) are shown below."));
+      done();
+    });
+    return box;
   }
 
   // The arguments are shown as `arguments_text`: characters a screen hides or that reorder text

@@ -452,9 +452,9 @@ async def test_api_makes_every_view_off_the_event_loop(api: tuple[TestClient, Wo
     threads: list[int] = []
     real = Approval.view
 
-    def spying(self: Approval, now: float) -> dict[str, Any]:
+    def spying(self: Approval, now: float, cut_at: int | None = None) -> dict[str, Any]:
         threads.append(threading.get_ident())
-        return real(self, now)
+        return real(self, now, cut_at)
 
     monkeypatch.setattr(Approval, "view", spying)
     r = await client.get("/v1/approvals?state=pending", headers=ALICE)
