@@ -658,7 +658,9 @@ class _Connection(BaseProtocol):
             if self.transport is not None and not listener.closing:
                 raise  # cancelled from elsewhere, not by the client leaving or a shutdown
         except Exception as exc:
-            if self.transport is None:  # the client left while its answer was being written
+            if self.transport is None or isinstance(exc, ConnectionError):
+                # The client left while its answer was being written (a session client closing
+                # its GET stream when it is done): nothing to answer, and no error of ours.
                 log.debug("MCP listener: connection lost while answering: %r", exc)
             else:
                 log.exception("MCP listener: unhandled error answering %s %s", request.method,

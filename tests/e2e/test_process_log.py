@@ -8,8 +8,13 @@ not become ERROR tracebacks.
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from pathlib import Path
+
+import pytest
+from mcp import Client
 
 from tests.harness import proxy_process, rpc
 
@@ -56,5 +61,24 @@ def test_bytes_that_are_not_http_are_no_errors_in_the_log(tmp_path: Path, sse_up
         for data in garbage:
             for port in (pp.admin_port, pp.port):
                 assert _raw(port, data).startswith(b"HTTP/1."), data  # answered, not dropped
+        log = pp.log()
+    assert "ERROR" not in log and "Traceback" not in log, log
+
+
+@pytest.mark.parametrize("listener", ["fast", "aiohttp"])
+def test_a_session_client_leaving_is_no_error_in_the_log(tmp_path: Path, sse_upstream, listener: str) -> None:
+    # A 2025-11-25 client holds a GET stream open beside its calls and closes every connection
+    # when it is done, as the SDK's legacy client (and the README's tour) does. The fast
+    # listener then failed writing the end of the relayed stream to the closed connection and
+    # logged an ERROR with a traceback for a client that simply left.
+    async def session() -> list[str]:
+        async with Client(f"http://127.0.0.1:{pp.port}/mcp/notes", mode="legacy") as client:
+            return [tool.name for tool in (await client.list_tools()).tools]
+
+    with proxy_process(tmp_path, {"notes": sse_upstream.url}, identity={"mode": "static", "principal": "ops"},
+                       config={"listener": {"kind": listener}}) as pp:
+        for _ in range(3):
+            assert "search_notes" in asyncio.run(session())
+        time.sleep(0.5)  # the relays notice the closed connections
         log = pp.log()
     assert "ERROR" not in log and "Traceback" not in log, log
