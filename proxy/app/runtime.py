@@ -197,9 +197,11 @@ class Runtime:
             principal_header: str | None = None
             if source.command is not None:
                 # Served by StdioUpstreams' loopback endpoint: an HTTP upstream like any other.
+                share = source.max_processes_per_principal
+                if share is None and self.config.identity.mode == "static":
+                    share = source.max_processes  # one principal there is: its share is the pool
                 specs[name] = StdioSpec(name, tuple(source.command), tuple(sorted(source.env.items())),
-                                        source.cwd, source.max_processes, source.idle_timeout,
-                                        source.max_processes_per_principal)
+                                        source.cwd, source.max_processes, source.idle_timeout, share)
                 if self.stdio is None:
                     self.stdio = StdioUpstreams(self.config.limits.max_upstream_event_bytes,
                                                 on_health=self._stdio_health,

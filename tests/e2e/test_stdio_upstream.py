@@ -441,6 +441,19 @@ async def test_one_principal_cannot_take_another_principals_process(tmp_path: Pa
                 assert alive(int(text(await c.call_tool("fix.pid", {}))))
 
 
+async def test_the_one_principal_of_a_static_identity_has_the_whole_pool(tmp_path: Path) -> None:
+    """Under `identity: {mode: static}` every caller is the one principal: a share of half the
+    pool would only halve the sidecar's sessions. A pool of 2 serves two sessions at once."""
+    state = tmp_path / "child"
+    state.mkdir()
+    policies = fixture_policy(tmp_path / "policies", state, max_processes=2)
+    with proxy_process(tmp_path, {}, policies=policies, identity=STATIC) as pp:
+        async with mcp_client(pp.url("fix"), mode="legacy") as first:
+            async with mcp_client(pp.url("fix"), mode="legacy") as second:
+                pids = {int(text(await c.call_tool("pid", {}))) for c in (first, second)}
+                assert len(pids) == 2 and all(alive(pid) for pid in pids)
+
+
 CRASH_AT_START = "import os, sys; open(sys.argv[1], 'a').write('started\\n'); sys.exit(3)"
 
 
