@@ -51,12 +51,16 @@ from proxy.approvals.records import (
     OutOfScope,
     SelfApproval,
     State,
+    is_approval_id,
 )
 from proxy.approvals.service import ApprovalService
 from proxy.envelope.types import Code, Verdict
 from proxy.errors import AuditError, StoreError
 
 _NO_STORE = {"Cache-Control": "no-store"}
+# What a failed-authentication record names instead of an id that is not an approval id (control
+# characters, bidi overrides, ... never reach the audit log from an unauthenticated request).
+INVALID_APPROVAL = "<invalid approval id>"
 _MAX_BODY = 64 * 1024
 
 
@@ -134,8 +138,10 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         who = approver_of(request)
         if isinstance(who, web.Response):
             if failures is not None:
+                sent = request.match_info["id"]
                 failures.failed(request, "missing" if _bearer(request) is None else "unknown",
-                                request.match_info["id"], "approve" if approve else "deny")
+                                sent if is_approval_id(sent) else INVALID_APPROVAL,
+                                "approve" if approve else "deny")
             return who
         raw = await read_body(request, _MAX_BODY)
         if isinstance(raw, web.Response):

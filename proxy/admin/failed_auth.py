@@ -78,8 +78,9 @@ class FailedApproverAuth:
 
     def failed(self, request: web.Request, token: Token, subject: str, action: Action) -> None:
         """Note one 401 of `action` on `subject` (the approval id to approve or deny, the run
-        whose intent was to be set; as sent, cut at 100 characters). Never raises: the request is
-        refused whatever the audit log does."""
+        whose intent was to be set; a marker such as `<invalid approval id>` when the caller
+        found it not well formed; cut at 100 characters). Never raises: the request is refused
+        whatever the audit log does."""
         now, ts = self._clock(), utc_timestamp()
         remote, subject = (request.remote or "-")[:64], subject[:100]
         if self._held is None and (self._written is None or now - self._written >= self._window):

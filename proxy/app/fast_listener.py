@@ -52,7 +52,7 @@ What a connection does, as aiohttp's `RequestHandler` does it:
   more than 128 headers or a head over 64 KiB answer 431; a malformed request answers 400, and
   so do framings llhttp accepts that the proxy refuses (`proxy.framing`: a Transfer-Encoding
   other than `chunked`, an HTTP version other than 1.0 and 1.1) and a second Host field.
-  Each closes the connection after the responses before it.
+  Each closes the connection after the responses before it, and is told to `on_bad_request`.
 - An upgrade request is answered by its route like any other request; the connection then
   closes (nothing after it is read: no protocol switch is offered).
 - `web.HTTPException` from the router or a handler is its response; any other exception is
@@ -800,6 +800,9 @@ class _Connection(BaseProtocol):
         self._in_head = False
         self._end_lean()
         self._stop_reading()
+        on_bad_request = self._listener.on_bad_request
+        if on_bad_request is not None:
+            on_bad_request()
         self._queue.append(error)
         if self._task is None:
             self._next()
@@ -935,12 +938,15 @@ class FastListener:
     `web.AppRunner` + `web.TCPSite` when `listener.kind` is `fast`."""
 
     def __init__(self, app: web.Application, *, header_timeout: float, keepalive_timeout: float,
-                 shutdown_timeout: float, on_header_timeout: Callable[[], None] | None = None):
+                 shutdown_timeout: float, on_header_timeout: Callable[[], None] | None = None,
+                 on_bad_request: Callable[[], None] | None = None):
         self.app = app
         self.header_timeout = header_timeout
         self.keepalive_timeout = keepalive_timeout
         self.shutdown_timeout = shutdown_timeout
         self.on_header_timeout = on_header_timeout
+        # Told of every request the parser refuses (400, or 431 for a head too large).
+        self.on_bad_request = on_bad_request
         self.connections: set[_Connection] = set()
         # Connections receiving a hot-route body that did not come with its head (`body_late`).
         self.receiving: set[_Connection] = set()

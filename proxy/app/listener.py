@@ -22,6 +22,10 @@ text) before the application, and so the guard, sees it. Given `on_missing_host`
 answers with what that returns instead (the MCP listener: the guard's refusal, counted
 `bad_host`), as the fast listener's guard does.
 
+Every other request refused before the application (bytes aiohttp's parser does not take as
+HTTP: a TLS hello, a bad method, version or header, a bad pipelined request; and the framings
+above) is told to `on_bad_request`, as the fast listener tells its own.
+
 Cost: one timer per connection (set on open, cancelled at the first head); on a keep-alive
 connection whose head arrives in one read (every client's usual case), nothing but two
 attribute reads per `data_received`.
@@ -53,16 +57,19 @@ class _HeadTimedHandler(RequestHandler):
     """aiohttp's connection protocol, closing a connection whose request head is late (and
     answering a request with no Host as `on_missing_host` says)."""
 
-    __slots__ = ("_head_timeout", "_head_timer", "_on_head_timeout", "_on_missing_host")
+    __slots__ = ("_head_timeout", "_head_timer", "_on_bad_request", "_on_head_timeout",
+                 "_on_missing_host")
 
     def __init__(self, manager: web.Server, *, head_timeout: float,
                  on_head_timeout: Callable[[], None] | None,
-                 on_missing_host: Callable[[], web.StreamResponse] | None, **kwargs: Any):
+                 on_missing_host: Callable[[], web.StreamResponse] | None,
+                 on_bad_request: Callable[[], None] | None, **kwargs: Any):
         super().__init__(manager, **kwargs)
         self._head_timeout = head_timeout
         self._head_timer: asyncio.TimerHandle | None = None
         self._on_head_timeout = on_head_timeout
         self._on_missing_host = on_missing_host
+        self._on_bad_request = on_bad_request
 
     def handle_error(self, request: web.BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
@@ -70,6 +77,8 @@ class _HeadTimedHandler(RequestHandler):
         if (self._on_missing_host is not None and isinstance(exc, BadHttpMessage)
                 and exc.message == _NO_HOST):
             return self._on_missing_host()  # closes the connection, as aiohttp's answer would
+        if isinstance(exc, HttpProcessingError) and self._on_bad_request is not None:
+            self._on_bad_request()  # the parser's refusal; a handler's own exception is not
         return super().handle_error(request, status, exc, message)
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
@@ -115,13 +124,16 @@ class _HeadTimedHandler(RequestHandler):
         self.force_close()
 
 
-def _framed(handler: Handler) -> Handler:
-    """`handler`, run only for a request whose framing the proxy accepts (`proxy.framing`)."""
+def _framed(handler: Handler, on_bad_request: Callable[[], None] | None) -> Handler:
+    """`handler`, run only for a request whose framing the proxy accepts (`proxy.framing`);
+    any other is answered 400 and told to `on_bad_request`."""
 
     async def framed(request: web.BaseRequest) -> web.StreamResponse:
         refused = request_bad_framing(request)
         if refused is None:
             return await handler(request)
+        if on_bad_request is not None:
+            on_bad_request()
         response = web.Response(status=400, text=refused)
         response.force_close()  # the bytes after this request cannot be framed with certainty
         return response
@@ -135,17 +147,21 @@ class _HeadTimedServer(web.Server):
 
     def __init__(self, base: web.Server, head_timeout: float,
                  on_head_timeout: Callable[[], None] | None,
-                 on_missing_host: Callable[[], web.StreamResponse] | None):
-        super().__init__(_framed(base.request_handler), request_factory=base.request_factory,
+                 on_missing_host: Callable[[], web.StreamResponse] | None,
+                 on_bad_request: Callable[[], None] | None):
+        super().__init__(_framed(base.request_handler, on_bad_request),
+                         request_factory=base.request_factory,
                          handler_cancellation=base.handler_cancellation, **base._kwargs)
         self.head_timeout = head_timeout
         self.on_head_timeout = on_head_timeout
         self.on_missing_host = on_missing_host
+        self.on_bad_request = on_bad_request
 
     def __call__(self) -> RequestHandler:
         return _HeadTimedHandler(self, head_timeout=self.head_timeout,
                                  on_head_timeout=self.on_head_timeout,
-                                 on_missing_host=self.on_missing_host, loop=self._loop,
+                                 on_missing_host=self.on_missing_host,
+                                 on_bad_request=self.on_bad_request, loop=self._loop,
                                  **self._kwargs)
 
 
@@ -153,21 +169,24 @@ class ListenerRunner(web.AppRunner):
     """`web.AppRunner` whose connections must send each request head within `header_timeout`
     seconds and are closed when idle for `keepalive_timeout` seconds (see the module
     docstring). `on_header_timeout` is told of every connection closed for a late head;
-    `on_missing_host` (None: aiohttp's own 400) answers an HTTP/1.1 request with no Host."""
+    `on_missing_host` (None: aiohttp's own 400) answers an HTTP/1.1 request with no Host;
+    `on_bad_request` is told of every other request refused before the application (400)."""
 
-    __slots__ = ("_header_timeout", "_on_header_timeout", "_on_missing_host")
+    __slots__ = ("_header_timeout", "_on_bad_request", "_on_header_timeout", "_on_missing_host")
 
     def __init__(self, app: web.Application, *, header_timeout: float, keepalive_timeout: float,
                  on_header_timeout: Callable[[], None] | None = None,
-                 on_missing_host: Callable[[], web.StreamResponse] | None = None, **kwargs: Any):
+                 on_missing_host: Callable[[], web.StreamResponse] | None = None,
+                 on_bad_request: Callable[[], None] | None = None, **kwargs: Any):
         super().__init__(app, keepalive_timeout=keepalive_timeout, **kwargs)
         self._header_timeout = header_timeout
         self._on_header_timeout = on_header_timeout
         self._on_missing_host = on_missing_host
+        self._on_bad_request = on_bad_request
 
     async def _make_server(self) -> web.Server:
         # The server aiohttp builds (startup hooks run, the app frozen, its handler arguments
         # applied), rebuilt with the same arguments as one whose connections time heads.
         base = await super()._make_server()
         return _HeadTimedServer(base, self._header_timeout, self._on_header_timeout,
-                                self._on_missing_host)
+                                self._on_missing_host, self._on_bad_request)

@@ -410,6 +410,9 @@ class Runtime:
         def on_header_timeout() -> None:
             self.metrics.rejected("header_timeout")
 
+        def on_bad_request() -> None:  # both listener kinds' parser refusals
+            self.metrics.rejected("bad_request")
+
         where = f"the MCP listener cannot listen on {host}:{port}"
         setting = MCP_LISTEN_SETTING
         mcp_runner: web.AppRunner | FastListener
@@ -417,6 +420,7 @@ class Runtime:
             mcp_runner = fast = FastListener(mcp_app, header_timeout=listener.header_timeout,
                                              keepalive_timeout=listener.keepalive_timeout,
                                              on_header_timeout=on_header_timeout,
+                                             on_bad_request=on_bad_request,
                                              shutdown_timeout=self.config.shutdown_grace)
             await fast.setup()
             self._runners.append(fast)  # before binding: a failed start still cleans it up
@@ -427,6 +431,7 @@ class Runtime:
                 mcp_app, access_log=None, handler_cancellation=True,
                 header_timeout=listener.header_timeout,
                 keepalive_timeout=listener.keepalive_timeout, on_header_timeout=on_header_timeout,
+                on_bad_request=on_bad_request,
                 on_missing_host=functools.partial(missing_host, self.metrics),
                 # aiohttp waits this long twice (for the handler, then again after cancelling
                 # its body): half makes the whole grace.
@@ -457,7 +462,9 @@ class Runtime:
                                     body_timeout=listener.header_timeout)
         admin_runner = ListenerRunner(admin_app, access_log=None,
                                       header_timeout=listener.header_timeout,
-                                      keepalive_timeout=listener.keepalive_timeout)
+                                      keepalive_timeout=listener.keepalive_timeout,
+                                      on_bad_request=functools.partial(
+                                          self.metrics.admin_rejected, "bad_request"))
         await admin_runner.setup()
         self._runners.append(admin_runner)
         aport = aport + self.worker if aport else 0

@@ -4,6 +4,8 @@ pre-approve a narrow family of later calls (see `proxy.approvals` for their life
 from __future__ import annotations
 
 import hashlib
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
@@ -29,6 +31,20 @@ _OPT = orjson.OPT_SORT_KEYS
 # bytes instead (`arguments_truncated`), and the approval read by id shows them whole. A list of
 # 100 approvals of 1 MB was 200 MB per answer.
 LIST_ARGUMENTS_BYTES = 8 * 1024
+
+# An approval id as `new_approval_id` makes it: `apr-` and 16 lowercase hex digits.
+_APPROVAL_ID = re.compile(r"apr-[0-9a-f]{16}")
+
+
+def new_approval_id() -> str:
+    """A fresh approval id (64 random bits)."""
+    return f"apr-{secrets.token_hex(8)}"
+
+
+def is_approval_id(text: str) -> bool:
+    """Whether `text` has the shape `new_approval_id` gives (the admin API's failed-
+    authentication records name nothing else a caller sent as an id)."""
+    return _APPROVAL_ID.fullmatch(text) is not None
 
 
 class ApprovalError(EnvelopeError):

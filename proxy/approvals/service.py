@@ -23,6 +23,7 @@ from proxy.approvals.records import (
     GrantRequest,
     SelfApproval,
     State,
+    new_approval_id,
 )
 from proxy.config import ApprovalsConfig
 from proxy.errors import StoreError
@@ -173,7 +174,7 @@ class ApprovalService:
         """
         now = self.clock()
         approval = Approval(
-            id=f"apr-{secrets.token_hex(8)}", state="pending", principal=binding.principal,
+            id=new_approval_id(), state="pending", principal=binding.principal,
             run=binding.run, upstream=binding.upstream, tool=binding.tool,
             args_digest=binding.args_digest, arguments=dict(arguments), effect=effect,
             reason=reason, created_at=now, expires_at=now + ttl, decision_id=decision_id,

@@ -64,12 +64,14 @@ RejectReason = Literal[
     "hop_by_hop_header",
     "underscore_header",
     "body_timeout",
+    "bad_request",  # bytes the listener's parser does not take as an HTTP request (400)
 ]
 # Requests the admin listener refused before any route: a Host it does not answer (421), no or
 # an unknown approver token on a guarded route (401), no such route (404), no such method on a
-# route (405), a POST body that did not arrive within `listener.header_timeout` (408).
+# route (405), a POST body that did not arrive within `listener.header_timeout` (408), bytes its
+# parser does not take as an HTTP request (400: see `bad_request` in `RejectReason`).
 AdminRejectReason = Literal["bad_host", "unauthenticated", "not_found", "method_not_allowed",
-                            "body_timeout"]
+                            "body_timeout", "bad_request"]
 # Header fields the proxy did not forward: the direction, and why (a request field whose name
 # holds `_`, a field the message's own `Connection` header named); see proxy/fronts/headers.py.
 HeaderDirection = Literal["request", "response"]
@@ -117,7 +119,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Counter, "envelope_audit_records_total", "Audit records written.", fast=True),
     MetricSpec(Counter, "envelope_check_errors_total", "Checks that raised (the call was refused: fail closed).", ("check",)),
     MetricSpec(Counter, "envelope_rejected_requests_total", "Requests rejected at the front before the envelope.", ("reason",)),
-    MetricSpec(Counter, "envelope_admin_rejected_requests_total", "Admin listener requests refused: bad_host (421, a Host it does not answer), unauthenticated (401, no or an unknown approver token), not_found (404, no such route), method_not_allowed (405), body_timeout (408, a body not arrived within listener.header_timeout).", ("reason",)),
+    MetricSpec(Counter, "envelope_admin_rejected_requests_total", "Admin listener requests refused: bad_host (421, a Host it does not answer), unauthenticated (401, no or an unknown approver token), not_found (404, no such route), method_not_allowed (405), body_timeout (408, a body not arrived within listener.header_timeout), bad_request (400, bytes that are not an HTTP request the listener takes).", ("reason",)),
     MetricSpec(Counter, "envelope_headers_dropped_total", "Header fields not forwarded, by direction (request: toward an upstream; response: toward the client) and reason (underscore: a request field name holding '_'; connection: named by the message's Connection header).", ("direction", "reason")),
     MetricSpec(Gauge, "envelope_catalogue_tools", "Tools in the catalogue per upstream.", ("upstream",)),
     MetricSpec(Gauge, "envelope_upstream_up", "Upstream health: 1 up, 0 down or not yet known.", ("upstream",)),
@@ -378,7 +380,7 @@ class Metrics:
         child.inc()
 
     def admin_rejected(self, reason: AdminRejectReason) -> None:
-        """Count a request the admin listener refused (421, 401, 404, 405, 408)."""
+        """Count a request the admin listener refused (421, 401, 404, 405, 408, 400)."""
         self._admin_rejected[reason].inc()
 
     def headers_dropped(self, direction: HeaderDirection, reason: HeaderDropReason, count: int = 1) -> None:

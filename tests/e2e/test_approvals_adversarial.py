@@ -579,7 +579,7 @@ def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_
         for i in range(30):
             headers = {"Authorization": f"Bearer guess-{i}"} if i % 3 else {}
             verb = "approve" if i % 2 else "deny"
-            reply = httpx.post(f"{pp.admin}/v1/approvals/ap-{i % 4}/{verb}", json={"reason": "x"},
+            reply = httpx.post(f"{pp.admin}/v1/approvals/apr-{i % 4:016x}/{verb}", json={"reason": "x"},
                                headers=headers, timeout=10)
             assert reply.status_code == 401, reply.text
         assert metric_value(pp.metrics(), "envelope_admin_rejected_requests_total",
@@ -590,10 +590,10 @@ def test_failed_approver_authentication_on_decisions_is_audited_at_most_twice_a_
     assert all((r["tool"], r["method"], r["check"], r["verdict"], r["principal"])
                == ("<approval>", "<approval>", "approval", "deny", "<unverified>") for r in failed)
     assert (first["extra"]["approval_id"], first["extra"]["decision"], first["extra"]["token"],
-            first["extra"]["failures"]) == ("ap-0", "deny", "missing", 1)
+            first["extra"]["failures"]) == ("apr-0000000000000000", "deny", "missing", 1)
     assert held["extra"]["failures"] == 29
     assert held["extra"]["tokens"] == {"missing": 9, "unknown": 20}
-    assert held["extra"]["approval_ids"] == ["ap-0", "ap-1", "ap-2", "ap-3"]
+    assert held["extra"]["approval_ids"] == [f"apr-{i:016x}" for i in range(4)]
     assert held["extra"]["remotes"] == ["127.0.0.1"]
     assert "guess-" not in str(failed)  # a guessed token is never written down
 
@@ -617,6 +617,26 @@ def test_a_failed_intent_authentication_names_only_a_valid_run(tmp_path: Path) -
     assert "evil" not in json.dumps([first, held])
 
 
+def test_a_failed_decision_authentication_names_only_a_valid_approval_id(tmp_path: Path) -> None:
+    """As for a run: the record named the id as the unauthenticated client sent it, so a bidi
+    override and a line break reached the audit log (and the review page reading it). Now an id
+    not of the shape approval ids have (`apr-` and 16 hex digits) is named by a marker."""
+    valid = "apr-0123456789abcdef"
+    with _guessed_at(tmp_path) as pp:
+        for sent in ("%E2%80%AEevil%0Aapr-0123456789abcdef", valid, "APR-0123456789ABCDEF"):
+            reply = httpx.post(f"{pp.admin}/v1/approvals/{sent}/approve", json={"reason": "x"},
+                               timeout=10)
+            assert reply.status_code == 401, reply.text
+        at_once = [r for r in pp.audit_records() if r["code"] == "unauthorized"]
+    first, held = _failed_after_shutdown(pp, at_once)
+    assert first["extra"]["approval_id"] == "<invalid approval id>", first
+    assert first["reason"] == ("approver authentication failed (missing token): approval "
+                               "'<invalid approval id>' not approved")
+    assert held["extra"]["approval_ids"] == ["<invalid approval id>", valid]
+    text = json.dumps([first, held])  # a bidi override would be written `\\u202e` here
+    assert "\\u202e" not in text and "evil" not in text and "ABCDEF" not in text
+
+
 def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions_at_most_twice_a_window(
         tmp_path: Path) -> None:
     # A 401 on `POST /v1/runs/<run>/intent` was counted, never audited. Now it goes through the
@@ -629,7 +649,7 @@ def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions
                                json={"principal": "agent", "text": "send it"}, headers=headers,
                                timeout=10)
             assert reply.status_code == 401, reply.text
-        reply = httpx.post(f"{pp.admin}/v1/approvals/ap-9/deny", json={"reason": "x"}, timeout=10)
+        reply = httpx.post(f"{pp.admin}/v1/approvals/apr-0000000000000009/deny", json={"reason": "x"}, timeout=10)
         assert reply.status_code == 401, reply.text
         assert metric_value(pp.metrics(), "envelope_admin_rejected_requests_total",
                             reason="unauthenticated") == 21
@@ -644,5 +664,5 @@ def test_failed_approver_authentication_on_intents_is_audited_with_the_decisions
     assert held["extra"]["failures"] == 20
     assert held["extra"]["tokens"] == {"missing": 10, "unknown": 10}
     assert held["extra"]["runs"] == ["run-0", "run-1", "run-2"]
-    assert held["extra"]["approval_ids"] == ["ap-9"]
+    assert held["extra"]["approval_ids"] == ["apr-0000000000000009"]
     assert "guess-" not in str(failed) and "send it" not in str(failed)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from tests.harness import proxy_process, rpc
+from tests.harness import metric_value, proxy_process, rpc
 
 FORGED = '2026-01-01 00:00:00,000 INFO proxy.audit.anchor: audit head {"chain":"audit","records":1}'
 
@@ -40,15 +40,21 @@ def test_a_client_cannot_write_a_line_into_the_process_log(tmp_path: Path, sse_u
 
 
 def _raw(port: int, data: bytes) -> bytes:
+    """The first line of what `port` answers `data`, read to the close (a refusal closes)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(data)
-        return s.recv(4096).split(b"\r\n", 1)[0]
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+        return answer.split(b"\r\n", 1)[0]
 
 
-def test_bytes_that_are_not_http_are_no_errors_in_the_log(tmp_path: Path, sse_upstream) -> None:
+@pytest.mark.parametrize("listener", ["fast", "aiohttp"])
+def test_bytes_that_are_not_http_are_no_errors_in_the_log(tmp_path: Path, sse_upstream, listener: str) -> None:
     # The admin listener (aiohttp) answered each malformed request 400 and logged it at ERROR
     # with a traceback: a port scan or a TLS probe of the admin Service filled the log and set
-    # off error alerts. The MCP listener (fast) never logged them.
+    # off error alerts. The MCP listener (fast) never logged them. Each is counted instead
+    # (`bad_request`): it was counted nowhere, and a platform team alerting on scans saw none.
     garbage = [
         b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",  # a TLS hello on a plain port
         b"GET /healthz HTTP/9.9\r\nHost: 127.0.0.1\r\n\r\n",
@@ -56,13 +62,17 @@ def test_bytes_that_are_not_http_are_no_errors_in_the_log(tmp_path: Path, sse_up
         b"GET /healthz\nFAKE HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
         b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nBREW /metrics HTTP/1.1\r\n\r\n",
     ]
-    with proxy_process(tmp_path, {"notes": sse_upstream.url},
-                       identity={"mode": "static", "principal": "ops"}) as pp:
+    with proxy_process(tmp_path, {"notes": sse_upstream.url}, identity={"mode": "static", "principal": "ops"},
+                       config={"listener": {"kind": listener}}) as pp:
         for data in garbage:
             for port in (pp.admin_port, pp.port):
                 assert _raw(port, data).startswith(b"HTTP/1."), data  # answered, not dropped
+        metrics = pp.metrics()
         log = pp.log()
     assert "ERROR" not in log and "Traceback" not in log, log
+    assert metric_value(metrics, "envelope_rejected_requests_total", reason="bad_request") == len(garbage)
+    assert metric_value(metrics, "envelope_admin_rejected_requests_total",
+                        reason="bad_request") == len(garbage)
 
 
 @pytest.mark.parametrize("listener", ["fast", "aiohttp"])
