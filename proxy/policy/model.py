@@ -22,6 +22,11 @@ from proxy.policy.vocab import (
     did_you_mean,
 )
 
+# Deepest `max_depth` a policy may set: a taint seen in a run reaches every ancestor up to this
+# many levels (`proxy.envelope.checks.delegation.taint_ancestors` walks no further), so no run
+# allowed to call can sit deeper than its taint reaches.
+MAX_DEPTH = 64
+
 _NAME = r"[A-Za-z0-9_-]{1,64}"
 UPSTREAM_NAME = re.compile(rf"^{_NAME}$")
 # MCP tool names: 1-128 chars of [A-Za-z0-9_.-]; the policy key is `<upstream>.<tool>`.
@@ -356,7 +361,7 @@ class PrincipalPolicy(_Model):
     roster: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = None
     # Deepest run depth (root run 0, child 1, grandchild 2...) this principal may call at.
     # Absent: defaults.max_depth.
-    max_depth: int | None = Field(default=None, ge=0)
+    max_depth: int | None = Field(default=None, ge=0, le=MAX_DEPTH)
     # Whether untrusted or secret content seen by a child run widens this principal's (parent)
     # run's ledger. false: children are trusted not to carry taint upwards. Absent: true.
     propagate_taint: bool = True
@@ -412,7 +417,7 @@ class Defaults(_Model):
     # Output guardrails run on every tool's results (before the tool's own). Absent: none.
     guardrails: list[Guardrail] = Field(default_factory=list)
     # Deepest run depth below a root run (0 root/session, 1 child, 2 grandchild). Absent: 2.
-    max_depth: int = Field(default=2, ge=0)
+    max_depth: int = Field(default=2, ge=0, le=MAX_DEPTH)
     # Most calls of one run in flight at once for principals that do not set their own.
     # Absent: no bound.
     max_concurrent_per_run: int | None = Field(default=None, ge=1)

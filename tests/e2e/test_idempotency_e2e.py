@@ -10,7 +10,9 @@ default SQLite store the record survives a proxy restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -182,3 +184,65 @@ def test_replay_after_restart_with_sqlite(tmp_path: Path) -> None:
         assert again["_meta"]["envelope/replayed"] is True
         assert without_meta(again) == without_meta(first)
         assert rec["code"] == "replayed"
+
+
+# ---- a first call whose outcome is unknown ----------------------------------------------------
+
+def test_a_keyed_writer_that_timed_out_upstream_is_not_performed_again(tmp_path: Path) -> None:
+    """The upstream got the call and performed it after the proxy stopped waiting: a retry with
+    the same key must not reach the upstream a second time (the outcome was unknown, not a
+    failure), while the claim lasts."""
+    with fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"slow": {"timeout": "500ms"}},
+                                tools={"notes.write_note": {"effect": "write"}}, principals={})
+        config = {"store": {"kind": "memory"}, "idempotency": {"wait": 0.5}}
+        with proxy_process(tmp_path, {"slow": fake.url}, policies=policies, identity=STATIC,
+                           config=config) as pp:
+            fake.delay = 1.0
+            headers = {"Idempotency-Key": "slow-1"}
+            first = result_of(rpc(pp.url("slow"), call_body("write_note", {"title": "t"}), headers=headers))
+            assert first["_meta"]["envelope/decision"]["code"] == "upstream_timeout"
+            fake.delay = 0.0
+            for _ in range(100):  # the upstream finishes the first call on its own
+                if fake.calls["write_note"] == 1:
+                    break
+                time.sleep(0.05)
+            assert fake.calls["write_note"] == 1
+            again = result_of(rpc(pp.url("slow"), call_body("write_note", {"title": "t"}, 2), headers=headers))
+            assert fake.attempts["write_note"] == 1, "the retry reached the upstream a second time"
+            assert again["isError"] is True
+            assert again["_meta"]["envelope/decision"]["code"] == "idempotency_in_flight"
+
+
+async def test_a_keyed_writer_whose_client_left_mid_call_is_not_performed_again(tmp_path: Path) -> None:
+    """The client closes its connection while the upstream performs the call: the agent's retry
+    with the same key must not reach the upstream a second time."""
+    with fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"slow": {}},
+                                tools={"notes.write_note": {"effect": "write"}}, principals={})
+        config = {"store": {"kind": "memory"}, "idempotency": {"wait": 0.5}}
+        with proxy_process(tmp_path, {"slow": fake.url}, policies=policies, identity=STATIC,
+                           config=config) as pp:
+            fake.delay = 1.0
+            headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+                       "MCP-Protocol-Version": "2026-07-28", "Idempotency-Key": "gone-1"}
+            body = json.dumps(call_body("write_note", {"title": "t"}))
+            async with httpx.AsyncClient(timeout=10) as client:
+                asking = asyncio.create_task(client.post(pp.url("slow"), content=body, headers=headers))
+                for _ in range(100):  # the call reached the upstream
+                    if fake.attempts["write_note"] == 1:
+                        break
+                    await asyncio.sleep(0.02)
+                asking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asking
+            for _ in range(100):  # the upstream finishes it; the proxy audits the leaving client
+                if fake.calls["write_note"] == 1 and pp.audit_records():
+                    break
+                await asyncio.sleep(0.05)
+            assert [r["code"] for r in pp.audit_records()] == ["client_disconnected"]
+            fake.delay = 0.0
+            again = result_of(rpc(pp.url("slow"), call_body("write_note", {"title": "t"}, 2),
+                                  headers={"Idempotency-Key": "gone-1"}))
+            assert fake.attempts["write_note"] == 1, "the retry reached the upstream a second time"
+            assert again["_meta"]["envelope/decision"]["code"] == "idempotency_in_flight"

@@ -63,6 +63,7 @@ from proxy.envelope.types import (
 )
 from proxy.errors import StoreError
 from proxy.policy.compiled import PolicyRevision
+from proxy.policy.model import MAX_DEPTH
 from proxy.policy.vocab import Effect
 from proxy.store.base import Store
 
@@ -74,8 +75,9 @@ RUN_NS = "run"
 LINEAGE_TTL = 7 * 24 * 3600.0
 # Records cached per process (immutable once written, so a cached record is never stale).
 CACHE_SIZE = 10_000
-# Deepest ancestor chain `taint_ancestors` walks (a cycle or a corrupt record cannot loop).
-MAX_WALK = 64
+# Deepest ancestor chain `taint_ancestors` walks (a cycle or a corrupt record cannot loop): the
+# deepest `max_depth` a policy may set, so a run allowed to call reaches all its ancestors.
+MAX_WALK = MAX_DEPTH
 
 
 def lineage_key(key: str) -> str:

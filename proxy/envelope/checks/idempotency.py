@@ -7,8 +7,9 @@ then spends its approval when the approval check released it as approved (`call.
 after the claim, so a duplicate that finds the approval consumed finds the claim too and waits
 for the first call instead of being told its approval is used up; see
 `proxy.envelope.checks.approval`), and registers a result hook: an upstream
-JSON-RPC `result` is stored for replay for `idempotency.ttl`; any other outcome deletes the claim
-so a retry can perform the call. A duplicate that finds the claim still in flight polls the store
+JSON-RPC `result` is stored for replay for `idempotency.ttl`; a call sent whose outcome is unknown
+(it timed out, its client left, the proxy stopped) keeps its claim until the claim expires; any
+other outcome deletes the claim so a retry can perform the call. A duplicate that finds the claim still in flight polls the store
 for up to `idempotency.wait` and answers with the same result, or refuses
 `idempotency_in_flight`.
 
@@ -50,6 +51,10 @@ DEFAULT_WAIT = 30.0
 CLAIM_MARGIN = 60.0
 POLL_FIRST = 0.02
 POLL_MAX = 0.25
+
+
+# Endings of a forwarded call whose outcome upstream is unknown (see `_recorder`).
+_UNKNOWN = frozenset({Code.UPSTREAM_TIMEOUT, Code.CLIENT_DISCONNECTED, Code.SHUTDOWN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,9 +230,10 @@ class IdempotencyCheck:
                     "result": result, "at": time.time(),
                 }), ttl=ttl)
                 return
-            if decision.verdict is Verdict.ALLOW and reply is None:
-                # The client left a resumable stream: the call goes on upstream with an unknown
-                # outcome. Keep the claim (it expires) rather than let a retry perform it again.
+            if (decision.verdict is Verdict.ALLOW and reply is None) or decision.code in _UNKNOWN:
+                # The client left a resumable stream (the call goes on upstream), or the call was
+                # sent and then timed out, lost its client or the proxy stopped: it may have been
+                # performed. Keep the claim (it expires) rather than let a retry perform it again.
                 return
             # Failed, refused, or answered with a JSON-RPC error: free the key for a retry.
             raw = await store.get(NS, key.store)

@@ -255,3 +255,19 @@ async def test_delegates_let_another_principals_runs_be_children() -> None:
     own = _call("w2", parent="mine", principal="worker")
     assert await check.decide(own) is None
     assert own.run.taint_targets == (run_key("worker", "mine"),)
+
+
+async def test_a_run_at_the_deepest_allowed_depth_widens_its_root() -> None:
+    # The deepest max_depth a policy may set is as deep as taint climbs: the run allowed to call
+    # at that depth still reaches its root run's ledger.
+    from proxy.policy.model import MAX_DEPTH
+    store = MemoryStore()
+    check = _check(store, agent={"max_depth": MAX_DEPTH})
+    assert await check.decide(_call("r0")) is None
+    for n in range(1, MAX_DEPTH + 1):
+        assert await check.decide(_call(f"r{n}", parent=f"r{n - 1}", agent="a")) is None
+    refused = await check.decide(_call(f"r{MAX_DEPTH + 1}", parent=f"r{MAX_DEPTH}", agent="a"))
+    assert refused is not None and refused.code is Code.DEPTH_EXCEEDED
+    revision = build_revision(_doc(agent={"max_depth": MAX_DEPTH}))
+    ancestors = await taint_ancestors(store, revision, run_key("agent", f"r{MAX_DEPTH}"))
+    assert len(ancestors) == MAX_DEPTH and ancestors[-1] == run_key("agent", "r0")

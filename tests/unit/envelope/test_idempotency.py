@@ -140,7 +140,6 @@ async def test_client_keys_are_scoped_to_the_principal() -> None:
 @pytest.mark.parametrize("decision,reply", [
     (FORWARD_FAILED, None),
     (ALLOWED, {"jsonrpc": "2.0", "id": 1, "error": {"code": -32603, "message": "boom"}}),
-    (Decision(Verdict.ERROR, Code.CLIENT_DISCONNECTED, "forward", "gone"), None),
 ])
 async def test_a_failed_first_call_frees_the_key_for_a_retry(decision: Decision, reply: Any) -> None:
     store = MemoryStore()
@@ -158,6 +157,18 @@ async def test_a_resumable_disconnect_keeps_the_claim() -> None:
     first = _call()
     assert await check.decide(first) is None
     await _finish(first, ALLOWED, None)  # allowed, no reply: the upstream goes on
+    decision = await check.decide(_call(decision_id="d-2"))
+    assert decision is not None and decision.code is Code.IDEMPOTENCY_IN_FLIGHT
+
+
+@pytest.mark.parametrize("code", [Code.UPSTREAM_TIMEOUT, Code.CLIENT_DISCONNECTED, Code.SHUTDOWN])
+async def test_a_sent_call_with_an_unknown_outcome_keeps_the_claim(code: Code) -> None:
+    # The upstream may have performed it: a retry must not perform it a second time.
+    store = MemoryStore()
+    check, _ = _check(store, wait=0.05)
+    first = _call()
+    assert await check.decide(first) is None
+    await _finish(first, Decision(Verdict.ERROR, code, "forward", "no answer"), None)
     decision = await check.decide(_call(decision_id="d-2"))
     assert decision is not None and decision.code is Code.IDEMPOTENCY_IN_FLIGHT
 

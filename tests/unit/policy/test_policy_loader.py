@@ -460,6 +460,22 @@ def test_malformed_rates_are_load_errors_with_their_place(write: Write) -> None:
     ]
 
 
+def test_a_max_depth_deeper_than_taint_reaches_is_a_load_error(write: Write) -> None:
+    # Taint climbs at most 64 ancestors: a run deeper than that (allowed by max_depth: 65) would
+    # read untrusted content its root run never learns of.
+    path = write("a.yaml", UPSTREAMS.replace("defaults: {unknown_tools: deny}\n",
+                                             "defaults: {unknown_tools: deny, max_depth: 65}\n") + (
+        "principals:\n"
+        "  alice: {max_depth: 64}\n"
+        "  bob: {max_depth: 100}\n"
+    ))
+    found = problems(path.parent)
+    assert [p.split(": ", 1)[1] for p in found] == [
+        "defaults.max_depth: Input should be less than or equal to 64",
+        "principals.bob.max_depth: Input should be less than or equal to 64",
+    ], found
+
+
 def test_a_file_past_the_size_bound_is_a_problem_not_read(write: Write) -> None:
     # 16 MiB + 1 byte (sparse: the bound is checked before a byte is read or parsed).
     big = write("big.yaml", "version: 1\n")
