@@ -296,6 +296,7 @@ FULLWIDTH_KEY = "".join(chr(ord(c) + 0xFEE0) for c in AWS_KEY)
     "AKIA\u202eIOSFODNN7\u202cEXAMPLE",  # bidi override and pop
     "AKIA\u00adIOSFODNN7EXAMPLE",  # soft hyphen
     "AKIA\U000e0041IOSFODNN7EXAMPLE",  # tag character
+    "AKIA\ufe0fIOSF\u034fODNN7EXAMPLE",  # variation selector, combining grapheme joiner
     FULLWIDTH_KEY,
 ])
 async def test_a_secret_behind_invisible_or_fullwidth_characters_is_redacted(hidden: str) -> None:
