@@ -146,3 +146,18 @@ async def test_aggregated_endpoint_redacts_and_blocks(tmp_path: Any) -> None:
         assert b.is_error is True and b.meta["envelope/decision"]["code"] == "guardrail_blocked"
         codes = [rec["code"] for rec in proxy.audit_records() if rec.get("tool") == "echo"]
         assert codes[-2:] == ["ok", "guardrail_blocked"]
+
+
+@pytest.mark.parametrize("hidden", [
+    "AKIA\u200bIOSFODNN7EXAMPLE",  # a zero-width space inside the key
+    "AKIA\u202eIOSFODNN7\u202cEXAMPLE",  # bidi controls
+    "".join(chr(ord(c) + 0xFEE0) for c in AWS_KEY),  # fullwidth forms
+])
+async def test_a_key_behind_invisible_or_fullwidth_characters_is_redacted(pp: ProxyProcess, hidden: str) -> None:
+    async with mcp_client(pp.url("notes"), "auto", bearer=ALICE) as c:
+        r = await c.call_tool("echo", {"text": f"key {hidden}"})
+    assert r.is_error is False
+    assert r.content[0].text == "key [REDACTED:aws_access_key_id]"
+    assert r.structured_content == {"result": "key [REDACTED:aws_access_key_id]"}
+    assert _records(pp, "echo")[-1]["extra"]["guardrails"] == [
+        {"id": "aws_access_key_id", "detector": "aws_access_key_id", "action": "redact", "matches": 2}]

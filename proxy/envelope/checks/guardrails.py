@@ -15,6 +15,13 @@ rule that fires is recorded in the audit record (`guardrails`: rule id, detector
 number of matches; never the matched text) and counted in
 `envelope_guardrail_actions_total{tool,action}`.
 
+A string with characters outside ASCII is also scanned as a reader sees it: compatibility
+forms folded (NFKC: the fullwidth letter U+FF21 is `A`) and invisible format characters removed
+(zero-width spaces and joiners, bidi controls, soft hyphens, tag characters, variation
+selectors). When that view holds more matches than the string, the view is what is judged, and
+for a redaction what is delivered (redacted): a secret cannot hide behind characters a model or
+a person reads through.
+
 Every pattern, built-in or from policy, is compiled with google-re2: matching is linear in the
 text (no backtracking), so no policy regex can hang the proxy. Patterns RE2 cannot express
 (look-around, back-references) or that match the empty string are policy load errors.
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -115,20 +124,70 @@ def _count(text: str, rule: Rule) -> int:
     return sum(1 for _ in rule.regex.finditer(text))
 
 
+# Drawn as nothing but not format characters: the combining grapheme joiner, Hangul fillers,
+# Khmer inherent vowels, variation selectors (Unicode's Default_Ignorable_Code_Point).
+_IGNORABLE = frozenset((0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0,
+                        *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)))
+
+
+def _invisible_class() -> re.Pattern[str]:
+    """One character class of the characters a reader does not see: Unicode's format characters
+    (category Cf: U+00AD, U+200B..U+200F, U+202A..U+202E, U+2060..U+2064, U+FEFF, the tags
+    U+E0001..U+E007F...; none lies outside the two ranges read here) and `_IGNORABLE`, as runs:
+    one class, so matching cannot backtrack."""
+    runs: list[list[int]] = []
+    for cp in (*range(0x20000), *range(0xE0000, 0xE1000)):
+        if cp not in _IGNORABLE and unicodedata.category(chr(cp)) != "Cf":
+            continue
+        if runs and runs[-1][1] == cp - 1:
+            runs[-1][1] = cp
+        else:
+            runs.append([cp, cp])
+    return re.compile("[" + "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}"
+                                    for a, b in runs) + "]")
+
+
+_FORMAT = _invisible_class()
+
+
+def skeleton(text: str) -> str:
+    """`text` as a reader sees it: NFKC-folded, format characters removed (linear time)."""
+    folded = unicodedata.normalize("NFKC", text)
+    return _FORMAT.sub("", folded) if _FORMAT.search(folded) else folded
+
+
 class _Scan:
     def __init__(self, rules: tuple[Rule, ...]):
         self.rules = rules
         self.matches = [0] * len(rules)
         self.changed = False
 
-    def text(self, text: str) -> str:
-        """Count every rule on `text`; return it with the redactions applied."""
+    def _apply(self, text: str) -> tuple[str, list[int]]:
         out = text
-        for i, rule in enumerate(self.rules):
+        counts = []
+        for rule in self.rules:
             if rule.action == "redact":
                 out, n = _redact(out, rule)
             else:  # block and warn judge what the upstream sent, before any redaction
                 n = _count(text, rule)
+            counts.append(n)
+        return out, counts
+
+    def text(self, text: str) -> str:
+        """Count every rule on `text` (or on its `skeleton` when that matches more); return it
+        with the redactions applied."""
+        out, counts = self._apply(text)
+        if not text.isascii():
+            plain = skeleton(text)
+            if plain != text:
+                plain_out, plain_counts = self._apply(plain)
+                hidden = [b > a for a, b in zip(counts, plain_counts, strict=True)]
+                if any(hidden):
+                    counts = plain_counts
+                    # a hidden secret a rule redacts: deliver the reader's view, redacted
+                    if any(h and r.action == "redact" for h, r in zip(hidden, self.rules, strict=True)):
+                        out = plain_out
+        for i, n in enumerate(counts):
             self.matches[i] += n
         if out is not text:
             self.changed = True

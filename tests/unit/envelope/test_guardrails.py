@@ -287,6 +287,46 @@ async def test_warn_and_block_judge_the_text_before_redaction() -> None:
     assert [e["id"] for e in pending.extra["guardrails"]] == ["aws_access_key_id", "aws-seen"]
 
 
+FULLWIDTH_KEY = "".join(chr(ord(c) + 0xFEE0) for c in AWS_KEY)
+
+
+@pytest.mark.parametrize("hidden", [
+    "AKIA\u200bIOSFODNN7EXAMPLE",  # zero-width space
+    "AKIA\u200dIOSF\u2060ODNN7EXAMPLE",  # zero-width joiner, word joiner
+    "AKIA\u202eIOSFODNN7\u202cEXAMPLE",  # bidi override and pop
+    "AKIA\u00adIOSFODNN7EXAMPLE",  # soft hyphen
+    "AKIA\U000e0041IOSFODNN7EXAMPLE",  # tag character
+    "AKIA\ufe0fIOSF\u034fODNN7EXAMPLE",  # variation selector, combining grapheme joiner
+    FULLWIDTH_KEY,
+])
+async def test_a_secret_behind_invisible_or_fullwidth_characters_is_redacted(hidden: str) -> None:
+    pending = _Pending(_doc(SECRETS))
+    reply = _text(f"key: {hidden} (\uff44\uff4f not share)")
+    guarded = await guard_reply(pending, reply)
+    assert guarded.changed and guarded.decision is None
+    # the reader's view is delivered, redacted
+    assert reply["result"]["content"][0]["text"] == "key: [REDACTED:aws_access_key_id] (do not share)"
+    assert pending.extra["guardrails"] == [
+        {"id": "aws_access_key_id", "detector": "aws_access_key_id", "action": "redact", "matches": 1}]
+
+
+async def test_a_hidden_secret_in_a_key_is_blocked_and_warned() -> None:
+    pending = _Pending(_doc([{"detector": "aws_access_key_id", "action": "block"},
+                             {"pattern": "AKIA[A-Z0-9]{16}", "id": "aws-seen", "action": "warn"}]))
+    guarded = await guard_reply(pending, _reply({"content": [], "_meta": {FULLWIDTH_KEY: 1}}))
+    assert guarded.decision is not None and guarded.decision.code == Code.GUARDRAIL_BLOCKED
+    assert [e["id"] for e in pending.extra["guardrails"]] == ["aws_access_key_id", "aws-seen"]
+
+
+async def test_non_ascii_text_without_a_hidden_secret_is_delivered_as_sent() -> None:
+    pending = _Pending(_doc(SECRETS))
+    text = f"\uff46\uff55\uff4c\uff4c \ufb01\u200b na\u00efve \u2014 key {AWS_KEY}"
+    reply = _text(text)
+    await guard_reply(pending, reply)
+    # only the plain match is redacted; the other characters stay as the upstream sent them
+    assert reply["result"]["content"][0]["text"] == text.replace(AWS_KEY, "[REDACTED:aws_access_key_id]")
+
+
 async def test_policy_pattern_redacts_with_its_id_and_secret_group() -> None:
     pending = _Pending(_doc([{"pattern": r"acct-(?P<secret>\d{8})", "id": "account", "action": "redact"}]))
     reply = _text("pay acct-12345678 and acct-87654321")
