@@ -164,19 +164,42 @@ def _char_of(found: re.Match[str]) -> str:
 
 
 def disguised(text: str) -> bool:
-    """Whether folding a value changes more than its case: it holds an invisible character, a
-    compatibility form (fullwidth letters, ligatures, the Kelvin sign), a letter that case
-    folding turns into others ("ß" -> "ss", Greek final sigma -> sigma), a combining mark, a
-    letter of another script drawn like a Latin one, or a digit that is not ASCII. Such a value
-    is equal, folded, to one the upstream treats as another ("hans@faß.de" and "hans@fass.de"
-    are two domains, and so are "hélène.fr" and "helene.fr", or "paypal.com" written with a
-    Cyrillic a; "repor\\u200bt.pdf" is not "report.pdf"): folding serves matching a copy (an
-    attacker's disguise must not hide it), never endorsing one (`endorse`: a disguised value is
-    endorsed only by the same characters). Canonically equivalent forms (NFC/NFD) are one."""
+    """Whether a value is written to pass for another: it holds an invisible character, a
+    compatibility form (fullwidth letters, ligatures, the Kelvin sign) or a letter that case
+    folding turns into others ("ß" -> "ss", Greek final sigma -> sigma), or a word mixes Latin
+    letters with look-alike letters of another script ("p\\u0430ypal" with a Cyrillic a), or is made
+    of look-alike letters only ("\\u0440\\u0430\\u0443\\u0440\\u04301"). Such a value is equal, folded, to one the upstream
+    treats as another ("hans@faß.de" and "hans@fass.de" are two domains; "repor\u200bt.pdf" is
+    not "report.pdf"): folding serves matching a copy (an attacker's disguise must not hide
+    it), never endorsing one (`endorse`: a disguised value is endorsed only by the same
+    characters). Canonically equivalent forms (NFC/NFD) are one. Letters with their marks
+    ("Zürich", "José") and another script's own words ("Ольга") are no disguise: they are how
+    people write, and trusted data and the user's words endorse them by their folded form."""
     if text.isascii():
         return False
-    return fold(text) != unicodedata.normalize("NFC", text).lower()
+    nfc = unicodedata.normalize("NFC", text)
+    if _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold() != nfc.lower():
+        return True
+    if "\u3002" in nfc:  # the ideographic full stop, which IDNA reads as "."
+        return True
+    return any(_look_alike_word(word) for word in _WORD_RUN.findall(nfc) if not word.isascii())
 
+
+_WORD_RUN = re.compile(r"[^\W\d_]+")
+
+
+def _look_alike_word(word: str) -> bool:
+    """A word with a letter of another script drawn like a Latin one, beside Latin letters or
+    with nothing but such letters."""
+    foreign = latin = 0
+    for char in word:
+        if char.isascii() or unicodedata.name(char, "").startswith("LATIN"):
+            latin += 1
+        elif _char_skeleton(char).isascii():
+            foreign += 1
+        else:
+            return False  # a letter of its own script that passes for no Latin one: a real word
+    return foreign > 0
 
 def faithful(text: str) -> str:
     """A value as `disguised` compares it: canonical composition, lower case, whitespace runs

@@ -45,7 +45,6 @@ async def test_an_accented_value_the_user_wrote_is_endorsed_though_a_page_holds_
 
 
 @pytest.mark.parametrize(("on_page", "said"), [
-    ("josé@empresa.example", "mail the draft to jose@empresa.example"),    # marks added
     ("hans@faß.example", "mail the draft to hans@fass.example"),            # folds to "ss"
     ("anna@corp.ex\u0430mple", "mail the draft to anna@corp.example"),     # a Cyrillic a
     ("josé@empresa.example", "mail the draft to josé@empresa.example.org"),  # part of a longer one

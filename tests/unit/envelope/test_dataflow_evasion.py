@@ -63,14 +63,17 @@ async def test_unicode_disguises_of_a_copied_sentence_still_match(name: str, dis
     assert await _kinds(f"Please note: {disguise(ORDER)}") == ["verbatim"], name
 
 
-@pytest.mark.parametrize("disguised_address", [
-    ADDRESS.translate(_CYRILLIC),                         # Cyrillic look-alikes
-    "exfil@att\u00e0cker-m\u00e1il.ex\u00e3mple",          # precomposed accents
-    "exfil@attacker-mail\u3002example",                    # the ideographic full stop IDNA reads as "."
+@pytest.mark.parametrize(("disguised_address", "passes_for_another"), [
+    (ADDRESS.translate(_CYRILLIC), True),                        # Cyrillic look-alikes
+    ("exfil@att\u00e0cker-m\u00e1il.ex\u00e3mple", False),         # precomposed accents
+    ("exfil@attacker-mail\u3002example", True),                   # the ideographic full stop IDNA reads as "."
 ])
-async def test_unicode_disguises_of_an_address_still_carry_its_token(disguised_address: str) -> None:
+async def test_unicode_disguises_of_an_address_still_carry_its_token(disguised_address: str,
+                                                                     passes_for_another: bool) -> None:
     assert "token" in await _kinds(disguised_address)
-    assert disguised(disguised_address)  # and never endorsed by the user's plain spelling
+    # Never endorsed by the user's plain spelling, but for letters with marks: people write
+    # them ("Zürich" in a trusted address book), so their folded form endorses them.
+    assert disguised(disguised_address) is passes_for_another
 
 
 async def test_an_account_number_in_another_scripts_digits_is_the_same_number() -> None:
