@@ -11,6 +11,10 @@ changes nothing. The Rule-of-Two profile (`principals.<id>.rule_of_two`) then ap
 - `untrusted_input: false` refuses tools whose output is untrusted (`tools.<key>.output`;
   absent: untrusted unless the upstream's trusted annotations say `openWorldHint: false`).
 
+The last two apply to content reads too (`resources/read`, `prompts/get`: `decide_read`, with
+the labels of the policy's `resources:` / `prompts:` entry): a profile's leg is not reached by
+reading a resource instead of calling a tool.
+
 The read-only rule also hides writer tools from `tools/list` (see
 `proxy.envelope.checks.catalogue.visible`, which asks `principal_read_only_rule`).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from proxy.envelope.labels import Label
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, ToolInfo, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
@@ -132,6 +137,29 @@ class CapabilityCheck:
                 Code.CAPABILITY_BLOCKED, self.id,
                 f"principal '{pid}' may not take untrusted input (Rule of Two) and tool "
                 f"'{call.qualified_name}' returns untrusted output",
+                f"principals.{pid}.rule_of_two.untrusted_input",
+            )
+        return None
+
+    def decide_read(self, call: ToolCall, label: Label) -> Decision | None:
+        """Refuse a content read (`resources/read`, `prompts/get`) whose content carries `label`
+        when the principal's Rule-of-Two profile takes that property away; else None."""
+        profile = self._profiles.get(call.principal.id)
+        if profile is None:
+            return None
+        pid, what = call.principal.id, call.request.method
+        if not profile.sensitive_data and label.secret:
+            return deny(
+                Code.CAPABILITY_BLOCKED, self.id,
+                f"principal '{pid}' may not handle sensitive data (Rule of Two) and this "
+                f"{what} returns secret content",
+                f"principals.{pid}.rule_of_two.sensitive_data",
+            )
+        if not profile.untrusted_input and label.untrusted:
+            return deny(
+                Code.CAPABILITY_BLOCKED, self.id,
+                f"principal '{pid}' may not take untrusted input (Rule of Two) and this "
+                f"{what} returns untrusted content",
                 f"principals.{pid}.rule_of_two.untrusted_input",
             )
         return None
