@@ -1,7 +1,11 @@
-"""The Rule of Two on content reads, through the real process: a principal whose profile denies
-sensitive data or untrusted input cannot reach that leg by reading a resource or getting a
-prompt instead of calling a tool (the read is refused `capability_blocked`, never forwarded,
-and its audit record says why); a read the profile allows is delivered."""
+"""Authorization gaps found by the adversarial pass, through the real process:
+
+- the Rule of Two on content reads: a principal whose profile denies sensitive data or untrusted
+  input cannot reach that leg by reading a resource or getting a prompt instead of calling a
+  tool (the read is refused `capability_blocked`, never forwarded, and its audit record says
+  why); a read the profile allows is delivered;
+- a request with two `Authorization` headers is refused 401 (read one way or refused).
+"""
 
 from __future__ import annotations
 
@@ -85,3 +89,19 @@ def test_no_untrusted_input_refuses_an_untrusted_read(proxy: Any, method: str, p
             "principals.noinput.rule_of_two.untrusted_input")
     assert HANDBOOK in str(read(proxy, "noinput", "resources/read", {"uri": "note://handbook/1"}))
     assert HANDBOOK in str(read(proxy, "noinput", "prompts/get", {"name": "house_style"}))
+
+
+def test_two_authorization_headers_are_refused(proxy: Any) -> None:
+    """The proxy verified the first token and a `forward_authorization` upstream could act on the
+    second: a request carrying two is refused 401 before anything is forwarded."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"}}}}
+    headers = [("Authorization", f"Bearer {token('noinput')}"),
+               ("Authorization", f"Bearer {token('nosecret')}"),
+               ("MCP-Protocol-Version", "2026-07-28"), ("Content-Type", "application/json"),
+               ("Accept", "application/json, text/event-stream")]
+    response = httpx.post(proxy.url("h"), timeout=15, json=body, headers=headers)
+    assert response.status_code == 401, response.text
+    one = httpx.post(proxy.url("h"), timeout=15, json=body, headers=headers[1:])
+    assert one.status_code == 200, one.text
