@@ -41,6 +41,7 @@ def proxy(tmp_path: Path, hostile: HostileUpstream) -> Iterator[Any]:
         "version": 1,
         "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
         "defaults": {"unknown_tools": "deny"},
+        "tools": {"h.write_note": {"effect": "write"}},
         "resources": {"h.note://vault/": {"sensitivity": "secret", "output": "trusted"},
                       "h.note://handbook/": {"output": "trusted"}},
         "prompts": {"h.house_style": {"output": "trusted"}},
@@ -105,3 +106,21 @@ def test_two_authorization_headers_are_refused(proxy: Any) -> None:
     assert response.status_code == 401, response.text
     one = httpx.post(proxy.url("h"), timeout=15, json=body, headers=headers[1:])
     assert one.status_code == 200, one.text
+
+
+def test_a_capability_header_given_twice_narrows_when_either_says_read_only(proxy: Any) -> None:
+    """`X-Envelope-Capability` can only narrow: given twice, `read-only` in either narrows (the
+    proxy read only the first, so `read-write` before it kept the call read-write)."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "write_note", "arguments": {"title": "t", "text": "x"}, "_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"}}}}
+    headers = [("Authorization", f"Bearer {token('alice')}"),
+               ("X-Envelope-Capability", "read-write"), ("X-Envelope-Capability", "read-only"),
+               ("MCP-Protocol-Version", "2026-07-28"), ("Content-Type", "application/json"),
+               ("Accept", "application/json, text/event-stream")]
+    answer = httpx.post(proxy.url("h"), timeout=15, json=body, headers=headers).json()
+    decision = answer["result"]["_meta"]["envelope/decision"]
+    assert (decision["code"], decision["rule"]) == ("capability_blocked", "request:X-Envelope-Capability")
+    [rec] = [r for r in proxy.audit_records() if r.get("tool") == "write_note"]
+    assert rec["code"] == "capability_blocked"

@@ -32,6 +32,12 @@ from proxy.policy.vocab import Effect
 READ_ONLY_HEADER = "X-Envelope-Capability"
 
 
+def narrows(requested: str | None) -> bool:
+    """Whether `X-Envelope-Capability` (every value, comma-separated when given more than once)
+    asks for read-only: one `read-only` among them narrows, whatever the others say."""
+    return "read-only" in {v.strip().lower() for v in (requested or "").split(",")}
+
+
 def principal_read_only_rule(revision: PolicyRevision, principal_id: str) -> str | None:
     """The policy rule that makes the principal read-only, or None (read-write).
 
@@ -105,7 +111,7 @@ class CapabilityCheck:
         pid = call.principal.id
         rule = self._read_only.get(pid) if pid in self._listed else self._default_rule
         narrowed = False
-        if rule is None and (call.capability_requested or "").strip().lower() == "read-only":
+        if rule is None and narrows(call.capability_requested):
             rule, narrowed = f"request:{READ_ONLY_HEADER}", True
         effect = call.effect or Effect.DESTRUCTIVE
         if rule is not None and effect is not Effect.READ:
