@@ -173,6 +173,11 @@ class Identity:
 
     @staticmethod
     def _bearer(headers: Mapping[str, str]) -> str:
+        getall = getattr(headers, "getall", None)
+        if getall is not None and len(getall("authorization", ())) > 1:
+            # The proxy would verify one and a `forward_authorization` upstream may act on the
+            # other: a request read two ways is refused, as for two Host headers.
+            raise IdentityError("more than one Authorization header")
         value = _header(headers, "authorization")
         if not value:
             raise IdentityError("missing bearer token (Authorization header)")

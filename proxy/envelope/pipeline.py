@@ -188,6 +188,19 @@ class Chain:
         return UNKNOWN_TOOL_LABEL
 
 
+    def decide_read(self, call: ToolCall) -> Decision | None:
+        """The capability check's refusal of a client's `resources/read` or `prompts/get` (the
+        Rule of Two on the labels of what it reads), or None. Never raises: a failure refuses."""
+        if call.request.method not in ("resources/read", "prompts/get"):
+            return None
+        check = next((c for c in self.checks if isinstance(c, capability.CapabilityCheck)), None)
+        if check is None:
+            return None
+        try:
+            return check.decide_read(call, self.subject(call).labels.base)
+        except Exception as exc:
+            return self._failed(check, call, exc)
+
     def subject(self, call: ToolCall) -> Subject:
         """Whose content the upstream's answer to `call` is (labels, guardrails, ledger source):
         the tool's for `tools/call` (and for `tasks/result` of a task the front knows), the
@@ -368,11 +381,16 @@ class Envelope(Completion):
         self._prepare(pending)
         self.complete_soon(pending, None)
 
-    def begin_read(self, call: ToolCall) -> Pending:
+    def begin_read(self, call: ToolCall, requested: bool = False) -> Pending:
         """Open a content read (`resources/read`, `prompts/get`, `tasks/result`): allowed unless
-        nothing can be decided or audited; its answer is inspected and audited by `complete`."""
+        nothing can be decided or audited, or (a read the client `requested`) the principal's
+        Rule-of-Two profile refuses its content's labels; its answer is inspected and audited by
+        `complete`. A failure of that check refuses the read (`internal_error`)."""
         started = time.perf_counter()
-        decision = self._unavailable() or READ_ALLOWED
+        decision = self._unavailable()
+        if decision is None and requested and self._chain is not None:
+            decision = self._chain.decide_read(call)
+        decision = decision or READ_ALLOWED
         pending = Pending(call, self._chain, decision, started, time.perf_counter() - started)
         self._prepare(pending)
         return pending

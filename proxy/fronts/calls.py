@@ -141,9 +141,19 @@ def tool_call_from(headers: Mapping[str, str], msg: Message, route: Route, tool:
                             headers={h: headers[h] for h in selected if h in headers}),
         idempotency_key=idempotency_key(headers, params),
         shadow_requested=headers.get("X-Envelope-Shadow", "").strip().lower() in TRUE,
-        capability_requested=headers.get("X-Envelope-Capability"),
+        capability_requested=_all_values(headers, "X-Envelope-Capability"),
         intent=headers.get("X-Envelope-Intent"),
     )
+
+
+def _all_values(headers: Mapping[str, str], name: str) -> str | None:
+    """Every value of a header given more than once, joined by commas (as HTTP folds them):
+    a narrowing header any of whose values narrows must not be read from its first only."""
+    getall = getattr(headers, "getall", None)
+    if getall is None:
+        return headers.get(name)
+    values = getall(name, ())
+    return ", ".join(values) if values else None
 
 
 def read_from(headers: Mapping[str, str], method: str, params: Mapping[str, Any], route: Route,

@@ -347,7 +347,7 @@ class McpFront:
         call = calls.read_from(request.headers, method, msg.params, self._route(request, target),
                                principal, tool)
         call.effect = Effect.READ
-        pending = self.envelope.begin_read(call)
+        pending = self.envelope.begin_read(call, requested=True)
         downstream = Downstream(request, None, self._downstream_headers)
         outcome = await self.ctx.executor.run(pending, self._request(request, target, msg, body), downstream)
         return await render.respond(outcome, msg.id, stateless=calls.is_stateless(request.headers, msg),

@@ -11,6 +11,10 @@ changes nothing. The Rule-of-Two profile (`principals.<id>.rule_of_two`) then ap
 - `untrusted_input: false` refuses tools whose output is untrusted (`tools.<key>.output`;
   absent: untrusted unless the upstream's trusted annotations say `openWorldHint: false`).
 
+The last two apply to content reads too (`resources/read`, `prompts/get`: `decide_read`, with
+the labels of the policy's `resources:` / `prompts:` entry): a profile's leg is not reached by
+reading a resource instead of calling a tool.
+
 The read-only rule also hides writer tools from `tools/list` (see
 `proxy.envelope.checks.catalogue.visible`, which asks `principal_read_only_rule`).
 """
@@ -19,12 +23,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from proxy.envelope.labels import Label
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, ToolInfo, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
 from proxy.policy.vocab import Effect
 
 READ_ONLY_HEADER = "X-Envelope-Capability"
+
+
+def narrows(requested: str | None) -> bool:
+    """Whether `X-Envelope-Capability` (every value, comma-separated when given more than once)
+    asks for read-only: one `read-only` among them narrows, whatever the others say."""
+    return "read-only" in {v.strip().lower() for v in (requested or "").split(",")}
 
 
 def principal_read_only_rule(revision: PolicyRevision, principal_id: str) -> str | None:
@@ -100,7 +111,7 @@ class CapabilityCheck:
         pid = call.principal.id
         rule = self._read_only.get(pid) if pid in self._listed else self._default_rule
         narrowed = False
-        if rule is None and (call.capability_requested or "").strip().lower() == "read-only":
+        if rule is None and narrows(call.capability_requested):
             rule, narrowed = f"request:{READ_ONLY_HEADER}", True
         effect = call.effect or Effect.DESTRUCTIVE
         if rule is not None and effect is not Effect.READ:
@@ -132,6 +143,29 @@ class CapabilityCheck:
                 Code.CAPABILITY_BLOCKED, self.id,
                 f"principal '{pid}' may not take untrusted input (Rule of Two) and tool "
                 f"'{call.qualified_name}' returns untrusted output",
+                f"principals.{pid}.rule_of_two.untrusted_input",
+            )
+        return None
+
+    def decide_read(self, call: ToolCall, label: Label) -> Decision | None:
+        """Refuse a content read (`resources/read`, `prompts/get`) whose content carries `label`
+        when the principal's Rule-of-Two profile takes that property away; else None."""
+        profile = self._profiles.get(call.principal.id)
+        if profile is None:
+            return None
+        pid, what = call.principal.id, call.request.method
+        if not profile.sensitive_data and label.secret:
+            return deny(
+                Code.CAPABILITY_BLOCKED, self.id,
+                f"principal '{pid}' may not handle sensitive data (Rule of Two) and this "
+                f"{what} returns secret content",
+                f"principals.{pid}.rule_of_two.sensitive_data",
+            )
+        if not profile.untrusted_input and label.untrusted:
+            return deny(
+                Code.CAPABILITY_BLOCKED, self.id,
+                f"principal '{pid}' may not take untrusted input (Rule of Two) and this "
+                f"{what} returns untrusted content",
                 f"principals.{pid}.rule_of_two.untrusted_input",
             )
         return None
