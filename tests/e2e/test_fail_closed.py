@@ -24,6 +24,17 @@ async def _titles(url: str) -> list[str]:
     return [note["title"] for note in result.structured_content["result"]]
 
 
+def _readiness_becomes(proxy: Any, status: int) -> httpx.Response:
+    """/readyz once it answers `status` (polled for up to ~10 s); fails if it never does."""
+    for _ in range(100):
+        ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
+        if ready.status_code == status:
+            return ready
+        time.sleep(0.1)
+    assert ready.status_code == status, ready.text
+    return ready
+
+
 def test_unwritable_audit_log_refuses_calls_and_fails_readiness(tmp_path: Path, sse_upstream: Any) -> None:
     audit_dir = tmp_path / "state" / "audit"
     audit_dir.mkdir(parents=True)
@@ -126,12 +137,7 @@ def test_a_state_db_removed_under_the_process_fails_readiness(tmp_path: Path) ->
             assert httpx.get(f"{proxy.admin}/readyz", timeout=5).status_code == 200
             for path in proxy.state_dir.glob("state.db*"):
                 path.unlink()
-            for _ in range(100):
-                ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
-                if ready.status_code == 503:
-                    break
-                time.sleep(0.1)
-            assert ready.status_code == 503, ready.text
+            ready = _readiness_becomes(proxy, 503)
             assert "removed or replaced under the running process" in " ".join(ready.json()["reasons"])
             body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "fetch", "arguments": {}}}
             served = rpc(proxy.url("counted"), body, headers={"X-Envelope-Run": "run-after-rm"})
@@ -154,21 +160,11 @@ def test_a_state_db_that_cannot_be_written_fails_readiness(tmp_path: Path) -> No
             holder = sqlite3.connect(db, timeout=0.1)
             holder.execute("BEGIN IMMEDIATE")
             try:
-                for _ in range(100):
-                    ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
-                    if ready.status_code == 503:
-                        break
-                    time.sleep(0.1)
-                assert ready.status_code == 503, ready.text
+                ready = _readiness_becomes(proxy, 503)
                 reasons = " ".join(ready.json()["reasons"])
                 assert "database is locked" in reasons, reasons
             finally:
                 holder.rollback()
                 holder.close()
-            for _ in range(100):
-                ready = httpx.get(f"{proxy.admin}/readyz", timeout=5)
-                if ready.status_code == 200:
-                    break
-                time.sleep(0.1)
-            assert ready.status_code == 200, ready.text
+            ready = _readiness_becomes(proxy, 200)
             assert "state store (sqlite) unavailable" in proxy.log()
