@@ -238,3 +238,20 @@ def test_the_skeleton_is_the_same_whether_a_text_holds_few_or_many_characters_no
 async def test_disguises_main_already_folded_still_match(name: str, disguise: Any) -> None:
     assert await _kinds(f"Please note: {disguise(ORDER)}") == ["verbatim"], name
     assert "token" in await _kinds(disguise(ADDRESS)), name
+
+
+@pytest.mark.parametrize(("value", "passes_for_another"), [
+    ("Gartenweg 3, 8004 Z\u00fcrich", False),        # letters with their marks: how people write
+    ("Jose\u0301 Lima", False),                       # the same, decomposed
+    ("\u041e\u043b\u044c\u0433\u0430 \u041f\u0435\u0442\u0440\u043e\u0432\u0430", False),  # Cyrillic words of their own
+    ("Room \u0664\u0662", False),                     # another script's digits
+    ("p\u0430ypal.example", True),                    # Latin letters with a Cyrillic look-alike
+    ("\u0440\u0430\u0443\u0440\u0430", True),          # look-alike letters only
+    ("hans@fa\u00df.example", True),                  # folds into other letters
+    ("repor\u200bt.pdf", True),                       # an invisible character
+    ("\uff21\uff22\uff23", True),                     # fullwidth letters
+    ("exfil@attacker-mail\u3002example", True),       # the ideographic full stop
+    ("plain ascii", False),
+])
+def test_a_disguise_is_a_value_written_to_pass_for_another(value: str, passes_for_another: bool) -> None:
+    assert disguised(value) is passes_for_another
