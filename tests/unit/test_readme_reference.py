@@ -1,0 +1,176 @@
+"""What the program accepts is documented, and what README names is accepted: every policy and
+runtime config key (the pydantic models, recursively) is named in README; every flag of every
+`envelope-proxy` command has help text in `--help`, and every flag README shows after an
+`envelope-proxy <command>` is one that command accepts; every `ENVELOPE_*` / `OTEL_*` variable
+the code names is in README or in a `--help`."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from proxy.cli import build_parser
+from proxy.config import Config
+from proxy.policy.model import PolicyDocument
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+# -- policy and runtime config keys -----------------------------------------------------------
+
+
+def _models(annotation: object) -> Iterator[type[BaseModel]]:
+    """The pydantic models a field's type holds (`dict[str, Tool]`, `Tool | None`, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+        return
+    for arg in typing.get_args(annotation):
+        yield from _models(arg)
+
+
+def _keys(model: type[BaseModel], path: str, seen: set[type[BaseModel]]) -> Iterator[tuple[str, str]]:
+    """(dotted path, key) of every field of `model` and of the models below it, each model once."""
+    if model in seen:
+        return
+    seen.add(model)
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        yield f"{path}.{key}", key
+        for sub in _models(field.annotation):
+            yield from _keys(sub, f"{path}.{key}", seen)
+
+
+def _named(key: str) -> bool:
+    """`key` is in README as a code span holding it as a word, or as a YAML key."""
+    word = re.escape(key)
+    return bool(re.search(rf"`[^`\n]*(?<![\w-]){word}(?![\w-])[^`\n]*`", README)
+                or re.search(rf"(?m)^\s*(?:- )?{word}:", README)
+                or re.search(rf"[{{,]\s*{word}:", README))
+
+
+KEYS = [*_keys(PolicyDocument, "policy", set()), *_keys(Config, "config", set())]
+
+
+def test_key_walk_finds_nested_keys() -> None:
+    # A walk that stopped at the top would make the test below vacuous.
+    paths = {path for path, _ in KEYS}
+    assert {"policy.tools.rules.forbid", "policy.dataflow.on_tainted",
+            "config.identity.groups_claim", "config.listener.underscore_headers"} <= paths
+
+
+@pytest.mark.parametrize("path,key", KEYS, ids=[path for path, _ in KEYS])
+def test_every_policy_and_config_key_is_in_readme(path: str, key: str) -> None:
+    assert _named(key), f"README never names `{key}` ({path})"
+
+
+# -- commands and flags -----------------------------------------------------------------------
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command line prefix (`serve`, `audit verify`, ...) and its parser."""
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(prefix: str, parser: argparse.ArgumentParser) -> None:
+        found[prefix] = parser
+        for name, sub in _subparsers(parser).items():
+            walk(f"{prefix} {name}".strip(), sub)
+
+    walk("", build_parser())
+    return found
+
+
+COMMANDS = _commands()
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS), ids=lambda c: c or "envelope-proxy")
+def test_every_flag_has_help(command: str) -> None:
+    parser = COMMANDS[command]
+    helpless = [a.option_strings[0] for a in parser._actions if a.option_strings
+                and (not a.help or a.help == argparse.SUPPRESS)
+                and not re.search(rf"`[^`\n]*{re.escape(a.option_strings[0])}\b", README)]
+    assert helpless == [], f"`envelope-proxy {command}`: flags neither in --help nor in README"
+
+
+# `envelope-proxy <words> ...` in README: the command line up to a comment, a pipe, `&&` or the end
+# of the code span or line.
+INVOCATION = re.compile(r"envelope-proxy ((?:[a-z]+ ?){1,2})([^`#|&\n]*)")
+
+
+def _readme_invocations() -> list[tuple[str, str, set[str]]]:
+    found = []
+    for m in INVOCATION.finditer(README):
+        words = m.group(1).split()
+        command = next((" ".join(words[:n]) for n in (2, 1) if " ".join(words[:n]) in COMMANDS),
+                       None)
+        if command is None:
+            continue
+        tail = (m.group(0).split(" -- ", 1)[0])  # a stdio server's own flags follow `--`
+        flags = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", tail))
+        found.append((m.group(0).strip(), command, flags))
+    return found
+
+
+def test_readme_invocations_found() -> None:
+    invocations = _readme_invocations()
+    assert len(invocations) >= 30
+    assert any(command == "approvals approve" for _, command, _ in invocations)
+
+
+def test_every_flag_readme_shows_is_accepted() -> None:
+    wrong = []
+    for line, command, flags in _readme_invocations():
+        accepted = _flags(COMMANDS[command])
+        # `approvals list --admin URL`: the options of `approvals` are accepted after its verbs.
+        if " " in command:
+            accepted |= _flags(COMMANDS[command.split()[0]])
+        unknown = flags - accepted
+        if unknown:
+            wrong.append(f"{line!r}: {sorted(unknown)}")
+    assert wrong == []
+
+
+# -- environment variables --------------------------------------------------------------------
+
+VARIABLE = re.compile(r"(?:ENVELOPE|OTEL)_[A-Z0-9_]*[A-Z0-9]")
+
+
+def _variables_in_code() -> set[str]:
+    """Every `ENVELOPE_*` / `OTEL_*` name that is a string constant in proxy/ (what code reads:
+    `environ.get("...")`, a table of names), not one only a comment mentions."""
+    names: set[str] = set()
+    for path in (ROOT / "proxy").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if VARIABLE.fullmatch(node.value):
+                    names.add(node.value)
+    return names
+
+
+def _help_texts() -> str:
+    return "\n".join(parser.format_help() for parser in COMMANDS.values())
+
+
+def test_every_environment_variable_is_documented() -> None:
+    names = _variables_in_code()
+    assert {"ENVELOPE_CONFIG", "ENVELOPE_APPROVER_TOKEN", "OTEL_SDK_DISABLED"} <= names
+    documented = set(VARIABLE.findall(README)) | set(VARIABLE.findall(_help_texts()))
+    assert sorted(names - documented) == []
