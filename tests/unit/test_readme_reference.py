@@ -174,3 +174,22 @@ def test_every_environment_variable_is_documented() -> None:
     assert {"ENVELOPE_CONFIG", "ENVELOPE_APPROVER_TOKEN", "OTEL_SDK_DISABLED"} <= names
     documented = set(VARIABLE.findall(README)) | set(VARIABLE.findall(_help_texts()))
     assert sorted(names - documented) == []
+
+
+# -- layout -----------------------------------------------------------------------------------
+
+
+def test_layout_names_every_package_and_module() -> None:
+    # A newcomer looking for where something lives starts at the Layout table.
+    layout = README.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w./]+)`", layout))
+    entries = [p for p in sorted((ROOT / "proxy").iterdir())
+               if (p.is_dir() and (p / "__init__.py").exists())
+               or (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))]
+    missing = []
+    for path in entries:
+        rel = f"proxy/{path.name}" + ("/" if path.is_dir() else "")
+        # A package is named whole or by one of its modules (`proxy/app/runtime.py`).
+        if rel not in named and not any(n.startswith(rel) for n in named):
+            missing.append(rel)
+    assert missing == [], f"README's Layout does not name {missing}"
