@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from e2e_helpers import fixture_policy, upstream_server, write_doc
 
@@ -157,3 +158,63 @@ def test_exposition_parser_reads_labels(name: str) -> None:
     types, labels = exposition(text)
     assert types == {name: "counter"}
     assert labels[name] == {"upstream", "tool", "verdict", "code"}
+
+
+# -- who may read what on the admin listener --------------------------------------------------
+
+ROUTE = re.compile(r'add_(get|post)\(\s*"([^"]+)"')
+
+
+def readme_admin_access() -> dict[tuple[str, str], bool]:
+    """README's "Who may read what" table: (method, path pattern) -> needs an approver token.
+    Patterns keep README's spelling (`<id>`, a trailing `*` for a family of routes); a pattern
+    with no method (`/v1/approvals*`) stands for every method ("*")."""
+    section = README.read_text(encoding="utf-8").split("Who may read what on the admin listener", 1)[1]
+    rows: dict[tuple[str, str], bool] = {}
+    for line in section.split("\n\n", 2)[1].splitlines()[2:]:
+        endpoints, token = (c.strip() for c in line.strip().strip("|").split("|"))
+        for span in re.findall(r"`([^`]*/[^`]*)`", endpoints):
+            method, _, path = span.rpartition(" ")
+            rows[(method or "*", path)] = token != "none"
+    return rows
+
+
+def _matches(pattern: str, route: str) -> bool:
+    """README's `/v1/approvals*` or `/v1/decisions/<id>` against a route `/v1/decisions/{id}`."""
+    regex = re.escape(pattern.rstrip("/")).replace(r"\*", ".*")
+    regex = re.sub(r"<[^>]+>", "[^/]+", regex.replace(r"\<", "<").replace(r"\>", ">"))
+    return re.fullmatch(regex, re.sub(r"\{[^}]+\}", "x", route).rstrip("/")) is not None
+
+
+def test_readme_admin_table_names_every_admin_route() -> None:
+    rows = readme_admin_access()
+    assert len(rows) >= 12
+    routes = {(m.upper(), path) for source in (ROOT / "proxy" / "admin").glob("*.py")
+              for m, path in ROUTE.findall(source.read_text(encoding="utf-8"))}
+    assert len(routes) >= 20
+    unlisted = sorted(r for r in routes if not any(
+        method in (r[0], "*") and _matches(pattern, r[1]) for method, pattern in rows))
+    assert unlisted == [], "admin routes README's access table does not name"
+
+
+def test_readme_admin_table_matches_a_running_proxy(tmp_path: Path) -> None:
+    """Each endpoint of the table without a token: 401 when the table says it needs one, never
+    401 when it says none; with an approver token, never 401."""
+    from tests.harness import ADMIN_TOKEN
+
+    rows = readme_admin_access()
+    with upstream_server("sse") as up, proxy_process(tmp_path, {"notes": up.url}) as proxy:
+        wrong = []
+        for (method, pattern), guarded in rows.items():
+            method = "GET" if method == "*" else method
+            path = re.sub(r"<[^>]+>", "x", pattern).replace("*", "")
+            if path.endswith("/static/"):
+                path += "x.js"
+            for token in (None, ADMIN_TOKEN):
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                reply = httpx.request(method, proxy.admin + path, headers=headers,
+                                      json={} if method == "POST" else None, timeout=10)
+                refused = reply.status_code == 401
+                if refused != (guarded and token is None):
+                    wrong.append(f"{method} {path} token={bool(token)}: {reply.status_code}")
+    assert wrong == []
