@@ -193,3 +193,30 @@ def test_layout_names_every_package_and_module() -> None:
         if rel not in named and not any(n.startswith(rel) for n in named):
             missing.append(rel)
     assert missing == [], f"README's Layout does not name {missing}"
+
+
+# -- stated defaults --------------------------------------------------------------------------
+
+UNITS = {"MiB": 2**20, "KiB": 2**10, "s": 1}
+
+
+def _value(text: str) -> object:
+    """`4 MiB` -> 4194304, `10 s` -> 10, `64` -> 64, `drop` -> "drop"."""
+    m = re.fullmatch(r"([\d.]+)(?: (MiB|KiB|s))?", text)
+    if not m:
+        return text
+    number = float(m.group(1)) * UNITS[m.group(2) or "s"]
+    return int(number) if number.is_integer() else number
+
+
+def test_limits_table_defaults_are_the_config_defaults() -> None:
+    section = README.split("### Limits", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)\.(\w+)` \| ([^|]+?) \|", section, flags=re.M)
+    assert len(rows) >= 12
+    config = Config()
+    wrong = []
+    for group, key, stated in rows:
+        actual = getattr(getattr(config, group), key)
+        if _value(stated) != actual:
+            wrong.append(f"{group}.{key}: README {stated!r}, code {actual!r}")
+    assert wrong == []
