@@ -220,3 +220,21 @@ def test_limits_table_defaults_are_the_config_defaults() -> None:
         if _value(stated) != actual:
             wrong.append(f"{group}.{key}: README {stated!r}, code {actual!r}")
     assert wrong == []
+
+
+# -- reason codes -----------------------------------------------------------------------------
+
+
+def test_every_reason_code_is_in_the_refusal_table() -> None:
+    # "What a refusal looks like" is where a client author looks up a code they received.
+    from proxy.envelope.types import Code
+
+    section = README.split("## What a refusal looks like", 1)[1].split("\n## ", 1)[0]
+    in_table = set(re.findall(r"^\| `([a-z_]+)`", section, flags=re.M))
+    in_table |= {c for row in re.findall(r"^\| `([a-z_]+)` / `([a-z_]+)`", section, flags=re.M)
+                 for c in row}
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    assert {"unknown_tool", "upstream_timeout"} <= in_table
+    refusals = {c.value for c in Code} - {"ok", "replayed", "shadowed"}
+    assert sorted(refusals - in_table) == [], "codes the refusal table does not list"
+    assert {"ok", "replayed", "shadowed"} <= named
