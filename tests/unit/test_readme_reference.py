@@ -238,3 +238,38 @@ def test_every_reason_code_is_in_the_refusal_table() -> None:
     refusals = {c.value for c in Code} - {"ok", "replayed", "shadowed"}
     assert sorted(refusals - in_table) == [], "codes the refusal table does not list"
     assert {"ok", "replayed", "shadowed"} <= named
+
+
+# -- misconfigurations and weak spots -----------------------------------------------------------
+
+
+def _table_after(heading: str, first_column: str) -> list[list[str]]:
+    """The cells of the first table after `heading` whose header starts with `first_column`."""
+    section = README.split(heading, 1)[1]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().strip("`") for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_misconfiguration_table_is_the_catalogue_rules() -> None:
+    from proxy.envelope.checks.catalogue import TOOL_RULES
+
+    rows = _table_after("### Misconfigured tools", "layer")
+    documented = {(layer, kind) for layer, kind, *_ in rows}
+    # `unknown_tool` is reported (hidden and refused as unknown) without being a tool rule.
+    assert documented == {(r.layer, r.id) for r in TOOL_RULES} | {("registry", "unknown_tool")}
+
+
+def test_weak_spot_table_is_what_check_reports() -> None:
+    source = (ROOT / "proxy" / "envelope" / "checks" / "catalogue.py").read_text(encoding="utf-8")
+    kinds = {call.args[1].value for call in ast.walk(ast.parse(source))
+             if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "WeakSpot"
+             and len(call.args) > 1 and isinstance(call.args[1], ast.Constant)}
+    assert len(kinds) >= 5
+    documented = {row[0] for row in _table_after("### Misconfigured tools", "kind")}
+    assert documented == kinds
