@@ -84,12 +84,13 @@ def add_approvals_parser(sub: Any) -> None:
     asub = approvals.add_subparsers(dest="approvals_command", required=True, metavar="SUBCOMMAND")
     ls = asub.add_parser("list", help="list approvals (default: pending ones)", parents=[common])
     ls.add_argument("--state", default="pending",
-                    choices=["pending", "approved", "denied", "expired", "consumed", "all"])
+                    choices=["pending", "approved", "denied", "expired", "consumed", "all"],
+                    help="the approvals in this state (default pending)")
     show = asub.add_parser("show", help="show one approval, with the call's arguments", parents=[common])
     show.add_argument("id")
     approve = asub.add_parser("approve", help="approve one call (optionally granting similar calls)", parents=[common])
     approve.add_argument("id")
-    approve.add_argument("--reason", required=True)
+    approve.add_argument("--reason", required=True, help="why (recorded with the decision)")
     approve.add_argument("--grant", choices=["tool", "run"], default=None,
                          help="also grant later calls of the same principal and tool (and run, for run)")
     approve.add_argument("--grant-args", default=None, metavar="JSON",
@@ -98,7 +99,8 @@ def add_approvals_parser(sub: Any) -> None:
                          help="how long the grant lasts (e.g. 30m; default 1h)")
     deny = asub.add_parser("deny", help="deny one call", parents=[common])
     deny.add_argument("id")
-    deny.add_argument("--reason", required=True)
+    deny.add_argument("--reason", required=True,
+                      help="why (recorded, and told to the agent in the refusal)")
     asub.add_parser("grants", help="list active grants", parents=[common])
     approvals.set_defaults(handler=cmd_approvals)
 

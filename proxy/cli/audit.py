@@ -106,7 +106,8 @@ def _add_audit_read_parsers(audit_sub: Any) -> None:
                     "records (following rotation) until Ctrl-C.")
     tail.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="how many records (default 10)")
     tail.add_argument("-f", "--follow", action="store_true", help="keep printing records as they are written")
-    tail.add_argument("--interval", type=float, default=0.25, help=argparse.SUPPRESS)
+    tail.add_argument("--interval", type=float, default=0.25, metavar="SECONDS",
+                      help="with -f, how often to look for new records (default 0.25)")
     tail.set_defaults(handler=cmd_audit_read)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ def add_check_parser(sub: Any) -> None:
                                        "intent, gates the intent waives, arguments no check judges); reported, "
                                        "never failing.")
     check.add_argument("directory", type=Path)
-    check.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None)
+    check.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None,
+                       help="CEL engine (env ENVELOPE_CEL_ENGINE; default auto)")
     check.add_argument("--strict", action="store_true",
                        help="also exit 1 when a tool is misconfigured (it can never run) or a principal's "
                             "rule_of_two holds all three properties")
@@ -111,7 +113,8 @@ def add_test_parser(sub: Any) -> None:
                       help="report the tools, rules, allow expressions and fallbacks no case exercised")
     test.add_argument("--threshold", type=float, default=None, metavar="PCT",
                       help="fail when coverage is below PCT percent (implies --coverage)")
-    test.add_argument("--format", choices=["text", "json"], default="text")
+    test.add_argument("--format", choices=["text", "json"], default="text",
+                      help="text (default) or one JSON document (cases, failures, problems, coverage)")
     test.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None,
                       help="CEL engine (env ENVELOPE_CEL_ENGINE; default auto)")
     test.set_defaults(handler=cmd_test)
@@ -141,12 +144,15 @@ def add_replay_parser(sub: Any) -> None:
     replay.add_argument("file", type=Path, help="the record file (JSON lines)")
     replay.add_argument("--policies", type=Path, required=True, metavar="DIR",
                         help="the policy directory to decide under")
-    replay.add_argument("--format", choices=["text", "json"], default="text")
+    replay.add_argument("--format", choices=["text", "json"], default="text",
+                        help="text (default) or one JSON document (changes, summary, revisions)")
     replay.add_argument("--fail-on-change", action="store_true",
                         help="exit 1 when any decision changes")
     replay.add_argument("--config", type=Path, metavar="FILE", default=None,
                         help="runtime config whose approvals/idempotency settings apply (optional)")
-    replay.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None)
+    replay.add_argument("--cel-engine", choices=["auto", "cel-cpp", "cel-python"], default=None,
+                        help="CEL engine (env ENVELOPE_CEL_ENGINE, else the --config file's "
+                             "cel_engine; default auto)")
     replay.set_defaults(handler=cmd_replay)
 
 
@@ -162,7 +168,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"envelope-proxy replay: {exc}", file=sys.stderr)
         return 2
     try:
-        revision = load_policy(args.policies, engine=args.cel_engine or config.cel_engine)
+        # The precedence `serve` gives it: the flag, the environment, the config file.
+        engine = args.cel_engine or os.environ.get("ENVELOPE_CEL_ENGINE") or config.cel_engine
+        revision = load_policy(args.policies, engine=engine)
     except PolicyError as exc:
         for problem in exc.problems:
             print(problem, file=sys.stderr)

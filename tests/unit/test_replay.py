@@ -232,3 +232,18 @@ def test_load_records_reports_file_and_line(tmp_path: Path) -> None:
         load_records(path)
     path.write_text(good + "\n" + good[:20])  # a crash mid-write: the torn tail is skipped
     assert [r["_line"] for r in load_records(path)] == [1]
+
+
+def test_replay_cli_takes_the_cel_engine_from_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # README: "Force one with ENVELOPE_CEL_ENGINE"; `check` and `test` did, `replay` ignored it.
+    from proxy.cli import main
+
+    records = tmp_path / "calls.jsonl"
+    records.write_text("")
+    policies = str(Path(__file__).resolve().parents[1] / "fixtures" / "policies")
+    monkeypatch.setenv("ENVELOPE_CEL_ENGINE", "no-such-engine")
+    assert main(["replay", "--policies", policies, str(records)]) == 2
+    assert "unknown CEL engine 'no-such-engine'" in capsys.readouterr().err
+    # The flag beats the environment.
+    assert main(["replay", "--policies", policies, "--cel-engine", "auto", str(records)]) == 0
