@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import codecs
 import functools
 import itertools
 import logging
@@ -272,10 +273,33 @@ def textual(mime: object) -> bool:
     return isinstance(mime, str) and _TEXT_TYPES.match(mime) is not None
 
 
+# Base64 characters decoded first to tell binary bytes from text: an image is not decoded whole
+# to learn that it is not UTF-8 (64 KB of base64: ~0.25 ms saved).
+SNIFF_CHARS = 4096
+
+
+def _binary_head(value: str) -> bool:
+    """Whether the first bytes of base64 `value` are not UTF-8 (a cut sequence at their end is
+    not held against them); False when they cannot be decoded alone (the whole is tried)."""
+    if len(value) <= SNIFF_CHARS:
+        return False
+    try:
+        head = base64.b64decode(value[:SNIFF_CHARS], validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 def _decoded(value: str, mime: object) -> str | None:
     """The text a base64 `value` carries, or None: not base64, or bytes that are not text (not
     of a `textual` type and not valid UTF-8). In bytes of a textual type that are not UTF-8 the
     invalid bytes read as U+FFFD (a redaction re-encodes them so)."""
+    if not textual(mime) and _binary_head(value):
+        return None
     try:
         data = base64.b64decode(value, validate=False)
     except (binascii.Error, ValueError):

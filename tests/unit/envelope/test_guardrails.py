@@ -483,6 +483,10 @@ def _b64(data: bytes) -> str:
      ("resource", "blob")),
     # no textual type, but the bytes are UTF-8 text: a client may show them
     ({"type": "audio", "mimeType": "audio/wav", "data": _b64(f"transcript: {AWS_KEY}".encode())}, ("data",)),
+    # longer than the head read first to tell binary from text (`SNIFF_CHARS`), a cut
+    # character at the head's end
+    ({"type": "audio", "mimeType": "audio/wav",
+      "data": _b64(("x" + "\u00e9" * 1600 + AWS_KEY).encode())}, ("data",)),
     ({"type": "image", "mimeType": "image/svg+xml",
       "data": _b64(f"<svg><text>{AWS_KEY}</text></svg>".encode())}, ("data",)),
 ])
@@ -507,9 +511,10 @@ async def test_a_secret_in_base64_text_is_blocked_in_resource_contents() -> None
     assert guarded.decision is not None and guarded.decision.code is Code.GUARDRAIL_BLOCKED
 
 
-async def test_a_binary_image_is_delivered_as_sent() -> None:
+@pytest.mark.parametrize("size", [0, 8192])
+async def test_a_binary_image_is_delivered_as_sent(size: int) -> None:
     # PNG bytes (not UTF-8) that happen to hold a key's letters: an image, not text
-    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + AWS_KEY.encode() + b"\xff\xfe\x00"
+    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\x00" * size + AWS_KEY.encode() + b"\xff\xfe\x00"
     pending = _Pending(_doc(default_guardrails=SECRETS))
     reply = _reply({"content": [{"type": "image", "mimeType": "image/png", "data": _b64(png)}]})
     guarded = await guard_reply(pending, reply)
