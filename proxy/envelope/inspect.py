@@ -63,7 +63,9 @@ UNTRUSTED = Label(untrusted=True, secret=False)
 # the hop to a thread (bench/RESULTS.md "Guardrails off the event loop").
 INLINE_SCAN_CHARS = 2048
 # A scan not done after this many seconds withholds its message (fail closed). Linear in the
-# text: 10 MB of the costliest text took 2-13 s (the default reply cap is 32 MiB).
+# text: 10 MB of the costliest text took 2-13 s alone, 29-40 s sharing the GIL with hundreds of
+# other calls on an overloaded machine (load 10 on 2 cores); prose ~0.25 s. The default reply
+# cap is 32 MiB: that much hostile text may be withheld, never delivered unread.
 SCAN_TIMEOUT = 60.0
 # Walk no deeper into a payload than this when collecting text for the ledger (the front caps
 # JSON depth on requests; upstream replies are parsed by orjson, which caps at 1024).

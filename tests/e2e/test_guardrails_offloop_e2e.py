@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from e2e_helpers import write_doc
 from scripted_upstream import Script, ScriptedUpstream, scripted_server
@@ -62,6 +63,7 @@ def result(*texts: str) -> dict[str, Any]:
 
 
 def call(client: Client, tool: str) -> dict[str, Any]:
+    client.http.timeout = httpx.Timeout(120)  # the huge reply's scan takes seconds on a busy machine
     return client.call(tool, {})
 
 
