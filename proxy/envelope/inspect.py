@@ -14,19 +14,30 @@ and the server-to-client requests and notifications relayed in a stream. Three s
 3. what will be delivered is recorded in the run's data-flow ledger with the subject's labels
    (untrusted unless the policy says otherwise), before delivery.
 
-Steps 1 and 2 are synchronous (`scan`); step 3 waits for the store (`record`). The envelope
+Steps 1 and 2 are `scan` (on the event loop for a small message, in a worker thread for a
+large one); step 3 waits for the store (`record`). The envelope
 (`proxy.envelope.pipeline.Envelope`) runs them and decides what a failure means; fronts only
 hand messages in and deliver what comes out.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.envelope.checks.guardrails import UNCHANGED, Guarded, Rule, compiled, scan_payload
+from proxy.envelope.checks.guardrails import (
+    UNCHANGED,
+    Guarded,
+    Rule,
+    ScanTimeout,
+    compiled,
+    payload_chars,
+    scan_payload,
+)
 from proxy.envelope.dataflow.ledger import (
     LedgerDelta,
     RecentWrites,
@@ -34,7 +45,7 @@ from proxy.envelope.dataflow.ledger import (
     record,
     widen_parent,
 )
-from proxy.envelope.dataflow.offload import delta_of
+from proxy.envelope.dataflow.offload import delta_of, sized
 from proxy.envelope.labels import Label, OutputLabels, Piece, ToolLabels, pieces
 from proxy.envelope.types import RunContext, ToolCall, run_key
 from proxy.policy.compiled import PolicyRevision
@@ -45,6 +56,17 @@ log = logging.getLogger("envelope.inspect")
 
 NAMESPACE = "envelope/"
 UNTRUSTED = Label(untrusted=True, secret=False)
+# A message of at most this many characters is scanned on the event loop, a larger one in a
+# worker thread (`Inspector.scan`). The costliest text per character for the built-in detectors
+# (`api_key=` over and over, or text dense in zero-width characters: read twice) costs about
+# 1 ms per KB, so this bounds the loop's time to ~2 ms, against ~0.03 ms of the loop's for
+# the hop to a thread (bench/RESULTS.md "Guardrails off the event loop").
+INLINE_SCAN_CHARS = 2048
+# A scan not done after this many seconds withholds its message (fail closed). Linear in the
+# text: 10 MB of the costliest text took 2-13 s alone, 29-40 s sharing the GIL with hundreds of
+# other calls on an overloaded machine (load 10 on 2 cores); prose ~0.25 s. The default reply
+# cap is 32 MiB: that much hostile text may be withheld, never delivered unread.
+SCAN_TIMEOUT = 60.0
 # Walk no deeper into a payload than this when collecting text for the ledger (the front caps
 # JSON depth on requests; upstream replies are parsed by orjson, which caps at 1024).
 MAX_DEPTH = 256
@@ -290,9 +312,30 @@ class Inspector:
         """Anything else an upstream sends (untrusted, `defaults.guardrails`)."""
         return self._content(f"{upstream}.{what}", None, what)
 
-    # -- the synchronous steps -------------------------------------------------------------
+    # -- steps 1 and 2 ---------------------------------------------------------------------
 
-    def scan(self, subject: Subject, message: dict[str, Any], raw: bytes | None = None) -> Scan:
+    async def scan(self, subject: Subject, message: dict[str, Any], raw: bytes | None = None) -> Scan:
+        """`scan_now`, in a worker thread when the message holds more than INLINE_SCAN_CHARS
+        characters (its bytes when `raw` is given, else its strings and keys), so that a large
+        reply does not stall every other client of the process (`offload.sized`: the same
+        mechanism as the ledger's fingerprinting). Never raises: a scan that fails, or that has
+        not ended within SCAN_TIMEOUT seconds, is `Scan.error` (the caller withholds the message;
+        a thread still running goes on to its end, linear in the text, and its result is dropped)."""
+        work = functools.partial(self.scan_now, subject, message, raw)
+        if not subject.rules:  # no guardrail: only `envelope/*` meta to strip, a walk of the keys
+            return work()
+        size = len(raw) if raw is not None else payload_chars(message, INLINE_SCAN_CHARS)
+        if size <= INLINE_SCAN_CHARS:
+            return work()
+        try:
+            return await asyncio.wait_for(sized(work, size, bound=INLINE_SCAN_CHARS), SCAN_TIMEOUT)
+        except Exception as exc:  # fail closed: the content is withheld
+            if isinstance(exc, TimeoutError):
+                exc = ScanTimeout(f"the guardrails did not finish within {SCAN_TIMEOUT:g} s")
+            log.error("inspection of %s failed", subject.source, exc_info=exc)
+            return Scan(error=exc)
+
+    def scan_now(self, subject: Subject, message: dict[str, Any], raw: bytes | None = None) -> Scan:
         """Strip forged `envelope/*` meta and run the subject's guardrails on `message` (in
         place). `raw`, the bytes it was parsed from, lets a message that cannot hold such a key
         skip the walk. Never raises: a guardrail failure is `Scan.error` (the caller withholds)."""

@@ -319,7 +319,7 @@ class Completion:
         subject = pending.subject
         if subject is None:  # no policy: nothing can inspect it
             return "refuse", NOT_FORWARDED, None, None
-        scan = self._scan(pending, subject, reply.message, reply.raw)
+        scan = await self._scan(pending, subject, reply.message, reply.raw)
         refusal = withheld_by(scan)
         if refusal is not None:
             await self._clear_pending(pending)
@@ -331,11 +331,11 @@ class Completion:
             return "refuse", refusal, None, None
         return "deliver", pending.decision, reply.message, (None if scan.changed else reply.raw)
 
-    def _scan(self, pending: Pending, subject: Subject, message: dict[str, Any],
-              raw: bytes | None = None) -> Scan:
+    async def _scan(self, pending: Pending, subject: Subject, message: dict[str, Any],
+                    raw: bytes | None = None) -> Scan:
         chain = pending.chain
         assert chain is not None
-        scan = chain.inspector.scan(subject, message, raw)
+        scan = await chain.inspector.scan(subject, message, raw)
         if scan.guarded.fired:
             pending.notes.add_guarded(scan.guarded)
         if scan.stripped:
@@ -511,7 +511,7 @@ class Completion:
         subject = pending.subject
         if subject is None:
             return Relayed(message, False, NOT_FORWARDED)
-        scan = self._scan(pending, subject, message)
+        scan = await self._scan(pending, subject, message)
         refusal = withheld_by(scan)
         if refusal is None:
             refusal = await self._record(pending, subject, message, done=False)
@@ -528,7 +528,7 @@ class Completion:
         subject = pending.subject
         if pending.decision.refused or subject is None:  # no policy, or the audit log is down
             return Relayed(message, False, pending.decision if pending.decision.refused else NOT_FORWARDED)
-        scan = self._scan(pending, subject, message)
+        scan = await self._scan(pending, subject, message)
         refusal = withheld_by(scan)
         if refusal is None and record:
             refusal = await self._record(pending, subject, message, done=False)

@@ -185,12 +185,14 @@ async def asking_of(tool: str, texts: list[str], executor: Executor | None = Non
     return await _off_loop(work, executor)
 
 
-async def sized(work: Callable[[], T], chars: int, executor: Executor | None = None) -> T:
-    """`work()`, in a worker thread when the texts it reads hold more than INLINE_CHARS
-    characters: matching a sink call's arguments against the run's ledger (`DataflowCheck.
+async def sized(work: Callable[[], T], chars: int, executor: Executor | None = None, *,
+                bound: int = INLINE_CHARS) -> T:
+    """`work()`, in a worker thread when the texts it reads hold more than `bound` characters
+    (INLINE_CHARS: matching a sink call's arguments against the run's ledger (`DataflowCheck.
     findings`, the fingerprints it asks the store for) walks every gram of them, ~0.2 ms per
-    KB (a 60 KB argument held the loop ~11 ms of a 12 ms check)."""
-    if chars <= INLINE_CHARS:
+    KB (a 60 KB argument held the loop ~11 ms of a 12 ms check); the output guardrails pass
+    their own, `proxy.envelope.inspect.INLINE_SCAN_CHARS`)."""
+    if chars <= bound:
         return work()
     return await _off_loop(work, executor)
 

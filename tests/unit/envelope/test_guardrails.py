@@ -4,8 +4,11 @@ on what is delivered and on the audit record."""
 
 from __future__ import annotations
 
+import base64
 import json
 import textwrap
+import threading
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -433,3 +436,143 @@ def test_a_good_policy_loads_and_compiles_on_re2(tmp_path: Path) -> None:
     rules = rules_for(revision, "docs.fetch")
     assert [r.id for r in rules][-1] == "evil"
     assert all(engine_of(r.regex) == "re2" for r in rules)
+
+
+# -- one text across blocks, base64 text, large replies off the event loop -------------------
+
+
+async def test_a_secret_cut_across_two_text_blocks_is_redacted_where_it_starts() -> None:
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    reply = _text(f"key id {AWS_KEY[:8]}", f"{AWS_KEY[8:]} (rotate it)", "a third block")
+    guarded = await guard_reply(pending, reply)
+    blocks = reply["result"]["content"]
+    assert guarded.changed and guarded.decision is None
+    # what a model reads, the blocks in order, holds the marker and no piece of the key
+    assert [b["text"] for b in blocks] == ["key id [REDACTED:aws_access_key_id]", " (rotate it)",
+                                           "a third block"]
+    assert pending.extra["guardrails"] == [
+        {"id": "aws_access_key_id", "detector": "aws_access_key_id", "action": "redact", "matches": 1}]
+
+
+async def test_a_secret_cut_across_text_blocks_is_blocked_and_a_match_inside_one_counts_once() -> None:
+    pending = _Pending(_doc([{"detector": "aws_access_key_id", "action": "block", "id": "keys"},
+                             {"detector": "aws_secret_access_key", "action": "warn"}]))
+    reply = _text(f"aws_secret_access_key = {AWS_SECRET}", "", f"then {AWS_KEY[:4]}", f"{AWS_KEY[4:]}.")
+    guarded = await guard_reply(pending, reply)
+    assert guarded.decision is not None and guarded.decision.code is Code.GUARDRAIL_BLOCKED
+    assert pending.extra["guardrails"] == [
+        {"id": "keys", "detector": "aws_access_key_id", "action": "block", "matches": 1},
+        {"id": "aws_secret_access_key", "detector": "aws_secret_access_key", "action": "warn", "matches": 1}]
+
+
+async def test_a_secret_cut_across_blocks_behind_an_invisible_character_is_redacted() -> None:
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    reply = _text(f"id {AWS_KEY[:6]}\u200b", f"{AWS_KEY[6:]}!")
+    await guard_reply(pending, reply)
+    assert [b["text"] for b in reply["result"]["content"]] == ["id [REDACTED:aws_access_key_id]", "!"]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(("block", "where"), [
+    ({"type": "resource", "resource": {"uri": "file:///creds.env", "mimeType": "text/plain",
+                                       "blob": _b64(f"AWS_KEY={AWS_KEY}\n".encode())}}, ("resource", "blob")),
+    ({"type": "resource", "resource": {"uri": "file:///c.json", "mimeType": "application/json",
+                                       "blob": _b64(f'{{"id": "{AWS_KEY}", "n": "\xe9"}}'.encode("latin-1"))}},
+     ("resource", "blob")),
+    # no textual type, but the bytes are UTF-8 text: a client may show them
+    ({"type": "audio", "mimeType": "audio/wav", "data": _b64(f"transcript: {AWS_KEY}".encode())}, ("data",)),
+    # longer than the head read first to tell binary from text (`SNIFF_CHARS`), a cut
+    # character at the head's end
+    ({"type": "audio", "mimeType": "audio/wav",
+      "data": _b64(("x" + "\u00e9" * 1600 + AWS_KEY).encode())}, ("data",)),
+    ({"type": "image", "mimeType": "image/svg+xml",
+      "data": _b64(f"<svg><text>{AWS_KEY}</text></svg>".encode())}, ("data",)),
+])
+async def test_a_secret_in_base64_text_is_redacted_and_re_encoded(block: dict[str, Any], where: tuple[str, ...]) -> None:
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    reply = _reply({"content": [block], "isError": False})
+    guarded = await guard_reply(pending, reply)
+    node = reply["result"]["content"][0]
+    for key in where:
+        node = node[key]
+    decoded = base64.b64decode(node)
+    assert guarded.changed and AWS_KEY.encode() not in decoded
+    assert b"[REDACTED:aws_access_key_id]" in decoded
+    assert pending.extra["guardrails"][0]["matches"] == 1
+
+
+async def test_a_secret_in_base64_text_is_blocked_in_resource_contents() -> None:
+    pending = _Pending(_doc([{"detector": "secrets", "action": "block"}]))
+    reply = _reply({"contents": [{"uri": "file:///k", "mimeType": "application/x-yaml",
+                                  "blob": _b64(f"key: {AWS_KEY}".encode())}]})
+    guarded = await guard_reply(pending, reply)
+    assert guarded.decision is not None and guarded.decision.code is Code.GUARDRAIL_BLOCKED
+
+
+@pytest.mark.parametrize("size", [0, 8192])
+async def test_a_binary_image_is_delivered_as_sent(size: int) -> None:
+    # PNG bytes (not UTF-8) that happen to hold a key's letters: an image, not text
+    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\x00" * size + AWS_KEY.encode() + b"\xff\xfe\x00"
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    reply = _reply({"content": [{"type": "image", "mimeType": "image/png", "data": _b64(png)}]})
+    guarded = await guard_reply(pending, reply)
+    assert not guarded.changed and guarded.decision is None
+    assert base64.b64decode(reply["result"]["content"][0]["data"]) == png
+
+
+async def test_a_large_reply_is_scanned_in_a_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.envelope.inspect as inspect_module
+
+    threads: list[int] = []
+    real = inspect_module.scan_payload
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(inspect_module, "scan_payload", recording)
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    small = _text(f"id {AWS_KEY}")
+    await guard_reply(pending, small)
+    large = _text("x" * inspect_module.INLINE_SCAN_CHARS + f" id {AWS_KEY}")
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    guarded = await guard_reply(pending, large)
+    assert threads[0] == threading.get_ident() and threads[1] != threading.get_ident()
+    assert guarded.changed and large["result"]["content"][0]["text"].endswith("id [REDACTED:aws_access_key_id]")
+
+
+async def test_a_scan_that_does_not_end_in_time_withholds_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.envelope.inspect as inspect_module
+
+    release = threading.Event()
+
+    def stuck(*args: Any) -> Any:
+        release.wait(10)
+        raise AssertionError("never delivered")
+
+    monkeypatch.setattr(inspect_module, "scan_payload", stuck)
+    monkeypatch.setattr(inspect_module, "SCAN_TIMEOUT", 0.05)
+    pending = _Pending(_doc(default_guardrails=SECRETS))
+    try:
+        guarded = await guard_reply(pending, _text("x" * (inspect_module.INLINE_SCAN_CHARS + 1)))
+    finally:
+        release.set()
+    decision = guarded.decision
+    assert decision is not None and decision.code is Code.INTERNAL_ERROR and decision.check == "guardrails"
+    assert "did not finish within 0.05 s" in decision.reason and "withheld" in decision.reason
+    record = pending.record()
+    assert record["code"] == "internal_error" and "did not finish" in record["reason"]
+    assert 'envelope_check_errors_total{check="guardrails"} 1.0' in pending.metrics.render()[0].decode()
+
+
+@pytest.mark.parametrize("piece", ["e\u0301", "\uff21\u200b", "\u1100\u1161\u11a8", "a\u0323\u0302",
+                                   "\u00c5\u212b", "\ufb01x", "\u3000"])
+def test_a_long_text_folds_in_chunks_as_it_would_whole(piece: str) -> None:
+    from proxy.envelope.checks.guardrails import _FORMAT, SKELETON_CHUNK, skeleton
+
+    for shift in range(len(piece) + 2):  # the piece astride every cut
+        text = ("x" * (SKELETON_CHUNK - shift) + piece) * 3 + "\u4e00" * 10
+        assert skeleton(text) == _FORMAT.sub("", unicodedata.normalize("NFKC", text))
