@@ -887,3 +887,31 @@ async def test_a_long_intent_still_picks_its_entry() -> None:
                                     {"to": "DE44 5001 0517 5407 3249 31"})
     assert decision is None, decision
     assert call.audit_extra["tainted_run"]["endorsed"][0]["by"] == "intent+trusted_listing"
+
+
+class _Counted(str):
+    """A string that counts how often it is searched for another (`x in self`)."""
+
+    searched = 0
+
+    def __contains__(self, other: object) -> bool:
+        _Counted.searched += 1
+        return str.__contains__(self, other)  # type: ignore[operator]
+
+
+def test_many_candidates_of_one_string_are_not_compared_pairwise() -> None:
+    """A pointed document an attacker wrote may hold thousands of addresses: past MAX_DISTINCT
+    the values of one string are not compared with each other (5,800 addresses compared pairwise
+    took seconds of the event loop), and every field that could hold one counts as holding one
+    (a choice of several, fail closed). Counted, not timed."""
+    from proxy.envelope.dataflow.endorse import MAX_DISTINCT, _holds_candidate, maximal
+    many = {_Counted(f"{i:04d}@hh.co") for i in range(5800)}
+    _Counted.searched = 0
+    assert maximal(many) == many
+    assert _holds_candidate("pay 0007@hh.co", many)
+    assert not _holds_candidate("pay the bill", many)
+    assert _Counted.searched == 0
+    few = {_Counted(f"{i:04d}@hh.co") for i in range(MAX_DISTINCT - 1)} | {_Counted("hh.co")}
+    _Counted.searched = 0
+    assert maximal(few) == few - {"hh.co"}
+    assert 0 < _Counted.searched <= len(few) ** 2
