@@ -317,6 +317,26 @@ async def test_run_grant_is_bound_to_the_run_and_exact_json_values() -> None:
     assert_refusal(await w.decide(w.call(args={"n": 1}, run="run-2")), Code.APPROVAL_PENDING)
 
 
+async def test_a_short_grant_given_later_leaves_a_longer_one_in_force() -> None:
+    # The grants of one principal and tool share one index hash, with one expiry: a grant of
+    # 0.2 s given after one of 30 min must not take the longer one's index entry with it.
+    w = World()
+    given = []
+    for folder, duration in (("drafts", "30m"), ("inbox", "200ms")):
+        await w.decide(w.call(args={"title": folder, "folder": folder}))
+        [pending] = await w.service.approvals("pending")
+        _, grant = await w.service.decide(
+            pending.id, approver="alice", approve=True, reason="ok",
+            grant=GrantRequest.parse({"scope": "tool", "args": {"folder": folder}, "duration": duration},
+                                     CONFIG.max_grant_duration))
+        given.append(grant)
+    await asyncio.sleep(0.4)
+    later = w.call(args={"title": "later", "folder": "drafts"})
+    assert await w.decide(later) is None
+    assert later.audit_extra["grant_id"] == given[0].id  # type: ignore[union-attr]
+    assert_refusal(await w.decide(w.call(args={"title": "later", "folder": "inbox"})), Code.APPROVAL_PENDING)
+
+
 def test_grant_request_validation() -> None:
     for bad in ({"scope": "everything"}, {"scope": "tool", "args": []}, {"scope": "tool", "extra": 1},
                 {"scope": "tool", "duration": "2d"}, {"scope": "tool", "duration": "48h"}, "tool"):
