@@ -175,10 +175,16 @@ class Approval:
 
     def encode(self) -> bytes:
         """The stored record (without the arguments when they are stored apart: the same bytes
-        for a head and for the approval read whole, which compare-and-set relies on)."""
-        if not self.apart:
-            return _canonical(asdict(self))
-        return _canonical({**{f.name: getattr(self, f.name) for f in fields(self)}, "arguments": None})
+        for a head and for the approval read whole, which compare-and-set relies on). Size and
+        preview unset are left out: a record of the previous version encodes as it was stored
+        (consuming an approval it approved compares these bytes)."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("arguments_bytes", "arguments_preview"):
+            if record[name] is None:
+                del record[name]
+        if self.apart:
+            record["arguments"] = None
+        return _canonical(record)
 
     @classmethod
     def decode(cls, raw: bytes) -> Approval:
