@@ -222,6 +222,8 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
                 return _error(exc.status, str(exc))
             return unavailable(exc)
         now = service.clock()
+        if approval.apart:  # answered whole: the arguments `asked` read apart
+            approval = approval.with_arguments(asked.arguments)
         data = await asyncio.to_thread(approval.view, now)
         if granted is not None:
             data["grant"] = granted.view(now)
@@ -238,11 +240,12 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         if isinstance(who, web.Response):
             return who
         try:
-            found = await service.grants()
+            found, truncated = await service.grant_listing()
         except StoreError as exc:
             return unavailable(exc)
         now = service.clock()
-        return _json({"grants": [g.view(now) for g in found if now < g.expires_at]})
+        return _json({"grants": [g.view(now) for g in found if now < g.expires_at],
+                      "truncated": truncated})
 
     app.router.add_get("/v1/approvals", list_approvals, expect_handler=expect)
     app.router.add_get("/v1/approvals/{id}", show, expect_handler=expect)

@@ -264,7 +264,7 @@ def _add_recent_route(app: web.Application, status: Any, approvals: Any) -> None
             return _json({"error": f"limit must be between 1 and {RECENT_MAX}"}, 400)
         approval_id = request.match_info["id"]
         try:
-            approval = await approvals.get(approval_id)
+            approval = await approvals.head(approval_id)
         except StoreError as exc:
             return _json({"error": f"the state store is unavailable: {exc}"}, 503)
         if approval is None:

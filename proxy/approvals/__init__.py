@@ -8,9 +8,11 @@ An approval is bound to the call's principal, run, upstream, tool and argument d
        |                    |
        +--deny--> denied    +-- past expires_at --> expired (pending too)
 
-State lives in the `Store` (namespaces `approval`: id -> record, `approval_by_call`: binding
-key -> id, `grant`: id -> grant), so every replica sees every decision; transitions are
-compare-and-set on the record's bytes. The store's own expiry only garbage-collects: records
+State lives in the `Store` (namespaces `approval`: id -> record, `approval_arguments`: id ->
+arguments over 8 KiB, stored apart so the record stays small, `approval_by_call`: binding key ->
+id, `grant`: id -> grant; hashes `approval_pending`: the pending ids, `grant_index`: the grants a
+call can match, by principal, upstream, tool and run), so every replica sees every decision;
+transitions are compare-and-set on the record's bytes. The store's own expiry only garbage-collects: records
 stay listed for `approvals.retention` after they expire, and "expired" is computed from
 `expires_at`, so it needs no writer.
 

@@ -7,7 +7,7 @@ import hashlib
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
 import orjson
@@ -19,6 +19,14 @@ from proxy.policy.vocab import parse_duration
 NS_APPROVAL = "approval"
 NS_BY_CALL = "approval_by_call"
 NS_GRANT = "grant"
+# Arguments over `LIST_ARGUMENTS_BYTES`, stored apart from their approval (same id, same expiry
+# or a little later): the record then keeps their size and the list's preview, so listing,
+# polling and deciding read and rewrite a few KiB, never the arguments.
+NS_ARGUMENTS = "approval_arguments"
+# The grants' index: one store hash per principal, upstream, tool and run (`grant_key`), grant id
+# -> the grant. A call reads the two hashes it can match (tool scope, its run's scope), never
+# the first 1,000 grants of the store.
+NS_GRANT_INDEX = "grant_index"
 
 State = Literal["pending", "approved", "denied", "expired", "consumed"]
 STATES: tuple[State, ...] = ("pending", "approved", "denied", "expired", "consumed")
@@ -142,6 +150,18 @@ class Approval:
     # which the released call's record names as `extra.approval_record`. None: undecided, decided
     # in-band (the call's own record carries it), or a record written before the field existed.
     decision_record: str | None = None
+    # Arguments over LIST_ARGUMENTS_BYTES (compact JSON) are stored apart (`NS_ARGUMENTS`): the
+    # record holds `arguments` null, their size and the list's preview (their first
+    # LIST_ARGUMENTS_BYTES as indented JSON). Read whole (`ApprovalService.get`), an approval has
+    # its arguments; read as a head (listing, polling), `{}` and the preview. None, None: the
+    # arguments are in the record (small ones, and records written before session 14).
+    arguments_bytes: int | None = None
+    arguments_preview: str | None = None
+
+    @property
+    def apart(self) -> bool:
+        """Whether the arguments are stored apart from the record."""
+        return self.arguments_preview is not None
 
     @property
     def binding(self) -> CallBinding:
@@ -154,11 +174,40 @@ class Approval:
         return self.state
 
     def encode(self) -> bytes:
-        return _canonical(asdict(self))
+        """The stored record (without the arguments when they are stored apart: the same bytes
+        for a head and for the approval read whole, which compare-and-set relies on). Size and
+        preview unset are left out: a record of the previous version encodes as it was stored
+        (consuming an approval it approved compares these bytes)."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("arguments_bytes", "arguments_preview"):
+            if record[name] is None:
+                del record[name]
+        if self.apart:
+            record["arguments"] = None
+        return _canonical(record)
 
     @classmethod
     def decode(cls, raw: bytes) -> Approval:
-        return cls(**orjson.loads(raw))
+        """A stored record; arguments stored apart read as `{}` (a head)."""
+        data = orjson.loads(raw)
+        if data.get("arguments") is None:
+            data["arguments"] = {}
+        return cls(**data)
+
+    def with_arguments(self, arguments: dict[str, Any]) -> Approval:
+        """This approval with its arguments (read apart) in place."""
+        return replace(self, arguments=arguments)
+
+    @staticmethod
+    def cut(arguments: dict[str, Any], cut_at: int = LIST_ARGUMENTS_BYTES) -> tuple[int, str | None]:
+        """(size of `arguments` as compact JSON, the preview of their first `cut_at` bytes as
+        indented JSON, or None when they are not larger than `cut_at`)."""
+        size = len(orjson.dumps(arguments))
+        if size <= cut_at:
+            return size, None
+        head = orjson.dumps(arguments, option=orjson.OPT_INDENT_2)[:cut_at]
+        # A character cut in two is dropped whole ("ignore" can only meet it at the end).
+        return size, head.decode("utf-8", errors="ignore")
 
     def view(self, now: float, cut_at: int | None = None) -> dict[str, Any]:
         """The JSON shape of the admin API (state as of `now`), with the arguments as the
@@ -170,20 +219,32 @@ class Approval:
         view then carries `arguments` and `hidden_characters` null and, as `arguments_text`, a
         preview: their first `cut_at` bytes as indented JSON, hidden characters escaped (no longer
         JSON; an escape makes a hidden character up to six characters long). An approver decides
-        on the view read by id, never on a preview."""
-        size = len(orjson.dumps(self.arguments))
+        on the view read by id, never on a preview.
+
+        A head (arguments stored apart, not read) always gives the preview: it has no more."""
+        # Arguments stored apart are never empty (they are over LIST_ARGUMENTS_BYTES).
+        head_only = self.apart and not self.arguments
+        size = self.arguments_bytes if self.arguments_bytes is not None else len(orjson.dumps(self.arguments))
         # Shallow: the answer is serialised at once (`asdict` would copy the arguments first).
-        view = {f.name: getattr(self, f.name) for f in fields(self)}
+        view = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "arguments_preview"}
         view.update(state=self.effective_state(now), arguments_bytes=size)
-        if cut_at is not None and size > cut_at:
-            head = orjson.dumps(self.arguments, option=orjson.OPT_INDENT_2)[:cut_at]
-            # A character cut in two is dropped whole ("ignore" can only meet it at the end).
-            preview = revealed(head.decode("utf-8", errors="ignore"))
-            return {**view, "arguments": None, "arguments_text": preview,
+        if head_only or (cut_at is not None and size > cut_at):
+            if self.apart and (head_only or cut_at == LIST_ARGUMENTS_BYTES):
+                text = self.arguments_preview
+            else:
+                text = self.cut(self.arguments, cut_at or LIST_ARGUMENTS_BYTES)[1]
+            return {**view, "arguments": None, "arguments_text": revealed(text or ""),
                     "hidden_characters": None, "arguments_truncated": True}
         return {**view, "arguments_text": revealed_json(self.arguments),
                 "hidden_characters": hidden_characters(self.arguments),
                 "arguments_truncated": False}
+
+
+def grant_key(principal: str, upstream: str, tool: str, run: str | None) -> str:
+    """The grants' index key of the grants a call of `principal` to `upstream`.`tool` may match:
+    run None for tool-scoped grants, else those of that run. A fixed-length digest (names may
+    hold any character)."""
+    return hashlib.sha256(orjson.dumps([principal, upstream, tool, run])).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +274,11 @@ class Grant:
             return False
         # Exact JSON equality: canonical bytes, so 1 != true and key order does not matter.
         return all(k in arguments and _canonical(arguments[k]) == _canonical(v) for k, v in self.args.items())
+
+    @property
+    def key(self) -> str:
+        """Its hash in the grants' index (`NS_GRANT_INDEX`)."""
+        return grant_key(self.principal, self.upstream, self.tool, self.run if self.scope == "run" else None)
 
     def encode(self) -> bytes:
         return _canonical(asdict(self))

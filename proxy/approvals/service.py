@@ -10,11 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.records import (
     NS_APPROVAL,
+    NS_ARGUMENTS,
     NS_BY_CALL,
     NS_GRANT,
+    NS_GRANT_INDEX,
     Approval,
     ApprovalConflict,
     ApprovalNotFound,
@@ -23,6 +27,7 @@ from proxy.approvals.records import (
     GrantRequest,
     SelfApproval,
     State,
+    grant_key,
     new_approval_id,
 )
 from proxy.config import ApprovalsConfig
@@ -43,6 +48,15 @@ _PENDING_KEY = "index"
 # answer says `truncated`.
 LIST_LIMIT = 1000
 MAX_PENDING = 10_000
+# Arguments stored apart outlive their record by this much (a record never names arguments
+# already gone: its own expiry is recomputed, from the same times, at every transition).
+_ARGUMENTS_MARGIN = 60.0
+# The most grants one index hash (a principal's grants for one tool, or for one tool in one run)
+# is read with; past it a grant may go unfound (fail closed: the call asks for an approval).
+MAX_GRANTS_PER_KEY = 10_000
+# Grants written before the index (session 14) are indexed once per process, the first time a
+# call looks for one: at most this many.
+LEGACY_GRANTS = 100_000
 
 
 @dataclass
@@ -59,31 +73,49 @@ class ApprovalService:
     notifier: ApprovalNotifier | None = None
     metrics: Any = None
     clock: Callable[[], float] = time.time
+    _legacy_grants: asyncio.Lock | None = field(default=None, init=False, repr=False)
+    _legacy_indexed: bool = field(default=False, init=False, repr=False)
 
     # -- reading ----------------------------------------------------------------------------
 
     async def get(self, approval_id: str) -> Approval | None:
+        """The approval whole (with its arguments, also when stored apart); None when the store
+        no longer has it, or no longer has its arguments (it cannot be shown or decided)."""
+        approval = await self.head(approval_id)
+        if approval is None or not approval.apart:
+            return approval
+        raw = await self.store.get(NS_ARGUMENTS, approval_id)
+        if raw is None:
+            log.warning("approval %s: its arguments are gone from the store; treated as gone", approval_id)
+            return None
+        return approval.with_arguments(orjson.loads(raw))
+
+    async def head(self, approval_id: str) -> Approval | None:
+        """The approval's record only: arguments stored apart are not read (`{}`; the view shows
+        their preview). Enough for its state, its binding and every transition."""
         raw = await self.store.get(NS_APPROVAL, approval_id)
         return None if raw is None else Approval.decode(raw)
 
     async def for_call(self, binding: CallBinding) -> Approval | None:
-        """The approval bound to this call, if one was requested and is still kept."""
+        """The approval bound to this call (its head: `head`), if one was requested and is
+        still kept."""
         approval_id = await self.store.get(NS_BY_CALL, binding.key)
         if approval_id is None:
             return None
-        approval = await self.get(approval_id.decode())
+        approval = await self.head(approval_id.decode())
         if approval is None or approval.binding != binding:  # gone, or a (never seen) collision
             return None
         return approval
 
     async def approvals(self, state: State | None = None) -> list[Approval]:
-        """Approvals (in their state as of now), oldest first (see `listing`)."""
+        """Approvals (heads, in their state as of now), oldest first (see `listing`)."""
         return (await self.listing(state))[0]
 
     async def listing(self, state: State | None = None) -> tuple[list[Approval], bool]:
-        """Approvals (in their state as of now), oldest first, and whether there were more than
-        were read: pending ones from the index (every one up to `MAX_PENDING`), others from the
-        first `LIST_LIMIT` records of the store, in no set order."""
+        """Approvals (heads: arguments stored apart are not read, see `head`; in their state as
+        of now), oldest first, and whether there were more than were read: pending ones from the
+        index (every one up to `MAX_PENDING`), others from the first `LIST_LIMIT` records of the
+        store, in no set order."""
         now = self.clock()
         if state == "pending":
             return await self._pending(now)
@@ -117,7 +149,7 @@ class ApprovalService:
         found: list[Approval] = []
         stale: list[bytes] = []
         for approval_id in ids:
-            approval = await self.get(approval_id)
+            approval = await self.head(approval_id)
             if approval is not None and approval.effective_state(now) == "pending":
                 found.append(approval)
             else:
@@ -136,17 +168,74 @@ class ApprovalService:
             log.warning("approval %s: not removed from the pending index (%s); the next listing "
                         "drops it", approval_id, exc)
 
-    async def grants(self, limit: int = 1000) -> list[Grant]:
-        found = [Grant.decode(raw) for _, raw in await self.store.items(NS_GRANT, limit)]
-        return sorted(found, key=lambda g: (g.created_at, g.id))
+    async def grants(self, limit: int = LIST_LIMIT) -> list[Grant]:
+        """Grants (oldest first), the first `limit` records of the store (see `grant_listing`)."""
+        return (await self.grant_listing(limit))[0]
+
+    async def grant_listing(self, limit: int = LIST_LIMIT) -> tuple[list[Grant], bool]:
+        """Grants, oldest first, from the first `limit` grant records of the store (in no set
+        order), and whether there were more (the admin list; calls find theirs by the index)."""
+        raw = await self.store.items(NS_GRANT, limit + 1)
+        found = [Grant.decode(value) for _, value in raw[:limit]]
+        return sorted(found, key=lambda g: (g.created_at, g.id)), len(raw) > limit
 
     async def find_grant(self, binding: CallBinding, arguments: Mapping[str, Any]) -> Grant | None:
-        """The oldest active grant that covers this call, if any."""
+        """The oldest active grant that covers this call, if any: read from the two index hashes
+        the call can match (its principal's tool-scoped grants for the tool, and those of its
+        run), whatever the number of grants in the store. Raises StoreError."""
+        await self._index_legacy_grants()
         now = self.clock()
-        for grant in await self.grants():
-            if grant.matches(binding, arguments, now):
-                return grant
-        return None
+        found: list[Grant] = []
+        for run in (None, binding.run):
+            key = grant_key(binding.principal, binding.upstream, binding.tool, run)
+            entries = await self.store.hash_all(NS_GRANT_INDEX, key, limit=MAX_GRANTS_PER_KEY)
+            stale: list[bytes] = []
+            for field_, raw in entries.items():
+                grant = Grant.decode(raw)
+                if now >= grant.expires_at:
+                    stale.append(field_)
+                elif grant.matches(binding, arguments, now):
+                    found.append(grant)
+            if stale:
+                await self._drop_grants(key, stale)
+        return min(found, key=lambda g: (g.created_at, g.id), default=None)
+
+    async def _drop_grants(self, key: str, ids: list[bytes]) -> None:
+        """Best effort: an expired grant left in the index matches nothing and is dropped again."""
+        try:
+            await self.store.hash_delete(NS_GRANT_INDEX, key, ids)
+        except StoreError as exc:
+            log.debug("expired grants not dropped from the index (%s)", exc)
+
+    async def add_grant(self, grant: Grant) -> None:
+        """Store a grant (`decide` gives them): its record (the admin list), then its index
+        entry (what calls match on). A process stopping in between leaves a listed grant that
+        releases nothing (fail closed), never one that releases calls unlisted."""
+        ttl = grant.expires_at - self.clock()
+        await self.store.put(NS_GRANT, grant.id, grant.encode(), ttl=ttl)
+        # One expiry for the whole hash: as long as the longest grant this deployment gives, so
+        # a short grant never cuts a longer one's life short.
+        await self.store.hash_put(NS_GRANT_INDEX, grant.key, {grant.id.encode(): grant.encode()},
+                                  ttl=max(ttl, self.config.max_grant_duration))
+
+    async def _index_legacy_grants(self) -> None:
+        """Index the grants written before the index existed (a store of an earlier version):
+        once per process, before its first look-up. Raises StoreError (tried again next time)."""
+        if self._legacy_indexed:
+            return
+        if self._legacy_grants is None:
+            self._legacy_grants = asyncio.Lock()
+        async with self._legacy_grants:
+            if self._legacy_indexed:
+                return
+            now = self.clock()
+            for _, raw in await self.store.items(NS_GRANT, LEGACY_GRANTS):
+                grant = Grant.decode(raw)
+                if now < grant.expires_at:
+                    await self.store.hash_put(
+                        NS_GRANT_INDEX, grant.key, {grant.id.encode(): raw},
+                        ttl=max(grant.expires_at - now, self.config.max_grant_duration), replace=False)
+            self._legacy_indexed = True
 
     async def refresh_pending(self) -> int:
         """Count pending approvals into `envelope_approvals_pending`; returns the count. Reads
@@ -173,14 +262,18 @@ class ApprovalService:
         is claimed with `add`, and the loser reads the winner's.
         """
         now = self.clock()
+        size, preview = Approval.cut(arguments)
         approval = Approval(
             id=new_approval_id(), state="pending", principal=binding.principal,
             run=binding.run, upstream=binding.upstream, tool=binding.tool,
             args_digest=binding.args_digest, arguments=dict(arguments), effect=effect,
             reason=reason, created_at=now, expires_at=now + ttl, decision_id=decision_id,
-            evidence=evidence,
+            evidence=evidence, arguments_bytes=size, arguments_preview=preview,
         )
         ttl_store = self._store_ttl(approval)
+        if approval.apart:  # before the record: a record never names arguments not yet stored
+            await self.store.put(NS_ARGUMENTS, approval.id, orjson.dumps(approval.arguments),
+                                 ttl=ttl_store + _ARGUMENTS_MARGIN)
         # Indexed first: a process stopping in between leaves an entry naming no record (dropped
         # when read), never a pending approval that no listing shows.
         await self.store.hash_put(NS_PENDING, _PENDING_KEY,
@@ -191,6 +284,8 @@ class ApprovalService:
             await self._unlist(approval.id)
             existing = await self.for_call(binding)
             if existing is not None:
+                if approval.apart:
+                    await self.store.delete(NS_ARGUMENTS, approval.id)
                 return existing, False
             await self.store.hash_put(NS_PENDING, _PENDING_KEY,
                                       {approval.id.encode(): repr(approval.expires_at).encode()})
@@ -268,7 +363,7 @@ class ApprovalService:
         decided = await self._transition(approval_id, change)
         await self._unlist(approval_id)
         if grant_obj is not None:
-            await self.store.put(NS_GRANT, grant_obj.id, grant_obj.encode(), ttl=grant_obj.expires_at - now)
+            await self.add_grant(grant_obj)
         log.info("approval %s %s by %s: %s%s", approval_id, decided.state, approver, reason,
                  f" (grant {grant_obj.id}, scope {grant_obj.scope})" if grant_obj else "")
         if self.notifier is not None:
@@ -299,7 +394,7 @@ class ApprovalService:
 
     async def wait_for_decision(self, approval: Approval, wait: float,
                                 asking: asyncio.Task[None] | None = None) -> Approval | None:
-        """The approval once it is no longer pending, or still pending after `wait` seconds
+        """The approval (its head: `head`) once it is no longer pending, or still pending after `wait` seconds
         (never past its expiry); None when the store dropped it. Woken at once by a decision
         of this process (the notifier) or when `asking` (an in-band question) ends; otherwise
         the store is polled every `poll_interval`. Still pending at once when shutdown began
@@ -307,7 +402,7 @@ class ApprovalService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait, max(0.0, approval.expires_at - self.clock()))
         while True:
-            current = await self.get(approval.id)
+            current = await self.head(approval.id)
             if current is None or current.effective_state(self.clock()) != "pending":
                 return current
             remaining = deadline - loop.time()

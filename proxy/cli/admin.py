@@ -170,6 +170,9 @@ def cmd_approvals(args: argparse.Namespace) -> int:
                   f"args {json.dumps(g['args'], sort_keys=True)}  by {visible(str(g['approver']))}")
         if not data["grants"]:
             print("no active grants")
+        if data.get("truncated"):
+            print("envelope-proxy approvals: the proxy holds more grants than it lists (the first "
+                  "1,000 it read); calls still find theirs", file=sys.stderr)
     else:
         grant = f"; grant {data['grant']['id']} ({data['grant']['scope']})" if data.get("grant") else ""
         print(f"{data['id']} {data['state']} by {data['approver']}: {data['decision_reason']}{grant}")

@@ -16,8 +16,8 @@ a few buckets, or from none, on the backend's own clock (`proxy.store.buckets` h
 arithmetic; Redis runs the same steps in one Lua script, SQLite in one transaction). A bucket's
 state is a plain value of its namespace.
 
-Namespaces in use: `approval`, `approval_by_call`, `grant`, `idem`, `shadow`, `run`, `rate`
-(buckets); hashes: `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints,
+Namespaces in use: `approval`, `approval_arguments`, `approval_by_call`, `grant`, `idem`,
+`shadow`, `run`, `rate` (buckets); hashes: `approval_pending`, `grant_index`, `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints,
 one field each: ledgers written before the log), `ledger_log` (a log: one entry per recorded
 output holding its sorted fingerprints).
 """

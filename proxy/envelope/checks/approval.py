@@ -270,7 +270,7 @@ class ApprovalCheck:
             return refused(str(exc))
         if not await service.spend(sealed.nonce, sealed.expires_at):
             return refused("replayed")
-        approval = await service.get(sealed.approval_id)
+        approval = await service.head(sealed.approval_id)
         if approval is None or approval.binding != binding:
             return refused("unknown approval")
         if approval.effective_state(service.clock()) == "pending":
@@ -350,7 +350,7 @@ class ApprovalCheck:
             if await service.consume(approval):
                 await service.refresh_gauge()
                 return None
-            current = await service.get(approval.id)
+            current = await service.head(approval.id)
             if current is None:  # the store dropped it: as good as expired
                 return self._settled(call, approval, "expired")
             state = current.effective_state(service.clock())

@@ -4,6 +4,7 @@ most `LIST_ARGUMENTS_BYTES` bytes, hidden characters still escaped; read whole, 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -65,3 +66,19 @@ def test_preview_escapes_hidden_characters_and_cuts_no_character_in_two() -> Non
     text = b.view(1.0, LIST_ARGUMENTS_BYTES)["arguments_text"]
     assert text.endswith("\u4e2d") and "\ufffd" not in text
     assert len(text.encode()) <= LIST_ARGUMENTS_BYTES
+
+
+def test_arguments_stored_apart_the_head_lists_their_preview_and_encodes_as_the_whole() -> None:
+    arguments = {"title": "y" * 2**20, "note": "\u202e"}
+    size, preview = Approval.cut(arguments)
+    whole = replace(_approval(arguments), arguments_bytes=size, arguments_preview=preview)
+    stored = whole.encode()
+    assert len(stored) < 2 * LIST_ARGUMENTS_BYTES and b"yyyy" * 2048 not in stored
+    head = Approval.decode(stored)
+    assert head.encode() == stored  # compare-and-set on a head matches the stored record
+    # The head's list view is the one the whole approval gives (computed from its arguments).
+    assert head.view(1.0, LIST_ARGUMENTS_BYTES) == _approval(arguments).view(1.0, LIST_ARGUMENTS_BYTES) \
+        | {"arguments_bytes": size}
+    # Read by id without its arguments, a head still shows the preview, never `{}`.
+    assert head.view(1.0)["arguments_truncated"] is True and head.view(1.0)["arguments"] is None
+    assert head.with_arguments(arguments).view(1.0)["arguments"] == arguments

@@ -9,6 +9,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -18,6 +19,7 @@ from proxy.admin.approvals_api import add_routes
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.records import (
+    NS_APPROVAL,
     Approval,
     ApprovalConflict,
     CallBinding,
@@ -162,6 +164,29 @@ async def test_pending_then_retried_after_approval_released_exactly_once() -> No
     again = w.call()
     assert await w.decide(again) is None
     assert again.audit_extra["approval_state"] == "consumed"
+
+
+@pytest.mark.parametrize("arguments, legacy", [
+    ({"title": "x"}, True),  # a record the previous version approved (no size, no preview)
+    ({"title": "x" * 2**20}, False),  # arguments stored apart: transitions rewrite the head
+])
+async def test_approval_released_and_spent_once_whatever_the_record_form(
+        arguments: dict[str, Any], legacy: bool) -> None:
+    w = World()
+    assert_refusal(await w.decide(w.call(args=arguments)), Code.APPROVAL_PENDING)
+    approval = await w.only_approval("pending")
+    await w.service.decide(approval.id, approver="alice", approve=True, reason="fine")
+    if legacy:  # approved by the previous version: its record has neither field
+        raw = await w.store.get(NS_APPROVAL, approval.id)
+        assert raw is not None
+        old = {k: v for k, v in orjson.loads(raw).items() if k not in ("arguments_bytes", "arguments_preview")}
+        await w.store.put(NS_APPROVAL, approval.id, orjson.dumps(old, option=orjson.OPT_SORT_KEYS))
+    retried = w.call(args=arguments)
+    assert await w.decide(retried) is None
+    assert await spend(retried) is None
+    assert (await w.only_approval()).state == "consumed"
+    whole = await w.service.get(approval.id)
+    assert whole is not None and whole.arguments == arguments
 
 
 async def test_pending_reason_ends_with_the_deployments_hint() -> None:
@@ -315,6 +340,26 @@ async def test_run_grant_is_bound_to_the_run_and_exact_json_values() -> None:
     assert await w.decide(w.call(args={"n": 1, "m": 2})) is None
     assert_refusal(await w.decide(w.call(args={"n": True})), Code.APPROVAL_PENDING)  # 1 != true
     assert_refusal(await w.decide(w.call(args={"n": 1}, run="run-2")), Code.APPROVAL_PENDING)
+
+
+async def test_a_short_grant_given_later_leaves_a_longer_one_in_force() -> None:
+    # The grants of one principal and tool share one index hash, with one expiry: a grant of
+    # 0.2 s given after one of 30 min must not take the longer one's index entry with it.
+    w = World()
+    given = []
+    for folder, duration in (("drafts", "30m"), ("inbox", "200ms")):
+        await w.decide(w.call(args={"title": folder, "folder": folder}))
+        [pending] = await w.service.approvals("pending")
+        _, grant = await w.service.decide(
+            pending.id, approver="alice", approve=True, reason="ok",
+            grant=GrantRequest.parse({"scope": "tool", "args": {"folder": folder}, "duration": duration},
+                                     CONFIG.max_grant_duration))
+        given.append(grant)
+    await asyncio.sleep(0.4)
+    later = w.call(args={"title": "later", "folder": "drafts"})
+    assert await w.decide(later) is None
+    assert later.audit_extra["grant_id"] == given[0].id  # type: ignore[union-attr]
+    assert_refusal(await w.decide(w.call(args={"title": "later", "folder": "inbox"})), Code.APPROVAL_PENDING)
 
 
 def test_grant_request_validation() -> None:
