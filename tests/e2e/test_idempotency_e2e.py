@@ -19,10 +19,18 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import write_policy
+from e2e_helpers import fixture_policy, write_policy
 from fake_upstream import RESET, FakeUpstream, fake_upstream
 
-from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, rpc, token
+from tests.harness import (
+    ProxyProcess,
+    free_port,
+    mcp_client,
+    metric_value,
+    proxy_process,
+    rpc,
+    token,
+)
 from tests.redis_server import running_redis
 
 OPS = token("ops", tenant="acme")
@@ -312,3 +320,21 @@ def test_what_certainly_was_not_performed_frees_the_key(tmp_path: Path) -> None:
                 again = result_of(rpc(pp.url("counted"), call_body(tool, {"n": 1}, 2), headers=headers))
                 assert again["isError"] is False, again
                 assert (fake.attempts[tool], fake.calls[tool]) == (2, 1)
+
+
+def test_a_keyed_writer_never_sent_frees_its_key_and_budget(tmp_path: Path) -> None:
+    """No connection to the upstream (nothing listens on its port): certainly not performed. The
+    retry with the same key is sent again (not refused as unknown), and neither call spent the
+    run's budget of 1."""
+    defaults = {**fixture_policy()["defaults"], "max_calls_per_run": 1}
+    policies = write_policy(tmp_path / "policies", {"down": {}}, tools=TOOLS, principals={},
+                            defaults=defaults)
+    closed = f"http://127.0.0.1:{free_port()}/mcp"
+    with proxy_process(tmp_path, {"down": closed}, policies=policies, identity=STATIC) as pp:
+        headers = {"Idempotency-Key": "never-sent-1", "X-Envelope-Run": "down-run"}
+        codes = []
+        for n in range(3):
+            reply = result_of(rpc(pp.url("down"), call_body("write_note", {"title": "d"}, n), headers=headers))
+            codes.append(reply["_meta"]["envelope/decision"]["code"])
+        assert codes == ["upstream_error"] * 3, codes
+        assert [r["code"] for r in pp.audit_records()] == ["upstream_error"] * 3
