@@ -295,6 +295,7 @@ class Completion:
         if kind == "deliver" and isinstance(message, Mapping):
             result = message.get("result")
             extra["is_error"] = bool(result.get("isError", False)) if isinstance(result, Mapping) else True
+        call.upstream_status = upstream_status
         for hook in call.on_result:
             try:
                 await hook(call, decision, message if kind == "deliver" else None)

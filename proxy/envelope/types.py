@@ -313,6 +313,12 @@ class ToolCall:
     # (`dataflow.waive_gate`: `proxy.envelope.dataflow.waiver`): the approval check lets it
     # through; the idempotency check still claims it.
     gate_waived: bool = False
+    # Set by the executor (`proxy.fronts.forwarded`) when it starts writing the request upstream,
+    # cleared when no byte of it was written (no connection): False means certainly not sent,
+    # so certainly not performed. `upstream_status` is the HTTP status the upstream answered,
+    # if any, set when the call ends (`Envelope.complete`, before the result hooks).
+    maybe_sent: bool = False
+    upstream_status: int | None = None
     # The canonical JSON of `arguments`, computed once (`args_json`).
     _args_json: bytes | None = field(default=None, repr=False)
     _key: str | None = field(default=None, repr=False)

@@ -373,6 +373,8 @@ class _Forwarded:
             # sent); one that encodes anyway is decoded in `_http_answer`.
             headers = (request.headers if http is None else layered(
                 {"Accept-Encoding": "identity"}, request.headers, http.headers, target.headers))
+            # From here the upstream may get the request (a cancellation mid-write leaves it so).
+            self.pending.call.maybe_sent = True
             try:
                 resp = await x.forwarder.open(
                     method, url, headers if tracing.TRACER is None else tracing.inject(headers), body,
@@ -380,6 +382,8 @@ class _Forwarded:
                     resend=retry is not None)  # a written request is sent again only if repeatable
             except UpstreamError as exc:
                 self._sent(exc.attempts)
+                if self.writes == 0:  # no connection, no byte written, in any attempt so far
+                    self.pending.call.maybe_sent = False
                 if retry is not None and _connect_failed(exc):
                     delay = self._delay(retry, None)
                 if delay is None:

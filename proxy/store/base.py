@@ -12,7 +12,7 @@ follow the size of a call, never the size of what a run has read (Redis HSET/HMG
 keyed by field), and for **logs** (`hash_append`, `hash_since`), read by sequence number. Hash keys live apart from plain keys: `delete` and `items` do not see them.
 
 Beside them, **token buckets** (`take`): one atomic operation that takes a token from each of
-a few buckets, or from none, on the backend's own clock (`proxy.store.buckets` has the
+a few buckets, or from none, on the backend's own clock (`give` puts one back) (`proxy.store.buckets` has the
 arithmetic; Redis runs the same steps in one Lua script, SQLite in one transaction). A bucket's
 state is a plain value of its namespace.
 
@@ -180,6 +180,12 @@ class Store(ABC):
         """Take one token from every bucket (distinct keys), atomically across processes and
         replicas: from all of them, or, when one holds less than a token, from none (nothing is
         written). Time is the backend's clock (Redis: the server's), so replicas share it."""
+
+    @abstractmethod
+    async def give(self, ns: str, bucket: Bucket) -> None:
+        """Give one token back to `bucket` (a take's token that was not used), atomically across
+        processes and replicas: never beyond its capacity; an absent (expired) bucket is full
+        and stays absent. The bucket's expiry is kept: a token given back does not extend it."""
 
     @abstractmethod
     async def ping(self) -> None:

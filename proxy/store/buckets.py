@@ -52,3 +52,11 @@ def take(states: Sequence[bytes | None], buckets: Sequence[Bucket], now: float) 
     if which >= 0:
         return Taken(False, wait, which), []
     return Taken(True), [encode(max(0.0, tokens - 1.0), now) for tokens in levels]
+
+
+def give(state: bytes | None, bucket: Bucket, now: float) -> bytes | None:
+    """The state of `bucket` after a token is given back at `now` (at most its capacity); None
+    when it is absent (already full: nothing to write)."""
+    if state is None:
+        return None
+    return encode(min(bucket.capacity, level(state, bucket, now) + 1.0), now)

@@ -176,5 +176,13 @@ class MemoryStore(Store):
             self._data.setdefault(ns, {})[bucket.key] = (state, now + bucket.ttl)
         return taken
 
+    async def give(self, ns: str, bucket: Bucket) -> None:
+        self._check()
+        now = self._now()
+        state = arithmetic.give(self._live(ns, bucket.key), bucket, now)
+        if state is not None:
+            _, expires = self._data[ns][bucket.key]
+            self._data[ns][bucket.key] = (state, expires)
+
     async def ping(self) -> None:
         self._check()

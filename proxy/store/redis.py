@@ -213,6 +213,34 @@ end
 return {1}
 """
 
+# `Store.give`: one token back, capped at the capacity (ARGV[1]), the rate (ARGV[2]) refilling
+# first as in _TAKE; an absent bucket is full (nothing written); the expiry is kept.
+_GIVE = """
+local state = redis.call('GET', KEYS[1])
+if not state then
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local cap, rate = tonumber(ARGV[1]), tonumber(ARGV[2])
+local space = string.find(state, ' ', 1, true)
+local level, stamp
+if space then
+  level, stamp = tonumber(string.sub(state, 1, space - 1)), tonumber(string.sub(state, space + 1))
+end
+if not level or not stamp then
+  return redis.error_reply('unreadable token bucket state at ' .. KEYS[1])
+end
+local tokens = math.min(cap, level + math.max(0, now - stamp) * rate + 1)
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then
+  redis.call('SET', KEYS[1], string.format('%.17g %.6f', tokens, now), 'PX', ttl)
+else
+  redis.call('SET', KEYS[1], string.format('%.17g %.6f', tokens, now))
+end
+return 1
+"""
+
 # Keys asked for per SCAN round trip (and fields per HSCAN round trip).
 _SCAN_COUNT = 500
 
@@ -272,6 +300,7 @@ class RedisStore(Store):
         self._log_append = self._client.register_script(_LOG_APPEND)
         self._log_since = self._client.register_script(_LOG_SINCE)
         self._take = self._client.register_script(_TAKE)
+        self._give = self._client.register_script(_GIVE)
         # The warm sink check's read goes through a raw connection of its own when the server
         # is plain TCP (`proxy.store.resp`: a third of redis-py's cost per call).
         self._lane: Lane | None = None
@@ -475,6 +504,10 @@ class RedisStore(Store):
         if int(done[0]) == 1:
             return Taken(True)
         return Taken(False, float(_bytes(done[2])), int(done[1]) - 1)
+
+    async def give(self, ns: str, bucket: Bucket) -> None:
+        args = [repr(float(bucket.capacity)).encode(), repr(float(bucket.rate)).encode()]
+        await self._call("give", lambda: self._give(keys=[self._key(ns, bucket.key)], args=args))
 
     async def ping(self) -> None:
         """A write, not a PING: a server that answers but refuses writes (a read-only replica

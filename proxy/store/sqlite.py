@@ -121,6 +121,7 @@ _PUT = (
     "INSERT INTO kv (ns, key, value, expires) VALUES (?, ?, ?, ?)"
     " ON CONFLICT (ns, key) DO UPDATE SET value = excluded.value, expires = excluded.expires"
 )
+_SET_VALUE = "UPDATE kv SET value = ? WHERE ns = ? AND key = ?"
 # Insert, or take over a row only when it has expired: one statement, so exclusive across
 # processes; changes() says which happened.
 _ADD = _PUT + " WHERE kv.expires IS NOT NULL AND kv.expires <= ?"
@@ -1209,6 +1210,18 @@ class SqliteStore(Store):
             return taken
 
         return await self._run("take", op)
+
+    async def give(self, ns: str, bucket: Bucket) -> None:
+        def op(conn: sqlite3.Connection) -> None:
+            def update() -> None:
+                now = time.time()
+                row = conn.execute(_GET, (ns, bucket.key, now)).fetchone()
+                state = arithmetic.give(None if row is None else bytes(row[0]), bucket, now)
+                if state is not None:  # its expiry kept
+                    conn.execute(_SET_VALUE, (state, ns, bucket.key))
+            _transaction(conn, "BEGIN IMMEDIATE", update)
+
+        await self._run("give", op)
 
     async def ping(self) -> None:
         """Raise StoreError when the database cannot be written, or its file was removed or

@@ -2,7 +2,8 @@
 
 Enough MCP for raw `tools/call` requests through the proxy: it answers `tools/call` with a JSON
 body (`structuredContent.count` is the tool's call count), after first answering the statuses
-queued in `fail[tool]` (e.g. [503, 503]), and optionally sleeping `delay` seconds per call or
+queued in `fail[tool]` (e.g. [503, 503]; `RESET`: the body is read, then the connection is
+dropped without an answer), and optionally sleeping `delay` seconds per call or
 holding each call until the test sets `hold` (a call that must stay in flight while the test
 looks, however slow the machine).
 """
@@ -20,6 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from tests.harness import free_port
+
+RESET = 0  # in `FakeUpstream.fail`: read the call, then drop the connection (no status line)
 
 
 @dataclass
@@ -45,6 +48,11 @@ class FakeUpstream:
         queued = self.fail.get(name)
         if queued:
             status = queued.pop(0)
+            if status == RESET:
+                if request.transport is not None:
+                    request.transport.abort()
+                await asyncio.sleep(0)
+                raise ConnectionResetError("connection dropped after reading the call")
             headers = {"Retry-After": self.retry_after} if self.retry_after else None
             return web.Response(status=status, text="try again", headers=headers)
         if self.delay:

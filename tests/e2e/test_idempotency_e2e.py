@@ -19,10 +19,19 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import write_policy
-from fake_upstream import FakeUpstream, fake_upstream
+from e2e_helpers import fixture_policy, write_policy
+from fake_upstream import RESET, FakeUpstream, fake_upstream
 
-from tests.harness import ProxyProcess, mcp_client, metric_value, proxy_process, rpc, token
+from tests.harness import (
+    ProxyProcess,
+    free_port,
+    mcp_client,
+    metric_value,
+    proxy_process,
+    rpc,
+    token,
+)
+from tests.redis_server import running_redis
 
 OPS = token("ops", tenant="acme")
 TOOLS = {
@@ -246,3 +255,86 @@ async def test_a_keyed_writer_whose_client_left_mid_call_is_not_performed_again(
                                   headers={"Idempotency-Key": "gone-1"}))
             assert fake.attempts["write_note"] == 1, "the retry reached the upstream a second time"
             assert again["_meta"]["envelope/decision"]["code"] == "idempotency_in_flight"
+
+
+@contextlib.contextmanager
+def _store(kind: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The runtime config of a state store of `kind`: the SQLite file (the default) or a real
+    redis-server started here."""
+    if kind == "sqlite":
+        yield {}
+        return
+    with running_redis(tmp_path / "redis") as server:
+        yield {"store": {"kind": "redis", "url": server.url, "timeout": 1.0}}
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+@pytest.mark.parametrize("failure", [500, RESET], ids=["http-500", "reset-after-body"])
+def test_a_keyed_writer_with_an_unknown_outcome_is_not_sent_again(tmp_path: Path, store: str,
+                                                                 failure: int) -> None:
+    """The upstream answers HTTP 500, or drops the connection after reading the call: the write
+    may have happened. The retry with the same key is refused on the wire, naming the first
+    decision and that its outcome is unknown, and audited; it never reaches the upstream."""
+    (tmp_path / "redis").mkdir()
+    with fake_upstream() as fake, _store(store, tmp_path) as config:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools=TOOLS, principals={})
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC,
+                           config=config) as pp:
+            fake.fail["write_note"] = [failure]
+            headers = {"Idempotency-Key": f"unknown-{failure}"}
+            first = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "u"}), headers=headers))
+            assert first["isError"] is True
+            assert first["_meta"]["envelope/decision"]["code"] == "upstream_error"
+            first_id = first["_meta"]["envelope/decision"]["decision_id"]
+            assert fake.attempts["write_note"] == 1
+
+            again = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "u"}, 2),
+                                  headers=headers))
+            assert fake.attempts["write_note"] == 1, "the retry reached the upstream a second time"
+            decision = again["_meta"]["envelope/decision"]
+            assert again["isError"] is True
+            assert (decision["code"], decision["check"]) == ("idempotency_in_flight", "idempotency")
+            assert first_id in decision["reason"] and "outcome is unknown" in decision["reason"]
+            rec = record(pp, decision["decision_id"])
+            assert (rec["code"], rec["upstream_status"]) == ("idempotency_in_flight", None)
+            assert rec["extra"]["outcome_unknown_from"] == first_id
+            assert rec["extra"]["idempotency_key"] == f"unknown-{failure}"
+            # A new key is a new call: it is performed.
+            fresh = result_of(rpc(pp.url("counted"), call_body("write_note", {"title": "u"}, 3),
+                                  headers={"Idempotency-Key": f"unknown-{failure}-b"}))
+            assert fresh["isError"] is False and fake.calls["write_note"] == 1
+
+
+def test_what_certainly_was_not_performed_frees_the_key(tmp_path: Path) -> None:
+    """An upstream refusing the call (HTTP 4xx), and a tool the policy declares idempotent, leave
+    the key free: the retry is performed."""
+    with fake_upstream() as fake:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools=TOOLS, principals={})
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC) as pp:
+            fake.fail["write_note"] = [409]
+            fake.fail["tally"] = [500]
+            for tool, key in (("write_note", "refused-1"), ("tally", "tally-1")):
+                headers = {"Idempotency-Key": key}
+                first = result_of(rpc(pp.url("counted"), call_body(tool, {"n": 1}), headers=headers))
+                assert first["_meta"]["envelope/decision"]["code"] == "upstream_error"
+                again = result_of(rpc(pp.url("counted"), call_body(tool, {"n": 1}, 2), headers=headers))
+                assert again["isError"] is False, again
+                assert (fake.attempts[tool], fake.calls[tool]) == (2, 1)
+
+
+def test_a_keyed_writer_never_sent_frees_its_key_and_budget(tmp_path: Path) -> None:
+    """No connection to the upstream (nothing listens on its port): certainly not performed. The
+    retry with the same key is sent again (not refused as unknown), and neither call spent the
+    run's budget of 1."""
+    defaults = {**fixture_policy()["defaults"], "max_calls_per_run": 1}
+    policies = write_policy(tmp_path / "policies", {"down": {}}, tools=TOOLS, principals={},
+                            defaults=defaults)
+    closed = f"http://127.0.0.1:{free_port()}/mcp"
+    with proxy_process(tmp_path, {"down": closed}, policies=policies, identity=STATIC) as pp:
+        headers = {"Idempotency-Key": "never-sent-1", "X-Envelope-Run": "down-run"}
+        codes = []
+        for n in range(3):
+            reply = result_of(rpc(pp.url("down"), call_body("write_note", {"title": "d"}, n), headers=headers))
+            codes.append(reply["_meta"]["envelope/decision"]["code"])
+        assert codes == ["upstream_error"] * 3, codes
+        assert [r["code"] for r in pp.audit_records()] == ["upstream_error"] * 3

@@ -561,6 +561,44 @@ async def test_take_refuses_a_state_that_is_not_a_bucket(store: Store) -> None:
     assert await store.get("rate", "principal/garbled") == b"not a bucket"
 
 
+async def test_give_returns_a_token_never_beyond_the_capacity(store: Store) -> None:
+    budget = Bucket("calls/run-g", capacity=2, rate=0.0, ttl=60)
+    await store.give("rate", budget)  # absent: full, nothing written
+    assert await store.get("rate", "calls/run-g") is None
+    assert (await store.take("rate", [budget])).granted
+    assert (await store.take("rate", [budget])).granted
+    assert not (await store.take("rate", [budget])).granted
+    await store.give("rate", budget)
+    assert (await store.take("rate", [budget])).granted  # the token given back
+    assert not (await store.take("rate", [budget])).granted
+    await store.give("rate", budget)
+    await store.give("rate", budget)
+    await store.give("rate", budget)  # one more than was taken: capped at the capacity
+    assert [(await store.take("rate", [budget])).granted for _ in range(3)] == [True, True, False]
+
+
+async def test_give_keeps_the_expiry(store: Store) -> None:
+    budget = Bucket("calls/run-short", capacity=1, rate=0.0, ttl=TTL)
+    assert (await store.take("rate", [budget])).granted
+    await store.give("rate", budget)
+    assert (await store.take("rate", [budget])).granted
+
+    async def gone() -> bool:
+        return await store.get("rate", "calls/run-short") is None
+
+    await eventually(gone)  # the give did not make it live on
+
+
+async def test_concurrent_gives_and_takes_never_overdraw(opener: Opener, stores: list[Store]) -> None:
+    stores.extend([opener(), opener()])
+    a, b = stores
+    budget = Bucket("calls/run-race", capacity=5, rate=0.0, ttl=60)
+    assert all([(await a.take("rate", [budget])).granted for _ in range(5)])
+    await asyncio.gather(*((a if i % 2 else b).give("rate", budget) for i in range(3)))
+    taken = await asyncio.gather(*((a if i % 2 else b).take("rate", [budget]) for i in range(10)))
+    assert sum(t.granted for t in taken) == 3
+
+
 async def test_concurrent_takes_never_overdraw(opener: Opener, stores: list[Store]) -> None:
     stores.extend([opener(), opener()])  # two handles: two connections/threads where it matters
     a, b = stores

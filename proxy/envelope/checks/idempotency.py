@@ -7,11 +7,16 @@ then spends its approval when the approval check released it as approved (`call.
 after the claim, so a duplicate that finds the approval consumed finds the claim too and waits
 for the first call instead of being told its approval is used up; see
 `proxy.envelope.checks.approval`), and registers a result hook: an upstream
-JSON-RPC `result` is stored for replay for `idempotency.ttl`; a call sent whose outcome is unknown
-(it timed out, its client left, the proxy stopped) keeps its claim until the claim expires; any
-other outcome deletes the claim so a retry can perform the call. A duplicate that finds the claim still in flight polls the store
-for up to `idempotency.wait` and answers with the same result, or refuses
-`idempotency_in_flight`.
+JSON-RPC `result` is stored for replay for `idempotency.ttl`. A call that may have been performed
+without a result to keep (its request was written upstream, even partly, and then: an HTTP 5xx,
+a reset or end of the connection, an answer that is no reply, a timeout, its client left, the
+proxy stopped) leaves an `unknown` record for `idempotency.ttl` too: a retry is refused at once
+(`idempotency_in_flight`, naming the decision whose outcome is unknown), never performed again;
+unless the policy declares the tool `idempotent: true` (safe to perform twice). Only a call
+certainly not performed frees the key for a retry: never sent (refused by a check, no
+connection), or refused by the upstream itself (an HTTP 4xx, or a JSON-RPC error in an answer
+that is not a 5xx). A duplicate that finds the claim still in flight polls the store for up to
+`idempotency.wait` and answers with the same result, or refuses `idempotency_in_flight`.
 
 Keys: the client's key (`Idempotency-Key` header or `_meta["envelope/idempotency_key"]`), scoped
 to the principal, upstream and tool so one client cannot read another's results; else a key
@@ -53,8 +58,18 @@ POLL_FIRST = 0.02
 POLL_MAX = 0.25
 
 
-# Endings of a forwarded call whose outcome upstream is unknown (see `_recorder`).
-_UNKNOWN = frozenset({Code.UPSTREAM_TIMEOUT, Code.CLIENT_DISCONNECTED, Code.SHUTDOWN})
+def certainly_not_performed(call: ToolCall, reply: Mapping[str, Any] | None) -> bool:
+    """Whether a call that ended without a result to keep was certainly not performed: never
+    sent (nothing written upstream), or refused by the upstream (an HTTP 4xx; a JSON-RPC error
+    in an answer that is not a 5xx). Anything else sent may have been performed: a 5xx, a
+    connection reset or closed after the request was written, an answer that is no reply, a
+    timeout, a client that left or a proxy that stopped mid-call."""
+    if not call.maybe_sent:
+        return True
+    status = call.upstream_status
+    if status is None or status >= 500:
+        return False
+    return 400 <= status < 500 or (isinstance(reply, Mapping) and "error" in reply)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +191,8 @@ class IdempotencyCheck:
                                 "arguments; use a new key for a new call")
                 if record.get("state") == "done" and isinstance(record.get("result"), dict):
                     return self._replay(key, record)
+                if record.get("state") == "unknown":
+                    return self._unknown(key, record)
             # In flight elsewhere (or the claim just went away: the next `add` takes it).
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -216,8 +233,20 @@ class IdempotencyCheck:
             audit={"replayed": True, "idempotency_key": key.shown, "replayed_from": first},
         )
 
+    def _unknown(self, key: IdempotencyKey, record: Mapping[str, Any]) -> Decision:
+        first = str(record.get("decision_id", ""))
+        return Decision(
+            Verdict.ERROR, Code.IDEMPOTENCY_IN_FLIGHT, self.id,
+            f"the same call (idempotency key {key.shown!r}) was sent upstream by decision {first}, "
+            f"whose outcome is unknown ({record.get('code', 'unknown')}): it may have been "
+            "performed, so it is not sent again; once you know it was not, call with a new "
+            "idempotency key",
+            audit={"idempotency_key": key.shown, "outcome_unknown_from": first},
+        )
+
     def _recorder(self, store: Store, key: IdempotencyKey, digest: str) -> ResultHook:
         ttl = self._ttl
+        idempotent = self._idempotent
 
         async def record(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
             result = reply.get("result") if isinstance(reply, Mapping) else None
@@ -230,12 +259,18 @@ class IdempotencyCheck:
                     "result": result, "at": time.time(),
                 }), ttl=ttl)
                 return
-            if (decision.verdict is Verdict.ALLOW and reply is None) or decision.code in _UNKNOWN:
-                # The client left a resumable stream (the call goes on upstream), or the call was
-                # sent and then timed out, lost its client or the proxy stopped: it may have been
-                # performed. Keep the claim (it expires) rather than let a retry perform it again.
+            if decision.verdict is Verdict.ALLOW and reply is None:
+                # The client left a resumable stream: the call goes on upstream. Keep the claim
+                # (it expires) rather than let a retry perform it again.
                 return
-            # Failed, refused, or answered with a JSON-RPC error: free the key for a retry.
+            if not certainly_not_performed(call, reply) and call.qualified_name not in idempotent:
+                # It may have been performed: a retry is refused, never sent again.
+                await store.put(NS, key.store, orjson.dumps({
+                    "state": "unknown", "decision_id": call.decision_id, "args_digest": digest,
+                    "code": decision.code.value, "at": time.time(),
+                }), ttl=ttl)
+                return
+            # Never sent, or refused by the upstream (or an idempotent tool): free the key.
             raw = await store.get(NS, key.store)
             if raw is not None and _load(raw).get("decision_id") == call.decision_id:
                 await store.delete(NS, key.store)

@@ -11,10 +11,14 @@ budget or slots by naming its run id:
   the bucket's size, the most calls let through in a row.
 - **tool rate** (`tools.<key>.rate`): one bucket per principal for that tool.
 - **budget** (`principals.<id>.max_calls_per_run`, else `defaults.max_calls_per_run`): a
-  bucket that never refills, one per run: the calls a run may make in all. It lives
+  bucket that never refills, one per run: the calls a run may send upstream in all. It lives
   `dataflow.ledger_ttl` after the run's last counted call (a run the proxy forgets, like its
   ledger); refused calls write nothing, so they do not extend it: a run that keeps looping
-  past its budget gets a new one after that long (24 h by default).
+  past its budget gets a new one after that long (24 h by default). A call that took a token
+  and was then not sent (refused by a later check, answered by the proxy itself: a replay; no
+  connection to the upstream) gives it back when it ends (`Store.give`: atomic, capped, the
+  expiry kept), so only calls sent upstream count. Rate tokens are not given back: a rate
+  bounds a caller's pace, refused calls' too.
 - **concurrency** (`max_concurrent_per_run`, principal else defaults): a call takes one of the
   run's numbered slots in the store (namespace `run`, keys `<run key>/slot/<n>`, n < bound) with
   an atomic `add`, released when the call's decision is final (a result hook, before its audit
@@ -22,7 +26,7 @@ budget or slots by naming its run id:
   plus the longest approval wait plus a margin).
 
 A call's buckets are taken in one atomic store operation (`Store.take`: one Lua script on Redis,
-one transaction on SQLite) on the store's clock: a token from each, or none. A refused call
+one transaction on SQLite) on the store's clock: a token from each, or none. A call refused here
 takes nothing: a call refused by a bucket releases its slot through the same hook, and a call
 refused for want of a slot never reaches the buckets. Refusals are `rate_limited` (not queued:
 the client retries); a bucket's refusal carries the wait (`retry_after`, in the reason too).
@@ -213,6 +217,8 @@ class RateLimitCheck:
             return None
         taken = await store.take(RATE_NS, [bucket for bucket, _, _ in limited])
         if taken.granted:
+            if limits.budget is not None:
+                call.on_result.append(_refunder(store, limited[-1][0]))
             return None
         _, why, rule = limited[taken.bucket]
         if math.isinf(taken.wait):  # a spent budget: no wait helps
@@ -231,6 +237,16 @@ def _first_rule(limits: _Limits, tool_rate: _Rate | None) -> str:
             return rate.rule
     assert limits.budget is not None
     return limits.budget[1]
+
+
+def _refunder(store: Store, budget: Bucket) -> Any:
+    async def refund(call: ToolCall, decision: Decision, reply: Mapping[str, Any] | None) -> None:
+        # Only a call that reached (or may have reached) its upstream counts against the run's
+        # budget: one refused by a later check, answered by the proxy (a replay) or never sent
+        # (no connection) gets its token back.
+        if not call.maybe_sent:
+            await store.give(RATE_NS, budget)
+    return refund
 
 
 def _releaser(store: Store, key: str, token: bytes) -> Any:

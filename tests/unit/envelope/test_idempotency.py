@@ -161,16 +161,62 @@ async def test_a_resumable_disconnect_keeps_the_claim() -> None:
     assert decision is not None and decision.code is Code.IDEMPOTENCY_IN_FLIGHT
 
 
-@pytest.mark.parametrize("code", [Code.UPSTREAM_TIMEOUT, Code.CLIENT_DISCONNECTED, Code.SHUTDOWN])
-async def test_a_sent_call_with_an_unknown_outcome_keeps_the_claim(code: Code) -> None:
-    # The upstream may have performed it: a retry must not perform it a second time.
+JSONRPC_ERROR = {"jsonrpc": "2.0", "id": 1, "error": {"code": -32603, "message": "boom"}}
+
+
+@pytest.mark.parametrize("code,status,reply", [
+    (Code.UPSTREAM_TIMEOUT, None, None),
+    (Code.CLIENT_DISCONNECTED, None, None),
+    (Code.SHUTDOWN, None, None),
+    (Code.UPSTREAM_ERROR, None, None),  # the connection reset or closed after the request
+    (Code.UPSTREAM_ERROR, 500, None),  # HTTP 500, no JSON-RPC reply
+    (Code.OK, 502, JSONRPC_ERROR),  # a JSON-RPC error, but in a 5xx answer
+    (Code.UPSTREAM_ERROR, 200, None),  # an answer that is no reply
+])
+async def test_a_sent_call_with_an_unknown_outcome_is_never_sent_again(
+        code: Code, status: int | None, reply: Any) -> None:
+    # The upstream may have performed it: a retry is refused at once (no wait), naming the call.
     store = MemoryStore()
-    check, _ = _check(store, wait=0.05)
-    first = _call()
+    check, _ = _check(store, wait=30)
+    first = _call("write_note", key="k-1", decision_id="d-first")
     assert await check.decide(first) is None
-    await _finish(first, Decision(Verdict.ERROR, code, "forward", "no answer"), None)
-    decision = await check.decide(_call(decision_id="d-2"))
+    first.maybe_sent, first.upstream_status = True, status
+    verdict = Verdict.ALLOW if code is Code.OK else Verdict.ERROR
+    await _finish(first, Decision(verdict, code, "forward", "no answer"), reply)
+    decision = await asyncio.wait_for(check.decide(_call("write_note", key="k-1", decision_id="d-2")), 5)
     assert decision is not None and decision.code is Code.IDEMPOTENCY_IN_FLIGHT
+    assert "d-first" in decision.reason and "outcome is unknown" in decision.reason
+    assert decision.audit == {"idempotency_key": "k-1", "outcome_unknown_from": "d-first"}
+    [(_, raw)] = await store.items(NS)
+    assert orjson.loads(raw)["state"] == "unknown"
+
+
+@pytest.mark.parametrize("sent,status,reply", [
+    (False, None, None),  # never written upstream (no connection, cut off before forwarding)
+    (True, 409, None),  # the upstream refused it
+    (True, 200, JSONRPC_ERROR),  # the server answered that it failed
+])
+async def test_a_call_certainly_not_performed_frees_the_key(sent: bool, status: int | None,
+                                                            reply: Any) -> None:
+    store = MemoryStore()
+    check, _ = _check(store)
+    first = _call("write_note", key="k-1")
+    assert await check.decide(first) is None
+    first.maybe_sent, first.upstream_status = sent, status
+    await _finish(first, FORWARD_FAILED if reply is None else ALLOWED, reply)
+    assert await store.items(NS) == []
+    assert await check.decide(_call("write_note", key="k-1", decision_id="d-retry")) is None
+
+
+async def test_an_idempotent_tool_with_an_unknown_outcome_frees_the_key() -> None:
+    # The policy says it is safe to perform twice.
+    store = MemoryStore()
+    check, _ = _check(store)
+    first = _call("tally")
+    assert await check.decide(first) is None
+    first.maybe_sent = True
+    await _finish(first, Decision(Verdict.ERROR, Code.UPSTREAM_TIMEOUT, "forward", "late"), None)
+    assert await check.decide(_call("tally", decision_id="d-retry")) is None
 
 
 async def test_a_concurrent_duplicate_waits_for_the_first_result() -> None:

@@ -162,6 +162,26 @@ async def test_run_budget(store: MemoryStore, clock: Clock) -> None:
     assert await _passed(check, 6, principal="other", run="o") == [True] * 5 + [False]
 
 
+async def _end(call: ToolCall, sent: bool) -> None:
+    call.maybe_sent = sent
+    for hook in call.on_result:  # the envelope runs them when the call ends
+        await hook(call, Decision(Verdict.ERROR, Code.APPROVAL_PENDING, "approval", "later"), None)
+
+
+async def test_a_call_not_sent_gives_its_budget_token_back(store: MemoryStore) -> None:
+    check = _check(store, agent={"max_calls_per_run": 2, "rate": "3/min"})
+    refused_later = _call(run="r")
+    assert await _decide(check, refused_later) is None
+    await _end(refused_later, sent=False)  # refused by a later check (or never sent)
+    sent = _call(run="r")
+    assert await _decide(check, sent) is None
+    await _end(sent, sent=True)  # it reached the upstream (even if it then failed): it counts
+    assert await _passed(check, 2, run="r") == [True, False]  # the budget's second call, then spent
+    # The principal's rate is not given back: 3 tokens taken by 3 passed calls, the 4th refused.
+    refused = await _decide(check, _call(run="other"))
+    assert refused is not None and refused.rule == "principals.agent.rate"
+
+
 async def test_another_principal_naming_the_run_has_a_budget_of_its_own(store: MemoryStore) -> None:
     """Runs are keyed by principal + run id: naming a victim's run id spends nothing of it."""
     check = _check(store, {"max_calls_per_run": 2})
