@@ -139,6 +139,11 @@ _ENUMERATOR = re.compile(r"^(?:\d{1,3}[.)]|[a-z][.)]|[-*#>])\s+")
 # An identifier-shaped word with a digit, as a handle an upstream hands out ("m-301", "f_88",
 # "42"): not part of an address, path, URL or longer word.
 _HANDLE = re.compile(r"(?<![\w@/.:-])(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}(?![\w@/-]|[.:]\w)")
+# An identifier written right after a word, ending its phrase: "(customer C-4410):",
+# "Order: O-8812.", not the house number of "address: 12 Elm Row" (`labelled_ids`). Linear: the
+# word and the identifier are bounded runs with no overlap between what precedes and follows.
+_LABELLED_ID = re.compile(r"(?<![^\W\d_])([^\W\d_]{4,64}):?[ \t]+\(?((?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63})"
+                          r"(?=$|[\n\r),;:|!?\]]|\.(?:\s|$))")
 _HANDLE_VALUE = re.compile(r"(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}")
 # An argument named as an identifier: "id", "email_id", "file-id", "eventId", "ids", "item_ids".
 _ID_NAME = re.compile(r"(?i:^ids?$|[_-]ids?$)|[a-z0-9]Ids?$")
@@ -306,6 +311,14 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     # neither). Numbers are the pointed amount's ("Amount due: 950.00 EUR" beside the landlord).
     keys |= {label_word_key(word) for word, held in labelled.items()
              if any(_WHOLE_NUMBER.match(value) is None for value in held)}
+    ids: dict[str, set[str]] = {}
+    for text in texts:
+        for word, handle in labelled_ids(text):
+            ids.setdefault(word, set()).add(handle)
+    keys |= {id_label_key(word, next(iter(held))) for word, held in ids.items() if len(held) == 1}
+    # Every word that labels an id, as for values: an id is endorsed only when every such word
+    # of the intent labels that id (an injected "customer C-9999" beside "customer C-4410").
+    keys |= {id_label_word_key(word) for word in ids}
     return keys
 
 
@@ -332,6 +345,29 @@ def label_key(word: str, value: str) -> bytes:
     """The endorsing key of the one value a read the intent pointed at labels with `word`
     ("New address: 12 Elm Row, Leeds LS1 4AB" -> "address")."""
     return pointed_key("l", f"{word}|{value}")
+
+
+def id_label_word_key(word: str) -> bytes:
+    """The key saying that a read the intent pointed at writes an identifier right after a
+    word (`id_label_key` for which)."""
+    return pointed_key("liw", word)
+
+
+def id_label_key(word: str, handle: str) -> bytes:
+    """The endorsing key of the one identifier a read the intent pointed at writes right after
+    `word` ("T-6100 (customer C-4410): I moved!" -> "customer"), for an identifier argument."""
+    return pointed_key("li", f"{word}|{handle}")
+
+
+def labelled_ids(text: str) -> Iterator[tuple[str, str]]:
+    """(word, identifier) of a text's identifiers written right after a word of 4 letters or
+    more, with or without a colon ("customer C-4410)", "Order: O-8812."), the identifier ending
+    its phrase (a clause mark, a bracket or the end follows: the "12" of "address: 12 Elm Row"
+    is a house number, not a labelled id). The identifier normalised and edge-stripped, as a
+    critical value is; the word as `words_of` gives it."""
+    for m in _LABELLED_ID.finditer(text):
+        for word in words_of(normalise(m.group(1))):
+            yield word, _strip(normalise(m.group(2)))
 
 
 def labelled_values(text: str) -> Iterator[tuple[str, str]]:
