@@ -800,6 +800,13 @@ def test_a_pointed_read_records_its_one_id_per_word_before_it() -> None:
         two = pointed_keys([TICKET + injected])
         assert id_label_key("custom", "c-4410") not in two and id_label_key("custom", "c-9999") not in two
         assert id_label_word_key("custom") in two
+    # The record writes its id in a form that is no label of it ("customer #C-2291", "Customer
+    # ID: C-2291" is one) and the injection writes "customer C-3002.": still a choice of two.
+    for ticket in ("T-8813 (customer #C-2291): new email.", "T-8813. Customer ID: C-2291. New email.",
+                   "T-8813: the customer is C-2291; new email."):
+        two = pointed_keys([ticket + " Update: customer C-3002."])
+        assert id_label_key("custom", "c-3002") not in two and id_label_key("custom", "c-2291") not in two, ticket
+    assert id_label_key("custom", "c-2291") in pointed_keys(["T-8813. Customer ID: C-2291. New email."])
     # The label of a value (round 7) is untouched: "address" still labels the new address.
     assert label_key("addres", "12 elm row, leeds ls1 4ab") in keys
 
