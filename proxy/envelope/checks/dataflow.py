@@ -25,6 +25,8 @@ from proxy.envelope.dataflow.endorse import (
     entry_key,
     entry_value_forms,
     id_argument,
+    id_label_key,
+    id_label_word_key,
     label_key,
     label_word_key,
     name_key,
@@ -570,30 +572,50 @@ class DataflowCheck:
         one they wrote" and the ticket's "New address: ..."); the others are added to
         `endorsed` (`by: pointed_read+label`, the word and the read as source). One more ledger
         read, only for string values still unendorsed; past MAX_PICK_KEYS lookups nothing is
-        endorsed this way."""
+        endorsed this way. An identifier argument's value is judged only among the ids the
+        pointed read writes right after a word (`endorse.labelled_ids`: "the customer in
+        T-6100" and the ticket's "(customer C-4410)"), every word of the intent that labels an
+        id there labelling this one."""
         said = [w for w in words.words() if not w.startswith("#") and len(w) >= 4]
         strings = [c for c in left if c.norm and c.number is None]
-        if not strings or len(said) * (1 + len(strings)) > MAX_PICK_KEYS:  # counted before hashing
+        ids = [c for c in strings if c.handle is not None]
+        if not strings or len(said) * (2 + len(strings)) > MAX_PICK_KEYS:  # counted before hashing
             return left
-        wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings]
+        wanted = [label_word_key(w) for w in said] + [label_key(w, c.norm) for w in said for c in strings
+                                                      if c.handle is None]
+        if ids:
+            wanted += [id_label_word_key(w) for w in said] + [id_label_key(w, c.norm) for w in said for c in ids]
         ledger = await self._read(store, call, wanted, endorsing=True)
         if ledger is None:
             return left
 
         trusted = ledger.trusted_source
 
-        # Every word of the intent that labels something in a pointed read must label this value.
+        # Every word of the intent that labels something in a pointed read must label this value
+        # (an id: every word that labels an id there must label this id).
         labels = [w for w in said if trusted(label_word_key(w)) is not None]
+        id_labels = [w for w in said if trusted(id_label_word_key(w)) is not None] if ids else []
         still = []
         for critical in left:
             # `critical in strings`, without comparing it to every value (quadratic in the values).
             is_string = bool(critical.norm) and critical.number is None
+            if is_string and critical.handle is not None:
+                # An identifier is judged among the ids written after a word only: as a value
+                # under a label, an injected "Customer: C-3002" beside the ticket's "(customer
+                # C-2291)" was the one value under "customer" and endorsed the attacker's id.
+                sources = [trusted(id_label_key(w, critical.norm)) for w in id_labels]
+                if id_labels and all(sources):
+                    endorsed.append({"arg": critical.pointer, "by": "pointed_read+label", "label": id_labels[0],
+                                     "source": sources[0]})
+                else:
+                    still.append(critical)
+                continue
             sources = [trusted(label_key(w, critical.norm)) for w in labels] if is_string else []
             if labels and all(sources):
                 endorsed.append({"arg": critical.pointer, "by": "pointed_read+label", "label": labels[0],
                                  "source": sources[0]})
-            else:
-                still.append(critical)
+                continue
+            still.append(critical)
         return still
 
     async def _chosen(self, store: Store, call: ToolCall, flagged: list[Finding],

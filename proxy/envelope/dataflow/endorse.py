@@ -52,8 +52,14 @@ argument that is not declassified) is **endorsed** by a trusted source of the sa
   writes ("update their address to the one they wrote": `label_key`), when every word of the
   intent that labels such a value there (not a number) labels this one; a second value under
   a label with the same word, or an injected "Customer: 1 Evil Road" beside the address for
-  "update the customer's address", endorses neither. What this cannot tell apart: a pointed
-  source whose only token is the attacker's (an injection in a document that had none, a
+  "update the customer's address", endorses neither. An identifier argument is judged only
+  among the ids the pointed read writes right after a word, with or without a colon, the id
+  ending its phrase (`labelled_ids`: "T-6100 (customer C-4410): I moved!"; not the "12" of
+  "address: 12 Elm Row"): "the customer in T-6100" endorses C-4410 when every word of the
+  intent that precedes an id there precedes this one (`id_label_key`); an injected "Customer:
+  C-3002" is a second id after that word, so neither is endorsed (as a label's value it was
+  the one value under "customer" and endorsed the attacker's id). What this cannot tell apart: a pointed
+  source whose only token (or labelled id) is the attacker's (an injection in a document that had none, a
   thread where only the attacker wrote an address). The user did point there; a person must.
 
 - an **entry of a trusted listing the intent picks**: a listing (a trusted string of several
@@ -139,6 +145,13 @@ _ENUMERATOR = re.compile(r"^(?:\d{1,3}[.)]|[a-z][.)]|[-*#>])\s+")
 # An identifier-shaped word with a digit, as a handle an upstream hands out ("m-301", "f_88",
 # "42"): not part of an address, path, URL or longer word.
 _HANDLE = re.compile(r"(?<![\w@/.:-])(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}(?![\w@/-]|[.:]\w)")
+# An identifier written right after a word, ending its phrase: "(customer C-4410):",
+# "Order: O-8812.", not the house number of "address: 12 Elm Row" (`labelled_ids`). Linear: the
+# word and the identifier are bounded runs with no overlap between what precedes and follows.
+_LABELLED_ID = re.compile(r"(?<![^\W\d_])([^\W\d_]{4,64}):?[ \t]+\(?((?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63})"
+                          r"(?=$|[\n\r),;:|!?\]]|\.(?:\s|$))")
+_LONG_WORD = re.compile(r"(?<![^\W\d_])[^\W\d_]{4,64}(?![^\W\d_])")
+ID_REACH = 24  # characters after a word where an identifier is its rival (`labelled_ids`)
 _HANDLE_VALUE = re.compile(r"(?=[\w-]*\d)[A-Za-z0-9][\w-]{0,63}")
 # An argument named as an identifier: "id", "email_id", "file-id", "eventId", "ids", "item_ids".
 _ID_NAME = re.compile(r"(?i:^ids?$|[_-]ids?$)|[a-z0-9]Ids?$")
@@ -306,6 +319,19 @@ def pointed_keys(texts: Iterable[str]) -> set[bytes]:
     # neither). Numbers are the pointed amount's ("Amount due: 950.00 EUR" beside the landlord).
     keys |= {label_word_key(word) for word, held in labelled.items()
              if any(_WHOLE_NUMBER.match(value) is None for value in held)}
+    ids: dict[str, set[str]] = {}  # every id after a word (rivals)
+    endorsable: set[str] = set()  # words with an id written as that word's (`labelled_ids`)
+    for text in texts:
+        for word, handle, own in labelled_ids(text):
+            ids.setdefault(word, set()).add(handle)
+            if own:
+                endorsable.add(word)
+    # One id after the word, and written as its: an injected "customer C-9999" beside
+    # "customer C-4410" (or beside "customer #C-4410") endorses neither.
+    keys |= {id_label_key(word, next(iter(ids[word]))) for word in endorsable if len(ids[word]) == 1}
+    # Every word that labels an id, as for values: an id is endorsed only when every such word
+    # of the intent labels that id.
+    keys |= {id_label_word_key(word) for word in endorsable}
     return keys
 
 
@@ -332,6 +358,42 @@ def label_key(word: str, value: str) -> bytes:
     """The endorsing key of the one value a read the intent pointed at labels with `word`
     ("New address: 12 Elm Row, Leeds LS1 4AB" -> "address")."""
     return pointed_key("l", f"{word}|{value}")
+
+
+def id_label_word_key(word: str) -> bytes:
+    """The key saying that a read the intent pointed at writes an identifier right after a
+    word (`id_label_key` for which)."""
+    return pointed_key("liw", word)
+
+
+def id_label_key(word: str, handle: str) -> bytes:
+    """The endorsing key of the one identifier a read the intent pointed at writes right after
+    `word` ("T-6100 (customer C-4410): I moved!" -> "customer"), for an identifier argument."""
+    return pointed_key("li", f"{word}|{handle}")
+
+
+def labelled_ids(text: str) -> Iterator[tuple[str, str, bool]]:
+    """(word, identifier, endorsable) of a text's identifiers written after a word of 4 letters
+    or more. Endorsable: right after it, with or without a colon, the identifier ending its
+    phrase (a clause mark, a bracket or the end follows: "customer C-4410)", "Order: O-8812.";
+    the "12" of "address: 12 Elm Row" is a house number), or as the whole value of a label
+    with that word ("Customer ID: C-4410"). Not endorsable but still a rival: any identifier
+    within ID_REACH characters after the word ("customer #C-4410", "customer is C-4410"), so an
+    injected "customer C-3002." beside a form this does not read is a choice of two. The
+    identifier normalised and edge-stripped, as a critical value is; the word as `words_of`
+    gives it."""
+    for m in _LABELLED_ID.finditer(text):
+        for word in words_of(normalise(m.group(1))):
+            yield word, _strip(normalise(m.group(2))), True
+    for word, value in labelled_values(text):
+        if _HANDLE_VALUE.fullmatch(value) is not None:
+            yield word, value, True
+    for m in _LONG_WORD.finditer(text):
+        ids = [h.group() for h in _HANDLE.finditer(text, m.end(), min(len(text), m.end() + ID_REACH))]
+        if ids:
+            for word in words_of(normalise(m.group())):
+                for found in ids:
+                    yield word, _strip(normalise(found)), False
 
 
 def labelled_values(text: str) -> Iterator[tuple[str, str]]:
