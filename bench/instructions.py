@@ -13,6 +13,7 @@ included). With `--baseline REV` the same is measured for git revision REV, in t
     python bench/instructions.py --config noflow      # the bench policy with dataflow: {mode: off}
     python bench/instructions.py --config envelope-fast   # the envelope served by `listener: fast`
     python bench/instructions.py --otel               # traces on (OTLP/HTTP to a local sink)
+    python bench/instructions.py --size 50000         # tool outputs of 50 KB prose (mix_upstream.py)
 
 Needs valgrind (apt-get install valgrind); slow (about a minute per tree).
 """
@@ -39,10 +40,24 @@ sys.path.insert(0, str(BENCH))
 import run as bench  # noqa: E402  (bench/run.py: the upstream, configs and one call)
 
 
-def count(tree: Path, tmp: Path, config: str, calls: int, keep: Path | None = None) -> float:
+def start_upstream(tmp: Path, size: int | None) -> tuple[bench.Service, str]:
+    """The bench's upstream (a two-byte result), or with `size` the realistic mix's one
+    (`mix_upstream.py`: `size` bytes of prose, a different window every call)."""
+    if size is None:
+        return bench.start_upstream(tmp)
+    port = bench.free_port()
+    svc = bench.Service("upstream")
+    svc.start([sys.executable, str(BENCH / "mix_upstream.py"), "--port", str(port), "--size", str(size)],
+              tmp / "upstream.log")
+    bench.wait_port(port, svc)
+    return svc, f"http://127.0.0.1:{port}/mcp"
+
+
+def count(tree: Path, tmp: Path, config: str, calls: int, keep: Path | None = None,
+          size: int | None = None) -> float:
     """Thousands of instructions per call of the envelope served from `tree`; with `keep`, the
     callgrind dumps are copied there (for `callgrind_annotate --inclusive=yes`)."""
-    upstream, url = bench.start_upstream(tmp)
+    upstream, url = start_upstream(tmp, size)
     try:
         path, port, _ = bench.envelope_config(tmp, url, 1, config)
         out = tmp / f"callgrind-{tree.name}.out"
@@ -67,7 +82,8 @@ def count(tree: Path, tmp: Path, config: str, calls: int, keep: Path | None = No
                 bench.one_call(target)
             subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, check=True)
             for _ in range(calls):
-                status, result = bench.one_call(target)
+                # Under callgrind on a busy machine a call with a large output takes seconds.
+                status, result = bench.one_call(target, timeout=300)
                 if status != 200 or result.get("isError"):
                     raise SystemExit(f"a call was not allowed ({status}, {result})")
             subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], capture_output=True, check=True)
@@ -127,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                    "over OTLP/HTTP to a local sink (needs the otel extra)")
     p.add_argument("--keep", metavar="DIR", type=Path, help="copy the callgrind dumps into DIR "
                    "(rank functions with callgrind_annotate --inclusive=yes)")
+    p.add_argument("--size", type=int, default=None, metavar="BYTES",
+                   help="tool outputs of BYTES of untrusted prose (bench/mix_upstream.py) instead of 'ok'")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: valgrind not found; apt-get install valgrind", file=sys.stderr)
@@ -142,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                            check=True, capture_output=True)
             trees.append((f"git {args.baseline}", base))
         try:
-            results = [(name, count(tree, tmp, args.config, args.calls, args.keep)) for name, tree in trees]
+            results = [(name, count(tree, tmp, args.config, args.calls, args.keep, args.size)) for name, tree in trees]
         finally:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")], cwd=ROOT,
                                capture_output=True, check=False)
-    traces = ", traces on" if args.otel else ""
+    traces = (", traces on" if args.otel else "") + (f", {args.size} B outputs" if args.size else "")
     print(f"| tree | k instructions per call ({args.config}{traces}, {args.calls} calls) |")
     print("|---|---:|")
     for name, k in results:

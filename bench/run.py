@@ -367,10 +367,10 @@ def checkout_baseline(tmp: Path, rev: str) -> None:
 # ---- verification ------------------------------------------------------------------------
 
 
-def one_call(url: str) -> tuple[int, dict[str, object]]:
+def one_call(url: str, timeout: float = 10) -> tuple[int, dict[str, object]]:
     req = urllib.request.Request(url, data=BODY.encode(), headers=HEADERS, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, {"body": exc.read().decode(errors="replace")}

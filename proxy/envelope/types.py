@@ -395,7 +395,8 @@ class Reply:
 
     `message` is the parsed answer (the inspection may rewrite it in place); `raw` its bytes as
     they would be delivered (a JSON body, or a whole SSE event; delivered unchanged when nothing
-    was rewritten; None when the front must rebuild it); `status` the upstream's HTTP status;
+    was rewritten; None when the front must rebuild it, as for JSON that names a member twice,
+    `jsonrpc.relayable`); `status` the upstream's HTTP status;
     `sse` the event's (type, id) when the answer came as an SSE event.
     """
 

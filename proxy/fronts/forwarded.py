@@ -436,7 +436,8 @@ class _Forwarded:
                 reply = _reply_to(data, self.request.reply_id)
                 if reply is not None:
                     # The server's own answer: a result, or a JSON-RPC error with its status.
-                    return Reply(reply, data, resp.status)
+                    relayable = await jsonrpc.relayable(data, reply)
+                    return Reply(reply, data if relayable else None, resp.status)
             if resp.status == 404 and self.downstream.stream is None:
                 # Unknown or expired session: the client must initialize again.
                 return self._failure("session_lost", f"upstream {target.name!r} does not know "
@@ -523,21 +524,23 @@ class _Forwarded:
         if not isinstance(message, dict):
             log.info("dropped an event of %s that is not a JSON-RPC message", self.target.name)
             return None
-        if message.get("id") == self.request.reply_id and ("result" in message or "error" in message):
-            return Reply(message, ev.raw if not has_comment(ev.raw) else None, self.status or 200,
-                         (ev.event, ev.id))
-        if not self.downstream.relays:
+        answer = message.get("id") == self.request.reply_id and ("result" in message or "error" in message)
+        if not answer and not self.downstream.relays:
             if isinstance(message.get("method"), str) and "id" in message:
                 # Only the aggregated endpoint relays nothing of a call's stream.
                 self.x.refuse_server_request(self.request, message, (
                     f"{message['method']} is not relayed by the aggregated endpoint /mcp (use "
                     f"/mcp/{self.target.name} to be asked)"))
             return None  # nobody receives it: nothing to inspect
+        # Judged before the inspection, which may change `message`.
+        as_sent = not has_comment(ev.raw) and await jsonrpc.relayable(ev.data, message)
+        if answer:
+            return Reply(message, ev.raw if as_sent else None, self.status or 200, (ev.event, ev.id))
         relayed = await self.x.envelope.inspect_event(self.pending, message)
         if relayed.refusal is not None:
             self.x.cancel(self.request, "the proxy withheld the call's stream")
             return relayed.refusal
-        if relayed.changed or has_comment(ev.raw):
+        if relayed.changed or not as_sent:
             await self.downstream.write(format_event(orjson.dumps(relayed.message), ev.event, ev.id))
         else:
             await self.downstream.write(ev.raw)

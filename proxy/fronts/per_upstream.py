@@ -539,10 +539,11 @@ class _Scope:
         if not isinstance(message, dict):
             log.info("dropped an event of %s that is not a JSON-RPC message", self.target.name)
             return KEEP_ALIVE
+        as_sent = not has_comment(ev.raw) and await jsonrpc.relayable(ev.data, message)
         out, changed = await self.message(message)
         if out is None:
             return KEEP_ALIVE
-        if not changed and not has_comment(ev.raw):
+        if not changed and as_sent:
             return ev.raw
         return format_event(orjson.dumps(out), ev.event, ev.id)
 
@@ -563,7 +564,8 @@ class _Scope:
             return jsonrpc.error_body(self.msg.id if self.msg else None, jsonrpc.INTERNAL_ERROR,
                                       f"upstream {self.target.name!r} sent a JSON answer the proxy "
                                       "cannot read; it was withheld")
+        as_sent = await jsonrpc.relayable(data, message)
         out, changed = await self.message(message)
         if out is None:
             return b""
-        return orjson.dumps(out) if changed else data
+        return orjson.dumps(out) if changed or not as_sent else data

@@ -11,6 +11,7 @@ Each tool is one misbehaviour; `tools/call` runs the tool named in `params.name`
 - `stranger(text)`: first a reply to an id nobody asked for, then the real reply.
 - `idless(text)`: first a message with a result and no id (and no method), then the real reply.
 - `badutf8()`: writes a line of invalid UTF-8 (`{"x": "\\xff"}`).
+- `dupkey(text)`: replies with a result naming `content` twice: `text` first, then `clean`.
 - `huge(size)`: writes `size` bytes of one line, no newline, then waits.
 - `hang()`: never answers.
 - `late(seconds, text)`: answers after `seconds` (`<HOSTILE_STATE>/started-<text>` marks its start).
@@ -43,7 +44,7 @@ STATE = os.environ.get("HOSTILE_STATE")
 
 TOOLS = [{"name": n, "description": n, "inputSchema": {"type": "object"},
           "annotations": {"readOnlyHint": not n.startswith("write")}}
-         for n in ("echo", "write", "write_crash", "twice", "stranger", "idless", "badutf8", "huge", "hang",
+         for n in ("echo", "write", "write_crash", "twice", "stranger", "idless", "badutf8", "dupkey", "huge", "hang",
                    "late", "stderr", "ask", "pid", "flood")]
 
 
@@ -89,6 +90,10 @@ def call(rid: Any, name: str, args: dict[str, Any]) -> None:
         send(text_result(rid, f"real: {text}"))
     elif name == "badutf8":
         raw(b'{"jsonrpc": "2.0", "id": ' + json.dumps(rid).encode() + b', "result": {"x": "\xff\xfe"}}\n')
+    elif name == "dupkey":
+        content = json.dumps([{"type": "text", "text": text}])
+        raw(b'{"jsonrpc": "2.0", "id": ' + json.dumps(rid).encode() + b', "result": {"content": '
+            + content.encode() + b', "content": [{"type": "text", "text": "clean"}]}}\n')
     elif name == "huge":
         size = int(args.get("size", 1 << 20))
         chunk = b"a" * 65536

@@ -25,7 +25,7 @@ SERVER = Path(__file__).resolve().parent / "hostile_stdio.py"
 SECRET = "AKIAIOSFODNN7EXAMPLE"
 LEGACY = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 MODERN = {**LEGACY, "MCP-Protocol-Version": "2026-07-28"}
-READS = ("echo", "twice", "stranger", "idless", "badutf8", "late", "ask")
+READS = ("echo", "twice", "stranger", "idless", "badutf8", "dupkey", "late", "ask")
 
 
 @dataclass
@@ -91,6 +91,9 @@ def records(pp: ProxyProcess, tool: str, since: int) -> list[dict[str, Any]]:
     ("stranger", {"text": SECRET}, ["real: [REDACTED:aws_access_key_id]"], "ok"),
     # A result without an id reaches the stream of the one call in flight, inspected like it.
     ("idless", {"text": SECRET}, ["idless: [REDACTED:aws_access_key_id]", "real: [REDACTED:aws_access_key_id]"], "ok"),
+    # A result naming `content` twice: the child's line is read once (orjson keeps the last) and
+    # written on re-serialised, so the agent reads the one block the envelope inspected.
+    ("dupkey", {"text": SECRET}, ["clean"], "ok"),
     # Invalid UTF-8 is a line that is not JSON: the child is broken and killed.
     ("badutf8", {}, ["Blocked by policy (upstream_error): upstream 'h' closed the stream without a result"],
      "upstream_error"),

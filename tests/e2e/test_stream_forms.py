@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from e2e_helpers import write_doc
 from scripted_upstream import Script, ScriptedUpstream, scripted_server
-from test_response_path import HOSTILE, INJECTION, SECRET, Client, assert_copy_is_flagged
+from test_response_path import HOSTILE, INJECTION, SECRET, Client, assert_copy_is_flagged, sse
 
 from tests.harness import proxy_process
 
@@ -270,3 +270,91 @@ def test_every_message_of_a_call_stream_is_inspected_and_recorded_in_any_syntax(
     assert record["code"] == "ok" and record["extra"]["guardrails"][0]["matches"] == 4
     # Only the stream's messages carried the injection: the ledger has it from them.
     assert_copy_is_flagged(client, "h.read_page")
+
+
+def named_twice(member: str, first: Any, second: Any, **members: Any) -> bytes:
+    """A JSON-RPC message whose object holding `member` names it twice: `first`, then `second`
+    (orjson keeps the last, a first-wins parser the first). `member` may be written with an
+    escape (`\\u0063ontent`); `members` come before it."""
+    head = json.dumps({"jsonrpc": "2.0", **members})[:-1]
+    return (f'{head}, "{member}": {json.dumps(first)}, "{member}": {json.dumps(second)}}}'
+            .replace('"id": null', '"id": {id}').encode())
+
+
+def result_named_twice(member: str = "content") -> bytes:
+    """A tools/call answer whose result has `content` twice: the hostile block first."""
+    hostile = [{"type": "text", "text": HOSTILE}]
+    clean = [{"type": "text", "text": "clean"}]
+    body = named_twice(member, hostile, clean)  # {"jsonrpc": "2.0", "content": ..., "content": ...}
+    return b'{"jsonrpc": "2.0", "id": {id}, "result": {' + body[len(b'{"jsonrpc": "2.0", '):] + b"}"
+
+
+NAMED_TWICE = {
+    "json answer": Script([result_named_twice()], headers=JSON_HEADERS),
+    "json answer, escaped name": Script([result_named_twice("\\u0063ontent")], headers=JSON_HEADERS),
+    "sse answer": Script([event(result_named_twice())]),
+    "sse notification": Script([
+        event(named_twice("params", {"level": "info", "data": HOSTILE}, {"level": "info", "data": "x"},
+                          method="notifications/message")),
+        event(message(id=None, result=CLEAN))]),
+    "sse answer, the message's own result": Script([event(named_twice(
+        "result", {"content": [{"type": "text", "text": HOSTILE}]}, CLEAN, id=None))]),
+}
+
+
+def first_wins(data: str) -> Any:
+    """What a parser that keeps the first of two same-named members reads."""
+    return json.loads(data, object_pairs_hook=lambda pairs: dict(reversed(pairs)))
+
+
+def assert_read_one_way(text: str) -> None:
+    """Every message of a response (a JSON body, or each SSE event's data) reads the same to a
+    first-wins parser as to a last-wins one."""
+    datas = [text] if text.startswith("{") else [ev["data"] for ev in sse(text) if ev.get("data")]
+    for data in datas:
+        assert first_wins(data) == json.loads(data), data
+
+
+@pytest.mark.parametrize("form", list(NAMED_TWICE))
+def test_a_member_named_twice_reaches_the_client_as_inspected(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    """orjson keeps the last of two same-named members, and the envelope inspects that; the
+    answer relayed as its bytes gave a first-wins client the hostile block nobody inspected."""
+    upstream.scripts["tools/call:read_page"] = NAMED_TWICE[form]
+    before = len(proxy.audit_records())
+    text, answer = call(client)
+    assert SECRET not in text and INJECTION not in text, text
+    assert answer["result"]["content"] == [{"type": "text", "text": "clean"}], answer
+    assert_read_one_way(text)
+    [record] = new_records(proxy, before)
+    assert record["code"] == "ok"
+
+
+NAMED_TWICE_RELAYED = {
+    "json": Script([named_twice("result", {"completion": {"values": [HOSTILE]}},
+                                {"completion": {"values": []}}, id=None)], headers=JSON_HEADERS),
+    "sse": Script([event(named_twice("result", {"completion": {"values": [HOSTILE]}},
+                                     {"completion": {"values": []}}, id=None))]),
+}
+
+
+@pytest.mark.parametrize("form", list(NAMED_TWICE_RELAYED))
+def test_a_relayed_answer_naming_a_member_twice_reaches_the_client_as_inspected(
+        upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    upstream.scripts["completion/complete"] = NAMED_TWICE_RELAYED[form]
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": "completion/complete",
+                            "params": {}})
+    assert SECRET not in response.text and INJECTION not in response.text, response.text
+    assert_read_one_way(response.text)
+    [answer] = [m for m in client.messages(response) if m.get("id") == client.ids]
+    assert answer["result"] == {"completion": {"values": []}}, answer
+
+
+def test_an_answer_naming_each_member_once_is_relayed_as_its_bytes(
+        upstream: ScriptedUpstream, client: Client) -> None:
+    """Spaced JSON (not what orjson writes) read a second time, found unambiguous: not rewritten."""
+    body = message(id=None, result={"content": [{"type": "text", "text": "spaced, é"}]})
+    upstream.scripts["tools/call:read_page"] = Script([body], headers=JSON_HEADERS)
+    text, _ = call(client)
+    assert text == body.decode().replace("{id}", str(client.ids))

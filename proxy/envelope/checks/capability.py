@@ -21,12 +21,13 @@ The read-only rule also hides writer tools from `tools/list` (see
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from proxy.envelope.labels import Label
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import Code, Decision, Services, ToolCall, ToolInfo, deny
 from proxy.policy.compiled import CompiledTool, PolicyRevision
+from proxy.policy.model import RuleOfTwo
 from proxy.policy.vocab import Effect
 
 READ_ONLY_HEADER = "X-Envelope-Capability"
@@ -89,7 +90,7 @@ class CapabilityCheck:
         # principal id -> the rule that makes it read-only; absent: read-write.
         self._read_only: dict[str, str] = {}
         # principal id -> its Rule-of-Two profile, when it takes something away.
-        self._profiles: dict[str, Any] = {}
+        self._profiles: dict[str, RuleOfTwo] = {}
         for pid, principal in revision.principals.items():
             rule = principal_read_only_rule(revision, pid)
             if rule is not None:
@@ -129,23 +130,9 @@ class CapabilityCheck:
         if profile is None:
             return None
         compiled = self._revision.tools.get(call.qualified_name)
-        if not profile.sensitive_data and tool_sensitivity(compiled) == "secret":
-            return deny(
-                Code.CAPABILITY_BLOCKED, self.id,
-                f"principal '{pid}' may not handle sensitive data (Rule of Two) and tool "
-                f"'{call.qualified_name}' returns secret output",
-                f"principals.{pid}.rule_of_two.sensitive_data",
-            )
-        if not profile.untrusted_input and tool_output_untrusted(
-            compiled, call.upstream_tool, call.upstream in self._trusted
-        ):
-            return deny(
-                Code.CAPABILITY_BLOCKED, self.id,
-                f"principal '{pid}' may not take untrusted input (Rule of Two) and tool "
-                f"'{call.qualified_name}' returns untrusted output",
-                f"principals.{pid}.rule_of_two.untrusted_input",
-            )
-        return None
+        label = Label(untrusted=tool_output_untrusted(compiled, call.upstream_tool, call.upstream in self._trusted),
+                      secret=tool_sensitivity(compiled) == "secret")
+        return self._rule_of_two(pid, profile, label, f"tool '{call.qualified_name}'", "output")
 
     def decide_read(self, call: ToolCall, label: Label) -> Decision | None:
         """Refuse a content read (`resources/read`, `prompts/get`) whose content carries `label`
@@ -153,19 +140,18 @@ class CapabilityCheck:
         profile = self._profiles.get(call.principal.id)
         if profile is None:
             return None
-        pid, what = call.principal.id, call.request.method
+        return self._rule_of_two(call.principal.id, profile, label, f"this {call.request.method}", "content")
+
+    def _rule_of_two(self, pid: str, profile: RuleOfTwo, label: Label, subject: str, noun: str) -> Decision | None:
+        """The refusal of `subject` (a tool call, a content read), which returns `noun` labelled
+        `label`, when principal `pid`'s Rule-of-Two `profile` takes away a property that label
+        brings (sensitive data first); else None. The rule is the profile's field."""
         if not profile.sensitive_data and label.secret:
-            return deny(
-                Code.CAPABILITY_BLOCKED, self.id,
-                f"principal '{pid}' may not handle sensitive data (Rule of Two) and this "
-                f"{what} returns secret content",
-                f"principals.{pid}.rule_of_two.sensitive_data",
-            )
-        if not profile.untrusted_input and label.untrusted:
-            return deny(
-                Code.CAPABILITY_BLOCKED, self.id,
-                f"principal '{pid}' may not take untrusted input (Rule of Two) and this "
-                f"{what} returns untrusted content",
-                f"principals.{pid}.rule_of_two.untrusted_input",
-            )
-        return None
+            leg, may_not, kind = "sensitive_data", "handle sensitive data", "secret"
+        elif not profile.untrusted_input and label.untrusted:
+            leg, may_not, kind = "untrusted_input", "take untrusted input", "untrusted"
+        else:
+            return None
+        return deny(Code.CAPABILITY_BLOCKED, self.id,
+                    f"principal '{pid}' may not {may_not} (Rule of Two) and {subject} returns {kind} {noun}",
+                    f"principals.{pid}.rule_of_two.{leg}")

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from proxy.envelope.invisible import CHUNK, visible
 from proxy.envelope.types import Code, Decision, Verdict
 from proxy.policy.vocab import BUILTIN_PATTERNS, DETECTOR_GROUPS, compile_pattern
 
@@ -172,36 +173,10 @@ def _count(text: str, rule: Rule) -> int:
     return sum(1 for _ in rule.regex.finditer(text))
 
 
-# Drawn as nothing but not format characters: the combining grapheme joiner, Hangul fillers,
-# Khmer inherent vowels, variation selectors (Unicode's Default_Ignorable_Code_Point).
-_IGNORABLE = frozenset((0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0,
-                        *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)))
-
-
-def _invisible_class() -> re.Pattern[str]:
-    """One character class of the characters a reader does not see: Unicode's format characters
-    (category Cf: U+00AD, U+200B..U+200F, U+202A..U+202E, U+2060..U+2064, U+FEFF, the tags
-    U+E0001..U+E007F...; none lies outside the two ranges read here) and `_IGNORABLE`, as runs:
-    one class, so matching cannot backtrack."""
-    runs: list[list[int]] = []
-    for cp in (*range(0x20000), *range(0xE0000, 0xE1000)):
-        if cp not in _IGNORABLE and unicodedata.category(chr(cp)) != "Cf":
-            continue
-        if runs and runs[-1][1] == cp - 1:
-            runs[-1][1] = cp
-        else:
-            runs.append([cp, cp])
-    return re.compile("[" + "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}"
-                                    for a, b in runs) + "]")
-
-
-_FORMAT = _invisible_class()
-
-
-# Folding and removing invisible characters take one C call per this many characters: each
-# holds the GIL, so a scan in a worker thread hands the event loop back between them (10 MB
-# dense in zero-width spaces: `re.sub` ~1 s in one call, ~7 ms per chunk; NFKC ~40 ms).
-SKELETON_CHUNK = 65536
+# Folding takes one C call per this many characters (as `invisible.visible` removes invisible
+# characters): each holds the GIL, so a scan in a worker thread hands the event loop back between
+# them (10 MB of CJK text: NFKC ~40 ms in one call).
+SKELETON_CHUNK = CHUNK
 
 
 _ASCII = re.compile("[\x00-\x7f]")
@@ -225,14 +200,9 @@ def _nfkc(text: str) -> str:
 
 
 def skeleton(text: str) -> str:
-    """`text` as a reader sees it: NFKC-folded, format characters removed (linear time)."""
-    folded = _nfkc(text)
-    if not _FORMAT.search(folded):
-        return folded
-    if len(folded) <= SKELETON_CHUNK:
-        return _FORMAT.sub("", folded)
-    return "".join(_FORMAT.sub("", folded[i:i + SKELETON_CHUNK])
-                   for i in range(0, len(folded), SKELETON_CHUNK))
+    """`text` as a reader sees it: NFKC-folded, invisible characters removed (linear time, in
+    chunks that each release the GIL)."""
+    return visible(_nfkc(text))
 
 
 class _Scan:

@@ -13,6 +13,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from proxy.envelope.invisible import visible
 from proxy.policy.model import DEFAULT_WINNOW, MIN_PHRASE_CHARS
 
 MIN_TOKEN = 8  # shortest distinctive token
@@ -43,12 +44,6 @@ def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
         if len(_powers[0]) < size:
             _powers = tables
     return tables
-
-
-# Invisible format characters (zero-width spaces and joiners, soft hyphen, bidi controls, BOM):
-# a model told to slip them into a copied address must not break the match.
-_INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e\u200b-\u200f"
-                        "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0]")
 
 
 # Letters of other scripts drawn like a Latin letter (one letter for one, as Unicode's
@@ -105,7 +100,7 @@ def fold(text: str) -> str:
         # lower case and holds no mark, look-alike or other digit: same result, without the
         # passes (~10 µs/KB).
         return text.lower()
-    return skeleton(_INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold())
+    return skeleton(visible(unicodedata.normalize("NFKC", text)).casefold())
 
 
 @functools.lru_cache(maxsize=8192)
@@ -178,7 +173,7 @@ def disguised(text: str) -> bool:
     if text.isascii():
         return False
     nfc = unicodedata.normalize("NFC", text)
-    if _INVISIBLE.sub("", unicodedata.normalize("NFKC", text)).casefold() != nfc.lower():
+    if visible(unicodedata.normalize("NFKC", text)).casefold() != nfc.lower():
         return True
     if "\u3002" in nfc:  # the ideographic full stop, which IDNA reads as "."
         return True

@@ -240,6 +240,26 @@ async def test_disguises_main_already_folded_still_match(name: str, disguise: An
     assert "token" in await _kinds(disguise(ADDRESS)), name
 
 
+def _tagged(text: str) -> str:
+    """Each character followed by its Unicode tag twin (U+E0000 + its code), then a cancel tag:
+    drawn as nothing, and the guardrails read through them."""
+    return "".join(c + chr(0xE0000 + ord(c)) if " " <= c <= "~" else c for c in text) + "\U000e007f"
+
+
+@pytest.mark.parametrize(("name", "disguise"), [
+    ("tag characters", _tagged),
+    ("a language tag", lambda t: "\U000e0001".join(t)),
+    ("variation selectors 17-256", lambda t: "".join(c + chr(0xE0100 + i % 240) for i, c in enumerate(t))),
+])
+async def test_a_copy_laced_with_what_the_guardrails_read_through_still_matches(name: str, disguise: Any) -> None:
+    """The ledger's fold removes the invisible characters the guardrails' view removes (one
+    definition, `proxy.envelope.invisible`); before it knew no tag character or supplementary
+    variation selector, so a copy laced with them matched nothing."""
+    assert await _kinds(f"Please note: {disguise(ORDER)}") == ["verbatim"], name
+    assert "token" in await _kinds(disguise(ADDRESS)), name
+    assert disguised(disguise(ADDRESS)), name  # and no laced copy is endorsed by the plain value
+
+
 @pytest.mark.parametrize(("value", "passes_for_another"), [
     ("Gartenweg 3, 8004 Z\u00fcrich", False),        # letters with their marks: how people write
     ("Jose\u0301 Lima", False),                       # the same, decomposed
@@ -249,9 +269,18 @@ async def test_disguises_main_already_folded_still_match(name: str, disguise: An
     ("\u0440\u0430\u0443\u0440\u0430", True),          # look-alike letters only
     ("hans@fa\u00df.example", True),                  # folds into other letters
     ("repor\u200bt.pdf", True),                       # an invisible character
+    ("repor\U000e0074t.pdf", True),                   # a tag character
     ("\uff21\uff22\uff23", True),                     # fullwidth letters
     ("exfil@attacker-mail\u3002example", True),       # the ideographic full stop
     ("plain ascii", False),
 ])
 def test_a_disguise_is_a_value_written_to_pass_for_another(value: str, passes_for_another: bool) -> None:
     assert disguised(value) is passes_for_another
+
+
+def test_the_ledger_folds_away_every_character_the_guardrails_read_through() -> None:
+    from proxy.envelope.checks.guardrails import skeleton as guardrails_view
+    hidden = [chr(cp) for cp in (*range(0x20000), *range(0xE0000, 0xE1000))
+              if guardrails_view(f"AB{chr(cp)}CD") == "ABCD"]
+    assert len(hidden) > 300 and "\U000e0041" in hidden and "\u200b" in hidden
+    assert [c for c in hidden if fold(f"ab{c}cd") != "abcd"] == []

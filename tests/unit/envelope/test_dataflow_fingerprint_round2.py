@@ -17,19 +17,23 @@ from hypothesis import strategies as st
 from proxy.envelope.dataflow import fingerprint
 from proxy.envelope.dataflow.ledger import LedgerDelta
 from proxy.envelope.dataflow.match import Probe
+from proxy.envelope.invisible import visible
 from proxy.envelope.labels import Label, Piece
 
 # The normal form has since gained a last step on purpose (`fingerprint.skeleton`: marks removed,
 # look-alike letters and other scripts' digits made ASCII; the ledger scheme says so): the
-# reference folds as it did, then takes the skeleton. Every other step is held to it unchanged.
+# reference folds as it did, then takes the skeleton. It has also gained, on purpose, the invisible
+# characters the reference kept (tag characters, supplementary variation selectors, the other
+# format characters: `proxy.envelope.invisible`, the one list the guardrails read too): removed
+# after the reference's fold. Every other step is held to it unchanged.
 _reference_fold = before._fold
-before._fold = lambda text: fingerprint.skeleton(_reference_fold(text))
+before._fold = lambda text: fingerprint.skeleton(visible(_reference_fold(text)))
 
 # Pieces that start, end, extend and break every token pattern, whitespace of every kind
 # str.split() knows (ASCII and not), characters NFKC and case-folding change, invisible ones.
 _PIECES = ["a", "b", "w", "x", "1", "2", "0", "٣", ".", "-", "_", "%", "+", "@", ":", "/", "(",
            ")", "|", " ", "  ", "\t", "\n", "\r\n", "\x0b", "\x0c", "\x1c", "\x1f", "\xa0",
-           "\u2003", "\u3000", "\x85", "é", "É", "ß", "\ufb01", "\uff21", "\u200b", "\u00ad", "²", "Ǆ",
+           "\u2003", "\u3000", "\x85", "é", "É", "ß", "\ufb01", "\uff21", "\u200b", "\u00ad", "\U000e0020", "\U000e0101", "\u0600", "²", "Ǆ",
            "www.", "http", "://", "https://", "x.yz", "ab.cd", "txt", "..", "cc1@", "@d.ee",
            "1a@b.cc", "de89", "37040044", "0532", " 0013", "12", "ab", "2024-07-12",
            "+1 (415) 555-0101", "billing@evil-corp.example", "files.exfil-drop.example/x",

@@ -9,8 +9,9 @@ from envelope_helpers import UPSTREAMS, build_revision, make_call
 
 from proxy.envelope.checks.capability import CapabilityCheck
 from proxy.envelope.checks.catalogue import visible
+from proxy.envelope.labels import Label
 from proxy.envelope.tools import ToolRegistry
-from proxy.envelope.types import Code, ToolCall, ToolInfo, Verdict
+from proxy.envelope.types import Code, RequestInfo, ToolCall, ToolInfo, Verdict
 from proxy.policy.model import PolicyDocument
 from proxy.policy.vocab import Effect
 
@@ -104,3 +105,31 @@ def test_profile_model_defaults() -> None:
     assert profile is not None and profile.holds_all
     assert doc.defaults.max_depth == 2
     assert doc.principals["a"].propagate_taint is True
+
+
+@pytest.mark.parametrize(("profile", "label", "leg", "returns"), [
+    ({"untrusted_input": False}, Label(untrusted=True, secret=False), "untrusted_input", "untrusted"),
+    ({"sensitive_data": False}, Label(untrusted=False, secret=True), "sensitive_data", "secret"),
+    # Both legs taken away, both brought: sensitive data is named first, for a call and a read.
+    ({"untrusted_input": False, "sensitive_data": False}, Label(untrusted=True, secret=True),
+     "sensitive_data", "secret"),
+])
+def test_a_call_and_a_content_read_are_refused_alike_by_a_rule_of_two_profile(
+        profile: dict[str, bool], label: Label, leg: str, returns: str) -> None:
+    """One refusal for both (the rule the profile's field, the reason naming the principal,
+    what it may not do and what brings it); only what is being done differs."""
+    tools = {**TOOLS, "demo.vault": {"effect": "read", "output": "untrusted" if label.untrusted else "trusted",
+                                     "sensitivity": "secret" if label.secret else "public"}}
+    rev = build_revision({"upstreams": UPSTREAMS, "tools": tools, "principals": {"agent": {"rule_of_two": profile}}})
+    check = CapabilityCheck(rev, ToolRegistry())
+    may_not = {"untrusted_input": "take untrusted input", "sensitive_data": "handle sensitive data"}[leg]
+    by_call = check.decide(_call("vault"))
+    read = _call("vault")
+    read.request = RequestInfo("resources/read")
+    by_read = check.decide_read(read, label)
+    for decision, doing in ((by_call, f"tool 'demo.vault' returns {returns} output"),
+                            (by_read, f"this resources/read returns {returns} content")):
+        assert decision is not None and decision.code is Code.CAPABILITY_BLOCKED and decision.check == "capability"
+        assert decision.rule == f"principals.agent.rule_of_two.{leg}"
+        assert decision.reason == f"principal 'agent' may not {may_not} (Rule of Two) and {doing}"
+    assert check.decide_read(read, Label(untrusted=False, secret=False)) is None

@@ -119,3 +119,47 @@ def test_what_orjson_writes_reads_one_way(value: object) -> None:
     except orjson.JSONEncodeError:  # a lone surrogate: no bytes, no shortcut
         return
     assert ambiguity(body) is None
+
+
+# ---- an upstream's answer: relayed as its bytes only when they read one way ----------------
+
+_ANSWER = b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"ok"}]}}'
+
+
+@pytest.mark.parametrize(("data", "relayable"), [
+    (_ANSWER, True),  # what orjson writes: no second reading
+    (_ANSWER.replace(b'"id":1', b'"id": 1'), True),  # spaced, read again: one member each
+    (_ANSWER.replace(b'"ok"', b'"\\u00e9"'), True),  # escaped, read again
+    (_ANSWER.replace(b'{"content"', b'{"content":[],"content"'), False),
+    (_ANSWER.replace(b'{"content"', b'{"\\u0063ontent":[],"content"'), False),  # escapes decoded
+    (_ANSWER.replace(b'"result"', b'"result":{},"result"'), False),
+    (_ANSWER.replace(b'"type":"text"', b'"type":"text","text":"x"'), False),  # deep inside
+    (_ANSWER.replace(b"}]}}", b'}],"n":18446744073709551616}}'), True),  # numbers not judged
+])
+async def test_an_answer_is_relayable_unless_it_names_a_member_twice(data: bytes, relayable: bool) -> None:
+    import orjson
+
+    from proxy.fronts.jsonrpc import relayable as relayable_
+    assert await relayable_(data, orjson.loads(data)) is relayable
+    assert await relayable_(data.decode(), orjson.loads(data)) is relayable  # an SSE event's data
+
+
+async def test_a_large_answer_is_read_again_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import orjson
+
+    from proxy.fronts import jsonrpc
+    seen: list[bool] = []
+    real = jsonrpc._names_a_member_twice
+
+    def spy(text: str) -> bool:
+        seen.append(threading.current_thread() is threading.main_thread())
+        return real(text)
+    monkeypatch.setattr(jsonrpc, "_names_a_member_twice", spy)
+    text = "x" * 2 * jsonrpc.INLINE_REREAD_BYTES
+    big = _ANSWER.replace(b'{"content"', b'{"content":[],"content"').replace(b'"ok"', f'"{text}"'.encode())
+    assert await jsonrpc.relayable(big, orjson.loads(big)) is False
+    canonical = orjson.dumps(orjson.loads(big))
+    assert await jsonrpc.relayable(canonical, orjson.loads(canonical)) is True
+    assert seen == [False]
