@@ -413,6 +413,36 @@ async def run_config(pp: ProxyProcess, up: ScriptedUpstream, scenarios: list[dic
     return out
 
 
+def run_configs(configs: list[Config], scenarios: dict[str, list[dict[str, Any]]],
+                tmp: Path, lanes: int = 2) -> dict[tuple[str, str], list[Outcome]]:
+    """{(scenario set, configuration): outcomes}: every configuration plays every set (in the
+    order given) through a proxy and a scripted upstream of its own, in a state directory of
+    its own. `lanes` configurations play at a time, side by side in one event loop (one's proxy
+    decides while another's client waits, so both cores work); nothing is shared between them,
+    so each one's outcomes are what it gives played alone."""
+    out: dict[tuple[str, str], list[Outcome]] = {}
+
+    async def lane(queue: asyncio.Queue[tuple[ProxyProcess, ScriptedUpstream, Config]]) -> None:
+        while not queue.empty():
+            pp, up, config = queue.get_nowait()
+            for label, chosen in scenarios.items():
+                out[label, config.name] = await run_config(pp, up, chosen, config)
+
+    async def play(worlds: list[tuple[ProxyProcess, ScriptedUpstream, Config]]) -> None:
+        queue: asyncio.Queue[tuple[ProxyProcess, ScriptedUpstream, Config]] = asyncio.Queue()
+        for world in worlds:
+            queue.put_nowait(world)
+        await asyncio.gather(*(lane(queue) for _ in range(lanes)))
+
+    with contextlib.ExitStack() as stack:
+        worlds = []
+        for i, config in enumerate(configs):
+            up = stack.enter_context(ScriptedUpstream().serving())
+            worlds.append((stack.enter_context(proxy_for(config, tmp / f"config-{i}", up)), up, config))
+        asyncio.run(play(worlds))
+    return out
+
+
 @dataclass(frozen=True)
 class Summary:
     pairs: int

@@ -11,10 +11,7 @@ numbers are printed (`pytest -s`). The held-out split is never used to choose an
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,10 +22,8 @@ from scenario_play import (
     DOMAINS,
     SPLITS,
     Outcome,
-    ScriptedUpstream,
     load_scenarios,
-    proxy_for,
-    run_config,
+    run_configs,
     summarize,
 )
 
@@ -162,29 +157,20 @@ def test_heldout4_gated_benign_calls_are_named_and_unnamed() -> None:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Outcome]]]:
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
+    """{configuration: outcomes} on the held-out split; two configurations play at a time, each
+    through its own proxy process and upstream (`run_configs`)."""
     tmp = tmp_path_factory.mktemp("scenarios")
-    out: dict[str, list[Outcome]] = {}
-    with ScriptedUpstream().serving() as up:
-        for name in MEASURED_CONFIGS:
-            config = BY_NAME[name]
-            with proxy_for(config, Path(tmp), up) as pp:
-                out[config.name] = asyncio.run(run_config(pp, up, HELD_OUT, config))
-    yield out
+    played = run_configs([BY_NAME[name] for name in MEASURED_CONFIGS], {"heldout": HELD_OUT}, tmp)
+    return {name: played["heldout", name] for name in MEASURED_CONFIGS}
 
 
 @pytest.fixture(scope="module")
-def blind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], list[Outcome]]]:
-    """{(split, configuration): outcomes}: both blind splits, one proxy process per configuration."""
+def blind(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], list[Outcome]]:
+    """{(split, configuration): outcomes}: every blind split, one proxy process per
+    configuration, the two configurations side by side (`run_configs`)."""
     tmp = tmp_path_factory.mktemp("blind")
-    out: dict[tuple[str, str], list[Outcome]] = {}
-    with ScriptedUpstream().serving() as up:
-        for name in BLIND_CONFIGS:
-            config = BY_NAME[name]
-            with proxy_for(config, Path(tmp), up) as pp:
-                for split, scenarios in BLIND_SPLITS.items():
-                    out[split, name] = asyncio.run(run_config(pp, up, scenarios, config))
-    yield out
+    return run_configs([BY_NAME[name] for name in BLIND_CONFIGS], BLIND_SPLITS, tmp)
 
 
 @pytest.mark.parametrize("split", list(BLIND_SPLITS))
