@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
+import tracemalloc
 import urllib.parse
 import zlib
 from typing import Any
@@ -104,11 +104,18 @@ def test_unsupported_or_broken_encodings_are_refused(coding: str, data: bytes) -
 
 
 def test_a_compression_bomb_stops_at_the_limit() -> None:
+    """50 MB of zeros gzipped: decoding stops past the 1 MB limit, so it never holds the whole
+    (measured as the memory it allocated, not the time it took)."""
     bomb = gzip.compress(b"\0" * 50_000_000)
-    started = time.perf_counter()
-    with pytest.raises(ReplyTooLarge) as exc:
-        decoded(bomb, "gzip", 1_000_000, "limits.max_upstream_reply_bytes")
-    assert exc.value.limit == 1_000_000 and time.perf_counter() - started < 2
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReplyTooLarge) as exc:
+            decoded(bomb, "gzip", 1_000_000, "limits.max_upstream_reply_bytes")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert exc.value.limit == 1_000_000
+    assert peak < 4_000_000, peak
 
 
 def test_json_too_deep_is_a_text_result() -> None:
@@ -125,10 +132,8 @@ def test_a_yaml_alias_bomb_is_refused_at_once() -> None:
     lines = ["openapi: 3.1.0", "info: {title: b, version: '1'}", "x-0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
     lines += [f"x-{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 10)]
     lines.append("paths: {}")
-    started = time.perf_counter()
-    with pytest.raises(SpecError, match="expands past"):
+    with pytest.raises(SpecError, match="expands past"):  # (unbounded, it would not end)
         parse_spec("\n".join(lines), "bomb.yaml")
-    assert time.perf_counter() - started < 2
 
 
 def test_a_ref_bomb_skips_the_operation_with_a_problem() -> None:
@@ -141,9 +146,7 @@ def test_a_ref_bomb_skips_the_operation_with_a_problem() -> None:
            "paths": {"/x": {"post": {"operationId": "boom", "requestBody": {"content": {
                "application/json": {"schema": {"$ref": "#/components/schemas/S9"}}}}, "responses": {}}},
                "/y": {"get": {"operationId": "fine", "responses": {}}}}}
-    started = time.perf_counter()
-    spec = parse_spec(json.dumps(doc), "refs.json")
-    assert time.perf_counter() - started < 5
+    spec = parse_spec(json.dumps(doc), "refs.json")  # (unbounded: 10**9 properties)
     assert list(spec.operations) == ["fine"]
     assert any("expands past" in p and "operation skipped" in p for p in spec.problems)
 
