@@ -164,6 +164,10 @@ def build_admin_app(status: StatusProvider, metrics: Metrics,
     from proxy.admin.intent_api import add_intent_routes
 
     add_intent_routes(app, status)
+    # Releasing an idempotency key whose outcome is unknown (POST /v1/idempotency/{id}/release).
+    from proxy.admin.idempotency_api import add_idempotency_routes
+
+    add_idempotency_routes(app, status, metrics)
     # The review page, the decisions API and the approver-token guard of /v1/shadow (review).
     from proxy.admin.review import add_review_routes
 

@@ -1,13 +1,14 @@
 """Failed approver authentication on the routes that act, on the audit record, bounded.
 
-A 401 on `POST /v1/approvals/<id>/approve` or `/deny`, or on `POST /v1/runs/<run>/intent`, is a
+A 401 on `POST /v1/approvals/<id>/approve` or `/deny`, on `POST /v1/runs/<run>/intent` or on
+`POST /v1/idempotency/<decision id>/release` is a
 token being guessed, or a revoked one still in use: a security review wants it on record, not
 only counted. Every one is counted (`envelope_admin_rejected_requests_total{reason=
 "unauthenticated"}`); the audit log gets at most two records per `WINDOW` however fast they
 come, over all those routes (one limiter per admin application: `failed_auth_of`): the first
 failure after a quiet window at once, and every failure after it within the window as one
 aggregated record when the window closes (their count, first and last time, and at most
-`MAX_NAMED` distinct remote addresses, approval ids and runs). A flood sustained for a day
+`MAX_NAMED` distinct remote addresses, approval ids, runs and decision ids). A flood sustained for a day
 writes at most 2,880 records (about 2 MB).
 
 The records are of the kind a refused decision already is (`Envelope.note_failed_approver`:
@@ -36,8 +37,9 @@ WINDOW = 60.0  # seconds between one failure's own record and the next record
 MAX_NAMED = 10  # distinct remote addresses, approval ids and runs an aggregated record names
 
 Token = Literal["missing", "unknown"]
-# What the refused request would have done: decide an approval, or set a run's intent.
-Action = Literal["approve", "deny", "intent"]
+# What the refused request would have done: decide an approval, set a run's intent, or release
+# an idempotency key whose outcome is unknown.
+Action = Literal["approve", "deny", "intent", "release"]
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class _Held:
     remotes: set[str] = field(default_factory=set)
     approvals: set[str] = field(default_factory=set)
     runs: set[str] = field(default_factory=set)
+    decisions: set[str] = field(default_factory=set)
 
     def add(self, token: Token, remote: str, subject: str, action: Action, ts: str) -> None:
         self.count += 1
@@ -58,14 +61,15 @@ class _Held:
         self.tokens[token] = self.tokens.get(token, 0) + 1
         if len(self.remotes) < MAX_NAMED:
             self.remotes.add(remote)
-        named = self.runs if action == "intent" else self.approvals
+        named = (self.runs if action == "intent" else self.decisions if action == "release"
+                 else self.approvals)
         if len(named) < MAX_NAMED:
             named.add(subject)
 
 
 class FailedApproverAuth:
-    """Audits failed approver authentication on decisions and intents, at most two records per
-    window."""
+    """Audits failed approver authentication on decisions, intents and releases, at most two
+    records per window."""
 
     def __init__(self, envelope: Any, window: float = WINDOW,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -78,7 +82,7 @@ class FailedApproverAuth:
 
     def failed(self, request: web.Request, token: Token, subject: str, action: Action) -> None:
         """Note one 401 of `action` on `subject` (the approval id to approve or deny, the run
-        whose intent was to be set; a marker such as `<invalid approval id>` when the caller
+        whose intent was to be set, the decision whose key was to be released; a marker such as `<invalid approval id>` when the caller
         found it not well formed; cut at 100 characters). Never raises: the request is refused
         whatever the audit log does."""
         now, ts = self._clock(), utc_timestamp()
@@ -87,6 +91,9 @@ class FailedApproverAuth:
             if action == "intent":
                 reason = f"intent for run {subject!r} not set"
                 named: dict[str, Any] = {"run": subject, "action": action}
+            elif action == "release":
+                reason = f"idempotency key of decision {subject!r} not released"
+                named = {"decision_id": subject, "action": action}
             else:
                 reason = f"approval {subject!r} not {action}d"
                 named = {"approval_id": subject, "decision": action}
@@ -113,7 +120,8 @@ class FailedApproverAuth:
                     f"{held.last} (aggregated: at most two records per {self._window:g} s)",
                     {"failures": held.count, "first": held.first, "last": held.last,
                      "tokens": held.tokens, "remotes": sorted(held.remotes),
-                     "approval_ids": sorted(held.approvals), "runs": sorted(held.runs)})
+                     "approval_ids": sorted(held.approvals), "runs": sorted(held.runs),
+                     "decision_ids": sorted(held.decisions)})
 
     async def close(self, app: web.Application) -> None:
         """`on_cleanup` of the admin application: what is held is written."""

@@ -9,7 +9,7 @@
     GET /v1/decisions/<decision id>  one audit record (404 when unknown)
     GET /v1/decision-stats?window=1h&principal=&run=&upstream=&tool=&verdict=&code=
                                    the picture above the table: calls per minute by verdict
-                                   (no `<approval>`/`<intent>` records) over the window (1m..24h, default 1h; wider than 3h: buckets
+                                   (no `<approval>`/`<intent>`/`<idempotency>` records) over the window (1m..24h, default 1h; wider than 3h: buckets
                                    of whole minutes, at most 180) and the top refused (deny,
                                    error) tools and codes; computed here, reading at most
                                    `proxy.audit.stats.MAX_SCAN` records of the window (newest

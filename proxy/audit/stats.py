@@ -27,10 +27,10 @@ MAX_SCAN = 100_000
 MAX_BUCKETS = 180  # bars in the picture; wider windows get wider buckets (whole minutes)
 TOP = 5
 # Methods of the records the admin API writes (`proxy.envelope.outcome`: `note_approval`,
-# `note_failed_approver`, `note_intent`): a person's decision, a failed approver token, an
-# intent set. They are in the log and the table, not calls: counted, a token-guessing flood
+# `note_failed_approver`, `note_intent`, `note_release`): a person's decision, a failed approver
+# token, an intent set, an idempotency key released. They are in the log and the table, not calls: counted, a token-guessing flood
 # would stand among the top refused tools.
-NOT_CALLS = frozenset({"<approval>", "<intent>"})
+NOT_CALLS = frozenset({"<approval>", "<intent>", "<idempotency>"})
 
 
 def bucket_seconds(window: timedelta) -> int:

@@ -1,7 +1,7 @@
 """The `envelope-proxy` command: the parser and the dispatch to one module per command group.
 
 `serve.py` (serve, demo), `stdio.py` (stdio), `policy.py` (check, test, replay), `scaffold.py` (scaffold), `audit.py` (audit verify, query,
-tail), `admin.py` (approvals, shadow, through the one admin API client in `admin_client.py`).
+tail), `admin.py` (approvals, idempotency, shadow, through the one admin API client in `admin_client.py`).
 Each command's parser names its handler (`handler`), which returns the exit status.
 """
 
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from proxy.cli.admin import add_approvals_parser, add_shadow_parser
+from proxy.cli.admin import add_approvals_parser, add_idempotency_parser, add_shadow_parser
 from proxy.cli.audit import add_audit_parser
 from proxy.cli.policy import add_check_parser, add_replay_parser, add_test_parser
 from proxy.cli.scaffold import add_scaffold_parser
@@ -47,7 +47,9 @@ examples:
                                                ... and not cut or rewritten since those heads were published
   envelope-proxy audit query .envelope-state/audit --since 1h --verdict deny    recent refusals
   envelope-proxy audit tail -f .envelope-state/audit  follow decisions as they are made
-  envelope-proxy approvals list                pending approvals (token: ENVELOPE_APPROVER_TOKEN)"""
+  envelope-proxy approvals list                pending approvals (token: ENVELOPE_APPROVER_TOKEN)
+  envelope-proxy idempotency release <decision-id> --reason "checked: not performed"
+                                               free a key whose outcome is unknown for a retry"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_audit_parser(sub)
     add_approvals_parser(sub)
+    add_idempotency_parser(sub)
     add_shadow_parser(sub)
     add_replay_parser(sub)
     add_test_parser(sub)

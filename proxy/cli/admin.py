@@ -1,4 +1,4 @@
-"""`approvals` and `shadow`: commands that talk to a running proxy's admin API."""
+"""`approvals`, `idempotency` and `shadow`: commands that talk to a running proxy's admin API."""
 
 from __future__ import annotations
 
@@ -176,4 +176,46 @@ def cmd_approvals(args: argparse.Namespace) -> int:
     else:
         grant = f"; grant {data['grant']['id']} ({data['grant']['scope']})" if data.get("grant") else ""
         print(f"{data['id']} {data['state']} by {data['approver']}: {data['decision_reason']}{grant}")
+    return 0
+
+
+def add_idempotency_parser(sub: Any) -> None:
+    idem = sub.add_parser(
+        "idempotency", help="release an idempotency key whose outcome is unknown (admin API)",
+        description="A keyed or gated writer whose upstream outcome is unknown (HTTP 5xx, reset, "
+                    "timeout, client left) refuses every retry with `idempotency_in_flight`, "
+                    "naming its decision id. Once you know the call was not performed, release "
+                    "its key: the next call with that key is performed. Needs an approver token "
+                    "(--token or ENVELOPE_APPROVER_TOKEN); the release is audited.")
+    isub = idem.add_subparsers(dest="idempotency_command", required=True, metavar="SUBCOMMAND")
+    rel = isub.add_parser("release", help="release the key of a decision whose outcome is unknown")
+    rel.add_argument("decision_id", help="the decision id the refusal names")
+    rel.add_argument("--reason", default=None, help="why (recorded with the release)")
+    rel.add_argument("--admin", metavar="URL", default=default_admin_url(),
+                     help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
+    rel.add_argument("--token", default=None,
+                     help="approver token (default: env ENVELOPE_APPROVER_TOKEN)")
+    rel.add_argument("--json", action="store_true", help="print the API's JSON answer")
+    idem.set_defaults(handler=cmd_idempotency)
+
+
+def cmd_idempotency(args: argparse.Namespace) -> int:
+    """`idempotency release ID`: 0 when released; 1 when the admin API refuses (404 nothing to
+    release, 409 the key holds another call now, ...) or cannot be reached."""
+    client = AdminClient.from_flags(args.admin, args.token)
+    body = {} if args.reason is None else {"reason": args.reason}
+    try:
+        data = client.post(f"/v1/idempotency/{args.decision_id}/release", body)
+    except AdminApiError as exc:
+        if exc.status is None:
+            print(f"envelope-proxy idempotency: {exc}", file=sys.stderr)
+        else:
+            print(f"envelope-proxy idempotency: {exc.status}: {exc.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(visible(f"released the idempotency key {data['idempotency_key']} of decision "
+                      f"{data['decision_id']} ({data['principal']} -> {data['upstream']}."
+                      f"{data['tool']}, run {data['run']}); audit record {data['record']}"))
     return 0

@@ -591,8 +591,21 @@ class Completion:
         return self._note_admin("<intent>", "intent", principal, run, "-", verdict, code, reason,
                                 {"approver": approver, **extra})
 
+    def note_release(self, *, principal: str, run: str, upstream: str, tool: str, args_digest: str,
+                     approver: str, verdict: Verdict, code: Code, reason: str,
+                     extra: Mapping[str, Any]) -> str:
+        """Audit an approver releasing an idempotency key whose outcome is unknown (the admin
+        API's `POST /v1/idempotency/<decision id>/release`): one record of method and tool
+        `<idempotency>`, check `idempotency`, the call's principal, run, upstream and argument
+        digest, its tool in `extra.tool`, written before the key is released. Returns its
+        decision id; raises AuditError when the audit log cannot take it (the caller then
+        releases nothing: a release lets the call be performed again)."""
+        return self._note_admin("<idempotency>", "idempotency", principal, run, upstream, verdict,
+                                code, reason, {"approver": approver, "tool": tool, **extra},
+                                args_digest)
+
     def note_failed_approver(self, *, reason: str, extra: Mapping[str, Any]) -> str:
-        """Audit approver authentication failing on approve, deny or a run's intent
+        """Audit approver authentication failing on approve, deny, a run's intent or a release
         (`proxy.admin.failed_auth`, which bounds how often): one record of method and tool
         `<approval>`, check `approval`, verdict deny, code `unauthorized`, principal
         `<unverified>` (no token named anyone).

@@ -124,6 +124,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(Gauge, "envelope_catalogue_tools", "Tools in the catalogue per upstream.", ("upstream",)),
     MetricSpec(Gauge, "envelope_upstream_up", "Upstream health: 1 up, 0 down or not yet known.", ("upstream",)),
     MetricSpec(Counter, "envelope_idempotent_replays_total", "Calls answered from the stored first result of the same call (never forwarded twice)."),
+    MetricSpec(Counter, "envelope_idempotency_releases_total", "Idempotency keys whose outcome was unknown released by an approver (POST /v1/idempotency/<decision id>/release): the next call with that key is performed."),
     MetricSpec(Counter, "envelope_upstream_retries_total", "Upstream requests retried after a transient failure (connect error, 429, 502, 503, 504).", ("upstream",)),
     MetricSpec(Counter, "envelope_shadow_records_total", "Writer calls of shadow runs recorded instead of performed."),
     MetricSpec(Gauge, "envelope_approvals_pending", "Approvals waiting for a person's decision (not yet expired)."),
@@ -335,6 +336,10 @@ class Metrics:
     def idempotent_replay(self) -> None:
         """Count one call answered from a stored result."""
         cast(Counter, self.collectors["envelope_idempotent_replays_total"]).inc()
+
+    def idempotency_release(self) -> None:
+        """Count one idempotency key released by an approver."""
+        cast(Counter, self.collectors["envelope_idempotency_releases_total"]).inc()
 
     def upstream_retry(self, upstream: str) -> None:
         """Count one retried upstream request; `upstream` is a configured upstream name."""

@@ -1,6 +1,7 @@
 """State behind one interface: memory (tests), SQLite (embedded default), Redis (replicas).
 
-The store is a small namespaced key-value store with expiry and compare-and-set: enough for
+The store is a small namespaced key-value store with expiry, compare-and-set and
+compare-and-delete: enough for
 approvals, grants, idempotency records, shadow records and run flags, whose logic lives once
 above it (never per backend). Values are bytes (the callers store JSON). Every method raises
 `proxy.errors.StoreError` when the backend cannot answer: callers fail closed.
@@ -17,7 +18,7 @@ arithmetic; Redis runs the same steps in one Lua script, SQLite in one transacti
 state is a plain value of its namespace.
 
 Namespaces in use: `approval`, `approval_arguments`, `approval_by_call`, `grant`, `idem`,
-`shadow`, `run`, `rate` (buckets); hashes: `approval_pending`, `grant_index`, `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints,
+`idem_unknown`, `shadow`, `run`, `rate` (buckets); hashes: `approval_pending`, `grant_index`, `ledger` (a run's flags and sources), `ledger_fp` (a run's fingerprints,
 one field each: ledgers written before the log), `ledger_log` (a log: one entry per recorded
 output holding its sorted fingerprints).
 """
@@ -110,6 +111,11 @@ class Store(ABC):
     @abstractmethod
     async def delete(self, ns: str, key: str) -> None:
         """Remove the key (no error when absent)."""
+
+    @abstractmethod
+    async def delete_if(self, ns: str, key: str, expected: bytes) -> bool:
+        """Remove the key only when its value currently equals `expected` (compare-and-delete).
+        True when removed; False when absent, expired or holding another value."""
 
     @abstractmethod
     async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:

@@ -73,6 +73,13 @@ class MemoryStore(Store):
         self._check()
         self._data.get(ns, {}).pop(key, None)
 
+    async def delete_if(self, ns: str, key: str, expected: bytes) -> bool:
+        self._check()
+        if self._live(ns, key) != expected:
+            return False
+        del self._data[ns][key]
+        return True
+
     async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:
         self._check()
         out: list[tuple[str, bytes]] = []

@@ -1,7 +1,8 @@
 """Redis store: state shared by several proxy replicas.
 
 Keys are `<prefix><ns>:<key>`; expiry is Redis's own (`PX`, milliseconds, rounded up). `add` is
-`SET NX PX`, `cas` a Lua script (atomic on the server), `items` a bounded `SCAN` plus `MGET`.
+`SET NX PX`, `cas` and `delete_if` Lua scripts (atomic on the server), `items` a bounded
+`SCAN` plus `MGET`.
 
 Hashes are Redis hashes at `<prefix>#hash:<ns>:<key>`. No namespace starts with `#`, so a hash key
 never equals a plain key nor matches the `<prefix><ns>:*` pattern of `items`, and the reverse.
@@ -58,6 +59,15 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   else
     redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
   end
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] the key; ARGV[1] expected. 1 when deleted.
+_DELETE_IF = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
@@ -296,6 +306,7 @@ class RedisStore(Store):
         except (ValueError, RedisError) as exc:
             raise StoreError(f"redis store {self.url}: invalid url: {exc}") from exc
         self._cas = self._client.register_script(_CAS)
+        self._delete_if = self._client.register_script(_DELETE_IF)
         self._hash_put = self._client.register_script(_HASH_PUT)
         self._log_append = self._client.register_script(_LOG_APPEND)
         self._log_since = self._client.register_script(_LOG_SINCE)
@@ -355,6 +366,12 @@ class RedisStore(Store):
 
     async def delete(self, ns: str, key: str) -> None:
         await self._call("delete", lambda: self._client.delete(self._key(ns, key)))
+
+    async def delete_if(self, ns: str, key: str, expected: bytes) -> bool:
+        done = await self._call(
+            "delete_if", lambda: self._delete_if(keys=[self._key(ns, key)], args=[expected])
+        )
+        return int(done) == 1
 
     async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:
         head = self._key(ns, "")

@@ -127,6 +127,7 @@ _SET_VALUE = "UPDATE kv SET value = ? WHERE ns = ? AND key = ?"
 _ADD = _PUT + " WHERE kv.expires IS NOT NULL AND kv.expires <= ?"
 _CAS = f"UPDATE kv SET value = ?, expires = ? WHERE ns = ? AND key = ? AND value = ? AND {_LIVE}"
 _DELETE = "DELETE FROM kv WHERE ns = ? AND key = ?"
+_DELETE_IF = f"DELETE FROM kv WHERE ns = ? AND key = ? AND value = ? AND {_LIVE}"
 _ITEMS = f"SELECT key, value FROM kv WHERE ns = ? AND {_LIVE} LIMIT ?"
 _PURGE = "DELETE FROM kv WHERE expires IS NOT NULL AND expires <= ?"
 
@@ -842,6 +843,12 @@ class SqliteStore(Store):
             conn.execute(_DELETE, (ns, key))
 
         await self._run("delete", op)
+
+    async def delete_if(self, ns: str, key: str, expected: bytes) -> bool:
+        def op(conn: sqlite3.Connection) -> bool:
+            return conn.execute(_DELETE_IF, (ns, key, expected, time.time())).rowcount == 1
+
+        return await self._run("delete_if", op)
 
     async def items(self, ns: str, limit: int = 1000) -> list[tuple[str, bytes]]:
         def op(conn: sqlite3.Connection) -> list[tuple[str, bytes]]:

@@ -19,10 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_helpers import fixture_policy, write_policy
+from e2e_helpers import cli, fixture_policy, write_policy
 from fake_upstream import RESET, FakeUpstream, fake_upstream
 
 from tests.harness import (
+    ADMIN_TOKEN,
     ProxyProcess,
     free_port,
     mcp_client,
@@ -338,3 +339,92 @@ def test_a_keyed_writer_never_sent_frees_its_key_and_budget(tmp_path: Path) -> N
             codes.append(reply["_meta"]["envelope/decision"]["code"])
         assert codes == ["upstream_error"] * 3, codes
         assert [r["code"] for r in pp.audit_records()] == ["upstream_error"] * 3
+
+
+# ---- an approver releases a key whose outcome is unknown --------------------------------------
+
+def _release(pp: ProxyProcess, decision_id: str, token: str | None = ADMIN_TOKEN,
+             reason: str = "checked upstream: not performed") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"{pp.admin}/v1/idempotency/{decision_id}/release", json={"reason": reason},
+                      headers=headers, timeout=10)
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_an_approver_releases_a_key_whose_outcome_is_unknown(tmp_path: Path, store: str) -> None:
+    """The upstream answers HTTP 500 once: the retry is refused. Without a token the release is
+    401; an approver releases the key by the decision id the refusal names; the retry is then
+    performed (the upstream counts 2 calls); the release and the retry are audited; releasing
+    again is 404, and so is releasing the key of a call that was performed (done)."""
+    (tmp_path / "redis").mkdir()
+    with fake_upstream() as fake, _store(store, tmp_path) as config:
+        policies = write_policy(tmp_path / "policies", {"counted": {}}, tools=TOOLS, principals={})
+        with proxy_process(tmp_path, {"counted": fake.url}, policies=policies, identity=STATIC,
+                           config=config) as pp:
+            fake.fail["write_note"] = [500]
+            headers = {"Idempotency-Key": "release-1"}
+            body = call_body("write_note", {"title": "r"})
+            first = result_of(rpc(pp.url("counted"), body, headers=headers))
+            assert first["_meta"]["envelope/decision"]["code"] == "upstream_error"
+            first_id = first["_meta"]["envelope/decision"]["decision_id"]
+            refused = result_of(rpc(pp.url("counted"), body, headers=headers))
+            assert refused["_meta"]["envelope/decision"]["code"] == "idempotency_in_flight"
+            assert fake.attempts["write_note"] == 1
+
+            anonymous = _release(pp, first_id, token=None)
+            assert anonymous.status_code == 401, anonymous.text
+            assert _release(pp, first_id, token="not-an-approver").status_code == 401
+            still = result_of(rpc(pp.url("counted"), body, headers=headers))
+            assert still["_meta"]["envelope/decision"]["code"] == "idempotency_in_flight"
+            assert fake.attempts["write_note"] == 1
+
+            if store == "sqlite":
+                released = _release(pp, first_id)
+                assert released.status_code == 200, released.text
+                answer = released.json()
+            else:  # the CLI, next to approve and deny
+                done_cli = cli("idempotency", "release", first_id, "--reason",
+                               "checked upstream: not performed", "--json",
+                               "--admin", pp.admin, "--token", ADMIN_TOKEN)
+                assert done_cli.returncode == 0, done_cli.stderr
+                answer = json.loads(done_cli.stdout)
+            assert (answer["decision_id"], answer["released"], answer["idempotency_key"],
+                    answer["tool"]) == (first_id, True, "release-1", "write_note")
+
+            retry = result_of(rpc(pp.url("counted"), body, headers=headers))
+            assert retry["isError"] is False, retry
+            assert (fake.attempts["write_note"], fake.calls["write_note"]) == (2, 1)
+            [performed] = [r for r in pp.audit_records() if r["tool"] == "write_note"
+                           and r["code"] == "ok"]
+            retry_id = performed["decision_id"]
+            # The retry's result is kept: the next repeat replays it, never performs it again.
+            again = result_of(rpc(pp.url("counted"), body, headers=headers))
+            assert again["_meta"]["envelope/replayed"] is True
+            assert fake.attempts["write_note"] == 2
+
+            second = _release(pp, first_id)
+            assert second.status_code == 404, second.text
+            # The CLI says the same, and exits 1.
+            again_cli = cli("idempotency", "release", first_id, "--reason", "again",
+                            "--admin", pp.admin, "--token", ADMIN_TOKEN)
+            assert again_cli.returncode == 1 and "404" in again_cli.stderr, again_cli.stderr
+            done = _release(pp, retry_id)  # performed, its result stored: nothing unknown
+            assert done.status_code == 404, done.text
+
+            records = pp.audit_records()
+            [rel] = [r for r in records if r["decision_id"] == answer["record"]]
+            assert (rel["method"], rel["tool"], rel["check"], rel["verdict"], rel["code"]) == (
+                "<idempotency>", "<idempotency>", "idempotency", "allow", "ok")
+            assert rel["extra"]["approver"] == "operator"
+            assert rel["extra"]["released_from"] == first_id
+            assert rel["extra"]["idempotency_key"] == "release-1"
+            assert "checked upstream: not performed" in rel["reason"]
+            assert (rel["principal"], rel["upstream"], rel["extra"]["tool"]) == (
+                "agent", "counted", "write_note")
+            assert performed["upstream_status"] == 200
+            assert performed["extra"]["idempotency_key"] == "release-1"
+            assert records.index(rel) < records.index(performed)
+            failed = [r for r in records if r["code"] == "unauthorized"]
+            assert failed and failed[0]["extra"]["decision_id"] == first_id
+            assert failed[0]["extra"]["action"] == "release"
+            assert metric_value(pp.metrics(), "envelope_idempotency_releases_total") == 1

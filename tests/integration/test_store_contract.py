@@ -878,6 +878,21 @@ async def test_sqlite_unusable_path_fails_on_first_use(tmp_path: Path) -> None:
         await store.get("run", "k")
 
 
+async def test_delete_if(store: Store) -> None:
+    # Compare-and-delete: only the value expected goes; anything else stays as it is.
+    assert await store.delete_if("idem", "k", b"unknown") is False  # absent
+    await store.put("idem", "k", b"unknown", ttl=60)
+    assert await store.delete_if("idem", "k", b"done") is False
+    assert await store.get("idem", "k") == b"unknown"
+    assert await store.delete_if("idem", "k", b"unknown") is True
+    assert await store.get("idem", "k") is None
+    assert await store.delete_if("idem", "k", b"unknown") is False  # already gone
+    assert await store.add("idem", "k", b"again") is True  # the key is free for a new claim
+    await store.put("idem", "e", b"old", ttl=TTL)
+    await until_expired(store, "idem", "e")
+    assert await store.delete_if("idem", "e", b"old") is False  # expired counts as absent
+
+
 # ---- Redis: killed, hung, restarted -------------------------------------------------------------
 
 OPS: list[tuple[str, Callable[[Store], Awaitable[object]]]] = [
@@ -886,6 +901,7 @@ OPS: list[tuple[str, Callable[[Store], Awaitable[object]]]] = [
     ("add", lambda s: s.add("run", "k2", b"v")),
     ("cas", lambda s: s.cas("run", "k", b"v", b"w")),
     ("delete", lambda s: s.delete("run", "k")),
+    ("delete_if", lambda s: s.delete_if("run", "k", b"v")),
     ("items", lambda s: s.items("run")),
     ("hash_put", lambda s: s.hash_put("ledger", "k", {b"f": b"v"}, ttl=5, cap=10)),
     ("hash_get", lambda s: s.hash_get("ledger", "k", [b"f"])),

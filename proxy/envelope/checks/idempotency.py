@@ -12,7 +12,11 @@ without a result to keep (its request was written upstream, even partly, and the
 a reset or end of the connection, an answer that is no reply, a timeout, its client left, the
 proxy stopped) leaves an `unknown` record for `idempotency.ttl` too: a retry is refused at once
 (`idempotency_in_flight`, naming the decision whose outcome is unknown), never performed again;
-unless the policy declares the tool `idempotent: true` (safe to perform twice). Only a call
+unless the policy declares the tool `idempotent: true` (safe to perform twice). Beside it, an
+index entry (`UNKNOWN_NS`, keyed by that decision id, for as long) names its store key and the
+call: the store key is a digest, so the decision id a refusal names cannot find it otherwise. An
+approver who knows the call was not performed releases the key through it (`find_unknown`,
+`release`: the admin API's `POST /v1/idempotency/<decision id>/release`). Only a call
 certainly not performed frees the key for a retry: never sent (refused by a check, no
 connection), or refused by the upstream itself (an HTTP 4xx, or a JSON-RPC error in an answer
 that is not a 5xx). A duplicate that finds the claim still in flight polls the store for up to
@@ -48,6 +52,8 @@ from proxy.policy.compiled import PolicyRevision
 from proxy.store.base import Store
 
 NS = "idem"
+# Decision id -> the store key (and the call) of its `unknown` record: see `find_unknown`.
+UNKNOWN_NS = "idem_unknown"
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_WAIT = 30.0
 # A claim outlives the longest the first call can take (upstream timeout, a duplicate's wait)
@@ -269,6 +275,13 @@ class IdempotencyCheck:
                     "state": "unknown", "decision_id": call.decision_id, "args_digest": digest,
                     "code": decision.code.value, "at": time.time(),
                 }), ttl=ttl)
+                # Written after the record: when it cannot be, the key stays refused for its
+                # ttl (as before any release existed), never freed.
+                await store.put(UNKNOWN_NS, call.decision_id, orjson.dumps({
+                    "key": key.store, "shown": key.shown, "principal": call.principal.id,
+                    "run": call.run.id, "upstream": call.upstream, "tool": call.tool,
+                    "args_digest": digest,
+                }), ttl=ttl)
                 return
             # Never sent, or refused by the upstream (or an idempotent tool): free the key.
             raw = await store.get(NS, key.store)
@@ -276,3 +289,63 @@ class IdempotencyCheck:
                 await store.delete(NS, key.store)
 
         return record
+
+
+# ---- releasing a key whose outcome is unknown (the admin API) ---------------------------------
+
+@dataclass(frozen=True, slots=True)
+class UnknownOutcome:
+    """A decision whose outcome is unknown, found by its id: the call it made, and `record`,
+    what its store key holds now (None: nothing; the key expired or was released)."""
+
+    decision_id: str
+    key: str
+    shown: str
+    principal: str
+    run: str
+    upstream: str
+    tool: str
+    args_digest: str
+    record: bytes | None
+
+    @property
+    def held(self) -> bool:
+        """Whether the key still holds this decision's `unknown` record (so it may be released);
+        False when it holds anything else (a new call's claim or result)."""
+        if self.record is None:
+            return False
+        record = _load(self.record)
+        return record.get("state") == "unknown" and record.get("decision_id") == self.decision_id
+
+
+async def find_unknown(store: Store, decision_id: str) -> UnknownOutcome | None:
+    """The call of `decision_id` whose outcome was recorded as unknown, or None when no such
+    decision is indexed (never one, expired, or already released). Raises StoreError when the
+    store cannot answer or holds an unreadable entry."""
+    raw = await store.get(UNKNOWN_NS, decision_id)
+    if raw is None:
+        return None
+    entry = _load(raw)
+    fields = ("key", "shown", "principal", "run", "upstream", "tool", "args_digest")
+    if not all(isinstance(entry.get(f), str) for f in fields):
+        raise StoreError("unreadable idempotency index entry: fields missing")
+    got = {f: str(entry[f]) for f in fields}
+    return UnknownOutcome(decision_id=decision_id, record=await store.get(NS, got["key"]), **got)
+
+
+async def release(store: Store, found: UnknownOutcome) -> bool:
+    """Free the key of `found` for a retry: deleted only when `found` read its `unknown` record
+    (`held`) and the key still holds exactly that record (compare-and-delete), then its index
+    entry. False when the key held or now holds anything else (nothing deleted). Raises
+    StoreError when the store cannot answer."""
+    if found.record is None or not found.held:
+        return False
+    if not await store.delete_if(NS, found.key, found.record):
+        return False
+    await store.delete(UNKNOWN_NS, found.decision_id)
+    return True
+
+
+async def forget_unknown(store: Store, decision_id: str) -> None:
+    """Drop an index entry whose key no longer holds anything (expired): nothing to release."""
+    await store.delete(UNKNOWN_NS, decision_id)

@@ -1,4 +1,4 @@
-"""Failed approver authentication on decisions and intents: audited, at most two records per window."""
+"""Failed approver authentication on decisions, intents and releases: audited, at most two records per window."""
 
 from __future__ import annotations
 
@@ -105,3 +105,19 @@ async def test_intents_and_decisions_share_one_window_per_application() -> None:
     auth.flush()
     held = notes.written[1]
     assert (held["failures"], held["runs"], held["approval_ids"]) == (2, ["run-2"], ["a1"])
+    assert held["decision_ids"] == []
+
+
+async def test_releases_share_the_window_and_name_their_decision_ids() -> None:
+    notes, clock = Notes(), Clock()
+    auth = FailedApproverAuth(notes, clock=clock)
+    auth.failed(_request("10.0.0.1"), "unknown", "d" * 32, "release")
+    auth.failed(_request("10.0.0.1"), "missing", "e" * 32, "release")
+    auth.failed(_request("10.0.0.1"), "missing", "run-1", "intent")
+    [first] = notes.written
+    assert first == {"reason": "approver authentication failed (unknown token): idempotency key "
+                               f"of decision {'d' * 32!r} not released", "decision_id": "d" * 32,
+                     "action": "release", "token": "unknown", "remote": "10.0.0.1", "failures": 1}
+    auth.flush()
+    held = notes.written[1]
+    assert (held["failures"], held["decision_ids"], held["runs"]) == (2, ["e" * 32], ["run-1"])

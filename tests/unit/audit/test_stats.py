@@ -55,7 +55,7 @@ def test_counts_per_minute_by_verdict_and_top_refused() -> None:
 
 def test_admin_action_records_are_not_calls() -> None:
     admin = [{**rec(0.5 + i / 10, "deny", tool=method, code="unauthorized"), "method": method}
-             for i, method in enumerate(["<approval>"] * 5 + ["<intent>"])]
+             for i, method in enumerate(["<approval>"] * 5 + ["<intent>", "<idempotency>"])]
     s = stats([rec(0.2, "deny", tool="write", code="arg_rule_violation"), *admin])
     assert s["totals"] == {"allow": 0, "deny": 1, "error": 0} and s["count"] == 1
     assert s["top_refused_tools"] == [{"tool": "demo.write", "count": 1}]

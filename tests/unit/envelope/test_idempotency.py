@@ -17,7 +17,14 @@ from proxy.approvals.service import ApprovalService
 from proxy.audit.log import AuditLog
 from proxy.audit.record import args_digest
 from proxy.config import ApprovalsConfig, Config, IdempotencyConfig
-from proxy.envelope.checks.idempotency import NS, IdempotencyCheck, call_key
+from proxy.envelope.checks.idempotency import (
+    NS,
+    UNKNOWN_NS,
+    IdempotencyCheck,
+    call_key,
+    find_unknown,
+    release,
+)
 from proxy.envelope.pipeline import Envelope, Pending
 from proxy.envelope.tools import ToolRegistry
 from proxy.envelope.types import ALLOWED, Code, Decision, Reply, Services, ToolCall, Verdict
@@ -475,3 +482,54 @@ async def test_a_duplicate_outlasted_by_the_first_is_refused_in_flight(tmp_path:
     assert (decision.verdict, decision.code) == (Verdict.ERROR, Code.IDEMPOTENCY_IN_FLIGHT)
     # The first one's answer later is still its own, delivered once.
     assert (await w.envelope.complete(performed[0], Reply(_reply()))).kind == "deliver"
+
+
+# ---- releasing a key whose outcome is unknown --------------------------------------------------
+
+async def _unknown_first(store: MemoryStore) -> tuple[IdempotencyCheck, ToolCall]:
+    check, _ = _check(store, wait=30)
+    first = _call("write_note", key="k-1", decision_id="d-first")
+    assert await check.decide(first) is None
+    first.maybe_sent, first.upstream_status = True, 500
+    await _finish(first, FORWARD_FAILED, None)
+    return check, first
+
+
+async def test_an_unknown_outcome_is_indexed_by_its_decision_id_and_released() -> None:
+    store = MemoryStore()
+    check, first = await _unknown_first(store)
+    found = await find_unknown(store, "d-first")
+    assert found is not None and found.held
+    assert (found.key, found.shown, found.principal, found.upstream, found.tool) == (
+        call_key(first, first.args_digest()).store, "k-1", "agent", "demo", "write_note")
+    assert await find_unknown(store, "d-other") is None
+    assert await release(store, found) is True
+    assert await store.items(NS) == [] and await store.items(UNKNOWN_NS) == []
+    assert await find_unknown(store, "d-first") is None  # a second release finds nothing
+    assert await check.decide(_call("write_note", key="k-1", decision_id="d-retry")) is None
+
+
+async def test_a_release_never_deletes_a_key_that_changed_since_it_was_read() -> None:
+    # Read, then another release and a retry's claim take the key: the stale release is refused.
+    store = MemoryStore()
+    check, _ = await _unknown_first(store)
+    stale = await find_unknown(store, "d-first")
+    fresh = await find_unknown(store, "d-first")
+    assert stale is not None and fresh is not None
+    assert await release(store, fresh) is True
+    assert await check.decide(_call("write_note", key="k-1", decision_id="d-retry")) is None
+    assert await release(store, stale) is False
+    [(_, raw)] = await store.items(NS)
+    assert orjson.loads(raw)["decision_id"] == "d-retry"  # the retry's claim is kept
+
+
+async def test_a_key_holding_another_call_is_not_held_for_release() -> None:
+    store = MemoryStore()
+    _, first = await _unknown_first(store)
+    key = call_key(first, first.args_digest()).store
+    await store.put(NS, key, orjson.dumps({"state": "done", "decision_id": "d-other",
+                                           "args_digest": "x", "result": {}}))
+    found = await find_unknown(store, "d-first")
+    assert found is not None and not found.held
+    assert await release(store, found) is False
+    assert orjson.loads(await store.get(NS, key) or b"")["state"] == "done"
