@@ -35,6 +35,7 @@ from proxy.envelope.checks.guardrails import (
     Rule,
     ScanTimeout,
     compiled,
+    invisible_class,
     payload_chars,
     scan_payload,
 )
@@ -264,6 +265,9 @@ class Inspector:
         for entries in self._resources.values():
             entries.sort(key=lambda e: -len(e[0]))
         self._prompts: dict[str, ContentPolicy] = dict(document.prompts)
+        if self._defaults or any(tool.policy.guardrails for tool in revision.tools.values()) or any(
+                policy.guardrails for policy in (*document.resources.values(), *document.prompts.values())):
+            invisible_class()  # built at policy load (once a process), not by the first scan
 
     @property
     def recording(self) -> bool:

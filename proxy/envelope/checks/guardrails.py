@@ -178,11 +178,14 @@ _IGNORABLE = frozenset((0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0,
                         *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)))
 
 
-def _invisible_class() -> re.Pattern[str]:
+@functools.cache
+def invisible_class() -> re.Pattern[str]:
     """One character class of the characters a reader does not see: Unicode's format characters
     (category Cf: U+00AD, U+200B..U+200F, U+202A..U+202E, U+2060..U+2064, U+FEFF, the tags
     U+E0001..U+E007F...; none lies outside the two ranges read here) and `_IGNORABLE`, as runs:
-    one class, so matching cannot backtrack."""
+    one class, so matching cannot backtrack. Built once, by the first policy revision that has
+    guardrails (`proxy.envelope.inspect.Inspector`), not at import: ~40 ms of start-up that a
+    policy without guardrails never needs."""
     runs: list[list[int]] = []
     for cp in (*range(0x20000), *range(0xE0000, 0xE1000)):
         if cp not in _IGNORABLE and unicodedata.category(chr(cp)) != "Cf":
@@ -193,9 +196,6 @@ def _invisible_class() -> re.Pattern[str]:
             runs.append([cp, cp])
     return re.compile("[" + "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}"
                                     for a, b in runs) + "]")
-
-
-_FORMAT = _invisible_class()
 
 
 # Folding and removing invisible characters take one C call per this many characters: each
@@ -227,11 +227,12 @@ def _nfkc(text: str) -> str:
 def skeleton(text: str) -> str:
     """`text` as a reader sees it: NFKC-folded, format characters removed (linear time)."""
     folded = _nfkc(text)
-    if not _FORMAT.search(folded):
+    invisible = invisible_class()
+    if not invisible.search(folded):
         return folded
     if len(folded) <= SKELETON_CHUNK:
-        return _FORMAT.sub("", folded)
-    return "".join(_FORMAT.sub("", folded[i:i + SKELETON_CHUNK])
+        return invisible.sub("", folded)
+    return "".join(invisible.sub("", folded[i:i + SKELETON_CHUNK])
                    for i in range(0, len(folded), SKELETON_CHUNK))
 
 

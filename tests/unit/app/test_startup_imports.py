@@ -17,8 +17,8 @@ import proxy
 
 ROOT = Path(proxy.__file__).resolve().parent.parent
 
-# Libraries of features off by default: JWT identity, the cel-python fallback, traces, the MCP
-# SDK (the demo tool server), Redis.
+# Libraries of features off by default (JWT identity, traces, the MCP SDK of the demo tool
+# server, Redis) and cel-python, which the policy load imports for its lint, not the import.
 OPTIONAL = ("jwt", "cryptography", "celpy", "lark", "opentelemetry", "mcp", "redis")
 
 
@@ -69,3 +69,12 @@ else:
     raise SystemExit("jwt mode built without PyJWT")
 """)
     assert "proxy" in loaded
+
+
+def test_the_serve_path_import_builds_no_guardrail_table() -> None:
+    """The invisible-character class (a scan of 135,000 code points) waits for a policy with
+    guardrails."""
+    _loaded(SERVE_PATH + """
+from proxy.envelope.checks.guardrails import invisible_class
+assert invisible_class.cache_info().currsize == 0, "built at import"
+""")

@@ -571,8 +571,23 @@ async def test_a_scan_that_does_not_end_in_time_withholds_the_result(monkeypatch
 @pytest.mark.parametrize("piece", ["e\u0301", "\uff21\u200b", "\u1100\u1161\u11a8", "a\u0323\u0302",
                                    "\u00c5\u212b", "\ufb01x", "\u3000"])
 def test_a_long_text_folds_in_chunks_as_it_would_whole(piece: str) -> None:
-    from proxy.envelope.checks.guardrails import _FORMAT, SKELETON_CHUNK, skeleton
+    from proxy.envelope.checks.guardrails import SKELETON_CHUNK, invisible_class, skeleton
 
     for shift in range(len(piece) + 2):  # the piece astride every cut
         text = ("x" * (SKELETON_CHUNK - shift) + piece) * 3 + "\u4e00" * 10
-        assert skeleton(text) == _FORMAT.sub("", unicodedata.normalize("NFKC", text))
+        assert skeleton(text) == invisible_class().sub("", unicodedata.normalize("NFKC", text))
+
+
+@pytest.mark.parametrize("doc, built", [
+    (_doc(), False),
+    (_doc(tool_guardrails=[{"detector": "secrets", "action": "redact"}]), True),
+    (_doc(default_guardrails=[{"detector": "secrets", "action": "block"}]), True),
+])
+def test_the_invisible_class_is_built_by_a_policy_with_guardrails(doc: dict[str, Any], built: bool) -> None:
+    """Built at policy load (the chain), never by the first scan; a policy without guardrails
+    never pays for it (nor does an import: start-up)."""
+    from proxy.envelope.checks.guardrails import invisible_class
+
+    invisible_class.cache_clear()
+    _Pending(doc)
+    assert (invisible_class.cache_info().currsize == 1) is built
