@@ -39,6 +39,7 @@ from proxy.envelope.checks.guardrails import (
     payload_chars,
     scan_payload,
 )
+from proxy.envelope.dataflow.fingerprint import load_numpy
 from proxy.envelope.dataflow.ledger import (
     LedgerDelta,
     RecentWrites,
@@ -254,6 +255,8 @@ class Inspector:
         self.dataflow: DataflowPolicy = (document.dataflow if document.dataflow is not None
                                          else DataflowPolicy(mode="shadow"))
         self._escalates = escalates(self.dataflow)
+        if self.dataflow.mode != "off":
+            load_numpy()  # the fingerprints' library, imported at policy load, not by the first call
         self._tool_labels = ToolLabels(revision)
         self._defaults = compiled(document.defaults.guardrails)
         self._tools: dict[tuple[str, bool, bool], Subject] = {}

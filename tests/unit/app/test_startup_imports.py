@@ -22,11 +22,11 @@ ROOT = Path(proxy.__file__).resolve().parent.parent
 OPTIONAL = ("jwt", "cryptography", "celpy", "lark", "opentelemetry", "mcp", "redis")
 
 
-def _loaded(script: str) -> set[str]:
+def _loaded(script: str, *argv: str) -> set[str]:
     """The top-level packages `script` leaves in `sys.modules` (a fresh interpreter)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     script += "\nimport json, sys\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env,
                           check=False)
     assert done.returncode == 0, done.stderr
     return set(json.loads(done.stdout.splitlines()[-1]))
@@ -44,6 +44,30 @@ def test_the_default_serve_path_imports_no_optional_library() -> None:
     loaded = _loaded(SERVE_PATH)
     assert "aiohttp" in loaded  # the detector sees what the serve path does import
     assert sorted(loaded & set(OPTIONAL)) == []
+    assert "numpy" not in loaded  # the policy load imports it when data flow is recorded
+
+
+CHAIN = """
+import pathlib, sys, tempfile
+from proxy.envelope.pipeline import Chain
+from proxy.envelope.tools import ToolRegistry
+from proxy.policy.loader import load_policy
+policies = pathlib.Path(tempfile.mkdtemp())
+(policies / "p.yaml").write_text(
+    "version: 1\\nupstreams: {docs: {url: 'http://127.0.0.1:1/mcp'}}\\n"
+    "tools: {docs.read: {effect: read}}\\n" + sys.argv[1])
+revision = load_policy(policies, "cel-python")
+assert "numpy" not in sys.modules, "imported by the policy load itself"
+Chain(revision, ToolRegistry())
+"""
+
+
+def test_a_chain_that_records_data_flow_imports_numpy_at_policy_load() -> None:
+    """The fingerprints' numpy is imported when the chain is built (before /readyz), never by
+    the first call; a policy with `dataflow: {mode: off}` never imports it."""
+    assert "numpy" in _loaded(CHAIN, "")  # no dataflow section: shadow, recorded
+    assert "numpy" in _loaded(CHAIN, "dataflow: {mode: enforce}")
+    assert "numpy" not in _loaded(CHAIN, "dataflow: {mode: off}")
 
 
 def test_jwt_identity_imports_pyjwt_when_configured() -> None:
