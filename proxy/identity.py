@@ -4,18 +4,16 @@ Not a check: the front resolves the principal before building a `ToolCall`. Clie
 identity headers (X-Principal and the like) are never trusted; static mode ignores every header.
 In jwt mode the accepted algorithms are pinned by config (never "none", never chosen by the
 token) and the key is typed at startup, so an HS256 token "signed" with an RSA public key is
-refused.
+refused. PyJWT and cryptography are imported only in jwt mode, when `Identity` is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
-import jwt
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proxy.envelope.types import Principal
@@ -70,6 +68,17 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+def _jwt_library() -> ModuleType:
+    """PyJWT, imported when jwt mode is configured (static mode never loads it or cryptography).
+
+    Raises `ConfigError` when it cannot be imported: a jwt config then fails at start-up."""
+    try:
+        import jwt
+    except ImportError as exc:
+        raise ConfigError(f"identity mode jwt needs PyJWT[crypto]: {exc}") from exc
+    return jwt
+
+
 class Identity:
     """Resolves the caller's `Principal` from request headers.
 
@@ -84,7 +93,9 @@ class Identity:
             id=config.principal, groups=tuple(config.groups), claims={}, source="static"
         )
         self._key: Any = None
+        self._jwt: Any = None
         if config.mode == "jwt":
+            self._jwt = _jwt_library()
             self._key = self._load_key(config)
         self._algorithms = list(config.algorithms)
         self._options: dict[str, Any] = {
@@ -109,6 +120,11 @@ class Identity:
                 raise ConfigError("identity HS256 secret must be at least 32 bytes")
             return raw.encode()
         try:
+            from cryptography.hazmat.primitives.asymmetric import ec, rsa
+            from cryptography.hazmat.primitives.serialization import load_pem_public_key
+        except ImportError as exc:
+            raise ConfigError(f"identity keys RS256/ES256 need cryptography: {exc}") from exc
+        try:
             key = load_pem_public_key(raw.encode())
         except ValueError as exc:
             raise ConfigError(f"identity key is not a PEM public key: {exc}") from exc
@@ -126,6 +142,7 @@ class Identity:
         """
         if self.config.mode == "static":
             return self._static
+        jwt = self._jwt
         token = self._bearer(headers)
         try:
             alg = jwt.get_unverified_header(token).get("alg")
@@ -144,7 +161,7 @@ class Identity:
                 audience=cfg.audience,
                 issuer=cfg.issuer,
                 leeway=cfg.leeway,
-                options=self._options,  # type: ignore[arg-type]
+                options=self._options,
             )
         except jwt.ExpiredSignatureError as exc:
             raise IdentityError("token expired (exp)") from exc

@@ -38,6 +38,7 @@ from proxy.envelope.checks.guardrails import (
     payload_chars,
     scan_payload,
 )
+from proxy.envelope.dataflow.fingerprint import load_numpy
 from proxy.envelope.dataflow.ledger import (
     LedgerDelta,
     RecentWrites,
@@ -46,6 +47,7 @@ from proxy.envelope.dataflow.ledger import (
     widen_parent,
 )
 from proxy.envelope.dataflow.offload import delta_of, sized
+from proxy.envelope.invisible import invisible_class
 from proxy.envelope.labels import Label, OutputLabels, Piece, ToolLabels, pieces
 from proxy.envelope.types import RunContext, ToolCall, run_key
 from proxy.policy.compiled import PolicyRevision
@@ -253,6 +255,8 @@ class Inspector:
         self.dataflow: DataflowPolicy = (document.dataflow if document.dataflow is not None
                                          else DataflowPolicy(mode="shadow"))
         self._escalates = escalates(self.dataflow)
+        if self.dataflow.mode != "off":
+            load_numpy()  # the fingerprints' library, imported at policy load, not by the first call
         self._tool_labels = ToolLabels(revision)
         self._defaults = compiled(document.defaults.guardrails)
         self._tools: dict[tuple[str, bool, bool], Subject] = {}
@@ -264,6 +268,12 @@ class Inspector:
         for entries in self._resources.values():
             entries.sort(key=lambda e: -len(e[0]))
         self._prompts: dict[str, ContentPolicy] = dict(document.prompts)
+        if self.dataflow.mode != "off" or self._defaults or any(
+                tool.policy.guardrails for tool in revision.tools.values()) or any(
+                policy.guardrails for policy in (*document.resources.values(), *document.prompts.values())):
+            # Read by the guardrails' scan and the ledger's fold: built at policy load (once a
+            # process), not by the first call.
+            invisible_class()
 
     @property
     def recording(self) -> bool:

@@ -9,14 +9,36 @@ import os
 import re
 import unicodedata
 from collections.abc import Iterator
-from typing import Any, Final
-
-import numpy as np
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Final
 
 from proxy.envelope.invisible import visible
 from proxy.policy.model import DEFAULT_WINNOW, MIN_PHRASE_CHARS
 
 MIN_TOKEN = 8  # shortest distinctive token
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    class _NumpyOnUse:
+        """Stands for numpy (~0.2 s of import) until `load_numpy` binds the module itself."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(load_numpy(), name)
+
+    np = _NumpyOnUse()
+
+
+def load_numpy() -> ModuleType:
+    """Import numpy and bind it as this module's `np` (later lookups find the module itself).
+
+    Called by a chain whose revision records or checks data flow (policy load: no call pays
+    the import) and by the first use otherwise (the CLI, tools). An ImportError propagates: a
+    start-up error at policy load, a failed check (refused) on a call."""
+    import numpy
+
+    globals()["np"] = numpy
+    return numpy
 
 # -- normalisation and fingerprints ------------------------------------------------------------
 
@@ -26,7 +48,7 @@ MIN_TOKEN = 8  # shortest distinctive token
 _B = 0x100000001B3  # odd, so invertible mod 2**64
 _B_INV = pow(_B, -1, 1 << 64)
 _SEGMENT = 1 << 15
-_powers: tuple[np.ndarray, np.ndarray] = (np.ones(1, np.uint64), np.ones(1, np.uint64))
+_powers: tuple[np.ndarray, np.ndarray] | None = None  # built by the first hash
 
 
 def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -35,13 +57,13 @@ def _power_tables(length: int) -> tuple[np.ndarray, np.ndarray]:
     (a racing thread may install smaller ones; both are right)."""
     global _powers
     tables = _powers
-    if len(tables[0]) < length:
+    if tables is None or len(tables[0]) < length:
         size = 1 << max(12, (length - 1).bit_length())
         one = np.ones(1, np.uint64)
         with np.errstate(over="ignore"):
             tables = (np.cumprod(np.concatenate((one, np.full(size - 1, _B, np.uint64))), dtype=np.uint64),
                       np.cumprod(np.concatenate((one, np.full(size - 1, _B_INV, np.uint64))), dtype=np.uint64))
-        if len(_powers[0]) < size:
+        if _powers is None or len(_powers[0]) < size:
             _powers = tables
     return tables
 

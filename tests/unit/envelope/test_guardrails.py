@@ -572,8 +572,27 @@ async def test_a_scan_that_does_not_end_in_time_withholds_the_result(monkeypatch
                                    "\u00c5\u212b", "\ufb01x", "\u3000"])
 def test_a_long_text_folds_in_chunks_as_it_would_whole(piece: str) -> None:
     from proxy.envelope.checks.guardrails import SKELETON_CHUNK, skeleton
-    from proxy.envelope.invisible import INVISIBLE
+    from proxy.envelope.invisible import invisible_class
 
     for shift in range(len(piece) + 2):  # the piece astride every cut
         text = ("x" * (SKELETON_CHUNK - shift) + piece) * 3 + "\u4e00" * 10
-        assert skeleton(text) == INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+        assert skeleton(text) == invisible_class().sub("", unicodedata.normalize("NFKC", text))
+
+
+_FLOW_OFF = {"dataflow": {"mode": "off"}}
+
+
+@pytest.mark.parametrize("doc, built", [
+    ({**_doc(), **_FLOW_OFF}, False),
+    (_doc(), True),  # the data flow's default shadow mode folds what it records
+    ({**_doc(tool_guardrails=[{"detector": "secrets", "action": "redact"}]), **_FLOW_OFF}, True),
+    ({**_doc(default_guardrails=[{"detector": "secrets", "action": "block"}]), **_FLOW_OFF}, True),
+])
+def test_the_invisible_class_is_built_by_a_policy_that_reads_text(doc: dict[str, Any], built: bool) -> None:
+    """Built at policy load (the chain), never by the first scan or record; a policy without
+    guardrails and with data flow off never pays for it (nor does an import: start-up)."""
+    from proxy.envelope.invisible import invisible_class
+
+    invisible_class.cache_clear()
+    _Pending(doc)
+    assert (invisible_class.cache_info().currsize == 1) is built
