@@ -49,7 +49,7 @@ from proxy.envelope.types import Decision, Effect, Failure, Outcome, Reply
 from proxy.errors import ReplyTooLarge, UpstreamError, UpstreamTimeout
 from proxy.fronts import jsonrpc
 from proxy.fronts.headers import layered
-from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields, has_comment
+from proxy.fronts.sse import SSEEvent, SSEParser, format_event, format_fields, verbatim
 from proxy.observability import tracing
 from proxy.observability.metrics import UpstreamOutcome
 from proxy.upstream.forwarder import REPLY_SETTING, Forwarder, UpstreamResponse
@@ -533,7 +533,7 @@ class _Forwarded:
                     f"/mcp/{self.target.name} to be asked)"))
             return None  # nobody receives it: nothing to inspect
         # Judged before the inspection, which may change `message`.
-        as_sent = not has_comment(ev.raw) and await jsonrpc.relayable(ev.data, message)
+        as_sent = verbatim(ev) and await jsonrpc.relayable(ev.data, message)
         if answer:
             return Reply(message, ev.raw if as_sent else None, self.status or 200, (ev.event, ev.id))
         relayed = await self.x.envelope.inspect_event(self.pending, message)

@@ -166,32 +166,20 @@ async def read_twice(body: bytes) -> str | None:
     return await asyncio.to_thread(ambiguity, body)
 
 
-def _names_a_member_twice(text: str) -> bool:
-    try:
-        _READER.decode(text)
-    except _Ambiguous:
-        return True
-    except (ValueError, RecursionError):  # cannot be read a second time: not relayed as it is
-        return True
-    return False
-
-
 async def relayable(data: bytes | str, value: Any) -> bool:
     """Whether an upstream's JSON `data`, which orjson read as `value` (before anything changed
-    it), may reach the client as it came: False when an object in it names a member twice,
-    escapes decoded. orjson keeps the last of the two and the envelope inspects that; a client
-    reading the first would get a value nobody inspected, so such a message is re-rendered from
-    `value`. Bytes that orjson writes for `value` (`_canonical`: what the MCP SDKs send) cost one
-    `orjson.dumps`; any other is read a second time, in a worker thread past
-    INLINE_REREAD_BYTES. Numbers are not judged here: an integer past 64 bits still reaches
-    the client exact, as the upstream wrote it, where the proxy read it rounded."""
+    it), may reach the client as it came: not when it reads two ways (`ambiguity`): an object
+    naming a member twice (orjson keeps the last and the envelope inspects that; a client
+    reading the first would get a value nobody inspected), or a number the proxy read rounded
+    (an integer past 64 bits, a literal of more than 17 significant digits: a client reading it
+    exact would get digits nobody inspected). Such a message is re-rendered from `value`, so the
+    client reads what was inspected. Bytes that orjson writes for `value` (`_canonical`: what
+    the MCP SDKs send) cost one `orjson.dumps`; any other is read a second time, in a worker
+    thread past INLINE_REREAD_BYTES."""
     body = data.encode() if isinstance(data, str) else data
     if _canonical(value, body):
         return True
-    text = data if isinstance(data, str) else data.decode("utf-8")
-    if len(body) <= INLINE_REREAD_BYTES:
-        return not _names_a_member_twice(text)
-    return not await asyncio.to_thread(_names_a_member_twice, text)
+    return await read_twice(body) is None
 
 
 def parse_message(body: bytes, max_depth: int) -> Message:

@@ -64,7 +64,7 @@ from proxy.fronts.sse import (
     SSEParser,
     format_event,
     format_fields,
-    has_comment,
+    verbatim,
 )
 from proxy.observability import tracing
 from proxy.policy.vocab import Effect
@@ -539,7 +539,7 @@ class _Scope:
         if not isinstance(message, dict):
             log.info("dropped an event of %s that is not a JSON-RPC message", self.target.name)
             return KEEP_ALIVE
-        as_sent = not has_comment(ev.raw) and await jsonrpc.relayable(ev.data, message)
+        as_sent = verbatim(ev) and await jsonrpc.relayable(ev.data, message)
         out, changed = await self.message(message)
         if out is None:
             return KEEP_ALIVE

@@ -29,6 +29,9 @@ class SSEEvent:
     id: str | None = None
     retry: int | None = None
     has_data: bool = False
+    # A field's value was not UTF-8: it was read with U+FFFD in place of the bad bytes, so the
+    # raw bytes say something else than what was inspected (`verbatim`).
+    lossy: bool = False
 
 
 def parse_event(raw: bytes) -> SSEEvent:
@@ -41,7 +44,11 @@ def parse_event(raw: bytes) -> SSEEvent:
         name, sep, value = line.partition(b":")
         if sep and value.startswith(b" "):
             value = value[1:]
-        text = value.decode("utf-8", "replace")
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            text = value.decode("utf-8", "replace")
+            ev.lossy = True
         if name == b"data":
             data.append(text)
         elif name == b"event":
@@ -123,6 +130,15 @@ def has_comment(raw: bytes) -> bool:
     """Whether an event's bytes hold a comment line (after any of the three line ends): such an
     event is rebuilt from its fields, so no upstream text passes unread."""
     return raw.startswith(b":") or b"\n:" in raw or b"\r:" in raw
+
+
+def verbatim(event: SSEEvent) -> bool:
+    """Whether an event's own bytes may reach the client (when nothing inspected changed it):
+    not when they hold a comment (`has_comment`) or bytes that are not UTF-8 (`lossy`: the
+    envelope read U+FFFD there, and a client decoding the bytes another way, latin-1 or
+    dropping the bad bytes, would read text nobody inspected). Such an event is rebuilt from
+    what was read. The JSON inside is judged apart (`jsonrpc.relayable`)."""
+    return not event.lossy and not has_comment(event.raw)
 
 
 def format_fields(event: SSEEvent) -> bytes:

@@ -8,11 +8,13 @@ untrusted, that a sink copying it is refused (the run's ledger recorded it).
 
 from __future__ import annotations
 
+import decimal
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from e2e_helpers import write_doc
 from scripted_upstream import Script, ScriptedUpstream, scripted_server
@@ -358,3 +360,104 @@ def test_an_answer_naming_each_member_once_is_relayed_as_its_bytes(
     upstream.scripts["tools/call:read_page"] = Script([body], headers=JSON_HEADERS)
     text, _ = call(client)
     assert text == body.decode().replace("{id}", str(client.ids))
+
+
+def with_a_bad_byte(body: bytes) -> bytes:
+    """`body` with a byte that is not UTF-8 (0xFF) inside SECRET: the proxy reads U+FFFD there
+    (no secret), a client that drops bad bytes reads SECRET whole."""
+    return body.replace(SECRET.encode(), SECRET[:10].encode() + b"\xff" + SECRET[10:].encode())
+
+
+def leniently(content: bytes) -> str:
+    """What a client that skips bytes that are not UTF-8 reads."""
+    return content.decode("utf-8", "ignore")
+
+
+KEYED = {"content": [{"type": "text", "text": f"the key is {SECRET}"}]}
+NOT_UTF8 = {
+    "sse answer": ("tools/call:read_page", Script([event(with_a_bad_byte(message(id=None, result=KEYED)))])),
+    "sse answer, in the event's name": ("tools/call:read_page", Script([
+        b"event: message\xff\n" + event(message(id=None, result=CLEAN))])),
+    "sse notification": ("tools/call:read_page", Script([
+        event(with_a_bad_byte(message(method="notifications/message",
+                                      params={"level": "info", "data": f"the key is {SECRET}"}))),
+        event(message(id=None, result=CLEAN))])),
+    "sse relayed answer": ("completion/complete", Script([
+        event(with_a_bad_byte(message(id=None, result={"completion": {"values": [SECRET]}})))])),
+}
+
+
+@pytest.mark.parametrize("form", list(NOT_UTF8))
+def test_bytes_that_are_not_utf8_reach_the_client_as_inspected(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    """The envelope reads a byte that is not UTF-8 as U+FFFD; relayed as the upstream wrote it,
+    a client that skips such bytes (or reads latin-1) got a secret the guardrails never saw
+    (`AKIAIOSFOD<0xFF>NN7EXAMPLE`). The event is rebuilt from what was read."""
+    key, script = NOT_UTF8[form]
+    upstream.scripts[key] = script
+    method = key.partition(":")[0]
+    params = {"name": "read_page", "arguments": {}} if method == "tools/call" else {}
+    before = len(proxy.audit_records())
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": method, "params": params})
+    assert response.status_code == 200, response.text
+    assert b"\xff" not in response.content, response.content
+    assert SECRET not in leniently(response.content), response.content
+    [answer] = [m for m in client.messages(response) if m.get("id") == client.ids]
+    assert "result" in answer, answer
+    if method == "tools/call":
+        [record] = new_records(proxy, before)
+        assert record["code"] == "ok" and record["upstream"] == "h", record
+
+
+BIG = "123456789012345678901234567890"  # past 64 bits: orjson reads a float
+LONG = "0.12345678901234567890123"  # 23 significant digits: read rounded to 17
+LONG_NUMBERS = {
+    "json answer, an integer past 64 bits": ("tools/call:read_page", Script([message(id=None, result={
+        **CLEAN, "structuredContent": {"amount": "@"}}).replace(b'"@"', BIG.encode())], headers=JSON_HEADERS)),
+    "sse answer, a long fraction": ("tools/call:read_page", Script([event(message(id=None, result={
+        **CLEAN, "structuredContent": {"rate": "@"}}).replace(b'"@"', LONG.encode()))])),
+    "sse notification, an integer past 64 bits": ("tools/call:read_page", Script([
+        event(message(method="notifications/progress", params={"progressToken": "p", "progress": "@"})
+              .replace(b'"@"', BIG.encode())),
+        event(message(id=None, result=CLEAN))])),
+    "json relayed answer": ("completion/complete", Script([message(id=None, result={
+        "completion": {"values": ["x"], "total": "@"}}).replace(b'"@"', BIG.encode())], headers=JSON_HEADERS)),
+}
+
+
+def exactly(data: str) -> Any:
+    """What a client that reads numbers exactly (Python's int, Decimal) reads."""
+    return json.loads(data, parse_float=decimal.Decimal)
+
+
+def assert_numbers_read_one_way(text: str) -> None:
+    """Every message of a response reads the same to an exact-number client as what the proxy
+    read (orjson: doubles past 64-bit integers), written back."""
+    datas = [text] if text.startswith("{") else [ev["data"] for ev in sse(text) if ev.get("data")]
+    for data in datas:
+        assert exactly(data) == exactly(orjson.dumps(orjson.loads(data)).decode()), data
+
+
+@pytest.mark.parametrize("form", list(LONG_NUMBERS))
+def test_a_number_the_proxy_reads_rounded_reaches_the_client_as_read(
+        proxy: Any, upstream: ScriptedUpstream, client: Client, form: str) -> None:
+    """A number past what a double holds (an integer past 64 bits, more than 17 significant
+    digits) is what the proxy inspected and recorded only as its rounded double; relayed as
+    written, an exact-number client read digits nobody inspected. Such a message is rendered
+    from what the proxy read (I-JSON, RFC 7493: no interoperable reader expects more)."""
+    key, script = LONG_NUMBERS[form]
+    upstream.scripts[key] = script
+    method = key.partition(":")[0]
+    params = {"name": "read_page", "arguments": {}} if method == "tools/call" else {}
+    before = len(proxy.audit_records())
+    client.ids += 1
+    response = client.post({"jsonrpc": "2.0", "id": client.ids, "method": method, "params": params})
+    assert response.status_code == 200, response.text
+    assert BIG not in response.text and LONG not in response.text, response.text
+    assert_numbers_read_one_way(response.text)
+    [answer] = [m for m in client.messages(response) if m.get("id") == client.ids]
+    assert "result" in answer, answer
+    if method == "tools/call":
+        [record] = new_records(proxy, before)
+        assert record["code"] == "ok", record

@@ -134,9 +134,15 @@ _ANSWER = b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"
     (_ANSWER.replace(b'{"content"', b'{"\\u0063ontent":[],"content"'), False),  # escapes decoded
     (_ANSWER.replace(b'"result"', b'"result":{},"result"'), False),
     (_ANSWER.replace(b'"type":"text"', b'"type":"text","text":"x"'), False),  # deep inside
-    (_ANSWER.replace(b"}]}}", b'}],"n":18446744073709551616}}'), True),  # numbers not judged
+    # Numbers the proxy reads rounded (past 64 bits, more than 17 significant digits): a client
+    # reading them exactly would get digits nobody inspected.
+    (_ANSWER.replace(b"}]}}", b'}],"n":18446744073709551616}}'), False),
+    (_ANSWER.replace(b"}]}}", b'}],"n":-9223372036854775809}}'), False),
+    (_ANSWER.replace(b"}]}}", b'}],"n":0.123456789012345678}}'), False),
+    (_ANSWER.replace(b"}]}}", b'}],"n": 18446744073709551615}}'), True),  # the largest exact one
+    (_ANSWER.replace(b"}]}}", b'}],"n": 0.12345678901234567}}'), True),  # 17 digits
 ])
-async def test_an_answer_is_relayable_unless_it_names_a_member_twice(data: bytes, relayable: bool) -> None:
+async def test_an_answer_is_relayable_unless_it_reads_two_ways(data: bytes, relayable: bool) -> None:
     import orjson
 
     from proxy.fronts.jsonrpc import relayable as relayable_
@@ -151,12 +157,12 @@ async def test_a_large_answer_is_read_again_off_the_event_loop(monkeypatch: pyte
 
     from proxy.fronts import jsonrpc
     seen: list[bool] = []
-    real = jsonrpc._names_a_member_twice
+    real = jsonrpc.ambiguity
 
-    def spy(text: str) -> bool:
+    def spy(body: bytes) -> str | None:
         seen.append(threading.current_thread() is threading.main_thread())
-        return real(text)
-    monkeypatch.setattr(jsonrpc, "_names_a_member_twice", spy)
+        return real(body)
+    monkeypatch.setattr(jsonrpc, "ambiguity", spy)
     text = "x" * 2 * jsonrpc.INLINE_REREAD_BYTES
     big = _ANSWER.replace(b'{"content"', b'{"content":[],"content"').replace(b'"ok"', f'"{text}"'.encode())
     assert await jsonrpc.relayable(big, orjson.loads(big)) is False

@@ -85,3 +85,17 @@ def test_a_growing_event_is_refused_before_it_ends_and_never_held_past_the_cap()
             fed += 100
             assert parser.pending <= 1000
     assert fed == 1000  # refused at the first chunk past the cap
+
+
+@pytest.mark.parametrize(("raw", "lossy", "verbatim_"), [
+    (b'data: {"a": "caf\xc3\xa9"}\n\n', False, True),  # UTF-8
+    (b'data: {"a": "caf\xe9"}\n\n', True, False),  # latin-1: read as U+FFFD
+    (b"event: m\xff\ndata: {}\n\n", True, False),  # in any field
+    (b"id: \xc3\ndata: {}\n\n", True, False),  # a sequence cut short
+    (b": note\ndata: {}\n\n", False, False),  # a comment
+])
+def test_an_event_is_relayed_as_its_bytes_only_when_they_read_as_inspected(
+        raw: bytes, lossy: bool, verbatim_: bool) -> None:
+    event = parse_event(raw)
+    assert event.lossy is lossy
+    assert sse.verbatim(event) is verbatim_
