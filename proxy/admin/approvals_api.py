@@ -39,8 +39,9 @@ from typing import Any, get_args
 import orjson
 from aiohttp import web
 
+from proxy.admin.approver import approver, reasoned
 from proxy.admin.failed_auth import failed_auth_of
-from proxy.admin.protect import expect, read_body
+from proxy.admin.protect import expect, refusal
 from proxy.approvals.approvers import Approvers
 from proxy.approvals.records import (
     LIST_ARGUMENTS_BYTES,
@@ -62,6 +63,7 @@ _NO_STORE = {"Cache-Control": "no-store"}
 # characters, bidi overrides, ... never reach the audit log from an unauthenticated request).
 INVALID_APPROVAL = "<invalid approval id>"
 _MAX_BODY = 64 * 1024
+_DECIDE_FIELDS, _DENY_FIELDS = frozenset({"reason", "grant"}), frozenset({"reason"})
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -69,34 +71,19 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
                         headers={**_NO_STORE, **(headers or {})})
 
 
-def _error(status: int, message: str, **headers: str) -> web.Response:
-    return _json({"error": message}, status=status, headers=headers)
+_error = refusal
 
 
-def _bearer(request: web.Request) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return (token.strip() or None) if scheme.lower() == "bearer" else None
-
-
-def unauthorized(request: web.Request) -> web.Response:
-    """401 for a request no approver's token authenticates. A missing token and a wrong one get
-    different texts, so the caller knows which mistake to fix (it knows what it sent: nothing
-    is revealed)."""
-    if _bearer(request) is None:
-        message = "an approver token is required (Authorization: Bearer <token>)"
-    else:
-        message = "the bearer token is not an approver's token (wrong, or not configured here)"
-    return _error(401, message, **{"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
+def _approval_named(request: web.Request) -> str:
+    """What a failed-authentication record names: the approval id sent, or a marker."""
+    sent = request.match_info["id"]
+    return sent if is_approval_id(sent) else INVALID_APPROVAL
 
 
 def add_routes(app: web.Application, service: ApprovalService, approvers: Approvers,
                envelope: Any = None) -> None:
     """Mount the approvals routes on the admin application. `envelope` (`proxy.envelope.
     pipeline.Envelope`) audits every decision; without one, approve and deny answer 503."""
-
-    def approver_of(request: web.Request) -> str | web.Response:
-        name = approvers.authenticate(_bearer(request))
-        return unauthorized(request) if name is None else name
 
     # Failed authentication on a decision is audited (bounded: `proxy.admin.failed_auth`).
     failures = failed_auth_of(app, envelope)
@@ -105,7 +92,7 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         return _error(503, f"the state store ({service.store.kind}) is unavailable: {exc}")
 
     async def list_approvals(request: web.Request) -> web.Response:
-        who = approver_of(request)
+        who = approver(request, approvers)
         if isinstance(who, web.Response):
             return who
         state = request.query.get("state")
@@ -122,7 +109,7 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         return _json({"approvals": views, "truncated": truncated})
 
     async def show(request: web.Request) -> web.Response:
-        who = approver_of(request)
+        who = approver(request, approvers)
         if isinstance(who, web.Response):
             return who
         approval_id = request.match_info["id"]
@@ -135,29 +122,14 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         return _json(await asyncio.to_thread(approval.view, service.clock()))
 
     async def decide(request: web.Request, approve: bool) -> web.Response:
-        who = approver_of(request)
+        who = approver(request, approvers,
+                       (failures, "approve" if approve else "deny", _approval_named))
         if isinstance(who, web.Response):
-            if failures is not None:
-                sent = request.match_info["id"]
-                failures.failed(request, "missing" if _bearer(request) is None else "unknown",
-                                sent if is_approval_id(sent) else INVALID_APPROVAL,
-                                "approve" if approve else "deny")
             return who
-        raw = await read_body(request, _MAX_BODY)
-        if isinstance(raw, web.Response):
-            return raw
-        try:
-            body = orjson.loads(raw) if raw.strip() else {}
-        except orjson.JSONDecodeError:
-            return _error(400, 'body must be JSON: {"reason": "..."}')
-        if not isinstance(body, dict):
-            return _error(400, 'body must be a JSON object: {"reason": "..."}')
-        reason = body.get("reason")
-        if not isinstance(reason, str) or not reason.strip():
-            return _error(400, "a reason is required")
-        unknown = set(body) - {"reason", "grant"}
-        if unknown or (not approve and "grant" in body):
-            return _error(400, f"unexpected field(s): {', '.join(sorted(unknown or {'grant'}))}")
+        body = await reasoned(request, _MAX_BODY, _DECIDE_FIELDS if approve else _DENY_FIELDS)
+        if isinstance(body, web.Response):
+            return body
+        reason: str = body["reason"]
         approval_id = request.match_info["id"]
         try:
             grant = (GrantRequest.parse(body["grant"], service.config.max_grant_duration)
@@ -201,14 +173,14 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         try:
             record_id = note(Verdict.ALLOW if approve else Verdict.DENY,
                              Code.OK if approve else Code.APPROVAL_DENIED,
-                             f"approval {approval_id} {verb} by {who}: {reason.strip()}",
+                             f"approval {approval_id} {verb} by {who}: {reason}",
                              **({"grant": {"scope": grant.scope, "duration": grant.duration}}
                                 if grant is not None else {}))
         except AuditError as exc:
             return _error(503, f"the audit log cannot take the decision ({exc}); nothing was decided")
         try:
             approval, granted = await service.decide(
-                approval_id, approver=who, approve=approve, reason=reason.strip(),
+                approval_id, approver=who, approve=approve, reason=reason,
                 grant=grant, record=record_id,
             )
         except (ApprovalError, StoreError) as exc:
@@ -236,7 +208,7 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         return await decide(request, False)
 
     async def grants(request: web.Request) -> web.Response:
-        who = approver_of(request)
+        who = approver(request, approvers)
         if isinstance(who, web.Response):
             return who
         try:

@@ -1,6 +1,6 @@
 """Admin API to release an idempotency key whose outcome is unknown.
 
-    POST /v1/idempotency/{decision_id}/release   {"reason": "..."}   (reason optional)
+    POST /v1/idempotency/{decision_id}/release   {"reason": "..."}   (reason required)
 
 A keyed or gated writer sent upstream without a result to keep (an HTTP 5xx, a reset, a
 timeout, its client left, ...) leaves an `unknown` record on its key: every retry is refused
@@ -19,7 +19,9 @@ only while the key still holds that decision's `unknown` record. Answers 200 `{"
 "released": true, "idempotency_key", "principal", "run", "upstream", "tool", "record"}`
 (`record`: the audit record's id), counted in `envelope_idempotency_releases_total`; 404 no
 outcome unknown for that decision (never one, released already, expired); 409 the key holds
-something else now (a new call's claim or result: audited as refused); 400 bad body; 413 body
+something else now (a new call's claim or result: audited as refused); 400 bad body, or no
+reason (a release lets a writer be performed again: like an approve or a deny it is an
+approver's decision, recorded with why; without one nothing is released or audited); 413 body
 too large; 408 body not arrived within `listener.header_timeout`; 503 no store, the store or
 the audit log cannot answer (fail closed).
 """
@@ -32,9 +34,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.admin.approvals_api import unauthorized
-from proxy.admin.failed_auth import failed_auth_of, token_of
-from proxy.admin.protect import expect, read_body
+from proxy.admin.approver import approver, reasoned
+from proxy.admin.failed_auth import failed_auth_of
+from proxy.admin.protect import expect, refusal
 from proxy.envelope.checks import idempotency
 from proxy.envelope.types import Code, Verdict
 from proxy.errors import AuditError, StoreError
@@ -47,13 +49,18 @@ DECISION_ID = re.compile(r"[0-9a-f]{32}")
 INVALID_DECISION = "<invalid decision id>"
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+_error = refusal
+
+
+def _json(data: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json",
                         headers={"Cache-Control": "no-store"})
 
 
-def _error(status: int, message: str) -> web.Response:
-    return _json({"error": message}, status)
+def _decision_named(request: web.Request) -> str:
+    """What a failed-authentication record names: the decision id sent, or a marker."""
+    sent = request.match_info["decision_id"]
+    return sent if DECISION_ID.fullmatch(sent) else INVALID_DECISION
 
 
 def add_idempotency_routes(app: web.Application, status: Any, metrics: Metrics) -> None:
@@ -65,26 +72,13 @@ def add_idempotency_routes(app: web.Application, status: Any, metrics: Metrics) 
     async def release(request: web.Request) -> web.Response:
         decision_id = request.match_info["decision_id"]
         approvers = getattr(status, "approvers", None)
-        who = approvers.authenticate(_bearer(request)) if approvers is not None else None
-        if who is None:
-            if failures is not None:
-                failures.failed(request, token_of(request),
-                                decision_id if DECISION_ID.fullmatch(decision_id)
-                                else INVALID_DECISION, "release")
-            return unauthorized(request)
-        raw = await read_body(request, _MAX_BODY)
-        if isinstance(raw, web.Response):
-            return raw
-        try:
-            body = orjson.loads(raw) if raw.strip() else {}
-        except orjson.JSONDecodeError:
-            body = None
-        if not isinstance(body, dict) or set(body) - {"reason"}:
-            return _error(400, 'body must be a JSON object: {"reason": "..."}')
-        reason = body.get("reason", "")
-        if not isinstance(reason, str):
-            return _error(400, "reason must be a string")
-        reason = reason.strip() or "no reason given"
+        who = approver(request, approvers, (failures, "release", _decision_named))
+        if isinstance(who, web.Response):
+            return who
+        body = await reasoned(request, _MAX_BODY)
+        if isinstance(body, web.Response):
+            return body
+        reason: str = body["reason"]
         store = getattr(status, "store", None)
         envelope: Any = getattr(status, "envelope", None)
         if store is None or envelope is None:
@@ -162,7 +156,3 @@ def add_idempotency_routes(app: web.Application, status: Any, metrics: Metrics) 
 
     app.router.add_post("/v1/idempotency/{decision_id}/release", release, expect_handler=expect)
 
-
-def _bearer(request: web.Request) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return (token.strip() or None) if scheme.lower() == "bearer" else None

@@ -26,9 +26,9 @@ from urllib.parse import unquote
 import orjson
 from aiohttp import web
 
-from proxy.admin.failed_auth import failed_auth_of, token_of
+from proxy.admin.approver import approver
+from proxy.admin.failed_auth import failed_auth_of
 from proxy.admin.protect import expect, read_body
-from proxy.admin.review import authenticate
 from proxy.envelope.dataflow import intent as intents
 from proxy.envelope.types import RUN_ID_RULE, Code, Verdict, run_id_problem, run_key
 from proxy.errors import AuditError, StoreError
@@ -60,6 +60,13 @@ def _run(request: web.Request) -> str | web.Response:
     return run if why is None else _json({"error": f"run id: {why}"}, 400)
 
 
+def _run_named(request: web.Request) -> str:
+    """What a failed-authentication record names: the run sent, or a marker (checked for the
+    record only: the 401 comes before the run's own 400)."""
+    run = _run(request)
+    return run if isinstance(run, str) else INVALID_RUN
+
+
 def add_intent_routes(app: web.Application, status: Any) -> None:
     """Mount `POST /v1/runs/{run}/intent`; the store is `status.store`, the audit and the policy
     `status.envelope`, the approvers `status.approvers`."""
@@ -68,16 +75,12 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
     failures = failed_auth_of(app, getattr(status, "envelope", None))
 
     async def set_intent(request: web.Request) -> web.Response:
-        approver = authenticate(status, request)
-        if approver is None:
-            if failures is not None:
-                run = _run(request)  # checked for the record only: the 401 comes first
-                failures.failed(request, token_of(request),
-                                run if isinstance(run, str) else INVALID_RUN, "intent")
-            return _json({"error": "an approver token is required (Authorization: Bearer <token>)"}, 401,
-                         {"WWW-Authenticate": 'Bearer realm="envelope-approvals"'})
-        if status.approvers.scoped(approver):
-            return _json({"error": f"{approver} has a scope ({status.approvers.scope_text(approver)}): an "
+        who = approver(request, getattr(status, "approvers", None),
+                       (failures, "intent", _run_named))
+        if isinstance(who, web.Response):
+            return who
+        if status.approvers.scoped(who):
+            return _json({"error": f"{who} has a scope ({status.approvers.scope_text(who)}): an "
                                    "intent endorses values for every tool of a run, so only an approver "
                                    "without a scope may set one"}, 403)
         run = _run(request)
@@ -105,12 +108,12 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
             intents.checked(text, policy.max_intent_chars)
         except intents.IntentError as exc:
             return _json({"error": str(exc)}, 400)
-        extra = {"intent": {"by": f"admin:{approver}", "chars": len(text),
+        extra = {"intent": {"by": f"admin:{who}", "chars": len(text),
                             "sha256": hashlib.sha256(text.encode()).hexdigest()}}
         try:
             decision_id = envelope.note_intent(
-                principal=principal, run=run, approver=approver, verdict=Verdict.ALLOW, code=Code.OK,
-                reason=f"intent set for run {run!r} by approver {approver!r}", extra=extra)
+                principal=principal, run=run, approver=who, verdict=Verdict.ALLOW, code=Code.OK,
+                reason=f"intent set for run {run!r} by approver {who!r}", extra=extra)
         except AuditError as exc:
             return _json({"error": f"the audit log cannot take the record ({exc}); nothing was set"}, 503)
         try:
@@ -120,7 +123,7 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
             failed = isinstance(exc, intents.IntentError)
             try:  # best effort: the record above said it was asked for; say it was not set
                 envelope.note_intent(
-                    principal=principal, run=run, approver=approver,
+                    principal=principal, run=run, approver=who,
                     verdict=Verdict.DENY if failed else Verdict.ERROR,
                     code=Code.INVALID_REQUEST if failed else Code.STORE_UNAVAILABLE,
                     reason=f"intent for run {run!r} not set: {exc or 'timed out'}",

@@ -39,7 +39,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.admin.approvals_api import unauthorized
+from proxy.admin import approver
+from proxy.admin.approver import unauthorized
 from proxy.admin.protect import expect
 from proxy.audit.query import iter_records, matcher, parse_time, query_records
 from proxy.audit.stats import MAX_SCAN, window_stats
@@ -80,18 +81,9 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
                         headers={"Cache-Control": "no-store", **(headers or {})})
 
 
-def _bearer(request: web.Request) -> str | None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return (token.strip() or None) if scheme.lower() == "bearer" else None
-
-
 def authenticate(status: Any, request: web.Request) -> str | None:
     """The approver's name for the request's bearer token, or None (no approvers: nobody)."""
-    approvers = getattr(status, "approvers", None)
-    if approvers is None:
-        return None
-    name: str | None = approvers.authenticate(_bearer(request))
-    return name
+    return approver.authenticate(getattr(status, "approvers", None), request)
 
 
 def _parse_time(name: str, value: str | None) -> _dt.datetime | None:

@@ -6,11 +6,35 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from proxy.approvals.reveal import visible
 from proxy.cli.admin_client import AdminClient, default_admin_url
 from proxy.errors import AdminApiError
+
+_ADMIN_HELP = "admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)"
+
+
+def _admin_flags(parser: argparse.ArgumentParser, default: Any, token_help: str) -> None:
+    """`--admin URL` and `--token`, on a command or (with `default=argparse.SUPPRESS`, so the
+    command's own value stands unless given again) after its subcommand."""
+    parser.add_argument("--admin", metavar="URL",
+                        default=default_admin_url() if default is None else default,
+                        help=_ADMIN_HELP)
+    parser.add_argument("--token", default=default, help=token_help)
+
+
+def _asked(command: str, ask: Callable[[], Any]) -> Any | None:
+    """The admin API's answer to `ask()`, or None once its failure is printed as one line on
+    stderr (`envelope-proxy COMMAND: ...`: the API's status and message, or why it cannot be
+    reached)."""
+    try:
+        return ask()
+    except AdminApiError as exc:
+        said = str(exc) if exc.status is None else f"{exc.status}: {exc.message}"
+        print(f"envelope-proxy {command}: {said}", file=sys.stderr)
+        return None
 
 
 def add_shadow_parser(sub: Any) -> None:
@@ -18,14 +42,10 @@ def add_shadow_parser(sub: Any) -> None:
         "shadow", help="review the writes shadow runs recorded instead of performing",
         description="Read a running proxy's shadow records (GET /v1/shadow on the admin listener).")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--admin", metavar="URL",
-                        default=default_admin_url(),
-                        help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
+    _admin_flags(common, None, "approver token: shadow records hold arguments "
+                               "(default: env ENVELOPE_APPROVER_TOKEN)")
     common.add_argument("--run", default=None, help="only the records of this run id")
     common.add_argument("--limit", type=int, default=100, help="the most recent N records (default 100)")
-    common.add_argument("--token", default=None,
-                        help="approver token: shadow records hold arguments "
-                             "(default: env ENVELOPE_APPROVER_TOKEN)")
     ssub = shadow.add_subparsers(dest="shadow_command", required=True, metavar="SUBCOMMAND")
     ssub.add_parser("list", help="one line per recorded write, oldest first", parents=[common])
     ssub.add_parser("export", help="the records as JSON lines (full arguments)", parents=[common])
@@ -35,13 +55,8 @@ def add_shadow_parser(sub: Any) -> None:
 def cmd_shadow(args: argparse.Namespace) -> int:
     """`shadow list|export`: exit 0 with the records, 1 when the admin API refuses or is down."""
     client = AdminClient.from_flags(args.admin, args.token)
-    try:
-        data = client.get("/v1/shadow", {"run": args.run, "limit": args.limit})
-    except AdminApiError as exc:
-        if exc.status is None:
-            print(f"envelope-proxy shadow: cannot read {exc.url}: {exc.message}", file=sys.stderr)
-        else:
-            print(f"envelope-proxy shadow: {exc}", file=sys.stderr)
+    data = _asked("shadow", lambda: client.get("/v1/shadow", {"run": args.run, "limit": args.limit}))
+    if data is None:
         return 1
     records = data.get("records", []) if isinstance(data, dict) else []
     if args.shadow_command == "export":
@@ -66,19 +81,12 @@ def add_approvals_parser(sub: Any) -> None:
         description="Talk to a running proxy's approvals API. The approver is whoever holds the "
                     "token (--token or ENVELOPE_APPROVER_TOKEN; names and token digests are in the "
                     "runtime config under approvals.approvers). Nobody can approve their own call.")
-    approvals.add_argument("--admin", metavar="URL",
-                           default=default_admin_url(),
-                           help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
-    approvals.add_argument("--token", default=None,
-                           help="approver token (default: env ENVELOPE_APPROVER_TOKEN)")
+    _admin_flags(approvals, None, "approver token (default: env ENVELOPE_APPROVER_TOKEN)")
     approvals.add_argument("--json", action="store_true", help="print the API's JSON answers")
     # The same flags after the subcommand too (`approvals approve ID --admin URL`).
     common = argparse.ArgumentParser(add_help=False)
     # Shown in each subcommand's help: the README's tour passes --admin after `list`/`approve`.
-    common.add_argument("--admin", metavar="URL", default=argparse.SUPPRESS,
-                        help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
-    common.add_argument("--token", default=argparse.SUPPRESS,
-                        help="approver token (default: env ENVELOPE_APPROVER_TOKEN)")
+    _admin_flags(common, argparse.SUPPRESS, "approver token (default: env ENVELOPE_APPROVER_TOKEN)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print the API's JSON answers")
     asub = approvals.add_subparsers(dest="approvals_command", required=True, metavar="SUBCOMMAND")
@@ -139,13 +147,9 @@ def cmd_approvals(args: argparse.Namespace) -> int:
                 return 2
             body["grant"] = {"scope": args.grant, "args": grant_args, "duration": args.grant_duration}
         path = f"/v1/approvals/{args.id}/{command}"
-    try:
-        data = client.get(path, query) if body is None else client.post(path, body)
-    except AdminApiError as exc:
-        if exc.status is None:
-            print(f"envelope-proxy approvals: {exc}", file=sys.stderr)
-        else:
-            print(f"envelope-proxy approvals: {exc.status}: {exc.message}", file=sys.stderr)
+    data = _asked("approvals",
+                  lambda: client.get(path, query) if body is None else client.post(path, body))
+    if data is None:
         return 1
     if args.json or command == "show":
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -190,11 +194,9 @@ def add_idempotency_parser(sub: Any) -> None:
     isub = idem.add_subparsers(dest="idempotency_command", required=True, metavar="SUBCOMMAND")
     rel = isub.add_parser("release", help="release the key of a decision whose outcome is unknown")
     rel.add_argument("decision_id", help="the decision id the refusal names")
-    rel.add_argument("--reason", default=None, help="why (recorded with the release)")
-    rel.add_argument("--admin", metavar="URL", default=default_admin_url(),
-                     help="admin listener URL (env ENVELOPE_ADMIN_URL; default http://127.0.0.1:9090)")
-    rel.add_argument("--token", default=None,
-                     help="approver token (default: env ENVELOPE_APPROVER_TOKEN)")
+    rel.add_argument("--reason", required=True,
+                     help="why you know the call was not performed (recorded with the release)")
+    _admin_flags(rel, None, "approver token (default: env ENVELOPE_APPROVER_TOKEN)")
     rel.add_argument("--json", action="store_true", help="print the API's JSON answer")
     idem.set_defaults(handler=cmd_idempotency)
 
@@ -203,14 +205,9 @@ def cmd_idempotency(args: argparse.Namespace) -> int:
     """`idempotency release ID`: 0 when released; 1 when the admin API refuses (404 nothing to
     release, 409 the key holds another call now, ...) or cannot be reached."""
     client = AdminClient.from_flags(args.admin, args.token)
-    body = {} if args.reason is None else {"reason": args.reason}
-    try:
-        data = client.post(f"/v1/idempotency/{args.decision_id}/release", body)
-    except AdminApiError as exc:
-        if exc.status is None:
-            print(f"envelope-proxy idempotency: {exc}", file=sys.stderr)
-        else:
-            print(f"envelope-proxy idempotency: {exc.status}: {exc.message}", file=sys.stderr)
+    data = _asked("idempotency", lambda: client.post(
+        f"/v1/idempotency/{args.decision_id}/release", {"reason": args.reason}))
+    if data is None:
         return 1
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))

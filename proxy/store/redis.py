@@ -178,11 +178,27 @@ return out
 
 # KEYS: the buckets; ARGV: capacity, rate (tokens a second), expiry in ms of each bucket, in
 # order. The steps of `proxy.store.buckets.take`, on the server's clock (TIME), so replicas share
-# one. {1} when granted; {0, bucket (1-based), wait in seconds as text ("inf": never)} when not,
-# and then nothing is written. A state that is not a bucket's is an error (refused upstream).
-_TAKE = """
+# one (`_BUCKET`, the prefix of both scripts: the clock and a state's parse). {1} when granted;
+# {0, bucket (1-based), wait in seconds as text ("inf": never)} when not, and then nothing is
+# written. A state that is not a bucket's is an error (refused upstream).
+_BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+-- A bucket's tokens now: its state ("level stamp") refilled at rate up to cap; nil when the
+-- state is not a bucket's.
+local function tokens_of(state, cap, rate)
+  local space = string.find(state, ' ', 1, true)
+  if not space then
+    return nil
+  end
+  local level, stamp = tonumber(string.sub(state, 1, space - 1)), tonumber(string.sub(state, space + 1))
+  if not level or not stamp then
+    return nil
+  end
+  return math.min(cap, level + math.max(0, now - stamp) * rate)
+end
+"""
+_TAKE = _BUCKET + """
 local levels = {}
 local wait, which = 0, 0
 for i = 1, #KEYS do
@@ -190,15 +206,10 @@ for i = 1, #KEYS do
   local tokens = cap
   local state = redis.call('GET', KEYS[i])
   if state then
-    local space = string.find(state, ' ', 1, true)
-    local level, stamp
-    if space then
-      level, stamp = tonumber(string.sub(state, 1, space - 1)), tonumber(string.sub(state, space + 1))
-    end
-    if not level or not stamp then
+    tokens = tokens_of(state, cap, rate)
+    if not tokens then
       return redis.error_reply('unreadable token bucket state at ' .. KEYS[i])
     end
-    tokens = math.min(cap, level + math.max(0, now - stamp) * rate)
   end
   levels[i] = tokens
   if tokens < 1 - 1e-6 then
@@ -225,23 +236,17 @@ return {1}
 
 # `Store.give`: one token back, capped at the capacity (ARGV[1]), the rate (ARGV[2]) refilling
 # first as in _TAKE; an absent bucket is full (nothing written); the expiry is kept.
-_GIVE = """
+_GIVE = _BUCKET + """
 local state = redis.call('GET', KEYS[1])
 if not state then
   return 0
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local cap, rate = tonumber(ARGV[1]), tonumber(ARGV[2])
-local space = string.find(state, ' ', 1, true)
-local level, stamp
-if space then
-  level, stamp = tonumber(string.sub(state, 1, space - 1)), tonumber(string.sub(state, space + 1))
-end
-if not level or not stamp then
+local cap = tonumber(ARGV[1])
+local tokens = tokens_of(state, cap, tonumber(ARGV[2]))
+if not tokens then
   return redis.error_reply('unreadable token bucket state at ' .. KEYS[1])
 end
-local tokens = math.min(cap, level + math.max(0, now - stamp) * rate + 1)
+tokens = math.min(cap, tokens + 1)
 local ttl = redis.call('PTTL', KEYS[1])
 if ttl > 0 then
   redis.call('SET', KEYS[1], string.format('%.17g %.6f', tokens, now), 'PX', ttl)

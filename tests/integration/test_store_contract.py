@@ -554,11 +554,15 @@ async def test_take_state_expires_into_a_full_bucket(store: Store) -> None:
     assert not (await store.take("rate", [budget])).granted
 
 
-async def test_take_refuses_a_state_that_is_not_a_bucket(store: Store) -> None:
-    await store.put("rate", "principal/garbled", b"not a bucket")
+@pytest.mark.parametrize("state", [b"not a bucket", b"1.5 later", b"x 12", b"3"])
+async def test_take_and_give_refuse_a_state_that_is_not_a_bucket(store: Store, state: bytes) -> None:
+    await store.put("rate", "principal/garbled", state)
+    garbled = Bucket("principal/garbled", capacity=5, rate=1.0, ttl=60)
     with pytest.raises(StoreError):
-        await store.take("rate", [Bucket("principal/garbled", capacity=5, rate=1.0, ttl=60)])
-    assert await store.get("rate", "principal/garbled") == b"not a bucket"
+        await store.take("rate", [garbled])
+    with pytest.raises(StoreError):
+        await store.give("rate", garbled)
+    assert await store.get("rate", "principal/garbled") == state
 
 
 async def test_give_returns_a_token_never_beyond_the_capacity(store: Store) -> None:

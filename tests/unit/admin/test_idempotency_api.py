@@ -156,7 +156,16 @@ async def test_a_bad_body_is_400(client: TestClient[Any, Any], status: Status, b
     assert (await _post(client, "op", body)).status == 400
 
 
-async def test_no_reason_is_recorded_as_none_given(client: TestClient[Any, Any], status: Status) -> None:
-    await _unknown(status)
-    assert (await _post(client, "op", {})).status == 200
-    assert status.envelope.notes[0]["reason"].endswith("no reason given")
+@pytest.mark.parametrize("body", [{}, {"reason": ""}, {"reason": " \t\n"}, {"reason": None}])
+async def test_a_release_needs_a_reason_as_approve_and_deny_do(
+        client: TestClient[Any, Any], status: Status, metrics: Metrics, body: Any) -> None:
+    # A release lets a writer be performed again: an approver's decision, recorded with why.
+    # Without a reason nothing is released and nothing is audited as released.
+    held = await _unknown(status)
+    resp = await _post(client, "op", body)
+    assert resp.status == 400, await resp.text()
+    assert (await resp.json())["error"] == "a reason is required"
+    assert status.envelope.notes == []
+    assert await status.store.get(NS, KEY) == held
+    assert await status.store.get(UNKNOWN_NS, FIRST) is not None
+    assert _releases(metrics) == 0

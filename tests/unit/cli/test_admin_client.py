@@ -109,3 +109,31 @@ def test_url_keeps_paths_and_drops_absent_query_values() -> None:
     client = AdminClient(BASE)
     assert client.url("/v1/approvals", {"state": "pending"}) == f"{BASE}/v1/approvals?state=pending"
     assert client.url("/v1/approvals", None) == f"{BASE}/v1/approvals"
+
+
+def test_a_release_needs_a_reason_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # As `approvals approve|deny`: refused before anything is sent.
+    from proxy.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["idempotency", "release", "0" * 32, "--admin", "http://127.0.0.1:9"])
+    assert info.value.code == 2
+    assert "--reason" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["shadow", "list"],
+    ["approvals", "list"],
+    ["approvals", "approve", "apr-1", "--reason", "ok"],
+    ["idempotency", "release", "0" * 32, "--reason", "checked"],
+])
+def test_every_admin_command_says_in_one_line_that_the_api_is_down(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import main
+    from tests.harness import free_port
+
+    base = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main([*argv, "--admin", base, "--token", "t"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"envelope-proxy {argv[0]}: cannot reach the admin API at {base}: ")
+    assert err.count("\n") == 1

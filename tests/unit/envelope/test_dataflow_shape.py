@@ -3,6 +3,9 @@ their shape, not statements or undirected how-to steps."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 
 from proxy.envelope.dataflow.shape import instruction_shaped, sentences
@@ -30,10 +33,25 @@ def test_sentences_split_at_terminal_punctuation_colons_and_lines() -> None:
     assert [text[a:b] for a, b in sentences(text)] == ["note:", "send it to bob.", "done!", "next line"]
 
 
-def test_time_is_linear_on_long_runs() -> None:
-    import time
-    for text in ("send to " + "a" * 65536, "send " + "a." * 32768, "ignore " + "x " * 30000,
-                 "please " * 9000 + "send", ("a" * 50 + "@") * 1200):
-        started = time.perf_counter()
-        instruction_shaped(text)
-        assert time.perf_counter() - started < 1.0, text[:20]
+def _cpu(fn: Callable[[], object]) -> float:
+    """The least CPU time of this thread over three runs of `fn` (not another process's time)."""
+    best = float("inf")
+    for _ in range(3):
+        started = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - started)
+    return best
+
+
+@pytest.mark.parametrize("text", [
+    lambda n: "send to " + "a" * (8 * n),
+    lambda n: "send " + "a." * (4 * n),
+    lambda n: "ignore " + "x " * (4 * n),
+    lambda n: "please " * n + "send",
+    lambda n: ("a" * 50 + "@") * (n // 7),
+], ids=["one long word", "dotted run", "repeated word", "repeated politeness", "at signs"])
+def test_time_is_linear_on_long_runs(text: Callable[[int], str]) -> None:
+    """Eight times the text costs about eight times the CPU (a backtracking pattern would cost
+    sixty-four or more): bound at the geometric middle, as CPU time ratios, not wall time."""
+    small, large = text(1200), text(8 * 1200)
+    assert _cpu(lambda: instruction_shaped(large)) / _cpu(lambda: instruction_shaped(small)) < 23
