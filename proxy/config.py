@@ -242,6 +242,12 @@ class Limits(_Model):
     max_streams_per_principal: int = Field(default=32, ge=1)
     # Concurrent GET streams to one upstream, over every principal; past it 503. Absent: 128.
     max_streams_per_upstream: int = Field(default=128, ge=1)
+    # How long the output guardrails may take over one message an upstream sent (a large one is
+    # scanned in a worker thread): past it the message is withheld, the call refused
+    # `internal_error` (check `guardrails`; fail closed). Linear in the text: 10 MB of the
+    # costliest text took 2-13 s alone and 29-40 s sharing the interpreter with hundreds of other
+    # calls on an overloaded 2-core machine. Absent: 60 s.
+    guardrail_scan_timeout: Duration = Field(default=60.0, gt=0)
 
 
 class ListenerConfig(_Model):

@@ -64,10 +64,9 @@ UNTRUSTED = Label(untrusted=True, secret=False)
 # 1 ms per KB, so this bounds the loop's time to ~2 ms, against ~0.03 ms of the loop's for
 # the hop to a thread (bench/RESULTS.md "Guardrails off the event loop").
 INLINE_SCAN_CHARS = 2048
-# A scan not done after this many seconds withholds its message (fail closed). Linear in the
-# text: 10 MB of the costliest text took 2-13 s alone, 29-40 s sharing the GIL with hundreds of
-# other calls on an overloaded machine (load 10 on 2 cores); prose ~0.25 s. The default reply
-# cap is 32 MiB: that much hostile text may be withheld, never delivered unread.
+# A scan not done after this many seconds withholds its message (fail closed): the default of
+# `limits.guardrail_scan_timeout` (`proxy.config.Limits`, where its measurements are). The default
+# reply cap is 32 MiB: that much hostile text may be withheld, never delivered unread.
 SCAN_TIMEOUT = 60.0
 # Walk no deeper into a payload than this when collecting text for the ledger (the front caps
 # JSON depth on requests; upstream replies are parsed by orjson, which caps at 1024).
@@ -248,8 +247,9 @@ class Inspector:
     Built once per revision (by `Chain`) and immutable but for its caches.
     """
 
-    def __init__(self, revision: PolicyRevision):
+    def __init__(self, revision: PolicyRevision, scan_timeout: float = SCAN_TIMEOUT):
         self.revision = revision
+        self.scan_timeout = scan_timeout  # seconds a scan off the loop may take (`scan`)
         document = revision.document
         # No `dataflow:` section: shadow (outputs are recorded; nothing is refused).
         self.dataflow: DataflowPolicy = (document.dataflow if document.dataflow is not None
@@ -329,7 +329,7 @@ class Inspector:
         characters (its bytes when `raw` is given, else its strings and keys), so that a large
         reply does not stall every other client of the process (`offload.sized`: the same
         mechanism as the ledger's fingerprinting). Never raises: a scan that fails, or that has
-        not ended within SCAN_TIMEOUT seconds, is `Scan.error` (the caller withholds the message;
+        not ended within `scan_timeout` seconds, is `Scan.error` (the caller withholds the message;
         a thread still running goes on to its end, linear in the text, and its result is dropped)."""
         work = functools.partial(self.scan_now, subject, message, raw)
         if not subject.rules:  # no guardrail: only `envelope/*` meta to strip, a walk of the keys
@@ -338,10 +338,11 @@ class Inspector:
         if size <= INLINE_SCAN_CHARS:
             return work()
         try:
-            return await asyncio.wait_for(sized(work, size, bound=INLINE_SCAN_CHARS), SCAN_TIMEOUT)
+            return await asyncio.wait_for(sized(work, size, bound=INLINE_SCAN_CHARS), self.scan_timeout)
         except Exception as exc:  # fail closed: the content is withheld
             if isinstance(exc, TimeoutError):
-                exc = ScanTimeout(f"the guardrails did not finish within {SCAN_TIMEOUT:g} s")
+                exc = ScanTimeout(f"the guardrails did not finish within {self.scan_timeout:g} s "
+                                  "(limits.guardrail_scan_timeout)")
             log.error("inspection of %s failed", subject.source, exc_info=exc)
             return Scan(error=exc)
 

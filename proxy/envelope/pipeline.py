@@ -97,7 +97,8 @@ class Chain:
             cls(revision, registry, services) for cls in CHECKS
         )
         # How what the upstreams send is inspected under this revision.
-        self.inspector = Inspector(revision)
+        self.inspector = (Inspector(revision) if services is None else
+                          Inspector(revision, services.settings.limits.guardrail_scan_timeout))
         # The misconfiguration report and the registry generation it was read at.
         self._report: tuple[int, list[Misconfiguration]] | None = None
 

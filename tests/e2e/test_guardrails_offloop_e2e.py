@@ -122,3 +122,24 @@ def test_a_key_cut_across_two_text_blocks_and_one_in_a_base64_text_blob_are_reda
     assert base64.b64decode(content[2]["resource"]["blob"]) == b"KEY=[REDACTED:aws_access_key_id]\n"
     assert AWS_KEY not in json.dumps(answer)
     assert record_of(proxy, "split")["extra"]["guardrails"][0]["matches"] == 2
+
+
+def test_a_scan_past_the_configured_timeout_withholds_the_reply_and_the_proxy_serves_on(
+        upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """`limits.guardrail_scan_timeout`: an operator's bound on one message's scan. The costly
+    reply takes seconds to scan; past 20 ms it is withheld (fail closed: never delivered
+    unread), the refusal and the audit record say why, and the next call is served."""
+    upstream.scripts["tools/call:huge"] = Script([message(id=None, result=result(COSTLY + AWS_KEY))],
+                                                 headers=JSON_HEADERS)
+    upstream.scripts["tools/call:small"] = Script([message(id=None, result=result("small"))], headers=JSON_HEADERS)
+    with proxy_process(tmp_path, {"h": upstream.url}, policies=policy(tmp_path / "policy"),
+                       config={"limits": {"guardrail_scan_timeout": "20ms"}}) as pp:
+        huge = call(Client(pp.url("h"), stateless=True), "huge")
+        small = call(Client(pp.url("h"), stateless=True), "small")
+        rec = record_of(pp, "huge")
+    text = huge["result"]["content"][0]["text"]
+    assert huge["result"]["isError"] is True and "internal_error" in text
+    assert "did not finish within 0.02 s (limits.guardrail_scan_timeout)" in text
+    assert "api_key" not in json.dumps(huge) and AWS_KEY not in json.dumps(huge)
+    assert (rec["code"], rec["check"]) == ("internal_error", "guardrails")
+    assert small["result"]["content"] == [{"type": "text", "text": "small"}]

@@ -29,6 +29,7 @@ CONFIG_DURATIONS = [
     ("idempotency", "wait"),
     ("retry", "backoff"),
     ("retry", "max_backoff"),
+    ("limits", "guardrail_scan_timeout"),
     ("listener", "header_timeout"),
     ("listener", "keepalive_timeout"),
     ("upstreams", "*", "idle_timeout"),

@@ -439,7 +439,7 @@ UNCHANGED = Guarded()
 
 
 class ScanTimeout(Exception):
-    """A scan that did not end within its time (`proxy.envelope.inspect.SCAN_TIMEOUT`)."""
+    """A scan that did not end within its time (`limits.guardrail_scan_timeout`)."""
 
 
 def failed(exc: Exception) -> Decision:

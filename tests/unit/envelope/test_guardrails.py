@@ -16,6 +16,7 @@ import pytest
 from envelope_helpers import build_revision
 
 from proxy.audit.log import AuditLog
+from proxy.config import Config
 from proxy.envelope.checks.guardrails import engine_of, rules_for
 from proxy.envelope.pipeline import Envelope
 from proxy.envelope.tools import ToolRegistry
@@ -62,13 +63,14 @@ class _Pending:
     """A `docs.fetch` call under `doc`, ended through a real envelope (no store: nothing is
     recorded in a ledger) with an audit log in a temporary directory."""
 
-    def __init__(self, doc: dict[str, Any]):
+    def __init__(self, doc: dict[str, Any], settings: Config | None = None):
         import tempfile
 
         self.directory = Path(tempfile.mkdtemp(prefix="guardrails-"))
         self.metrics = Metrics()
-        self.envelope = Envelope(AuditLog(self.directory), self.metrics, ToolRegistry(),
-                                 Services(metrics=self.metrics))
+        services = (Services(metrics=self.metrics) if settings is None
+                    else Services(metrics=self.metrics, settings=settings))
+        self.envelope = Envelope(AuditLog(self.directory), self.metrics, ToolRegistry(), services)
         self.chain = self.envelope.install(build_revision(doc))
         self.call = ToolCall(
             decision_id="d1", upstream="docs", tool="fetch", arguments={},
@@ -554,15 +556,16 @@ async def test_a_scan_that_does_not_end_in_time_withholds_the_result(monkeypatch
         raise AssertionError("never delivered")
 
     monkeypatch.setattr(inspect_module, "scan_payload", stuck)
-    monkeypatch.setattr(inspect_module, "SCAN_TIMEOUT", 0.05)
-    pending = _Pending(_doc(default_guardrails=SECRETS))
+    pending = _Pending(_doc(default_guardrails=SECRETS),
+                       Config.model_validate({"limits": {"guardrail_scan_timeout": "50ms"}}))
     try:
         guarded = await guard_reply(pending, _text("x" * (inspect_module.INLINE_SCAN_CHARS + 1)))
     finally:
         release.set()
     decision = guarded.decision
     assert decision is not None and decision.code is Code.INTERNAL_ERROR and decision.check == "guardrails"
-    assert "did not finish within 0.05 s" in decision.reason and "withheld" in decision.reason
+    assert "did not finish within 0.05 s (limits.guardrail_scan_timeout)" in decision.reason
+    assert "withheld" in decision.reason
     record = pending.record()
     assert record["code"] == "internal_error" and "did not finish" in record["reason"]
     assert 'envelope_check_errors_total{check="guardrails"} 1.0' in pending.metrics.render()[0].decode()
