@@ -46,6 +46,7 @@ from proxy.errors import StoreError
 from proxy.observability.metrics import Metrics
 from proxy.policy.model import DataflowPolicy
 from proxy.store.memory import MemoryStore
+from tests.harness import LINEAR_8X, least_cpu
 
 UNTRUSTED = Label(True, False)
 TRUSTED = Label(False, False)
@@ -69,18 +70,6 @@ WORST = {
 }
 
 
-def _best_of(n: int, fn: Callable[[], object]) -> float:
-    """The least CPU time of this thread over `n` runs: unlike wall time, it does not count the
-    time other processes of a busy machine held the core (best-of-5 wall ratios reached 27x
-    under a CI run where this thread's CPU read 9x)."""
-    best = float("inf")
-    for _ in range(n):
-        start = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - start)
-    return best
-
-
 @pytest.mark.usefixtures("token_scan")
 @pytest.mark.parametrize("unit", list(WORST.values()), ids=list(WORST))
 def test_tokens_take_time_linear_in_the_text(unit: str) -> None:
@@ -91,9 +80,9 @@ def test_tokens_take_time_linear_in_the_text(unit: str) -> None:
     middle (about 23x): only a change of complexity fails, not a busy machine."""
     small = unit * (25_000 // len(unit))
     large = unit * (200_000 // len(unit))
-    t_small = _best_of(5, lambda: tokens(small))
-    t_large = _best_of(5, lambda: tokens(large))
-    assert t_large / t_small < 23, (t_small, t_large)
+    t_small = least_cpu(lambda: tokens(small))
+    t_large = least_cpu(lambda: tokens(large))
+    assert t_large / t_small < LINEAR_8X, (t_small, t_large)
 
 
 # The patterns as they were written before they were made linear (quadratic on long runs,
@@ -571,7 +560,7 @@ def test_critical_values_are_looked_up_in_a_long_intent_without_reading_it_again
     words = IntentWords.of([text])
     criticals = [Critical.of(f"/a/{i}", "zz" + "".join(chr(97 + int(d, 16)) for d in f"{i:x}") + "word")
                  for i in range(255)] + [Critical.of("/to", "zed.brandt@corp.example")]
-    assert _best_of(5, lambda: [(words.endorses(c), words.names(c)) for c in criticals]) < 0.025
+    assert least_cpu(lambda: [(words.endorses(c), words.names(c)) for c in criticals]) < 0.025
     assert not any(words.endorses(c) or words.names(c) for c in criticals)
     assert words.endorses(Critical.of("/a", "landlords")) and words.endorses(Critical.of("/a", "Porto"))
     assert words.names(Critical.of("/to", "landlord@corp.example"))

@@ -6,7 +6,6 @@ and the benign form of the same value that must still pass. What held is in benc
 
 from __future__ import annotations
 
-import time
 import unicodedata
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,6 +30,7 @@ from proxy.envelope.labels import Label, Piece
 from proxy.envelope.types import Code, Decision, Services
 from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
+from tests.harness import LINEAR_8X, least_cpu
 
 # -- a value that writes the user's token and something more ------------------------------------
 
@@ -217,16 +217,6 @@ HOSTILE = {
 }
 
 
-def _best_of(n: int, fn: Any) -> float:
-    """The least CPU time of this thread over `n` runs (test_dataflow_cost's measure)."""
-    best = float("inf")
-    for _ in range(n):
-        start = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - start)
-    return best
-
-
 @pytest.mark.parametrize("unit", list(HOSTILE.values()), ids=list(HOSTILE))
 def test_recording_endorsements_takes_time_linear_in_the_output(unit: Any) -> None:
     """Eight times the entries cost about eight times as long (quadratic: sixty-four): what a
@@ -236,7 +226,7 @@ def test_recording_endorsements_takes_time_linear_in_the_output(unit: Any) -> No
         text = "".join(unit(i) for i in range(n))
         return lambda: (pointed_keys([text]), trusted_keys(text), entry_keys(text, secret=bytes(32)), Critical.of("/to", text))
     small, large = work(250), work(2000)
-    assert _best_of(3, large) / _best_of(3, small) < 23
+    assert least_cpu(large, 3) / least_cpu(small, 3) < LINEAR_8X
 
 
 # -- a value the user named only to exclude it ----------------------------------------------------

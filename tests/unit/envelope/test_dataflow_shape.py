@@ -3,12 +3,12 @@ their shape, not statements or undirected how-to steps."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
 
 from proxy.envelope.dataflow.shape import instruction_shaped, sentences
+from tests.harness import LINEAR_8X, least_cpu
 
 
 @pytest.mark.parametrize(("sentence", "shape"), [
@@ -33,16 +33,6 @@ def test_sentences_split_at_terminal_punctuation_colons_and_lines() -> None:
     assert [text[a:b] for a, b in sentences(text)] == ["note:", "send it to bob.", "done!", "next line"]
 
 
-def _cpu(fn: Callable[[], object]) -> float:
-    """The least CPU time of this thread over three runs of `fn` (not another process's time)."""
-    best = float("inf")
-    for _ in range(3):
-        started = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - started)
-    return best
-
-
 @pytest.mark.parametrize("text", [
     lambda n: "send to " + "a" * (8 * n),
     lambda n: "send " + "a." * (4 * n),
@@ -54,4 +44,4 @@ def test_time_is_linear_on_long_runs(text: Callable[[int], str]) -> None:
     """Eight times the text costs about eight times the CPU (a backtracking pattern would cost
     sixty-four or more): bound at the geometric middle, as CPU time ratios, not wall time."""
     small, large = text(1200), text(8 * 1200)
-    assert _cpu(lambda: instruction_shaped(large)) / _cpu(lambda: instruction_shaped(small)) < 23
+    assert least_cpu(lambda: instruction_shaped(large), 3) / least_cpu(lambda: instruction_shaped(small), 3) < LINEAR_8X

@@ -22,6 +22,7 @@ from proxy.envelope.types import Services, ToolCall
 from proxy.observability.metrics import Metrics
 from proxy.policy.vocab import Effect
 from proxy.store.memory import MemoryStore
+from tests.harness import LINEAR_8X, least_cpu
 
 UNTRUSTED = Label(True, False)
 TRUSTED = Label(False, False)
@@ -334,22 +335,11 @@ def test_reading_a_long_intent_is_linear(shape: str) -> None:
         def read(n: int) -> Any:
             return asking_clauses("delete_file", ["delete a, " * n])
         assert len(read(1600)) == 1600
-    assert _cpu(lambda: read(8 * 1600)) / _cpu(lambda: read(1600)) < 23
+    assert least_cpu(lambda: read(8 * 1600)) / least_cpu(lambda: read(1600)) < LINEAR_8X
 
 
 def _distinct_words(count: int) -> str:
     return "".join(f"delete w{i:x}q, " for i in range(count))
-
-
-def _cpu(fn: Any) -> float:
-    """The least CPU time of this thread over five runs of `fn` (not another process's time)."""
-    import time
-    best = float("inf")
-    for _ in range(5):
-        started = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - started)
-    return best
 
 
 @pytest.mark.parametrize(("tool", "unit", "size"), [
@@ -367,7 +357,7 @@ def test_reading_the_clauses_takes_time_linear_in_the_intent(tool: str, unit: st
             return _distinct_words(chars // 10)
         return ("don't " if tool == "delete_file" else "") + unit * (chars // len(unit))
     small, large = text(size), text(8 * size)
-    assert _cpu(lambda: asking_clauses(tool, [large])) / _cpu(lambda: asking_clauses(tool, [small])) < 23
+    assert least_cpu(lambda: asking_clauses(tool, [large])) / least_cpu(lambda: asking_clauses(tool, [small])) < LINEAR_8X
 
 
 @pytest.mark.parametrize("tainted", [False, True])
