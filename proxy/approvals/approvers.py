@@ -61,12 +61,20 @@ class Approvers:
 
     def may_decide(self, name: str, upstream: str, tool: str) -> bool:
         """Whether approver `name` may approve or deny a call of `tool` on `upstream`: unscoped,
-        or a pattern of its scope matches `<upstream>.<tool>` (case-sensitive globs)."""
+        or a pattern of its scope matches (case-sensitive globs). A pattern is `<upstream
+        glob>.<tool glob>` split at its first dot (the config holds it to one with no dot
+        before it), each glob matching its own part: tool names may hold dots, and a glob of
+        the joined `<upstream>.<tool>` let `*.delete_*` (`*` crossing the dot) cover
+        `bank`'s `admin.delete_all`."""
         patterns = self._scopes.get(name)
         if patterns is None:
             return True
-        target = f"{upstream}.{tool}"
-        return any(fnmatch.fnmatchcase(target, pattern) for pattern in patterns)
+        for pattern in patterns:
+            upstream_glob, dot, tool_glob = pattern.partition(".")
+            if (dot and fnmatch.fnmatchcase(upstream, upstream_glob)
+                    and fnmatch.fnmatchcase(tool, tool_glob)):
+                return True
+        return False
 
     def scope_text(self, name: str) -> str:
         """The approver's scope as the config writes it, for refusals."""

@@ -168,9 +168,14 @@ class McpFront:
         if request.method == "GET":
             return await self._get(request, target, principal)
         if request.method == "DELETE":
-            if session:
-                self.sessions.forget(target.name, session)
-            return await self._relay(request, target, principal, None, None)
+            def ended(resp: UpstreamResponse) -> None:
+                # Forgotten once the upstream ended it (or knows it no more): a server may
+                # refuse DELETE (405), and a session alive upstream that the proxy forgot would
+                # take another principal holding its id as one it never saw.
+                if session and (200 <= resp.status < 300 or resp.status == 404):
+                    self.sessions.forget(target.name, session)
+
+            return await self._relay(request, target, principal, None, None, on_response=ended)
         return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
 
     async def _post(self, request: web.Request, target: UpstreamTarget, principal: Principal) -> web.StreamResponse:

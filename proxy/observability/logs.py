@@ -5,7 +5,8 @@ message, an approver's reason, a stdio child's stderr). A newline in one of them
 line of the attacker's choosing in the process log: a fake `ERROR`, or a fake `audit head {...}`
 line that a log shipper keeps as an anchor (`proxy.audit.anchor`), so `audit verify --anchors`
 reports a cut log that was never cut. `OneLineFormatter` escapes control characters in every
-argument (`\\n`, `\\r`, `\\t`, `\\xNN`, `\\uNNNN`) before the message is built; the template, the
+argument (`\\n`, `\\r`, `\\t`, `\\xNN`, `\\uNNNN`), and the bidi and zero-width characters
+that make a line read other than it says, before the message is built; the template, the
 level and the traceback of `exc_info` are the proxy's own and stay as they are. Text the proxy
 means to show on several lines (a rejected policy's problems) goes in as `multiline(...)`: its
 newlines stay, its other control characters are escaped.
@@ -25,10 +26,14 @@ from collections.abc import Mapping
 from typing import Any
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# C0 controls, DEL, C1 controls, and the Unicode line and paragraph separators (which some
-# log viewers break lines on).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_CONTROL_KEEP_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+# C0 controls, DEL, C1 controls, the Unicode line and paragraph separators (which some log
+# viewers break lines on), and the characters that make a line read other than it says: bidi
+# controls (marks, embeddings, overrides, isolates), which make a viewer that honours them (a
+# log shipper's browser UI, a bidi-aware terminal) show the rest of the line reordered, and
+# zero-width ones, which hide where an argument ends.
+_HIDDEN = "\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff"
+_CONTROL = re.compile(f"[\x00-\x1f\x7f-\x9f\u2028\u2029{_HIDDEN}]")
+_CONTROL_KEEP_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029{_HIDDEN}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 

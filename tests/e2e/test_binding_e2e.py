@@ -182,6 +182,32 @@ def test_a_foreign_session_is_not_found_on_every_method(pp: ProxyProcess,
     assert not any(s["id"] == session for s in hostile.control.sessions())
 
 
+def test_a_session_the_upstream_would_not_end_stays_its_owners(tmp_path: Path) -> None:
+    # A server may refuse DELETE (405: the client cannot end the session). The proxy forgot
+    # alice's session as soon as she asked to end it, before the upstream answered: the
+    # session lived on upstream, now unknown to the proxy, so mallory holding its id was
+    # relayed into it as for any session the proxy never saw.
+    from scripted_upstream import SESSION, Script, scripted_server
+
+    doc = {"version": 1, "upstreams": {"s": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+           "defaults": {"unknown_tools": "deny"}}
+    with scripted_server() as up, proxy_process(tmp_path, {"s": up.url},
+                                                policies=write_doc(tmp_path / "p", doc)) as pp:
+        url = pp.url("s")
+        assert _initialize(url, ALICE) == SESSION
+        _not_found(_post(url, MALLORY, "tools/list", {}, session=SESSION))
+        mine = {"Authorization": f"Bearer {ALICE}", "Mcp-Session-Id": SESSION,
+                "MCP-Protocol-Version": LEGACY}
+        assert httpx.delete(url, headers=mine, timeout=10).status_code == 405  # the upstream's
+        listed = len(up.calls("tools/list"))
+        _not_found(_post(url, MALLORY, "tools/list", {}, session=SESSION))
+        assert len(up.calls("tools/list")) == listed  # nothing of mallory's was relayed
+        assert _post(url, ALICE, "tools/list", {}, session=SESSION).status_code == 200
+        # Once the upstream ends it, the id is forgotten with it.
+        up.scripts["DELETE"] = Script([b""], status=200, headers={})
+        assert httpx.delete(url, headers=mine, timeout=10).status_code == 200
+
+
 # ---- finding 6: aggregated sessions --------------------------------------------------------
 
 

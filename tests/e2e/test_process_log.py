@@ -39,6 +39,26 @@ def test_a_client_cannot_write_a_line_into_the_process_log(tmp_path: Path, sse_u
     assert dropped[0].endswith("\\r\\n was dropped"), dropped[0]
 
 
+# Bidi controls (embeddings, overrides, isolates, marks) and zero-width characters: a log
+# viewer (a browser UI of the log shipper, a bidi-aware terminal) reorders or hides the text
+# around them, so a line can read other than it says.
+HIDDEN = "\u202e\u2066\u2069\u200f\u200b\ufeff"
+
+
+def test_a_client_cannot_reorder_or_hide_text_in_a_process_log_line(tmp_path: Path, sse_upstream) -> None:
+    # The same logged id, holding a right-to-left override: the rest of the line (the proxy's
+    # own words) displayed reversed, e.g. `was dropped` read as something else.
+    with proxy_process(tmp_path, {"notes": sse_upstream.url},
+                       identity={"mode": "static", "principal": "ops"}) as pp:
+        reply = rpc(pp.url("notes"), {"jsonrpc": "2.0", "id": f"envelope-2{HIDDEN}degnahc", "result": {}},
+                    headers={"MCP-Protocol-Version": "2025-06-18"})
+        assert reply.status_code == 202, reply.text
+        log = pp.log()
+    assert not [ch for ch in HIDDEN if ch in log], [line for line in log.splitlines() if "envelope-2" in line]
+    [dropped] = [line for line in log.splitlines() if "was dropped" in line]
+    assert "envelope-2\\u202e\\u2066\\u2069\\u200f\\u200b\\ufeffdegnahc was dropped" in dropped, dropped
+
+
 def _raw(port: int, data: bytes) -> bytes:
     """The first line of what `port` answers `data`, read to the close (a refusal closes)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:

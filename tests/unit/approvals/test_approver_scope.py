@@ -44,6 +44,17 @@ def test_a_scope_names_upstream_dot_tool_patterns() -> None:
     assert approvers.scope_text("deletes") == "*.delete_*, mail.send"
 
 
+def test_each_part_of_a_scope_pattern_matches_its_own_part_of_the_call() -> None:
+    """Tool names may hold dots: a glob of the joined `<upstream>.<tool>` let the upstream
+    part's `*` or `?` cross the dot, so `*.delete_*` covered `bank`'s `admin.delete_all`."""
+    approvers = _approvers(deletes=["*.delete_*"], one=["bank?admin.*"], files=["files.*"])
+    assert not approvers.may_decide("deletes", "bank", "admin.delete_all")
+    assert not approvers.may_decide("one", "bank", "admin.delete_all")
+    assert approvers.may_decide("one", "bank_admin", "admin.delete_all")
+    assert approvers.may_decide("deletes", "bank", "delete_x.y")  # the tool's own glob may cross
+    assert approvers.may_decide("files", "files", "dir.read")
+
+
 @pytest.mark.parametrize("pattern", ["github", "", "github .x", ".tool"])
 def test_a_scope_pattern_without_upstream_and_tool_is_refused(pattern: str) -> None:
     with pytest.raises(ValidationError, match=r"must be <upstream>\.<tool>"):

@@ -21,6 +21,16 @@ def test_control_characters_in_arguments_are_escaped() -> None:
     assert out.endswith("request a\\nb\\r\\x1b[31m\\u2028c dropped ('x\\ny')")
 
 
+def test_bidi_and_zero_width_characters_in_arguments_are_escaped() -> None:
+    # A right-to-left override showed the rest of the line (the proxy's own words) reversed in
+    # a viewer that honours it; other letters outside ASCII stay as they are.
+    out = _format("approval requested: %s calls %s", "al\u202eice\u2066\u200b\ufeff", "café")
+    assert not any(ch in out for ch in "\u202e\u2066\u200b\ufeff")
+    assert out.endswith("approval requested: al\\u202eice\\u2066\\u200b\\ufeff calls café")
+    assert str(multiline("a\u202eb\nc")) == "a\u202eb\nc" and \
+        _format("%s", multiline("a\u202eb\nc")).endswith("a\\u202eb\nc")
+
+
 def test_numbers_format_as_before_and_mappings_are_escaped() -> None:
     assert _format("%d calls in %.2fs, %x, %d", 3, 0.5, 255, np.int64(7)).endswith("3 calls in 0.50s, ff, 7")
     assert _format("%(who)s left", {"who": "eve\nERROR"}).endswith("eve\\nERROR left")
