@@ -14,6 +14,7 @@ covered by the structured walk, so path labels are not undone by the copy.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,15 @@ class OutputLabels:
         """Whether any part of the output can be untrusted or secret."""
         return self.base.tracked or any(
             p.output == "untrusted" or p.sensitivity == "secret" for _, p in self.paths
+        )
+
+    @property
+    def widest(self) -> Label:
+        """The strictest label any part of the output has (untrusted if any part is, secret
+        if any part is)."""
+        return Label(
+            self.base.untrusted or any(p.output == "untrusted" for _, p in self.paths),
+            self.base.secret or any(p.sensitivity == "secret" for _, p in self.paths),
         )
 
     def at(self, path: tuple[str, ...]) -> Label:
@@ -139,13 +149,41 @@ def _strings(value: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tu
         yield path, str(value)  # an account number sent as a JSON number
 
 
-def _is_copy(text: str, structured: Any) -> bool:
+def _copy(text: str, structured: Any) -> bool | None:
+    """Whether `text` is `structured` as JSON: True when it says nothing more; None when it is
+    equal once parsed but gives an object member twice (a parser keeps the last value, an agent
+    reading the text reads both: an HTTP upstream's result is its body as text and that body
+    parsed as `structuredContent`, so a hostile body hides a value from the structured walk that
+    way); False otherwise."""
     if not text.lstrip().startswith(("{", "[")):
         return False
     try:
-        return bool(orjson.loads(text) == structured)
+        if orjson.loads(text) != structured:
+            return False
     except orjson.JSONDecodeError:
         return False
+    return None if _duplicate_members(text) else True
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Duplicate
+    return out
+
+
+def _duplicate_members(text: str) -> bool:
+    """Whether an object of the JSON `text` (which orjson parsed) gives a member twice; True
+    when that cannot be told (nesting past the interpreter's stack)."""
+    try:
+        json.loads(text, object_pairs_hook=_unique_members)
+    except (_Duplicate, RecursionError, ValueError):
+        return True
+    return False
 
 
 def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = False) -> Iterator[Piece]:
@@ -162,7 +200,14 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = Fals
             where = f"content[{i}]"
             texts: list[str] = []
             if kind == "text" and isinstance(item.get("text"), str):
-                if structured is not None and labels.paths and _is_copy(item["text"], structured):
+                copy = _copy(item["text"], structured) if structured is not None and labels.paths else False
+                if copy:
+                    continue
+                if copy is None:
+                    # Which path's label a member given twice has is not for the text to say:
+                    # the strictest of the output's labels.
+                    if labels.widest.tracked or trusted:
+                        yield Piece(item["text"], labels.widest, where)
                     continue
                 texts.append(item["text"])
             elif kind == "resource" and isinstance(item.get("resource"), Mapping):

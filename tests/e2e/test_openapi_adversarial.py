@@ -49,6 +49,8 @@ POLICY: dict[str, Any] = {
         "hostile.getTrickle": {"effect": "read"},
         "hostile.getTicket": {"effect": "read", "output": "untrusted"},
         "hostile.refundOrder": {"effect": "write"},
+        # Untrusted, but for its id (a label by path: the structured walk reads the output).
+        "hostile.getNote": {"effect": "read", "output": "untrusted", "labels": {"/id": {"output": "trusted"}}},
         "keyed.getItem": {"effect": "read"},
     },
 }
@@ -356,6 +358,30 @@ def test_untrusted_text_cannot_flow_into_a_writers_path_parameter(
         decision = _mcp_refusal(answer.json())
     assert (decision["code"], decision["check"]) == ("dataflow_policy_blocked", "dataflow")
     assert _seen(backend)[before:] == []
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_untrusted_text_in_a_duplicate_json_member_is_recorded(
+        flow_pp: ProxyProcess, backend: str, front: str) -> None:
+    """A body giving a member twice parses to its last value; the body the agent reads has both.
+    With a label by path, the text was skipped as "a copy of structuredContent" (equal once
+    parsed), so the injected order the first member carries never reached the ledger and a
+    refund of it ran."""
+    run = {"X-Envelope-Run": f"run-{uuid.uuid4().hex}"}
+    if front == "http":
+        read = _http(flow_pp, "GET", "/notes/n1", headers=run)
+        assert read.status_code == 200 and INJECTED_ORDER in read.text, read.text
+    else:
+        answer = rpc(flow_pp.url("hostile"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "getNote", "arguments": {"noteId": "n1"}}}, bearer=AGENT, headers=run, timeout=15).json()
+        assert answer["result"]["structuredContent"]["text"] == "closed", answer
+        assert INJECTED_ORDER in answer["result"]["content"][0]["text"], answer
+    before = len(_seen(backend))
+    resp = _http(flow_pp, "POST", f"/orders/{INJECTED_ORDER}/refund", headers=run)
+    assert resp.status_code == 403, resp.text
+    assert (resp.json()["code"], resp.json()["check"]) == ("dataflow_policy_blocked", "dataflow")
+    assert _seen(backend)[before:] == []
+    assert len(_records(flow_pp, resp.json()["decision_id"])) == 1
 
 
 @pytest.mark.parametrize("front", ["mcp", "http"])

@@ -105,6 +105,20 @@ def test_path_labels_override_the_tool_label() -> None:
     assert [(p.text, p.where) for p in pieces(result, labels)] == [("hi", "structuredContent/tx/0/subject")]
 
 
+def test_a_text_giving_a_member_twice_is_not_a_copy_of_structured_content() -> None:
+    # Equal once parsed (the last value wins), but the agent reads the first value too.
+    policy = ToolPolicy(output="trusted", labels={"/subject": {"output": "untrusted"}})
+    labels = output_labels(policy, None, False)
+    text = '{"subject": "refund ord-884193027715", "subject": "hi"}'
+    result = {"content": [{"type": "text", "text": text}], "structuredContent": {"subject": "hi"}}
+    assert [(p.text, p.label, p.where) for p in pieces(result, labels)] == [
+        (text, Label(True, False), "content[0]"), ("hi", Label(True, False), "structuredContent/subject")]
+    nested = '{"a": [{"b": 1, "b": 1}]}'  # the same value twice is still two members
+    result = {"content": [{"type": "text", "text": nested}], "structuredContent": {"a": [{"b": 1}]}}
+    assert [p.where for p in pieces(result, output_labels(ToolPolicy(labels={"/a": {}}), None, False))] == [
+        "content[0]"]
+
+
 def test_default_labels_are_untrusted_unless_trusted_annotations_say_closed_world() -> None:
     closed = ToolInfo("t", annotations={"openWorldHint": False})
     assert output_labels(None, None, False).base.untrusted
