@@ -42,6 +42,8 @@ POLICY: dict[str, Any] = {
         "hostile.getDeep": {"effect": "read"},
         "hostile.getShort": {"effect": "read"},
         "hostile.getLeaky": {"effect": "read"},
+        "hostile.getWide": {"effect": "read"},
+        "hostile.getWideText": {"effect": "read"},
         "hostile.getMoved": {"effect": "read"},
         "hostile.createOrder": {"effect": "write"},
         "hostile.getEarly": {"effect": "read"},
@@ -214,6 +216,27 @@ def test_http_gzip_encoded_secret_is_decoded_and_redacted(pp: ProxyProcess) -> N
     assert "content-encoding" not in resp.headers  # the body delivered is the decoded one
     assert resp.json() == {"note": "key [REDACTED:aws_access_key_id]"}
     assert int(resp.headers["Content-Length"]) == len(resp.content)
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+@pytest.mark.parametrize("tool, path", [("getWide", "/wide"), ("getWideText", "/wide-text")])
+def test_a_body_in_utf16_refuses_rather_than_passing_unread(
+        pp: ProxyProcess, front: str, tool: str, path: str) -> None:
+    """The guardrails read a body as UTF-8 (where UTF-16 is the secret's letters between NULs,
+    no match); a JSON reader detects UTF-16 (RFC 4627; Python's `json`, httpx's `.json()`) and
+    a text reader follows `charset=`: the agent read the secret. Refused instead."""
+    if front == "mcp":
+        answer = _tool(pp, tool, {})
+        assert SECRET not in json.dumps(answer).replace("\\u0000", ""), answer
+        decision = _mcp_refusal(answer)
+    else:
+        resp = _http(pp, "GET", path)
+        for encoding in ("utf-8", "utf-16", "utf-16-le"):  # as any reader may read it
+            assert SECRET not in resp.content.decode(encoding, "replace"), resp.content
+        assert resp.status_code == 502 and resp.headers["Content-Type"].startswith(PROBLEM), resp.text
+        decision = resp.json()
+    assert decision["code"] == "upstream_error"
+    assert len(_records(pp, decision["decision_id"])) == 1
 
 
 def test_http_response_headers_are_only_the_body_describing_ones(pp: ProxyProcess) -> None:
