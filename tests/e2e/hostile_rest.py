@@ -16,6 +16,7 @@
 - `GET /trickle`: a byte every quarter second for ten seconds;
 - `GET /admin`: an endpoint no operation declares (a path parameter must never reach it);
 - `GET /gzipped`: a JSON body carrying a secret, sent gzip-encoded whatever was asked;
+- `GET /gzipped-twice`: the same gzip-encoded twice, named in two `Content-Encoding` fields;
 - `GET /leaky`: a clean JSON body, with a secret (in `X-Debug-Token` and in `Cache-Control`) and
   a cookie in its response headers;
 - `GET /moved`: a 302 to another host;
@@ -34,6 +35,7 @@ import json
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 SECRET = "AKIAIOSFODNN7EXAMPLE"
 # The order id a ticket's (attacker-written) text asks the agent to refund.
@@ -69,6 +71,8 @@ SPEC = {
         "/unchanged": {"get": {"operationId": "getUnchanged", "responses": {"304": {"description": "ok"}}}},
         "/trickle": {"get": {"operationId": "getTrickle", "responses": {"200": {"description": "ok"}}}},
         "/gzipped": {"get": {"operationId": "getGzipped", "responses": {"200": {"description": "ok"}}}},
+        "/gzipped-twice": {"get": {"operationId": "getGzippedTwice",
+                                   "responses": {"200": {"description": "ok"}}}},
         "/leaky": {"get": {"operationId": "getLeaky", "responses": {"200": {"description": "ok"}}}},
         "/moved": {"get": {"operationId": "getMoved", "responses": {"302": {"description": "moved"}}}},
         "/orders": {"post": {
@@ -159,6 +163,12 @@ def build_app() -> web.Application:
         return web.Response(body=body, headers={"Content-Type": "application/json",
                                                 "Content-Encoding": "gzip"})
 
+    async def gzipped_twice(_: web.Request) -> web.Response:
+        body = gzip.compress(gzip.compress(json.dumps({"note": f"key {SECRET}"}).encode()))
+        headers = CIMultiDict([("Content-Type", "application/json"), ("Content-Encoding", "gzip"),
+                               ("Content-Encoding", "gzip")])
+        return web.Response(body=body, headers=headers)
+
     async def leaky(_: web.Request) -> web.Response:
         return web.json_response({"ok": True}, headers={
             "X-Debug-Token": SECRET, "Set-Cookie": "session=backend-session; Path=/",
@@ -199,6 +209,7 @@ def build_app() -> web.Application:
     app.router.add_get("/admin", admin)
     app.router.add_get("/", admin)
     app.router.add_get("/gzipped", gzipped)
+    app.router.add_get("/gzipped-twice", gzipped_twice)
     app.router.add_get("/leaky", leaky)
     app.router.add_get("/moved", moved)
     app.router.add_post("/orders", orders)

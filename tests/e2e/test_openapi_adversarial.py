@@ -38,6 +38,7 @@ POLICY: dict[str, Any] = {
     "tools": {
         "hostile.getItem": {"effect": "read"},
         "hostile.getGzipped": {"effect": "read"},
+        "hostile.getGzippedTwice": {"effect": "read"},
         "hostile.getMyItems": {"effect": "read", "allow": "false"},
         "hostile.getDeep": {"effect": "read"},
         "hostile.getShort": {"effect": "read"},
@@ -236,6 +237,22 @@ def test_a_body_in_utf16_refuses_rather_than_passing_unread(
         assert resp.status_code == 502 and resp.headers["Content-Type"].startswith(PROBLEM), resp.text
         decision = resp.json()
     assert decision["code"] == "upstream_error"
+    assert len(_records(pp, decision["decision_id"])) == 1
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_a_coding_named_in_two_fields_refuses(pp: ProxyProcess, front: str) -> None:
+    """Two `Content-Encoding` fields are two codings (RFC 9110 5.3), which the proxy does not
+    undo: only the first was read, and the body relayed (gzip still) carried the secret past
+    the guardrails to an agent that gunzips it."""
+    if front == "mcp":
+        decision = _mcp_refusal(_tool(pp, "getGzippedTwice", {}))
+    else:
+        resp = _http(pp, "GET", "/gzipped-twice")
+        assert resp.status_code == 502 and resp.headers["Content-Type"].startswith(PROBLEM), resp.content[:80]
+        decision = resp.json()
+    assert decision["code"] == "upstream_error"
+    assert "Content-Encoding" in decision["reason"], decision
     assert len(_records(pp, decision["decision_id"])) == 1
 
 
