@@ -151,10 +151,11 @@ def _strings(value: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tu
 
 def _copy(text: str, structured: Any) -> bool | None:
     """Whether `text` is `structured` as JSON: True when it says nothing more; None when it is
-    equal once parsed but gives an object member twice (a parser keeps the last value, an agent
-    reading the text reads both: an HTTP upstream's result is its body as text and that body
-    parsed as `structuredContent`, so a hostile body hides a value from the structured walk that
-    way); False otherwise."""
+    equal once parsed but says more than the value holds, which an agent reading the text
+    reads: an object member given twice (a parser keeps the last value), an integer past 64
+    bits (orjson's value is a float, which the structured walk does not read as digits). An
+    HTTP upstream's result is its body as text and that body parsed as `structuredContent`,
+    so a hostile body hides a value from the structured walk that way. False otherwise."""
     if not text.lstrip().startswith(("{", "[")):
         return False
     try:
@@ -162,7 +163,7 @@ def _copy(text: str, structured: Any) -> bool | None:
             return False
     except orjson.JSONDecodeError:
         return False
-    return None if _duplicate_members(text) else True
+    return True if _exactly(text, structured) else None
 
 
 class _Duplicate(Exception):
@@ -176,14 +177,14 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _duplicate_members(text: str) -> bool:
-    """Whether an object of the JSON `text` (which orjson parsed) gives a member twice; True
-    when that cannot be told (nesting past the interpreter's stack)."""
+def _exactly(text: str, structured: Any) -> bool:
+    """Whether the JSON `text` (which orjson parsed) is `structured` read exactly: no object
+    member given twice, every integer the same integer (Python's `json` keeps them whole).
+    False when that cannot be told (nesting past the interpreter's stack)."""
     try:
-        json.loads(text, object_pairs_hook=_unique_members)
+        return bool(json.loads(text, object_pairs_hook=_unique_members) == structured)
     except (_Duplicate, RecursionError, ValueError):
-        return True
-    return False
+        return False
 
 
 def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = False) -> Iterator[Piece]:

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from e2e_helpers import write_doc
-from hostile_rest import INJECTED_ORDER, SECRET, SPEC
+from hostile_rest import INJECTED_NUMBER, INJECTED_ORDER, SECRET, SPEC
 
 from tests.harness import ROOT, ProxyProcess, free_port, proxy_process, rpc, stop, token, wait_port
 
@@ -401,23 +401,24 @@ def test_untrusted_text_cannot_flow_into_a_writers_path_parameter(
 
 
 @pytest.mark.parametrize("front", ["mcp", "http"])
-def test_untrusted_text_in_a_duplicate_json_member_is_recorded(
-        flow_pp: ProxyProcess, backend: str, front: str) -> None:
-    """A body giving a member twice parses to its last value; the body the agent reads has both.
-    With a label by path, the text was skipped as "a copy of structuredContent" (equal once
-    parsed), so the injected order the first member carries never reached the ledger and a
-    refund of it ran."""
+@pytest.mark.parametrize("note, injected", [("n1", INJECTED_ORDER), ("big", str(INJECTED_NUMBER))])
+def test_untrusted_text_that_parsing_loses_is_recorded(
+        flow_pp: ProxyProcess, backend: str, front: str, note: str, injected: str) -> None:
+    """A body giving a member twice parses to its last value, an integer past 64 bits to a float;
+    the body the agent reads has both values, the digits whole. With a label by path, the text
+    was skipped as "a copy of structuredContent" (equal once parsed), so the injected order
+    never reached the ledger and a refund of it ran."""
     run = {"X-Envelope-Run": f"run-{uuid.uuid4().hex}"}
     if front == "http":
-        read = _http(flow_pp, "GET", "/notes/n1", headers=run)
-        assert read.status_code == 200 and INJECTED_ORDER in read.text, read.text
+        read = _http(flow_pp, "GET", f"/notes/{note}", headers=run)
+        assert read.status_code == 200 and injected in read.text, read.text
     else:
         answer = rpc(flow_pp.url("hostile"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-            "name": "getNote", "arguments": {"noteId": "n1"}}}, bearer=AGENT, headers=run, timeout=15).json()
+            "name": "getNote", "arguments": {"noteId": note}}}, bearer=AGENT, headers=run, timeout=15).json()
         assert answer["result"]["structuredContent"]["text"] == "closed", answer
-        assert INJECTED_ORDER in answer["result"]["content"][0]["text"], answer
+        assert injected in answer["result"]["content"][0]["text"], answer
     before = len(_seen(backend))
-    resp = _http(flow_pp, "POST", f"/orders/{INJECTED_ORDER}/refund", headers=run)
+    resp = _http(flow_pp, "POST", f"/orders/{injected}/refund", headers=run)
     assert resp.status_code == 403, resp.text
     assert (resp.json()["code"], resp.json()["check"]) == ("dataflow_policy_blocked", "dataflow")
     assert _seen(backend)[before:] == []

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from envelope_helpers import RUN_KEY, build_revision, make_call
 
@@ -105,7 +106,7 @@ def test_path_labels_override_the_tool_label() -> None:
     assert [(p.text, p.where) for p in pieces(result, labels)] == [("hi", "structuredContent/tx/0/subject")]
 
 
-def test_a_text_giving_a_member_twice_is_not_a_copy_of_structured_content() -> None:
+def test_a_text_saying_more_than_its_parse_is_not_a_copy_of_structured_content() -> None:
     # Equal once parsed (the last value wins), but the agent reads the first value too.
     policy = ToolPolicy(output="trusted", labels={"/subject": {"output": "untrusted"}})
     labels = output_labels(policy, None, False)
@@ -117,6 +118,14 @@ def test_a_text_giving_a_member_twice_is_not_a_copy_of_structured_content() -> N
     result = {"content": [{"type": "text", "text": nested}], "structuredContent": {"a": [{"b": 1}]}}
     assert [p.where for p in pieces(result, output_labels(ToolPolicy(labels={"/a": {}}), None, False))] == [
         "content[0]"]
+    # An integer past 64 bits: orjson's value is a float, whose digits are not the text's.
+    big = '{"a": 884193027715884193027715}'
+    result = {"content": [{"type": "text", "text": big}], "structuredContent": orjson.loads(big)}
+    assert [p.text for p in pieces(result, output_labels(ToolPolicy(labels={"/a": {}}), None, False))] == [big]
+    exact = '{"a": [1, 2.5, "x", 12345678901234567890]}'  # a copy: still skipped
+    result = {"content": [{"type": "text", "text": exact}], "structuredContent": orjson.loads(exact)}
+    assert [p.where for p in pieces(result, output_labels(ToolPolicy(labels={"/a": {}}), None, False))] == [
+        "structuredContent/a/2", "structuredContent/a/3"]
 
 
 def test_default_labels_are_untrusted_unless_trusted_annotations_say_closed_world() -> None:
