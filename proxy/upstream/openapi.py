@@ -896,8 +896,9 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
 
 
 def _text_of(content_type: str, body: bytes) -> str:
-    """`body` as the text inspected: UTF-8 (a byte that is not, U+FFFD). ValueError (the call is
-    refused) when a reader may read other text from the same bytes: a `charset` under which the
+    """`body` as the text inspected: UTF-8 (a byte that is not, U+FFFD, in binary media only).
+    ValueError (the call is refused) when a reader may read other text from the same bytes: a
+    textual body (JSON, `text/*`, none named) that is not UTF-8, a `charset` under which the
     body reads differently (or which is not known), or a textual body (JSON, `text/*`, none
     named) in UTF-16 or UTF-32, which a JSON reader detects (RFC 4627 3; Python's `json`,
     httpx's `.json()`) and a text reader follows by its BOM, while inspected as UTF-8 its
@@ -924,6 +925,10 @@ def _text_of(content_type: str, body: bytes) -> str:
     textual = not media or media.startswith("text/") or media == "application/json" or media.endswith("+json")
     if textual and json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
         raise ValueError("a body in UTF-16 or UTF-32: only UTF-8 is read")
+    if textual and "\ufffd" in text and text != body.decode("utf-8", errors="ignore"):
+        # Bytes that are not UTF-8 are U+FFFD here; a reader that drops them instead reads
+        # what they split (`AKIA\xffIOSF...`: the key no guardrail matched).
+        raise ValueError("a text body that is not UTF-8: only UTF-8 is read")
     return text
 
 

@@ -12,7 +12,8 @@
   a harmless value (a parser keeps the last; an agent reading the body reads both); `big`: an
   `INJECTED_NUMBER` to refund, as a JSON number past 64 bits;
 - `GET /wide`: a JSON body carrying a secret, in UTF-16 (no BOM: a JSON reader detects it);
-  `GET /wide-text`: the same as `text/plain; charset=utf-16` (with its BOM);
+  `GET /wide-text`: the same as `text/plain; charset=utf-16` (with its BOM); `GET /split`:
+  the secret split by a byte that is not UTF-8, in JSON;
 - `GET /early`: a 103 Early Hints, then the 200 (a secret in its JSON); `GET /unchanged`: 304;
 - `GET /trickle`: a byte every quarter second for ten seconds;
 - `GET /admin`: an endpoint no operation declares (a path parameter must never reach it);
@@ -70,6 +71,7 @@ SPEC = {
             "responses": {"200": {"description": "ok"}}}},
         "/wide": {"get": {"operationId": "getWide", "responses": {"200": {"description": "ok"}}}},
         "/wide-text": {"get": {"operationId": "getWideText", "responses": {"200": {"description": "ok"}}}},
+        "/split": {"get": {"operationId": "getSplit", "responses": {"200": {"description": "ok"}}}},
         "/early": {"get": {"operationId": "getEarly", "responses": {"200": {"description": "ok"}}}},
         "/unchanged": {"get": {"operationId": "getUnchanged", "responses": {"304": {"description": "ok"}}}},
         "/trickle": {"get": {"operationId": "getTrickle", "responses": {"200": {"description": "ok"}}}},
@@ -122,6 +124,10 @@ def build_app() -> web.Application:
     async def wide_text(_: web.Request) -> web.Response:
         body = f"key {SECRET}".encode("utf-16")
         return web.Response(body=body, headers={"Content-Type": "text/plain; charset=utf-16"})
+
+    async def split(_: web.Request) -> web.Response:
+        body = b'{"note": "key ' + SECRET[:4].encode() + b"\xff" + SECRET[4:].encode() + b'"}'
+        return web.Response(body=body, headers={"Content-Type": "application/json"})
 
     async def refund(request: web.Request) -> web.Response:
         return web.json_response({"refunded": request.match_info["orderId"]})
@@ -211,6 +217,7 @@ def build_app() -> web.Application:
     app.router.add_post("/orders/{orderId}/refund", refund)
     app.router.add_get("/wide", wide)
     app.router.add_get("/wide-text", wide_text)
+    app.router.add_get("/split", split)
     app.router.add_get("/short", short)
     app.router.add_get("/admin", admin)
     app.router.add_get("/", admin)

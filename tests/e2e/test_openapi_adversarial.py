@@ -45,6 +45,7 @@ POLICY: dict[str, Any] = {
         "hostile.getLeaky": {"effect": "read"},
         "hostile.getWide": {"effect": "read"},
         "hostile.getWideText": {"effect": "read"},
+        "hostile.getSplit": {"effect": "read"},
         "hostile.getMoved": {"effect": "read"},
         "hostile.createOrder": {"effect": "write"},
         "hostile.getEarly": {"effect": "read"},
@@ -220,12 +221,14 @@ def test_http_gzip_encoded_secret_is_decoded_and_redacted(pp: ProxyProcess) -> N
 
 
 @pytest.mark.parametrize("front", ["mcp", "http"])
-@pytest.mark.parametrize("tool, path", [("getWide", "/wide"), ("getWideText", "/wide-text")])
-def test_a_body_in_utf16_refuses_rather_than_passing_unread(
+@pytest.mark.parametrize("tool, path", [("getWide", "/wide"), ("getWideText", "/wide-text"),
+                                        ("getSplit", "/split")])
+def test_a_body_another_reader_reads_otherwise_refuses_rather_than_passing_unread(
         pp: ProxyProcess, front: str, tool: str, path: str) -> None:
     """The guardrails read a body as UTF-8 (where UTF-16 is the secret's letters between NULs,
-    no match); a JSON reader detects UTF-16 (RFC 4627; Python's `json`, httpx's `.json()`) and
-    a text reader follows `charset=`: the agent read the secret. Refused instead."""
+    and a byte that is not UTF-8 is U+FFFD inside it: no match); a JSON reader detects UTF-16
+    (RFC 4627; Python's `json`, httpx's `.json()`), a text reader follows `charset=` or drops
+    bytes that are not UTF-8: the agent read the secret. Refused instead."""
     if front == "mcp":
         answer = _tool(pp, tool, {})
         assert SECRET not in json.dumps(answer).replace("\\u0000", ""), answer
@@ -234,6 +237,7 @@ def test_a_body_in_utf16_refuses_rather_than_passing_unread(
         resp = _http(pp, "GET", path)
         for encoding in ("utf-8", "utf-16", "utf-16-le"):  # as any reader may read it
             assert SECRET not in resp.content.decode(encoding, "replace"), resp.content
+        assert SECRET not in resp.content.decode("utf-8", "ignore"), resp.content
         assert resp.status_code == 502 and resp.headers["Content-Type"].startswith(PROBLEM), resp.text
         decision = resp.json()
     assert decision["code"] == "upstream_error"
