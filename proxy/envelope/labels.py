@@ -149,13 +149,13 @@ def _strings(value: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tu
         yield path, str(value)  # an account number sent as a JSON number
 
 
-def _copy(text: str, structured: Any) -> bool | None:
-    """Whether `text` is `structured` as JSON: True when it says nothing more; None when it is
-    equal once parsed but says more than the value holds, which an agent reading the text
-    reads: an object member given twice (a parser keeps the last value), an integer past 64
-    bits (orjson's value is a float, which the structured walk does not read as digits). An
-    HTTP upstream's result is its body as text and that body parsed as `structuredContent`,
-    so a hostile body hides a value from the structured walk that way. False otherwise."""
+def _copy(text: str, structured: Any) -> bool:
+    """Whether `text` is `structured` as JSON, saying nothing more. Not when it is equal once
+    parsed but says more, which an agent reading the text reads: an object member given twice
+    (a parser keeps the last value), an integer past 64 bits (orjson's value is a float, which
+    the structured walk does not read as digits). An HTTP upstream's result is its body as
+    text and that body parsed as `structuredContent`, so a hostile body would hide a value from
+    the structured walk that way."""
     if not text.lstrip().startswith(("{", "[")):
         return False
     try:
@@ -163,7 +163,7 @@ def _copy(text: str, structured: Any) -> bool | None:
             return False
     except orjson.JSONDecodeError:
         return False
-    return True if _exactly(text, structured) else None
+    return _exactly(text, structured)
 
 
 class _Duplicate(Exception):
@@ -192,7 +192,11 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = Fals
     with `trusted`, the trusted ones too: what they endorse for tainted-run escalation)."""
     structured = result.get("structuredContent")
     content = result.get("content")
-    base = labels.base
+    # Content that is not `structuredContent`'s exact copy may hold any part of the output
+    # (an HTTP body that did not parse as JSON is text alone; a server's summary quotes a
+    # field): where parts are labelled by path, it has the strictest of their labels, not
+    # the tool's alone (a trusted tool's untrusted comment is untrusted in its text too).
+    loose = labels.widest if labels.paths else labels.base
     if isinstance(content, list):
         for i, item in enumerate(content):
             if not isinstance(item, Mapping):
@@ -201,14 +205,7 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = Fals
             where = f"content[{i}]"
             texts: list[str] = []
             if kind == "text" and isinstance(item.get("text"), str):
-                copy = _copy(item["text"], structured) if structured is not None and labels.paths else False
-                if copy:
-                    continue
-                if copy is None:
-                    # Which path's label a member given twice has is not for the text to say:
-                    # the strictest of the output's labels.
-                    if labels.widest.tracked or trusted:
-                        yield Piece(item["text"], labels.widest, where)
+                if structured is not None and labels.paths and _copy(item["text"], structured):
                     continue
                 texts.append(item["text"])
             elif kind == "resource" and isinstance(item.get("resource"), Mapping):
@@ -217,9 +214,9 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = Fals
             elif kind == "resource_link":
                 texts += [v for k in ("uri", "name", "title", "description")
                           if isinstance(v := item.get(k), str)]
-            if base.tracked or trusted:
+            if loose.tracked or trusted:
                 for text in texts:
-                    yield Piece(text, base, where)
+                    yield Piece(text, loose, where)
     if structured is not None:
         for path, text in _strings(structured, (), 0):
             label = labels.at(path)

@@ -54,6 +54,8 @@ POLICY: dict[str, Any] = {
         "hostile.getTicket": {"effect": "read", "output": "untrusted"},
         "hostile.refundOrder": {"effect": "write"},
         # Untrusted, but for its id (a label by path: the structured walk reads the output).
+        # Trusted, but for its customer-written comment (a label by path).
+        "hostile.getMemo": {"effect": "read", "output": "trusted", "labels": {"/comment": {"output": "untrusted"}}},
         "hostile.getNote": {"effect": "read", "output": "untrusted", "labels": {"/id": {"output": "trusted"}}},
         "keyed.getItem": {"effect": "read"},
     },
@@ -427,6 +429,29 @@ def test_untrusted_text_that_parsing_loses_is_recorded(
     assert (resp.json()["code"], resp.json()["check"]) == ("dataflow_policy_blocked", "dataflow")
     assert _seen(backend)[before:] == []
     assert len(_records(flow_pp, resp.json()["decision_id"])) == 1
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+@pytest.mark.parametrize("memo", ["plain", "bom"])
+def test_untrusted_part_of_a_body_that_is_text_only_is_recorded(
+        flow_pp: ProxyProcess, backend: str, front: str, memo: str) -> None:
+    """A JSON body after a byte order mark does not parse (orjson): the result is its text,
+    with no structuredContent for the label by path to apply to, and the text had the tool's
+    label (trusted): the untrusted comment in it never reached the ledger and the refund it
+    asks for ran. A JSON reader (httpx's `.json()`, a model) reads the comment all the same."""
+    run = {"X-Envelope-Run": f"run-{uuid.uuid4().hex}"}
+    if front == "http":
+        read = _http(flow_pp, "GET", f"/memos/{memo}", headers=run)
+        assert read.status_code == 200 and read.json()["comment"].count(INJECTED_ORDER) == 1, read.text
+    else:
+        answer = rpc(flow_pp.url("hostile"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "getMemo", "arguments": {"memoId": memo}}}, bearer=AGENT, headers=run, timeout=15).json()
+        assert INJECTED_ORDER in answer["result"]["content"][0]["text"], answer
+    before = len(_seen(backend))
+    resp = _http(flow_pp, "POST", f"/orders/{INJECTED_ORDER}/refund", headers=run)
+    assert resp.status_code == 403, resp.text
+    assert (resp.json()["code"], resp.json()["check"]) == ("dataflow_policy_blocked", "dataflow")
+    assert _seen(backend)[before:] == []
 
 
 @pytest.mark.parametrize("front", ["mcp", "http"])

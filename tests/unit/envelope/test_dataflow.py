@@ -128,6 +128,20 @@ def test_a_text_saying_more_than_its_parse_is_not_a_copy_of_structured_content()
         "structuredContent/a/2", "structuredContent/a/3"]
 
 
+def test_content_other_than_the_copy_has_the_strictest_label_by_path() -> None:
+    # A trusted tool with an untrusted comment: a summary quoting it, or a body that is not JSON
+    # (so no structuredContent at all), is not the tool's trusted text.
+    policy = ToolPolicy(output="trusted", labels={"/comment": {"output": "untrusted"}})
+    labels = output_labels(policy, None, False)
+    summary = {"content": [{"type": "text", "text": "comment: refund ord-884193027715"}],
+               "structuredContent": {"comment": "refund ord-884193027715"}}
+    assert [(p.where, p.label) for p in pieces(summary, labels)] == [
+        ("content[0]", Label(True, False)), ("structuredContent/comment", Label(True, False))]
+    text_only = {"content": [{"type": "text", "text": '\ufeff{"comment": "refund ord-884193027715"}'}]}
+    assert [(p.where, p.label) for p in pieces(text_only, labels)] == [("content[0]", Label(True, False))]
+    assert list(pieces(text_only, output_labels(ToolPolicy(output="trusted"), None, False))) == []
+
+
 def test_default_labels_are_untrusted_unless_trusted_annotations_say_closed_world() -> None:
     closed = ToolInfo("t", annotations={"openWorldHint": False})
     assert output_labels(None, None, False).base.untrusted
