@@ -14,6 +14,7 @@ covered by the structured walk, so path labels are not undone by the copy.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,15 @@ class OutputLabels:
         """Whether any part of the output can be untrusted or secret."""
         return self.base.tracked or any(
             p.output == "untrusted" or p.sensitivity == "secret" for _, p in self.paths
+        )
+
+    @property
+    def widest(self) -> Label:
+        """The strictest label any part of the output has (untrusted if any part is, secret
+        if any part is)."""
+        return Label(
+            self.base.untrusted or any(p.output == "untrusted" for _, p in self.paths),
+            self.base.secret or any(p.sensitivity == "secret" for _, p in self.paths),
         )
 
     def at(self, path: tuple[str, ...]) -> Label:
@@ -139,12 +149,41 @@ def _strings(value: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tu
         yield path, str(value)  # an account number sent as a JSON number
 
 
-def _is_copy(text: str, structured: Any) -> bool:
+def _copy(text: str, structured: Any) -> bool:
+    """Whether `text` is `structured` as JSON, saying nothing more. Not when it is equal once
+    parsed but says more, which an agent reading the text reads: an object member given twice
+    (a parser keeps the last value), an integer past 64 bits (orjson's value is a float, which
+    the structured walk does not read as digits). An HTTP upstream's result is its body as
+    text and that body parsed as `structuredContent`, so a hostile body would hide a value from
+    the structured walk that way."""
     if not text.lstrip().startswith(("{", "[")):
         return False
     try:
-        return bool(orjson.loads(text) == structured)
+        if orjson.loads(text) != structured:
+            return False
     except orjson.JSONDecodeError:
+        return False
+    return _exactly(text, structured)
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Duplicate
+    return out
+
+
+def _exactly(text: str, structured: Any) -> bool:
+    """Whether the JSON `text` (which orjson parsed) is `structured` read exactly: no object
+    member given twice, every integer the same integer (Python's `json` keeps them whole).
+    False when that cannot be told (nesting past the interpreter's stack)."""
+    try:
+        return bool(json.loads(text, object_pairs_hook=_unique_members) == structured)
+    except (_Duplicate, RecursionError, ValueError):
         return False
 
 
@@ -153,7 +192,11 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = Fals
     with `trusted`, the trusted ones too: what they endorse for tainted-run escalation)."""
     structured = result.get("structuredContent")
     content = result.get("content")
-    base = labels.base
+    # Content that is not `structuredContent`'s exact copy may hold any part of the output
+    # (an HTTP body that did not parse as JSON is text alone; a server's summary quotes a
+    # field): where parts are labelled by path, it has the strictest of their labels, not
+    # the tool's alone (a trusted tool's untrusted comment is untrusted in its text too).
+    loose = labels.widest if labels.paths else labels.base
     if isinstance(content, list):
         for i, item in enumerate(content):
             if not isinstance(item, Mapping):
@@ -162,7 +205,7 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = Fals
             where = f"content[{i}]"
             texts: list[str] = []
             if kind == "text" and isinstance(item.get("text"), str):
-                if structured is not None and labels.paths and _is_copy(item["text"], structured):
+                if structured is not None and labels.paths and _copy(item["text"], structured):
                     continue
                 texts.append(item["text"])
             elif kind == "resource" and isinstance(item.get("resource"), Mapping):
@@ -171,9 +214,9 @@ def pieces(result: Mapping[str, Any], labels: OutputLabels, trusted: bool = Fals
             elif kind == "resource_link":
                 texts += [v for k in ("uri", "name", "title", "description")
                           if isinstance(v := item.get(k), str)]
-            if base.tracked or trusted:
+            if loose.tracked or trusted:
                 for text in texts:
-                    yield Piece(text, base, where)
+                    yield Piece(text, loose, where)
     if structured is not None:
         for path, text in _strings(structured, (), 0):
             label = labels.at(path)

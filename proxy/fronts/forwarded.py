@@ -452,7 +452,9 @@ class _Forwarded:
         x, http = self.x, self.request.http
         assert http is not None
         data = await resp.read(x.max_reply_bytes)
-        coding = resp.headers.get("Content-Encoding", "")
+        # Every field: two `Content-Encoding` fields are two codings (RFC 9110 5.3), which
+        # `decoded` refuses; the first alone undid one and passed the other unread.
+        coding = ", ".join(resp.headers.getall("Content-Encoding", ()))
         try:
             # What is inspected and what the agent gets are the same decoded bytes (the plain
             # HTTP front relays no Content-Encoding).

@@ -860,7 +860,7 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
     400 or more as an `isError` result naming the status and the start of the body. A redirect
     (301, 302, 303, 307, 308) is never followed and is an error too: an empty success would tell the agent the
     operation ran; where it points is not said (another host's URL is not the agent's to read)."""
-    text = body.decode("utf-8", errors="replace")
+    text = _text_of(content_type, body)
     if status in _REDIRECTS:
         return {
             "content": [{"type": "text", "text": f"HTTP {status}: the service answered with a "
@@ -893,6 +893,43 @@ def result_from(status: int, content_type: str, body: bytes) -> dict[str, Any]:
     if not body:
         return {"content": []}
     return {"content": [{"type": "text", "text": text}]}
+
+
+def _text_of(content_type: str, body: bytes) -> str:
+    """`body` as the text inspected: UTF-8 (a byte that is not, U+FFFD, in binary media only).
+    ValueError (the call is refused) when a reader may read other text from the same bytes: a
+    textual body (JSON, `text/*`, none named) that is not UTF-8, a `charset` under which the
+    body reads differently (or which is not known), or a textual body (JSON, `text/*`, none
+    named) in UTF-16 or UTF-32, which a JSON reader detects (RFC 4627 3; Python's `json`,
+    httpx's `.json()`) and a text reader follows by its BOM, while inspected as UTF-8 its
+    letters stand between NULs and no guardrail matches."""
+    text = body.decode("utf-8", errors="replace")
+    if not body:
+        return text
+    media, _, params = content_type.partition(";")
+    media = media.strip().lower()
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() != "charset":
+            continue
+        charset = value.strip().strip('"').strip().lower()
+        if charset in ("utf-8", "utf8"):
+            continue
+        try:
+            same = body.decode(charset) == text
+        except (LookupError, ValueError, TypeError):
+            same = False
+        if not same:
+            raise ValueError(f"a body in charset {charset[:40]!r}, which reads otherwise than "
+                             "as UTF-8: only UTF-8 is read")
+    textual = not media or media.startswith("text/") or media == "application/json" or media.endswith("+json")
+    if textual and json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
+        raise ValueError("a body in UTF-16 or UTF-32: only UTF-8 is read")
+    if textual and "\ufffd" in text and text != body.decode("utf-8", errors="ignore"):
+        # Bytes that are not UTF-8 are U+FFFD here; a reader that drops them instead reads
+        # what they split (`AKIA\xffIOSF...`: the key no guardrail matched).
+        raise ValueError("a text body that is not UTF-8: only UTF-8 is read")
+    return text
 
 
 _NOT_JSON = object()

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from e2e_helpers import write_doc
-from hostile_rest import INJECTED_ORDER, SECRET, SPEC
+from hostile_rest import INJECTED_NUMBER, INJECTED_ORDER, SECRET, SPEC
 
 from tests.harness import ROOT, ProxyProcess, free_port, proxy_process, rpc, stop, token, wait_port
 
@@ -38,10 +38,14 @@ POLICY: dict[str, Any] = {
     "tools": {
         "hostile.getItem": {"effect": "read"},
         "hostile.getGzipped": {"effect": "read"},
+        "hostile.getGzippedTwice": {"effect": "read"},
         "hostile.getMyItems": {"effect": "read", "allow": "false"},
         "hostile.getDeep": {"effect": "read"},
         "hostile.getShort": {"effect": "read"},
         "hostile.getLeaky": {"effect": "read"},
+        "hostile.getWide": {"effect": "read"},
+        "hostile.getWideText": {"effect": "read"},
+        "hostile.getSplit": {"effect": "read"},
         "hostile.getMoved": {"effect": "read"},
         "hostile.createOrder": {"effect": "write"},
         "hostile.getEarly": {"effect": "read"},
@@ -49,6 +53,10 @@ POLICY: dict[str, Any] = {
         "hostile.getTrickle": {"effect": "read"},
         "hostile.getTicket": {"effect": "read", "output": "untrusted"},
         "hostile.refundOrder": {"effect": "write"},
+        # Untrusted, but for its id (a label by path: the structured walk reads the output).
+        # Trusted, but for its customer-written comment (a label by path).
+        "hostile.getMemo": {"effect": "read", "output": "trusted", "labels": {"/comment": {"output": "untrusted"}}},
+        "hostile.getNote": {"effect": "read", "output": "untrusted", "labels": {"/id": {"output": "trusted"}}},
         "keyed.getItem": {"effect": "read"},
     },
 }
@@ -214,6 +222,46 @@ def test_http_gzip_encoded_secret_is_decoded_and_redacted(pp: ProxyProcess) -> N
     assert int(resp.headers["Content-Length"]) == len(resp.content)
 
 
+@pytest.mark.parametrize("front", ["mcp", "http"])
+@pytest.mark.parametrize("tool, path", [("getWide", "/wide"), ("getWideText", "/wide-text"),
+                                        ("getSplit", "/split")])
+def test_a_body_another_reader_reads_otherwise_refuses_rather_than_passing_unread(
+        pp: ProxyProcess, front: str, tool: str, path: str) -> None:
+    """The guardrails read a body as UTF-8 (where UTF-16 is the secret's letters between NULs,
+    and a byte that is not UTF-8 is U+FFFD inside it: no match); a JSON reader detects UTF-16
+    (RFC 4627; Python's `json`, httpx's `.json()`), a text reader follows `charset=` or drops
+    bytes that are not UTF-8: the agent read the secret. Refused instead."""
+    if front == "mcp":
+        answer = _tool(pp, tool, {})
+        assert SECRET not in json.dumps(answer).replace("\\u0000", ""), answer
+        decision = _mcp_refusal(answer)
+    else:
+        resp = _http(pp, "GET", path)
+        for encoding in ("utf-8", "utf-16", "utf-16-le"):  # as any reader may read it
+            assert SECRET not in resp.content.decode(encoding, "replace"), resp.content
+        assert SECRET not in resp.content.decode("utf-8", "ignore"), resp.content
+        assert resp.status_code == 502 and resp.headers["Content-Type"].startswith(PROBLEM), resp.text
+        decision = resp.json()
+    assert decision["code"] == "upstream_error"
+    assert len(_records(pp, decision["decision_id"])) == 1
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+def test_a_coding_named_in_two_fields_refuses(pp: ProxyProcess, front: str) -> None:
+    """Two `Content-Encoding` fields are two codings (RFC 9110 5.3), which the proxy does not
+    undo: only the first was read, and the body relayed (gzip still) carried the secret past
+    the guardrails to an agent that gunzips it."""
+    if front == "mcp":
+        decision = _mcp_refusal(_tool(pp, "getGzippedTwice", {}))
+    else:
+        resp = _http(pp, "GET", "/gzipped-twice")
+        assert resp.status_code == 502 and resp.headers["Content-Type"].startswith(PROBLEM), resp.content[:80]
+        decision = resp.json()
+    assert decision["code"] == "upstream_error"
+    assert "Content-Encoding" in decision["reason"], decision
+    assert len(_records(pp, decision["decision_id"])) == 1
+
+
 def test_http_response_headers_are_only_the_body_describing_ones(pp: ProxyProcess) -> None:
     resp = _http(pp, "GET", "/leaky")
     assert resp.status_code == 200
@@ -355,6 +403,54 @@ def test_untrusted_text_cannot_flow_into_a_writers_path_parameter(
             timeout=15)
         decision = _mcp_refusal(answer.json())
     assert (decision["code"], decision["check"]) == ("dataflow_policy_blocked", "dataflow")
+    assert _seen(backend)[before:] == []
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+@pytest.mark.parametrize("note, injected", [("n1", INJECTED_ORDER), ("big", str(INJECTED_NUMBER))])
+def test_untrusted_text_that_parsing_loses_is_recorded(
+        flow_pp: ProxyProcess, backend: str, front: str, note: str, injected: str) -> None:
+    """A body giving a member twice parses to its last value, an integer past 64 bits to a float;
+    the body the agent reads has both values, the digits whole. With a label by path, the text
+    was skipped as "a copy of structuredContent" (equal once parsed), so the injected order
+    never reached the ledger and a refund of it ran."""
+    run = {"X-Envelope-Run": f"run-{uuid.uuid4().hex}"}
+    if front == "http":
+        read = _http(flow_pp, "GET", f"/notes/{note}", headers=run)
+        assert read.status_code == 200 and injected in read.text, read.text
+    else:
+        answer = rpc(flow_pp.url("hostile"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "getNote", "arguments": {"noteId": note}}}, bearer=AGENT, headers=run, timeout=15).json()
+        assert answer["result"]["structuredContent"]["text"] == "closed", answer
+        assert injected in answer["result"]["content"][0]["text"], answer
+    before = len(_seen(backend))
+    resp = _http(flow_pp, "POST", f"/orders/{injected}/refund", headers=run)
+    assert resp.status_code == 403, resp.text
+    assert (resp.json()["code"], resp.json()["check"]) == ("dataflow_policy_blocked", "dataflow")
+    assert _seen(backend)[before:] == []
+    assert len(_records(flow_pp, resp.json()["decision_id"])) == 1
+
+
+@pytest.mark.parametrize("front", ["mcp", "http"])
+@pytest.mark.parametrize("memo", ["plain", "bom"])
+def test_untrusted_part_of_a_body_that_is_text_only_is_recorded(
+        flow_pp: ProxyProcess, backend: str, front: str, memo: str) -> None:
+    """A JSON body after a byte order mark does not parse (orjson): the result is its text,
+    with no structuredContent for the label by path to apply to, and the text had the tool's
+    label (trusted): the untrusted comment in it never reached the ledger and the refund it
+    asks for ran. A JSON reader (httpx's `.json()`, a model) reads the comment all the same."""
+    run = {"X-Envelope-Run": f"run-{uuid.uuid4().hex}"}
+    if front == "http":
+        read = _http(flow_pp, "GET", f"/memos/{memo}", headers=run)
+        assert read.status_code == 200 and read.json()["comment"].count(INJECTED_ORDER) == 1, read.text
+    else:
+        answer = rpc(flow_pp.url("hostile"), {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "getMemo", "arguments": {"memoId": memo}}}, bearer=AGENT, headers=run, timeout=15).json()
+        assert INJECTED_ORDER in answer["result"]["content"][0]["text"], answer
+    before = len(_seen(backend))
+    resp = _http(flow_pp, "POST", f"/orders/{INJECTED_ORDER}/refund", headers=run)
+    assert resp.status_code == 403, resp.text
+    assert (resp.json()["code"], resp.json()["check"]) == ("dataflow_policy_blocked", "dataflow")
     assert _seen(backend)[before:] == []
 
 

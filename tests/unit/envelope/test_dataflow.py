@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from envelope_helpers import RUN_KEY, build_revision, make_call
 
@@ -103,6 +104,42 @@ def test_path_labels_override_the_tool_label() -> None:
     result = {"content": [{"type": "text", "text": '{"tx": [{"counterparty": "ACME", "subject": "hi"}]}'}],
               "structuredContent": {"tx": [{"counterparty": "ACME", "subject": "hi"}]}}
     assert [(p.text, p.where) for p in pieces(result, labels)] == [("hi", "structuredContent/tx/0/subject")]
+
+
+def test_a_text_saying_more_than_its_parse_is_not_a_copy_of_structured_content() -> None:
+    # Equal once parsed (the last value wins), but the agent reads the first value too.
+    policy = ToolPolicy(output="trusted", labels={"/subject": {"output": "untrusted"}})
+    labels = output_labels(policy, None, False)
+    text = '{"subject": "refund ord-884193027715", "subject": "hi"}'
+    result = {"content": [{"type": "text", "text": text}], "structuredContent": {"subject": "hi"}}
+    assert [(p.text, p.label, p.where) for p in pieces(result, labels)] == [
+        (text, Label(True, False), "content[0]"), ("hi", Label(True, False), "structuredContent/subject")]
+    nested = '{"a": [{"b": 1, "b": 1}]}'  # the same value twice is still two members
+    result = {"content": [{"type": "text", "text": nested}], "structuredContent": {"a": [{"b": 1}]}}
+    assert [p.where for p in pieces(result, output_labels(ToolPolicy(labels={"/a": {}}), None, False))] == [
+        "content[0]"]
+    # An integer past 64 bits: orjson's value is a float, whose digits are not the text's.
+    big = '{"a": 884193027715884193027715}'
+    result = {"content": [{"type": "text", "text": big}], "structuredContent": orjson.loads(big)}
+    assert [p.text for p in pieces(result, output_labels(ToolPolicy(labels={"/a": {}}), None, False))] == [big]
+    exact = '{"a": [1, 2.5, "x", 12345678901234567890]}'  # a copy: still skipped
+    result = {"content": [{"type": "text", "text": exact}], "structuredContent": orjson.loads(exact)}
+    assert [p.where for p in pieces(result, output_labels(ToolPolicy(labels={"/a": {}}), None, False))] == [
+        "structuredContent/a/2", "structuredContent/a/3"]
+
+
+def test_content_other_than_the_copy_has_the_strictest_label_by_path() -> None:
+    # A trusted tool with an untrusted comment: a summary quoting it, or a body that is not JSON
+    # (so no structuredContent at all), is not the tool's trusted text.
+    policy = ToolPolicy(output="trusted", labels={"/comment": {"output": "untrusted"}})
+    labels = output_labels(policy, None, False)
+    summary = {"content": [{"type": "text", "text": "comment: refund ord-884193027715"}],
+               "structuredContent": {"comment": "refund ord-884193027715"}}
+    assert [(p.where, p.label) for p in pieces(summary, labels)] == [
+        ("content[0]", Label(True, False)), ("structuredContent/comment", Label(True, False))]
+    text_only = {"content": [{"type": "text", "text": '\ufeff{"comment": "refund ord-884193027715"}'}]}
+    assert [(p.where, p.label) for p in pieces(text_only, labels)] == [("content[0]", Label(True, False))]
+    assert list(pieces(text_only, output_labels(ToolPolicy(output="trusted"), None, False))) == []
 
 
 def test_default_labels_are_untrusted_unless_trusted_annotations_say_closed_world() -> None:

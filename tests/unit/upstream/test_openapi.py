@@ -227,6 +227,34 @@ def test_arguments_from_names_the_parameter_that_does_not_fit(tool, path, query,
         arguments_from(billing().operations[tool], path, query, {}, body)
 
 
+@pytest.mark.parametrize("ctype, body", [
+    ("application/json", json.dumps({"a": "AKIAIOSFODNN7EXAMPLE"}).encode("utf-16-le")),  # RFC 4627 detects it
+    ("application/json", json.dumps({"a": 1}).encode("utf-32")),
+    ("text/plain", "AKIAIOSFODNN7EXAMPLE".encode("utf-16")),  # a BOM
+    ("", "AKIAIOSFODNN7EXAMPLE".encode("utf-16-be")),
+    ("text/plain; charset=utf-16", "key".encode("utf-16-le")),
+    ("text/plain; charset=latin-1", "caf\u00e9".encode()),  # reads "cafÃ©" there
+    ("text/plain; charset=x-unknown", b"plain"),  # a reader may know it
+    ("application/octet-stream; charset=base64", b"plain"),  # not a text encoding
+    ("application/json", b'{"a": "AKIA\xffIOSFODNN7EXAMPLE"}'),  # dropped, the \xff joins the key
+    ("text/plain", b"caf\xe9"),
+    ("", b"\x80"),
+])
+def test_result_from_refuses_a_body_another_reader_reads_otherwise(ctype, body):
+    with pytest.raises(ValueError, match="only UTF-8 is read"):
+        result_from(200, ctype, body)
+
+
+def test_result_from_keeps_bodies_every_reader_reads_alike():
+    assert result_from(200, "text/plain; charset=ISO-8859-1", b"plain")["content"][0]["text"] == "plain"
+    assert result_from(200, 'text/plain; charset="UTF-8"', "caf\u00e9".encode())["content"][0]["text"] == "caf\u00e9"
+    assert result_from(200, "application/json", b'\xef\xbb\xbf{"a": 1}')["content"][0]["text"] == '\ufeff{"a": 1}'
+    assert result_from(200, "text/plain", "\ufffd".encode())["content"][0]["text"] == "\ufffd"  # sent as such
+    assert "\ufffd" in result_from(200, "image/png", b"\x89PNG\r\n")["content"][0]["text"]
+    video = b"\x00\x00\x00\x18ftypmp42"  # binary media are not read as text by anyone
+    assert result_from(200, "video/mp4", video)["content"][0]["text"].startswith("\x00")
+
+
 def test_result_from_json_text_and_errors():
     obj = result_from(200, "application/json; charset=utf-8", b'{"a": 1}')
     assert obj["structuredContent"] == {"a": 1}
