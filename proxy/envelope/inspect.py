@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,21 @@ SCAN_TIMEOUT = 60.0
 # Walk no deeper into a payload than this when collecting text for the ledger (the front caps
 # JSON depth on requests; upstream replies are parsed by orjson, which caps at 1024).
 MAX_DEPTH = 256
+
+
+def copy_chars(result: Mapping[str, Any], bound: int) -> int:
+    """The characters of a tool result's `content` texts that `labels.pieces` compares with its
+    `structuredContent` (0 without one), counted until past `bound`."""
+    content = result.get("content")
+    total = 0
+    if result.get("structuredContent") is None or not isinstance(content, list):
+        return total
+    for item in content:
+        if isinstance(item, Mapping) and isinstance(text := item.get("text"), str):
+            total += len(text)
+            if total > bound:
+                break
+    return total
 
 
 def strip_envelope_meta(message: Any) -> bool:
@@ -388,7 +403,18 @@ class Inspector:
         # Trusted content is read only when some sink escalates tainted runs (it endorses).
         trusted = self.escalates
         if subject.tool_result and "result" in message and isinstance(payload, Mapping):
-            found = result_pieces(payload, subject.labels, trusted)
+            labels = subject.labels
+            if labels.paths:
+                # A text that may be structuredContent's copy is read twice to tell (orjson,
+                # then Python's exact parse, ~80 µs per KB: `labels.pieces`): off the event
+                # loop past INLINE_SCAN_CHARS of such text, as the guardrails' scan is.
+                def read() -> list[Piece]:
+                    return list(result_pieces(payload, labels, trusted))
+
+                found: Iterable[Piece] = await sized(read, copy_chars(payload, INLINE_SCAN_CHARS),
+                                                     bound=INLINE_SCAN_CHARS)
+            else:
+                found = result_pieces(payload, labels, trusted)
         else:
             found = all_pieces(payload, subject.labels.base, subject.source, trusted)
         return await delta_of(subject.source, found, policy.min_match, limit=policy.ledger_cap,

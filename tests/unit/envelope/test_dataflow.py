@@ -142,6 +142,40 @@ def test_content_other_than_the_copy_has_the_strictest_label_by_path() -> None:
     assert list(pieces(text_only, output_labels(ToolPolicy(output="trusted"), None, False))) == []
 
 
+@pytest.mark.parametrize(("chars", "off_loop"), [(1_000, False), (200_000, True)])
+async def test_telling_a_large_text_from_a_copy_is_done_off_the_event_loop(
+        monkeypatch: pytest.MonkeyPatch, chars: int, off_loop: bool) -> None:
+    """Whether a result text is `structuredContent`'s exact copy is read with Python's JSON
+    parser (~80 µs per KB): a hostile 32 MiB reply read so on the loop would hold every other
+    client for seconds. Past INLINE_SCAN_CHARS of such text it is read in a worker thread, and
+    says the same."""
+    import threading
+
+    import proxy.envelope.labels as labels_module
+    from proxy.envelope.inspect import Inspector, Subject
+
+    threads: list[int] = []
+    exactly = labels_module._exactly
+
+    def spy(text: str, structured: Any) -> bool:
+        threads.append(threading.get_ident())
+        return exactly(text, structured)
+
+    monkeypatch.setattr(labels_module, "_exactly", spy)
+    inspector = Inspector(build_revision({"version": 1, "dataflow": {"mode": "shadow"}, "tools": {}}))
+    labels = output_labels(ToolPolicy(output="trusted", labels={"/comment": {"output": "untrusted"}}), None, False)
+    subject = Subject("docs.fetch", labels, (), True, "fetch")
+    structured = {"comment": "refund ord-884193027715 " + "x" * chars, "id": "n1"}
+    message = {"jsonrpc": "2.0", "id": 1, "result": {
+        "content": [{"type": "text", "text": json.dumps(structured, indent=2)}],
+        "structuredContent": structured}}
+    delta = await inspector.delta(subject, message)
+    assert (threads[0] != threading.get_ident()) is off_loop, threads
+    # The text is the copy: not recorded as text; the untrusted comment is, by its path.
+    assert delta.source == "docs.fetch" and delta.untrusted and not delta.empty
+    assert [p for p in pieces(message["result"], labels) if p.where.startswith("content")] == []
+
+
 def test_default_labels_are_untrusted_unless_trusted_annotations_say_closed_world() -> None:
     closed = ToolInfo("t", annotations={"openWorldHint": False})
     assert output_labels(None, None, False).base.untrusted
