@@ -186,6 +186,12 @@ class Identity:
         groups: tuple[str, ...] = ()
         if isinstance(raw_groups, list) and all(isinstance(g, str) for g in raw_groups):
             groups = tuple(raw_groups)
+        elif raw_groups is not None:
+            # Read as no groups, a group the token names would escape every rule that forbids
+            # it (`"contractors" in principal.groups`): a token that says its groups in
+            # another shape (one string, a space-separated string, objects) is refused.
+            raise IdentityError(f"token's groups claim {cfg.groups_claim!r} is not a list of strings "
+                                f"(a {type(raw_groups).__name__})")
         return Principal(id=subject, groups=groups, claims=claims, source="jwt")
 
     @staticmethod

@@ -100,9 +100,23 @@ def test_rs256_valid_from_key_file(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -
 
 def test_es256_valid(ec_key: ec.EllipticCurvePrivateKey) -> None:
     ident = Identity(IdentityConfig(mode="jwt", algorithms=["ES256"], key=pem_public(ec_key)))
-    token = jwt.encode(claims(groups="not-a-list"), ec_key, algorithm="ES256")
+    token = jwt.encode(claims(groups=["ops", "oncall"]), ec_key, algorithm="ES256")
     p = ident.resolve(bearer(token))
-    assert p.id == "alice" and p.groups == ()
+    assert p.id == "alice" and p.groups == ("ops", "oncall")
+
+
+@pytest.mark.parametrize("groups", ["contractors", "ops contractors", [{"name": "contractors"}], ["a", 1], {"a": 1}])
+def test_a_groups_claim_of_another_shape_is_refused_not_read_as_no_groups(groups: Any) -> None:
+    # Read as no groups, a token naming `contractors` would escape a rule forbidding them.
+    token = jwt.encode(claims(groups=groups), SECRET, algorithm="HS256")
+    with pytest.raises(IdentityError, match="groups claim 'groups' is not a list of strings"):
+        hs_identity().resolve(bearer(token))
+
+
+def test_no_groups_claim_is_no_groups() -> None:
+    body = claims()
+    body.pop("groups", None)
+    assert hs_identity().resolve(bearer(jwt.encode(body, SECRET, algorithm="HS256"))).groups == ()
 
 
 @pytest.mark.parametrize(
