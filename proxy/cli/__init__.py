@@ -8,6 +8,7 @@ Each command's parser names its handler (`handler`), which returns the exit stat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -86,4 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(words)
     if tail is not None:
         args.command = tail
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except BrokenPipeError:
+        # Whoever read stdout went away (`check policies | head -1`): stop quietly, as other
+        # command-line tools do. stdout now points at /dev/null, so the interpreter's own
+        # flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1

@@ -137,3 +137,4 @@ def test_every_admin_command_says_in_one_line_that_the_api_is_down(
     err = capsys.readouterr().err
     assert err.startswith(f"envelope-proxy {argv[0]}: cannot reach the admin API at {base}: ")
     assert err.count("\n") == 1
+
