@@ -1066,7 +1066,9 @@ def _lint(expr: str, identifiers: bool, result_type: bool) -> tuple[tuple[int, s
         return _lint_parsed(expr, identifiers, result_type)
     shape, spans = shaped
     return tuple(
-        (_unshape(spans, offset), message)
+        # A finding about the whole expression has no offset (a comparison of two literals):
+        # there is nothing to map back.
+        (offset if offset is None else _unshape(spans, offset), message)
         for offset, message in _lint_parsed(shape, identifiers, result_type)
     )
 
