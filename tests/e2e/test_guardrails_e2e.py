@@ -152,6 +152,9 @@ async def test_aggregated_endpoint_redacts_and_blocks(tmp_path: Any) -> None:
     "AKIA\u200bIOSFODNN7EXAMPLE",  # a zero-width space inside the key
     "AKIA\u202eIOSFODNN7\u202cEXAMPLE",  # bidi controls
     "".join(chr(ord(c) + 0xFEE0) for c in AWS_KEY),  # fullwidth forms
+    "\x00".join(AWS_KEY),  # a NUL between every two characters (all ASCII: no Unicode at all)
+    "AKIA\x7fIOSFO\x1bDNN7\x08EXAMPLE",  # DEL, escape, backspace
+    "AKIA\x90IOSFODNN7\x9fEXAMPLE",  # C1 controls
 ])
 async def test_a_key_behind_invisible_or_fullwidth_characters_is_redacted(pp: ProxyProcess, hidden: str) -> None:
     async with mcp_client(pp.url("notes"), "auto", bearer=ALICE) as c:

@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.envelope.invisible import CHUNK, visible
+from proxy.envelope.invisible import CHUNK, plain, visible
 from proxy.envelope.types import Code, Decision, Verdict
 from proxy.policy.vocab import BUILTIN_PATTERNS, DETECTOR_GROUPS, compile_pattern
 
@@ -234,10 +234,10 @@ class _Scan:
         that run from one part into another (those inside one part were found by `text`): a
         redaction goes where the match starts and removes what it covers of the next parts."""
         out, counts = self._apply(parts, crossing)
-        if not all(part.isascii() for part in parts):
-            plain = [skeleton(part) for part in parts]
-            if any(a != b for a, b in zip(plain, parts, strict=True)):
-                plain_out, plain_counts = self._apply(plain, crossing)
+        if not all(plain(part) for part in parts):
+            seen = [skeleton(part) for part in parts]
+            if any(a != b for a, b in zip(seen, parts, strict=True)):
+                plain_out, plain_counts = self._apply(seen, crossing)
                 hidden = [b > a for a, b in zip(counts, plain_counts, strict=True)]
                 if any(hidden):
                     counts = plain_counts

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final
 
-from proxy.envelope.invisible import visible
+from proxy.envelope.invisible import ASCII_INVISIBLE, plain, visible
 from proxy.policy.model import DEFAULT_WINNOW, MIN_PHRASE_CHARS
 
 MIN_TOKEN = 8  # shortest distinctive token
@@ -113,15 +113,18 @@ def _skeleton_table() -> dict[int, str | None]:
     return table
 
 
+_ASCII_LOWER = bytes.maketrans(bytes(range(0x41, 0x5B)), bytes(range(0x61, 0x7B)))
+
+
 def fold(text: str) -> str:
     """NFKC, invisible characters removed, case-folded, then its skeleton: combining marks
     removed, letters of other scripts drawn like Latin ones made Latin, decimal digits made
     ASCII (what tokens are scanned in and grams hashed from: a disguise must not hide a copy)."""
     if text.isascii():
-        # NFKC leaves ASCII as it is, no invisible character is ASCII, ASCII case-folds to
-        # lower case and holds no mark, look-alike or other digit: same result, without the
-        # passes (~10 µs/KB).
-        return text.lower()
+        # NFKC leaves ASCII as it is, its only invisible characters are the controls
+        # ASCII_INVISIBLE, it case-folds to lower case and holds no mark, look-alike or other
+        # digit: the same result in one C pass over bytes (~1.5 µs/KB; the passes ~10 µs/KB).
+        return text.encode("ascii").translate(_ASCII_LOWER, ASCII_INVISIBLE).decode("ascii")
     return skeleton(visible(unicodedata.normalize("NFKC", text)).casefold())
 
 
@@ -192,7 +195,7 @@ def disguised(text: str) -> bool:
     characters). Canonically equivalent forms (NFC/NFD) are one. Letters with their marks
     ("Zürich", "José") and another script's own words ("Ольга") are no disguise: they are how
     people write, and trusted data and the user's words endorse them by their folded form."""
-    if text.isascii():
+    if plain(text):
         return False
     nfc = unicodedata.normalize("NFC", text)
     if visible(unicodedata.normalize("NFKC", text)).casefold() != nfc.lower():

@@ -284,3 +284,31 @@ def test_the_ledger_folds_away_every_character_the_guardrails_read_through() -> 
               if guardrails_view(f"AB{chr(cp)}CD") == "ABCD"]
     assert len(hidden) > 300 and "\U000e0041" in hidden and "\u200b" in hidden
     assert [c for c in hidden if fold(f"ab{c}cd") != "abcd"] == []
+
+
+# -- controls a reader draws as nothing ------------------------------------------------------------
+
+_LACED = [
+    ("a NUL between every two characters", lambda t: "\x00".join(t)),
+    ("DEL, escape and backspace", lambda t: t.replace("a", "a\x7f").replace("e", "\x1be").replace("o", "o\x08")),
+    ("C1 controls", lambda t: t.replace("a", "\x90a").replace("t", "t\x9f")),
+]
+
+
+@pytest.mark.parametrize(("name", "lace"), _LACED)
+async def test_controls_laced_into_the_injected_page_do_not_hide_what_is_copied(name: str, lace: Any) -> None:
+    # The page the agent reads spells the order and the address between controls (all ASCII:
+    # no Unicode pass ran on it before); the agent copies what it reads, without them.
+    laced = lace(PAGE)
+    assert laced != PAGE
+    assert await _kinds(f"Please note: {ORDER}", laced) == ["verbatim"], name
+    assert "token" in await _kinds(ADDRESS, laced), name
+
+
+@pytest.mark.parametrize(("name", "lace"), _LACED)
+async def test_controls_laced_into_an_argument_do_not_hide_its_copy(name: str, lace: Any) -> None:
+    assert await _kinds(f"Please note: {lace(ORDER)}") == ["verbatim"], name
+    assert "token" in await _kinds(lace(ADDRESS)), name
+    # A value holding them is another value for its upstream ("report\x00.pdf" is not
+    # "report.pdf"): folded for matching, never endorsed by the plain spelling.
+    assert disguised(lace(ADDRESS)), name

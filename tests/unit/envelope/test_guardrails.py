@@ -582,6 +582,20 @@ def test_a_long_text_folds_in_chunks_as_it_would_whole(piece: str) -> None:
         assert skeleton(text) == invisible_class().sub("", unicodedata.normalize("NFKC", text))
 
 
+def test_the_plain_fast_path_skips_exactly_the_texts_without_an_invisible_character() -> None:
+    """`plain` (what the guardrails' and the ledger's folds take as it is) and the invisible
+    class agree on every ASCII character: a control that is not whitespace is invisible, and a
+    text of ASCII holding one is not plain."""
+    from proxy.envelope.invisible import invisible_class, plain, visible
+
+    invisible = {chr(c) for c in range(128) if invisible_class().match(chr(c))}
+    assert invisible == {chr(c) for c in range(128) if unicodedata.category(chr(c)) == "Cc" and not chr(c).isspace()}
+    for c in map(chr, range(128)):
+        assert plain(f"ab{c}cd") is (c not in invisible), repr(c)
+    assert visible("A\x00K\x1bI\x7fA\x90\x9f") == "AKIA"
+    assert visible("a\tb\nc\x0bd\x0ce\x1cf\x85g") == "a\tb\nc\x0bd\x0ce\x1cf\x85g"  # whitespace parts words
+
+
 _FLOW_OFF = {"dataflow": {"mode": "off"}}
 
 
