@@ -363,7 +363,7 @@ class Runtime:
                           max_streams_per_principal=limits.max_streams_per_principal,
                           max_streams_per_upstream=limits.max_streams_per_upstream,
                           underscore_headers=self.config.listener.underscore_headers),
-            retry=self.config.retry, on_upstream=self.health.record,
+            retry=self.config.retry, on_upstream=self.health.record, store=self.store,
         )
         guard = Guard(
             GuardSettings(max_body_bytes=limits.max_body_bytes, allowed_hosts=self._allowed_hosts(),

@@ -23,6 +23,7 @@ from proxy.fronts.forwarded import Executor, UpstreamTarget
 from proxy.fronts.headers import UnderscoreAction
 from proxy.fronts.streams import StreamBudget, StreamSlot
 from proxy.observability.metrics import Metrics, UpstreamOutcome
+from proxy.store.base import Store
 from proxy.upstream.forwarder import Forwarder
 from proxy.upstream.openapi import Spec
 
@@ -66,6 +67,9 @@ class FrontContext:
     targets: Callable[[str], UpstreamTarget | None]
     settings: FrontSettings
     retry: RetryConfig = field(default_factory=RetryConfig)
+    # The state store (None: none configured): sessions' owners are kept there for every worker
+    # and replica (`proxy.fronts.sessions.SharedOwners`).
+    store: Store | None = None
     # Told every upstream request outcome (proxy.upstream.health.UpstreamHealth.record).
     on_upstream: Callable[[str, UpstreamOutcome, str | None], None] | None = None
     # Fire-and-forget upstream requests (cancellations, session ends), tracked for shutdown.

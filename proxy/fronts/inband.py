@@ -67,9 +67,10 @@ class SessionCapabilities:
     capabilities, from the relayed `initialize`.
 
     In memory and bounded (`proxy.fronts.sessions.OwnedLRU`: in all, and per principal, so no
-    principal can push another's sessions out): a session this replica never saw (another
-    replica, a restart, pushed out) simply gets out-of-band approval, and its principal is not
-    known here.
+    principal can push another's sessions out): a session this replica never saw created
+    (another worker or replica, a restart, pushed out) gets out-of-band approval (its client's
+    capabilities are not known here); its principal is learned from the store
+    (`proxy.fronts.sessions.SharedOwners`, by `McpFront`).
     """
 
     def __init__(self, max_sessions: int = 10000, max_per_principal: int = 1000):
@@ -88,6 +89,10 @@ class SessionCapabilities:
         """Whether another principal created this session (False when it is unknown here)."""
         owner = self._sessions.owner((upstream, session))
         return owner is not None and owner != principal
+
+    def owner(self, upstream: str, session: str) -> str | None:
+        """Who created this session (None: unknown here); counts as a use."""
+        return self._sessions.owner((upstream, session))
 
     def forget(self, upstream: str, session: str) -> None:
         self._sessions.pop((upstream, session))

@@ -11,8 +11,9 @@ goes back). By method:
 - `tools/list`: the answer teaches the tool registry and is filtered per principal.
 - Sessions are bound to the principal that created them (learned from the relayed `initialize`
   answer): a request, of any method, carrying a session id another principal created is answered
-  404 "Session not found"; a session this replica does not know (another replica, a restart) is
-  relayed, and the upstream decides.
+  404 "Session not found". The binding is in the state store too (`sessions.SharedOwners`), so
+  every worker and replica sharing it, and the process after a restart, knows it; a session no
+  proxy sharing the store saw created is relayed, and the upstream decides.
 - Everything else (initialize, ping, lists, tasks/get, completion, notifications, the client's
   answers to server requests) is relayed; every JSON-RPC message the upstream sends back, as
   JSON or SSE, on POST and on the standalone GET stream (resumed or not), is inspected by the
@@ -31,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -40,7 +41,7 @@ from multidict import CIMultiDict
 
 from proxy.envelope.pipeline import Pending
 from proxy.envelope.types import Principal, Reply, ToolCall
-from proxy.errors import ReplyTooLarge, UpstreamBusy, UpstreamError, UpstreamTimeout
+from proxy.errors import ReplyTooLarge, StoreError, UpstreamBusy, UpstreamError, UpstreamTimeout
 from proxy.fronts import calls, jsonrpc, render
 from proxy.fronts.aggregate import AggregateFront
 from proxy.fronts.calls import Route
@@ -58,6 +59,7 @@ from proxy.fronts.inband import (
     strip_stateless,
 )
 from proxy.fronts.jsonrpc import BadMessage, Message
+from proxy.fronts.sessions import SharedOwners
 from proxy.fronts.sse import (
     KEEP_ALIVE,
     SSEEvent,
@@ -131,6 +133,10 @@ class McpFront:
         # In-band approval: what each session's client can do (from its initialize), and the
         # elicitation requests the proxy sent and awaits answers for.
         self.sessions = SessionCapabilities()
+        # The same binding in the store, for every worker and replica (not a per-process memory
+        # store: the bounded map above is all such a process needs, and it stays bounded).
+        store = context.store
+        self.owners = SharedOwners(store) if store is not None and store.kind != "memory" else None
         self.elicitations = Elicitations()
         # Calls whose client left a resumable stream: their result may arrive on a resumed GET.
         self.detached = _Remembered()
@@ -156,24 +162,25 @@ class McpFront:
         if isinstance(principal, web.Response):
             return principal
         session = request.headers.get("Mcp-Session-Id")
-        if session and self.sessions.foreign(target.name, session, principal.id):
-            # A session id is a bearer string, not identity: another principal's session answers
-            # as one that does not exist, whatever the method (POST, GET, DELETE).
-            self.metrics.rejected("foreign_session")
-            log.warning("refused a %s on upstream %s: the session was created by another principal",
-                        request.method, target.name)
-            return render.rpc_error(404, None, jsonrpc.INVALID_REQUEST, "Session not found")
+        if session and (refused := await self._foreign(request, target, session, principal)) is not None:
+            return refused
         if request.method == "POST":
             return await self._post(request, target, principal)
         if request.method == "GET":
             return await self._get(request, target, principal)
         if request.method == "DELETE":
-            def ended(resp: UpstreamResponse) -> None:
+            async def ended(resp: UpstreamResponse) -> None:
                 # Forgotten once the upstream ended it (or knows it no more): a server may
                 # refuse DELETE (405), and a session alive upstream that the proxy forgot would
                 # take another principal holding its id as one it never saw.
                 if session and (200 <= resp.status < 300 or resp.status == 404):
                     self.sessions.forget(target.name, session)
+                    if self.owners is not None:
+                        try:
+                            await self.owners.release(target.name, session, principal.id)
+                        except StoreError as exc:  # the binding stays: it refuses others only
+                            log.warning("the ended session's binding on upstream %s stays in the "
+                                        "store until it expires: %s", target.name, exc)
 
             return await self._relay(request, target, principal, None, None, on_response=ended)
         return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
@@ -207,10 +214,12 @@ class McpFront:
         if method == "initialize":
             capabilities = msg.params.get("capabilities")
 
-            def remember(resp: UpstreamResponse) -> None:
+            async def remember(resp: UpstreamResponse) -> None:
                 session = resp.headers.get("Mcp-Session-Id")
                 if session and resp.status == 200:
                     self.sessions.remember(target.name, session, principal.id, capabilities)
+                    if self.owners is not None:  # before the client learns the id
+                        await self.owners.claim(target.name, session, principal.id)
 
             return await self._relay(request, target, principal, msg, body, on_response=remember)
         return await self._relay(request, target, principal, msg, body)
@@ -389,9 +398,35 @@ class McpFront:
         finally:
             slot.release()
 
+    async def _foreign(self, request: web.Request, target: UpstreamTarget, session: str,
+                       principal: Principal) -> web.StreamResponse | None:
+        """The refusal of a request carrying a session another principal created (404, as for
+        a session that does not exist, whatever the method: a session id is a bearer string,
+        not identity), or None. A session this process does not know is looked up in the
+        store (created through another worker or replica, or before a restart); one the store
+        cannot be asked about is refused (503)."""
+        owner = self.sessions.owner(target.name, session)
+        if owner is None and self.owners is not None:
+            try:
+                owner = await self.owners.owner(target.name, session)
+            except StoreError as exc:
+                log.error("refused a %s on upstream %s: the session's owner cannot be read: %s",
+                          request.method, target.name, exc)
+                return render.rpc_error(503, None, jsonrpc.INTERNAL_ERROR,
+                                        "the session's owner cannot be read (state store unavailable)")
+            if owner == principal.id:  # known here from now on (its client's capabilities not)
+                self.sessions.remember(target.name, session, owner, None)
+        if owner is None or owner == principal.id:
+            return None
+        self.metrics.rejected("foreign_session")
+        log.warning("refused a %s on upstream %s: the session was created by another principal",
+                    request.method, target.name)
+        return render.rpc_error(404, None, jsonrpc.INVALID_REQUEST, "Session not found")
+
     async def _relay(self, request: web.Request, target: UpstreamTarget, principal: Principal,
                      msg: Message | None, body: bytes | None, *, tools_list: bool = False,
-                     on_response: Callable[[UpstreamResponse], None] | None = None) -> web.StreamResponse:
+                     on_response: Callable[[UpstreamResponse], Awaitable[None]] | None = None
+                     ) -> web.StreamResponse:
         """Relay a request the envelope does not decide; inspect every JSON-RPC message of the
         answer (JSON or SSE) before it is delivered. A GET (standalone or resumed stream) has
         no read timeout and a connection of the streams' budget; any other request's answer
@@ -424,7 +459,15 @@ class McpFront:
         ctx.observe(target.name, time.perf_counter() - started, "ok" if ok else "error",
                     None if ok else f"answered HTTP {resp.status}")
         if on_response is not None:
-            on_response(resp)
+            try:
+                await on_response(resp)
+            except StoreError as exc:  # a session that could not be bound is not handed out
+                resp.close()
+                log.error("upstream %s: the answer to a %s was withheld: %s", target.name,
+                          msg.method if msg is not None else request.method, exc)
+                return render.rpc_error(503, msg.id if msg else None, jsonrpc.INTERNAL_ERROR,
+                                        "the session could not be bound to its principal (state store "
+                                        "unavailable)")
         scope = _Scope(self, request, target, principal, msg, tools_list)
         # A request's whole answer (not only its start) is bounded by the upstream's timeout, as
         # a call's is: an endless or trickled stream must not hold both connections for ever.

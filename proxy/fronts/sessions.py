@@ -11,13 +11,21 @@ many of its own: past `max_per_owner` a principal's own least recently used sess
 `max_items` (many principals at once) the least recently used session of the principal holding
 the most goes. Whatever is pushed out is handed back to the caller (the aggregate closes its
 upstream sessions).
+
+`SharedOwners` keeps the same binding for `/mcp/<upstream>` in the state store, so that every
+worker and replica sharing it (and the process after a restart, on a persistent store) knows
+whose a session is: a session another worker saw created is refused to another principal here
+too. A session no proxy sharing the store saw created is relayed, and its upstream decides.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
+
+from proxy.store.base import Store
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -93,3 +101,38 @@ class OwnedLRU(Generic[K, V]):
         _, value = self._items[key]
         self.pop(key)
         return key, owner, value
+
+
+NS = "sessions"
+# How long the store keeps a binding: a session idle for longer, unknown in memory, is relayed as
+# one no proxy saw created (its upstream decides), as every session was before the store held them.
+BINDING_TTL = 7 * 24 * 3600.0
+
+
+class SharedOwners:
+    """The principal that created each `/mcp/<upstream>` session, in the state store (see the
+    module docstring). Keys are a digest of the session id (an id is a bearer string: the store
+    holds no usable one); values the owner's id. Raises `StoreError` when the store cannot
+    answer: callers refuse (fail closed)."""
+
+    def __init__(self, store: Store, ttl: float = BINDING_TTL):
+        self.store = store
+        self.ttl = ttl
+
+    @staticmethod
+    def _key(upstream: str, session: str) -> str:
+        digest = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16,
+                                 person=b"mcp-session").hexdigest()
+        return f"{upstream}/{digest}"
+
+    async def claim(self, upstream: str, session: str, owner: str) -> None:
+        await self.store.put(NS, self._key(upstream, session), owner.encode("utf-8", "surrogatepass"), ttl=self.ttl)
+
+    async def owner(self, upstream: str, session: str) -> str | None:
+        """Who created the session (None: no proxy sharing the store saw it created)."""
+        found = await self.store.get(NS, self._key(upstream, session))
+        return None if found is None else found.decode("utf-8", "surrogatepass")
+
+    async def release(self, upstream: str, session: str, owner: str) -> None:
+        """Forget the binding, if it is still `owner`'s."""
+        await self.store.delete_if(NS, self._key(upstream, session), owner.encode("utf-8", "surrogatepass"))

@@ -1,0 +1,109 @@
+"""A session belongs to its principal on every worker, replica and restart, on the wire: the real
+proxy process, JWT identities, the scripted upstream (its `initialize` answers session `s-1`).
+
+Before, the binding was in each process's memory: a session id created through one worker was
+unknown to the other (`workers: 2` share the port, a new connection lands on either) and to the
+process after a restart, and a request carrying an unknown session was relayed, so `mallory`
+holding `alice`'s session id reached alice's upstream session. The owner is now kept in the
+state store too; a store that cannot say whose a session is refuses (503), never relays.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+from e2e_helpers import write_doc
+from scripted_upstream import SESSION, scripted_server
+
+from tests.harness import metric_value, proxy_process, token
+from tests.redis_server import running_redis
+
+ALICE = token("alice")
+MALLORY = token("mallory")
+LEGACY = "2025-11-25"
+ACCEPT = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+DOC = {"version": 1, "upstreams": {"s": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+       "defaults": {"unknown_tools": "deny"}}
+
+
+def _post(url: str, bearer: str, method: str, params: dict[str, Any], session: str | None = None) -> httpx.Response:
+    headers = {**ACCEPT, "Authorization": f"Bearer {bearer}", "MCP-Protocol-Version": LEGACY}
+    if session:
+        headers["Mcp-Session-Id"] = session
+    body = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": method, "params": params}
+    # A new connection per request: with several workers, any of them may take it.
+    return httpx.post(url, json=body, headers=headers, timeout=15)
+
+
+def _initialize(url: str, bearer: str) -> httpx.Response:
+    return _post(url, bearer, "initialize", {"protocolVersion": LEGACY, "capabilities": {},
+                                             "clientInfo": {"name": "t", "version": "1"}})
+
+
+def _not_found(response: httpx.Response) -> None:
+    assert response.status_code == 404, (response.status_code, response.text)
+    assert response.json()["error"]["message"] == "Session not found"
+
+
+def test_every_worker_knows_whose_a_session_is(tmp_path: Path) -> None:
+    with scripted_server() as up, proxy_process(tmp_path, {"s": up.url}, policies=write_doc(tmp_path / "p", DOC),
+                                                config={"workers": 2}) as pp:
+        url = pp.url("s")
+        created = _initialize(url, ALICE)
+        assert created.status_code == 200 and created.headers["Mcp-Session-Id"] == SESSION
+        # 24 requests on 24 connections: on the old code about half landed on the worker that
+        # had not seen the session created, and were relayed into alice's session.
+        for _ in range(24):
+            _not_found(_post(url, MALLORY, "tools/list", {}, session=SESSION))
+        assert up.calls("tools/list") == []  # nothing of mallory's reached the upstream
+        for _ in range(8):  # alice's own requests pass on whichever worker takes them
+            assert _post(url, ALICE, "tools/list", {}, session=SESSION).status_code == 200
+        assert len(up.calls("tools/list")) == 8
+
+
+def test_a_session_is_its_owners_after_a_restart(tmp_path: Path) -> None:
+    policies = write_doc(tmp_path / "p", DOC)
+    with scripted_server() as up:
+        with proxy_process(tmp_path, {"s": up.url}, policies=policies) as first:
+            assert _initialize(first.url("s"), ALICE).headers["Mcp-Session-Id"] == SESSION
+        # The same state directory (the embedded SQLite store), a new process: its memory is empty.
+        with proxy_process(tmp_path, {"s": up.url}, policies=policies) as second:
+            url = second.url("s")
+            _not_found(_post(url, MALLORY, "tools/list", {}, session=SESSION))
+            assert up.calls("tools/list") == []
+            assert metric_value(second.metrics(), "envelope_rejected_requests_total",
+                                reason="foreign_session") == 1
+            assert _post(url, ALICE, "tools/list", {}, session=SESSION).status_code == 200
+            # A session no proxy sharing the store saw created is relayed: its upstream decides.
+            assert _post(url, MALLORY, "tools/list", {}, session="s-never-seen").status_code == 200
+            # Ended by its owner (the upstream answers 200), the binding goes with it.
+            ended = httpx.delete(url, headers={"Authorization": f"Bearer {ALICE}", "Mcp-Session-Id": SESSION,
+                                               "MCP-Protocol-Version": LEGACY}, timeout=10)
+            assert ended.status_code in (200, 202, 204, 404, 405), ended.text
+
+
+def test_a_store_that_cannot_say_whose_a_session_is_refuses(tmp_path: Path) -> None:
+    (tmp_path / "redis").mkdir()
+    with running_redis(tmp_path / "redis") as redis, scripted_server() as up, proxy_process(
+            tmp_path, {"s": up.url}, policies=write_doc(tmp_path / "p", DOC),
+            config={"store": {"kind": "redis", "url": redis.url, "timeout": 1.0}}) as pp:
+        url = pp.url("s")
+        assert _initialize(url, ALICE).headers["Mcp-Session-Id"] == SESSION
+        redis.kill()
+        # A session this process knows is still its owner's (memory answers) ...
+        assert _post(url, ALICE, "tools/list", {}, session=SESSION).status_code == 200
+        _not_found(_post(url, MALLORY, "tools/list", {}, session=SESSION))
+        listed = len(up.calls("tools/list"))
+        # ... one it does not know is refused, not relayed: whose it is cannot be read.
+        unknown = _post(url, MALLORY, "tools/list", {}, session="s-from-another-replica")
+        assert unknown.status_code == 503, unknown.text
+        assert "owner cannot be read" in unknown.json()["error"]["message"]
+        assert len(up.calls("tools/list")) == listed
+        # A new session that cannot be bound is not handed out.
+        refused = _initialize(url, ALICE)
+        assert refused.status_code == 503, refused.text
+        assert "Mcp-Session-Id" not in refused.headers
+        assert "could not be bound" in refused.json()["error"]["message"]
