@@ -22,6 +22,10 @@ from proxy.errors import ConfigError, IdentityError
 Algorithm = Literal["HS256", "RS256", "ES256"]
 
 
+# The most clock skew `identity.leeway` may tolerate: five minutes (Kerberos' classic bound).
+MAX_LEEWAY = 300.0
+
+
 class IdentityConfig(BaseModel):
     """How callers are identified. Absent: static mode, principal "agent" with no groups."""
 
@@ -39,7 +43,7 @@ class IdentityConfig(BaseModel):
     # jwt: required `aud` / `iss` values. Absent: not checked.
     audience: str | None = None
     issuer: str | None = None
-    # Seconds of clock skew tolerated for exp / nbf / iat.
+    # Seconds of clock skew tolerated for exp / nbf / iat (0 to MAX_LEEWAY).
     leeway: float = 30
     # Tokens must carry `exp`. Absent: true (a token without expiry is refused).
     require_exp: bool = True
@@ -56,8 +60,11 @@ class IdentityConfig(BaseModel):
             raise ValueError("identity mode jwt needs at least one algorithm")
         if "HS256" in self.algorithms and len(set(self.algorithms)) > 1:
             raise ValueError("HS256 cannot be combined with RS256/ES256: one key serves one family")
-        if self.leeway < 0:
-            raise ValueError("leeway must not be negative")
+        if not 0 <= self.leeway <= MAX_LEEWAY:
+            # Past it, a token is taken that long after it expired (or before it is valid):
+            # a clock that far off is a broken clock, not skew.
+            raise ValueError(f"leeway must be 0 to {MAX_LEEWAY:g} seconds (the clock skew tolerated "
+                             f"for exp, nbf and iat), not {self.leeway:g}")
         return self
 
 

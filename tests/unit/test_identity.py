@@ -143,6 +143,15 @@ def test_leeway_tolerates_small_skew() -> None:
     assert hs_identity(leeway=30).resolve(bearer(token)).id == "alice"
 
 
+@pytest.mark.parametrize("leeway", [-1, 301, 86400])
+def test_a_leeway_past_five_minutes_is_a_configuration_error(leeway: float) -> None:
+    # A day of "skew" would take a token a day after it expired.
+    with pytest.raises(ValueError, match=r"leeway must be 0 to 300 seconds"):
+        hs_identity(leeway=leeway)
+    token = jwt.encode(claims(exp=int(time.time()) - 299), SECRET, algorithm="HS256")
+    assert hs_identity(leeway=300).resolve(bearer(token)).id == "alice"
+
+
 def test_bad_signature() -> None:
     token = jwt.encode(claims(), "x" * 40, algorithm="HS256")
     with pytest.raises(IdentityError, match="token signature is invalid"):
