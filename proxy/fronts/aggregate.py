@@ -55,7 +55,7 @@ from aiohttp import web
 
 from proxy.envelope.pipeline import Pending
 from proxy.envelope.types import Principal
-from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.errors import StoreError, UpstreamError, UpstreamTimeout
 from proxy.fronts import calls, jsonrpc, render
 from proxy.fronts.calls import STATELESS_REVISION, Route
 from proxy.fronts.context import FrontContext
@@ -63,7 +63,7 @@ from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.headers import layered
 from proxy.fronts.jsonrpc import BadMessage, Message
-from proxy.fronts.sessions import OwnedLRU
+from proxy.fronts.sessions import OwnedLRU, SharedOwners
 from proxy.fronts.sse import SSEParser, format_event
 from proxy.fronts.streams import StreamSlot
 from proxy.observability import tracing
@@ -146,6 +146,11 @@ class AggregateFront:
         # Client sessions by id, bound to their principal; a principal past its own bound loses
         # its own least recently used session, never another's (see proxy.fronts.sessions).
         self._sessions: OwnedLRU[str, _ClientSession] = OwnedLRU(max_sessions, max_sessions_per_principal)
+        # Who created each session, in the store too, so that another worker or replica (or the
+        # process after a restart) serves it (`_client_session`): not a per-process memory store.
+        store = context.store
+        self._owners = SharedOwners(store) if store is not None and store.kind != "memory" else None
+        self._route = "aggregate-http" if single else "aggregate"
         self._shared: dict[str, _UpstreamSession] = {}  # stateless clients
         self._ids = 0
         self._warned: set[str] = set()
@@ -180,18 +185,58 @@ class AggregateFront:
             return reply.response
         return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
 
-    def _client_session(self, request: web.Request, principal: Principal, id: Any = None) -> _ClientSession:
-        """The legacy client's session; 400 without the header, 404 unknown (re-initialize)."""
+    async def _client_session(self, request: web.Request, principal: Principal, id: Any = None) -> _ClientSession:
+        """The legacy client's session; 400 without the header, 404 unknown (re-initialize) or
+        another principal's. A session this process does not know but the store says is the
+        principal's (created through another worker or replica, or before a restart) is taken
+        up here: its upstream sessions are opened on first use, as after an upstream's 404."""
         sid = request.headers.get("Mcp-Session-Id")
         if not sid:
             raise _Reply(_error(400, id, jsonrpc.INVALID_REQUEST, "Bad Request: Mcp-Session-Id header is required"))
         found = self._sessions.get(sid, touch=False)
+        if found is None and self._owners is not None:
+            try:
+                owner = await self._owners.owner(self._route, sid)
+            except StoreError as exc:
+                log.error("aggregate: the owner of a session cannot be read: %s", exc)
+                raise _Reply(_error(503, id, jsonrpc.INTERNAL_ERROR,
+                                    "the session's owner cannot be read (state store unavailable)")) from exc
+            if owner is not None:
+                found = (owner, self._adopt(sid, owner, request))
         if found is None or found[0] != principal.id:  # a session id is never identity
             if found is not None:
                 self.ctx.metrics.rejected("foreign_session")
             raise _Reply(_error(404, id, jsonrpc.INVALID_REQUEST, "Session not found"))
         self._sessions.get(sid)  # its owner's most recently used
         return found[1]
+
+    def _adopt(self, sid: str, owner: str, request: web.Request) -> _ClientSession:
+        """A session created elsewhere, known here from now on (its revision: the one the client
+        says it speaks, which it sends on every request after `initialize`)."""
+        version = request.headers.get("MCP-Protocol-Version", "")
+        sess = _ClientSession(id=sid, principal=owner,
+                              protocol=version if version in LEGACY_REVISIONS else LEGACY_REVISIONS[0])
+        self._keep(sess)
+        return sess
+
+    def _keep(self, sess: _ClientSession) -> None:
+        for _, _, old in self._sessions.put(sess.id, sess.principal, sess):
+            # Pushed out (its client gets 404 and initializes again): its streams end and its
+            # upstream sessions are closed, in the background (tracked for shutdown).
+            log.info("aggregate: session of %s dropped (least recently used)", old.principal)
+            old.end_stream()
+            self.ctx.spawn(self._drop(old))
+
+    async def _drop(self, sess: _ClientSession) -> None:
+        """A session pushed out: its upstream sessions closed, its binding in the store gone (so
+        that no worker takes it up again: its client gets 404 and initializes again). Never
+        raises."""
+        await self._close_upstreams(sess, None)
+        if self._owners is not None:
+            try:
+                await self._owners.release(self._route, sess.id, sess.principal)
+            except StoreError as exc:
+                log.warning("aggregate: a dropped session's binding stays in the store: %s", exc)
 
     async def _post(self, request: web.Request, principal: Principal) -> web.StreamResponse:
         ctx = self.ctx
@@ -210,7 +255,7 @@ class AggregateFront:
             tracing.request(msg.method, msg.id, msg.params, request.headers)
         stateless = calls.is_stateless(request.headers, msg)
         if msg.method == "initialize":
-            return self._initialize(msg, principal, request)
+            return await self._initialize(msg, principal, request)
         if msg.method == "server/discover":
             return _result(msg.id, {
                 "supportedVersions": [STATELESS_REVISION],
@@ -219,7 +264,7 @@ class AggregateFront:
                 "resultType": "complete", "ttlMs": 0, "cacheScope": "private",
                 "_meta": {"io.modelcontextprotocol/serverInfo": SERVER_INFO},
             })
-        sess = None if stateless else self._client_session(request, principal, msg.id)
+        sess = None if stateless else await self._client_session(request, principal, msg.id)
         if msg.method == "ping":
             return _result(msg.id, {"resultType": "complete"} if stateless else {})
         if msg.method == "tools/list":
@@ -239,16 +284,18 @@ class AggregateFront:
                     "envelope-proxy, one tool each.")
         return "Tools of several MCP servers behind envelope-proxy, named <upstream>.<tool>."
 
-    def _initialize(self, msg: Message, principal: Principal, request: web.Request) -> web.Response:
+    async def _initialize(self, msg: Message, principal: Principal, request: web.Request) -> web.Response:
         requested = msg.params.get("protocolVersion")
         version = requested if requested in LEGACY_REVISIONS else LEGACY_REVISIONS[0]
         sess = _ClientSession(id=uuid.uuid4().hex, principal=principal.id, protocol=version)
-        for _, _, old in self._sessions.put(sess.id, principal.id, sess):
-            # Pushed out (its client gets 404 and initializes again): its streams end and its
-            # upstream sessions are closed, in the background (tracked for shutdown).
-            log.info("aggregate: session of %s dropped (least recently used)", old.principal)
-            old.end_stream()
-            self.ctx.spawn(self._close_upstreams(old, None))
+        if self._owners is not None:  # bound in the store before the client learns the id
+            try:
+                await self._owners.claim(self._route, sess.id, principal.id)
+            except StoreError as exc:
+                log.error("aggregate: a session could not be bound to its principal: %s", exc)
+                return _error(503, msg.id, jsonrpc.INTERNAL_ERROR,
+                              "the session could not be bound to its principal (state store unavailable)")
+        self._keep(sess)
         result = {
             "protocolVersion": version,
             "capabilities": {"tools": {"listChanged": True}},
@@ -258,8 +305,13 @@ class AggregateFront:
         return _result(msg.id, result, {"Mcp-Session-Id": sess.id})
 
     async def _delete(self, request: web.Request, principal: Principal) -> web.Response:
-        sess = self._client_session(request, principal)
+        sess = await self._client_session(request, principal)
         self._sessions.pop(sess.id)
+        if self._owners is not None:
+            try:
+                await self._owners.release(self._route, sess.id, principal.id)
+            except StoreError as exc:  # the binding stays until it expires: it refuses others only
+                log.warning("aggregate: an ended session's binding stays in the store: %s", exc)
         sess.end_stream()
         await self._close_upstreams(sess, request.headers.get("Authorization"))
         return web.Response(status=200)
@@ -565,7 +617,7 @@ class AggregateFront:
             return web.Response(status=405, headers={"Allow": "POST"})
         if self.single:  # an HTTP upstream sends nothing of its own accord
             return web.Response(status=405, headers={"Allow": "POST, DELETE"})
-        sess = self._client_session(request, principal)
+        sess = await self._client_session(request, principal)
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=64)
         fanout = sess.fanout
         if fanout is None:

@@ -107,3 +107,37 @@ def test_a_store_that_cannot_say_whose_a_session_is_refuses(tmp_path: Path) -> N
         assert refused.status_code == 503, refused.text
         assert "Mcp-Session-Id" not in refused.headers
         assert "could not be bound" in refused.json()["error"]["message"]
+
+
+def test_the_aggregated_endpoint_serves_a_session_on_every_worker_and_only_to_its_owner(tmp_path: Path) -> None:
+    # The aggregate answers initialize itself: on the old code a session lived in the worker
+    # that created it, so a client whose next request landed on the other worker got 404
+    # "Session not found" (the official SDK's client failed mid-session with workers: 2).
+    from e2e_helpers import upstream_server, write_policy
+
+    from tests.harness import mcp_client
+
+    policies = write_policy(tmp_path / "policies", {"notes": {}}, tools={"notes.echo": {"effect": "read"}},
+                            defaults={"unknown_tools": "deny"}, principals={})
+    with upstream_server("json") as up, proxy_process(
+            tmp_path, {"notes": up.url}, policies=policies,
+            config={"workers": 2, "aggregate": {"enabled": True}}) as pp:
+        url = pp.url("notes").rsplit("/", 1)[0]  # .../mcp
+
+        async def sessions() -> list[str]:
+            said = []
+            for i in range(4):
+                async with mcp_client(url, "legacy", bearer=ALICE) as client:
+                    for j in range(5):
+                        said.append((await client.call_tool("notes.echo", {"text": f"hi {i}.{j}"})).content[0].text)
+            return said
+
+        import asyncio
+        assert asyncio.run(sessions()) == [f"hi {i}.{j}" for i in range(4) for j in range(5)]
+        # Taken up on another worker, a session is still its owner's alone.
+        created = _post(url, ALICE, "initialize", {"protocolVersion": LEGACY, "capabilities": {},
+                                                   "clientInfo": {"name": "t", "version": "1"}})
+        session = created.headers["Mcp-Session-Id"]
+        for _ in range(12):
+            _not_found(_post(url, MALLORY, "tools/list", {}, session=session))
+            assert _post(url, ALICE, "tools/list", {}, session=session).status_code == 200
