@@ -148,6 +148,7 @@ class Runtime:
         self.stdio: StdioUpstreams | None = None
         self._stdio_started = False
         self._commands: dict[str, str] = {}  # stdio upstream -> its program, as shown
+        self._stdio_workers_said = False
 
     def _probed(self, upstream: str) -> bool:
         # A stdio upstream's health is its children's (StdioUpstreams reports it), not a probe's.
@@ -218,6 +219,14 @@ class Runtime:
         if self.stdio is not None:
             self.stdio.configure(specs)
         self._commands = {n: s.command[0] for n, s in specs.items()}
+        if specs and self.config.workers > 1 and self.worker == 0 and not self._stdio_workers_said:
+            self._stdio_workers_said = True
+            log.warning("stdio upstream(s) %s with workers: %d: a session client's child process lives "
+                        "in the worker that started it, and a request of that session on a new "
+                        "connection may land on another worker, which answers 404 (its client must "
+                        "initialize again); serve session clients of stdio upstreams with workers: 1, "
+                        "or use stateless clients (each worker has its shared child)",
+                        ", ".join(sorted(specs)), self.config.workers)
         self._targets = targets  # swapped together with the chain
         for name, spec in revision.specs.items():  # operations an HTTP upstream cannot offer
             for skipped in spec.problems:
