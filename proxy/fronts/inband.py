@@ -10,8 +10,11 @@ wire:
   `elicitation`, `SessionChannel.ask` turns the held `tools/call` into an SSE stream and sends an
   `elicitation/create` request with a proxy-minted id (`envelope-<uuid>`); the client's answering
   POST (a JSON-RPC response with that id) is intercepted by the front (`Elicitations.resolve`),
-  answered 202 and never relayed upstream. With several replicas a session must stick to one
-  replica; elsewhere the capabilities are unknown and the call falls back to out-of-band approval.
+  answered 202 and never relayed upstream. With a shared store the session's binding carries
+  whether its client takes such questions (`proxy.fronts.sessions.SharedOwners`), and an answer
+  that reaches another worker than the one that asked is handed over through the store
+  (`Elicitations.hand_over` / `answer`); without one, a session another process created falls
+  back to out-of-band approval.
 - Stateless (2026-07-28): a client that lists `elicitation` in its per-request
   `_meta["io.modelcontextprotocol/clientCapabilities"]` gets an `input_required` result
   (`DeferChannel`); the retry's `inputResponses["envelope/approval"]` and the proxy's
@@ -34,8 +37,10 @@ from aiohttp import web
 from proxy.approvals.reveal import hidden_characters, revealed
 from proxy.approvals.signer import STATE_PREFIX
 from proxy.envelope.types import ApprovalPrompt, InBandAnswer
-from proxy.fronts.sessions import OwnedLRU
+from proxy.errors import StoreError
+from proxy.fronts.sessions import OwnedLRU, digest
 from proxy.fronts.sse import format_event
+from proxy.store.base import Store
 
 log = logging.getLogger("envelope.mcp.inband")
 
@@ -184,11 +189,28 @@ class _Waiting:
     future: asyncio.Future[Any]
 
 
-class Elicitations:
-    """Elicitation requests the proxy sent and awaits answers for, by their JSON-RPC id."""
+# Answers handed over between workers: the store's namespace, how long one is kept, and how often
+# a worker that asked looks for one there.
+HANDOVER_NS = "elicitation-answers"
+HANDOVER_TTL = 600.0
+HANDOVER_POLL = 0.25
 
-    def __init__(self) -> None:
+
+def _handover_key(upstream: str, session: str, request_id: str) -> str:
+    return f"{upstream}/{digest(session)}/{request_id}"
+
+
+class Elicitations:
+    """Elicitation requests the proxy sent and awaits answers for, by their JSON-RPC id.
+
+    With a shared `store` (several workers or replicas), the client's answer may reach a worker
+    that did not ask (a new connection lands on any of them): that worker hands it over through
+    the store (`hand_over`), and the one that asked looks for it there while it waits
+    (`answer`)."""
+
+    def __init__(self, store: Store | None = None) -> None:
         self._waiting: dict[str, _Waiting] = {}
+        self.store = store
 
     def open(self, upstream: str, session: str, principal: str) -> tuple[str, asyncio.Future[Any]]:
         request_id = f"{ID_PREFIX}{uuid.uuid4()}"
@@ -209,6 +231,41 @@ class Elicitations:
         if not waiting.future.done():
             waiting.future.set_result(body)
         return True
+
+    async def hand_over(self, upstream: str, session: str, principal: str, body: dict[str, Any]) -> bool:
+        """Leave an answer this process did not ask for in the store, for the worker that did
+        (`answer` checks the principal). False without a store or for an id the proxy never
+        makes. Raises StoreError."""
+        request_id = body.get("id")
+        if self.store is None or not isinstance(request_id, str) or len(request_id) > len(ID_PREFIX) + 36:
+            return False
+        await self.store.put(HANDOVER_NS, _handover_key(upstream, session, request_id),
+                             orjson.dumps({"principal": principal, "body": body}), ttl=HANDOVER_TTL)
+        return True
+
+    async def answer(self, request_id: str, future: asyncio.Future[Any]) -> Any:
+        """The client's answer to `request_id`: delivered here (`resolve`) or, with a store, handed
+        over by another worker. A store that cannot answer is asked again at the next look."""
+        waiting = self._waiting[request_id]
+        if self.store is None:
+            return await future
+        key = _handover_key(waiting.upstream, waiting.session, request_id)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(future), HANDOVER_POLL)
+            try:
+                found = await self.store.get(HANDOVER_NS, key)
+            except StoreError as exc:
+                log.warning("in-band answer %s: the store cannot be read (asked again): %s", request_id, exc)
+                continue
+            if found is None:
+                continue
+            handed = orjson.loads(found)
+            if (isinstance(handed, dict) and handed.get("principal") == waiting.principal
+                    and isinstance(body := handed.get("body"), dict)):
+                with contextlib.suppress(StoreError):
+                    await self.store.delete(HANDOVER_NS, key)
+                return body
 
 
 @dataclass(slots=True)
@@ -247,7 +304,7 @@ class SessionChannel:
                 "params": elicitation_params(prompt),
             })))
             try:
-                reply = await future
+                reply = await self.elicitations.answer(request_id, future)
             except asyncio.CancelledError:  # not answered in time, or decided out-of-band
                 await self._cancelled(out, request_id)
                 raise

@@ -137,7 +137,7 @@ class McpFront:
         # store: the bounded map above is all such a process needs, and it stays bounded).
         store = context.store
         self.owners = SharedOwners(store) if store is not None and store.kind != "memory" else None
-        self.elicitations = Elicitations()
+        self.elicitations = Elicitations(self.owners.store if self.owners is not None else None)
         # Calls whose client left a resumable stream: their result may arrive on a resumed GET.
         self.detached = _Remembered()
         # Task-augmented calls by task id: `tasks/result` is inspected as that tool's result.
@@ -207,9 +207,18 @@ class McpFront:
             return await self._read(request, target, principal, msg, body)
         if msg.method is None and isinstance(msg.id, str) and msg.id.startswith(ID_PREFIX):
             # The client's answer to the proxy's own elicitation request: never relayed upstream.
-            if not self.elicitations.resolve(target.name, request.headers.get("Mcp-Session-Id"),
-                                             principal.id, msg.body):
-                log.info("an answer to unknown (or late) proxy request %s was dropped", msg.id)
+            session = request.headers.get("Mcp-Session-Id")
+            if not self.elicitations.resolve(target.name, session, principal.id, msg.body):
+                handed = False
+                if session:  # asked by another worker of this session, perhaps: handed over
+                    try:
+                        handed = await self.elicitations.hand_over(target.name, session, principal.id, msg.body)
+                    except StoreError as exc:
+                        log.error("an answer to proxy request %s could not be handed over: %s", msg.id, exc)
+                        return render.rpc_error(503, None, jsonrpc.INTERNAL_ERROR,
+                                                "the answer could not be passed on (state store unavailable)")
+                if not handed:
+                    log.info("an answer to unknown (or late) proxy request %s was dropped", msg.id)
             return web.Response(status=202)
         if method == "initialize":
             capabilities = msg.params.get("capabilities")
@@ -219,7 +228,9 @@ class McpFront:
                 if session and resp.status == 200:
                     self.sessions.remember(target.name, session, principal.id, capabilities)
                     if self.owners is not None:  # before the client learns the id
-                        await self.owners.claim(target.name, session, principal.id)
+                        info = self.sessions.get(target.name, session)
+                        await self.owners.claim(target.name, session, principal.id,
+                                                info is not None and info.elicitation)
 
             return await self._relay(request, target, principal, msg, body, on_response=remember)
         return await self._relay(request, target, principal, msg, body)
@@ -408,14 +419,16 @@ class McpFront:
         owner = self.sessions.owner(target.name, session)
         if owner is None and self.owners is not None:
             try:
-                owner = await self.owners.owner(target.name, session)
+                bound = await self.owners.binding(target.name, session)
             except StoreError as exc:
                 log.error("refused a %s on upstream %s: the session's owner cannot be read: %s",
                           request.method, target.name, exc)
                 return render.rpc_error(503, None, jsonrpc.INTERNAL_ERROR,
                                         "the session's owner cannot be read (state store unavailable)")
-            if owner == principal.id:  # known here from now on (its client's capabilities not)
-                self.sessions.remember(target.name, session, owner, None)
+            owner = None if bound is None else bound[0]
+            if bound is not None and owner == principal.id:  # known here from now on
+                self.sessions.remember(target.name, session, principal.id,
+                                       {"elicitation": {}} if bound[1] else None)
         if owner is None or owner == principal.id:
             return None
         self.metrics.rejected("foreign_session")

@@ -109,11 +109,18 @@ NS = "sessions"
 BINDING_TTL = 7 * 24 * 3600.0
 
 
+def digest(session: str) -> str:
+    """What the store holds of a session id: a digest (an id is a bearer string)."""
+    return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"mcp-session").hexdigest()
+
+
 class SharedOwners:
-    """The principal that created each `/mcp/<upstream>` session, in the state store (see the
-    module docstring). Keys are a digest of the session id (an id is a bearer string: the store
-    holds no usable one); values the owner's id. Raises `StoreError` when the store cannot
-    answer: callers refuse (fail closed)."""
+    """The principal that created each session, in the state store (see the module docstring),
+    and whether its client takes in-band questions (elicitation, from its `initialize`), for
+    the worker that takes the session up. Keys are a digest of the session id (an id is a bearer
+    string: the store holds no usable one); a value is "1" or "0" (elicitation) then the
+    owner's id. Raises `StoreError` when the store cannot answer: callers refuse (fail closed)."""
 
     def __init__(self, store: Store, ttl: float = BINDING_TTL):
         self.store = store
@@ -121,18 +128,27 @@ class SharedOwners:
 
     @staticmethod
     def _key(upstream: str, session: str) -> str:
-        digest = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16,
-                                 person=b"mcp-session").hexdigest()
-        return f"{upstream}/{digest}"
+        return f"{upstream}/{digest(session)}"
 
-    async def claim(self, upstream: str, session: str, owner: str) -> None:
-        await self.store.put(NS, self._key(upstream, session), owner.encode("utf-8", "surrogatepass"), ttl=self.ttl)
+    async def claim(self, upstream: str, session: str, owner: str, elicitation: bool = False) -> None:
+        value = (b"1" if elicitation else b"0") + owner.encode("utf-8", "surrogatepass")
+        await self.store.put(NS, self._key(upstream, session), value, ttl=self.ttl)
+
+    async def binding(self, upstream: str, session: str) -> tuple[str, bool] | None:
+        """(owner, whether its client takes in-band questions), or None: no proxy sharing the
+        store saw the session created."""
+        found = await self.store.get(NS, self._key(upstream, session))
+        if not found:
+            return None
+        return found[1:].decode("utf-8", "surrogatepass"), found[:1] == b"1"
 
     async def owner(self, upstream: str, session: str) -> str | None:
         """Who created the session (None: no proxy sharing the store saw it created)."""
-        found = await self.store.get(NS, self._key(upstream, session))
-        return None if found is None else found.decode("utf-8", "surrogatepass")
+        bound = await self.binding(upstream, session)
+        return None if bound is None else bound[0]
 
     async def release(self, upstream: str, session: str, owner: str) -> None:
         """Forget the binding, if it is still `owner`'s."""
-        await self.store.delete_if(NS, self._key(upstream, session), owner.encode("utf-8", "surrogatepass"))
+        key = self._key(upstream, session)
+        for flag in (b"0", b"1"):
+            await self.store.delete_if(NS, key, flag + owner.encode("utf-8", "surrogatepass"))

@@ -10,6 +10,7 @@ state store too; a store that cannot say whose a session is refuses (503), never
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import httpx
 from e2e_helpers import write_doc
 from scripted_upstream import SESSION, scripted_server
 
-from tests.harness import metric_value, proxy_process, token
+from tests.harness import metric_value, proxy_process, token, wait_port
 from tests.redis_server import running_redis
 
 ALICE = token("alice")
@@ -51,6 +52,7 @@ def _not_found(response: httpx.Response) -> None:
 def test_every_worker_knows_whose_a_session_is(tmp_path: Path) -> None:
     with scripted_server() as up, proxy_process(tmp_path, {"s": up.url}, policies=write_doc(tmp_path / "p", DOC),
                                                 config={"workers": 2}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)  # the second worker serves too
         url = pp.url("s")
         created = _initialize(url, ALICE)
         assert created.status_code == 200 and created.headers["Mcp-Session-Id"] == SESSION
@@ -122,6 +124,7 @@ def test_the_aggregated_endpoint_serves_a_session_on_every_worker_and_only_to_it
     with upstream_server("json") as up, proxy_process(
             tmp_path, {"notes": up.url}, policies=policies,
             config={"workers": 2, "aggregate": {"enabled": True}}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)
         url = pp.url("notes").rsplit("/", 1)[0]  # .../mcp
 
         async def sessions() -> list[str]:
@@ -156,3 +159,29 @@ def test_stdio_session_children_with_several_workers_are_warned_of(tmp_path: Pat
         with proxy_process(tmp_path / f"w{workers}", {}, policies=policies, config={"workers": workers}) as pp:
             log = pp.log()
         assert log.count("stdio upstream(s) files with workers: 2: a session client's child") == said, log
+
+
+async def test_an_in_band_answer_reaches_the_worker_that_asked(tmp_path: Path) -> None:
+    # The question goes out on the call's stream; the SDK client answers with a POST on another
+    # connection, which may land on the other worker. On the old code that worker dropped the
+    # answer ("unknown proxy request") and the call ran out its wait: approval_pending.
+    from e2e_helpers import upstream_server
+    from test_inband_approval_e2e import _policy, answering, client
+
+    with upstream_server("sse") as up, proxy_process(
+            tmp_path, {"notes": up.url, "plain": up.url, "rec": up.url}, policies=_policy(tmp_path / "policies"),
+            config={"workers": 2, "approvals": {"poll_interval": "100ms"}}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)
+        deleted = []
+        for i in range(6):
+            accept = answering("accept", {"approve": True, "reason": "cleanup"})
+            async with client(pp.url("notes"), "legacy", elicitation_callback=accept) as c:
+                await c.call_tool("write_note", {"title": f"handed-{i}", "body": "x"})
+                r = await c.call_tool("delete_note", {"title": f"handed-{i}"})
+                assert r.is_error is False, (i, r.meta)
+                deleted.append(r.structured_content)
+        assert deleted == [{"deleted": f"handed-{i}", "existed": True} for i in range(6)]
+        records = [json.loads(line) for worker in range(2)
+                   for line in (pp.audit_dir / f"audit-w{worker}.jsonl").read_text().splitlines()]
+        allowed = [r for r in records if r["tool"] == "delete_note" and r["verdict"] == "allow"]
+        assert len(allowed) == 6 and all(r["extra"]["in_band"] is True for r in allowed), allowed
