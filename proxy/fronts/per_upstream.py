@@ -60,6 +60,7 @@ from proxy.fronts.inband import (
 )
 from proxy.fronts.jsonrpc import BadMessage, Message
 from proxy.fronts.sessions import SharedOwners
+from proxy.fronts.sessions import digest as session_digest
 from proxy.fronts.sse import (
     KEEP_ALIVE,
     SSEEvent,
@@ -95,17 +96,23 @@ REPEATABLE = frozenset({"ping", "tools/list", "resources/list", "resources/templ
 # How many calls left on a resumable stream, and how many task ids, are remembered.
 REMEMBERED = 10_000
 REMEMBER_SECONDS = 3600.0
+# How long the tool of a task is known (in memory, and in the store's TASKS_NS): its result is
+# inspected as that tool's; a result asked for later is refused (its tool's guardrails and labels
+# could not be applied).
+TASK_SECONDS = 24 * 3600.0
+TASKS_NS = "tasks"
 
 
 class _Remembered:
     """A bounded, expiring map of calls by a wire key (LRU, entries live `REMEMBER_SECONDS`)."""
 
-    def __init__(self, size: int = REMEMBERED):
+    def __init__(self, size: int = REMEMBERED, seconds: float = REMEMBER_SECONDS):
         self._size = size
+        self._seconds = seconds
         self._items: OrderedDict[tuple[Any, ...], tuple[float, ToolCall]] = OrderedDict()
 
     def put(self, key: tuple[Any, ...], call: ToolCall) -> None:
-        self._items[key] = (time.monotonic() + REMEMBER_SECONDS, call)
+        self._items[key] = (time.monotonic() + self._seconds, call)
         self._items.move_to_end(key)
         while len(self._items) > self._size:
             self._items.popitem(last=False)
@@ -140,8 +147,9 @@ class McpFront:
         self.elicitations = Elicitations(self.owners.store if self.owners is not None else None)
         # Calls whose client left a resumable stream: their result may arrive on a resumed GET.
         self.detached = _Remembered()
-        # Task-augmented calls by task id: `tasks/result` is inspected as that tool's result.
-        self.tasks = _Remembered()
+        # Task-augmented calls by task id: `tasks/result` is inspected as that tool's result (and
+        # in the store too, for the other workers and replicas: `_task_tool`).
+        self.tasks = _Remembered(seconds=TASK_SECONDS)
         # HTTP upstreams' routes: an MCP server the proxy answers itself.
         self.http_tools = AggregateFront(context, tuple, single=True)
 
@@ -346,18 +354,42 @@ class McpFront:
         downstream = Downstream(request, channel.stream if isinstance(channel, SessionChannel) else None,
                                 self._downstream_headers)
         outcome = await self.ctx.executor.run(pending, self._request(request, target, msg, body), downstream)
-        self._remember_task(outcome.message, call)
+        await self._remember_task(outcome.message, call)
         ask = channel.input_required() if isinstance(channel, DeferChannel) and channel.minted else None
         return await render.respond(outcome, msg.id, stateless=stateless, stream=downstream.stream,
                                     headers=downstream.response_headers, tool=name, ask=ask,
                                     plain=render.writes_plain(request))
 
-    def _remember_task(self, message: Mapping[str, Any] | None, call: ToolCall) -> None:
+    @staticmethod
+    def _task_key(upstream: str, principal: str, task_id: str) -> str:
+        return f"{upstream}/{session_digest(principal + chr(0) + task_id)}"
+
+    async def _remember_task(self, message: Mapping[str, Any] | None, call: ToolCall) -> None:
         result = message.get("result") if message is not None else None
         task = result.get("task") if isinstance(result, dict) else None
         task_id = task.get("taskId") if isinstance(task, dict) else None
         if isinstance(task_id, str):
             self.tasks.put((call.upstream, call.principal.id, task_id), call)
+            if self.owners is not None:
+                try:
+                    await self.owners.store.put(TASKS_NS, self._task_key(call.upstream, call.principal.id, task_id),
+                                                call.tool.encode("utf-8", "surrogatepass"), ttl=TASK_SECONDS)
+                except StoreError as exc:  # another worker will refuse its result: fail closed
+                    log.error("task %s of %s.%s is known to this worker only: %s", task_id[:80],
+                              call.upstream, call.tool, exc)
+
+    async def _task_tool(self, target: UpstreamTarget, principal: Principal, task_id: Any) -> str | None:
+        """The tool whose task `task_id` is (None: not known to any worker sharing the store).
+        Raises StoreError."""
+        if not isinstance(task_id, str):
+            return None
+        task = self.tasks.get((target.name, principal.id, task_id))
+        if task is not None:
+            return task.tool
+        if self.owners is None:
+            return None
+        found = await self.owners.store.get(TASKS_NS, self._task_key(target.name, principal.id, task_id))
+        return None if found is None else found.decode("utf-8", "surrogatepass")
 
     async def _read(self, request: web.Request, target: UpstreamTarget, principal: Principal,
                     msg: Message, body: bytes) -> web.StreamResponse:
@@ -367,8 +399,20 @@ class McpFront:
         tool = None
         if method == "tasks/result":
             task_id = msg.params.get("taskId")
-            task = self.tasks.get((target.name, principal.id, task_id)) if isinstance(task_id, str) else None
-            tool = task.tool if task is not None else None
+            try:
+                tool = await self._task_tool(target, principal, task_id)
+            except StoreError as exc:
+                log.error("tasks/result on upstream %s refused: the task's tool cannot be read: %s", target.name, exc)
+                return render.rpc_error(503, msg.id, jsonrpc.INTERNAL_ERROR,
+                                        "the task's tool cannot be read (state store unavailable)")
+            if tool is None:
+                # Its tool's guardrails and labels could not be applied: not delivered (fail closed).
+                log.warning("tasks/result on upstream %s refused: task %r is not known", target.name,
+                            str(task_id)[:80])
+                return render.rpc_error(200, msg.id, jsonrpc.INVALID_PARAMS,
+                                        "unknown task: it was not created through this proxy by this "
+                                        "principal (or is older than 24 h), so its result cannot be "
+                                        "inspected as its tool's")
         call = calls.read_from(request.headers, method, msg.params, self._route(request, target),
                                principal, tool)
         call.effect = Effect.READ

@@ -185,3 +185,31 @@ async def test_an_in_band_answer_reaches_the_worker_that_asked(tmp_path: Path) -
                    for line in (pp.audit_dir / f"audit-w{worker}.jsonl").read_text().splitlines()]
         allowed = [r for r in records if r["tool"] == "delete_note" and r["verdict"] == "allow"]
         assert len(allowed) == 6 and all(r["extra"]["in_band"] is True for r in allowed), allowed
+
+
+def test_a_task_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path) -> None:
+    # A task's result is inspected as its tool's (the tool's own guardrails and labels); which
+    # tool a task is was known only to the worker that relayed its creation, so on the other
+    # worker the result passed as anything an upstream sends: the tool's own redaction skipped.
+    # A result no worker knows the tool of is now refused rather than delivered so.
+    from hostile_upstream import hostile_server
+    from test_response_path import Client, text_of
+
+    doc = {"version": 1, "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+           "defaults": {"unknown_tools": "deny"},
+           "tools": {"h.read_page": {"effect": "read", "output": "untrusted", "guardrails": [
+               {"pattern": "CLASSIFIED-[0-9]+", "id": "classified", "action": "redact"}]}}}
+    with hostile_server() as up, proxy_process(tmp_path, {"h": up.url}, policies=write_doc(tmp_path / "p", doc),
+                                               config={"workers": 2}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)
+        client = Client(pp.url("h"))
+        created = client.call("read_page", {"mode": "task", "text": "the code is CLASSIFIED-4471", "delay": 0.1},
+                              task={"ttl": 60000})
+        task_id = created["result"]["task"]["taskId"]
+        close = {"Connection": "close"}  # every request on a new connection: either worker takes it
+        for _ in range(10):
+            result = client.request("tasks/result", {"taskId": task_id}, close)
+            assert "CLASSIFIED-4471" not in text_of(result), result
+            assert "[REDACTED:classified]" in text_of(result), result
+        unknown = client.request("tasks/result", {"taskId": "task-the-proxy-never-relayed"}, close)
+        assert unknown["error"]["code"] == -32602 and "unknown task" in unknown["error"]["message"], unknown
