@@ -178,7 +178,9 @@ class Executor:
     # True once the proxy is draining: a call cut off then was cut off by the shutdown.
     shutting_down: Callable[[], bool] = lambda: False
     # Told of a call whose client left a resumable stream (its result may be fetched later).
-    on_detached: Callable[[Pending, UpstreamRequest], None] | None = None
+    # What it returns (sharing the call with other workers) is awaited before the stream ends
+    # where the upstream closed it, run in the background where the client left.
+    on_detached: Callable[[Pending, UpstreamRequest], Awaitable[None] | None] | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     # Caps on what an upstream sends (`limits.max_upstream_event_bytes` / `_reply_bytes`).
     max_event_bytes: int = Limits().max_upstream_event_bytes
@@ -317,8 +319,10 @@ class _Forwarded:
         if self.last_event_id is not None and self.downstream.relays:
             # A stream whose events carry ids may be resumed with GET + Last-Event-ID: the spec
             # says a disconnect is not a cancellation then; the upstream call goes on.
-            if x.on_detached is not None:
-                x.on_detached(self.pending, self.request)
+            if x.on_detached is not None and (sharing := x.on_detached(self.pending, self.request)) is not None:
+                task = asyncio.ensure_future(sharing)
+                x.background.add(task)
+                task.add_done_callback(x.background.discard)
             return Failure("detached", "the client disconnected; the stream is resumable, the "
                            "call goes on", self.status, extra)
         x.cancel(self.request, "client disconnected")
@@ -490,8 +494,9 @@ class _Forwarded:
             if not self.request.resume:
                 # 2025-11-25 lets a server close a call's stream early (after an event with an
                 # id); the client resumes with GET + Last-Event-ID and the answer arrives there.
-                if self.x.on_detached is not None:
-                    self.x.on_detached(self.pending, self.request)
+                if self.x.on_detached is not None and (
+                        sharing := self.x.on_detached(self.pending, self.request)) is not None:
+                    await sharing  # before the client can resume it on another worker
                 return self._failure("detached", "the upstream closed the stream before the "
                                      "result; the client resumes it (GET + Last-Event-ID)")
             resumes += 1

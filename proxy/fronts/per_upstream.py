@@ -101,6 +101,8 @@ REMEMBER_SECONDS = 3600.0
 # could not be applied).
 TASK_SECONDS = 24 * 3600.0
 TASKS_NS = "tasks"
+# Calls whose client left a resumable stream, for the worker a resumed GET lands on.
+DETACHED_NS = "detached"
 
 
 class _Remembered:
@@ -324,12 +326,39 @@ class McpFront:
         return UpstreamRequest(target, body, self._upstream_headers(request, target), msg.id,
                                session=self._session_headers(request, target))
 
-    def _detached(self, pending: Pending, upstream: UpstreamRequest) -> None:
-        """A call's client left a resumable stream: its result may come on a resumed GET."""
+    def _detached(self, pending: Pending, upstream: UpstreamRequest) -> Awaitable[None] | None:
+        """A call's client left a resumable stream: its result may come on a resumed GET (on
+        this worker, or on another: its tool and decision go in the store too, by what this
+        returns)."""
         call = pending.call
-        if call.run.session:
-            self.detached.put((call.upstream, call.run.session, call.principal.id,
-                               _id_key(upstream.reply_id)), call)
+        if not call.run.session:
+            return None
+        self.detached.put((call.upstream, call.run.session, call.principal.id, _id_key(upstream.reply_id)), call)
+        return self._share_detached(call, _id_key(upstream.reply_id)) if self.owners is not None else None
+
+    @staticmethod
+    def _detached_key(upstream: str, session: str, principal: str, reply_id: str) -> str:
+        return f"{upstream}/{session_digest(session + chr(0) + principal + chr(0) + reply_id)}"
+
+    async def _share_detached(self, call: ToolCall, reply_id: str) -> None:
+        assert self.owners is not None and call.run.session
+        try:
+            await self.owners.store.put(
+                DETACHED_NS, self._detached_key(call.upstream, call.run.session, call.principal.id, reply_id),
+                orjson.dumps({"tool": call.tool, "decision_id": call.decision_id}), ttl=REMEMBER_SECONDS)
+        except StoreError as exc:  # another worker inspects the result as untrusted content
+            log.warning("a detached call of %s.%s is known to this worker only: %s", call.upstream, call.tool, exc)
+
+    async def detached_elsewhere(self, upstream: str, session: str, principal: str,
+                                 reply_id: str) -> tuple[str, str] | None:
+        """(tool, decision id) of a call another worker saw detached, or None. Raises StoreError."""
+        if self.owners is None:
+            return None
+        found = await self.owners.store.get(DETACHED_NS, self._detached_key(upstream, session, principal, reply_id))
+        shared = orjson.loads(found) if found is not None else None
+        if not isinstance(shared, dict) or not isinstance(shared.get("tool"), str):
+            return None
+        return shared["tool"], str(shared.get("decision_id"))
 
     # ---- tools/call and content reads ------------------------------------------------------
 
@@ -629,6 +658,18 @@ class _Scope:
                                        ledger_pending=original.ledger_pending)
         else:
             call = self._call("stream")
+            try:
+                elsewhere = (await front.detached_elsewhere(self.target.name, session, self.principal.id,
+                                                            _id_key(message.get("id"))) if session else None)
+            except StoreError as exc:  # whose result this is cannot be read: not delivered
+                log.error("a resumed result on upstream %s was withheld: %s", self.target.name, exc)
+                return {"jsonrpc": "2.0", "id": message.get("id"), "error": {
+                    "code": jsonrpc.INTERNAL_ERROR, "message": "Blocked by policy (store_unavailable): the "
+                    "call this result answers cannot be read from the state store"}}
+            if elsewhere is not None:  # a call another worker relayed: inspected as its tool's
+                tool, decision_id = elsewhere
+                call = dataclasses.replace(self._call("tools/call"), tool=tool,
+                                           audit_extra={"result_of": decision_id})
         outcome = await front.ctx.executor.deliver(front.envelope.begin_read(call), Reply(message))
         _, body = render.render(outcome, message.get("id"), stateless=False, tool=call.tool)
         return orjson.loads(body)

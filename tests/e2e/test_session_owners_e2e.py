@@ -213,3 +213,33 @@ def test_a_task_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path)
             assert "[REDACTED:classified]" in text_of(result), result
         unknown = client.request("tasks/result", {"taskId": "task-the-proxy-never-relayed"}, close)
         assert unknown["error"]["code"] == -32602 and "unknown task" in unknown["error"]["message"], unknown
+
+
+def test_a_resumed_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path) -> None:
+    # The upstream closes the call's stream after priming it; the client resumes with a GET
+    # (`Last-Event-ID`) on a new connection, which may land on the other worker. There the call
+    # was unknown and its result passed as untrusted content: the tool's own redaction skipped.
+    import json as _json
+
+    from hostile_upstream import hostile_server
+    from test_response_path import Client, sse, text_of
+
+    doc = {"version": 1, "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
+           "defaults": {"unknown_tools": "deny"},
+           "tools": {"h.read_page": {"effect": "read", "output": "untrusted", "guardrails": [
+               {"pattern": "CLASSIFIED-[0-9]+", "id": "classified", "action": "redact"}]}}}
+    with hostile_server() as up, proxy_process(tmp_path, {"h": up.url}, policies=write_doc(tmp_path / "p", doc),
+                                               config={"workers": 2}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)
+        client = Client(pp.url("h"))
+        for i in range(8):
+            response = client.post({"jsonrpc": "2.0", "id": 100 + i, "method": "tools/call", "params": {
+                "name": "read_page", "arguments": {"mode": "drop_resumable", "text": f"code CLASSIFIED-{i}"}}},
+                {"Connection": "close"})
+            last_id = [e["id"] for e in sse(response.text) if "id" in e][-1]
+            resumed = client.http.get(client.url, headers={**client.headers(), "Accept": "text/event-stream",
+                                                          "Last-Event-ID": last_id, "Connection": "close"})
+            answers = [_json.loads(e["data"]) for e in sse(resumed.text) if e.get("data")]
+            result = next(m for m in answers if m.get("id") == 100 + i)
+            assert f"CLASSIFIED-{i}" not in text_of(result), (i, result)
+            assert "[REDACTED:classified]" in text_of(result), (i, result)
