@@ -10,8 +10,10 @@ state store too; a store that cannot say whose a session is refuses (503), never
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import httpx
 from e2e_helpers import write_doc
 from scripted_upstream import SESSION, scripted_server
 
-from tests.harness import metric_value, proxy_process, token, wait_port
+from tests.harness import ProxyProcess, metric_value, proxy_process, token, wait_port
 from tests.redis_server import running_redis
 
 ALICE = token("alice")
@@ -187,13 +189,11 @@ async def test_an_in_band_answer_reaches_the_worker_that_asked(tmp_path: Path) -
         assert len(allowed) == 6 and all(r["extra"]["in_band"] is True for r in allowed), allowed
 
 
-def test_a_task_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path) -> None:
-    # A task's result is inspected as its tool's (the tool's own guardrails and labels); which
-    # tool a task is was known only to the worker that relayed its creation, so on the other
-    # worker the result passed as anything an upstream sends: the tool's own redaction skipped.
-    # A result no worker knows the tool of is now refused rather than delivered so.
+@contextlib.contextmanager
+def _classified(tmp_path: Path) -> Iterator[ProxyProcess]:
+    """Two workers in front of the hostile upstream, whose `read_page` has a redaction of its own
+    (not in `defaults.guardrails`: only a result inspected as that tool's is redacted)."""
     from hostile_upstream import hostile_server
-    from test_response_path import Client, text_of
 
     doc = {"version": 1, "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
            "defaults": {"unknown_tools": "deny"},
@@ -202,6 +202,17 @@ def test_a_task_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path)
     with hostile_server() as up, proxy_process(tmp_path, {"h": up.url}, policies=write_doc(tmp_path / "p", doc),
                                                config={"workers": 2}) as pp:
         wait_port(pp.admin_port + 1, pp.proc)
+        yield pp
+
+
+def test_a_task_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path) -> None:
+    # A task's result is inspected as its tool's (the tool's own guardrails and labels); which
+    # tool a task is was known only to the worker that relayed its creation, so on the other
+    # worker the result passed as anything an upstream sends: the tool's own redaction skipped.
+    # A result no worker knows the tool of is now refused rather than delivered so.
+    from test_response_path import Client, text_of
+
+    with _classified(tmp_path) as pp:
         client = Client(pp.url("h"))
         created = client.call("read_page", {"mode": "task", "text": "the code is CLASSIFIED-4471", "delay": 0.1},
                               task={"ttl": 60000})
@@ -221,16 +232,9 @@ def test_a_resumed_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Pa
     # was unknown and its result passed as untrusted content: the tool's own redaction skipped.
     import json as _json
 
-    from hostile_upstream import hostile_server
     from test_response_path import Client, sse, text_of
 
-    doc = {"version": 1, "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
-           "defaults": {"unknown_tools": "deny"},
-           "tools": {"h.read_page": {"effect": "read", "output": "untrusted", "guardrails": [
-               {"pattern": "CLASSIFIED-[0-9]+", "id": "classified", "action": "redact"}]}}}
-    with hostile_server() as up, proxy_process(tmp_path, {"h": up.url}, policies=write_doc(tmp_path / "p", doc),
-                                               config={"workers": 2}) as pp:
-        wait_port(pp.admin_port + 1, pp.proc)
+    with _classified(tmp_path) as pp:
         client = Client(pp.url("h"))
         for i in range(8):
             response = client.post({"jsonrpc": "2.0", "id": 100 + i, "method": "tools/call", "params": {
