@@ -5,21 +5,86 @@ identity headers (X-Principal and the like) are never trusted; static mode ignor
 In jwt mode the accepted algorithms are pinned by config (never "none", never chosen by the
 token) and the key is typed at startup, so an HS256 token "signed" with an RSA public key is
 refused. PyJWT and cryptography are imported only in jwt mode, when `Identity` is built.
+
+Principal and group ids, from every source (a token's claims, the static identity, approvers'
+names in the config), are names a person reads and compares: in audit records, on the review
+page, in the self-approval rule. `name_problem` refuses those that do not read as what they are:
+characters not shown or that reorder text, whitespace at an edge, empty, over 256 characters. A
+token naming such a principal or group is refused (401), as any token the proxy cannot take.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import unicodedata
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from proxy.approvals.reveal import visible
+from proxy.envelope.invisible import invisible_class
 from proxy.envelope.types import Principal
 from proxy.errors import ConfigError, IdentityError
 
 Algorithm = Literal["HS256", "RS256", "ES256"]
+
+
+# The longest principal or group id, in characters: every audit record and store key holds the
+# principal (as `MAX_RUN_ID_CHARS` bounds a run id).
+MAX_NAME_CHARS = 256
+# Unicode categories no principal or group id holds, with what a refusal calls them: a reader
+# does not see them, sees them as a line break, or (surrogates, private use, unassigned) cannot
+# know what they are. The other invisible characters are `proxy.envelope.invisible`'s.
+_REFUSED_CATEGORIES = {
+    "Cc": "a control character", "Cf": "a format character: zero-width, bidi or other invisible",
+    "Zl": "a line separator", "Zp": "a paragraph separator", "Cs": "a surrogate",
+    "Co": "a private-use character", "Cn": "an unassigned code point",
+}
+# How much of a refused id a message shows (escaped: never the raw characters).
+_SHOWN_CHARS = 64
+
+
+def name_problem(value: str) -> str | None:
+    """What is wrong with `value` as a principal or group id, naming the character (as U+XXXX,
+    never itself) and its position; None when it is one. An id is 1 to `MAX_NAME_CHARS`
+    characters, none of the `_REFUSED_CATEGORIES` nor invisible (`proxy.envelope.invisible`),
+    with no whitespace at either end. Never raises."""
+    if not value:
+        return "it is empty"
+    if len(value) > MAX_NAME_CHARS:
+        return f"it has {len(value)} characters (at most {MAX_NAME_CHARS})"
+    if not (value.isascii() and value.isprintable()):  # printable ASCII: nothing to look up
+        invisible = invisible_class()
+        for at, char in enumerate(value):
+            category = unicodedata.category(char)
+            what = _REFUSED_CATEGORIES.get(category)
+            if what is None and invisible.match(char):
+                what = "an invisible character"
+            if what is not None:
+                return f"it holds U+{ord(char):04X} ({what}) at position {at}"
+    if value != value.strip():
+        return "it has whitespace at its start or end"
+    return None
+
+
+def shown_name(value: str) -> str:
+    """`value` quoted for a message: cut to its first characters, every control, hidden or
+    text-reordering character written as an escape (`proxy.approvals.reveal.visible`)."""
+    cut = value[:_SHOWN_CHARS]
+    return f"'{visible(cut)}'" + (f" (first {_SHOWN_CHARS} of {len(value)} characters)"
+                                  if len(value) > _SHOWN_CHARS else "")
+
+
+def names_problem(what: str, names: Iterable[str]) -> str | None:
+    """The first of `names` (principal or group ids) that is not one, said as `<what> <the name,
+    escaped> is not a usable id: <problem>`; None when all are."""
+    for name in names:
+        problem = name_problem(name)
+        if problem is not None:
+            return f"{what} {shown_name(name)} is not a usable id: {problem}"
+    return None
 
 
 # The most clock skew `identity.leeway` may tolerate: five minutes (Kerberos' classic bound).
@@ -53,6 +118,10 @@ class IdentityConfig(BaseModel):
     @model_validator(mode="after")
     def _jwt_fields(self) -> IdentityConfig:
         if self.mode != "jwt":
+            problem = (names_problem("identity.principal", [self.principal])
+                       or names_problem("a group of identity.groups", self.groups))
+            if problem is not None:
+                raise ValueError(problem)
             return self
         if (self.key is None) == (self.key_file is None):
             raise ValueError("identity mode jwt needs exactly one of 'key' or 'key_file'")
@@ -104,6 +173,9 @@ class Identity:
         if config.mode == "jwt":
             self._jwt = _jwt_library()
             self._key = self._load_key(config)
+            # Built now (~40 ms, once a process) rather than by the first token naming a
+            # principal or group past printable ASCII (`name_problem`).
+            invisible_class()
         self._algorithms = list(config.algorithms)
         self._options: dict[str, Any] = {
             "require": ["exp"] if config.require_exp else [],
@@ -145,7 +217,8 @@ class Identity:
         """The verified caller. Static mode: the configured principal, headers ignored.
 
         Raises `IdentityError` naming why a JWT is refused (missing, malformed, bad signature,
-        algorithm not allowed, expired, not yet valid, wrong audience or issuer, no principal).
+        algorithm not allowed, expired, not yet valid, wrong audience or issuer, no principal, a
+        principal or group that is not a usable id: `name_problem`).
         """
         if self.config.mode == "static":
             return self._static
@@ -199,6 +272,12 @@ class Identity:
             # another shape (one string, a space-separated string, objects) is refused.
             raise IdentityError(f"token's groups claim {cfg.groups_claim!r} is not a list of strings "
                                 f"(a {type(raw_groups).__name__})")
+        # A principal `alice\u200b` (or `alice `) reads as alice and is another name: to the
+        # self-approval rule, to the audit log's readers, to policy rules naming alice.
+        problem = (names_problem(f"token's principal claim {cfg.principal_claim!r}:", [subject])
+                   or names_problem(f"a group in the token's groups claim {cfg.groups_claim!r}:", groups))
+        if problem is not None:
+            raise IdentityError(problem)
         return Principal(id=subject, groups=groups, claims=claims, source="jwt")
 
     @staticmethod

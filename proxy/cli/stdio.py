@@ -84,7 +84,7 @@ def stdio_config(args: argparse.Namespace,
     flags or the config file cannot serve a stdio client."""
     # Imported here, as in the other commands: `envelope-proxy --help` stays quick.
     from proxy.config import AggregateConfig, UpstreamOverride, load_config
-    from proxy.identity import IdentityConfig
+    from proxy.identity import IdentityConfig, names_problem
 
     command = list(args.command or [])
     if args.url and command:
@@ -95,6 +95,9 @@ def stdio_config(args: argparse.Namespace,
     if "identity" not in config.model_fields_set:
         identity = IdentityConfig(mode="static", principal=DEFAULT_PRINCIPAL)
     if args.principal:
+        problem = names_problem("--principal", [args.principal])
+        if problem is not None:
+            raise ConfigError(problem)
         groups = identity.groups if identity.mode == "static" else []
         identity = IdentityConfig(mode="static", principal=args.principal, groups=groups)
     if identity.mode != "static":

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from pydantic import ValidationError
 
 from proxy.errors import ConfigError, IdentityError
-from proxy.identity import Identity, IdentityConfig
+from proxy.identity import Identity, IdentityConfig, name_problem
 
 SECRET = "s" * 40
 NOW = int(time.time())  # for parametrize only: tests that depend on the clock use time.time()
@@ -241,3 +241,78 @@ def test_config_is_frozen() -> None:
     cfg = IdentityConfig()
     with pytest.raises(ValidationError):
         cfg.principal = "x"
+
+
+# -- principal and group ids ------------------------------------------------------------------
+
+# Names that read as another (or as nothing), each with what `name_problem` says of it.
+BAD_NAMES = [
+    ("alice\u200b", "U+200B (a format character"),  # zero-width space
+    ("\u202eecila", "U+202E (a format character"),  # right-to-left override
+    ("ali\u2066ce", "U+2066 (a format character"),  # left-to-right isolate
+    ("al\x00ice", "U+0000 (a control character"),
+    ("ali\tce", "U+0009 (a control character"),
+    ("ali\u2028ce", "U+2028 (a line separator"),
+    ("ali\u2029ce", "U+2029 (a paragraph separator"),
+    ("ali\ud800ce", "U+D800 (a surrogate"),
+    ("ali\ue000ce", "U+E000 (a private-use character"),
+    ("ali\U000e0041ce", "U+E0041 (a format character"),  # a tag character
+    ("ali\u0378ce", "U+0378 (an unassigned code point"),
+    ("ali\u034fce", "U+034F (an invisible character"),  # combining grapheme joiner
+    ("ali\ufe0fce", "U+FE0F (an invisible character"),  # variation selector
+    ("alice ", "whitespace at its start or end"),
+    (" alice", "whitespace at its start or end"),
+    ("alice\u3000", "whitespace at its start or end"),  # ideographic space
+    ("", "it is empty"),
+    ("a" * 257, "it has 257 characters (at most 256)"),
+]
+
+
+@pytest.mark.parametrize(("name", "problem"), BAD_NAMES, ids=[repr(n[:12]) for n, _ in BAD_NAMES])
+def test_name_problem_says_what_is_wrong(name: str, problem: str) -> None:
+    said = name_problem(name)
+    assert said is not None and problem in said
+    assert said.isascii() and said.isprintable()  # the character is named, never written
+
+
+@pytest.mark.parametrize("name", ["alice", "Alice Smith", "alice@example.com", "José", "Мария",
+                                  "山田", "svc:billing/agent-1", "a" * 256])
+def test_name_problem_takes_names_people_write(name: str) -> None:
+    assert name_problem(name) is None
+
+
+def test_name_problem_names_where_the_character_is() -> None:
+    assert name_problem("alice\u200b") == ("it holds U+200B (a format character: zero-width, "
+                                          "bidi or other invisible) at position 5")
+
+
+@pytest.mark.parametrize(("name", "problem"), [(n, p) for n, p in BAD_NAMES if n],
+                         ids=[repr(n[:12]) for n, _ in BAD_NAMES if n])
+def test_a_token_whose_principal_is_not_an_id_is_refused(name: str, problem: str) -> None:
+    token = jwt.encode(claims(sub=name), SECRET, algorithm="HS256")
+    with pytest.raises(IdentityError) as refused:
+        hs_identity().resolve(bearer(token))
+    said = str(refused.value)
+    assert said.startswith("token's principal claim 'sub': '") and problem in said
+    assert said.isascii() and said.isprintable()  # escaped: no raw bad character in a 401
+    assert len(said) < 400  # a huge claim is not echoed whole
+
+
+def test_the_principal_claim_configured_is_the_one_held_to_the_rule() -> None:
+    token = jwt.encode(claims(preferred_username="Alice\u200b"), SECRET, algorithm="HS256")
+    with pytest.raises(IdentityError, match=r"principal claim 'preferred_username': 'Alice\\u200b'"):
+        hs_identity(principal_claim="preferred_username").resolve(bearer(token))
+
+
+@pytest.mark.parametrize("group", ["admins\u200b", " admins", "a\u202edmins", "g" * 300, ""])
+def test_a_token_with_a_group_that_is_not_an_id_is_refused(group: str) -> None:
+    token = jwt.encode(claims(groups=["dev", group]), SECRET, algorithm="HS256")
+    with pytest.raises(IdentityError, match="a group in the token's groups claim 'groups'"):
+        hs_identity().resolve(bearer(token))
+
+
+@pytest.mark.parametrize("cfg", [{"principal": "svc\u200b"}, {"principal": "svc "},
+                                 {"principal": ""}, {"groups": ["ok", "ops\u202e"]}])
+def test_a_static_identity_that_is_not_an_id_is_a_configuration_error(cfg: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="is not a usable id"):
+        IdentityConfig(**cfg)

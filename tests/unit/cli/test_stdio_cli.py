@@ -64,6 +64,14 @@ def test_principal_flag_replaces_a_jwt_identity(tmp_path: Path) -> None:
     assert (config.identity.mode, config.identity.principal) == ("static", "bob")
 
 
+@pytest.mark.parametrize("principal", ["bob\u200b", "bob ", "b\u202eob", "b" * 300])
+def test_a_principal_flag_that_is_not_an_id_is_a_configuration_error(
+        tmp_path: Path, principal: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--principal '.*is not a usable id: it ") as refused:
+        stdio_config(parse("--policies", str(tmp_path), "--principal", principal), environ={})
+    assert str(refused.value).isascii() and str(refused.value).isprintable()
+
+
 def test_server_command_gets_the_launch_environment_minus_envelope_settings(tmp_path: Path) -> None:
     args = parse("--policies", str(tmp_path), "--name", "files")
     args.command = ["npx", "-y", "server", "/data"]
