@@ -19,8 +19,9 @@ Every route needs `Authorization: Bearer <approver token>` (tokens from `approva
 of the runtime config, compared by SHA-256 digest in constant time): approvals show the calls'
 arguments. Answers: 401 no or unknown token (on approve and deny audited, at most two records a
 minute with the intent API's: `proxy.admin.failed_auth`), 403 an approver deciding their own call
-or a call outside their `scope` (`<upstream>.<tool>` patterns of the config; such refusals are
-audited), 404 unknown id, 409 no longer pending, 400 bad body, 413 body too large, 408 body not
+(their name and the call's principal compared ignoring case, width and invisible characters:
+`proxy.approvals.approvers.same_person`) or a call outside their `scope` (`<upstream>.<tool>`
+patterns of the config; such refusals are audited), 404 unknown id, 409 no longer pending, 400 bad body, 413 body too large, 408 body not
 arrived within `listener.header_timeout`, 503 the store or the audit log cannot answer (fail
 closed).
 
@@ -42,7 +43,7 @@ from aiohttp import web
 from proxy.admin.approver import approver, reasoned
 from proxy.admin.failed_auth import failed_auth_of
 from proxy.admin.protect import expect, refusal
-from proxy.approvals.approvers import Approvers
+from proxy.approvals.approvers import Approvers, own_call, same_person
 from proxy.approvals.records import (
     LIST_ARGUMENTS_BYTES,
     STATES,
@@ -156,8 +157,8 @@ def add_routes(app: web.Application, service: ApprovalService, approvers: Approv
         # What `service.decide` would refuse is refused (and audited as refused) before a record
         # says the decision was made; `decide` checks again against the stored record.
         problem: ApprovalError | None = None
-        if asked.principal == who:
-            problem = SelfApproval(f"{who} cannot decide a call made by {who}")
+        if same_person(asked.principal, who):
+            problem = SelfApproval(own_call(who, asked.principal))
         elif not approvers.may_decide(who, asked.upstream, asked.tool):
             problem = OutOfScope(f"{who} may not decide calls of {asked.upstream}.{asked.tool} "
                                  f"(scope: {approvers.scope_text(who)})")

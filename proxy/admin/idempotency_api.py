@@ -11,11 +11,12 @@ id the refusal names: the next call with that key is performed.
 Needs `Authorization: Bearer <approver token>` (401 otherwise, audited at most two records a
 minute with approve's, deny's and intent's: `proxy.admin.failed_auth`; the record names the
 decision only when it is a decision id, else `<invalid decision id>`) of an approver who may
-decide the call (its `<upstream>.<tool>` within their `scope`) and did not make it (403
-otherwise, audited as refused). The release is audited before the key is touched
-(`Envelope.note_release`: a record of method `<idempotency>` naming the call, the approver, the
-decision id and the reason; none taken, nothing released: 503), then made by compare-and-delete:
-only while the key still holds that decision's `unknown` record. Answers 200 `{"decision_id",
+decide the call (its `<upstream>.<tool>` within their `scope`) and did not make it (their name
+and the call's principal compared ignoring case, width and invisible characters:
+`proxy.approvals.approvers.same_person`; 403 otherwise, audited as refused). The release is
+audited before the key is touched (`Envelope.note_release`: a record of method `<idempotency>`
+naming the call, the approver, the decision id and the reason; none taken, nothing released:
+503), then made by compare-and-delete: only while the key still holds that decision's `unknown` record. Answers 200 `{"decision_id",
 "released": true, "idempotency_key", "principal", "run", "upstream", "tool", "record"}`
 (`record`: the audit record's id), counted in `envelope_idempotency_releases_total`; 404 no
 outcome unknown for that decision (never one, released already, expired); 409 the key holds
@@ -37,6 +38,7 @@ from aiohttp import web
 from proxy.admin.approver import approver, reasoned
 from proxy.admin.failed_auth import failed_auth_of
 from proxy.admin.protect import expect, refusal
+from proxy.approvals.approvers import own_call, same_person
 from proxy.envelope.checks import idempotency
 from proxy.envelope.types import Code, Verdict
 from proxy.errors import AuditError, StoreError
@@ -110,8 +112,8 @@ def add_idempotency_routes(app: web.Application, status: Any, metrics: Metrics) 
             held = found.held
         except StoreError as exc:
             return _error(503, f"the state store holds an unreadable record: {exc}")
-        if found.principal == who:
-            problem = 403, f"{who} cannot release a call made by {who}"
+        if same_person(found.principal, who):
+            problem = 403, own_call(who, found.principal, "release")
         elif approvers is not None and not approvers.may_decide(who, found.upstream, found.tool):
             problem = 403, (f"{who} may not release calls of {found.upstream}.{found.tool} "
                             f"(scope: {approvers.scope_text(who)})")

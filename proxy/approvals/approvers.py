@@ -1,4 +1,5 @@
-"""Approver tokens from the runtime config."""
+"""Approver tokens from the runtime config, and who counts as the same person as a call's
+principal (`same_person`: the self-approval rule)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,42 @@ import hashlib
 import hmac
 import logging
 import os
+import unicodedata
 from collections.abc import Mapping
 
+from proxy.approvals import reveal
 from proxy.config import ApprovalsConfig
+from proxy.envelope.invisible import visible
 
 log = logging.getLogger("envelope.approvals")
+
+
+def _as_read(name: str) -> str:
+    # NFKC first (fullwidth and other compatibility forms are their letters), invisible
+    # characters out, then case-folded and normalised again (folding may leave text that is
+    # not normalised, and a removed character may have parted a letter from its accent).
+    return unicodedata.normalize("NFKC", visible(unicodedata.normalize("NFKC", name)).casefold()).strip()
+
+
+def same_person(a: str, b: str) -> bool:
+    """Whether names `a` and `b` (an approver's, a call's principal) read as one name: equal once
+    NFKC-normalised, case-folded, stripped of invisible characters (`proxy.envelope.invisible`)
+    and of whitespace at the ends: `Alice`, `ali\\u200bce` (a zero-width space) and the fullwidth
+    `\\uff41lice` are `alice`. The self-approval and self-release rules' comparison: it errs
+    toward "the same" (the approver hands the call to a colleague), never toward someone
+    deciding their own call."""
+    return a == b or _as_read(a) == _as_read(b)
+
+
+def own_call(approver: str, principal: str, verb: str = "decide") -> str:
+    """The refusal of approver `approver` deciding (`verb`) a call `principal` made, for whom
+    `same_person` holds; the principal escaped (`reveal.visible`: records kept before principals
+    were held to `proxy.identity.name_problem` may hold anything)."""
+    shown = reveal.visible(principal)
+    if approver == principal:
+        return f"{approver} cannot {verb} a call made by {shown}"
+    return (f"{approver} cannot {verb} a call made by {shown}: the same name to the self-approval "
+            "rule (compared ignoring case, width and invisible characters)")
 
 
 class Approvers:

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from proxy.approvals.approvers import own_call, same_person
 from proxy.approvals.notifier import ApprovalNotifier
 from proxy.approvals.records import (
     NS_APPROVAL,
@@ -340,8 +341,8 @@ class ApprovalService:
 
         def change(current: Approval) -> Approval:
             nonlocal grant_obj
-            if current.principal == approver:
-                raise SelfApproval(f"{approver} cannot decide a call made by {approver}")
+            if same_person(current.principal, approver):
+                raise SelfApproval(own_call(approver, current.principal))
             state = current.effective_state(now)
             if state != "pending":
                 raise ApprovalConflict(f"approval {approval_id} is {state}, not pending")

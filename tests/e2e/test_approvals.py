@@ -41,6 +41,8 @@ from tests.harness import (
 OPS = token("ops", tenant="acme")
 ALICE_TOKEN = "alice-approver-token"
 OPS_APPROVER_TOKEN = "ops-approver-token"  # an approver who is also the calling principal
+# Approvers whose names read as the calling principal's (`ops`): another case, fullwidth letters.
+OPS_AS_READ = {"Ops": "cased-ops-approver-token", "\uff2f\uff30\uff33": "fullwidth-ops-approver-token"}
 ALICE = {"Authorization": f"Bearer {ALICE_TOKEN}"}
 
 
@@ -120,6 +122,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 "approvers": {
                     "alice": {"token_sha256": hashlib.sha256(ALICE_TOKEN.encode()).hexdigest()},
                     "ops": {"token_env": "OPS_APPROVER_TOKEN"},
+                    **{name: {"token_sha256": hashlib.sha256(secret.encode()).hexdigest()}
+                       for name, secret in OPS_AS_READ.items()},
                 },
                 "webhook": {"url": f"http://127.0.0.1:{receiver.port}/hook", "timeout": "2s",
                             "attempts": 3, "backoff": "50ms"},
@@ -291,6 +295,30 @@ async def test_self_approval_is_refused(world: World) -> None:
               env={**os.environ, "ENVELOPE_APPROVER_TOKEN": OPS_APPROVER_TOKEN})
     assert out.returncode == 1
     assert "403" in out.stderr and "cannot decide a call made by ops" in out.stderr
+
+
+@pytest.mark.parametrize("name", list(OPS_AS_READ), ids=["another case", "fullwidth"])
+async def test_an_approver_whose_name_reads_as_the_callers_is_the_caller(world: World, name: str) -> None:
+    # Names were compared exactly: approver `Ops` approved (and so performed) a call of `ops`.
+    title = f"as-read-{list(OPS_AS_READ).index(name)}"
+    assert_refused(await call(world, "notes", "delete_note", {"title": title}), "approval_pending")
+    approval = await pending_for(world, "notes", title)
+    theirs = {"Authorization": f"Bearer {OPS_AS_READ[name]}"}
+    for verb in ("approve", "deny"):
+        r = await admin(world, "POST", f"/v1/approvals/{approval['id']}/{verb}", headers=theirs,
+                        json={"reason": "trust me"})
+        assert r.status_code == 403, r.text
+        assert r.json()["error"] == (f"{name} cannot decide a call made by ops: the same name to the "
+                                     "self-approval rule (compared ignoring case, width and invisible "
+                                     "characters)")
+    refused = [r for r in world.proxy.audit_records() if r.get("method") == "<approval>"
+               and r["extra"]["approval_id"] == approval["id"]]
+    assert [(r["extra"]["decision"], r["extra"]["approver"], r["extra"].get("refused"))
+            for r in refused] == [("approved", name, True), ("denied", name, True)]
+    r = await admin(world, "GET", f"/v1/approvals/{approval['id']}")
+    assert (r.json()["state"], r.json()["approver"]) == ("pending", None)
+    # Still waiting for a person who did not make it: the call is refused again, not performed.
+    assert_refused(await call(world, "notes", "delete_note", {"title": title}), "approval_pending")
 
 
 async def test_grant_releases_later_matching_calls_without_waiting(world: World) -> None:

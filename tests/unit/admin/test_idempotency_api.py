@@ -21,7 +21,8 @@ from proxy.store.memory import MemoryStore
 
 FIRST = "0123456789abcdef0123456789abcdef"
 KEY = "f" * 64
-TOKENS = {"op": "op-token", "narrow": "narrow-token", "agent": "agent-token"}
+# `Agent` is the caller `agent` to the self-release rule (names compared as read).
+TOKENS = {"op": "op-token", "narrow": "narrow-token", "agent": "agent-token", "Agent": "Agent-token"}
 
 
 class FakeEnvelope:
@@ -131,7 +132,7 @@ async def test_audit_log_down_releases_nothing(client: TestClient[Any, Any], sta
     assert await status.store.get(NS, KEY) == raw
 
 
-@pytest.mark.parametrize("who,code", [("agent", 403), ("narrow", 403), (None, 401)])
+@pytest.mark.parametrize("who,code", [("agent", 403), ("Agent", 403), ("narrow", 403), (None, 401)])
 async def test_only_an_approver_who_may_decide_the_call_releases_it(
         client: TestClient[Any, Any], status: Status, who: str | None, code: int) -> None:
     raw = await _unknown(status)

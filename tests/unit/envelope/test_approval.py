@@ -305,6 +305,19 @@ async def test_self_approval_is_refused() -> None:
     assert (await w.only_approval()).state == "pending"
 
 
+@pytest.mark.parametrize("approver", ["Alice", "ALICE", "\uff41lice", "ali\u200bce"])
+async def test_self_approval_compares_names_as_read(approver: str) -> None:
+    # The service's own check (the one a decision made anywhere goes through): an approver
+    # named as the caller in another case or width, or with an invisible character, is the caller.
+    w = World()
+    await w.decide(w.call(principal="alice"))
+    approval = await w.only_approval()
+    for approve in (True, False):
+        with pytest.raises(SelfApproval, match="cannot decide a call made by alice: the same name"):
+            await w.service.decide(approval.id, approver=approver, approve=approve, reason="mine")
+    assert (await w.only_approval()).state == "pending"
+
+
 # -- grants -----------------------------------------------------------------------------------
 
 
