@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from proxy.errors import ConfigError
-from proxy.identity import IdentityConfig
+from proxy.identity import IdentityConfig, names_problem
 from proxy.policy.vocab import Duration
 
 
@@ -173,7 +173,9 @@ class ApprovalsConfig(_Model):
     retention: Duration = 86400.0
     # Longest grant an approver may give. Absent: 24 h.
     max_grant_duration: Duration = 86400.0
-    # Approver name -> token. Absent: nobody can approve through the admin API.
+    # Approver name -> token. Absent: nobody can approve through the admin API. A name is a
+    # principal id (`proxy.identity.name_problem`): the self-approval rule compares it with the
+    # calls' principals as a reader would (`proxy.approvals.approvers.same_person`).
     approvers: dict[str, ApproverConfig] = Field(default_factory=dict)
     # Notification on every new approval. Absent: none (approvers poll the admin API).
     webhook: ApprovalWebhookConfig | None = None
@@ -191,6 +193,17 @@ class ApprovalsConfig(_Model):
     # reason ("{id}" is replaced by the approval id). Absent: nothing appended (`envelope-proxy
     # stdio` sets one naming what the person at the client can do).
     pending_hint: str | None = None
+
+    @field_validator("approvers")
+    @classmethod
+    def _names(cls, v: dict[str, ApproverConfig]) -> dict[str, ApproverConfig]:
+        # Approvers' names are shown in every decision record and on the review page, and
+        # compared with calls' principals: `alice\u200b` or `alice ` reads as alice and is
+        # another name. Held to the rule of the principals they are compared with.
+        problem = names_problem("approver name", v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 class IdempotencyConfig(_Model):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from e2e_helpers import CLI, ROOT, cli
 
 from tests.harness import FIXTURE_POLICIES, admin_ports, free_port, mcp_client, stop, wait_port
@@ -255,6 +256,28 @@ def test_serve_with_a_missing_identity_key_file_says_so_in_one_line(tmp_path: Pa
                "--listen", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{free_port()}",
                "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout=30)
     _assert_one_line_start_failure(done, "identity key_file /nonexistent/public.pem")
+
+
+@pytest.mark.parametrize(("yaml", "said"), [
+    ('approvals: {approvers: {"alice\\u200b": {token_env: ALICE_TOKEN}}}\n',
+     r"approvals.approvers: Value error, approver name 'alice\u200b' is not a usable id: it holds "
+     "U+200B (a format character: zero-width, bidi or other invisible) at position 5"),
+    ('approvals: {approvers: {"ops ": {token_env: OPS_TOKEN}, bob: {token_env: BOB_TOKEN}}}\n',
+     "approvals.approvers: Value error, approver name 'ops ' is not a usable id: it has whitespace"),
+    ('identity: {mode: static, principal: "agent\\u202e"}\n',
+     r"identity: Value error, identity.principal 'agent\u202e' is not a usable id: it holds U+202E"),
+], ids=["approver zero-width", "approver trailing space", "static principal bidi"])
+def test_serve_with_a_name_that_is_not_an_id_does_not_start(tmp_path: Path, yaml: str, said: str) -> None:
+    # An approver `alice\u200b` reads as alice on every record and page that names them.
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml)
+    done = cli("serve", "--config", str(config), "--policies", str(FIXTURE_POLICIES),
+               "--listen", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{free_port()}",
+               "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "http://" not in done.stdout and "Traceback" not in done.stderr, done.stderr
+    assert said in done.stderr, done.stderr
+    assert done.stderr.isascii()  # the name escaped, never written raw
 
 
 def test_demo_on_a_busy_admin_port_says_so_in_one_line(tmp_path: Path) -> None:

@@ -173,3 +173,22 @@ def test_the_listener_flag_sets_the_kind_and_keeps_the_files_timeouts(tmp_path: 
     file.write_text("listener: {header_timeout: 3s}\n")
     listener = load_config(file, {"listener": "fast"}, environ={"ENVELOPE_LISTENER": "aiohttp"}).listener
     assert (listener.kind, listener.header_timeout) == ("fast", 3.0)
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("alice\u200b", "it holds U+200B"), ("\u202ealice", "it holds U+202E"), ("alice ", "whitespace"),
+    ("", "it is empty"), ("a" * 257, "it has 257 characters"),
+])
+def test_an_approver_name_that_is_not_a_principal_id_is_refused(name: str, problem: str) -> None:
+    # The self-approval rule compares approvers' names with principals: held to the same rule.
+    approvers = {"bob": {"token_env": "BOB"}, name: {"token_env": "X"}}
+    with pytest.raises(ConfigError, match=r"approvals\.approvers: Value error, approver name '") as refused:
+        load_config(None, {"approvals": {"approvers": approvers}}, environ={})
+    assert problem in str(refused.value) and str(refused.value).isascii()
+
+
+def test_approver_names_people_write_are_taken() -> None:
+    names = ["alice", "Alice Smith", "jos\u00e9@example.com", "\u5c71\u7530"]
+    config = load_config(None, {"approvals": {"approvers": {n: {"token_env": "X"} for n in names}}},
+                         environ={})
+    assert list(config.approvals.approvers) == names
