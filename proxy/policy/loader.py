@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from proxy.errors import CelCompileError, PolicyError, PolicyProblem
+from proxy.identity import names_problem
 from proxy.policy import cel
 from proxy.policy.cache import LruCache
 from proxy.policy.compiled import (
@@ -686,6 +687,11 @@ class _Loader:
                         entry.key,
                         f"'{name}' is not {what} (must match {pattern.pattern})",
                     )
+                    continue
+                if section == "principals" and (problem := names_problem("principal", [name])):
+                    # An entry no verified identity can carry (`proxy.identity` refuses such
+                    # ids) would be policy that silently never applies.
+                    self.add(entry.file, entry.key, problem)
                     continue
                 if section in ("resources", "prompts") and not self._upstream_declared(entry):
                     continue

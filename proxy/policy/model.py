@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from proxy.identity import names_problem
 from proxy.policy.schemas import VALIDATED_FORMATS
 from proxy.policy.vocab import (
     DETECTORS,
@@ -384,6 +385,14 @@ class PrincipalPolicy(_Model):
     @classmethod
     def _one_or_many(cls, v: object) -> object:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("delegates")
+    @classmethod
+    def _delegate_ids(cls, v: list[str]) -> list[str]:
+        problem = names_problem("delegate", v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
     @field_validator("groups")
     @classmethod

@@ -146,6 +146,21 @@ def test_a_policy_cannot_grant_groups(write: Write) -> None:
                               "principal.groups in CEL holds the verified identity's groups only")
 
 
+def test_principal_ids_no_identity_can_carry_are_problems(write: Write) -> None:
+    # On main an entry `"bob\u200b"` (or " ops", or a delegate "ana\u202e") loaded and never
+    # applied: the identity refuses such ids (401), so the entry was policy that did nothing and
+    # a review read it as bob's.
+    path = write("a.yaml", UPSTREAMS + 'principals:\n  "bob\\u200b": {capability: read-only}\n'
+                 '  " ops": {}\n  ok:\n    delegates: [fine, "ana\\u202e"]\n  fine: {}\n')
+    assert problems(path.parent) == [
+        f"{path}:7:3: principal 'bob\\u200b' is not a usable id: it holds U+200B (a format "
+        "character: zero-width, bidi or other invisible) at position 3",
+        f"{path}:8:3: principal ' ops' is not a usable id: it has whitespace at its start or end",
+        f"{path}:10:16: principals.ok.delegates: delegate 'ana\\u202e' is not a usable id: it holds "
+        "U+202E (a format character: zero-width, bidi or other invisible) at position 3",
+    ]
+
+
 def test_a_file_given_for_the_directory_says_so(write: Write) -> None:
     path = write("a.yaml", UPSTREAMS)
     assert problems(path) == [f"{path}:1:1: a file, not a directory: a policy is the directory of its files"]
