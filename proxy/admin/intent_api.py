@@ -6,12 +6,14 @@ Needs `Authorization: Bearer <approver token>` (401 otherwise, audited at most t
 minute with approve's and deny's: `proxy.admin.failed_auth`; the record names the run only
 when it is a run id, else `<invalid run id>`) of an approver without a `scope`
 (403 otherwise): an intent endorses values for the data-flow check, for every tool of the run, so
-setting one is an act of an approver who may decide every call. The text is appended to the run's
+setting one is an act of an approver who may decide every call; never for their own runs (403,
+names compared as the self-approval rule does: `proxy.approvals.approvers.same_person`). The text is appended to the run's
 intent (`proxy.envelope.dataflow.intent`; the run of that principal, as `X-Envelope-Intent`
 would), after an audit record of method `<intent>` (check `intent`, the approver, the text's
 length and digest, never the text) is written: an intent is never set unaudited. Answers 200
 `{"run", "principal", "appended", "decision_id"}`; 400 a run that is not a run id (the rule of
-`X-Envelope-Run`: `proxy.envelope.types.run_id_problem`), bad body, control characters or over
+`X-Envelope-Run`: `proxy.envelope.types.run_id_problem`), a principal that is no principal id
+(`proxy.identity.name_problem`), bad body, control characters or over
 `dataflow.max_intent_chars`; 413 body too large; 408 body not arrived within
 `listener.header_timeout`; 503 no store, no policy, the store or the audit log cannot answer
 (fail closed).
@@ -29,9 +31,11 @@ from aiohttp import web
 from proxy.admin.approver import approver
 from proxy.admin.failed_auth import failed_auth_of
 from proxy.admin.protect import expect, read_body
+from proxy.approvals.approvers import own_call, same_person
 from proxy.envelope.dataflow import intent as intents
 from proxy.envelope.types import RUN_ID_RULE, Code, Verdict, run_id_problem, run_key
 from proxy.errors import AuditError, StoreError
+from proxy.identity import names_problem
 from proxy.policy.model import DataflowPolicy
 
 _MAX_BODY = 256 * 1024
@@ -98,6 +102,13 @@ def add_intent_routes(app: web.Application, status: Any) -> None:
                 or not isinstance(body["text"], str) or not body["text"].strip()):
             return _json({"error": 'body must be {"principal": "<id>", "text": "<the user\'s words>"}'}, 400)
         principal, text = body["principal"], body["text"].strip()
+        problem = names_problem("principal", [principal])
+        if problem is not None:  # no verified identity carries it: no run of it to endorse
+            return _json({"error": problem}, 400)
+        if same_person(principal, who):
+            # An intent endorses values its run's calls would otherwise be flagged or held for:
+            # an approver's own, set by themselves, would be a self-approval in advance.
+            return _json({"error": own_call(who, principal, "set the intent of", "a run of")}, 403)
         store = getattr(status, "store", None)
         envelope: Any = getattr(status, "envelope", None)
         chain = envelope.chain if envelope is not None else None

@@ -35,14 +35,14 @@ def same_person(a: str, b: str) -> bool:
     return a == b or _as_read(a) == _as_read(b)
 
 
-def own_call(approver: str, principal: str, verb: str = "decide") -> str:
-    """The refusal of approver `approver` deciding (`verb`) a call `principal` made, for whom
-    `same_person` holds; the principal escaped (`reveal.visible`: records kept before principals
-    were held to `proxy.identity.name_problem` may hold anything)."""
+def own_call(approver: str, principal: str, verb: str = "decide", what: str = "a call made by") -> str:
+    """The refusal of approver `approver` acting (`verb`) on `what` (a call made by, a run of)
+    `principal`, for whom `same_person` holds; the principal escaped (`reveal.visible`: records
+    kept before principals were held to `proxy.identity.name_problem` may hold anything)."""
     shown = reveal.visible(principal)
     if approver == principal:
-        return f"{approver} cannot {verb} a call made by {shown}"
-    return (f"{approver} cannot {verb} a call made by {shown}: the same name to the self-approval "
+        return f"{approver} cannot {verb} {what} {shown}"
+    return (f"{approver} cannot {verb} {what} {shown}: the same name to the self-approval "
             "rule (compared ignoring case, width and invisible characters)")
 
 

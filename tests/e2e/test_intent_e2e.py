@@ -123,6 +123,43 @@ async def test_an_approver_sets_the_intent_through_the_admin_api(proxy: ProxyPro
     assert _last_send(proxy, run)["extra"]["endorsed"][0] == {"arg": "/to", "by": "intent", "kind": "value"}
 
 
+@pytest.mark.parametrize("principal", ["operator", "OPERATOR", "\uff4f\uff50\uff45\uff52\uff41\uff54\uff4f\uff52", "Operator"])
+async def test_an_approver_cannot_set_the_intent_of_their_own_run(proxy: ProxyProcess, principal: str) -> None:
+    # On main the approver `operator`, also an agent's identity, set the intent of its own run:
+    # the address the page named was then endorsed, and its mail to the attacker left unflagged
+    # and unheld (a self-approval in advance). Neither case nor width changed that.
+    run = f"run-{uuid.uuid4().hex}"
+    operator = token(principal)
+    await _call(proxy, run, "fetch_page", {"url": "https://news.example/q3"}, bearer=operator)
+    before = len(proxy.audit_records())
+    async with httpx.AsyncClient(timeout=5) as http:
+        reply = await http.post(f"{proxy.admin}/v1/runs/{run}/intent",
+                                json={"principal": principal, "text": SAID},
+                                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert reply.status_code == 403, reply.text
+    assert reply.json()["error"].startswith(f"operator cannot set the intent of a run of {principal}")
+    assert len(proxy.audit_records()) == before  # nothing set, nothing recorded as set
+    refused, decision = await _call(proxy, run, "send_email", _email(ATTACKER), bearer=operator)
+    assert refused and decision["check"] == "dataflow", decision
+
+
+@pytest.mark.parametrize(("principal", "why"), [
+    ("agent\u200b", "it holds U+200B (a format character: zero-width, bidi or other invisible) at position 5"),
+    (" agent", "it has whitespace at its start or end"),
+    ("a" * 257, "it has 257 characters (at most 256)"),
+])
+def test_the_admin_api_refuses_a_principal_no_identity_carries(proxy: ProxyProcess, principal: str, why: str) -> None:
+    # On main these were set (and audited) for principals the identity refuses (401): an intent
+    # for no run any caller could make, and up to 256 KB of a name in the audit record.
+    before = len(proxy.audit_records())
+    reply = httpx.post(f"{proxy.admin}/v1/runs/run-x/intent", timeout=5,
+                       json={"principal": principal, "text": SAID},
+                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"].endswith(f"is not a usable id: {why}")
+    assert len(proxy.audit_records()) == before
+
+
 RULE = "a run id is 1 to 256 characters of printable ASCII (U+0020 to U+007E, no space at either end)"
 
 
