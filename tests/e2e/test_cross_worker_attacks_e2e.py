@@ -5,9 +5,26 @@ and a store that goes away while an answer is handed over. Each is refused on th
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from test_session_owners_e2e import MALLORY, _classified
+import httpx
+from e2e_helpers import write_doc
+from test_inband_approval_e2e import Recorder
+from test_session_owners_e2e import ACCEPT, LEGACY, MALLORY, _classified
+
+from tests.harness import (
+    ProxyProcess,
+    metric_value,
+    proxy_process,
+    token,
+    upstream_server,
+    wait_port,
+)
 
 CLOSE = {"Connection": "close"}  # every request on a new connection: either worker takes it
 UNKNOWN_TASK = "unknown task: it was not created through this proxy by this principal (or is older than 24 h)"
@@ -42,3 +59,162 @@ def test_another_principals_task_is_neither_read_nor_cancelled_on_any_worker(tmp
         result = alice.request("tasks/result", {"taskId": task_id}, CLOSE)
         assert "[REDACTED:classified]" in text_of(result), result
         assert [e["method"] for e in up.control.log(before)].count("tasks/cancel") == 0
+
+
+def test_another_principal_cannot_resume_a_stream_on_any_worker(tmp_path: Path) -> None:
+    # Alice's call leaves its stream resumable; mallory, holding her session id and the stream's
+    # last event id, resumes it on a new connection (either worker): 404 as for a session that
+    # does not exist, and the result stays alice's to resume.
+    import json as _json
+
+    from test_response_path import Client, sse, text_of
+
+    with _classified(tmp_path) as (pp, _):
+        alice = Client(pp.url("h"))
+        response = alice.post({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+            "name": "read_page", "arguments": {"mode": "drop_resumable", "text": "alice's CLASSIFIED-7",
+                                               "delay": 0.2}}}, CLOSE)
+        last_id = [e["id"] for e in sse(response.text) if "id" in e][-1]
+        for _ in range(8):
+            stolen = httpx.get(alice.url, timeout=15, headers={
+                **alice.headers(), "Authorization": f"Bearer {MALLORY}", "Accept": "text/event-stream",
+                "Last-Event-ID": last_id, **CLOSE})
+            assert stolen.status_code == 404, (stolen.status_code, stolen.text)
+            assert stolen.json()["error"]["message"] == "Session not found"
+            assert "alice" not in stolen.text and "CLASSIFIED" not in stolen.text
+        assert metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="foreign_session") + \
+            metric_value(httpx.get(f"http://127.0.0.1:{pp.admin_port + 1}/metrics", timeout=5).text,
+                         "envelope_rejected_requests_total", reason="foreign_session") == 8
+        resumed = alice.http.get(alice.url, headers={**alice.headers(), "Accept": "text/event-stream",
+                                                     "Last-Event-ID": last_id, **CLOSE})
+        answers = [_json.loads(e["data"]) for e in sse(resumed.text) if e.get("data")]
+        result = next(m for m in answers if m.get("id") == 7)
+        assert "alice's [REDACTED:classified]" in text_of(result), result
+
+
+# -- in-band approval: the question on alice's call stream, answers on new connections ----------
+
+ALICE = token("alice")
+QUESTION_WAIT = "6s"
+
+
+@contextlib.contextmanager
+def _in_band(tmp_path: Path, config: dict[str, Any] | None = None) -> Iterator[tuple[ProxyProcess, Recorder]]:
+    """Two workers in front of a recording pass-through (`rec`) to the demo notes server, whose
+    `delete_note` is approved in-band."""
+    doc = {"version": 1, "upstreams": {"rec": {"url": "http://127.0.0.1:1/mcp", "timeout": "20s"}},
+           "defaults": {"unknown_tools": "deny"},
+           "tools": {"rec.delete_note": {"effect": "destructive",
+                                         "approval": {"required": True, "in_band": True, "wait": QUESTION_WAIT}},
+                     "rec.write_note": {"effect": "write"}}}
+    with upstream_server("sse") as up:
+        recorder = Recorder(up.url)
+        try:
+            with proxy_process(tmp_path, {"rec": recorder.url}, policies=write_doc(tmp_path / "p", doc),
+                               config={"workers": 2, **(config or {})}) as pp:
+                wait_port(pp.admin_port + 1, pp.proc)
+                yield pp, recorder
+        finally:
+            recorder.close()
+
+
+def _headers(bearer: str, session: str | None) -> dict[str, str]:
+    headers = {**ACCEPT, "Authorization": f"Bearer {bearer}", "MCP-Protocol-Version": LEGACY, **CLOSE}
+    return {**headers, "Mcp-Session-Id": session} if session else headers
+
+
+def _session(url: str, bearer: str) -> str:
+    """A session whose client takes in-band questions (elicitation), initialized."""
+    created = httpx.post(url, headers=_headers(bearer, None), timeout=15, json={
+        "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": LEGACY, "capabilities": {"elicitation": {}},
+            "clientInfo": {"name": "t", "version": "1"}}})
+    session = created.headers["Mcp-Session-Id"]
+    httpx.post(url, headers=_headers(bearer, session), timeout=15,
+               json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    return session
+
+
+def _messages(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON-RPC messages of an SSE response, as they arrive."""
+    for line in response.iter_lines():
+        if line.startswith("data:") and line[5:].strip():
+            yield json.loads(line[5:])
+
+
+@contextlib.contextmanager
+def _asking(url: str, session: str, title: str) -> Iterator[tuple[str, Iterator[dict[str, Any]]]]:
+    """Alice's `delete_note` call, held: the id of the in-band question on its stream, and the
+    stream's later messages (its result, id 1)."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "delete_note", "arguments": {"title": title}}}
+    with httpx.stream("POST", url, json=body, headers=_headers(ALICE, session), timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        messages = _messages(response)
+        question = next(messages)
+        assert question["method"] == "elicitation/create", question
+        yield question["id"], messages
+
+
+def _answer(url: str, bearer: str, session: str | None, request_id: str, approve: bool,
+            reason: str) -> httpx.Response:
+    return httpx.post(url, headers=_headers(bearer, session), timeout=15, json={
+        "jsonrpc": "2.0", "id": request_id,
+        "result": {"action": "accept", "content": {"approve": approve, "reason": reason}}})
+
+
+def _result(messages: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    return next(m for m in messages if m.get("id") == 1)
+
+
+def _audited(pp: ProxyProcess, tool: str) -> list[dict[str, Any]]:
+    return [r for worker in range(2) if (path := pp.audit_dir / f"audit-w{worker}.jsonl").exists()
+            for r in map(json.loads, path.read_text().splitlines()) if r["tool"] == tool]
+
+
+def test_another_principals_answer_does_not_approve_a_call_on_any_worker(tmp_path: Path) -> None:
+    # Mallory answers "approve" to alice's in-band question, on new connections (either worker:
+    # the asker's, or the other one that hands answers over through the store), with alice's
+    # session id, with her own session, and with none. None of it reaches alice's call: it waits
+    # on, and alice's own answer decides.
+    with _in_band(tmp_path) as (pp, rec):
+        url = pp.url("rec")
+        alice = _session(url, ALICE)
+        mallory = _session(url, MALLORY)
+        with _asking(url, alice, "alice-note") as (request_id, messages):
+            for _ in range(6):
+                stolen = _answer(url, MALLORY, alice, request_id, True, "mallory approves")
+                assert stolen.status_code == 404 and stolen.json()["error"]["message"] == "Session not found"
+                assert _answer(url, MALLORY, mallory, request_id, True, "mallory approves").status_code == 202
+                assert _answer(url, MALLORY, None, request_id, True, "mallory approves").status_code == 202
+            time.sleep(1.0)  # four of the asker's looks at the store
+            assert [c for c in rec.calls() if c["params"]["name"] == "delete_note"] == []
+            assert _answer(url, ALICE, alice, request_id, False, "alice says no").status_code == 202
+            result = _result(messages)["result"]
+        decision = result["_meta"]["envelope/decision"]
+        assert result["isError"] is True and decision["code"] == "approval_denied", result
+        assert "alice says no" in decision["reason"] and "mallory" not in json.dumps(result), decision
+        assert [c for c in rec.calls() if c["params"]["name"] == "delete_note"] == []
+        [record] = _audited(pp, "delete_note")
+        assert record["verdict"] == "deny" and record["code"] == "approval_denied", record
+        assert record["reason"].endswith("was denied by user:alice: alice says no"), record
+
+
+def test_an_answer_sent_again_to_both_workers_performs_the_call_once(tmp_path: Path) -> None:
+    # Alice's client sends its approving answer ten times on new connections: the asking worker
+    # takes the first it sees (delivered to it, or handed over by the other worker); the rest,
+    # and the same answer sent again after the call ended, change nothing.
+    with _in_band(tmp_path) as (pp, rec):
+        url = pp.url("rec")
+        alice = _session(url, ALICE)
+        with _asking(url, alice, "twice") as (request_id, messages):
+            said = [_answer(url, ALICE, alice, request_id, True, "once").status_code for _ in range(10)]
+            result = _result(messages)["result"]
+        assert said == [202] * 10
+        assert result.get("isError") is not True, result
+        for _ in range(4):
+            assert _answer(url, ALICE, alice, request_id, True, "once").status_code == 202
+        time.sleep(1.0)
+        assert len([c for c in rec.calls() if c["params"]["name"] == "delete_note"]) == 1
+        [record] = _audited(pp, "delete_note")
+        assert record["verdict"] == "allow" and record["extra"]["in_band"] is True, record
