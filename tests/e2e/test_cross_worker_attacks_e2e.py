@@ -218,3 +218,36 @@ def test_an_answer_sent_again_to_both_workers_performs_the_call_once(tmp_path: P
         assert len([c for c in rec.calls() if c["params"]["name"] == "delete_note"]) == 1
         [record] = _audited(pp, "delete_note")
         assert record["verdict"] == "allow" and record["extra"]["in_band"] is True, record
+
+
+
+def test_an_answer_while_the_store_is_gone_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    # Redis dies while alice's question waits for its answer. Her answers, on new connections:
+    # the asker (which knows the session) takes one or, the call having ended, cannot hand it
+    # over; the other worker cannot read whose the session is. Each is a 202 or a 503 saying so;
+    # the call is refused store_unavailable and audited, never performed.
+    from tests.redis_server import running_redis
+
+    (tmp_path / "redis").mkdir()
+    with running_redis(tmp_path / "redis") as redis, _in_band(
+            tmp_path, {"store": {"kind": "redis", "url": redis.url, "timeout": 1.0}}) as (pp, rec):
+        url = pp.url("rec")
+        alice = _session(url, ALICE)
+        with _asking(url, alice, "store-gone") as (request_id, messages):
+            redis.kill()
+            said = [_answer(url, ALICE, alice, request_id, True, "yes") for _ in range(6)]
+            result = _result(messages)["result"]
+        for answer in said:
+            assert answer.status_code in (202, 503), (answer.status_code, answer.text)
+            if answer.status_code == 503:
+                assert answer.json()["error"]["message"] in (
+                    "the session's owner cannot be read (state store unavailable)",
+                    "the answer could not be passed on (state store unavailable)"), answer.text
+        decision = result["_meta"]["envelope/decision"]
+        assert result["isError"] is True and decision["code"] == "store_unavailable", result
+        assert result["content"][0]["text"].startswith("Blocked by policy (store_unavailable): the state store "
+                                                       "(redis) is unavailable"), result
+        time.sleep(0.5)
+        assert [c for c in rec.calls() if c["params"]["name"] == "delete_note"] == []
+        [record] = _audited(pp, "delete_note")
+        assert (record["verdict"], record["code"], record["check"]) == ("error", "store_unavailable", "approval")
