@@ -16,7 +16,8 @@ goes back). By method:
   proxy sharing the store saw created is relayed, and the upstream decides.
 - `tasks/get`, `tasks/cancel` (and `tasks/result`) are relayed only for the principal whose call
   created the task (in memory and in the store): the upstream knows one caller, the proxy, and
-  would answer or cancel another principal's task; a task unknown so is refused (-32602).
+  would answer or cancel another principal's task; a task unknown so is refused (-32602). A
+  `tasks/list` answer keeps only that principal's tasks.
 - Everything else (initialize, ping, lists, completion, notifications, the client's answers to
   server requests) is relayed; every JSON-RPC message the upstream sends back, as
   JSON or SSE, on POST and on the standalone GET stream (resumed or not), is inspected by the
@@ -653,6 +654,14 @@ class _Scope:
                 message["result"] = front.ctx.filter_tools(message["result"], self.target.name,
                                                            self.principal)
                 filtered = True
+            elif msg.method == "tasks/list" and isinstance(result := message.get("result"), dict):
+                try:
+                    filtered = await self._own_tasks(result)
+                except StoreError as exc:  # whose the tasks are cannot be read: none is listed
+                    log.error("a tasks/list of upstream %s was withheld: %s", self.target.name, exc)
+                    return {"jsonrpc": "2.0", "id": message.get("id"), "error": {
+                        "code": jsonrpc.INTERNAL_ERROR,
+                        "message": "the tasks' owners cannot be read (state store unavailable)"}}, True
             method, record = msg.method or "stream", msg.method in RECORDED
         elif answer and msg is None:
             return await self._resumed(message), True
@@ -666,6 +675,18 @@ class _Scope:
                 "code": jsonrpc.INTERNAL_ERROR,
                 "message": f"Blocked by policy ({relayed.refusal.code.value}): {relayed.refusal.reason}"}}, True
         return None, True
+
+    async def _own_tasks(self, result: dict[str, Any]) -> bool:
+        """Keep in a `tasks/list` result only the tasks this principal's calls created through
+        this proxy (the upstream knows one caller, the proxy, and lists every principal's); whether
+        any was dropped. Raises StoreError."""
+        if "tasks" not in result:
+            return False
+        listed = result["tasks"]
+        kept = [task for task in listed if isinstance(task, dict) and await self.front._task_tool(
+            self.target, self.principal, task.get("taskId")) is not None] if isinstance(listed, list) else []
+        result["tasks"] = kept
+        return kept != listed
 
     async def _resumed(self, message: dict[str, Any]) -> dict[str, Any]:
         """An answer on a GET stream: the result of a call whose client left its stream (2025-11-25

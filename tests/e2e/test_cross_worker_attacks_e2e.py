@@ -32,8 +32,8 @@ UNKNOWN_TASK = "unknown task: it was not created through this proxy by this prin
 
 def test_another_principals_task_is_neither_read_nor_cancelled_on_any_worker(tmp_path: Path) -> None:
     # The upstream knows one caller (the proxy) and keeps its tasks by id alone: on the old code
-    # mallory's tasks/get (own session, or none) read alice's task status and tasks/cancel
-    # cancelled her call; only tasks/result was refused.
+    # mallory's tasks/get (own session, or none) read alice's task status, tasks/cancel
+    # cancelled her call and tasks/list listed it; only tasks/result was refused.
     from test_response_path import Client, text_of
 
     with _classified(tmp_path) as (pp, up):
@@ -50,10 +50,15 @@ def test_another_principals_task_is_neither_read_nor_cancelled_on_any_worker(tmp
                     assert reply["error"]["code"] == -32602, (method, reply)
                     assert reply["error"]["message"].startswith(UNKNOWN_TASK), (method, reply)
                     assert "CLASSIFIED" not in text_of(reply) and "result" not in reply, (method, reply)
+            for _ in range(4):  # the upstream lists every task it holds: alice's is not mallory's
+                listed = mallory.request("tasks/list", {}, CLOSE)
+                assert listed["result"]["tasks"] == [] and task_id not in text_of(listed), listed
         # Nothing of mallory's naming the task reached the upstream.
-        assert [e["method"] for e in up.control.log(before) if e["method"].startswith("tasks/")] == []
+        assert [e["method"] for e in up.control.log(before)
+                if e["method"].startswith("tasks/") and e["method"] != "tasks/list"] == []
         # Alice's own task is hers on either worker, and was not cancelled.
         for _ in range(4):
+            assert [t["taskId"] for t in alice.request("tasks/list", {}, CLOSE)["result"]["tasks"]] == [task_id]
             status = alice.request("tasks/get", {"taskId": task_id}, CLOSE)
             assert status["result"]["taskId"] == task_id and status["result"]["status"] in ("working", "completed")
         result = alice.request("tasks/result", {"taskId": task_id}, CLOSE)
