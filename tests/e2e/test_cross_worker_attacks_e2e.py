@@ -21,6 +21,7 @@ from tests.harness import (
     ProxyProcess,
     metric_value,
     proxy_process,
+    rpc,
     token,
     upstream_server,
     wait_port,
@@ -256,3 +257,45 @@ def test_an_answer_while_the_store_is_gone_is_refused_and_nothing_runs(tmp_path:
         assert [c for c in rec.calls() if c["params"]["name"] == "delete_note"] == []
         [record] = _audited(pp, "delete_note")
         assert (record["verdict"], record["code"], record["check"]) == ("error", "store_unavailable", "approval")
+
+
+def _stateless(url: str, bearer: str, title: str, **params: Any) -> dict[str, Any]:
+    """A 2026-07-28 `delete_note` call whose client takes elicitation (a new connection)."""
+    body = {"jsonrpc": "2.0", "id": title, "method": "tools/call", "params": {
+        "name": "delete_note", "arguments": {"title": title},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                  "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
+                  "io.modelcontextprotocol/clientCapabilities": {"elicitation": {"form": {}}}},
+        **params}}
+    response = rpc(url, body, bearer=bearer, headers={"Mcp-Method": "tools/call", "Mcp-Name": "delete_note", **CLOSE})
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()["result"]
+    return result
+
+
+def test_a_stateless_answer_is_taken_on_either_worker_and_only_once(tmp_path: Path) -> None:
+    # The question's requestState is signed by the worker that asked; the retry carrying the
+    # answer is a new request, on either worker. On the old code each worker signed with a
+    # random secret of its own: a retry on the other worker was refused ("bad signature"), so
+    # about half the approvals failed. Replayed (to both workers) or sent by another principal,
+    # the answer is refused; each call is performed once.
+    accept = {"envelope/approval": {"action": "accept", "content": {"approve": True}}}
+    with _in_band(tmp_path) as (pp, rec):
+        url = pp.url("rec")
+        for i in range(6):
+            title = f"stateless-{i}"
+            asked = _stateless(url, ALICE, title)
+            assert asked["resultType"] == "input_required", asked
+            state = asked["requestState"]
+            stolen = _stateless(url, MALLORY, title, inputResponses=accept, requestState=state)
+            assert stolen["_meta"]["envelope/decision"]["code"] == "approval_denied", stolen
+            answered = _stateless(url, ALICE, title, inputResponses=accept, requestState=state)
+            assert answered.get("isError") is False, (i, answered)
+            for _ in range(3):
+                again = _stateless(url, ALICE, title, inputResponses=accept, requestState=state)
+                assert again["_meta"]["envelope/decision"]["code"] == "approval_denied", again
+                assert "could not be verified" in again["content"][0]["text"], again
+        deletes = [c["params"]["arguments"]["title"] for c in rec.calls() if c["params"]["name"] == "delete_note"]
+        assert deletes == [f"stateless-{i}" for i in range(6)]
+        allowed = [r for r in _audited(pp, "delete_note") if r["verdict"] == "allow"]
+        assert len(allowed) == 6 and all(r["extra"]["in_band"] is True for r in allowed), allowed
