@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -299,3 +300,33 @@ def test_a_stateless_answer_is_taken_on_either_worker_and_only_once(tmp_path: Pa
         assert deletes == [f"stateless-{i}" for i in range(6)]
         allowed = [r for r in _audited(pp, "delete_note") if r["verdict"] == "allow"]
         assert len(allowed) == 6 and all(r["extra"]["in_band"] is True for r in allowed), allowed
+
+
+def _handed_over(pp: ProxyProcess) -> list[int]:
+    """The sizes of the answers handed over between workers that the SQLite store holds."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(f"file:{pp.state_dir / 'state.db'}?mode=ro", uri=True)) as db:
+        return [n for (n,) in db.execute("SELECT length(value) FROM kv WHERE ns = 'elicitation-answers'")]
+
+
+def test_answers_to_questions_never_asked_are_not_kept_for_the_workers(tmp_path: Path) -> None:
+    # A worker that did not ask hands an answer over through the store, for the one that did.
+    # On the old code it handed over any answer-shaped POST of a session, whole and for ten
+    # minutes: a principal with a session of its own filled the store every worker shares
+    # (4 MiB a request; here 8 x 512 KiB), with no question asked. Only an answer to a question
+    # pending for that session and principal is handed over, and only what the asker reads of it.
+    with _in_band(tmp_path) as (pp, rec):
+        url = pp.url("rec")
+        alice = _session(url, ALICE)
+        for _ in range(8):
+            unasked = _answer(url, ALICE, alice, f"envelope-{uuid.uuid4()}", True, "x" * 512 * 1024)
+            assert unasked.status_code == 202, unasked.text
+        assert _handed_over(pp) == []
+        # An answer to a question pending on the other worker is still handed over, bounded.
+        with _asking(url, alice, "bounded") as (request_id, messages):
+            said = [_answer(url, ALICE, alice, request_id, True, "y" * 512 * 1024).status_code for _ in range(6)]
+            result = _result(messages)["result"]
+        assert said == [202] * 6 and result.get("isError") is not True, result
+        assert all(size < 2048 for size in _handed_over(pp)), _handed_over(pp)
+        assert len([c for c in rec.calls() if c["params"]["name"] == "delete_note"]) == 1
