@@ -77,7 +77,7 @@ SIGNAL_ECHO_SECONDS = 0.2
 class Runtime:
     """One process's proxy: state, listeners and lifecycle."""
 
-    def __init__(self, config: Config, worker: int = 0):
+    def __init__(self, config: Config, worker: int = 0, in_band_secret: bytes | None = None):
         self.config = config
         self.worker = worker
         self.registry = ToolRegistry()
@@ -102,8 +102,10 @@ class Runtime:
         self.approvers = Approvers(config.approvals)
         self._approvals_gauge: asyncio.Task[None] | None = None
         # One in-band approval signer for the process: every policy revision's approval check
-        # shares it, so a state handed to a client before a reload still opens after it.
-        self.signer = RequestStateSigner.from_config(config.approvals)
+        # shares it, so a state handed to a client before a reload still opens after it; with
+        # several workers, `in_band_secret` is the one their supervisor drew for all of them (the
+        # client's retry lands on any worker).
+        self.signer = RequestStateSigner.from_config(config.approvals, in_band_secret)
         self.services = Services(store=self.store, settings=config, metrics=self.metrics,
                                  notifier=self.approval_notifier, signer=self.signer,
                                  approvals=self.approvals)
@@ -586,13 +588,14 @@ def _bound_port(runner: web.AppRunner | FastListener, fallback: int) -> int:
 
 
 async def serve(config: Config, worker: int = 0, announce: bool = True,
-                banner: Sequence[str] = ()) -> int:
+                banner: Sequence[str] = (), in_band_secret: bytes | None = None) -> int:
     """Run one proxy process until signalled. Returns the exit status: 2 when the policy is
     invalid, the runtime cannot be set up (an identity key file, the audit log) or a listener
     cannot bind (one line on stderr), 0 after a graceful shutdown.
-    `banner`: lines printed after the URLs, once every listener is up."""
+    `banner`: lines printed after the URLs, once every listener is up; `in_band_secret`: the
+    in-band approval secret the workers of one serve share (None: a random one of its own)."""
     try:
-        runtime = Runtime(config, worker)
+        runtime = Runtime(config, worker, in_band_secret)
     except (ConfigError, AuditError) as exc:
         # A key file not there, an audit log another proxy writes (a demo left running on the
         # same state directory): the operator's to fix, said in one line, not a traceback.

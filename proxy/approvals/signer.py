@@ -44,7 +44,9 @@ class RequestStateSigner:
     tool, argument digest), carries a random nonce (the approval check spends it once in the
     store, so a replayed state is refused) and an expiry. The secret is the configured one
     (`approvals.in_band_secret_env`) or a random one drawn by this signer: the runtime builds
-    one signer per process and hands it to every policy revision through `Services.signer`.
+    one signer per process and hands it to every policy revision through `Services.signer`; the
+    workers of one `serve` (`workers: N`) share the random one their supervisor drew, as a retry
+    may land on any of them.
     """
 
     def __init__(self, secret: bytes | None = None, ttl: float = 600.0,
@@ -54,15 +56,18 @@ class RequestStateSigner:
         self.clock = clock
 
     @classmethod
-    def from_config(cls, config: ApprovalsConfig) -> RequestStateSigner:
-        secret: bytes | None = None
+    def from_config(cls, config: ApprovalsConfig, drawn: bytes | None = None) -> RequestStateSigner:
+        """The configured secret's signer; else one signing with `drawn` (the workers' shared
+        secret), else with a random secret of its own."""
+        secret: bytes | None = drawn
         if config.in_band_secret_env:
             value = os.environ.get(config.in_band_secret_env, "")
             if value:
                 secret = value.encode()
             else:
                 log.warning("approvals.in_band_secret_env: environment variable %s is not set; "
-                            "in-band approval state is signed with a per-process secret",
+                            "in-band approval state is signed with a random secret (shared by this serve's "
+                            "workers only)",
                             config.in_band_secret_env)
         return cls(secret, config.in_band_state_ttl)
 

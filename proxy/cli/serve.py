@@ -95,14 +95,14 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _serve_worker(config_json: str, worker: int, parent: int) -> None:
+def _serve_worker(config_json: str, worker: int, parent: int, in_band_secret: bytes) -> None:
     from proxy.app.runtime import serve
     from proxy.config import Config
 
     _die_with_parent(parent)
     config = Config.model_validate_json(config_json)
     _setup_logging(config.log_level, worker)
-    sys.exit(_run(serve(config, worker)))
+    sys.exit(_run(serve(config, worker, in_band_secret=in_band_secret)))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -132,7 +132,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_workers(config: Config) -> int:
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i, os.getpid()))
+    # One in-band approval secret for every worker (unless configured): a 2026-07-28 client's
+    # retry carrying its answer lands on any worker, which must open the state another signed.
+    # Handed over as an argument (a pipe), never in the environment or on a command line.
+    secret = secrets.token_bytes(32)
+    procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i, os.getpid(), secret))
              for i in range(config.workers)]
 
     def forward(signum: int, _frame: Any) -> None:

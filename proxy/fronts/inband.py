@@ -13,8 +13,9 @@ wire:
   answered 202 and never relayed upstream. With a shared store the session's binding carries
   whether its client takes such questions (`proxy.fronts.sessions.SharedOwners`), and an answer
   that reaches another worker than the one that asked is handed over through the store
-  (`Elicitations.hand_over` / `answer`); without one, a session another process created falls
-  back to out-of-band approval.
+  (`Elicitations.pending` / `hand_over` / `answer`: only to a question pending for that session
+  and principal, once, and only what the asker reads of it); without one, a session another
+  process created falls back to out-of-band approval.
 - Stateless (2026-07-28): a client that lists `elicitation` in its per-request
   `_meta["io.modelcontextprotocol/clientCapabilities"]` gets an `input_required` result
   (`DeferChannel`); the retry's `inputResponses["envelope/approval"]` and the proxy's
@@ -194,18 +195,40 @@ class _Waiting:
 HANDOVER_NS = "elicitation-answers"
 HANDOVER_TTL = 600.0
 HANDOVER_POLL = 0.25
+# What the store holds for a question no answer was handed over to yet, before its principal
+# (an answer is JSON: it never starts so).
+PENDING = b"?"
 
 
 def _handover_key(upstream: str, session: str, request_id: str) -> str:
     return f"{upstream}/{digest(session)}/{request_id}"
 
 
+def _read_of(body: dict[str, Any]) -> dict[str, Any]:
+    """Of a client's answer, what the asker reads (`SessionChannel.ask`, `parse_answer`), bounded:
+    an error, or the action, whether it approves and the reason (cut to REASON_CHARS)."""
+    if "error" in body:
+        return {"id": body.get("id"), "error": str(body["error"])[:REASON_CHARS]}
+    result = body.get("result")
+    if not isinstance(result, dict):
+        return {"id": body.get("id"), "result": None}
+    action = result.get("action")
+    content = result.get("content")
+    content = content if isinstance(content, dict) else {}
+    reason = content.get("reason")
+    return {"id": body.get("id"), "result": {
+        "action": action if action in ("accept", "decline", "cancel") else None,
+        "content": {"approve": content.get("approve") is True,
+                    "reason": reason[:REASON_CHARS] if isinstance(reason, str) else ""}}}
+
+
 class Elicitations:
     """Elicitation requests the proxy sent and awaits answers for, by their JSON-RPC id.
 
     With a shared `store` (several workers or replicas), the client's answer may reach a worker
-    that did not ask (a new connection lands on any of them): that worker hands it over through
-    the store (`hand_over`), and the one that asked looks for it there while it waits
+    that did not ask (a new connection lands on any of them): the one that asks marks its
+    question pending in the store (`pending`), a worker that did not ask hands an answer over in
+    its place (`hand_over`), and the one that asked looks for it there while it waits
     (`answer`)."""
 
     def __init__(self, store: Store | None = None) -> None:
@@ -232,16 +255,32 @@ class Elicitations:
             waiting.future.set_result(body)
         return True
 
+    async def pending(self, request_id: str) -> None:
+        """Mark the question `request_id` (from `open`) pending in the store, so that another
+        worker may hand its answer over. Without a store, nothing; a store that cannot answer is
+        logged (an answer reaching another worker then cannot be passed on: the call waits on)."""
+        waiting = self._waiting[request_id]
+        if self.store is None:
+            return
+        try:
+            await self.store.put(HANDOVER_NS, _handover_key(waiting.upstream, waiting.session, request_id),
+                                 PENDING + waiting.principal.encode("utf-8", "surrogatepass"), ttl=HANDOVER_TTL)
+        except StoreError as exc:
+            log.warning("in-band question %s: only an answer reaching this worker is taken: %s", request_id, exc)
+
     async def hand_over(self, upstream: str, session: str, principal: str, body: dict[str, Any]) -> bool:
-        """Leave an answer this process did not ask for in the store, for the worker that did
-        (`answer` checks the principal). False without a store or for an id the proxy never
-        makes. Raises StoreError."""
+        """Leave an answer this process did not ask for in the store, in place of its question
+        pending there for this session and principal (`pending`), for the worker that asked: only
+        what it reads (`_read_of`). False without a store, for an id the proxy never makes, for a
+        question not pending so (never asked, someone else's, or answered already). Raises
+        StoreError."""
         request_id = body.get("id")
         if self.store is None or not isinstance(request_id, str) or len(request_id) > len(ID_PREFIX) + 36:
             return False
-        await self.store.put(HANDOVER_NS, _handover_key(upstream, session, request_id),
-                             orjson.dumps({"principal": principal, "body": body}), ttl=HANDOVER_TTL)
-        return True
+        return await self.store.cas(HANDOVER_NS, _handover_key(upstream, session, request_id),
+                                    PENDING + principal.encode("utf-8", "surrogatepass"),
+                                    orjson.dumps({"principal": principal, "body": _read_of(body)}),
+                                    ttl=HANDOVER_TTL)
 
     async def answer(self, request_id: str, future: asyncio.Future[Any]) -> Any:
         """The client's answer to `request_id`: delivered here (`resolve`) or, with a store, handed
@@ -258,7 +297,7 @@ class Elicitations:
             except StoreError as exc:
                 log.warning("in-band answer %s: the store cannot be read (asked again): %s", request_id, exc)
                 continue
-            if found is None:
+            if found is None or found.startswith(PENDING):
                 continue
             handed = orjson.loads(found)
             if (isinstance(handed, dict) and handed.get("principal") == waiting.principal
@@ -299,6 +338,7 @@ class SessionChannel:
         out = await self.open_stream()
         request_id, future = self.elicitations.open(self.upstream, self.session, self.principal)
         try:
+            await self.elicitations.pending(request_id)  # before the client can answer
             await out.write(format_event(orjson.dumps({
                 "jsonrpc": "2.0", "id": request_id, "method": "elicitation/create",
                 "params": elicitation_params(prompt),

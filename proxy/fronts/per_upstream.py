@@ -14,8 +14,12 @@ goes back). By method:
   404 "Session not found". The binding is in the state store too (`sessions.SharedOwners`), so
   every worker and replica sharing it, and the process after a restart, knows it; a session no
   proxy sharing the store saw created is relayed, and the upstream decides.
-- Everything else (initialize, ping, lists, tasks/get, completion, notifications, the client's
-  answers to server requests) is relayed; every JSON-RPC message the upstream sends back, as
+- `tasks/get`, `tasks/cancel` (and `tasks/result`) are relayed only for the principal whose call
+  created the task (in memory and in the store): the upstream knows one caller, the proxy, and
+  would answer or cancel another principal's task; a task unknown so is refused (-32602). A
+  `tasks/list` answer keeps only that principal's tasks.
+- Everything else (initialize, ping, lists, completion, notifications, the client's answers to
+  server requests) is relayed; every JSON-RPC message the upstream sends back, as
   JSON or SSE, on POST and on the standalone GET stream (resumed or not), is inspected by the
   envelope before it is delivered (`Envelope.relay`: forged meta removed, guardrails, ledger).
 - A result that reaches the client on a resumed GET stream (`Last-Event-ID`) after it left the
@@ -89,6 +93,9 @@ READS = frozenset({"resources/read", "prompts/get", "tasks/result"})
 # Lists, initialize and the like are inspected (meta, guardrails) but not recorded: their text
 # is the server's self-description, read before any task, and recording it would taint every run.
 RECORDED = frozenset({"tasks/get", "tasks/list", "tasks/cancel"})
+# Requests naming a task, relayed only for the principal whose call created it (`tasks/result`,
+# a content read, too: `_read`).
+OWNED_TASK_REQUESTS = frozenset({"tasks/get", "tasks/cancel"})
 # Requests an upstream may receive twice (nothing changes): resent once on a stale pooled
 # connection. Every other request written to an upstream is never sent again.
 REPEATABLE = frozenset({"ping", "tools/list", "resources/list", "resources/templates/list",
@@ -215,6 +222,9 @@ class McpFront:
             return await self._relay(request, target, principal, msg, body, tools_list=True)
         if method in READS:
             return await self._read(request, target, principal, msg, body)
+        if method in OWNED_TASK_REQUESTS:
+            if isinstance(refused := await self._own_task(target, principal, msg), web.Response):
+                return refused
         if msg.method is None and isinstance(msg.id, str) and msg.id.startswith(ID_PREFIX):
             # The client's answer to the proxy's own elicitation request: never relayed upstream.
             session = request.headers.get("Mcp-Session-Id")
@@ -420,6 +430,31 @@ class McpFront:
         found = await self.owners.store.get(TASKS_NS, self._task_key(target.name, principal.id, task_id))
         return None if found is None else found.decode("utf-8", "surrogatepass")
 
+    async def _own_task(self, target: UpstreamTarget, principal: Principal, msg: Message) -> str | web.Response:
+        """The tool of the task a `tasks/get`, `tasks/result` or `tasks/cancel` names, or its
+        refusal: a task not created through this proxy by this principal (another principal's
+        task id: the upstream knows one caller, the proxy, and would answer or cancel it) is
+        unknown (-32602), one whose owner the store cannot tell 503. Never relayed."""
+        task_id = msg.params.get("taskId")
+        try:
+            tool = await self._task_tool(target, principal, task_id)
+        except StoreError as exc:
+            log.error("%s on upstream %s refused: the task's tool cannot be read: %s", msg.method,
+                      target.name, exc)
+            return render.rpc_error(503, msg.id, jsonrpc.INTERNAL_ERROR,
+                                    "the task's tool cannot be read (state store unavailable)")
+        if tool is None:
+            # Another principal's, or its tool's guardrails and labels could not be applied to
+            # its result: not relayed (fail closed).
+            log.warning("%s on upstream %s refused: task %r is not known", msg.method, target.name,
+                        str(task_id)[:80])
+            return render.rpc_error(200, msg.id, jsonrpc.INVALID_PARAMS,
+                                    "unknown task: it was not created through this proxy by this "
+                                    "principal (or is older than 24 h)" + (
+                                        ", so its result cannot be inspected as its tool's"
+                                        if msg.method == "tasks/result" else ""))
+        return tool
+
     async def _read(self, request: web.Request, target: UpstreamTarget, principal: Principal,
                     msg: Message, body: bytes) -> web.StreamResponse:
         """A content read: the answer is inspected as the resource's, prompt's or task tool's
@@ -427,21 +462,10 @@ class McpFront:
         method = msg.method or ""
         tool = None
         if method == "tasks/result":
-            task_id = msg.params.get("taskId")
-            try:
-                tool = await self._task_tool(target, principal, task_id)
-            except StoreError as exc:
-                log.error("tasks/result on upstream %s refused: the task's tool cannot be read: %s", target.name, exc)
-                return render.rpc_error(503, msg.id, jsonrpc.INTERNAL_ERROR,
-                                        "the task's tool cannot be read (state store unavailable)")
-            if tool is None:
-                # Its tool's guardrails and labels could not be applied: not delivered (fail closed).
-                log.warning("tasks/result on upstream %s refused: task %r is not known", target.name,
-                            str(task_id)[:80])
-                return render.rpc_error(200, msg.id, jsonrpc.INVALID_PARAMS,
-                                        "unknown task: it was not created through this proxy by this "
-                                        "principal (or is older than 24 h), so its result cannot be "
-                                        "inspected as its tool's")
+            owned = await self._own_task(target, principal, msg)
+            if isinstance(owned, web.Response):
+                return owned
+            tool = owned
         call = calls.read_from(request.headers, method, msg.params, self._route(request, target),
                                principal, tool)
         call.effect = Effect.READ
@@ -630,6 +654,14 @@ class _Scope:
                 message["result"] = front.ctx.filter_tools(message["result"], self.target.name,
                                                            self.principal)
                 filtered = True
+            elif msg.method == "tasks/list" and isinstance(result := message.get("result"), dict):
+                try:
+                    filtered = await self._own_tasks(result)
+                except StoreError as exc:  # whose the tasks are cannot be read: none is listed
+                    log.error("a tasks/list of upstream %s was withheld: %s", self.target.name, exc)
+                    return {"jsonrpc": "2.0", "id": message.get("id"), "error": {
+                        "code": jsonrpc.INTERNAL_ERROR,
+                        "message": "the tasks' owners cannot be read (state store unavailable)"}}, True
             method, record = msg.method or "stream", msg.method in RECORDED
         elif answer and msg is None:
             return await self._resumed(message), True
@@ -643,6 +675,18 @@ class _Scope:
                 "code": jsonrpc.INTERNAL_ERROR,
                 "message": f"Blocked by policy ({relayed.refusal.code.value}): {relayed.refusal.reason}"}}, True
         return None, True
+
+    async def _own_tasks(self, result: dict[str, Any]) -> bool:
+        """Keep in a `tasks/list` result only the tasks this principal's calls created through
+        this proxy (the upstream knows one caller, the proxy, and lists every principal's); whether
+        any was dropped. Raises StoreError."""
+        if "tasks" not in result:
+            return False
+        listed = result["tasks"]
+        kept = [task for task in listed if isinstance(task, dict) and await self.front._task_tool(
+            self.target, self.principal, task.get("taskId")) is not None] if isinstance(listed, list) else []
+        result["tasks"] = kept
+        return kept != listed
 
     async def _resumed(self, message: dict[str, Any]) -> dict[str, Any]:
         """An answer on a GET stream: the result of a call whose client left its stream (2025-11-25

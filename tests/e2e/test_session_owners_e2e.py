@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 from e2e_helpers import write_doc
+from hostile_upstream import HostileUpstream
 from scripted_upstream import SESSION, scripted_server
 
 from tests.harness import ProxyProcess, metric_value, proxy_process, token, wait_port
@@ -190,9 +191,10 @@ async def test_an_in_band_answer_reaches_the_worker_that_asked(tmp_path: Path) -
 
 
 @contextlib.contextmanager
-def _classified(tmp_path: Path) -> Iterator[ProxyProcess]:
-    """Two workers in front of the hostile upstream, whose `read_page` has a redaction of its own
-    (not in `defaults.guardrails`: only a result inspected as that tool's is redacted)."""
+def _classified(tmp_path: Path) -> Iterator[tuple[ProxyProcess, HostileUpstream]]:
+    """Two workers in front of the hostile upstream (and the upstream, whose log tells what
+    reached it), whose `read_page` has a redaction of its own (not in `defaults.guardrails`: only
+    a result inspected as that tool's is redacted)."""
     from hostile_upstream import hostile_server
 
     doc = {"version": 1, "upstreams": {"h": {"url": "http://127.0.0.1:1/mcp", "timeout": "5s"}},
@@ -202,7 +204,7 @@ def _classified(tmp_path: Path) -> Iterator[ProxyProcess]:
     with hostile_server() as up, proxy_process(tmp_path, {"h": up.url}, policies=write_doc(tmp_path / "p", doc),
                                                config={"workers": 2}) as pp:
         wait_port(pp.admin_port + 1, pp.proc)
-        yield pp
+        yield pp, up
 
 
 def test_a_task_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path) -> None:
@@ -212,7 +214,7 @@ def test_a_task_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Path)
     # A result no worker knows the tool of is now refused rather than delivered so.
     from test_response_path import Client, text_of
 
-    with _classified(tmp_path) as pp:
+    with _classified(tmp_path) as (pp, _):
         client = Client(pp.url("h"))
         created = client.call("read_page", {"mode": "task", "text": "the code is CLASSIFIED-4471", "delay": 0.1},
                               task={"ttl": 60000})
@@ -234,7 +236,7 @@ def test_a_resumed_result_is_inspected_as_its_tools_on_every_worker(tmp_path: Pa
 
     from test_response_path import Client, sse, text_of
 
-    with _classified(tmp_path) as pp:
+    with _classified(tmp_path) as (pp, _):
         client = Client(pp.url("h"))
         for i in range(8):
             response = client.post({"jsonrpc": "2.0", "id": 100 + i, "method": "tools/call", "params": {
