@@ -102,6 +102,8 @@ REPEATABLE = frozenset({"ping", "tools/list", "resources/list", "resources/templ
                         "prompts/list", "tasks/get", "tasks/list", "completion/complete"})
 # How many calls left on a resumable stream, and how many task ids, are remembered.
 REMEMBERED = 10_000
+# Most entries of one `tasks/list` answer looked up (`_Scope._own_tasks`); the rest are dropped.
+LISTED_TASKS = 1_000
 REMEMBER_SECONDS = 3600.0
 # How long the tool of a task is known (in memory, and in the store's TASKS_NS): its result is
 # inspected as that tool's; a result asked for later is refused (its tool's guardrails and labels
@@ -654,9 +656,9 @@ class _Scope:
                 message["result"] = front.ctx.filter_tools(message["result"], self.target.name,
                                                            self.principal)
                 filtered = True
-            elif msg.method == "tasks/list" and isinstance(result := message.get("result"), dict):
+            elif msg.method == "tasks/list" and "result" in message:
                 try:
-                    filtered = await self._own_tasks(result)
+                    message["result"], filtered = await self._own_tasks(message["result"])
                 except StoreError as exc:  # whose the tasks are cannot be read: none is listed
                     log.error("a tasks/list of upstream %s was withheld: %s", self.target.name, exc)
                     return {"jsonrpc": "2.0", "id": message.get("id"), "error": {
@@ -676,17 +678,22 @@ class _Scope:
                 "message": f"Blocked by policy ({relayed.refusal.code.value}): {relayed.refusal.reason}"}}, True
         return None, True
 
-    async def _own_tasks(self, result: dict[str, Any]) -> bool:
-        """Keep in a `tasks/list` result only the tasks this principal's calls created through
-        this proxy (the upstream knows one caller, the proxy, and lists every principal's); whether
-        any was dropped. Raises StoreError."""
-        if "tasks" not in result:
-            return False
-        listed = result["tasks"]
-        kept = [task for task in listed if isinstance(task, dict) and await self.front._task_tool(
-            self.target, self.principal, task.get("taskId")) is not None] if isinstance(listed, list) else []
-        result["tasks"] = kept
-        return kept != listed
+    async def _own_tasks(self, result: Any) -> tuple[dict[str, Any], bool]:
+        """A `tasks/list` result keeping only the tasks this principal's calls created through
+        this proxy (the upstream knows one caller, the proxy, and lists every principal's), and
+        whether it changed. A result without a list of tasks keeps none; past `LISTED_TASKS`
+        entries none is kept (each unknown one costs a store read). Raises StoreError."""
+        if not isinstance(result, dict):
+            return {"tasks": []}, True
+        listed = result.get("tasks")
+        if not isinstance(listed, list):
+            return {**result, "tasks": []}, True
+        if len(listed) > LISTED_TASKS:
+            log.warning("tasks/list on upstream %s: %d tasks listed, only the first %d are looked up",
+                        self.target.name, len(listed), LISTED_TASKS)
+        kept = [task for task in listed[:LISTED_TASKS] if isinstance(task, dict) and await self.front._task_tool(
+            self.target, self.principal, task.get("taskId")) is not None]
+        return {**result, "tasks": kept}, kept != listed
 
     async def _resumed(self, message: dict[str, Any]) -> dict[str, Any]:
         """An answer on a GET stream: the result of a call whose client left its stream (2025-11-25

@@ -212,6 +212,24 @@ def test_a_task_result_is_inspected_recorded_and_audited(proxy: Any) -> None:
     assert_copy_is_flagged(client, "h.read_page", "h.tasks/get")
 
 
+@pytest.mark.parametrize("stateless", [False, True])
+def test_tasks_list_answers_a_principal_with_its_own_tasks_only(proxy: Any, stateless: bool) -> None:
+    # The upstream knows one caller, the proxy, and lists every task it holds: mallory's
+    # tasks/list must not carry alice's task, its id or its status message (either client kind).
+    alice = Client(proxy.url("h"), stateless=stateless)
+    mallory = Client(proxy.url("h"), stateless=stateless,
+                     headers={"Authorization": f"Bearer {token('mallory')}"})
+    private = "alice's acquisition shortlist: Contoso, Fabrikam"
+    hers = alice.call("read_page", {"mode": "task", "text": private, "delay": 0.2},
+                      task={"ttl": 60000})["result"]["task"]["taskId"]
+    own = mallory.call("read_page", {"mode": "task", "text": "mallory's page", "delay": 0.2},
+                       task={"ttl": 60000})["result"]["task"]["taskId"]
+    listed = mallory.request("tasks/list", {})
+    assert [t["taskId"] for t in listed["result"]["tasks"]] == [own], listed
+    assert hers not in text_of(listed) and "Contoso" not in text_of(listed)
+    assert [t["taskId"] for t in alice.request("tasks/list", {})["result"]["tasks"]] == [hers]
+
+
 def test_a_result_fetched_on_a_resumed_stream_is_inspected_and_audited(proxy: Any) -> None:
     client = Client(proxy.url("h"))
     response = client.post({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
