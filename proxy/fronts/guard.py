@@ -13,7 +13,9 @@ with callgrind), checking, in this order:
 - **The runs** a client names (its run, `X-Envelope-Run`, and a child run's parent,
   `X-Envelope-Parent-Run`) must be run ids (`proxy.envelope.types.run_id_problem`: 1 to 256
   printable ASCII characters), refused and audited like a bad header value otherwise; the admin
-  API checks its run with the same rule.
+  API checks its run with the same rule. A child agent's name (`X-Envelope-Agent`) must be an
+  id by the principal and `delegates:` rule (`proxy.identity.name_problem`: 1 to 256
+  characters), refused the same way.
 - **Header names** (`proxy.fronts.headers`): a `Connection` header that names a field the
   proxy reads or sets (`Authorization`, `Mcp-*`, `X-Envelope-*`, `X-Forwarded-*`, ...) or
   more than 10 fields, and, under `listener.underscore_headers: reject`, a field name holding
@@ -51,6 +53,7 @@ from proxy.fronts import jsonrpc
 from proxy.fronts.headers import connection_refusal, nominated, underscored
 from proxy.fronts.jsonrpc import BadMessage
 from proxy.fronts.render import rpc_error
+from proxy.identity import name_problem
 from proxy.observability import tracing
 from proxy.observability.metrics import Metrics, RejectReason
 
@@ -164,6 +167,12 @@ class Guard:
                 if why is not None:
                     return self._refused_header(request, "invalid_header", field,
                                                 f"header {field}: {why}")
+        agent = headers.get("X-Envelope-Agent")
+        if agent:  # compared with `delegates:` names, kept in lineage and audit: held to their rule
+            why = name_problem(agent)
+            if why is not None:
+                return self._refused_header(request, "invalid_header", "X-Envelope-Agent",
+                                            f"header X-Envelope-Agent: not an agent name: {why}")
         named = nominated(request.headers)
         if named:
             reason = connection_refusal(named)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from e2e_helpers import cli, fixture_policy, write_policy
 
@@ -164,6 +165,33 @@ async def test_roster(pp: ProxyProcess) -> None:
     assert "shell-runner" in d["reason"]
     unnamed = await _echo(pp, "boss-child-3", "boss-root", bearer=BOSS)
     assert decision(unnamed)["code"] == "not_on_roster"
+
+
+def test_an_agent_name_that_is_no_id_is_refused_and_audited(pp: ProxyProcess) -> None:
+    # The agent name is compared with the roster and kept in lineage and every audit record of
+    # the run: held to the rule of the roster's own names (it was taken at any length).
+    before = len(pp.audit_records())
+    counted = metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="invalid_header")
+    answer = httpx.post(pp.url("notes"), headers={
+        "Authorization": f"Bearer {BOSS}", "X-Envelope-Run": "boss-long-agent",
+        "X-Envelope-Parent-Run": "boss-root", "X-Envelope-Agent": "r" * 257,
+        "Accept": "application/json, text/event-stream", "Content-Type": "application/json"},
+        json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+              "params": {"name": "echo", "arguments": {"text": "hi"}}}, timeout=10)
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "header X-Envelope-Agent: not an agent name: it has 257 characters (at most 256)" in message, message
+    [rec] = pp.audit_records()[before:]
+    assert (rec["code"], rec["check"], rec["extra"]["header"]) == (
+        "invalid_request", "guard", "X-Envelope-Agent")
+    assert not any(r.get("run") == "boss-long-agent" for r in pp.audit_records())
+    assert metric_value(pp.metrics(), "envelope_rejected_requests_total", reason="invalid_header") == counted + 1
+
+
+async def test_an_agent_name_at_the_bound_reaches_the_roster_check(pp: ProxyProcess) -> None:
+    assert (await _echo(pp, "boss-root-2", bearer=BOSS)).is_error is False
+    d = decision(await _echo(pp, "boss-child-256", "boss-root-2", agent="r" * 256, bearer=BOSS))
+    assert d["code"] == "not_on_roster" and "r" * 256 in d["reason"]
 
 
 # ---- rate limits ----------------------------------------------------------------------------
