@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import hmac
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Sequence
@@ -64,7 +67,7 @@ from proxy.store.factory import open_store
 from proxy.tools.replay import open_recorder
 from proxy.upstream.forwarder import Forwarder
 from proxy.upstream.health import HealthProber, ProbeTarget, UpstreamHealth
-from proxy.upstream.stdio import PRINCIPAL_HEADER, StdioSpec, StdioUpstreams
+from proxy.upstream.stdio import PRINCIPAL_HEADER, Siblings, StdioSpec, StdioUpstreams
 from proxy.upstream.transport import FastForwarder
 from proxy.upstream.urls import strip_credentials
 
@@ -77,7 +80,8 @@ SIGNAL_ECHO_SECONDS = 0.2
 class Runtime:
     """One process's proxy: state, listeners and lifecycle."""
 
-    def __init__(self, config: Config, worker: int = 0, in_band_secret: bytes | None = None):
+    def __init__(self, config: Config, worker: int = 0, in_band_secret: bytes | None = None,
+                 stdio_endpoint: tuple[socket.socket, frozenset[int]] | None = None):
         self.config = config
         self.worker = worker
         self.registry = ToolRegistry()
@@ -106,6 +110,12 @@ class Runtime:
         # several workers, `in_band_secret` is the one their supervisor drew for all of them (the
         # client's retry lands on any worker).
         self.signer = RequestStateSigner.from_config(config.approvals, in_band_secret)
+        # The stdio endpoints of the workers of one serve: each on the socket its supervisor
+        # bound, sharing a secret (derived from theirs), so each hands the others the requests
+        # of sessions it holds (`StdioUpstreams._peer`).
+        self._stdio_siblings = None if stdio_endpoint is None or in_band_secret is None else Siblings(
+            hmac.new(in_band_secret, b"envelope-proxy stdio endpoint", hashlib.sha256).hexdigest(),
+            *stdio_endpoint)
         self.services = Services(store=self.store, settings=config, metrics=self.metrics,
                                  notifier=self.approval_notifier, signer=self.signer,
                                  approvals=self.approvals)
@@ -150,7 +160,6 @@ class Runtime:
         self.stdio: StdioUpstreams | None = None
         self._stdio_started = False
         self._commands: dict[str, str] = {}  # stdio upstream -> its program, as shown
-        self._stdio_workers_said = False
 
     def _probed(self, upstream: str) -> bool:
         # A stdio upstream's health is its children's (StdioUpstreams reports it), not a probe's.
@@ -208,7 +217,8 @@ class Runtime:
                 if self.stdio is None:
                     self.stdio = StdioUpstreams(self.config.limits.max_upstream_event_bytes,
                                                 on_health=self._stdio_health,
-                                                on_processes=self.metrics.set_stdio_processes)
+                                                on_processes=self.metrics.set_stdio_processes,
+                                                siblings=self._stdio_siblings)
                 url, headers = self.stdio.url(name), self.stdio.headers
                 principal_header = PRINCIPAL_HEADER
             assert url is not None  # exactly one of url / command (model validators)
@@ -221,14 +231,6 @@ class Runtime:
         if self.stdio is not None:
             self.stdio.configure(specs)
         self._commands = {n: s.command[0] for n, s in specs.items()}
-        if specs and self.config.workers > 1 and self.worker == 0 and not self._stdio_workers_said:
-            self._stdio_workers_said = True
-            log.warning("stdio upstream(s) %s with workers: %d: a session client's child process lives "
-                        "in the worker that started it, and a request of that session on a new "
-                        "connection may land on another worker, which answers 404 (its client must "
-                        "initialize again); serve session clients of stdio upstreams with workers: 1, "
-                        "or use stateless clients (each worker has its shared child)",
-                        ", ".join(sorted(specs)), self.config.workers)
         self._targets = targets  # swapped together with the chain
         for name, spec in revision.specs.items():  # operations an HTTP upstream cannot offer
             for skipped in spec.problems:
@@ -588,14 +590,17 @@ def _bound_port(runner: web.AppRunner | FastListener, fallback: int) -> int:
 
 
 async def serve(config: Config, worker: int = 0, announce: bool = True,
-                banner: Sequence[str] = (), in_band_secret: bytes | None = None) -> int:
+                banner: Sequence[str] = (), in_band_secret: bytes | None = None,
+                stdio_endpoint: tuple[socket.socket, frozenset[int]] | None = None) -> int:
     """Run one proxy process until signalled. Returns the exit status: 2 when the policy is
     invalid, the runtime cannot be set up (an identity key file, the audit log) or a listener
     cannot bind (one line on stderr), 0 after a graceful shutdown.
     `banner`: lines printed after the URLs, once every listener is up; `in_band_secret`: the
-    in-band approval secret the workers of one serve share (None: a random one of its own)."""
+    in-band approval secret the workers of one serve share (None: a random one of its own);
+    `stdio_endpoint`: this worker's stdio endpoint socket and every worker's endpoint port (the
+    supervisor bound them; None: one process, a port of its own)."""
     try:
-        runtime = Runtime(config, worker, in_band_secret)
+        runtime = Runtime(config, worker, in_band_secret, stdio_endpoint)
     except (ConfigError, AuditError) as exc:
         # A key file not there, an audit log another proxy writes (a demo left running on the
         # same state directory): the operator's to fix, said in one line, not a traceback.

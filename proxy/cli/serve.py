@@ -95,14 +95,16 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _serve_worker(config_json: str, worker: int, parent: int, in_band_secret: bytes) -> None:
+def _serve_worker(config_json: str, worker: int, parent: int, in_band_secret: bytes,
+                  stdio_socket: socket.socket, stdio_ports: frozenset[int]) -> None:
     from proxy.app.runtime import serve
     from proxy.config import Config
 
     _die_with_parent(parent)
     config = Config.model_validate_json(config_json)
     _setup_logging(config.log_level, worker)
-    sys.exit(_run(serve(config, worker, in_band_secret=in_band_secret)))
+    sys.exit(_run(serve(config, worker, in_band_secret=in_band_secret,
+                        stdio_endpoint=(stdio_socket, stdio_ports))))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -136,7 +138,15 @@ def _serve_workers(config: Config) -> int:
     # retry carrying its answer lands on any worker, which must open the state another signed.
     # Handed over as an argument (a pipe), never in the environment or on a command line.
     secret = secrets.token_bytes(32)
-    procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i, os.getpid(), secret))
+    # Each worker's stdio endpoint (where its stdio upstreams' children are served): bound here
+    # and held until the serve ends, so the port a stdio session id names is always a worker's
+    # (a worker hands another the requests of the sessions that worker holds, with their secret).
+    endpoints = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(config.workers)]
+    for endpoint in endpoints:
+        endpoint.bind(("127.0.0.1", 0))
+    ports = frozenset(int(e.getsockname()[1]) for e in endpoints)
+    procs = [ctx.Process(target=_serve_worker, args=(config.model_dump_json(), i, os.getpid(), secret,
+                                                     endpoints[i], ports))
              for i in range(config.workers)]
 
     def forward(signum: int, _frame: Any) -> None:
@@ -152,10 +162,14 @@ def _serve_workers(config: Config) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: each worker reloads
         signal.signal(sig, forward)
-    for p in procs:
-        p.start()
-    failed = _supervise(procs)
-    return failed or max(_exit_status(p.exitcode) for p in procs)
+    try:
+        for p in procs:
+            p.start()
+        failed = _supervise(procs)
+        return failed or max(_exit_status(p.exitcode) for p in procs)
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
 
 
 def _one_port(config: Config) -> Config:

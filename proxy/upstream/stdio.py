@@ -40,6 +40,13 @@ Behind the endpoint, newline-delimited JSON-RPC on the child's stdin/stdout, one
 - Shutdown (`close`): stdin closed, a grace to exit, then SIGTERM, then SIGKILL, to the
   child's whole process group (`npx` and friends start grandchildren).
 
+- With several workers (`workers: N`), each worker has its endpoint, children and pool; a
+  session's child lives in the worker that started it. A request of a session another worker
+  holds (its id, `<port>.<random>.<tag>`, names that worker's endpoint port and is tagged with
+  a MAC under the secret the workers share: `Siblings`) is handed to that worker's endpoint
+  and its answer streamed back (`_forward`); the fronts of the worker that took it already did
+  the envelope's work. Only the siblings' ports, which the supervisor holds, are ever sent to.
+
 One child process (start, line reader, stderr, stop) is `proxy/upstream/child.py`.
 """
 
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import itertools
 import logging
@@ -60,13 +68,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from proxy.policy.model import Upstream
 from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of, log_due
 
-__all__ = ["PRINCIPAL_HEADER", "SECRET_HEADER", "StdioSpec", "StdioUpstreams", "child_env",
+__all__ = ["PRINCIPAL_HEADER", "SECRET_HEADER", "Siblings", "StdioSpec", "StdioUpstreams", "child_env",
            "command_upstream", "principal_value"]
 
 log = logging.getLogger("envelope.stdio")
@@ -79,6 +88,11 @@ PRINCIPAL_HEADER = "X-Envelope-Stdio-Principal"
 # Ids the proxy mints towards a shared child (and back towards a stateless caller): strings with
 # this prefix, so they never collide with a caller's numbers or strings.
 ID_PREFIX = "envelope-stdio-"
+# What a request handed to the worker holding its session carries on, and what of its answer.
+_FORWARDED_HEADERS = frozenset({SECRET_HEADER.lower(), PRINCIPAL_HEADER.lower(), "mcp-session-id",
+                                "mcp-protocol-version", "content-type", "accept", "last-event-id",
+                                "traceparent", "tracestate"})
+_ANSWER_HEADERS = frozenset({"content-type", "cache-control", "mcp-session-id"})
 # After a crash: 0.25 s, 0.5 s, ... at most 30 s before the next start.
 BACKOFF_FIRST = 0.25
 BACKOFF_MAX = 30.0
@@ -148,6 +162,17 @@ class Shared:
     handshake: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Siblings:
+    """What the stdio endpoints of the workers of one serve share: a secret, and every worker's
+    endpoint port. The supervisor binds each endpoint's socket (`sock`: this worker's) and keeps
+    it open while the serve runs, so no other process can take a port a session id names."""
+
+    secret: str
+    sock: socket.socket
+    ports: frozenset[int]
+
+
 class StdioUpstreams:
     """Every command upstream of the process, served on one internal loopback endpoint.
 
@@ -156,14 +181,23 @@ class StdioUpstreams:
     `await close()` at shutdown (every child stopped)."""
 
     def __init__(self, max_line_bytes: int = 32 * 2**20, on_health: HealthSink | None = None,
-                 on_processes: Callable[[str, int], None] | None = None):
+                 on_processes: Callable[[str, int], None] | None = None,
+                 siblings: Siblings | None = None):
+        """`siblings`: with several workers, what their endpoints share (each then hands the
+        others the requests of sessions they hold, `_peer`); None: one process, a random secret
+        and a port of its own."""
         self.max_line_bytes = max_line_bytes
         self.on_health = on_health
         self.on_processes = on_processes  # (upstream, children now): the pool gauge
-        self.secret = secrets.token_urlsafe(32)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
+        self.secret = siblings.secret if siblings is not None else secrets.token_urlsafe(32)
+        self._peers: aiohttp.ClientSession | None = None
+        if siblings is not None:
+            self._sock = siblings.sock
+        else:
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])
+        self._siblings = frozenset(siblings.ports if siblings is not None else ()) - {self.port}
         self._specs: dict[str, StdioSpec] = {}
         self._sessions: dict[str, Session] = {}
         self._shared: dict[str, Shared] = {}
@@ -235,6 +269,9 @@ class StdioUpstreams:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._peers is not None:
+            await self._peers.close()
+            self._peers = None
         self._sock.close()
 
     def _spawn_task(self, coro: Any) -> None:
@@ -256,6 +293,10 @@ class StdioUpstreams:
         if spec is None:
             return web.Response(status=404, text="no such stdio upstream")
         sid = request.headers.get("Mcp-Session-Id")
+        if sid and sid not in self._sessions:
+            port = self._peer(sid)
+            if port is not None:
+                return await self._forward(request, port)
         if request.method == "GET":
             return await self._listen(request, sid)
         if request.method == "DELETE":
@@ -280,6 +321,64 @@ class StdioUpstreams:
         if message.get("method") == "initialize" and "id" in message:
             return await self._open_session(request, spec, message)
         return await self._shared_post(request, spec, message)
+
+    # ---- sessions another worker holds -------------------------------------------------------
+
+    def _session_id(self) -> str:
+        """A new session id: `<endpoint port>.<random>.<tag>`, the tag a MAC of the rest under
+        the endpoint's secret. Workers sharing the secret know by it which endpoint (worker) holds
+        a session; nobody else can make one that names a port."""
+        body = f"{self.port}.{secrets.token_hex(16)}"
+        return f"{body}.{self._tag(body)}"
+
+    def _tag(self, body: str) -> str:
+        return hmac.new(self.secret.encode(), body.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _peer(self, sid: str) -> int | None:
+        """The port of the other worker's endpoint holding session `sid`, or None: one worker,
+        not an id an endpoint of this serve made (its tag), or not another worker's port (this
+        endpoint's own: a session ended here is not looked for elsewhere). Only the siblings'
+        ports, which their supervisor holds for the serve's life: no other process can take one
+        and be sent the secret."""
+        if not self._siblings or len(sid) > 100:
+            return None
+        body, _, tag = sid.rpartition(".")
+        port, _, _ = body.partition(".")
+        if not (port.isdigit() and len(port) <= 5 and hmac.compare_digest(tag, self._tag(body))):
+            return None
+        return int(port) if int(port) in self._siblings else None
+
+    async def _forward(self, request: web.Request, port: int) -> web.StreamResponse:
+        """A request of a session the endpoint on `port` (another worker of this serve) holds,
+        handed to it and its answer streamed back as it comes. The fronts of this worker did the
+        envelope's work on it (checks, audit, inspection of what comes back); here it only
+        reaches the child that is the session. A worker gone (its children with it): 404, the
+        session is over and the client initializes again. Never sent twice (a connection of its
+        own per request: nothing is resent on a reused connection that broke)."""
+        if self._peers is None:
+            self._peers = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0), auto_decompress=False)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        body = await request.read() if request.can_read_body else None
+        sid = request.headers.get("Mcp-Session-Id", "")
+        try:
+            async with self._peers.request(request.method, f"http://127.0.0.1:{port}{request.rel_url}",
+                                           headers=headers, data=body, allow_redirects=False) as answer:
+                response = web.StreamResponse(status=answer.status, headers={
+                    k: v for k, v in answer.headers.items() if k.lower() in _ANSWER_HEADERS})
+                await response.prepare(request)
+                try:
+                    async for chunk in answer.content.iter_any():
+                        await response.write(chunk)
+                except (aiohttp.ClientError, OSError) as exc:  # the worker went away mid-answer:
+                    log.warning("stdio session %s… ended with its worker: %s", sid[:12], exc)
+                return response  # (a call's stream without its reply is a failed call)
+        except (aiohttp.ClientError, OSError) as exc:  # no answer began: the worker is gone
+            log.info("stdio session %s… of a worker not reachable (%s): session not found", sid[:12], exc)
+            if request.method == "POST":
+                return _error(404, None, -32001, "Session not found")
+            return web.Response(status=404)
 
     # ---- session clients --------------------------------------------------------------------
 
@@ -370,7 +469,7 @@ class StdioUpstreams:
             return refused
         self._take_slot(spec)
         self._hold(spec.name, principal, 1)
-        session = Session(id=secrets.token_hex(16), spec=spec, principal=principal,
+        session = Session(id=self._session_id(), spec=spec, principal=principal,
                           initialize=message)
         try:
             child = await self._start_child(spec, session)

@@ -149,21 +149,6 @@ def test_the_aggregated_endpoint_serves_a_session_on_every_worker_and_only_to_it
             assert _post(url, ALICE, "tools/list", {}, session=session).status_code == 200
 
 
-def test_stdio_session_children_with_several_workers_are_warned_of(tmp_path: Path) -> None:
-    # A stdio session's child is a process of one worker: nothing can take it up on another.
-    # What the operator is told at start-up (once, by worker 0), and not with one worker.
-    import sys
-
-    doc = {"version": 1, "defaults": {"unknown_tools": "deny"},
-           "upstreams": {"files": {"command": [sys.executable, "-c", "import time; time.sleep(60)"]}}}
-    policies = write_doc(tmp_path / "p", doc)
-    for workers, said in ((2, 1), (1, 0)):
-        (tmp_path / f"w{workers}").mkdir()
-        with proxy_process(tmp_path / f"w{workers}", {}, policies=policies, config={"workers": workers}) as pp:
-            log = pp.log()
-        assert log.count("stdio upstream(s) files with workers: 2: a session client's child") == said, log
-
-
 async def test_an_in_band_answer_reaches_the_worker_that_asked(tmp_path: Path) -> None:
     # The question goes out on the call's stream; the SDK client answers with a POST on another
     # connection, which may land on the other worker. On the old code that worker dropped the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -40,6 +41,7 @@ from tests.harness import (
     proxy_process,
     rpc,
     token,
+    wait_port,
 )
 
 MODES = ("legacy", "auto")
@@ -325,6 +327,123 @@ async def test_stderr_goes_to_the_proxy_log_tagged_with_the_upstream(world: Worl
 
 
 # ---- the pool: bound, idle reaping, shutdown ------------------------------------------------
+
+
+# ---- several workers -------------------------------------------------------------------------
+
+def _session_rpc(url: str, bearer: str, method: str, params: dict[str, Any], session: str | None = None,
+                 notify: bool = False) -> httpx.Response:
+    """One 2025-11-25 request on a new connection (with `workers: 2`, either worker may take it)."""
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "MCP-Protocol-Version": "2025-11-25", "Authorization": f"Bearer {bearer}"}
+    if session:
+        headers["Mcp-Session-Id"] = session
+    body: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "params": params}
+    if not notify:
+        body["id"] = uuid.uuid4().hex
+    return httpx.post(url, json=body, headers=headers, timeout=30)
+
+
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    """The JSON-RPC answer of a response, JSON or the last `data:` event of an SSE stream."""
+    assert response.status_code == 200, (response.status_code, response.text)
+    if response.headers["content-type"].startswith("application/json"):
+        return dict(response.json())
+    events = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+    return dict(json.loads(events[-1]))
+
+
+def test_a_stdio_session_is_served_on_every_worker(tmp_path: Path) -> None:
+    # A session's child is a process of the worker that started it; a request of the session on
+    # a new connection lands on either worker. Before, the other worker answered 404 (the SDK
+    # clients failed mid-session; only a start-up warning said so). Now the worker that does not
+    # hold the session hands the request to the one that does, after its own envelope: every call
+    # reaches the same child, once, with one audit record each; another principal gets 404.
+    state = tmp_path / "child"
+    state.mkdir()
+    policies = write_doc(tmp_path / "policies", {
+        "version": 1,
+        "upstreams": {"fix": {"command": [sys.executable, str(SERVER)], "timeout": "30s",
+                              "env": {"STDIO_STATE": str(state)}}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {"fix.pid": {"effect": "read"}, "fix.echo": {"effect": "read", "guardrails": [
+            {"id": "aws-key", "pattern": "AKIA[0-9A-Z]{16}", "action": "redact"}]}, "fix.write_note": {"effect": "write"}},
+    })
+    alice, mallory = token("alice"), token("mallory")
+    with proxy_process(tmp_path, {}, policies=policies, config={"workers": 2}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)  # the second worker serves too
+        url = pp.url("fix")
+        opened = _session_rpc(url, alice, "initialize", {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}})
+        session = opened.headers["Mcp-Session-Id"]
+        assert _answer(opened)["result"]["serverInfo"]["name"] == "stdio-fixture"
+        assert _session_rpc(url, alice, "notifications/initialized", {}, session, notify=True).status_code == 202
+        pids = {_answer(_session_rpc(url, alice, "tools/call", {"name": "pid", "arguments": {}}, session))
+                ["result"]["content"][0]["text"] for _ in range(16)}
+        assert len(pids) == 1, pids  # one child: the session's, on whichever worker took the request
+        # What comes back through the worker that handed the call on is inspected there.
+        for i in range(6):
+            echoed = _answer(_session_rpc(url, alice, "tools/call", {
+                "name": "echo", "arguments": {"text": f"key {i} AKIAIOSFODNN7EXAMPLE"}}, session))
+            assert "AKIAIOSFODNN7EXAMPLE" not in json.dumps(echoed), echoed
+        # A writer: each call reaches the child once.
+        for i in range(6):
+            assert _answer(_session_rpc(url, alice, "tools/call", {
+                "name": "write_note", "arguments": {"text": f"note {i}"}}, session))["result"]["isError"] is False
+        assert sorted((state / "notes").read_text().splitlines()) == [f"note {i}" for i in range(6)]
+        for _ in range(8):  # the session is alice's on every worker
+            refused = _session_rpc(url, mallory, "tools/call", {"name": "pid", "arguments": {}}, session)
+            assert refused.status_code == 404, refused.text
+        # One audit record per call, in the log of the worker whose envelope took it (both used).
+        logs = [[json.loads(line) for line in (pp.audit_dir / f"audit-w{w}.jsonl").read_text().splitlines()]
+                for w in range(2)]
+        assert all(any(r["tool"] == "pid" for r in log) for log in logs)
+        records = [r for log in logs for r in log if r["tool"] in ("pid", "echo", "write_note")]
+        assert [r["tool"] for r in records].count("pid") == 16
+        assert [r["tool"] for r in records].count("write_note") == 6
+        assert all(r.get("principal") == "alice" for r in records)
+        # Ending the session on either worker ends it on both.
+        ended = httpx.delete(url, headers={"Authorization": f"Bearer {alice}", "Mcp-Session-Id": session,
+                                           "MCP-Protocol-Version": "2025-11-25"}, timeout=10)
+        assert ended.status_code == 200, ended.text
+        for _ in range(6):
+            gone = _session_rpc(url, alice, "tools/call", {"name": "pid", "arguments": {}}, session)
+            assert gone.status_code == 404, gone.text
+
+
+async def test_an_sdk_session_with_questions_is_served_on_every_worker(tmp_path: Path) -> None:
+    # The official SDK's legacy client, on a new connection per request (so either worker takes
+    # each): its session's calls, the child's question (elicitation) on the call's stream, and
+    # the client's answer POSTed on a connection of its own all reach the one child. Before, the
+    # first request on the other worker failed the session (404).
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp_types import ElicitResult
+
+    state = tmp_path / "child"
+    state.mkdir()
+    policies = fixture_policy(tmp_path / "policies", state)
+    asked: list[str] = []
+
+    async def on_elicitation(ctx: Any, params: Any) -> ElicitResult:
+        asked.append(params.message)
+        return ElicitResult(action="accept", content={"answer": f"answer {len(asked)}"})
+
+    with proxy_process(tmp_path, {}, policies=policies, identity=STATIC, config={"workers": 2}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)
+        for round_ in range(3):
+            http = httpx2.AsyncClient(limits=httpx2.Limits(max_keepalive_connections=0),
+                                      timeout=httpx2.Timeout(30, read=300))
+            async with http, Client(streamable_http_client(pp.url("fix"), http_client=http), mode="legacy",
+                                    cache=None, elicitation_callback=on_elicitation) as c:
+                pids = {text(await c.call_tool("pid", {})) for _ in range(6)}
+                assert len(pids) == 1, pids
+                answered = await c.call_tool("ask", {"question": f"round {round_}?"})
+                assert answered.is_error is False, answered
+                assert text(answered) == f"answered: answer {len(asked)}"
+                assert text(await c.call_tool("echo", {"text": f"still round {round_}"})) == f"still round {round_}"
+        assert asked == [f"round {r}?" for r in range(3)]
 
 
 @pytest.fixture(scope="module")
