@@ -218,7 +218,7 @@ class Runtime:
                     self.stdio = StdioUpstreams(self.config.limits.max_upstream_event_bytes,
                                                 on_health=self._stdio_health,
                                                 on_processes=self.metrics.set_stdio_processes,
-                                                siblings=self._stdio_siblings)
+                                                siblings=self._stdio_siblings, forwarder=self.forwarder)
                 url, headers = self.stdio.url(name), self.stdio.headers
                 principal_header = PRINCIPAL_HEADER
             assert url is not None  # exactly one of url / command (model validators)

@@ -68,12 +68,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
-import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.errors import UpstreamBusy, UpstreamError
 from proxy.policy.model import Upstream
 from proxy.upstream.child import Child, ChildGone, StdioSpec, Waiter, child_env, key_of, log_due
+from proxy.upstream.forwarder import Forwarder
 
 __all__ = ["PRINCIPAL_HEADER", "SECRET_HEADER", "Siblings", "StdioSpec", "StdioUpstreams", "child_env",
            "command_upstream", "principal_value"]
@@ -93,6 +94,8 @@ _FORWARDED_HEADERS = frozenset({SECRET_HEADER.lower(), PRINCIPAL_HEADER.lower(),
                                 "mcp-protocol-version", "content-type", "accept", "last-event-id",
                                 "traceparent", "tracestate"})
 _ANSWER_HEADERS = frozenset({"content-type", "cache-control", "mcp-session-id"})
+# Seconds to connect to another worker's endpoint (loopback: anything longer is a worker gone).
+_SIBLING_CONNECT = 2.0
 # After a crash: 0.25 s, 0.5 s, ... at most 30 s before the next start.
 BACKOFF_FIRST = 0.25
 BACKOFF_MAX = 30.0
@@ -182,22 +185,23 @@ class StdioUpstreams:
 
     def __init__(self, max_line_bytes: int = 32 * 2**20, on_health: HealthSink | None = None,
                  on_processes: Callable[[str, int], None] | None = None,
-                 siblings: Siblings | None = None):
+                 siblings: Siblings | None = None, forwarder: Forwarder | None = None):
         """`siblings`: with several workers, what their endpoints share (each then hands the
-        others the requests of sessions they hold, `_peer`); None: one process, a random secret
-        and a port of its own."""
+        others the requests of sessions they hold, `_peer`, through `forwarder`, the process's
+        upstream client); None: one process, a random secret and a port of its own."""
         self.max_line_bytes = max_line_bytes
         self.on_health = on_health
         self.on_processes = on_processes  # (upstream, children now): the pool gauge
         self.secret = siblings.secret if siblings is not None else secrets.token_urlsafe(32)
-        self._peers: aiohttp.ClientSession | None = None
+        self._forwarder = forwarder
         if siblings is not None:
             self._sock = siblings.sock
         else:
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])
-        self._siblings = frozenset(siblings.ports if siblings is not None else ()) - {self.port}
+        self._siblings = (frozenset(siblings.ports) - {self.port}
+                          if siblings is not None and forwarder is not None else frozenset())
         self._specs: dict[str, StdioSpec] = {}
         self._sessions: dict[str, Session] = {}
         self._shared: dict[str, Shared] = {}
@@ -269,9 +273,6 @@ class StdioUpstreams:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._peers is not None:
-            await self._peers.close()
-            self._peers = None
         self._sock.close()
 
     def _spawn_task(self, coro: Any) -> None:
@@ -350,35 +351,39 @@ class StdioUpstreams:
 
     async def _forward(self, request: web.Request, port: int) -> web.StreamResponse:
         """A request of a session the endpoint on `port` (another worker of this serve) holds,
-        handed to it and its answer streamed back as it comes. The fronts of this worker did the
+        handed to it through the process's forwarder (written at most once: it never resends
+        unasked) and its answer streamed back as it comes. The fronts of this worker did the
         envelope's work on it (checks, audit, inspection of what comes back); here it only
-        reaches the child that is the session. A worker gone (its children with it): 404, the
-        session is over and the client initializes again. Never sent twice (a connection of its
-        own per request: nothing is resent on a reused connection that broke)."""
-        if self._peers is None:
-            self._peers = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True, limit=0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0), auto_decompress=False)
+        reaches the child that is the session. A worker that cannot be reached (gone, its
+        children with it): 404, the session is over and the client initializes again; one that
+        broke off after the request was written: 502 (it may have been performed)."""
+        assert self._forwarder is not None  # given with `siblings`
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         body = await request.read() if request.can_read_body else None
         sid = request.headers.get("Mcp-Session-Id", "")
         try:
-            async with self._peers.request(request.method, f"http://127.0.0.1:{port}{request.rel_url}",
-                                           headers=headers, data=body, allow_redirects=False) as answer:
-                response = web.StreamResponse(status=answer.status, headers={
-                    k: v for k, v in answer.headers.items() if k.lower() in _ANSWER_HEADERS})
-                await response.prepare(request)
-                try:
-                    async for chunk in answer.content.iter_any():
-                        await response.write(chunk)
-                except (aiohttp.ClientError, OSError) as exc:  # the worker went away mid-answer:
-                    log.warning("stdio session %s… ended with its worker: %s", sid[:12], exc)
-                return response  # (a call's stream without its reply is a failed call)
-        except (aiohttp.ClientError, OSError) as exc:  # no answer began: the worker is gone
+            answer = await self._forwarder.open(
+                request.method, f"http://127.0.0.1:{port}{request.rel_url}", headers, body,
+                connect_timeout=_SIBLING_CONNECT, read_timeout=None, long_lived=request.method == "GET")
+        except UpstreamBusy as exc:
+            return _error(503, None, -32000, f"stdio session stream refused: {exc}")
+        except UpstreamError as exc:
+            if exc.attempts:  # written: the worker holding the session may have performed it
+                log.warning("stdio session %s…: its worker broke off: %s", sid[:12], exc)
+                return _error(502, None, -32603, f"the worker holding the stdio session broke off: {exc}")
             log.info("stdio session %s… of a worker not reachable (%s): session not found", sid[:12], exc)
-            if request.method == "POST":
-                return _error(404, None, -32001, "Session not found")
-            return web.Response(status=404)
+            return _error(404, None, -32001, "Session not found") if request.method == "POST" \
+                else web.Response(status=404)
+        async with answer:
+            response = web.StreamResponse(status=answer.status, headers={
+                k: v for k, v in answer.headers.items() if k.lower() in _ANSWER_HEADERS})
+            await response.prepare(request)
+            try:
+                async for chunk in answer.chunks():
+                    await response.write(chunk)
+            except UpstreamError as exc:  # the worker went away mid-answer: the stream ends
+                log.warning("stdio session %s…: its worker broke off the stream: %s", sid[:12], exc)
+            return response  # (a call's stream without its reply is a failed call)
 
     # ---- session clients --------------------------------------------------------------------
 

@@ -3,7 +3,9 @@ environment, the restart backoff."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -60,15 +62,17 @@ def test_backoff_doubles_up_to_thirty_seconds() -> None:
 
 # ---- sessions another worker holds ---------------------------------------------------------
 
-def _workers(n: int, secret: str = "shared") -> list[Any]:
+def _workers(n: int, secret: str = "shared", forwarder: Any = None) -> list[Any]:
     """The stdio endpoints of `n` workers of one serve (sockets bound as their supervisor does)."""
+    from proxy.upstream.forwarder import Forwarder
     from proxy.upstream.stdio import Siblings, StdioUpstreams
 
     socks = [socket.socket() for _ in range(n)]
     for sock in socks:
         sock.bind(("127.0.0.1", 0))
     ports = frozenset(sock.getsockname()[1] for sock in socks)
-    return [StdioUpstreams(siblings=Siblings(secret, sock, ports)) for sock in socks]
+    forwarder = forwarder or Forwarder()
+    return [StdioUpstreams(siblings=Siblings(secret, sock, ports), forwarder=forwarder) for sock in socks]
 
 
 async def test_only_a_session_id_an_endpoint_of_this_serve_made_names_its_worker() -> None:
@@ -96,27 +100,85 @@ async def test_only_a_session_id_an_endpoint_of_this_serve_made_names_its_worker
             await endpoint.close()
 
 
-async def test_a_session_of_a_worker_gone_is_not_found() -> None:
+async def _sibling_answering(sock: socket.socket, answers: list[bytes]) -> tuple[Any, list[bytes]]:
+    """A sibling endpoint on `sock`: each request it reads is answered with the next of
+    `answers` (raw bytes), then its connection closed; returns the server and the requests read."""
+    import asyncio
+
+    sock.listen()
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(answers[len(heads) - 1])
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(serve, sock=sock), heads
+
+
+async def _ask(here: Any, sid: str, method: str = "POST", secret: str | None = None) -> Any:
     import httpx
 
-    from proxy.upstream.child import StdioSpec
     from proxy.upstream.stdio import SECRET_HEADER
 
-    here, gone = _workers(2)
-    sid = gone._session_id()
-    await gone.close()  # its port no longer answers
+    async with httpx.AsyncClient() as client:
+        return await client.request(method, here.url("fix"), headers={
+            SECRET_HEADER: secret or here.secret, "Mcp-Session-Id": sid},
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"} if method == "POST" else None)
+
+
+@contextlib.asynccontextmanager
+async def _two_workers() -> AsyncIterator[tuple[Any, Any]]:
+    """This worker's endpoint (started, serving upstream `fix`) and its sibling's (not started)."""
+    from proxy.upstream.child import StdioSpec
+    from proxy.upstream.forwarder import Forwarder
+
+    forwarder = Forwarder()
+    await forwarder.start()
+    here, there = _workers(2, forwarder=forwarder)
     here.configure({"fix": StdioSpec("fix", ("server",))})
     await here.start()
     try:
-        async with httpx.AsyncClient() as client:
-            headers = {SECRET_HEADER: here.secret, "Mcp-Session-Id": sid}
-            post = await client.post(here.url("fix"), headers=headers,
-                                     json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
-            get = await client.get(here.url("fix"), headers=headers)
-            wrong = await client.post(here.url("fix"), headers={**headers, SECRET_HEADER: "guess"},
-                                      json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
-        assert post.status_code == 404 and post.json()["error"]["message"] == "Session not found"
-        assert get.status_code == 404
-        assert wrong.status_code == 403  # the secret first, as for any request
+        yield here, there
     finally:
         await here.close()
+        await there.close()
+        await forwarder.close()
+
+
+async def test_a_session_of_a_worker_gone_is_not_found() -> None:
+    async with _two_workers() as (here, gone):
+        sid = gone._session_id()
+        gone._sock.close()  # its port no longer answers: nothing can be written to it
+        post, get = await _ask(here, sid), await _ask(here, sid, "GET")
+    assert post.status_code == 404 and post.json()["error"]["message"] == "Session not found"
+    assert get.status_code == 404
+
+
+async def test_a_worker_that_breaks_off_is_a_failed_call_never_a_second_send() -> None:
+    event = b'data: {"jsonrpc":"2.0","method":"notifications/progress","params":{}}\n\n'
+    partial = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + b"%x\r\n" % len(event) + event + b"\r\n")
+    async with _two_workers() as (here, there):
+        server, heads = await _sibling_answering(there._sock, [b"", partial])
+        sid = there._session_id()
+        # Written, then closed without an answer: 502 (it may have been performed), not 404
+        # (which has the client start over as if nothing happened), and never sent again.
+        broken = await _ask(here, sid)
+        assert len(heads) == 1
+        # Cut off mid-answer: what arrived is relayed, then the stream ends (no reply: the
+        # front refuses the call as an upstream error, as for a child that exits mid-call).
+        cut = await _ask(here, sid)
+        server.close()
+    assert broken.status_code == 502 and "broke off" in broken.json()["error"]["message"], broken.text
+    assert cut.status_code == 200 and cut.text == event.decode()
+    assert len(heads) == 2 and all(sid.encode() in head and here.secret.encode() in head for head in heads)
+
+
+async def test_a_request_to_the_endpoint_without_its_secret_is_refused_first() -> None:
+    async with _two_workers() as (here, there):
+        server, heads = await _sibling_answering(there._sock, [b""])
+        wrong = await _ask(here, there._session_id(), secret="guess")
+        server.close()
+    assert wrong.status_code == 403 and heads == []  # nothing handed on
