@@ -146,6 +146,13 @@ class ProxyProcess:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+    def worker_audit_records(self, workers: int = 2) -> list[list[dict[str, Any]]]:
+        """Each worker's audit records (`audit-w<i>.jsonl`: with `workers > 1` each writes its own
+        log; an absent one is empty), in worker order."""
+        logs = (self.audit_dir / f"audit-w{w}.jsonl" for w in range(workers))
+        return [[json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                if path.exists() else [] for path in logs]
+
     def metrics(self) -> str:
         return httpx.get(f"{self.admin}/metrics", timeout=5).text
 

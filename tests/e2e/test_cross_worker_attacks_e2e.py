@@ -175,8 +175,7 @@ def _result(messages: Iterator[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _audited(pp: ProxyProcess, tool: str) -> list[dict[str, Any]]:
-    return [r for worker in range(2) if (path := pp.audit_dir / f"audit-w{worker}.jsonl").exists()
-            for r in map(json.loads, path.read_text().splitlines()) if r["tool"] == tool]
+    return [r for log in pp.worker_audit_records() for r in log if r["tool"] == tool]
 
 
 def test_another_principals_answer_does_not_approve_a_call_on_any_worker(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ state store too; a store that cannot say whose a session is refuses (503), never
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,8 +168,7 @@ async def test_an_in_band_answer_reaches_the_worker_that_asked(tmp_path: Path) -
                 assert r.is_error is False, (i, r.meta)
                 deleted.append(r.structured_content)
         assert deleted == [{"deleted": f"handed-{i}", "existed": True} for i in range(6)]
-        records = [json.loads(line) for worker in range(2)
-                   for line in (pp.audit_dir / f"audit-w{worker}.jsonl").read_text().splitlines()]
+        records = [r for log in pp.worker_audit_records() for r in log]
         allowed = [r for r in records if r["tool"] == "delete_note" and r["verdict"] == "allow"]
         assert len(allowed) == 6 and all(r["extra"]["in_band"] is True for r in allowed), allowed
 
