@@ -71,6 +71,12 @@ class RequestStateSigner:
                             config.in_band_secret_env)
         return cls(secret, config.in_band_state_ttl)
 
+    def derive(self, purpose: bytes) -> bytes:
+        """A 32-byte key for `purpose`, from this signer's secret: shared wherever the secret is
+        (every worker of a serve; replicas configured with one `in_band_secret_env`), and
+        unrelated to the key of any other purpose."""
+        return hmac.new(self._secret, b"envelope-proxy derive " + purpose, hashlib.sha256).digest()
+
     def _mac(self, signed: bytes) -> str:
         return _b64(hmac.new(self._secret, signed, hashlib.sha256).digest())
 

@@ -16,14 +16,27 @@ upstream sessions).
 worker and replica sharing it (and the process after a restart, on a persistent store) knows
 whose a session is: a session another worker saw created is refused to another principal here
 too. A session no proxy sharing the store saw created is relayed, and its upstream decides.
+
+`SharedUpstreamSessions` keeps, for the aggregated `/mcp`, which upstream session each client
+session uses with each upstream, so that the worker or replica taking a client session up uses
+the same upstream session instead of opening its own (an upstream that keeps state per session
+would otherwise see one client session split in several). The store holds it sealed (AES-GCM
+under a key the workers share, bound to the entry's key): an upstream session id is a bearer
+string, so a reader of the store learns none and cannot move one to another client session.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+import orjson
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from proxy.store.base import Store
 
@@ -152,3 +165,66 @@ class SharedOwners:
         key = self._key(upstream, session)
         for flag in (b"0", b"1"):
             await self.store.delete_if(NS, key, flag + owner.encode("utf-8", "surrogatepass"))
+
+
+UPSTREAM_NS = "upstream_sessions"
+_NONCE = 12
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    """What the store holds for one client session and upstream: `raw` as stored, and the
+    upstream session id and revision it seals (`session_id` None: sealed under another key, by
+    a proxy that shares the store but not the secret)."""
+
+    raw: bytes
+    session_id: str | None
+    protocol: str = ""
+
+
+class SharedUpstreamSessions:
+    """The upstream session each aggregate client session uses per upstream, in the state store
+    (see the module docstring). `key` is 32 bytes the workers (and replicas configured with one
+    `approvals.in_band_secret_env`) share. Raises `StoreError` when the store cannot answer."""
+
+    def __init__(self, store: Store, key: bytes, ttl: float = BINDING_TTL):
+        self.store = store
+        self._aead = AESGCM(key)
+        self.ttl = ttl
+
+    @staticmethod
+    def _key(route: str, session: str, upstream: str) -> str:
+        return f"{route}/{digest(session)}/{upstream}"
+
+    def seal(self, route: str, session: str, upstream: str, session_id: str, protocol: str) -> bytes:
+        nonce = os.urandom(_NONCE)
+        aad = self._key(route, session, upstream).encode("utf-8", "surrogatepass")
+        return nonce + self._aead.encrypt(nonce, orjson.dumps([session_id, protocol]), aad)
+
+    def _open(self, key: str, raw: bytes) -> StoredSession:
+        try:
+            plain = self._aead.decrypt(raw[:_NONCE], raw[_NONCE:], key.encode("utf-8", "surrogatepass"))
+            session_id, protocol = orjson.loads(plain)
+        except (InvalidTag, ValueError, TypeError):
+            return StoredSession(raw, None)
+        if not isinstance(session_id, str) or not isinstance(protocol, str):
+            return StoredSession(raw, None)
+        return StoredSession(raw, session_id, protocol)
+
+    async def get(self, route: str, session: str, upstream: str) -> StoredSession | None:
+        key = self._key(route, session, upstream)
+        raw = await self.store.get(UPSTREAM_NS, key)
+        return None if not raw else self._open(key, raw)
+
+    async def claim(self, route: str, session: str, upstream: str, sealed: bytes,
+                    replacing: bytes | None) -> bool:
+        """Store `sealed` if the entry is still `replacing` (None: if there is none); whether it
+        was stored (False: another worker stored its own first)."""
+        key = self._key(route, session, upstream)
+        if replacing is None:
+            return await self.store.add(UPSTREAM_NS, key, sealed, ttl=self.ttl)
+        return await self.store.cas(UPSTREAM_NS, key, replacing, sealed, ttl=self.ttl)
+
+    async def forget(self, route: str, session: str, upstreams: Sequence[str]) -> None:
+        for upstream in upstreams:
+            await self.store.delete(UPSTREAM_NS, self._key(route, session, upstream))

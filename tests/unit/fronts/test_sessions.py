@@ -63,3 +63,74 @@ def test_session_capabilities_know_who_created_a_session() -> None:
     assert sessions.foreign("up", "sid-a", "bob") and len(sessions) == 3
     sessions.forget("up", "sid-a")
     assert not sessions.foreign("up", "sid-a", "bob")
+
+
+# ---- the aggregate's upstream sessions in the store ---------------------------------------
+
+KEY = bytes(range(32))
+
+
+async def test_an_upstream_session_is_stored_sealed_and_read_back() -> None:
+    from proxy.fronts.sessions import UPSTREAM_NS, SharedUpstreamSessions
+    from proxy.store.memory import MemoryStore
+
+    store = MemoryStore()
+    shared = SharedUpstreamSessions(store, KEY)
+    sealed = shared.seal("aggregate", "client-1", "notes", "upstream-secret-id", "2025-11-25")
+    assert await shared.claim("aggregate", "client-1", "notes", sealed, None) is True
+    found = await shared.get("aggregate", "client-1", "notes")
+    assert found is not None and (found.session_id, found.protocol) == ("upstream-secret-id", "2025-11-25")
+    # The store holds neither the client's session id nor the upstream's in the clear.
+    [(key, raw)] = await store.items(UPSTREAM_NS)
+    assert "client-1" not in key and b"upstream-secret-id" not in raw
+    assert await shared.get("aggregate", "client-2", "notes") is None
+
+
+async def test_a_second_worker_does_not_overwrite_the_first_and_a_replacement_needs_the_old_value() -> None:
+    from proxy.fronts.sessions import SharedUpstreamSessions
+    from proxy.store.memory import MemoryStore
+
+    shared = SharedUpstreamSessions(MemoryStore(), KEY)
+    first = shared.seal("aggregate", "c", "notes", "u-1", "2025-11-25")
+    second = shared.seal("aggregate", "c", "notes", "u-2", "2025-11-25")
+    assert await shared.claim("aggregate", "c", "notes", first, None) is True
+    assert await shared.claim("aggregate", "c", "notes", second, None) is False  # the first stays
+    stale = shared.seal("aggregate", "c", "notes", "u-0", "2025-11-25")
+    assert await shared.claim("aggregate", "c", "notes", second, stale) is False  # not what is stored
+    assert await shared.claim("aggregate", "c", "notes", second, first) is True   # after the first's 404
+    found = await shared.get("aggregate", "c", "notes")
+    assert found is not None and found.session_id == "u-2"
+    await shared.forget("aggregate", "c", ["notes", "other"])
+    assert await shared.get("aggregate", "c", "notes") is None
+
+
+async def test_a_sealed_session_opens_only_under_its_key_and_entry() -> None:
+    from proxy.fronts.sessions import UPSTREAM_NS, SharedUpstreamSessions
+    from proxy.store.memory import MemoryStore
+
+    store = MemoryStore()
+    shared = SharedUpstreamSessions(store, KEY)
+    alice = shared.seal("aggregate", "alice-session", "notes", "alices-upstream-session", "2025-11-25")
+    await shared.claim("aggregate", "alice-session", "notes", alice, None)
+    # Moved to another client session's entry (a reader of the store who can write it): it does
+    # not open there, so that client session never reaches alice's upstream session.
+    await store.put(UPSTREAM_NS, SharedUpstreamSessions._key("aggregate", "mallory-session", "notes"), alice)
+    moved = await shared.get("aggregate", "mallory-session", "notes")
+    assert moved is not None and moved.session_id is None
+    # Another serve's key (a replica without the shared secret) cannot open it either.
+    other = SharedUpstreamSessions(store, bytes(32))
+    found = await other.get("aggregate", "alice-session", "notes")
+    assert found is not None and found.session_id is None and found.raw == alice
+    # One flipped bit: not opened.
+    bad = bytes([alice[0] ^ 1]) + alice[1:]
+    await store.put(UPSTREAM_NS, SharedUpstreamSessions._key("aggregate", "alice-session", "notes"), bad)
+    tampered = await shared.get("aggregate", "alice-session", "notes")
+    assert tampered is not None and tampered.session_id is None
+
+
+def test_a_signer_derives_one_key_per_purpose_from_its_secret() -> None:
+    from proxy.approvals.signer import RequestStateSigner
+
+    one, same, other = RequestStateSigner(b"s" * 32), RequestStateSigner(b"s" * 32), RequestStateSigner(b"t" * 32)
+    assert one.derive(b"a") == same.derive(b"a") and len(one.derive(b"a")) == 32
+    assert one.derive(b"a") != one.derive(b"b") and one.derive(b"a") != other.derive(b"a")
