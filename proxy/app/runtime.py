@@ -391,7 +391,8 @@ class Runtime:
         if self.config.aggregate.enabled:
             aggregate = AggregateFront(context, self.aggregate_upstreams,
                                        max_sessions=self.config.aggregate.max_sessions,
-                                       max_sessions_per_principal=self.config.aggregate.max_sessions_per_principal)
+                                       max_sessions_per_principal=self.config.aggregate.max_sessions_per_principal,
+                                       seal_key=self.signer.derive(b"aggregate upstream sessions"))
             app.add_routes(aggregate.routes(guard))
             app.on_shutdown.append(aggregate.shutdown)
         return app

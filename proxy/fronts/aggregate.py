@@ -18,6 +18,12 @@ id is answered 404 "Session not found") and bounded per principal (`max_sessions
 past it the principal's own least recently used session is dropped, never another's) and in all
 (`max_sessions`: then the biggest holder's least recently used goes); a dropped or deleted
 session's upstream sessions are closed (DELETE; for a dropped one in a tracked background task).
+On a shared store (not `memory`) which upstream session a client session uses with each upstream
+is kept there too, sealed (`SharedUpstreamSessions`): the worker or replica that takes a client
+session up uses that upstream session rather than opening its own, so an upstream that keeps
+state per session sees one session per client session on any number of workers. Two workers
+opening one at once keep the first stored (the other closes its own); an upstream's 404 has the
+worker open a new one in its place, unless another worker already did.
 
 Served: `initialize`, `server/discover`, `ping`, `tools/list` (all upstreams merged, no
 pagination), `tools/call`, notifications, GET (legacy sessions: the upstreams'
@@ -63,7 +69,7 @@ from proxy.fronts.forwarded import Downstream, UpstreamRequest, UpstreamTarget
 from proxy.fronts.guard import Guard, read_body
 from proxy.fronts.headers import layered
 from proxy.fronts.jsonrpc import BadMessage, Message
-from proxy.fronts.sessions import OwnedLRU, SharedOwners
+from proxy.fronts.sessions import OwnedLRU, SharedOwners, SharedUpstreamSessions, StoredSession
 from proxy.fronts.sse import SSEParser, format_event
 from proxy.fronts.streams import StreamSlot
 from proxy.observability import tracing
@@ -95,6 +101,10 @@ class _UpstreamSession:
     auth: str | None = None
     # Whose it is (the client session's principal; None: shared by stateless clients).
     principal: str | None = None
+    # The client session it serves (None: shared by stateless clients), and what the store
+    # held for it when it was taken from there or stored (`SharedUpstreamSessions`).
+    client: str | None = None
+    stored: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -138,7 +148,7 @@ class AggregateFront:
     """aiohttp handlers for `/mcp`, on the same `FrontContext` as `/mcp/<upstream>`."""
 
     def __init__(self, context: FrontContext, upstreams: Callable[[], Sequence[str]], max_sessions: int = 1000,
-                 max_sessions_per_principal: int = 100, single: bool = False):
+                 max_sessions_per_principal: int = 100, single: bool = False, seal_key: bytes | None = None):
         self.ctx = context
         self.upstreams = upstreams  # the aggregated upstream names, in order (config or policy)
         # `/mcp/<upstream>` of one HTTP upstream: the route names the upstream, tools unprefixed.
@@ -150,9 +160,17 @@ class AggregateFront:
         # process after a restart) serves it (`_client_session`): not a per-process memory store.
         store = context.store
         self._owners = SharedOwners(store) if store is not None and store.kind != "memory" else None
+        # Which upstream session each client session uses, for the workers sharing the store;
+        # `seal_key` is the workers' shared key (None: not shared, as with a memory store).
+        self._upstream_sessions = SharedUpstreamSessions(store, seal_key) \
+            if self._owners is not None and store is not None and seal_key is not None and not single else None
         self._route = "aggregate-http" if single else "aggregate"
         self._shared: dict[str, _UpstreamSession] = {}  # stateless clients
         self._ids = 0
+        # Request ids minted here; the prefix is this process's, as the workers (and replicas)
+        # sharing one upstream session each mint theirs: an upstream answers by id, so two
+        # requests in flight with one id in one session would have one of them wait for ever.
+        self._id_prefix = f"envelope-agg-{uuid.uuid4().hex[:12]}-"
         self._warned: set[str] = set()
 
     def routes(self, guard: Guard) -> list[web.RouteDef]:
@@ -318,11 +336,30 @@ class AggregateFront:
 
     async def _close_upstreams(self, sess: _ClientSession, auth: str | None) -> None:
         """End `sess`'s upstream sessions (DELETE), with the client's `auth` when there is a
-        request of it, else the one each was opened with. Never raises."""
-        for name, us in list(sess.upstreams.items()):
-            target = self.ctx.targets(name)
-            if target is None or not us.session_id:
-                continue
+        request of it, else the one each was opened with; those another worker opened for it
+        too (from the store), whose entries go. Never raises."""
+        ending = list(sess.upstreams.items())
+        shared = self._upstream_sessions
+        if shared is not None:
+            names = list(self.upstreams())
+            try:
+                for name in names:
+                    found = await shared.get(self._route, sess.id, name)
+                    known = sess.upstreams.get(name)
+                    if found is not None and found.session_id is not None and (
+                            known is None or known.session_id != found.session_id):
+                        ending.append((name, _UpstreamSession(found.session_id, found.protocol,
+                                                              principal=sess.principal)))
+                await shared.forget(self._route, sess.id, names)
+            except StoreError as exc:  # they expire with the binding
+                log.warning("aggregate: an ended session's upstream sessions stay in the store: %s", exc)
+        for name, us in ending:
+            await self._close_upstream(name, us, auth)
+
+    async def _close_upstream(self, name: str, us: _UpstreamSession, auth: str | None) -> None:
+        """DELETE one upstream session. Never raises."""
+        target = self.ctx.targets(name)
+        if target is not None and us.session_id:
             try:
                 async with asyncio.timeout(target.connect_timeout):
                     resp = await self.ctx.forwarder.open(
@@ -381,7 +418,7 @@ class AggregateFront:
 
     def _next_id(self) -> str:
         self._ids += 1
-        return f"envelope-agg-{self._ids}"  # never collides with a client's id: we mint them all
+        return f"{self._id_prefix}{self._ids}"  # never collides with a client's id: we mint them all
 
     async def _exchange(self, target: UpstreamTarget, us: _UpstreamSession, request: web.Request,
                         payload: dict[str, Any]) -> tuple[int, str | None, dict[str, Any] | None]:
@@ -407,30 +444,83 @@ class AggregateFront:
             return resp.status, sid, None
 
     async def _ensure(self, us: _UpstreamSession, target: UpstreamTarget, request: web.Request) -> None:
+        """`us` ready for requests: the upstream session its client session uses (from the store,
+        when another worker opened it), else a new one (initialized here, then stored)."""
         async with us.lock:
             if us.ready:
                 return
             us.session_id, us.protocol = None, ""
             us.auth = request.headers.get("Authorization") if target.forward_authorization else None
-            init = {"jsonrpc": "2.0", "id": self._next_id(), "method": "initialize",
-                    "params": {"protocolVersion": UPSTREAM_REVISION, "capabilities": {},
-                               "clientInfo": SERVER_INFO}}
-            status, sid, reply = await self._exchange(target, us, request, init)
-            result = reply.get("result") if reply else None
-            if not isinstance(result, dict):
-                raise UpstreamError(f"initialize answered HTTP {status}" + (
-                    f": {reply['error'].get('message')}" if reply and isinstance(reply.get("error"), dict) else ""))
-            us.session_id = sid
-            version = result.get("protocolVersion")
-            us.protocol = version if isinstance(version, str) else UPSTREAM_REVISION
-            await self._exchange(target, us, request, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+            found = await self._stored(us, target.name)
+            if found is not None and found.session_id is not None and found.raw != us.stored:
+                # Opened by another worker (or opened again after the upstream forgot the one
+                # this worker used: then `stored` is that one's).
+                us.session_id, us.protocol, us.stored, us.ready = found.session_id, found.protocol, found.raw, True
+                return
+            await self._initialize_upstream(us, target, request)
+            if found is None or found.session_id is not None:
+                await self._store(us, target, found)
             us.ready = True
+
+    async def _stored(self, us: _UpstreamSession, name: str) -> StoredSession | None:
+        """What the store holds for `us`'s client session and upstream (None also when nothing
+        is shared: stateless clients, a memory store). A store that cannot answer refuses the
+        request (UpstreamError), as a worker cannot know which session the client's is."""
+        shared = self._upstream_sessions
+        if shared is None or us.client is None:
+            return None
+        try:
+            return await shared.get(self._route, us.client, name)
+        except StoreError as exc:
+            log.error("aggregate: the upstream session of a client session cannot be read: %s", exc)
+            raise UpstreamError("the state store cannot say which upstream session the client "
+                                f"session uses ({exc})") from exc
+
+    async def _store(self, us: _UpstreamSession, target: UpstreamTarget, found: StoredSession | None) -> None:
+        """Store `us`'s new upstream session for its client session, in place of `found` (what
+        the store held before it was opened). When another worker stored one meanwhile, that one
+        is used and this one closed (in the background); a store that cannot answer refuses the
+        request (UpstreamError) and closes this one, which no other worker would know."""
+        shared = self._upstream_sessions
+        if shared is None or us.client is None or us.session_id is None:
+            return
+        sealed = shared.seal(self._route, us.client, target.name, us.session_id, us.protocol)
+        ours = _UpstreamSession(us.session_id, us.protocol, auth=us.auth, principal=us.principal)
+        try:
+            if await shared.claim(self._route, us.client, target.name, sealed,
+                                  None if found is None else found.raw):
+                us.stored = sealed
+                return
+            other = await shared.get(self._route, us.client, target.name)
+        except StoreError as exc:
+            log.error("aggregate: the upstream session of a client session cannot be stored: %s", exc)
+            self.ctx.spawn(self._close_upstream(target.name, ours, None))
+            raise UpstreamError(f"the state store cannot keep the client session's upstream session ({exc})") from exc
+        if other is None or other.session_id is None or other.session_id == us.session_id:
+            return  # the client session ended meanwhile, or another key's: this one serves here
+        self.ctx.spawn(self._close_upstream(target.name, ours, None))
+        us.session_id, us.protocol, us.stored = other.session_id, other.protocol, other.raw
+
+    async def _initialize_upstream(self, us: _UpstreamSession, target: UpstreamTarget, request: web.Request) -> None:
+        init = {"jsonrpc": "2.0", "id": self._next_id(), "method": "initialize",
+                "params": {"protocolVersion": UPSTREAM_REVISION, "capabilities": {},
+                           "clientInfo": SERVER_INFO}}
+        status, sid, reply = await self._exchange(target, us, request, init)
+        result = reply.get("result") if reply else None
+        if not isinstance(result, dict):
+            raise UpstreamError(f"initialize answered HTTP {status}" + (
+                f": {reply['error'].get('message')}" if reply and isinstance(reply.get("error"), dict) else ""))
+        us.session_id = sid
+        version = result.get("protocolVersion")
+        us.protocol = version if isinstance(version, str) else UPSTREAM_REVISION
+        await self._exchange(target, us, request, {"jsonrpc": "2.0", "method": "notifications/initialized"})
 
     def _upstream_session(self, sess: _ClientSession | None, name: str) -> _UpstreamSession:
         table = self._shared if sess is None else sess.upstreams
         us = table.get(name)
         if us is None:
-            us = table[name] = _UpstreamSession(principal=None if sess is None else sess.principal)
+            us = table[name] = _UpstreamSession(principal=None if sess is None else sess.principal,
+                                                client=None if sess is None else sess.id)
         return us
 
     async def _request(self, sess: _ClientSession | None, target: UpstreamTarget, request: web.Request,

@@ -411,6 +411,50 @@ def test_a_stdio_session_is_served_on_every_worker(tmp_path: Path) -> None:
             assert gone.status_code == 404, gone.text
 
 
+def test_an_aggregate_session_reaches_one_child_on_every_worker(tmp_path: Path) -> None:
+    # On `/mcp` the proxy is the client's MCP server and opens the upstream session itself. Before,
+    # each worker that served a client session opened its own session with the stdio upstream, so
+    # one client session's calls reached two children (two pids); now the session the first
+    # worker opened is kept (sealed) in the store and the other worker uses it, its requests
+    # handed to the worker holding the child. A DELETE on either worker ends the child's session.
+    state = tmp_path / "child"
+    state.mkdir()
+    policies = write_doc(tmp_path / "policies", {
+        "version": 1,
+        "upstreams": {"fix": {"command": [sys.executable, str(SERVER)], "timeout": "30s",
+                              "env": {"STDIO_STATE": str(state)}}},
+        "defaults": {"unknown_tools": "deny"},
+        "tools": {"fix.pid": {"effect": "read"}, "fix.write_note": {"effect": "write"}},
+    })
+    alice = token("alice")
+    with proxy_process(tmp_path, {}, policies=policies,
+                       config={"workers": 2, "aggregate": {"enabled": True}}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)
+        url = f"{pp.base}/mcp"
+        children = []
+        for round_ in range(2):
+            opened = _session_rpc(url, alice, "initialize", {
+                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}})
+            session = opened.headers["Mcp-Session-Id"]
+            pids = {_answer(_session_rpc(url, alice, "tools/call", {"name": "fix.pid", "arguments": {}}, session))
+                    ["result"]["content"][0]["text"] for _ in range(12)}
+            assert len(pids) == 1, pids  # one child for the client session, whichever worker took each call
+            for i in range(4):  # a writer reaches that child once per call
+                assert _answer(_session_rpc(url, alice, "tools/call", {
+                    "name": "fix.write_note", "arguments": {"text": f"note {round_}.{i}"}}, session))[
+                        "result"]["isError"] is False
+            children.append(pids.pop())
+            ended = httpx.delete(url, headers={"Authorization": f"Bearer {alice}", "Mcp-Session-Id": session,
+                                               "MCP-Protocol-Version": "2025-11-25"}, timeout=10)
+            assert ended.status_code == 200, ended.text
+        assert len(set(children)) == 2
+        assert sorted((state / "notes").read_text().splitlines()) == [f"note {r}.{i}" for r in range(2) for i in range(4)]
+        logs = pp.worker_audit_records()
+        assert all(any(r["tool"] == "pid" for r in log) for log in logs)  # both workers served calls
+        assert sum(r["tool"] == "pid" for log in logs for r in log) == 24
+        assert sum(r["tool"] == "write_note" for log in logs for r in log) == 8
+
+
 async def test_an_sdk_session_with_questions_is_served_on_every_worker(tmp_path: Path) -> None:
     # The official SDK's legacy client, on a new connection per request (so either worker takes
     # each): its session's calls, the child's question (elicitation) on the call's stream, and
