@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import orjson
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from proxy.store.base import Store
 
@@ -188,8 +186,14 @@ class SharedUpstreamSessions:
     `approvals.in_band_secret_env`) share. Raises `StoreError` when the store cannot answer."""
 
     def __init__(self, store: Store, key: bytes, ttl: float = BINDING_TTL):
+        # Imported here, not with the module: the default serve path (no aggregate) starts
+        # without `cryptography` (tests/unit/app/test_startup_imports.py).
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
         self.store = store
         self._aead = AESGCM(key)
+        self._invalid: tuple[type[Exception], ...] = (InvalidTag, ValueError, TypeError)
         self.ttl = ttl
 
     @staticmethod
@@ -205,7 +209,7 @@ class SharedUpstreamSessions:
         try:
             plain = self._aead.decrypt(raw[:_NONCE], raw[_NONCE:], key.encode("utf-8", "surrogatepass"))
             session_id, protocol = orjson.loads(plain)
-        except (InvalidTag, ValueError, TypeError):
+        except self._invalid:
             return StoredSession(raw, None)
         if not isinstance(session_id, str) or not isinstance(protocol, str):
             return StoredSession(raw, None)
