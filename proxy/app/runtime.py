@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import hmac
 import logging
 import os
 import signal
@@ -111,11 +109,10 @@ class Runtime:
         # client's retry lands on any worker).
         self.signer = RequestStateSigner.from_config(config.approvals, in_band_secret)
         # The stdio endpoints of the workers of one serve: each on the socket its supervisor
-        # bound, sharing a secret (derived from theirs), so each hands the others the requests
-        # of sessions it holds (`StdioUpstreams._peer`).
+        # bound, sharing a secret (derived from the signer's, which they share), so each hands
+        # the others the requests of sessions it holds (`StdioUpstreams._peer`).
         self._stdio_siblings = None if stdio_endpoint is None or in_band_secret is None else Siblings(
-            hmac.new(in_band_secret, b"envelope-proxy stdio endpoint", hashlib.sha256).hexdigest(),
-            *stdio_endpoint)
+            self.signer.derive(b"stdio endpoint").hex(), *stdio_endpoint)
         self.services = Services(store=self.store, settings=config, metrics=self.metrics,
                                  notifier=self.approval_notifier, signer=self.signer,
                                  approvals=self.approvals)
