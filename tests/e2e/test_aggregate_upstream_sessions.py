@@ -32,8 +32,9 @@ HERE = Path(__file__).parent
 
 
 @contextlib.contextmanager
-def session_upstream() -> Iterator[str]:
-    port = free_port()
+def session_upstream(port: int | None = None) -> Iterator[str]:
+    """tests/e2e/session_server.py on `port` (a free one by default), until the block ends."""
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, str(HERE / "session_server.py"), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -148,6 +149,34 @@ def test_workers_taking_up_a_new_session_at_once_open_one_upstream_session(tmp_p
                                                "MCP-Protocol-Version": LEGACY}, timeout=10)
             assert ended.status_code == 200
             assert not _upstream_knows(upstream, counted[0][1])
+
+
+def test_after_the_upstream_forgot_the_session_every_worker_moves_to_one_new_one(tmp_path: Path) -> None:
+    # The upstream restarts (its sessions are gone): the first worker whose call is answered 404
+    # opens a new session and puts it in place of the old one in the store; the other worker,
+    # answered 404 in turn, takes that one up instead of opening its own. Each call is sent
+    # again once after the 404 (the upstream did not run it) and counted once.
+    port = free_port()
+    upstream = f"http://127.0.0.1:{port}/mcp"
+    with proxy_process(tmp_path, {"counter": upstream}, policies=_policy(tmp_path / "p"),
+                       config={"workers": 2, "aggregate": {"enabled": True}}) as pp:
+        wait_port(pp.admin_port + 1, pp.proc)
+        url = f"{pp.base}/mcp"
+        session = _initialize(url)
+
+        def calls(n: int) -> list[tuple[int, str]]:
+            answers = [_post(url, "tools/call", {"name": "counter.count", "arguments": {}}, session) for _ in range(n)]
+            return [_count(a.json()["result"]["content"][0]["text"]) for a in answers]
+
+        with session_upstream(port):
+            before = calls(8)
+        with session_upstream(port):  # a new process: it knows no session
+            after = calls(12)
+        assert [n for n, _ in before] == list(range(1, 9)) and len({s for _, s in before}) == 1, before
+        assert [n for n, _ in after] == list(range(1, 13)) and len({s for _, s in after}) == 1, after
+        assert after[0][1] != before[0][1]
+        by_worker = [[r for r in records if r["tool"] == "count"] for records in pp.worker_audit_records()]
+        assert sum(map(len, by_worker)) == 20 and all(by_worker), [len(r) for r in by_worker]
 
 
 def test_a_store_that_cannot_say_which_upstream_session_refuses_the_call(tmp_path: Path) -> None:

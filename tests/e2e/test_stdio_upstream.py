@@ -353,12 +353,9 @@ def _answer(response: httpx.Response) -> dict[str, Any]:
     return dict(json.loads(events[-1]))
 
 
-def test_a_stdio_session_is_served_on_every_worker(tmp_path: Path) -> None:
-    # A session's child is a process of the worker that started it; a request of the session on
-    # a new connection lands on either worker. Before, the other worker answered 404 (the SDK
-    # clients failed mid-session; only a start-up warning said so). Now the worker that does not
-    # hold the session hands the request to the one that does, after its own envelope: every call
-    # reaches the same child, once, with one audit record each; another principal gets 404.
+def _workers_policy(tmp_path: Path) -> tuple[Path, Path]:
+    """The fixture child as upstream `fix` (its state directory: the notes it wrote), with a
+    redaction guardrail on `echo`; (policy directory, state directory)."""
     state = tmp_path / "child"
     state.mkdir()
     policies = write_doc(tmp_path / "policies", {
@@ -369,6 +366,16 @@ def test_a_stdio_session_is_served_on_every_worker(tmp_path: Path) -> None:
         "tools": {"fix.pid": {"effect": "read"}, "fix.echo": {"effect": "read", "guardrails": [
             {"id": "aws-key", "pattern": "AKIA[0-9A-Z]{16}", "action": "redact"}]}, "fix.write_note": {"effect": "write"}},
     })
+    return policies, state
+
+
+def test_a_stdio_session_is_served_on_every_worker(tmp_path: Path) -> None:
+    # A session's child is a process of the worker that started it; a request of the session on
+    # a new connection lands on either worker. Before, the other worker answered 404 (the SDK
+    # clients failed mid-session; only a start-up warning said so). Now the worker that does not
+    # hold the session hands the request to the one that does, after its own envelope: every call
+    # reaches the same child, once, with one audit record each; another principal gets 404.
+    policies, state = _workers_policy(tmp_path)
     alice, mallory = token("alice"), token("mallory")
     with proxy_process(tmp_path, {}, policies=policies, config={"workers": 2}) as pp:
         wait_port(pp.admin_port + 1, pp.proc)  # the second worker serves too
@@ -417,15 +424,7 @@ def test_an_aggregate_session_reaches_one_child_on_every_worker(tmp_path: Path) 
     # one client session's calls reached two children (two pids); now the session the first
     # worker opened is kept (sealed) in the store and the other worker uses it, its requests
     # handed to the worker holding the child. A DELETE on either worker ends the child's session.
-    state = tmp_path / "child"
-    state.mkdir()
-    policies = write_doc(tmp_path / "policies", {
-        "version": 1,
-        "upstreams": {"fix": {"command": [sys.executable, str(SERVER)], "timeout": "30s",
-                              "env": {"STDIO_STATE": str(state)}}},
-        "defaults": {"unknown_tools": "deny"},
-        "tools": {"fix.pid": {"effect": "read"}, "fix.write_note": {"effect": "write"}},
-    })
+    policies, state = _workers_policy(tmp_path)
     alice = token("alice")
     with proxy_process(tmp_path, {}, policies=policies,
                        config={"workers": 2, "aggregate": {"enabled": True}}) as pp:
@@ -439,6 +438,11 @@ def test_an_aggregate_session_reaches_one_child_on_every_worker(tmp_path: Path) 
             pids = {_answer(_session_rpc(url, alice, "tools/call", {"name": "fix.pid", "arguments": {}}, session))
                     ["result"]["content"][0]["text"] for _ in range(12)}
             assert len(pids) == 1, pids  # one child for the client session, whichever worker took each call
+            for i in range(4):  # what the child answers, through either worker, is inspected
+                echoed = _answer(_session_rpc(url, alice, "tools/call", {
+                    "name": "fix.echo", "arguments": {"text": f"key {i} AKIAIOSFODNN7EXAMPLE"}}, session))
+                assert echoed["result"]["isError"] is False and f"key {i}" in json.dumps(echoed), echoed
+                assert "AKIAIOSFODNN7EXAMPLE" not in json.dumps(echoed), echoed
             for i in range(4):  # a writer reaches that child once per call
                 assert _answer(_session_rpc(url, alice, "tools/call", {
                     "name": "fix.write_note", "arguments": {"text": f"note {round_}.{i}"}}, session))[
@@ -453,6 +457,7 @@ def test_an_aggregate_session_reaches_one_child_on_every_worker(tmp_path: Path) 
         assert all(any(r["tool"] == "pid" for r in log) for log in logs)  # both workers served calls
         assert sum(r["tool"] == "pid" for log in logs for r in log) == 24
         assert sum(r["tool"] == "write_note" for log in logs for r in log) == 8
+        assert sum(r["tool"] == "echo" for log in logs for r in log) == 8
 
 
 async def test_an_sdk_session_with_questions_is_served_on_every_worker(tmp_path: Path) -> None:
